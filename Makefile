@@ -1,0 +1,51 @@
+# kvgate — set-up, lint and tests. Every target creates its own virtualenv on first use.
+#
+#   make test                       lint + the whole test suite
+#   make test TORCH_SPEC='torch'    use another torch build (default: the CPU build pinned below)
+#   make lint                       ruff + mypy only
+#   make bench-index                the index benchmark (printed figures, see README)
+
+PYTHON      ?= python3
+VENV        ?= .venv
+TORCH_SPEC  ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvgate-installed
+
+.PHONY: venv lint test redis-server serve bench-index clean
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# torch first, on its own, so that nothing later can pull a different (CUDA) build of it.
+$(STAMP): pyproject.toml constraints.txt | $(PY)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check gateway tiers policies tests
+	$(VENV)/bin/mypy
+
+# The tests start their own redis-server on loopback ports; install Debian's if it is missing.
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian package)"; \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+test: lint redis-server
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+serve: $(STAMP)
+	@echo "make serve arrives with the gateway issue (gRPC service and model worker); see README.md" >&2
+	@exit 2
+
+bench-index: $(STAMP)
+	$(VENV)/bin/kvgate bench index
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Where KV bytes live (device, host, disk, Redis) and how they move between those tiers."""
