@@ -9,6 +9,7 @@ block tokens as bytes of the same layout, and the model worker can view it as a 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -28,7 +29,7 @@ def as_token_ids(ids: Sequence[int] | npt.NDArray[np.integer]) -> TokenIds:
     """
     if isinstance(ids, np.ndarray) and ids.dtype == TOKEN_DTYPE and ids.ndim == 1:
         if not ids.flags.writeable:
-            return ids
+            return cast(TokenIds, ids)
         out = ids.copy()
     else:
         wide = np.asarray(ids, dtype=np.int64)
@@ -38,7 +39,12 @@ def as_token_ids(ids: Sequence[int] | npt.NDArray[np.integer]) -> TokenIds:
             raise ValueError("token ids must be integers in [0, 2**32)")
         out = wide.astype(TOKEN_DTYPE)
     out.flags.writeable = False
-    return out
+    return cast(TokenIds, out)
+
+
+def token_view(ids: TokenIds) -> memoryview:
+    """A zero-copy byte view of ``ids`` (little-endian uint32s)."""
+    return memoryview(ids.data).cast("B")
 
 
 def token_bytes(ids: TokenIds) -> bytes:
