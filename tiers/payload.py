@@ -1,0 +1,79 @@
+"""One block's KV payload and the model layout it must match.
+
+A block payload is the K and V tensors of every attention layer for ``block_tokens`` tokens,
+each shaped ``[kv_heads, block_tokens, head_dim]``. Payloads held by a tier are shared by every
+request that reads the block, so they are treated as read-only: a request copies them into its
+own buffers (``gateway.kv_sequence``) and never writes through them.
+
+Shapes and sizes are always checked against a ``KVLayout`` taken from the model's config, never
+trusted from stored headers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class PayloadError(ValueError):
+    """A payload does not match the layout it is declared for."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVLayout:
+    """The shape of a model's KV cache: what every stored block is checked against."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def bytes_per_token(self) -> int:
+        """K and V bytes one token adds across all layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
+
+    def block_nbytes(self, block_tokens: int) -> int:
+        return self.bytes_per_token * block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlock:
+    """K and V of every layer for one block (shared, read-only by convention)."""
+
+    keys: tuple[torch.Tensor, ...]
+    values: tuple[torch.Tensor, ...]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.keys[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+    def check(self, layout: KVLayout, block_tokens: int) -> None:
+        """Raise PayloadError unless every tensor has the layout's shape and dtype."""
+        if len(self.keys) != layout.num_layers or len(self.values) != layout.num_layers:
+            raise PayloadError(
+                f"payload has {len(self.keys)}/{len(self.values)} K/V layers, "
+                f"the model has {layout.num_layers}"
+            )
+        want = (layout.kv_heads, block_tokens, layout.head_dim)
+        for i, tensor in enumerate((*self.keys, *self.values)):
+            if tuple(tensor.shape) != want or tensor.dtype != layout.dtype:
+                raise PayloadError(
+                    f"tensor {i} is {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"expected {want} {layout.dtype}"
+                )
