@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 
 from gateway.errors import IndexInvariantError
 from gateway.fingerprint import BlockFingerprinter, Namespace
@@ -366,8 +367,8 @@ class PrefixCache:
             try:
                 result = slot.policy.admit(
                     entry,
-                    can_evict=lambda key, s=slot: self._can_evict(key, s),
-                    remove=lambda key, s=slot: self._remove_from_tier(key, s, "capacity"),
+                    can_evict=partial(self._can_evict, slot=slot),
+                    remove=partial(self._remove_from_tier, slot=slot, reason="capacity"),
                 )
             except InsertRefused as exc:
                 refusal = str(exc)
@@ -436,8 +437,8 @@ class PrefixCache:
         removed = 0
         for slot in self._tiers:
             result = slot.policy.sweep_expired(
-                can_evict=lambda key, s=slot: self._can_evict(key, s),
-                remove=lambda key, s=slot: self._remove_from_tier(key, s, "ttl"),
+                can_evict=partial(self._can_evict, slot=slot),
+                remove=partial(self._remove_from_tier, slot=slot, reason="ttl"),
             )
             removed += len(result.victims)
         return removed

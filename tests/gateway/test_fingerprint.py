@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -29,8 +31,8 @@ def spec(**overrides: object) -> NamespaceSpec:
     return NamespaceSpec(**fields)  # type: ignore[arg-type]
 
 
-def keys_for(tokens: list[int], block_tokens: int = 4, **overrides: object) -> list[bytes]:
-    fp = BlockFingerprinter(derive_namespace(spec(**overrides)), block_tokens)
+def keys_for(tokens: list[int], **overrides: Any) -> list[bytes]:
+    fp = BlockFingerprinter(derive_namespace(spec(**overrides)), 4)
     return list(fp.block_keys(as_token_ids(tokens)))
 
 
