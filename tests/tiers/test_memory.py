@@ -1,0 +1,162 @@
+"""Device and host tiers: bit-identical round trips, pooled slots, counters."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policies.base import BlockKey
+from tiers.base import BlockMeta, BlockStore
+from tiers.memory import DeviceStore, HostStore, SlabPool
+from tiers.payload import KVBlock, KVLayout
+
+LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=8, dtype=torch.float32)
+BLOCK_TOKENS = 4
+
+
+def make_block(seed: int, layout: KVLayout = LAYOUT) -> KVBlock:
+    g = torch.Generator().manual_seed(seed)
+    shape = (layout.kv_heads, BLOCK_TOKENS, layout.head_dim)
+
+    def tensors() -> tuple[torch.Tensor, ...]:
+        return tuple(
+            torch.randn(shape, generator=g).to(layout.dtype) for _ in range(layout.num_layers)
+        )
+
+    return KVBlock(keys=tensors(), values=tensors())
+
+
+def make_meta(i: int) -> BlockMeta:
+    return BlockMeta(
+        key=BlockKey(i.to_bytes(16, "little")),
+        parent_key=BlockKey(bytes(16)),
+        namespace_digest=b"n" * 32,
+        owner="alice",
+        tokens=bytes(4 * BLOCK_TOKENS),
+    )
+
+
+def identical(a: KVBlock, b: KVBlock) -> bool:
+    return all(
+        torch.equal(x, y) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values), strict=True)
+    )
+
+
+def host_store(budget_blocks: int = 8, layout: KVLayout = LAYOUT) -> HostStore:
+    return HostStore(
+        layout=layout,
+        block_tokens=BLOCK_TOKENS,
+        budget_bytes=budget_blocks * layout.block_nbytes(BLOCK_TOKENS),
+    )
+
+
+@pytest.fixture(params=["device", "host"])
+def store(request: pytest.FixtureRequest) -> BlockStore:
+    if request.param == "device":
+        return DeviceStore(device="cpu")
+    return host_store()
+
+
+def test_memory_stores_implement_the_block_store_protocol(store: BlockStore) -> None:
+    assert isinstance(store, BlockStore)
+
+
+def test_round_trip_is_bit_identical(store: BlockStore) -> None:
+    block = make_block(1)
+    store.put(make_meta(1), block)
+    got = store.get(make_meta(1))
+    assert got is not None and identical(got, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_host_round_trip_keeps_half_precision_bits(dtype: torch.dtype) -> None:
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype=dtype)
+    store = host_store(layout=layout)
+    block = make_block(2, layout)
+    store.put(make_meta(2), block)
+    got = store.get(make_meta(2))
+    assert got is not None and identical(got, block)
+    assert got.keys[0].dtype == dtype
+
+
+def test_missing_block_is_a_counted_miss(store: BlockStore) -> None:
+    assert store.get(make_meta(9)) is None
+    assert store.stats().misses == 1
+
+
+def test_delete_frees_the_block(store: BlockStore) -> None:
+    store.put(make_meta(1), make_block(1))
+    store.delete(BlockKey((1).to_bytes(16, "little")))
+    assert not store.contains(BlockKey((1).to_bytes(16, "little")))
+    assert (store.stats().num_blocks, store.stats().num_bytes) == (0, 0)
+
+
+def test_batch_calls_default_to_single_calls(store: BlockStore) -> None:
+    blocks = [make_block(i) for i in range(3)]
+    store.put_many([(make_meta(i), b) for i, b in enumerate(blocks)])
+    got = store.get_many([make_meta(i) for i in range(4)])
+    assert got[3] is None
+    assert all(g is not None and identical(g, b) for g, b in zip(got[:3], blocks, strict=True))
+
+
+def test_device_store_keeps_blocks_already_on_its_device_without_copying() -> None:
+    store = DeviceStore(device="cpu")
+    block = make_block(3)
+    store.put(make_meta(3), block)
+    got = store.get(make_meta(3))
+    assert got is not None and got.keys[0].data_ptr() == block.keys[0].data_ptr()
+
+
+def test_host_store_copies_blocks_into_its_own_slots() -> None:
+    store = host_store()
+    block = make_block(4)
+    store.put(make_meta(4), block)
+    block.keys[0].fill_(0.0)  # the caller's tensors are not the stored ones
+    got = store.get(make_meta(4))
+    assert got is not None and not torch.all(got.keys[0] == 0.0)
+
+
+def test_host_store_reuses_freed_slots_instead_of_allocating() -> None:
+    store = host_store(budget_blocks=2)
+    for i in range(10):
+        store.put(make_meta(i), make_block(i))
+        store.delete(make_meta(i).key)
+    assert store.stats().notes["pool_bytes"] == 2 * LAYOUT.block_nbytes(BLOCK_TOKENS)
+
+
+def test_host_store_drops_puts_beyond_its_pool_and_counts_them() -> None:
+    store = host_store(budget_blocks=2)
+    for i in range(3):
+        store.put(make_meta(i), make_block(i))
+    assert store.stats().num_blocks == 2
+    assert store.stats().notes["dropped_pool_full"] == 1
+
+
+def test_slab_pool_carves_slots_from_slabs() -> None:
+    pool = SlabPool(slot_bytes=100, max_slots=5, slab_bytes=250)
+    slots = [pool.take() for _ in range(6)]
+    assert slots[-1] is None
+    assert pool.num_allocated_bytes == 500
+    assert all(s is not None and s.numel() == 100 for s in slots[:5])
+
+
+def test_host_store_is_not_pinned_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: pinned by default")
+    assert not host_store().is_pinned
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_pinned_host_to_device_round_trip() -> None:
+    host = host_store()
+    assert host.is_pinned
+    block = make_block(5)
+    host.put(make_meta(5), block)
+    got = host.get(make_meta(5))
+    assert got is not None and got.keys[0].is_pinned()
+    device = DeviceStore()
+    device.put(make_meta(5), got)
+    on_gpu = device.get(make_meta(5))
+    assert on_gpu is not None and on_gpu.keys[0].is_cuda
+    assert torch.equal(on_gpu.keys[0].cpu(), block.keys[0])

@@ -1,0 +1,138 @@
+"""The seam every KV tier plugs into, and the errors of the ``tiers`` package.
+
+A *block store* holds block payloads (``tiers.payload.KVBlock``) by key: device memory, host
+memory, files on a local disk, or a Redis shared by replicas. Stores only keep bytes; which
+blocks to keep, promote or demote is decided above them (``policies`` decide victims, the prefix
+cache keeps the index). A new tier is one new file implementing ``BlockStore`` plus one registry
+line.
+
+Every store treats a failure to produce a block exactly as its absence: ``get`` returns None
+(a miss), counts the reason, and the caller recomputes. Only bugs raise.
+
+Errors::
+
+    TierError                 root of every error raised on purpose by ``tiers``
+     ├── CodecError           stored bytes that do not decode and verify as the expected block
+     └── TierConfigError      a store cannot be set up as configured (bad path, bad URL, ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from policies.base import BlockKey
+from tiers.payload import KVBlock
+
+
+class TierError(Exception):
+    """Root of every error raised on purpose by ``tiers``."""
+
+
+class CodecError(TierError):
+    """Bytes that are not a valid, authentic encoding of the expected block.
+
+    Raised for truncation, corruption, another format version, a bad MAC, a header that
+    disagrees with the expected key / namespace / tokens / parent, or shapes that do not match
+    the model's KV layout. ``reason`` is a short stable word for counters ("truncated",
+    "magic", "version", "mac", "checksum", "key", "namespace", "tokens", "parent", "shape",
+    "codec", "size").
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class TierConfigError(TierError):
+    """A store cannot be set up as configured; the message says what to change."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockMeta:
+    """What identifies one block, stored beside its payload and checked on every load.
+
+    Attributes:
+        key: the block's chained key.
+        parent_key: the previous block's key (the root parent for block 0).
+        namespace_digest: digest of the namespace the key was computed in.
+        owner: who is charged for it (tenant id, or "shared"); restored after a restart.
+        tokens: the block's token ids, little-endian uint32 bytes.
+    """
+
+    key: BlockKey
+    parent_key: BlockKey
+    namespace_digest: bytes = field(repr=False)
+    owner: str
+    tokens: bytes = field(repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens) // 4
+
+
+@dataclass(slots=True)
+class StoreStats:
+    """Counters of one store (plain data, for the admin API and metrics)."""
+
+    name: str
+    num_blocks: int = 0
+    num_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    deletes: int = 0
+    errors: int = 0
+    verification_failures: dict[str, int] = field(default_factory=dict)
+    is_available: bool = True
+    notes: dict[str, int | float | str] = field(default_factory=dict)
+
+    def count_failure(self, reason: str) -> None:
+        self.verification_failures[reason] = self.verification_failures.get(reason, 0) + 1
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """Keeps block payloads by key; knows nothing of policies or the index.
+
+    Contract:
+      * ``put`` stores (or queues) the block. Blocks are read-only once computed: the caller
+        never writes into a block's tensors after handing it over, so a store may keep them as
+        they are (the device tier does) or copy them. A store that cannot take a block (disk
+        full, Redis down) drops it and counts why.
+      * ``get`` returns the block only if it is present and verifies against ``meta``
+        (tokens, parent, namespace, checksum, MAC where bytes leave the process); otherwise None,
+        counting the reason. A block that failed verification is deleted.
+      * ``get_many``/``put_many`` exist so that remote stores can batch (one round trip for a
+        chain); the defaults in ``BatchDefaults`` loop over the single calls.
+    """
+
+    name: str
+
+    def put(self, meta: BlockMeta, block: KVBlock) -> None: ...
+
+    def get(self, meta: BlockMeta) -> KVBlock | None: ...
+
+    def delete(self, key: BlockKey) -> None: ...
+
+    def contains(self, key: BlockKey) -> bool: ...
+
+    def get_many(self, metas: Sequence[BlockMeta]) -> list[KVBlock | None]: ...
+
+    def put_many(self, items: Sequence[tuple[BlockMeta, KVBlock]]) -> None: ...
+
+    def stats(self) -> StoreStats: ...
+
+    def close(self) -> None: ...
+
+
+class BatchDefaults:
+    """Mixin: batch calls that loop over the single-item ones (override to do better)."""
+
+    def get_many(self: BlockStore, metas: Sequence[BlockMeta]) -> list[KVBlock | None]:
+        return [self.get(meta) for meta in metas]
+
+    def put_many(self: BlockStore, items: Sequence[tuple[BlockMeta, KVBlock]]) -> None:
+        for meta, block in items:
+            self.put(meta, block)

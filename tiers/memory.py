@@ -1,0 +1,276 @@
+"""Memory tiers: the device tier (where the model runs) and the host tier (CPU memory).
+
+Device tier: payloads as torch tensors on the model's device (CUDA when present, else CPU),
+ready to be copied into a request's buffers. It stores the tensors it is given when they are
+already on its device (blocks handed to a store are never written again, see ``BlockStore``),
+so inserting a freshly computed block costs no copy.
+
+Host tier: CPU memory, carved out of a slab pool. With CUDA present the slabs are pinned (page-
+locked) so device <-> host copies run asynchronously at full bandwidth; pinning is expensive per
+allocation, so the pool allocates large slabs once and reuses fixed-size slots, never one
+pinned allocation per block. Without CUDA the same pool still saves allocator churn.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from policies.base import BlockKey
+from tiers.base import BatchDefaults, BlockMeta, StoreStats, TierConfigError
+from tiers.payload import KVBlock, KVLayout
+
+
+def default_device() -> torch.device:
+    """CUDA when torch sees a GPU, else the CPU."""
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+class DeviceStore(BatchDefaults):
+    """Block payloads as tensors on one device."""
+
+    def __init__(self, *, device: torch.device | str | None = None, name: str = "device") -> None:
+        self.name = name
+        self.device = torch.device(device) if device is not None else default_device()
+        self._blocks: dict[BlockKey, KVBlock] = {}
+        self._lock = threading.Lock()
+        self._stats = StoreStats(name=name)
+
+    def put(self, meta: BlockMeta, block: KVBlock) -> None:
+        on_device = block if _is_on(block, self.device) else _copy_to(block, self.device)
+        with self._lock:
+            previous = self._blocks.get(meta.key)
+            self._blocks[meta.key] = on_device
+            if previous is None:
+                self._stats.num_blocks += 1
+                self._stats.num_bytes += on_device.nbytes
+            self._stats.puts += 1
+
+    def get(self, meta: BlockMeta) -> KVBlock | None:
+        with self._lock:
+            block = self._blocks.get(meta.key)
+            if block is None:
+                self._stats.misses += 1
+            else:
+                self._stats.hits += 1
+            return block
+
+    def delete(self, key: BlockKey) -> None:
+        with self._lock:
+            block = self._blocks.pop(key, None)
+            if block is not None:
+                self._stats.num_blocks -= 1
+                self._stats.num_bytes -= block.nbytes
+                self._stats.deletes += 1
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return _copy_stats(self._stats)
+
+    def close(self) -> None:
+        with self._lock:
+            self._blocks.clear()
+            self._stats.num_blocks = self._stats.num_bytes = 0
+
+
+class SlabPool:
+    """Fixed-size slots carved from large slabs allocated once (pinned when CUDA is present).
+
+    Args:
+        slot_bytes: bytes of one slot (one block's payload).
+        max_slots: the most slots the pool may hold (its byte budget / slot_bytes).
+        slab_bytes: bytes allocated at a time; slots never straddle slabs.
+        pin: page-lock the slabs (only meaningful with CUDA).
+    """
+
+    def __init__(self, *, slot_bytes: int, max_slots: int, slab_bytes: int = 64 << 20,
+                 pin: bool = False) -> None:
+        if slot_bytes < 1 or max_slots < 0:
+            raise TierConfigError("slot_bytes must be >= 1 and max_slots >= 0")
+        self.slot_bytes = slot_bytes
+        self.max_slots = max_slots
+        self.slots_per_slab = max(1, slab_bytes // slot_bytes)
+        self.pin = pin
+        self._slabs: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []
+        self._num_slots = 0
+
+    @property
+    def num_allocated_bytes(self) -> int:
+        return sum(s.numel() for s in self._slabs)
+
+    def take(self) -> torch.Tensor | None:
+        """A free slot (flat uint8 tensor), or None when the pool is at ``max_slots``."""
+        if not self._free:
+            self._grow()
+        return self._free.pop() if self._free else None
+
+    def give_back(self, slot: torch.Tensor) -> None:
+        self._free.append(slot)
+
+    def _grow(self) -> None:
+        count = min(self.slots_per_slab, self.max_slots - self._num_slots)
+        if count <= 0:
+            return
+        slab = torch.empty(count * self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
+        self._slabs.append(slab)
+        self._free.extend(slab.narrow(0, i * self.slot_bytes, self.slot_bytes)
+                          for i in range(count))
+        self._num_slots += count
+
+
+class HostStore(BatchDefaults):
+    """Block payloads in CPU memory, in slots of a slab pool.
+
+    Args:
+        layout: the model's KV layout (every block has the same size).
+        block_tokens: tokens per block.
+        budget_bytes: the most payload bytes held.
+        pin: use pinned memory; default: whether CUDA is available.
+    """
+
+    def __init__(
+        self,
+        *,
+        layout: KVLayout,
+        block_tokens: int,
+        budget_bytes: int,
+        pin: bool | None = None,
+        name: str = "host",
+    ) -> None:
+        self.name = name
+        self.layout = layout
+        self.block_tokens = block_tokens
+        self._layer_elems = layout.kv_heads * block_tokens * layout.head_dim
+        itemsize = torch.empty((), dtype=layout.dtype).element_size()
+        self._slot_bytes = 2 * layout.num_layers * self._layer_elems * itemsize
+        self.is_pinned = torch.cuda.is_available() if pin is None else pin
+        self._pool = SlabPool(
+            slot_bytes=self._slot_bytes,
+            max_slots=budget_bytes // self._slot_bytes,
+            pin=self.is_pinned,
+        )
+        self._blocks: dict[BlockKey, tuple[torch.Tensor, KVBlock]] = {}
+        self._lock = threading.Lock()
+        self._stats = StoreStats(name=name)
+
+    def _views(self, slot: torch.Tensor) -> KVBlock:
+        typed = slot.view(self.layout.dtype)
+        shape = (self.layout.kv_heads, self.block_tokens, self.layout.head_dim)
+        n = self._layer_elems
+        parts = [typed.narrow(0, i * n, n) for i in range(2 * self.layout.num_layers)]
+        return KVBlock(
+            keys=tuple(p.view(shape) for p in parts[0::2]),
+            values=tuple(p.view(shape) for p in parts[1::2]),
+        )
+
+    def put(self, meta: BlockMeta, block: KVBlock) -> None:
+        with self._lock:
+            if meta.key in self._blocks:
+                self._stats.puts += 1
+                return
+            slot = self._pool.take()
+            if slot is None:
+                self._stats.errors += 1
+                dropped = int(self._stats.notes.get("dropped_pool_full", 0))
+                self._stats.notes["dropped_pool_full"] = dropped + 1
+                return
+        # The copy runs outside the lock; the block becomes readable only once it is complete.
+        views = self._views(slot)
+        with _copy_stream(self.is_pinned):
+            for dst, src in zip(
+                (*views.keys, *views.values), (*block.keys, *block.values), strict=True
+            ):
+                dst.copy_(src, non_blocking=self.is_pinned)
+        with self._lock:
+            if meta.key in self._blocks:  # a concurrent put of the same block won
+                self._pool.give_back(slot)
+            else:
+                self._blocks[meta.key] = (slot, views)
+                self._stats.num_blocks += 1
+                self._stats.num_bytes += self._slot_bytes
+            self._stats.puts += 1
+
+    def get(self, meta: BlockMeta) -> KVBlock | None:
+        with self._lock:
+            entry = self._blocks.get(meta.key)
+            if entry is None:
+                self._stats.misses += 1
+                return None
+            self._stats.hits += 1
+            return entry[1]
+
+    def delete(self, key: BlockKey) -> None:
+        with self._lock:
+            entry = self._blocks.pop(key, None)
+            if entry is not None:
+                self._pool.give_back(entry[0])
+                self._stats.num_blocks -= 1
+                self._stats.num_bytes -= self._slot_bytes
+                self._stats.deletes += 1
+
+    def contains(self, key: BlockKey) -> bool:
+        with self._lock:
+            return key in self._blocks
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            stats = _copy_stats(self._stats)
+            stats.notes["pool_bytes"] = self._pool.num_allocated_bytes
+            stats.notes["pinned"] = int(self.is_pinned)
+            return stats
+
+    def close(self) -> None:
+        with self._lock:
+            for slot, _ in self._blocks.values():
+                self._pool.give_back(slot)
+            self._blocks.clear()
+            self._stats.num_blocks = self._stats.num_bytes = 0
+
+
+@contextmanager
+def _copy_stream(is_pinned: bool) -> Iterator[None]:
+    """Copies into pinned memory are asynchronous: wait for them before the block is read."""
+    try:
+        yield
+    finally:
+        if is_pinned and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()
+
+
+def _is_on(block: KVBlock, device: torch.device) -> bool:
+    tensor = block.keys[0]
+    return tensor.device.type == device.type and (
+        device.index is None or tensor.device.index == device.index
+    )
+
+
+def _copy_to(block: KVBlock, device: torch.device) -> KVBlock:
+    non_blocking = block.keys[0].is_pinned() if block.keys[0].device.type == "cpu" else False
+    return KVBlock(
+        keys=tuple(k.to(device, non_blocking=non_blocking, copy=True) for k in block.keys),
+        values=tuple(v.to(device, non_blocking=non_blocking, copy=True) for v in block.values),
+    )
+
+
+def _copy_stats(stats: StoreStats) -> StoreStats:
+    return StoreStats(
+        name=stats.name,
+        num_blocks=stats.num_blocks,
+        num_bytes=stats.num_bytes,
+        hits=stats.hits,
+        misses=stats.misses,
+        puts=stats.puts,
+        deletes=stats.deletes,
+        errors=stats.errors,
+        verification_failures=dict(stats.verification_failures),
+        is_available=stats.is_available,
+        notes=dict(stats.notes),
+    )
