@@ -1,16 +1,20 @@
 """The prefix cache: the radix index, each tier's policy and the reference counts, kept in step.
 
-This is the one object the request path talks to for cache *metadata*: which blocks of a prompt
-are cached and where, which of them a running request is reading (so nothing evicts them), and
-which new blocks to admit into a tier and what to evict for them. Bytes themselves move in
-``tiers``; this module decides, the tiers carry out.
+This is the one object the request path talks to: which blocks of a prompt are cached and
+where, which of them a running request is reading (so nothing evicts them), which new blocks to
+admit into a tier and what to evict for them, and -- when a ``TierHierarchy`` carries the bytes
+-- loading a matched prefix (promoting it to the fastest tier), demoting what a tier evicts to
+the tier below, and extending a local match with blocks another replica left in Redis. This
+module decides; ``tiers`` carries the bytes.
 
 Rules it keeps (the invariants the property tests check):
   * a block is in the index exactly while at least one tier holds it;
   * a block with references (``refcount > 0``) or pinned is never evicted;
   * a block leaves a tier only when none of its children is held in that tier, and leaves the
-    cache altogether only when it has no children at all: a child is never left without its
-    parent, because a block is only usable with all its ancestors;
+    last tier only when it has no children at all: a block is only usable with all its
+    ancestors. (If a demotion fails, a block with children stays in the index as a *ghost*,
+    held by no tier; lookups stop at it and it leaves with its last descendant.)
+  * a load that does not verify is a miss: the copy is dropped and the prefix is cut there;
   * an expired block (sliding TTL) is never returned by a lookup, and sweeping removes it;
   * all of it under one lock, so request threads, the sweeper and admin calls can mix.
 
@@ -21,17 +25,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
 from gateway.errors import IndexInvariantError
-from gateway.fingerprint import BlockFingerprinter, Namespace
+from gateway.fingerprint import BlockFingerprinter, Namespace, Scope
 from gateway.radix_index import BlockRecord, BlockSpec, RadixIndex
 from gateway.tokens import BYTES_PER_TOKEN, TokenIds, token_view
 from policies.base import BlockKey, InsertRefused, PolicyEntry
 from policies.stack import EvictionResult, TierPolicy
+from tiers.base import BlockMeta
+from tiers.hierarchy import REMOTE, TierHierarchy
+from tiers.payload import KVBlock
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -88,11 +95,17 @@ class TierCounters:
     hits: int = 0
     inserts: int = 0
     refused: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    load_failures: int = 0
+    recomputed_instead: int = 0
     evictions: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierStats:
+    """One tier's figures as the prefix cache sees them (blocks, bytes, decisions)."""
+
     name: str
     num_blocks: int
     used_bytes: int
@@ -100,6 +113,10 @@ class TierStats:
     hits: int
     inserts: int
     refused: int
+    promotions: int
+    demotions: int
+    load_failures: int
+    recomputed_instead: int
     evictions: dict[str, int]
 
 
@@ -108,6 +125,7 @@ class CacheStats:
     num_blocks: int
     num_namespaces: int
     num_token_mismatches: int
+    num_remote_hits: int
     tiers: tuple[TierStats, ...]
 
 
@@ -143,12 +161,15 @@ class Lease:
 
 
 class PrefixCache:
-    """Radix index + tier policies + reference counts behind one lock.
+    """Radix index + tier policies + reference counts behind one lock, and the bytes' moves.
 
     Args:
-        tiers: the tiers, fastest first. Without byte movement (``tiers`` package) a block that
-            leaves a tier is simply dropped from it.
+        tiers: the local tiers, fastest first, each with its policy.
         block_tokens: tokens per block.
+        hierarchy: the stores carrying the bytes, with the same tier names in the same order;
+            None keeps metadata only (a block that leaves a tier is simply dropped from it).
+        remote_write: write every newly inserted chain through to the remote (Redis) store.
+        promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
         clock: time source (seconds); injected so that TTL tests need no sleeping.
         key_bytes: block key size; only tests shrink it, to force collisions.
     """
@@ -158,6 +179,9 @@ class PrefixCache:
         *,
         tiers: Sequence[TierSlot],
         block_tokens: int,
+        hierarchy: TierHierarchy | None = None,
+        remote_write: bool = False,
+        promote_on_hit: bool = True,
         clock: Callable[[], float] = time.monotonic,
         key_bytes: int = 16,
     ) -> None:
@@ -166,6 +190,8 @@ class PrefixCache:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
+        if hierarchy is not None and tuple(names) != hierarchy.names:
+            raise ValueError(f"tiers {names} do not match the hierarchy's {hierarchy.names}")
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
         self._tiers = list(tiers)
@@ -173,12 +199,20 @@ class PrefixCache:
         self._counters = {t.name: TierCounters() for t in tiers}
         self.block_tokens = block_tokens
         self._block_bytes = block_tokens * BYTES_PER_TOKEN
+        self._hierarchy = hierarchy
+        self._remote_write = remote_write and hierarchy is not None and hierarchy.remote is not None
+        self._promote_on_hit = promote_on_hit
         self._clock = clock
         self._key_bytes = key_bytes
         self._index = RadixIndex()
         self._lock = threading.RLock()
         self._fingerprinters: dict[bytes, BlockFingerprinter] = {}
         self._num_token_mismatches = 0
+        self._num_remote_hits = 0
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        return tuple(t.name for t in self._tiers)
 
     # ---- reading ------------------------------------------------------------------------
 
@@ -191,7 +225,7 @@ class PrefixCache:
             return fp
 
     def lookup(self, namespace: Namespace, tokens: TokenIds) -> PrefixMatch:
-        """How much of ``tokens`` is cached in ``namespace``; changes nothing."""
+        """How much of ``tokens`` is cached locally in ``namespace``; changes nothing."""
         keys = self.fingerprinter(namespace).block_keys(tokens)
         with self._lock:
             match, _, _ = self._match(namespace, tokens, keys)
@@ -208,29 +242,54 @@ class PrefixCache:
         records: list[BlockRecord] = []
         met_expired = False
         for record in result.records:
+            if record.tier_mask == 0:
+                break  # a ghost: its bytes are gone, only its descendants keep it in the trie
             if record.is_expired(now):
                 met_expired = True
                 break
             records.append(record)
         self._num_token_mismatches += result.num_token_mismatches
-        tiers = tuple(self._fastest_tier(r) for r in records)
+        match = self._make_match(
+            records, tuple(self._fastest_tier(r) for r in records), len(keys),
+            result.num_token_mismatches,
+        )
+        return match, records, met_expired
+
+    def _make_match(
+        self,
+        records: Sequence[BlockRecord],
+        tiers: tuple[str, ...],
+        num_prompt_blocks: int,
+        num_token_mismatches: int = 0,
+    ) -> PrefixMatch:
         num_blocks = len(records)
-        match = PrefixMatch(
+        return PrefixMatch(
             num_blocks=num_blocks,
             num_tokens=num_blocks * self.block_tokens,
             keys=tuple(r.key for r in records),
             tiers=tiers,
-            num_prompt_blocks=len(keys),
-            diverges_at_block=None if num_blocks == len(keys) else num_blocks,
-            num_token_mismatches=result.num_token_mismatches,
+            num_prompt_blocks=num_prompt_blocks,
+            diverges_at_block=None if num_blocks == num_prompt_blocks else num_blocks,
+            num_token_mismatches=num_token_mismatches,
         )
-        return match, records, met_expired
 
     def _fastest_tier(self, record: BlockRecord) -> str:
         for tier in self._tiers:
             if record.tier_mask & self._bit_of[tier.name]:
                 return tier.name
         raise IndexInvariantError("a block in the index is held by no tier")
+
+    def _meta(self, record: BlockRecord) -> BlockMeta:
+        parent = record.parent
+        namespace = record.namespace
+        return BlockMeta(
+            key=record.key,
+            parent_key=parent.key if parent is not None else self.fingerprinter(
+                namespace).root_parent,
+            namespace_digest=namespace.digest,
+            owner=namespace.scope.owner,
+            tokens=record.tokens,
+        )
 
     # ---- leases -------------------------------------------------------------------------
 
@@ -276,6 +335,7 @@ class PrefixCache:
                 if record.refcount <= 0:
                     raise IndexInvariantError("refcount would go below zero")
                 record.refcount -= 1
+            self._drop_unheld(reversed(lease._records))
 
     # ---- writing ------------------------------------------------------------------------
 
@@ -284,7 +344,8 @@ class PrefixCache:
         lease: Lease,
         *,
         tier: str,
-        block_bytes: Sequence[int] | int,
+        blocks: Sequence[KVBlock] | None = None,
+        block_bytes: int | None = None,
         ttl_s: float | None = None,
         num_blocks: int | None = None,
     ) -> InsertResult:
@@ -293,7 +354,9 @@ class PrefixCache:
         Args:
             lease: the request's lease (its matched prefix is the parent of what is inserted).
             tier: where the blocks go.
-            block_bytes: payload size of each new block (one int for all).
+            blocks: the payloads of the blocks after the matched prefix, in order (required when
+                a hierarchy carries bytes); their sizes are what the policies charge.
+            block_bytes: the size of each new block, when no payloads are given.
             ttl_s: sliding TTL of the new blocks; None for no expiry.
             num_blocks: insert only the prompt's first ``num_blocks`` full blocks.
 
@@ -302,12 +365,15 @@ class PrefixCache:
         """
         if lease.is_released:
             raise IndexInvariantError("insert through a released lease")
-        bit = self._bit_of.get(tier)
-        if bit is None:
-            raise ValueError(f"unknown tier {tier!r}; tiers are {list(self._bit_of)}")
-        slot = self._tiers[bit.bit_length() - 1]
-        end = len(lease.keys) if num_blocks is None else min(num_blocks, len(lease.keys))
+        slot = self._slot(tier)
         start = lease.match.num_blocks
+        end = len(lease.keys) if num_blocks is None else min(num_blocks, len(lease.keys))
+        if blocks is not None:
+            end = min(end, start + len(blocks))
+        elif self._hierarchy is not None:
+            raise ValueError("blocks are required when the cache carries bytes")
+        elif block_bytes is None:
+            raise ValueError("give either blocks or block_bytes")
         if end <= start:
             return InsertResult(
                 num_new_blocks=0, num_existing_blocks=0, num_refused_blocks=0,
@@ -318,7 +384,7 @@ class PrefixCache:
             BlockSpec(
                 key=lease.keys[i],
                 tokens=fp.block_token_bytes(lease.tokens, i),
-                num_bytes=block_bytes if isinstance(block_bytes, int) else block_bytes[i - start],
+                num_bytes=blocks[i - start].nbytes if blocks is not None else int(block_bytes or 0),
             )
             for i in range(start, end)
         ]
@@ -332,25 +398,30 @@ class PrefixCache:
             for record in chain:
                 record.refcount += 1
             try:
-                return self._admit_chain(chain, len(specs), slot, bit)
+                result, stored = self._admit_chain(chain, len(specs), slot, blocks)
             finally:
                 for record in chain:
-                    if record.key in self._index:
-                        record.refcount -= 1
+                    record.refcount -= 1
+                self._drop_unheld(reversed(chain))
+        if self._remote_write and stored and self._hierarchy is not None:
+            self._hierarchy.write_remote(stored)
+        return result
 
     def _admit_chain(
         self,
         chain: list[BlockRecord],
         num_wanted: int,
         slot: TierSlot,
-        bit: int,
-    ) -> InsertResult:
+        blocks: Sequence[KVBlock] | None,
+    ) -> tuple[InsertResult, list[tuple[BlockMeta, KVBlock]]]:
         counters = self._counters[slot.name]
+        bit = self._bit_of[slot.name]
         num_new = num_existing = num_evicted = 0
         refusal: str | None = None
         admitted = 0
+        stored: list[tuple[BlockMeta, KVBlock]] = []
         now = self._clock()
-        for record in chain:
+        for i, record in enumerate(chain):
             if record.tier_mask:
                 # Computed again by this request: it is live, whatever its TTL said.
                 self._touch(record, now)
@@ -358,40 +429,60 @@ class PrefixCache:
                 num_existing += 1
                 admitted += 1
                 continue
-            entry = PolicyEntry(
-                key=record.key,
-                tenant=record.namespace.scope.owner,
-                num_bytes=record.num_bytes,
-                ttl_s=record.ttl_s,
-            )
             try:
-                result = slot.policy.admit(
-                    entry,
-                    can_evict=partial(self._can_evict, slot=slot),
-                    remove=partial(self._remove_from_tier, slot=slot, reason="capacity"),
-                )
+                num_evicted += self._admit(record, slot)
             except InsertRefused as exc:
                 refusal = str(exc)
                 break
-            num_evicted += len(result.victims)
+            if blocks is not None and self._hierarchy is not None:
+                meta = self._meta(record)
+                self._hierarchy.write(slot.name, meta, blocks[i])
+                stored.append((meta, blocks[i]))
             record.tier_mask |= bit
             num_new += 1
             admitted += 1
         counters.inserts += num_new
-        # Whatever was not admitted and is held nowhere leaves the index, leaves first.
-        for record in reversed(chain[admitted:]):
-            if record.tier_mask == 0:
-                record.refcount -= 1
-                self._index.remove(record)
         num_refused = num_wanted - admitted
         counters.refused += num_refused
-        return InsertResult(
+        result = InsertResult(
             num_new_blocks=num_new,
             num_existing_blocks=num_existing,
             num_refused_blocks=num_refused,
             num_evicted_blocks=num_evicted,
             refusal=refusal if num_refused else None,
         )
+        return result, stored
+
+    def _admit(self, record: BlockRecord, slot: TierSlot) -> int:
+        """Make room for ``record`` in ``slot``'s policy and record it there; victims count."""
+        entry = PolicyEntry(
+            key=record.key,
+            tenant=record.namespace.scope.owner,
+            num_bytes=record.num_bytes,
+            ttl_s=record.ttl_s,
+        )
+        result = slot.policy.admit(
+            entry,
+            can_evict=partial(self._can_evict, slot=slot),
+            remove=partial(self._remove_from_tier, slot=slot, reason="capacity"),
+        )
+        return len(result.victims)
+
+    def _drop_unheld(self, records: Iterable[BlockRecord]) -> None:
+        """Remove records held by no tier and used by nobody, leaves first, then any ghost
+        ancestors they leave childless."""
+        for record in records:
+            node: BlockRecord | None = record
+            while (
+                node is not None
+                and node.tier_mask == 0
+                and node.refcount == 0
+                and node.key in self._index
+                and not self._index.has_children(node)
+            ):
+                parent = node.parent
+                self._index.remove(node)
+                node = parent
 
     # ---- eviction -----------------------------------------------------------------------
 
@@ -403,19 +494,250 @@ class PrefixCache:
         if self._index.has_child_in(record, bit):
             return False
         if record.tier_mask == bit and self._index.has_children(record):
-            return False  # its last copy: a child would be left without its parent
+            # Its last copy: only if it can move down, or a child would lose its parent.
+            return self._hierarchy is not None and self._hierarchy.below(slot.name) is not None
         return True
 
     def _remove_from_tier(self, key: BlockKey, slot: TierSlot, reason: str) -> None:
+        """A policy chose ``key`` as a victim in ``slot``: demote its bytes, then drop it."""
         record = self._index.get(key)
         if record is None:
             raise IndexInvariantError("evicting a block that is not in the index")
         bit = self._bit_of[slot.name]
+        counters = self._counters[slot.name]
+        if self._hierarchy is not None:
+            self._demote(record, slot)
+            self._hierarchy.delete(slot.name, key)
         record.tier_mask &= ~bit
-        evictions = self._counters[slot.name].evictions
-        evictions[reason] = evictions.get(reason, 0) + 1
-        if record.tier_mask == 0:
-            self._index.remove(record)
+        counters.evictions[reason] = counters.evictions.get(reason, 0) + 1
+        self._drop_unheld([record])
+
+    def _demote(self, record: BlockRecord, slot: TierSlot) -> None:
+        """Copy an evicted block into the next slower tier that does not hold it yet."""
+        assert self._hierarchy is not None
+        lower_name = self._hierarchy.below(slot.name)
+        if lower_name is None:
+            return
+        lower = self._slot(lower_name)
+        if record.tier_mask & self._bit_of[lower_name]:
+            return
+        meta = self._meta(record)
+        block = self._hierarchy.store(slot.name).get(meta)
+        if block is None:
+            return
+        record.refcount += 1  # not a victim of the room it makes below
+        try:
+            self._admit(record, lower)
+        except InsertRefused:
+            return
+        finally:
+            record.refcount -= 1
+        self._hierarchy.write(lower_name, meta, block)
+        record.tier_mask |= self._bit_of[lower_name]
+        self._counters[slot.name].demotions += 1
+
+    # ---- loading ------------------------------------------------------------------------
+
+    def load(
+        self,
+        lease: Lease,
+        *,
+        recompute_s_per_token: float | None = None,
+        use_remote: bool = True,
+    ) -> list[KVBlock]:
+        """The payloads of the lease's cached prefix, in order, ready to copy into a request.
+
+        Each block comes from the fastest tier holding it and, if that is not the fastest tier
+        of all, is promoted there. A block that is missing or fails verification is dropped
+        from that tier and the prefix is cut before it (the rest is recomputed, bit-identical
+        by construction). A block whose load is estimated slower than recomputing it
+        (``recompute_s_per_token`` from the worker) cuts the prefix too. Then, if a remote
+        store is configured, the match is extended with the blocks it holds for the chain.
+        ``lease.match`` is updated to what was actually loaded.
+        """
+        if self._hierarchy is None:
+            raise ValueError("load needs a cache that carries bytes (a TierHierarchy)")
+        if lease.is_released:
+            raise IndexInvariantError("load through a released lease")
+        blocks: list[KVBlock] = []
+        tiers: list[str] = []
+        for record in lease._records:
+            loaded = self._load_one(record, recompute_s_per_token)
+            if loaded is None:
+                break
+            blocks.append(loaded[0])
+            tiers.append(loaded[1])
+        with self._lock:
+            for record in lease._records[len(blocks):]:
+                record.refcount -= 1
+            self._drop_unheld(reversed(lease._records[len(blocks):]))
+            del lease._records[len(blocks):]
+        if use_remote and self._hierarchy.remote is not None:
+            for block in self._extend_from_remote(lease):
+                blocks.append(block)
+                tiers.append(REMOTE)
+        lease.match = self._make_match(lease._records, tuple(tiers), len(lease.keys),
+                                       lease.match.num_token_mismatches)
+        return blocks
+
+    def _load_one(
+        self, record: BlockRecord, recompute_s_per_token: float | None
+    ) -> tuple[KVBlock, str] | None:
+        assert self._hierarchy is not None
+        while True:
+            with self._lock:
+                if record.tier_mask == 0:
+                    return None
+                tier = self._fastest_tier(record)
+                meta = self._meta(record)
+            estimate = self._hierarchy.estimate_load_s(tier, record.num_bytes)
+            if (
+                recompute_s_per_token is not None
+                and estimate is not None
+                and estimate > recompute_s_per_token * self.block_tokens
+            ):
+                with self._lock:
+                    self._counters[tier].recomputed_instead += 1
+                return None
+            # No lock while reading: the lease's reference keeps the block in this tier.
+            block = self._hierarchy.read(tier, meta)
+            with self._lock:
+                if block is None:
+                    self._counters[tier].load_failures += 1
+                    self._slot(tier).policy.discard(record.key)
+                    record.tier_mask &= ~self._bit_of[tier]
+                    continue  # try the next tier that holds it
+                self._promote(record, meta, block, tier)
+            return block, tier
+
+    def _promote(self, record: BlockRecord, meta: BlockMeta, block: KVBlock, tier: str) -> None:
+        assert self._hierarchy is not None
+        top = self._tiers[0]
+        top_bit = self._bit_of[top.name]
+        if not self._promote_on_hit or tier == top.name or record.tier_mask & top_bit:
+            return
+        try:
+            self._admit(record, top)
+        except InsertRefused:
+            return
+        self._hierarchy.write(top.name, meta, block)
+        record.tier_mask |= top_bit
+        self._counters[tier].promotions += 1
+
+    def _extend_from_remote(self, lease: Lease) -> list[KVBlock]:
+        """Fetch the chain after the local match from the remote store; admit what came."""
+        assert self._hierarchy is not None
+        start = len(lease._records)
+        if start >= len(lease.keys):
+            return []
+        fp = self.fingerprinter(lease.namespace)
+        metas = []
+        parent_key = lease.keys[start - 1] if start else fp.root_parent
+        for i in range(start, len(lease.keys)):
+            metas.append(
+                BlockMeta(
+                    key=lease.keys[i],
+                    parent_key=parent_key,
+                    namespace_digest=lease.namespace.digest,
+                    owner=lease.namespace.scope.owner,
+                    tokens=fp.block_token_bytes(lease.tokens, i),
+                )
+            )
+            parent_key = lease.keys[i]
+        fetched = self._hierarchy.fetch_remote(metas)
+        if not fetched:
+            return []
+        top = self._tiers[0]
+        specs = [
+            BlockSpec(key=m.key, tokens=m.tokens, num_bytes=b.nbytes)
+            for m, b in zip(metas, fetched, strict=False)
+        ]
+        used: list[KVBlock] = []
+        with self._lock:
+            parent = lease._records[-1] if lease._records else None
+            chain = self._index.insert(
+                lease.namespace, parent, specs, now=self._clock(), ttl_s=None
+            )
+            for record in chain:
+                record.refcount += 1
+            for record, meta, block in zip(chain, metas, fetched, strict=False):
+                if not record.tier_mask & self._bit_of[top.name]:
+                    try:
+                        self._admit(record, top)
+                    except InsertRefused:
+                        break
+                    self._hierarchy.write(top.name, meta, block)
+                    record.tier_mask |= self._bit_of[top.name]
+                lease._records.append(record)
+                used.append(block)
+            for record in chain[len(used):]:
+                record.refcount -= 1
+            self._drop_unheld(reversed(chain[len(used):]))
+            self._num_remote_hits += len(used)
+        return used
+
+    # ---- restart ------------------------------------------------------------------------
+
+    def adopt(
+        self, tier: str, found: Sequence[tuple[BlockMeta, int]], *, ttl_s: float | None = None
+    ) -> int:
+        """Index the blocks a store found on restart (e.g. the disk tier's files).
+
+        Blocks are linked parents first; a block whose parent chain is incomplete is useless
+        (only usable with all its ancestors) and is deleted from the store, as is anything the
+        tier's policy cannot admit. ``found`` pairs each block's identity with its payload size
+        (what the policy charges). Returns how many blocks were adopted.
+        """
+        slot = self._slot(tier)
+        bit = self._bit_of[tier]
+        sizes = {meta.key: size for meta, size in found}
+        metas = [meta for meta, _ in found]
+        children: dict[bytes, list[BlockMeta]] = {}
+        for meta in metas:
+            children.setdefault(meta.parent_key, []).append(meta)
+        adopted = 0
+        with self._lock:
+            placed: set[BlockKey] = set()
+            roots = [m for m in metas if m.parent_key == bytes(len(m.key))]
+            stack: list[tuple[BlockMeta, BlockRecord | None]] = [(m, None) for m in roots]
+            while stack:
+                meta, parent = stack.pop()
+                namespace = self._namespace_for(meta)
+                spec = BlockSpec(key=meta.key, tokens=meta.tokens, num_bytes=sizes[meta.key])
+                records = self._index.insert(namespace, parent, [spec], now=self._clock(),
+                                             ttl_s=ttl_s)
+                if not records:
+                    continue
+                record = records[0]
+                if not record.tier_mask & bit:
+                    record.refcount += 1
+                    try:
+                        self._admit(record, slot)
+                    except InsertRefused:
+                        continue
+                    finally:
+                        record.refcount -= 1
+                    record.tier_mask |= bit
+                placed.add(meta.key)
+                adopted += 1
+                stack.extend((child, record) for child in children.get(meta.key, []))
+            for meta in metas:
+                if meta.key not in placed:
+                    stray = self._index.get(meta.key)
+                    if stray is not None:
+                        self._drop_unheld([stray])
+                    if self._hierarchy is not None and (
+                        stray is None or not stray.tier_mask & bit
+                    ):
+                        self._hierarchy.delete(tier, meta.key)
+        return adopted
+
+    def _namespace_for(self, meta: BlockMeta) -> Namespace:
+        for namespace in self._index.namespaces():
+            if namespace.digest == meta.namespace_digest:
+                return namespace
+        scope = Scope.shared() if meta.owner == "shared" else Scope.of_tenant(meta.owner)
+        return Namespace(digest=meta.namespace_digest, scope=scope)
 
     def evict(self, tier: str, num_bytes: int, *, tenant: str | None = None) -> EvictionResult:
         """Free at least ``num_bytes`` in ``tier`` (``tenant``'s blocks only, when given)."""
@@ -498,6 +820,10 @@ class PrefixCache:
                     hits=self._counters[slot.name].hits,
                     inserts=self._counters[slot.name].inserts,
                     refused=self._counters[slot.name].refused,
+                    promotions=self._counters[slot.name].promotions,
+                    demotions=self._counters[slot.name].demotions,
+                    load_failures=self._counters[slot.name].load_failures,
+                    recomputed_instead=self._counters[slot.name].recomputed_instead,
                     evictions=dict(self._counters[slot.name].evictions),
                 )
                 for slot in self._tiers
@@ -506,6 +832,7 @@ class PrefixCache:
                 num_blocks=len(self._index),
                 num_namespaces=len(self._index.namespaces()),
                 num_token_mismatches=self._num_token_mismatches,
+                num_remote_hits=self._num_remote_hits,
                 tiers=tiers,
             )
 
@@ -522,8 +849,10 @@ class PrefixCache:
                         f"tier {slot.name}: {len(held)} blocks held, {len(tracked)} tracked"
                     )
             for record in self._index.records():
-                if record.tier_mask == 0:
-                    raise IndexInvariantError("a block in the index is held by no tier")
+                if record.tier_mask == 0 and not (
+                    self._index.has_children(record) or record.refcount
+                ):
+                    raise IndexInvariantError("a block held by no tier outlived its use")
                 parent = record.parent
                 if parent is not None and parent.key not in self._index:
                     raise IndexInvariantError("a block outlived its parent")

@@ -73,7 +73,10 @@ class EvictionPolicy(Protocol):
 
     Contract with the caller (``TierPolicy``):
       * ``on_insert`` is called once per key before any other call for it; ``on_remove`` once
-        when the key leaves the tier (evicted or removed by other means). Keys are unique.
+        when the key leaves the tier (evicted or removed by other means). Keys are unique:
+        inserting a tracked key raises ``ValueError``, and ``on_access`` or ``on_remove`` for an
+        untracked key raises ``KeyError`` (both are caller bugs; ``tests/policies``'s
+        conformance suite checks every implementation for them).
       * ``candidates`` yields keys this policy would give up, best victim first. It must not
         yield a removed key. The caller collects victims from it, closes it, and only then
         removes them; no other method is called while a ``candidates`` iterator is open. A

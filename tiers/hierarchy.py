@@ -1,0 +1,246 @@
+"""The tier hierarchy: moves block bytes between ordered stores and learns what a load costs.
+
+Local tiers are ordered fastest first (device, host, disk); an optional *remote* tier (Redis) is
+shared by every replica and is consulted by chain key when the local tiers miss. This module
+only moves bytes and keeps figures; what to promote, demote or evict is decided by the prefix
+cache, which owns the index and the policies.
+
+Load bandwidth: every read is timed, and each tier keeps an exponentially weighted estimate of
+its bytes per second. A block whose load would cost more than recomputing it is worth
+recomputing (peers shipped disk tiers whose hits were slower than a fresh prefill); the prefix
+cache asks ``estimate_load_s`` before loading.
+
+Remote writes go through a background thread with a bounded queue, so a slow or dead Redis never
+sits on the request path; local disk writes are queued by the disk store itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from policies.base import BlockKey
+from tiers.base import BlockMeta, BlockStore, StoreStats
+from tiers.payload import KVBlock
+
+logger = logging.getLogger(__name__)
+
+REMOTE = "redis"
+
+
+@dataclass(slots=True)
+class Bandwidth:
+    """Exponentially weighted estimate of a tier's load bandwidth (bytes per second)."""
+
+    bytes_per_s: float | None = None
+    alpha: float = 0.2
+    num_samples: int = 0
+
+    def record(self, num_bytes: int, seconds: float) -> None:
+        if seconds <= 0 or num_bytes <= 0:
+            return
+        sample = num_bytes / seconds
+        self.num_samples += 1
+        if self.bytes_per_s is None:
+            self.bytes_per_s = sample
+        else:
+            self.bytes_per_s += self.alpha * (sample - self.bytes_per_s)
+
+
+class RemoteWriter:
+    """One background thread that writes chains to the remote store, oldest first.
+
+    Bounded by bytes: when the remote is slower than the request rate, new writes are dropped
+    (counted), never queued without limit and never waited for.
+    """
+
+    def __init__(self, store: BlockStore, *, max_pending_bytes: int = 256 << 20) -> None:
+        self._store = store
+        self._max_pending_bytes = max_pending_bytes
+        self._queue: queue.Queue[list[tuple[BlockMeta, KVBlock]] | None] = queue.Queue()
+        self._pending_bytes = 0
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._thread: threading.Thread | None = None
+        self.num_dropped = 0
+        self.num_written = 0
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvgate-remote-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: list[tuple[BlockMeta, KVBlock]]) -> bool:
+        size = sum(block.nbytes for _, block in items)
+        with self._lock:
+            if self._thread is None or self._pending_bytes + size > self._max_pending_bytes:
+                self.num_dropped += len(items)
+                return False
+            self._pending_bytes += size
+        self._queue.put(items)
+        return True
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted write is done; False on timeout."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._idle:
+            while self._pending_bytes:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        if self._thread is None:
+            return
+        self.flush(timeout_s)
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            items = self._queue.get()
+            if items is None:
+                return
+            try:
+                self._store.put_many(items)
+                self.num_written += len(items)
+            finally:
+                with self._idle:
+                    self._pending_bytes -= sum(block.nbytes for _, block in items)
+                    self._idle.notify_all()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierLevel:
+    """One local tier: its name and its store (fastest first in a hierarchy)."""
+
+    name: str
+    store: BlockStore
+
+
+class TierHierarchy:
+    """Ordered local stores, an optional remote store, and their load-cost estimates.
+
+    Args:
+        levels: local tiers, fastest first (e.g. device, host, disk).
+        remote: the store shared by replicas (Redis), or None.
+        clock: time source for load timing.
+    """
+
+    def __init__(
+        self,
+        levels: Sequence[TierLevel],
+        *,
+        remote: BlockStore | None = None,
+        remote_max_pending_bytes: int = 256 << 20,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        names = [level.name for level in levels]
+        if len(set(names)) != len(names) or REMOTE in names:
+            raise ValueError(f"local tier names must be unique and not {REMOTE!r}: {names}")
+        self._levels = {level.name: level for level in levels}
+        self.names = tuple(names)
+        self.remote = remote
+        self._writer = (
+            RemoteWriter(remote, max_pending_bytes=remote_max_pending_bytes) if remote else None
+        )
+        self._clock = clock
+        self._bandwidth = {name: Bandwidth() for name in (*names, REMOTE)}
+
+    def start(self) -> None:
+        if self._writer is not None:
+            self._writer.start()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        for level in self._levels.values():
+            level.store.close()
+        if self.remote is not None:
+            self.remote.close()
+
+    def store(self, tier: str) -> BlockStore:
+        return self._levels[tier].store
+
+    def below(self, tier: str) -> str | None:
+        """The next slower local tier (where ``tier`` demotes to), or None for the last."""
+        index = self.names.index(tier)
+        return self.names[index + 1] if index + 1 < len(self.names) else None
+
+    # ---- bytes ----------------------------------------------------------------------------
+
+    def read(self, tier: str, meta: BlockMeta) -> KVBlock | None:
+        """Load one block from a local tier, timing it; None if absent or unverifiable."""
+        start = self._clock()
+        block = self._levels[tier].store.get(meta)
+        if block is not None:
+            self._bandwidth[tier].record(block.nbytes, self._clock() - start)
+        return block
+
+    def write(self, tier: str, meta: BlockMeta, block: KVBlock) -> None:
+        self._levels[tier].store.put(meta, block)
+
+    def delete(self, tier: str, key: BlockKey) -> None:
+        self._levels[tier].store.delete(key)
+
+    def fetch_remote(self, metas: Sequence[BlockMeta]) -> list[KVBlock]:
+        """The longest prefix of ``metas`` (a chain) that the remote store holds and verifies."""
+        if self.remote is None or not metas:
+            return []
+        start = self._clock()
+        got = self.remote.get_many(metas)
+        hits: list[KVBlock] = []
+        for block in got:
+            if block is None:
+                break
+            hits.append(block)
+        if hits:
+            self._bandwidth[REMOTE].record(sum(b.nbytes for b in hits), self._clock() - start)
+        return hits
+
+    def write_remote(self, items: list[tuple[BlockMeta, KVBlock]]) -> bool:
+        """Queue a chain for the remote store; False if there is none or the queue is full."""
+        if self._writer is None or not items:
+            return False
+        return self._writer.submit(items)
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Wait for queued remote writes and local disk writes (graceful shutdown, tests)."""
+        ok = True
+        if self._writer is not None:
+            ok = self._writer.flush(timeout_s)
+        for level in self._levels.values():
+            flush = getattr(level.store, "flush", None)
+            if callable(flush):
+                ok = bool(flush(timeout_s)) and ok
+        return ok
+
+    # ---- figures --------------------------------------------------------------------------
+
+    def estimate_load_s(self, tier: str, num_bytes: int) -> float | None:
+        """Expected seconds to load ``num_bytes`` from ``tier``; None before any sample."""
+        bandwidth = self._bandwidth[tier].bytes_per_s
+        return None if bandwidth is None else num_bytes / bandwidth
+
+    def bandwidth(self, tier: str) -> float | None:
+        return self._bandwidth[tier].bytes_per_s
+
+    def stats(self) -> list[StoreStats]:
+        out = [level.store.stats() for level in self._levels.values()]
+        if self.remote is not None:
+            remote = self.remote.stats()
+            if self._writer is not None:
+                remote.notes["remote_writes_dropped"] = self._writer.num_dropped
+                remote.notes["remote_writes_done"] = self._writer.num_written
+            out.append(remote)
+        for stats in out:
+            bandwidth = self._bandwidth.get(stats.name)
+            if bandwidth is not None and bandwidth.bytes_per_s is not None:
+                stats.notes["load_bytes_per_s"] = round(bandwidth.bytes_per_s)
+        return out
