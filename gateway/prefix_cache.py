@@ -36,7 +36,7 @@ from gateway.radix_index import BlockRecord, BlockSpec, RadixIndex
 from gateway.tokens import BYTES_PER_TOKEN, TokenIds, token_view
 from policies.base import BlockKey, InsertRefused, PolicyEntry
 from policies.stack import EvictionResult, TierPolicy
-from tiers.base import BlockMeta
+from tiers.base import BlockMeta, StoreStats
 from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
@@ -122,11 +122,17 @@ class TierStats:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheStats:
+    """Everything ``stats`` reports: the index, each tier's policy view, each store's counters.
+
+    Plain data (dataclasses of ints, floats, strings and dicts), for the admin API and metrics.
+    """
+
     num_blocks: int
     num_namespaces: int
     num_token_mismatches: int
     num_remote_hits: int
     tiers: tuple[TierStats, ...]
+    stores: tuple[StoreStats, ...] = ()
 
 
 class Lease:
@@ -834,6 +840,7 @@ class PrefixCache:
                 num_token_mismatches=self._num_token_mismatches,
                 num_remote_hits=self._num_remote_hits,
                 tiers=tiers,
+                stores=tuple(self._hierarchy.stats()) if self._hierarchy is not None else (),
             )
 
     def check_invariants(self) -> None:

@@ -222,3 +222,15 @@ def test_load_needs_a_byte_carrying_cache() -> None:
         cache.load(lease)
 
 
+
+
+def test_stats_report_every_tier_and_every_store() -> None:
+    cache, _, _ = make_cache(2, 8)
+    serve(cache, toks(1, 1, 2, 2))
+    serve(cache, toks(3, 3, 4, 4))
+    stats = cache.stats()
+    assert [t.name for t in stats.tiers] == ["device", "host"]
+    assert [s.name for s in stats.stores] == ["device", "host"]
+    by_name = {s.name: s for s in stats.stores}
+    assert by_name["host"].num_blocks == 2
+    assert by_name["device"].num_bytes == 2 * NBYTES
