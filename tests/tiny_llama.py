@@ -1,0 +1,42 @@
+"""The ``tiny_llama`` harness piece: a seeded random Llama saved and loaded like a real one.
+
+Vocabulary 512, hidden 64, 2 layers, 4 heads, 2 KV heads (RELIABILITY.md), saved with
+``save_pretrained`` beside the offline test tokenizer and loaded back through
+``gateway.model.load_model``, so tests exercise the real loading path in well under a second.
+Its outputs are meaningless; its arithmetic is a real transformer's, which is what parity tests
+need.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.tokenizer_fixture import make_hf_tokenizer
+
+VOCAB = 512
+
+
+def save_tiny_llama(directory: Path, *, seed: int = 0) -> Path:
+    """Write a tiny random Llama checkpoint (weights from ``seed``) and return its directory."""
+    tokenizer = make_hf_tokenizer()
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
