@@ -395,6 +395,7 @@ class PrefixCache:
             for i in range(start, end)
         ]
         with self._lock:
+            self._forget_failed_writes()
             parent = lease._records[-1] if lease._records else None
             if parent is not None and parent.key not in self._index:
                 raise IndexInvariantError("a leased block left the index")
@@ -412,6 +413,20 @@ class PrefixCache:
         if self._remote_write and stored and self._hierarchy is not None:
             self._hierarchy.write_remote(stored)
         return result
+
+    def _forget_failed_writes(self) -> None:
+        """Drop the tier copies whose queued writes failed (disk full, I/O error)."""
+        if self._hierarchy is None:
+            return
+        for tier, keys in self._hierarchy.drain_failed().items():
+            bit = self._bit_of[tier]
+            slot = self._slot(tier)
+            for key in keys:
+                record = self._index.get(key)
+                if record is not None and record.tier_mask & bit:
+                    slot.policy.discard(key)
+                    record.tier_mask &= ~bit
+                    self._drop_unheld([record])
 
     def _admit_chain(
         self,
@@ -817,6 +832,7 @@ class PrefixCache:
 
     def stats(self) -> CacheStats:
         with self._lock:
+            self._forget_failed_writes()
             tiers = tuple(
                 TierStats(
                     name=slot.name,

@@ -147,6 +147,7 @@ class DiskStore(BatchDefaults):
         self._last_error_log_at: float | None = None
         self._stats = StoreStats(name=name)
         self._counts: Counter[str] = Counter()
+        self._recovered_at_start: list[DecodedHeader] = []
         self._state = "new"  # new -> running -> closed
         self._is_stopping = False
         self._is_writer_dead = False
@@ -186,12 +187,18 @@ class DiskStore(BatchDefaults):
         else:
             self._known_dirs.add(self._root)
             self._probe_writable()
-        self.recover()
+        self._recovered_at_start = self.recover()
         thread = threading.Thread(target=self._run, name=f"kvgate-{self.name}-writer", daemon=True)
         with self._lock:
             self._state = "running"
             self._thread = thread
         thread.start()
+
+    def take_recovered(self) -> list[DecodedHeader]:
+        """The headers ``start`` recovered (once: later calls return nothing), so that the
+        caller can re-index them without scanning the directory a second time."""
+        recovered, self._recovered_at_start = self._recovered_at_start, []
+        return recovered
 
     def close(self, timeout_s: float | None = None) -> None:
         """Write out what is queued (waiting up to ``timeout_s``), then stop the writer.

@@ -221,6 +221,18 @@ class TierHierarchy:
                 ok = bool(flush(timeout_s)) and ok
         return ok
 
+    def drain_failed(self) -> dict[str, list[BlockKey]]:
+        """Per tier, the keys whose queued writes failed or were dropped since the last call
+        (the disk tier reports them), so that the index can forget those copies."""
+        failed: dict[str, list[BlockKey]] = {}
+        for name, level in self._levels.items():
+            drain = getattr(level.store, "drain_failed", None)
+            if callable(drain):
+                keys = list(drain())
+                if keys:
+                    failed[name] = keys
+        return failed
+
     # ---- figures --------------------------------------------------------------------------
 
     def estimate_load_s(self, tier: str, num_bytes: int) -> float | None:

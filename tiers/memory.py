@@ -9,6 +9,11 @@ Host tier: CPU memory, carved out of a slab pool. With CUDA present the slabs ar
 locked) so device <-> host copies run asynchronously at full bandwidth; pinning is expensive per
 allocation, so the pool allocates large slabs once and reuses fixed-size slots, never one
 pinned allocation per block. Without CUDA the same pool still saves allocator churn.
+
+NOTE: a slot is reused as soon as its block leaves the tier, so ``HostStore.get`` never hands
+out views of a slot: it copies the block to the device it serves (one copy, pinned -> GPU when
+CUDA is present), and what it returns stays valid however long the caller keeps it (a disk
+write queue, the device tier).
 """
 
 from __future__ import annotations
@@ -134,6 +139,7 @@ class HostStore(BatchDefaults):
         block_tokens: tokens per block.
         budget_bytes: the most payload bytes held.
         pin: use pinned memory; default: whether CUDA is available.
+        serve_device: where ``get`` delivers blocks (the model's device by default).
     """
 
     def __init__(
@@ -143,9 +149,13 @@ class HostStore(BatchDefaults):
         block_tokens: int,
         budget_bytes: int,
         pin: bool | None = None,
+        serve_device: torch.device | str | None = None,
         name: str = "host",
     ) -> None:
         self.name = name
+        self.serve_device = (
+            torch.device(serve_device) if serve_device is not None else default_device()
+        )
         self.layout = layout
         self.block_tokens = block_tokens
         self._layer_elems = layout.kv_heads * block_tokens * layout.head_dim
@@ -199,13 +209,14 @@ class HostStore(BatchDefaults):
             self._stats.puts += 1
 
     def get(self, meta: BlockMeta) -> KVBlock | None:
+        # The copy runs under the lock: a concurrent delete must not recycle the slot mid-copy.
         with self._lock:
             entry = self._blocks.get(meta.key)
             if entry is None:
                 self._stats.misses += 1
                 return None
             self._stats.hits += 1
-            return entry[1]
+            return _copy_to(entry[1], self.serve_device)
 
     def delete(self, key: BlockKey) -> None:
         with self._lock:
@@ -253,7 +264,12 @@ def _is_on(block: KVBlock, device: torch.device) -> bool:
 
 
 def _copy_to(block: KVBlock, device: torch.device) -> KVBlock:
-    non_blocking = block.keys[0].is_pinned() if block.keys[0].device.type == "cpu" else False
+    """Fresh tensors on ``device`` (asynchronous from pinned memory to a GPU)."""
+    non_blocking = (
+        device.type == "cuda"
+        and block.keys[0].device.type == "cpu"
+        and block.keys[0].is_pinned()
+    )
     return KVBlock(
         keys=tuple(k.to(device, non_blocking=non_blocking, copy=True) for k in block.keys),
         values=tuple(v.to(device, non_blocking=non_blocking, copy=True) for v in block.values),
