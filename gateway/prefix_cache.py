@@ -43,10 +43,13 @@ from tiers.payload import KVBlock
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierSlot:
-    """One tier as the prefix cache sees it: a name and the policy that governs it."""
+    """One tier as the prefix cache sees it: a name, the policy that governs it, and whether
+    every inserted block is also written to it at once (write-through: the disk tier, so that
+    a restart finds what was hot, not only what had been demoted)."""
 
     name: str
     policy: TierPolicy
+    write_through: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,6 +89,22 @@ class InsertResult:
     num_refused_blocks: int
     num_evicted_blocks: int
     refusal: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixInfo:
+    """One cached prompt (a leaf and its ancestors), for admin listings."""
+
+    owner: str
+    key: BlockKey
+    num_blocks: int
+    num_tokens: int
+    num_bytes: int
+    tiers: tuple[str, ...]
+    idle_s: float
+    num_hits: int
+    is_pinned: bool
+    first_block_tokens: bytes
 
 
 @dataclass(slots=True)
@@ -459,6 +478,7 @@ class PrefixCache:
                 meta = self._meta(record)
                 self._hierarchy.write(slot.name, meta, blocks[i])
                 stored.append((meta, blocks[i]))
+                self._write_through(record, meta, blocks[i], slot)
             record.tier_mask |= bit
             num_new += 1
             admitted += 1
@@ -473,6 +493,22 @@ class PrefixCache:
             refusal=refusal if num_refused else None,
         )
         return result, stored
+
+    def _write_through(
+        self, record: BlockRecord, meta: BlockMeta, block: KVBlock, inserted_into: TierSlot
+    ) -> None:
+        """Also store a new block in every write-through tier (if its policy admits it)."""
+        assert self._hierarchy is not None
+        for slot in self._tiers:
+            bit = self._bit_of[slot.name]
+            if not slot.write_through or slot is inserted_into or record.tier_mask & bit:
+                continue
+            try:
+                self._admit(record, slot)
+            except InsertRefused:
+                continue
+            self._hierarchy.write(slot.name, meta, block)
+            record.tier_mask |= bit
 
     def _admit(self, record: BlockRecord, slot: TierSlot) -> int:
         """Make room for ``record`` in ``slot``'s policy and record it there; victims count."""
@@ -565,6 +601,7 @@ class PrefixCache:
         *,
         recompute_s_per_token: float | None = None,
         use_remote: bool = True,
+        max_blocks: int | None = None,
     ) -> list[KVBlock]:
         """The payloads of the lease's cached prefix, in order, ready to copy into a request.
 
@@ -574,7 +611,8 @@ class PrefixCache:
         by construction). A block whose load is estimated slower than recomputing it
         (``recompute_s_per_token`` from the worker) cuts the prefix too. Then, if a remote
         store is configured, the match is extended with the blocks it holds for the chain.
-        ``lease.match`` is updated to what was actually loaded.
+        ``lease.match`` is updated to what was actually loaded; ``max_blocks`` caps it (a
+        request recomputes its last prompt block when it needs that block's logits).
         """
         if self._hierarchy is None:
             raise ValueError("load needs a cache that carries bytes (a TierHierarchy)")
@@ -582,7 +620,8 @@ class PrefixCache:
             raise IndexInvariantError("load through a released lease")
         blocks: list[KVBlock] = []
         tiers: list[str] = []
-        for record in lease._records:
+        limit = len(lease.keys) if max_blocks is None else max(0, max_blocks)
+        for record in lease._records[:limit]:
             loaded = self._load_one(record, recompute_s_per_token)
             if loaded is None:
                 break
@@ -593,8 +632,8 @@ class PrefixCache:
                 record.refcount -= 1
             self._drop_unheld(reversed(lease._records[len(blocks):]))
             del lease._records[len(blocks):]
-        if use_remote and self._hierarchy.remote is not None:
-            for block in self._extend_from_remote(lease):
+        if use_remote and self._hierarchy.remote is not None and len(blocks) < limit:
+            for block in self._extend_from_remote(lease, limit):
                 blocks.append(block)
                 tiers.append(REMOTE)
         lease.match = self._make_match(lease._records, tuple(tiers), len(lease.keys),
@@ -645,16 +684,17 @@ class PrefixCache:
         record.tier_mask |= top_bit
         self._counters[tier].promotions += 1
 
-    def _extend_from_remote(self, lease: Lease) -> list[KVBlock]:
+    def _extend_from_remote(self, lease: Lease, limit: int) -> list[KVBlock]:
         """Fetch the chain after the local match from the remote store; admit what came."""
         assert self._hierarchy is not None
         start = len(lease._records)
-        if start >= len(lease.keys):
+        end = min(limit, len(lease.keys))
+        if start >= end:
             return []
         fp = self.fingerprinter(lease.namespace)
         metas = []
         parent_key = lease.keys[start - 1] if start else fp.root_parent
-        for i in range(start, len(lease.keys)):
+        for i in range(start, end):
             metas.append(
                 BlockMeta(
                     key=lease.keys[i],
@@ -811,6 +851,127 @@ class PrefixCache:
                     if not is_pinned:
                         self._touch(record, now)
             return changed
+
+    # ---- administration -----------------------------------------------------------------
+
+    def list_prefixes(self, *, owner: str | None = None, limit: int = 100) -> list[PrefixInfo]:
+        """One entry per cached prompt (a leaf of a trie), most recently used first.
+
+        Args:
+            owner: only this tenant's (or "shared") prefixes; None for all.
+            limit: the most entries returned.
+        """
+        now = self._clock()
+        with self._lock:
+            leaves = [
+                r for r in self._index.records()
+                if not self._index.has_children(r)
+                and (owner is None or r.namespace.scope.owner == owner)
+            ]
+            leaves.sort(key=lambda r: r.last_access, reverse=True)
+            out = []
+            for leaf in leaves[:limit]:
+                path = self._path_to(leaf)
+                mask = 0
+                for record in path:
+                    mask |= record.tier_mask
+                out.append(
+                    PrefixInfo(
+                        owner=leaf.namespace.scope.owner,
+                        key=leaf.key,
+                        num_blocks=len(path),
+                        num_tokens=len(path) * self.block_tokens,
+                        num_bytes=sum(r.num_bytes for r in path),
+                        tiers=tuple(t.name for t in self._tiers if mask & self._bit_of[t.name]),
+                        idle_s=max(0.0, now - leaf.last_access),
+                        num_hits=leaf.num_hits,
+                        is_pinned=any(r.is_pinned for r in path),
+                        first_block_tokens=path[0].tokens,
+                    )
+                )
+            return out
+
+    def _path_to(self, record: BlockRecord) -> list[BlockRecord]:
+        path = []
+        node: BlockRecord | None = record
+        while node is not None:
+            path.append(node)
+            node = node.parent
+        path.reverse()
+        return path
+
+    def evict_where(
+        self,
+        *,
+        owner: str | None = None,
+        under: tuple[Namespace, TokenIds] | None = None,
+        key: BlockKey | None = None,
+        idle_s: float | None = None,
+        tier: str | None = None,
+    ) -> dict[str, int]:
+        """Admin eviction: drop every block matching all the given selectors.
+
+        Args:
+            owner: blocks of this tenant (or "shared").
+            under: blocks of the prompt ``tokens`` in ``namespace`` and everything after it.
+            key: one block and everything after it.
+            idle_s: blocks not used for at least this many seconds.
+            tier: drop only the copies in this tier (default: every tier).
+
+        Pinned blocks go too (an operator asked); blocks in use by a running request stay.
+        A block is only dropped from a tier after its children there, so a selection that
+        would orphan children keeps the parents it needs. Returns bytes freed per tier.
+        """
+        now = self._clock()
+        with self._lock:
+            selected: list[BlockRecord]
+            if under is not None:
+                namespace, tokens = under
+                keys = self.fingerprinter(namespace).block_keys(tokens)
+                _, records, _ = self._match(namespace, tokens, keys)
+                if not records or len(records) < len(keys):
+                    selected = []
+                else:
+                    selected = list(self._index.subtree(namespace, records[-1]))
+            elif key is not None:
+                start = self._index.get(key)
+                selected = [] if start is None else list(
+                    self._index.subtree(start.namespace, start))
+            else:
+                selected = list(self._index.records())
+            selected = [
+                r for r in selected
+                if (owner is None or r.namespace.scope.owner == owner)
+                and (idle_s is None or now - r.last_access >= idle_s)
+            ]
+            tiers = [self._slot(tier)] if tier is not None else self._tiers
+            freed: dict[str, int] = {}
+            # Deepest first, so that children leave before their parents.
+            for record in sorted(selected, key=lambda r: r.depth, reverse=True):
+                if record.key not in self._index or record.refcount:
+                    continue
+                for slot in tiers:
+                    bit = self._bit_of[slot.name]
+                    if not record.tier_mask & bit or self._index.has_child_in(record, bit):
+                        continue
+                    if record.tier_mask == bit and self._index.has_children(record):
+                        continue
+                    record.is_pinned = False
+                    slot.policy.discard(record.key)
+                    if self._hierarchy is not None:
+                        self._hierarchy.delete(slot.name, record.key)
+                    record.tier_mask &= ~bit
+                    freed[slot.name] = freed.get(slot.name, 0) + record.num_bytes
+                    evictions = self._counters[slot.name].evictions
+                    evictions["admin"] = evictions.get("admin", 0) + 1
+                self._drop_unheld([record])
+            return freed
+
+    def set_quota(self, owner: str, num_bytes: int | None) -> None:
+        """Cap what ``owner`` may hold in every tier (None: no cap)."""
+        with self._lock:
+            for slot in self._tiers:
+                slot.policy.set_quota(owner, num_bytes)
 
     # ---- inspection ---------------------------------------------------------------------
 

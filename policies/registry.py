@@ -105,17 +105,13 @@ def build_tier_policy(
         clock: the time source for TTL expiry (injected so tests can use a fake clock).
 
     Returns:
-        A ``TierPolicy`` tracking nothing. It has a quota policy only if some quota is
-        configured, and a TTL policy only if ``config.enable_ttl``.
+        A ``TierPolicy`` tracking nothing. It always has a quota policy (limiting nothing until
+        a quota is configured or set at runtime by an operator), and a TTL policy only if
+        ``config.enable_ttl``.
     """
-    has_quota = bool(config.quotas) or config.default_quota_bytes is not None
     return TierPolicy(
         budget_bytes=config.budget_bytes,
         order=make_order_policy(config.order),
         ttl=TTLPolicy(clock=clock) if config.enable_ttl else None,
-        quota=(
-            QuotaPolicy(config.quotas, default_bytes=config.default_quota_bytes)
-            if has_quota
-            else None
-        ),
+        quota=QuotaPolicy(config.quotas, default_bytes=config.default_quota_bytes),
     )

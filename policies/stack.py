@@ -110,6 +110,23 @@ class TierPolicy:
         # Kept here as well as in the quota policy, which is optional.
         self._tenant_to_bytes: dict[str, int] = {}
 
+    # -- configuration -------------------------------------------------------------------------
+
+    def set_quota(self, tenant: str, num_bytes: int | None) -> None:
+        """Cap what ``tenant`` may hold in this tier (None: back to the default).
+
+        A quota below current use is allowed: the tenant's next insert frees its own blocks.
+
+        Raises:
+            ValueError: this tier was built without a quota policy.
+        """
+        if self._quota is None:
+            raise ValueError("this tier has no quota policy")
+        self._quota.set_quota(tenant, num_bytes)
+
+    def quota_of(self, tenant: str) -> int | None:
+        return None if self._quota is None else self._quota.quota_of(tenant)
+
     # -- state ---------------------------------------------------------------------------------
 
     @property
