@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -126,7 +127,7 @@ def test_the_sequence_cache_computes_what_transformers_dynamic_cache_computes(
     from transformers import DynamicCache
 
     ids = torch.randint(0, 400, (40,))
-    reference = DynamicCache(config=tiny.model.config)
+    reference: Any = DynamicCache(config=tiny.model.config)
     seq = KVSequence(tiny.layout, 64)
     for start in range(0, 40, 8):
         a = forward_logits(tiny, ids[start : start + 8], reference)
