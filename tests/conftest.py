@@ -1,0 +1,86 @@
+"""Fixtures shared by every test package."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.redis_harness import FaultProxy, RedisCluster, RedisServer, redis_server_missing
+
+# ------------------------------------------------------------------ Redis (tests/redis_harness.py)
+#
+# Real Debian redis-server processes on free loopback ports, stopped by pid when the test (or
+# module, for the cluster) ends. Without /usr/bin/redis-server these skip with a message;
+# `make test` installs it, so in CI they always run. Tests using them carry `pytest.mark.redis`
+# (added below for any test that requests one of these fixtures).
+
+_REDIS_FIXTURES = frozenset(
+    {"redis_server", "redis_server_factory", "redis_cluster", "fault_proxy"}
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.redis)
+
+
+def _skip_without_redis() -> None:
+    reason = redis_server_missing()
+    if reason is not None:
+        pytest.skip(reason)
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Start servers with ``RedisServer`` options (password=, maxmemory=, appendonly=, ...);
+    all of them are stopped when the test ends."""
+    _skip_without_redis()
+    servers: list[RedisServer] = []
+
+    def start(**options: Any) -> RedisServer:
+        server = RedisServer(tmp_path / f"redis-{len(servers)}", **options)
+        servers.append(server)
+        return server.start()
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    """A fresh, empty redis-server (no persistence) for one test."""
+    return redis_server_factory()
+
+
+@pytest.fixture
+def fault_proxy(redis_server: RedisServer) -> Iterator[FaultProxy]:
+    """A ``FaultProxy`` in pass mode in front of ``redis_server`` (connect to ``.url``)."""
+    proxy = FaultProxy(redis_server.port).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
+
+
+@pytest.fixture(scope="module")
+def _redis_cluster_of_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    _skip_without_redis()
+    cluster = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def redis_cluster(_redis_cluster_of_module: RedisCluster) -> RedisCluster:
+    """A 3-master Redis Cluster shared by a module's tests, emptied before each test."""
+    _redis_cluster_of_module.flushall()
+    return _redis_cluster_of_module

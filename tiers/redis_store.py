@@ -1,0 +1,648 @@
+"""The Redis tier: block payloads in a Redis server or Redis Cluster shared by every replica.
+
+Redis is the tier that makes a prefix computed by one replica a hit on all the others
+(DESIGN.md "Scaling past one machine"). It is also the tier that anyone with access to the
+Redis can write to, that can disappear, stall or evict at any moment; so this store is built
+around three rules:
+
+* **Outages are misses.** Every Redis fault (refused, reset, timed out, loading, cluster down,
+  bad auth, ...) makes the call a miss or a dropped put, counted by kind; nothing raises to the
+  caller except bugs. A ``CircuitBreaker`` stops calling a Redis that keeps failing, so a dead
+  tier costs no socket timeout per request; one probe every ``reset_after_s`` brings it back.
+  redis-py's own retries are switched off (the caller recomputes faster than a retry storm).
+* **Stored bytes are untrusted.** Each value is read with ``GETRANGE key 0 max_value_bytes``,
+  so a planted huge value costs at most ``max_value_bytes + 1`` bytes of memory and is
+  rejected before decoding; every value is decoded and verified by ``BlockCodec`` (MAC,
+  checksum, key, parent, namespace, tokens, shapes). A value that fails is a miss, counted by
+  reason, and deleted (it is poison, and ``SET NX`` would otherwise keep it forever).
+* **One key per block.** ``{key_prefix}:{namespace_digest hex}:{block key hex}`` holds the
+  codec's bytes, written with ``SET NX PX ttl`` so that replicas writing the same block never
+  rewrite it (the first wins; both wrote identical bytes anyway). No hash tags: the blocks of
+  one chain spread over the cluster's slots and pipelines are split per node by redis-py.
+
+Batches: ``get_many``/``put_many`` send a whole chain in one pipelined round trip (one per
+node on a cluster). ``get_many`` returns a *prefix-shaped* answer: a block is only useful with
+all its ancestors, so after the first miss at position i every later position is None (those
+values are not even decoded), even if Redis held them; Redis's own eviction can drop a parent
+and keep its child, and the child must never be used.
+
+Keys need the namespace digest, which ``BlockStore.delete(key)`` and ``contains(key)`` do not
+carry: the store remembers the Redis key of the last ``_NUM_KNOWN_KEYS`` blocks this process put
+or got, and ``delete_meta(meta)`` / ``contains_meta(meta)`` work for any block.
+
+Sliding TTL: a hit restarts the key's TTL (``PEXPIRE`` in the same pipeline), as
+``policies.ttl`` does for local tiers, so prefixes in use do not expire under their readers.
+
+Production: use ``rediss://`` and a Redis user with a password (ACL) in the URL; stored KV is
+as sensitive as the prompts. Passwords never reach a log line (URLs are redacted).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.cluster import RedisCluster
+from redis.exceptions import (
+    AuthenticationError,
+    AuthenticationWrongNumberOfArgsError,
+    DataError,
+    NoPermissionError,
+    OutOfMemoryError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+)
+from redis.retry import Retry
+
+from policies.base import BlockKey
+from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
+from tiers.breaker import CircuitBreaker
+from tiers.codec import BlockCodec
+from tiers.payload import KVBlock, KVLayout
+
+logger = logging.getLogger(__name__)
+
+_Client = redis.Redis | RedisCluster
+
+_NUM_KNOWN_KEYS = 65_536
+"""Block key → Redis key entries remembered for ``delete(key)``/``contains(key)`` (~150 B each)."""
+
+_FLUSH_BATCH = 512
+_SCAN_COUNT = 1000
+
+_HEADER_SLACK_BYTES = 4096
+"""Room for the codec's fixed header fields (magic, version, keys, digest, checksum, MAC)."""
+
+# Every error redis-py raises for a server or network fault. DataError is excluded where it is
+# caught: it means we passed bad arguments, a bug, and bugs raise.
+_REDIS_FAULTS = (RedisError, RedisClusterException)
+# Faults that a retry in a few seconds cannot fix: the breaker opens at the first one.
+_AUTH_FAULTS = (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
+
+
+def default_max_value_bytes(layout: KVLayout, block_tokens: int) -> int:
+    """The largest value the codec can produce for one block, with generous header slack.
+
+    Raw payload, plus lz4's worst-case expansion (n/255 + 16) in case compression is forced on
+    incompressible data, plus the token ids and a fixed allowance for the header.
+    """
+    raw = layout.block_nbytes(block_tokens)
+    return raw + raw // 255 + 16 + 4 * block_tokens + _HEADER_SLACK_BYTES
+
+
+class RedisStore(BatchDefaults):
+    """``BlockStore`` over a Redis server or Redis Cluster (see the module docstring).
+
+    Args:
+        codec: encodes blocks and verifies every value read back.
+        url: ``redis://[user:password@]host:port/db`` or ``rediss://`` for TLS; with
+            ``cluster=True`` any node of the cluster. Exactly one of ``url`` and ``client``.
+        cluster: build a ``RedisCluster`` client from ``url`` instead of a ``Redis``.
+        client: an already built ``redis.Redis`` / ``RedisCluster`` (decode_responses=False).
+            The caller owns it: ``close()`` does not close it, and its retry settings are its
+            own.
+        key_prefix: first part of every key; lets several deployments share one Redis.
+        ttl_s: expiry of each key in seconds (restarted by every hit); None for no expiry.
+        socket_timeout_s: bound on each socket read/write: the most a stalled Redis can add to
+            one request.
+        connect_timeout_s: bound on opening a connection.
+        breaker: gates calls while Redis keeps failing; default ``CircuitBreaker()``.
+        max_value_bytes: values longer than this are rejected unread; default from the codec's
+            layout (``default_max_value_bytes``).
+
+    Raises:
+        TierConfigError: neither or both of url/client, a bad client, ttl or max_value_bytes.
+    """
+
+    name = "redis"
+
+    def __init__(
+        self,
+        codec: BlockCodec,
+        *,
+        url: str | None = None,
+        cluster: bool = False,
+        client: object | None = None,
+        key_prefix: str = "kvgate",
+        ttl_s: float | None = 3600.0,
+        socket_timeout_s: float = 0.25,
+        connect_timeout_s: float = 0.25,
+        breaker: CircuitBreaker | None = None,
+        max_value_bytes: int | None = None,
+    ) -> None:
+        if (url is None) == (client is None):
+            raise TierConfigError("RedisStore needs exactly one of url= and client=")
+        if client is not None and not isinstance(client, (redis.Redis, RedisCluster)):
+            raise TierConfigError(
+                f"client must be a redis.Redis or RedisCluster, got {type(client).__name__}"
+            )
+        if ttl_s is not None and not ttl_s > 0:
+            raise TierConfigError(f"ttl_s must be > 0 or None, got {ttl_s}")
+        if max_value_bytes is None:
+            max_value_bytes = default_max_value_bytes(codec.layout, codec.block_tokens)
+        if max_value_bytes < 1:
+            raise TierConfigError(f"max_value_bytes must be >= 1, got {max_value_bytes}")
+        self._codec = codec
+        self._url = url
+        self._is_cluster = cluster or isinstance(client, RedisCluster)
+        self._client: _Client | None = (
+            client if isinstance(client, (redis.Redis, RedisCluster)) else None
+        )
+        self._owns_client = client is None
+        self._key_prefix = key_prefix
+        self._ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
+        self._socket_timeout_s = socket_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._breaker = breaker if breaker is not None else CircuitBreaker()
+        self._max_value_bytes = max_value_bytes
+        self._where = _redact_url(url) if url is not None else "an injected client"
+        self._secrets = _url_secrets(url) if url is not None else ()
+        self._lock = threading.Lock()  # counters, the known-key map, the outage flag
+        self._client_lock = threading.Lock()  # building the client
+        self._stats = StoreStats(name=self.name)
+        self._num_errors_by_kind: dict[str, int] = {}
+        self._num_skipped = 0
+        self._num_dropped_puts = 0
+        self._num_put_existing = 0
+        self._num_not_decoded = 0
+        self._num_delete_unknown = 0
+        self._last_rtt_ms = 0.0
+        self._block_key_to_redis_key: OrderedDict[BlockKey, str] = OrderedDict()
+        self._is_in_outage = False  # an outage warning was logged and not yet followed by success
+        self._is_started = False
+        self._is_closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Build the client and PING once. Never fails because Redis is down or refuses us:
+        that logs one warning, opens the breaker, and the tier serves misses until a probe
+        succeeds.
+
+        Raises:
+            TierConfigError: the URL cannot be parsed.
+        """
+        if self._is_started:
+            return
+        self._is_started = True
+        try:
+            client = self._ensure_client()
+            began = time.perf_counter()
+            client.ping()
+        except _REDIS_FAULTS as exc:
+            if isinstance(exc, DataError):
+                raise
+            self._breaker.trip()
+            self._count_error(exc)
+            self._enter_outage(exc)
+            return
+        self._on_success(began)
+        logger.info("redis tier ready at %s", self._where)
+
+    def close(self) -> None:
+        """Close the client this store built (an injected client is left to its owner)."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        with self._client_lock:
+            client, self._client = self._client, None
+        if client is not None and self._owns_client:
+            client.close()
+
+    # ------------------------------------------------------------------ BlockStore
+
+    def put(self, meta: BlockMeta, block: KVBlock) -> None:
+        self.put_many([(meta, block)])
+
+    def get(self, meta: BlockMeta) -> KVBlock | None:
+        return self.get_many([meta])[0]
+
+    def put_many(self, items: Sequence[tuple[BlockMeta, KVBlock]]) -> None:
+        """Store a chain with one pipelined ``SET NX PX`` per block, in one round trip.
+
+        Dropped (and counted) when the breaker is open or Redis fails; nothing is encoded then.
+
+        Raises:
+            TierConfigError: the codec produced a value over ``max_value_bytes`` (it could
+                never be read back: the bound is misconfigured).
+        """
+        if not items:
+            return
+        client = self._admit()
+        if client is None:
+            with self._lock:
+                self._num_dropped_puts += len(items)
+            return
+        redis_keys = [self._remember(meta) for meta, _ in items]
+        values = [self._codec.encode(meta, block) for meta, block in items]
+        for value in values:
+            if len(value) > self._max_value_bytes:
+                raise TierConfigError(
+                    f"an encoded block is {len(value)} bytes, over max_value_bytes="
+                    f"{self._max_value_bytes}; raise max_value_bytes"
+                )
+        began = time.perf_counter()
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for redis_key, value in zip(redis_keys, values, strict=True):
+                    pipe.set(redis_key, value, nx=True, px=self._ttl_ms)
+                replies = pipe.execute(raise_on_error=False)
+            _raise_first_error(replies)
+        except _REDIS_FAULTS as exc:
+            self._on_fault(exc)
+            with self._lock:
+                self._num_dropped_puts += len(items)
+            return
+        self._on_success(began)
+        num_new = sum(1 for reply in replies if reply)
+        with self._lock:
+            self._stats.puts += num_new
+            self._num_put_existing += len(replies) - num_new
+
+    def get_many(self, metas: Sequence[BlockMeta]) -> list[KVBlock | None]:
+        """Fetch a chain in one pipelined round trip; the answer is prefix-shaped.
+
+        Returns:
+            One entry per meta. If position i is None, every position after i is None too:
+            the caller uses the leading run of blocks only. Values after the first miss are
+            not decoded (a child is useless without its parent).
+        """
+        results: list[KVBlock | None] = [None] * len(metas)
+        if not metas:
+            return results
+        client = self._admit()
+        if client is None:
+            with self._lock:
+                self._stats.misses += len(metas)
+            return results
+        redis_keys = [self._remember(meta) for meta in metas]
+        began = time.perf_counter()
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for redis_key in redis_keys:
+                    # NOTE: the end index is inclusive, so an oversized value shows as
+                    # max_value_bytes + 1 bytes and is never read whole.
+                    pipe.getrange(redis_key, 0, self._max_value_bytes)
+                    if self._ttl_ms is not None:
+                        pipe.pexpire(redis_key, self._ttl_ms)
+                replies = pipe.execute(raise_on_error=False)
+            values = replies[:: 1 if self._ttl_ms is None else 2]
+            _raise_first_error(replies, allow=_is_wrong_type)
+        except _REDIS_FAULTS as exc:
+            self._on_fault(exc)
+            with self._lock:
+                self._stats.misses += len(metas)
+            return results
+        self._on_success(began)
+
+        num_hits = 0
+        poison_key: str | None = None
+        for i, (meta, value) in enumerate(zip(metas, values, strict=True)):
+            block = None
+            if isinstance(value, ResponseError):  # WRONGTYPE: not a string, not ours
+                poison_key = self._reject(redis_keys[i], "type")
+            elif not value:
+                pass  # absent (GETRANGE answers "" for a missing key; we never store "")
+            elif not isinstance(value, bytes):
+                raise TierConfigError("the Redis client must be built with decode_responses=False")
+            elif len(value) > self._max_value_bytes:
+                poison_key = self._reject(redis_keys[i], "size")
+            else:
+                try:
+                    block = self._codec.decode(value, meta)
+                except CodecError as exc:
+                    poison_key = self._reject(redis_keys[i], exc.reason)
+            if block is None:
+                break
+            results[i] = block
+            num_hits += 1
+        with self._lock:
+            self._stats.hits += num_hits
+            self._stats.misses += len(metas) - num_hits
+            self._num_not_decoded += max(0, len(metas) - num_hits - 1)
+        if poison_key is not None:
+            self._unlink(client, [poison_key])
+        return results
+
+    def delete(self, key: BlockKey) -> None:
+        """Delete a block this process put or got recently (see ``delete_meta`` otherwise).
+
+        NOTE: a Redis key needs the namespace digest, which ``key`` alone does not carry; a
+        key this store has not seen (or has forgotten) is counted in ``notes`` and ignored.
+        """
+        with self._lock:
+            redis_key = self._block_key_to_redis_key.get(key)
+            if redis_key is None:
+                self._num_delete_unknown += 1
+                return
+        self._delete_redis_key(redis_key)
+
+    def delete_meta(self, meta: BlockMeta) -> None:
+        """Delete any block, given its meta (the general form of ``delete``)."""
+        self._delete_redis_key(self._remember(meta))
+
+    def contains(self, key: BlockKey) -> bool:
+        """EXISTS for a block this process put or got recently; False when unknown or on error."""
+        with self._lock:
+            redis_key = self._block_key_to_redis_key.get(key)
+        return redis_key is not None and self._exists(redis_key)
+
+    def contains_meta(self, meta: BlockMeta) -> bool:
+        """EXISTS for any block, given its meta; False on error. Does not verify the value."""
+        return self._exists(self._remember(meta))
+
+    def flush_namespace(self, namespace_digest: bytes) -> int:
+        """Remove every key of one namespace (admin eviction of a tenant); SCAN + UNLINK on
+        every master. Returns how many keys were removed.
+
+        A Redis fault stops the flush: it is counted, logged as a warning saying how far it
+        got, and the keys left behind expire with their TTL; run it again to finish.
+        """
+        client = self._admit()
+        if client is None:
+            logger.warning("redis tier at %s is unavailable: namespace not flushed", self._where)
+            return 0
+        prefix = f"{self._key_prefix}:{namespace_digest.hex()}:"
+        with self._lock:
+            for key, redis_key in list(self._block_key_to_redis_key.items()):
+                if redis_key.startswith(prefix):
+                    del self._block_key_to_redis_key[key]
+        num_removed = 0
+        began = time.perf_counter()
+        try:
+            batch: list[bytes] = []
+            for found in self._scan(client, _glob_escape(prefix) + "*"):
+                batch.append(found)
+                if len(batch) >= _FLUSH_BATCH:
+                    num_removed += _unlink_all(client, batch)
+                    batch = []
+            if batch:
+                num_removed += _unlink_all(client, batch)
+        except _REDIS_FAULTS as exc:
+            self._on_fault(exc)
+            logger.warning(
+                "flushing a namespace from the redis tier at %s stopped after %d keys: %s",
+                self._where,
+                num_removed,
+                self._describe(exc),
+            )
+        else:
+            self._on_success(began)
+        with self._lock:
+            self._stats.deletes += num_removed
+        return num_removed
+
+    def stats(self) -> StoreStats:
+        """A snapshot of the counters. ``num_blocks``/``num_bytes`` stay 0: Redis holds the
+        blocks of every replica and its size is Redis's to report."""
+        state = self._breaker.state
+        with self._lock:
+            s = self._stats
+            notes: dict[str, int | float | str] = {
+                "breaker": state,
+                "last_rtt_ms": round(self._last_rtt_ms, 3),
+                "num_skipped_breaker_open": self._num_skipped,
+                "num_dropped_puts": self._num_dropped_puts,
+                "num_put_existing": self._num_put_existing,
+                "num_not_decoded_after_miss": self._num_not_decoded,
+                "num_delete_unknown": self._num_delete_unknown,
+            }
+            for kind, count in sorted(self._num_errors_by_kind.items()):
+                notes[f"errors.{kind}"] = count
+            return StoreStats(
+                name=self.name,
+                hits=s.hits,
+                misses=s.misses,
+                puts=s.puts,
+                deletes=s.deletes,
+                errors=s.errors,
+                verification_failures=dict(s.verification_failures),
+                is_available=state != "open" and self._is_started and not self._is_closed,
+                notes=notes,
+            )
+
+    # ------------------------------------------------------------------ internals
+
+    def redis_key(self, meta: BlockMeta) -> str:
+        """The Redis key that holds a block (for admin tools and tests)."""
+        return f"{self._key_prefix}:{meta.namespace_digest.hex()}:{meta.key.hex()}"
+
+    def _remember(self, meta: BlockMeta) -> str:
+        redis_key = self.redis_key(meta)
+        with self._lock:
+            self._block_key_to_redis_key[meta.key] = redis_key
+            self._block_key_to_redis_key.move_to_end(meta.key)
+            if len(self._block_key_to_redis_key) > _NUM_KNOWN_KEYS:
+                self._block_key_to_redis_key.popitem(last=False)
+        return redis_key
+
+    def _admit(self) -> _Client | None:
+        """The client to use now, or None when the breaker refuses (no network touched)."""
+        if not self._is_started or self._is_closed:
+            raise RuntimeError("RedisStore used before start() or after close()")
+        if not self._breaker.allow():
+            with self._lock:
+                self._num_skipped += 1
+            return None
+        try:
+            return self._ensure_client()
+        except _REDIS_FAULTS as exc:  # a cluster client connects while it is built
+            self._on_fault(exc)
+            return None
+
+    def _ensure_client(self) -> _Client:
+        with self._client_lock:
+            if self._client is None:
+                if self._is_closed:
+                    raise RuntimeError("RedisStore used after close()")
+                self._client = self._build_client()
+            return self._client
+
+    def _build_client(self) -> _Client:
+        assert self._url is not None  # no url means an injected client, never rebuilt
+        options: dict[str, Any] = {
+            "socket_timeout": self._socket_timeout_s,
+            "socket_connect_timeout": self._connect_timeout_s,
+            # NOTE: no client-side retries: a retry doubles the stall of a request while the
+            # caller could be recomputing; the breaker decides when to try again.
+            "retry": Retry(NoBackoff(), 0),
+        }
+        try:
+            if self._is_cluster:
+                return RedisCluster.from_url(self._url, **options)
+            return redis.Redis.from_url(self._url, **options)
+        except ValueError as exc:
+            # NOTE: `from None`: the original message may quote the URL, password included.
+            raise TierConfigError(f"bad Redis URL {self._where}: {self._scrub(str(exc))}") from None
+
+    def _scan(self, client: _Client, pattern: str) -> Iterator[bytes]:
+        if isinstance(client, RedisCluster):
+            keys: Iterable[Any] = client.scan_iter(
+                match=pattern, count=_SCAN_COUNT, target_nodes=RedisCluster.PRIMARIES
+            )
+        else:
+            keys = client.scan_iter(match=pattern, count=_SCAN_COUNT)
+        for key in keys:
+            yield bytes(key)
+
+    def _reject(self, redis_key: str, reason: str) -> str:
+        with self._lock:
+            self._stats.count_failure(reason)
+        logger.debug("redis value at %s failed verification (%s); deleting it", redis_key, reason)
+        return redis_key
+
+    def _unlink(self, client: _Client, redis_keys: list[str]) -> bool:
+        began = time.perf_counter()
+        try:
+            num = _unlink_all(client, redis_keys)
+        except _REDIS_FAULTS as exc:
+            self._on_fault(exc)
+            return False
+        self._on_success(began)
+        with self._lock:
+            self._stats.deletes += num
+        return True
+
+    def _delete_redis_key(self, redis_key: str) -> None:
+        client = self._admit()
+        if client is not None:
+            self._unlink(client, [redis_key])
+
+    def _exists(self, redis_key: str) -> bool:
+        client = self._admit()
+        if client is None:
+            return False
+        began = time.perf_counter()
+        try:
+            num = client.exists(redis_key)
+        except _REDIS_FAULTS as exc:
+            self._on_fault(exc)
+            return False
+        self._on_success(began)
+        return bool(num)
+
+    def _on_success(self, began: float) -> None:
+        self._breaker.record_success()
+        with self._lock:
+            self._last_rtt_ms = (time.perf_counter() - began) * 1000.0
+            was_in_outage, self._is_in_outage = self._is_in_outage, False
+        if was_in_outage:
+            logger.info("redis tier at %s is available again", self._where)
+
+    def _on_fault(self, exc: BaseException) -> None:
+        """Count a Redis fault, tell the breaker, and warn once per outage."""
+        if isinstance(exc, DataError):
+            raise exc  # bad arguments from us: a bug
+        self._count_error(exc)
+        if isinstance(exc, OutOfMemoryError):
+            # Redis answered but is full (maxmemory with noeviction): writes fail, reads work.
+            logger.debug("redis tier at %s is full: %s", self._where, self._describe(exc))
+            return
+        if isinstance(exc, _AUTH_FAULTS):
+            self._breaker.trip()
+        else:
+            self._breaker.record_failure()
+        if self._breaker.state != "closed":
+            self._enter_outage(exc)
+        else:
+            logger.debug("redis call failed: %s", self._describe(exc))
+
+    def _count_error(self, exc: BaseException) -> None:
+        kind = type(exc).__name__
+        with self._lock:
+            self._stats.errors += 1
+            self._num_errors_by_kind[kind] = self._num_errors_by_kind.get(kind, 0) + 1
+
+    def _enter_outage(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._is_in_outage:
+                return
+            self._is_in_outage = True
+        if isinstance(exc, _AUTH_FAULTS):
+            why = "authentication failed (check the user and password in the Redis URL)"
+        else:
+            why = "unreachable or failing"
+        logger.warning(
+            "redis tier at %s is off: %s (%s); serving misses, probing every %.1f s",
+            self._where,
+            why,
+            self._describe(exc),
+            self._breaker.reset_after_s,
+        )
+
+    def _describe(self, exc: BaseException) -> str:
+        return f"{type(exc).__name__}: {self._scrub(str(exc))}"
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+
+def _raise_first_error(
+    replies: list[Any], allow: Callable[[Exception], bool] | None = None
+) -> None:
+    """Pipelines with raise_on_error=False return server errors inline; raise the first one
+    that ``allow`` does not accept (connection errors are raised by redis-py itself)."""
+    for reply in replies:
+        if isinstance(reply, Exception) and not (allow is not None and allow(reply)):
+            raise reply
+
+
+def _is_wrong_type(reply: Exception) -> bool:
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
+
+
+def _unlink_all(client: _Client, redis_keys: Sequence[str | bytes]) -> int:
+    """UNLINK keys in one pipeline (a cluster pipeline sends each node its own keys)."""
+    with client.pipeline(transaction=False) as pipe:
+        for redis_key in redis_keys:
+            pipe.unlink(redis_key)
+        replies = pipe.execute(raise_on_error=False)
+    _raise_first_error(replies)
+    return sum(int(reply) for reply in replies)
+
+
+def _glob_escape(text: str) -> str:
+    """Escape Redis glob specials so a key prefix matches literally in SCAN MATCH."""
+    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
+
+
+def _url_secrets(url: str) -> tuple[str, ...]:
+    """The password of a Redis URL (userinfo or ?password=), raw and percent-encoded."""
+    parts = urlsplit(url)
+    found = [parts.password or ""]
+    found += [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "password"]
+    secrets: set[str] = set()
+    for secret in found:
+        if secret:
+            secrets.update({secret, quote(secret, safe="")})
+    return tuple(sorted(secrets, key=len, reverse=True))
+
+
+def _redact_url(url: str) -> str:
+    """The URL with its password replaced by ``***`` (safe for logs)."""
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            userinfo, _, hostport = netloc.rpartition("@")
+            user = userinfo.split(":", 1)[0]
+            netloc = f"{user}:***@{hostport}"
+        query = urlencode(
+            [
+                (k, "***" if k == "password" else v)
+                for k, v in parse_qsl(parts.query, keep_blank_values=True)
+            ]
+        )
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:
+        return "<unparseable Redis URL>"
