@@ -3,6 +3,7 @@
 #   make test                       lint + the whole test suite
 #   make test TORCH_SPEC='torch'    use another torch build (default: the CPU build pinned below)
 #   make lint                       ruff + mypy only
+#   make serve                      the gateway on 127.0.0.1:50051 (prints a dev API key)
 #   make bench-index                the index benchmark (printed figures, see README)
 
 PYTHON      ?= python3
@@ -43,9 +44,11 @@ redis-server:
 test: lint redis-server
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The gateway on 127.0.0.1:50051 with device + host + disk tiers (disk under data/kv). With no
+# keys configured it prints a development key for tenant `default` (kept in data/dev-api-key);
+# from another terminal: .venv/bin/kvgate generate "Hello"
 serve: $(STAMP)
-	@echo "make serve arrives with the gateway issue (gRPC service and model worker); see README.md" >&2
-	@exit 2
+	$(VENV)/bin/kvgate serve --host 127.0.0.1 --port 50051 --data-dir data
 
 bench-index: $(STAMP)
 	$(VENV)/bin/kvgate bench index

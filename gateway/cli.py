@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
+import os
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,7 +37,62 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--repeats", type=int, default=5)
     tiers.add_argument("--redis-url", default=None,
                        help="use this Redis instead of starting a redis-server on loopback")
+    _add_serve(sub)
+    _add_generate(sub)
     return parser
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve", help="run the gateway (gRPC kvgate.v1, health, reflection)",
+        description="Run the gateway until SIGTERM or Ctrl-C. With no API keys configured "
+                    "(config file, KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) a development key for "
+                    "tenant 'default' is created, printed and kept in DATA_DIR/dev-api-key.")
+    serve.add_argument("--config", type=Path, default=None,
+                       help="a .toml or .json configuration (see gateway/serve_config.py)")
+    serve.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="listen port (default: 50051)")
+    serve.add_argument("--data-dir", type=Path, default=None,
+                       help="disk tier, model cache, secret and dev key (default: data)")
+    serve.add_argument("--model", default=None,
+                       help="'bundled' (SmolLM2-135M-Instruct, the default) or a checkpoint "
+                            "directory")
+    serve.add_argument("--allow-insecure-remote", action="store_true", default=None,
+                       help="listen on a non-loopback address without TLS (API keys travel "
+                            "in the clear: only behind a TLS-terminating proxy)")
+    serve.add_argument("--log-level", default="INFO",
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _add_generate(sub: Any) -> None:
+    gen = sub.add_parser(
+        "generate", help="send one prompt to a running gateway and stream the answer",
+        description="Writes only the generated text to stdout, and one usage line "
+                    "(cached_tokens=N, per tier, ttft_ms=...) to stderr.")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt (with --messages: appended as a last user message)")
+    gen.add_argument("--host", default="127.0.0.1")
+    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument("--api-key", default=None,
+                     help="API key (default: $KVGATE_API_KEY, else DATA_DIR/dev-api-key for a "
+                          "gateway on this machine); other users can see it in `ps`, so "
+                          "prefer the environment variable")
+    gen.add_argument("--data-dir", type=Path, default=Path("data"),
+                     help="where `kvgate serve` keeps dev-api-key (default: %(default)s)")
+    gen.add_argument("--messages", type=Path, default=None,
+                     help="a JSON file: a list of {role, content}, or {messages, tools}")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--no-cache", action="store_true",
+                     help="nothing of this request is read from or stored in any tier")
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    gen.add_argument("--tls", action="store_true", help="connect with TLS")
+    gen.add_argument("--ca-cert", type=Path, default=None,
+                     help="PEM of the CA that signed the gateway's certificate")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,7 +111,131 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_tiers_benchmark(model=args.model, cache_dir=args.data_dir / "models",
                             repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url)
         return 0
-    return 2
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args, out=sys.stdout, err=sys.stderr, env=os.environ)
+    return EXIT_USAGE
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.errors import GatewayError
+    from gateway.serve_config import ConfigError, load_serve_config
+    from gateway.server import ServeError, serve
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_serve_config(
+            args.config,
+            env=os.environ,
+            overrides={"host": args.host, "port": args.port, "data_dir": args.data_dir,
+                       "model": args.model, "allow_insecure_remote": args.allow_insecure_remote},
+        )
+    except ConfigError as exc:
+        sys.stderr.write(f"kvgate serve: {exc}\n")
+        return EXIT_USAGE
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def announce(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    try:
+        serve(config, env=os.environ, stop_requested=stop_requested, announce=announce)
+    except (ConfigError, ServeError, GatewayError) as exc:
+        sys.stderr.write(f"kvgate serve: {exc}\n")
+        return EXIT_FAILED
+    return 0
+
+
+def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
+              env: Mapping[str, str]) -> int:
+    from gateway.auth import is_loopback
+    from gateway.client import KvgateClient, KvgateError
+    from gateway.requests import TokenDelta, Usage
+
+    try:
+        messages, tools = _read_messages(args.messages)
+    except (OSError, ValueError) as exc:
+        err.write(f"kvgate generate: --messages {args.messages}: {exc}\n")
+        return EXIT_USAGE
+    prompt = args.prompt
+    if messages is not None and prompt is not None:
+        messages.append({"role": "user", "content": prompt})
+        prompt = None
+    if messages is None and prompt is None:
+        err.write("kvgate generate: give a PROMPT or --messages FILE\n")
+        return EXIT_USAGE
+    api_key = args.api_key or env.get("KVGATE_API_KEY") or None
+    dev_key = args.data_dir / "dev-api-key"
+    if api_key is None and is_loopback(args.host) and dev_key.is_file():
+        api_key = dev_key.read_text(encoding="ascii").strip()
+    root_certificates = args.ca_cert.read_bytes() if args.ca_cert is not None else None
+    usage: Usage | None = None
+    ends_with_newline = True
+    try:
+        with KvgateClient(args.host, args.port, api_key, tls=args.tls,
+                          root_certificates=root_certificates, timeout_s=args.timeout) as client:
+            stream = client.generate(
+                prompt, messages=messages, tools=tools, max_tokens=args.max_tokens,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed, stop=args.stop, no_cache=args.no_cache,
+            )
+            for item in stream:
+                if isinstance(item, TokenDelta):
+                    if item.text:
+                        out.write(item.text)
+                        out.flush()
+                        ends_with_newline = item.text.endswith("\n")
+                else:
+                    usage = item
+    except (KvgateError, ValueError) as exc:
+        err.write(f"kvgate generate: {exc}\n")
+        return EXIT_FAILED
+    if out.isatty() and not ends_with_newline:
+        out.write("\n")
+        out.flush()
+    if usage is not None:
+        err.write(usage_line(usage) + "\n")
+    return 0
+
+
+def usage_line(usage: Any) -> str:
+    """The one-line usage summary ``kvgate generate`` writes to stderr."""
+    tiers = ",".join(f"{tier}:{n}" for tier, n in sorted(usage.cached_tokens_by_tier.items()))
+    return (f"prompt_tokens={usage.prompt_tokens} cached_tokens={usage.cached_tokens} "
+            f"cached_by_tier={tiers or '-'} completion_tokens={usage.completion_tokens} "
+            f"ttft_ms={usage.ttft_ms:.1f} total_ms={usage.total_ms:.1f} "
+            f"finish={usage.finish_reason}")
+
+
+def _read_messages(
+    path: Path | None,
+) -> tuple[list[dict[str, str]] | None, list[dict[str, Any]] | None]:
+    """Messages (and tools) from a JSON file: ``[{role, content}, ...]`` or
+    ``{"messages": [...], "tools": [...]}``."""
+    if path is None:
+        return None, None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    tools = None
+    if isinstance(data, dict):
+        tools = data.get("tools")
+        data = data.get("messages")
+    if not isinstance(data, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in data
+    ):
+        raise ValueError("expected a JSON list of {\"role\": ..., \"content\": ...} objects")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("`tools` must be a list of JSON objects")
+    return [{"role": m["role"], "content": m["content"]} for m in data], tools
 
 
 if __name__ == "__main__":

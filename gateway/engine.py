@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -118,6 +119,7 @@ class _Job:
     events: queue.SimpleQueue[Event | BaseException | None] = field(
         default_factory=queue.SimpleQueue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    usage_sent: bool = False
     warm_result: WarmResult | None = None
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -290,6 +292,10 @@ class Engine:
             num_blocks = len(tokens) // bt
         else:
             match = self._cache.lookup(self._namespace(request.scope), tokens)
+            if request.scope.kind == "tenant":
+                shared = self._cache.lookup(self._namespace(Scope.shared()), tokens)
+                if shared.num_blocks > match.num_blocks:
+                    match = shared
             match_tiers, diverges, num_blocks = (
                 match.tiers, match.diverges_at_block, match.num_prompt_blocks)
         by_tier: dict[str, int] = {}
@@ -361,6 +367,8 @@ class Engine:
         job.done.set()
 
     def _check(self, job: _Job) -> None:
+        if job.usage_sent:
+            return  # the answer is delivered: storing its blocks is not the client's to stop
         if job.cancelled.is_set():
             raise RequestCancelled("the request was cancelled")
         if self._clock() > job.deadline:
@@ -424,21 +432,32 @@ class Engine:
         ttl = request.cache.ttl_s if request.cache.ttl_s is not None else (
             self._config.default_ttl_s)
         top_tier = self._cache.tier_names[0]
-        with self._cache.acquire(namespace, tokens) as lease:
+        with ExitStack() as stack:
+            lease = stack.enter_context(self._cache.acquire(namespace, tokens))
+            source = lease
+            if request.scope.kind == "tenant":
+                # Prompts an admin published in the shared scope are read by every tenant; what
+                # the tenant then stores goes to its own namespace, never to the shared one.
+                shared = stack.enter_context(
+                    self._cache.acquire(self._namespace(Scope.shared()), tokens))
+                if shared.match.num_blocks > lease.match.num_blocks:
+                    source = shared
             blocks = self._cache.load(
-                lease,
+                source,
                 recompute_s_per_token=self._prefill_s_per_token,
                 max_blocks=(len(tokens) - 1) // bt,
             )
             seq = KVSequence.from_blocks(self._loaded.layout, blocks, capacity,
                                          device=self._device)
             cached_by_tier: dict[str, int] = {}
-            for tier in lease.match.tiers:
+            for tier in source.match.tiers:
                 cached_by_tier[tier] = cached_by_tier.get(tier, 0) + bt
             logits = self._prefill(job, seq, ids, len(blocks) * bt, len(tokens))
             assert logits is not None
             num_full = len(tokens) // bt
-            fresh = [seq.block(i, bt) for i in range(len(blocks), num_full)]
+            own = lease.match.num_blocks
+            fresh = [blocks[i] if i < len(blocks) else seq.block(i, bt)
+                     for i in range(own, num_full)]
             self._cache.insert(lease, tier=top_tier, blocks=fresh, ttl_s=ttl)
             generated = self._decode(job, seq, logits, tokens, cached_by_tier=cached_by_tier)
         if self._config.store_generated_blocks and generated:
@@ -488,6 +507,7 @@ class Engine:
                 finish_reason=finish,
             )
         )
+        job.usage_sent = True
         return generated
 
     def _store_generated(self, job: _Job, namespace: Namespace, seq: KVSequence,

@@ -196,7 +196,7 @@ class RedisServer:
         if self.is_running:
             raise RuntimeError(f"redis-server on port {self.port} is already running")
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.workdir / "redis.log", "ab")  # noqa: SIM115 (closed in _reap)
+        self._log = open(self.workdir / "redis.log", "ab")  # closed in _reap()
         self._proc = subprocess.Popen(
             self.argv(), stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
         )

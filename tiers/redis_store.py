@@ -21,10 +21,12 @@ around three rules:
   one chain spread over the cluster's slots and pipelines are split per node by redis-py.
 
 Batches: ``get_many``/``put_many`` send a whole chain in one pipelined round trip (one per
-node on a cluster). ``get_many`` returns a *prefix-shaped* answer: a block is only useful with
-all its ancestors, so after the first miss at position i every later position is None (those
-values are not even decoded), even if Redis held them; Redis's own eviction can drop a parent
-and keep its child, and the child must never be used.
+node on a cluster; if one node of a cluster is down, the whole call is a miss: a chain spans
+every node, so its usable prefix would end there almost at once anyway). ``get_many``
+returns a *prefix-shaped* answer: a block is only useful with all its ancestors, so after the
+first miss at position i every later position is None (those values are not even decoded),
+even if Redis held them; Redis's own eviction can drop a parent and keep its child, and the
+child must never be used.
 
 Keys need the namespace digest, which ``BlockStore.delete(key)`` and ``contains(key)`` do not
 carry: the store remembers the Redis key of the last ``_NUM_KNOWN_KEYS`` blocks this process put
@@ -111,8 +113,9 @@ class RedisStore(BatchDefaults):
             own.
         key_prefix: first part of every key; lets several deployments share one Redis.
         ttl_s: expiry of each key in seconds (restarted by every hit); None for no expiry.
-        socket_timeout_s: bound on each socket read/write: the most a stalled Redis can add to
-            one request.
+        socket_timeout_s: bound on each socket read/write, so a Redis that stalls costs one
+            timeout. NOTE: it bounds each read, not the call: a Redis that drips bytes faster
+            than this stretches a call without failing it (it still never yields garbage).
         connect_timeout_s: bound on opening a connection.
         breaker: gates calls while Redis keeps failing; default ``CircuitBreaker()``.
         max_value_bytes: values longer than this are rejected unread; default from the codec's
@@ -215,6 +218,13 @@ class RedisStore(BatchDefaults):
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None and self._owns_client:
+            if isinstance(client, RedisCluster):
+                # NOTE: RedisCluster.close() (redis-py 8.1) closes each node's Redis object, but a
+                # node built from a URL gets its pool passed in, and Redis.close() only closes
+                # pools it made itself: the sockets would stay open until garbage collection.
+                for node in list(client.nodes_manager.nodes_cache.values()):
+                    if node.redis_connection is not None:
+                        node.redis_connection.connection_pool.disconnect()
             client.close()
 
     # ------------------------------------------------------------------ BlockStore
@@ -543,7 +553,9 @@ class RedisStore(BatchDefaults):
             raise exc  # bad arguments from us: a bug
         self._count_error(exc)
         if isinstance(exc, OutOfMemoryError):
-            # Redis answered but is full (maxmemory with noeviction): writes fail, reads work.
+            # Redis answered but is full (maxmemory with noeviction): writes fail, reads work,
+            # so this is no reason to stop reading.
+            self._breaker.record_success()
             logger.debug("redis tier at %s is full: %s", self._where, self._describe(exc))
             return
         if isinstance(exc, _AUTH_FAULTS):

@@ -361,3 +361,29 @@ def test_eight_concurrent_clients_get_their_sequential_outputs(engine: Engine) -
         t.join(timeout=120)
     assert not errors
     assert [results[i] for i in range(8)] == expected
+
+
+def test_a_shared_prompt_is_read_by_every_tenant_and_never_written_by_them(
+    engine: Engine, opened: OpenedCache
+) -> None:
+    prompt = PROMPTS[7]
+    engine.warm(WarmRequest(prompt=prompt, scope=Scope.shared()))
+    shared_blocks = opened.cache.stats().num_blocks
+    cold, _, _ = run(engine, prompt, scope=BOB, no_cache=True)
+    warm, _, usage = run(engine, prompt, scope=BOB)
+    assert warm == cold and usage.cached_tokens > 0
+    assert engine.lookup(LookupRequest(prompt=prompt, scope=ALICE)).cached_tokens > 0
+    shared = [p for p in opened.cache.list_prefixes(owner="shared")]
+    assert sum(p.num_blocks for p in shared) == shared_blocks  # bob wrote only his own
+
+
+def test_cancelling_after_the_answer_keeps_its_blocks(engine: Engine) -> None:
+    handle = engine.generate(GenerateRequest(prompt=PROMPTS[3], scope=ALICE,
+                                             sampling=SamplingParams(max_tokens=40)))
+    events = list(handle)
+    handle.cancel()  # what gRPC's end-of-call callback does
+    assert isinstance(events[-1], Usage)
+    ids = [t for e in events if isinstance(e, TokenDelta) for t in e.token_ids]
+    history = engine._canonical(PROMPTS[3]).token_ids
+    continued = PromptInput(token_ids=[*map(int, history), *ids, 1])
+    assert run(engine, continued)[2].cached_tokens >= len(history) // BLOCK * BLOCK
