@@ -70,7 +70,11 @@ def _add_generate(sub: Any) -> None:
         description="Writes only the generated text to stdout, and one usage line "
                     "(cached_tokens=N, per tier, ttft_ms=...) to stderr.")
     gen.add_argument("prompt", nargs="?", default=None,
-                     help="the prompt (with --messages: appended as a last user message)")
+                     help="the prompt, sent as a user message through the model's chat "
+                          "template (with --messages: appended as a last user message; "
+                          "with --raw: sent as raw text)")
+    gen.add_argument("--raw", action="store_true",
+                     help="send PROMPT as raw text (completion) instead of a user message")
     gen.add_argument("--host", default="127.0.0.1")
     gen.add_argument("--port", type=int, default=50051)
     gen.add_argument("--api-key", default=None,
@@ -167,8 +171,10 @@ def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
         err.write(f"kvgate generate: --messages {args.messages}: {exc}\n")
         return EXIT_USAGE
     prompt = args.prompt
-    if messages is not None and prompt is not None:
-        messages.append({"role": "user", "content": prompt})
+    if prompt is not None and not args.raw:
+        # An instruct model answers a question asked through its chat template; sent raw,
+        # SmolLM2 often ends at once.
+        messages = [*(messages or []), {"role": "user", "content": prompt}]
         prompt = None
     if messages is None and prompt is None:
         err.write("kvgate generate: give a PROMPT or --messages FILE\n")
