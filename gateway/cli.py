@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--block-tokens", type=int, default=256)
     index.add_argument("--repeats", type=int, default=2000,
                        help="timed lookups per prompt length (default: %(default)s)")
+    chunks = bench_sub.add_parser("chunks", help="cold prefill time by chunk size "
+                                  "(to choose block_tokens)")
+    chunks.add_argument("--model", default="bundled")
+    chunks.add_argument("--data-dir", type=Path, default=Path("data"))
+    chunks.add_argument("--sizes", default="64,128,256,512")
+    chunks.add_argument("--prompt-tokens", type=int, default=2048)
+    chunks.add_argument("--repeats", type=int, default=3)
     tiers = bench_sub.add_parser("tiers", help="put/get of a real prefix per tier vs raw limits")
     tiers.add_argument("--model", default="bundled",
                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
@@ -37,9 +44,69 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--repeats", type=int, default=5)
     tiers.add_argument("--redis-url", default=None,
                        help="use this Redis instead of starting a redis-server on loopback")
+    _add_bench_ttft(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
     return parser
+
+
+def _add_bench_ttft(bench_sub: Any) -> None:
+    ttft = bench_sub.add_parser(
+        "ttft", help="cold vs warm time to first token per tier, beside transformers and "
+                     "llama.cpp",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Cold vs warm TTFT for a shared prefix of each --lengths tokens plus a unique "
+            "--suffix-tokens suffix: kvgate cold (no_cache) and warm from each tier (device, "
+            "host, disk, Redis; the tier that served each request is read from its usage), "
+            "transformers' prompt-reuse recipe (DynamicCache + deepcopy) in this process, and "
+            "llama.cpp's LlamaRAMCache / LlamaDiskCache on the same GGUF (needs `make "
+            "bench-peers` once; otherwise those rows say n/a). One table per length, medians of "
+            "--repeats, and PASS/MISS against the targets at 2,048 tokens (information only).\n\n"
+            "The easy path:  kvgate bench ttft --spawn\n"
+            "  starts its own `kvgate serve` (and redis-server, if on PATH) on free loopback "
+            "ports with a temporary data directory, and stops them at the end.\n"
+            "Against a running gateway instead, forcing host/disk/Redis needs an admin key "
+            "(--admin-key or $KVGATE_ADMIN_KEY) and evicts the whole --tenant's blocks from those "
+            "tiers: use a gateway or tenant of its own.\n\n"
+            "Duration on 2 CPU cores with the bundled model: about 6 minutes for the defaults "
+            "with llama.cpp (a cold 4,096-token prefill is ~10 s per system and repeat); "
+            "--lengths 512,2048 --repeats 1 takes about 1 minute."
+        ))
+    ttft.add_argument("--spawn", action="store_true",
+                      help="start (and stop) a gateway of its own, and redis-server if on PATH")
+    ttft.add_argument("--lengths", default="512,2048,4096",
+                      help="comma-separated shared-prefix lengths in tokens, multiples of the "
+                           "block size (default: %(default)s)")
+    ttft.add_argument("--suffix-tokens", type=int, default=32,
+                      help="unique suffix per request (default: %(default)s)")
+    ttft.add_argument("--repeats", type=int, default=3,
+                      help="timed requests per row; the table shows medians (default: "
+                           "%(default)s)")
+    ttft.add_argument("--model", default="bundled",
+                      help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory: "
+                           "the same model the gateway serves")
+    ttft.add_argument("--data-dir", type=Path, default=Path("data"),
+                      help="model conversion cache (DATA_DIR/models) and, without --spawn, "
+                           "where the gateway keeps dev-api-key (default: %(default)s)")
+    ttft.add_argument("--block-tokens", type=int, default=256,
+                      help="the gateway's block size (with --spawn: the one it is given)")
+    ttft.add_argument("--host", default="127.0.0.1", help="without --spawn: the gateway")
+    ttft.add_argument("--port", type=int, default=50051, help="without --spawn: the gateway")
+    ttft.add_argument("--api-key", default=None,
+                      help="tenant key (default: $KVGATE_API_KEY, else DATA_DIR/dev-api-key)")
+    ttft.add_argument("--admin-key", default=None,
+                      help="admin key for the tier rows (default: $KVGATE_ADMIN_KEY)")
+    ttft.add_argument("--tenant", default="default",
+                      help="the tenant of --api-key, whose blocks are evicted to force a tier "
+                           "(default: %(default)s)")
+    ttft.add_argument("--redis-url", default=None,
+                      help="with --spawn: use this Redis instead of starting a redis-server")
+    ttft.add_argument("--peers-python", type=Path, default=None,
+                      help="interpreter with llama_cpp (default: .venv-peers/bin/python)")
+    ttft.add_argument("--no-peers", action="store_true", help="skip the llama.cpp rows")
+    ttft.add_argument("--timeout", type=float, default=600.0,
+                      help="deadline of each gateway call in seconds")
 
 
 def _add_serve(sub: Any) -> None:
@@ -108,6 +175,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_index_benchmark(sizes=sizes, block_tokens=args.block_tokens,
                             repeats=args.repeats, out=sys.stdout)
         return 0
+    if args.command == "bench" and args.bench == "chunks":
+        from gateway.bench_chunks import run_chunks_benchmark
+
+        run_chunks_benchmark(model=args.model, cache_dir=args.data_dir / "models",
+                             sizes=[int(s) for s in args.sizes.split(",")],
+                             prompt_tokens=args.prompt_tokens, repeats=args.repeats,
+                             out=sys.stdout)
+        return 0
     if args.command == "bench" and args.bench == "tiers":
         from gateway.bench_tiers import run_tiers_benchmark
 
@@ -115,11 +190,44 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_tiers_benchmark(model=args.model, cache_dir=args.data_dir / "models",
                             repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url)
         return 0
+    if args.command == "bench" and args.bench == "ttft":
+        return _bench_ttft(args, env=os.environ)
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
         return _generate(args, out=sys.stdout, err=sys.stderr, env=os.environ)
     return EXIT_USAGE
+
+
+def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
+    from gateway.auth import is_loopback
+    from gateway.bench_ttft import BenchError, TtftOptions, run_ttft_benchmark
+    from gateway.client import KvgateError
+    from gateway.model import ModelLoadError
+
+    try:
+        lengths = tuple(int(s) for s in args.lengths.split(",") if s.strip())
+    except ValueError:
+        sys.stderr.write(f"kvgate bench ttft: --lengths {args.lengths!r}: expected integers\n")
+        return EXIT_USAGE
+    api_key = args.api_key or env.get("KVGATE_API_KEY") or None
+    dev_key = args.data_dir / "dev-api-key"
+    if api_key is None and not args.spawn and is_loopback(args.host) and dev_key.is_file():
+        api_key = dev_key.read_text(encoding="ascii").strip()
+    options = TtftOptions(
+        lengths=lengths, suffix_tokens=args.suffix_tokens, repeats=args.repeats,
+        block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
+        spawn=args.spawn, host=args.host, port=args.port, api_key=api_key,
+        admin_key=args.admin_key or env.get("KVGATE_ADMIN_KEY") or None, tenant=args.tenant,
+        redis_url=args.redis_url, peers_python=args.peers_python,
+        with_peers=not args.no_peers, timeout_s=args.timeout,
+    )
+    try:
+        run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)
+    except (BenchError, KvgateError, ModelLoadError) as exc:
+        sys.stderr.write(f"kvgate bench ttft: {exc}\n")
+        return EXIT_FAILED
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
