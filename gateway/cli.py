@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+import textwrap
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -55,24 +56,28 @@ def _add_bench_ttft(bench_sub: Any) -> None:
         "ttft", help="cold vs warm time to first token per tier, beside transformers and "
                      "llama.cpp",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=(
-            "Cold vs warm TTFT for a shared prefix of each --lengths tokens plus a unique "
-            "--suffix-tokens suffix: kvgate cold (no_cache) and warm from each tier (device, "
-            "host, disk, Redis; the tier that served each request is read from its usage), "
-            "transformers' prompt-reuse recipe (DynamicCache + deepcopy) in this process, and "
-            "llama.cpp's LlamaRAMCache / LlamaDiskCache on the same GGUF (needs `make "
-            "bench-peers` once; otherwise those rows say n/a). One table per length, medians of "
-            "--repeats, and PASS/MISS against the targets at 2,048 tokens (information only).\n\n"
-            "The easy path:  kvgate bench ttft --spawn\n"
-            "  starts its own `kvgate serve` (and redis-server, if on PATH) on free loopback "
-            "ports with a temporary data directory, and stops them at the end.\n"
-            "Against a running gateway instead, forcing host/disk/Redis needs an admin key "
-            "(--admin-key or $KVGATE_ADMIN_KEY) and evicts the whole --tenant's blocks from those "
-            "tiers: use a gateway or tenant of its own.\n\n"
-            "Duration on 2 CPU cores with the bundled model: about 6 minutes for the defaults "
-            "with llama.cpp (a cold 4,096-token prefill is ~10 s per system and repeat); "
-            "--lengths 512,2048 --repeats 1 takes about 1 minute."
-        ))
+        description=textwrap.dedent("""\
+            Cold vs warm time to first token for a shared prefix of each --lengths tokens plus
+            a unique --suffix-tokens suffix, one table per length (medians of --repeats):
+              - kvgate cold (no_cache), and warm from each tier: device, host, disk, Redis (the
+                tier that served each request is read from its usage);
+              - transformers' prompt-reuse recipe (DynamicCache + deepcopy), in this process;
+              - llama.cpp's LlamaRAMCache / LlamaDiskCache on the same GGUF (2 threads; needs
+                `make bench-peers` once, otherwise those rows say n/a);
+            and PASS/MISS against the targets at 2,048 tokens (information only).
+
+            The easy path:  kvgate bench ttft --spawn
+              starts its own `kvgate serve` (and redis-server, if on PATH) on free loopback
+              ports with a temporary data directory, and stops them at the end.
+            Against a running gateway instead, forcing host/disk/Redis needs an admin key
+            (--admin-key or $KVGATE_ADMIN_KEY) and evicts the whole --tenant's blocks from
+            those tiers: give it a gateway or a tenant of its own.
+
+            Duration on 2 idle CPU cores with the bundled model: about 4.5 minutes for the
+            defaults, llama.cpp included (a cold 4,096-token prefill takes 9-15 s per system
+            and repeat); --lengths 512,2048 --repeats 1 about 1 minute. Other work on the
+            machine skews every figure: the report says how busy the CPU was.
+            """))
     ttft.add_argument("--spawn", action="store_true",
                       help="start (and stop) a gateway of its own, and redis-server if on PATH")
     ttft.add_argument("--lengths", default="512,2048,4096",
