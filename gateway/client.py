@@ -79,35 +79,35 @@ class KvgateError(Exception):
 
 
 class Unauthenticated(KvgateError):
-    pass
+    """No API key, or one the gateway does not know."""
 
 
 class PermissionDenied(KvgateError):
-    pass
+    """The key may not do this (an admin RPC, or the shared scope, with a tenant key)."""
 
 
 class InvalidArgument(KvgateError):
-    pass
+    """The request can never succeed as sent; the message says what to change."""
 
 
 class ResourceExhausted(KvgateError):
-    pass
+    """Too many requests waiting, or a message too large; retry later or send less."""
 
 
 class DeadlineExceeded(KvgateError):
-    pass
+    """The call ran past its deadline."""
 
 
 class Unavailable(KvgateError):
-    pass
+    """The gateway is loading or draining; retried automatically, then raised."""
 
 
 class Cancelled(KvgateError):
-    pass
+    """The call was cancelled."""
 
 
 class InternalError(KvgateError):
-    pass
+    """A fault inside the gateway (its log has the details)."""
 
 
 _ERROR_OF_CODE: dict[Any, type[KvgateError]] = {
