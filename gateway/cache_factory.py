@@ -19,6 +19,7 @@ from typing import Literal
 
 from gateway.prefix_cache import PrefixCache, TierSlot
 from policies.registry import ORDER_POLICIES, TierPolicyConfig, build_tier_policy
+from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
 from tiers.hierarchy import TierHierarchy, TierLevel
@@ -50,6 +51,8 @@ class CacheConfig:
         redis_ttl_s: expiry of blocks in Redis (restarted by hits).
         redis_timeout_s: bound on each Redis operation: the most a stalled Redis adds.
         redis_key_prefix: first part of every Redis key.
+        redis_retry_after_s: after Redis failed, how long the circuit breaker waits before
+            probing it again (meanwhile every request skips Redis at once).
         remote_write: write every new chain through to Redis.
         quotas: bytes per tenant (applied in every tier), e.g. {"tenant-a": 2 * GiB}.
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
@@ -68,6 +71,7 @@ class CacheConfig:
     redis_ttl_s: float = 3600.0
     redis_timeout_s: float = 0.25
     redis_key_prefix: str = "kvgate"
+    redis_retry_after_s: float = 5.0
     remote_write: bool = True
     quotas: Mapping[str, int] = field(default_factory=dict)
     compression: Literal["raw", "lz4", "auto"] = "raw"
@@ -94,6 +98,8 @@ class CacheConfig:
             errors.append("disk_bytes > 0 needs disk_path")
         if not (self.redis_timeout_s > 0 and math.isfinite(self.redis_timeout_s)):
             errors.append("redis_timeout_s must be a positive number of seconds")
+        if not (self.redis_retry_after_s > 0 and math.isfinite(self.redis_retry_after_s)):
+            errors.append("redis_retry_after_s must be a positive number of seconds")
         if not (self.redis_ttl_s > 0 and math.isfinite(self.redis_ttl_s)):
             errors.append("redis_ttl_s must be a positive number of seconds")
         for tenant, quota in self.quotas.items():
@@ -156,6 +162,7 @@ def open_cache(
             ttl_s=config.redis_ttl_s,
             socket_timeout_s=config.redis_timeout_s,
             connect_timeout_s=config.redis_timeout_s,
+            breaker=CircuitBreaker(reset_after_s=config.redis_retry_after_s),
         )
     hierarchy = TierHierarchy(levels, remote=remote)
     slots = [

@@ -48,6 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_ttft(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
+    config = sub.add_parser("config", help="the configuration file of `kvgate serve`")
+    config_sub = config.add_subparsers(dest="config", required=True)
+    config_sub.add_parser("example", help="print a commented example kvgate.toml")
+    from gateway.admin_cli import add_admin_parser
+    from gateway.prewarm import add_prewarm_parser
+
+    add_prewarm_parser(sub)
+    add_admin_parser(sub)
     return parser
 
 
@@ -201,6 +209,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(args)
     if args.command == "generate":
         return _generate(args, out=sys.stdout, err=sys.stderr, env=os.environ)
+    if args.command == "config" and args.config == "example":
+        from gateway.serve_config import EXAMPLE_CONFIG
+
+        sys.stdout.write(EXAMPLE_CONFIG)
+        return 0
+    if args.command == "prewarm":
+        from gateway.prewarm import run_prewarm
+
+        return run_prewarm(args, out=sys.stdout, err=sys.stderr, env=os.environ)
+    if args.command == "admin":
+        from gateway.admin_cli import run_admin
+
+        return run_admin(args, out=sys.stdout, err=sys.stderr, env=os.environ)
     return EXIT_USAGE
 
 

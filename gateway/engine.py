@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
@@ -59,6 +59,10 @@ from gateway.requests import (
 from gateway.sampling import Sampler
 from gateway.tokens import TokenIds, as_token_ids, tokens_from_bytes
 from policies.base import BlockKey
+from tiers.hierarchy import REMOTE as REMOTE_TIER
+
+if TYPE_CHECKING:
+    from gateway.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +160,7 @@ class Engine:
         config: engine settings.
         deployment_secret: keys every block namespace (16..64 bytes).
         clock: monotonic time source (deadlines, TTFT).
+        metrics: where each generation is recorded (None: nowhere).
     """
 
     def __init__(
@@ -166,6 +171,7 @@ class Engine:
         config: EngineConfig,
         deployment_secret: bytes,
         clock: Callable[[], float] = time.monotonic,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         if cache is not None and cache.block_tokens != config.block_tokens:
             raise ValueError(
@@ -175,6 +181,7 @@ class Engine:
         self._config = config
         self._secret = deployment_secret
         self._clock = clock
+        self._metrics = metrics
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_queue)
         self._thread: threading.Thread | None = None
         self._is_draining = False
@@ -328,14 +335,25 @@ class Engine:
                    deadline=limit if deadline is None else min(deadline, limit))
         with self._lock:
             if self._is_draining or self._thread is None:
-                raise EngineDraining("the server is shutting down; retry on another replica")
+                raise self._refused(kind, EngineDraining(
+                    "the server is shutting down; retry on another replica"))
             try:
                 self._queue.put_nowait(job)
             except queue.Full:
-                raise QueueFull(
+                raise self._refused(kind, QueueFull(
                     f"{self._config.max_queue} requests are already waiting; retry shortly"
-                ) from None
+                )) from None
+            self._note_queue_depth()
         return job
+
+    def _refused(self, kind: str, exc: GatewayError) -> GatewayError:
+        if self._metrics is not None and kind == "generate":
+            self._metrics.record_failure(exc)
+        return exc
+
+    def _note_queue_depth(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(self._queue.qsize())
 
     # ---- worker ------------------------------------------------------------------------
 
@@ -344,6 +362,7 @@ class Engine:
             job = self._queue.get()
             if job is None:
                 return
+            self._note_queue_depth()
             with self._lock:
                 self._current = job
             try:
@@ -362,6 +381,8 @@ class Engine:
                 job.done.set()
 
     def _fail(self, job: _Job, exc: BaseException) -> None:
+        if self._metrics is not None and job.kind == "generate" and not job.usage_sent:
+            self._metrics.record_failure(exc)
         job.error = exc
         job.events.put(exc)
         job.done.set()
@@ -496,18 +517,23 @@ class Engine:
         tail = detok.finish()
         if tail:
             job.events.put(TokenDelta(token_ids=(), text=tail))
-        job.events.put(
-            Usage(
-                prompt_tokens=len(tokens),
-                cached_tokens=sum(cached_by_tier.values()),
-                cached_tokens_by_tier=cached_by_tier,
-                completion_tokens=len(generated),
-                ttft_ms=ttft_ms if ttft_ms is not None else 0.0,
-                total_ms=(self._clock() - job.submitted) * 1e3,
-                finish_reason=finish,
-            )
+        usage = Usage(
+            prompt_tokens=len(tokens),
+            cached_tokens=sum(cached_by_tier.values()),
+            cached_tokens_by_tier=cached_by_tier,
+            completion_tokens=len(generated),
+            ttft_ms=ttft_ms if ttft_ms is not None else 0.0,
+            total_ms=(self._clock() - job.submitted) * 1e3,
+            finish_reason=finish,
         )
+        job.events.put(usage)
         job.usage_sent = True
+        if self._metrics is not None:
+            self._metrics.record_generation(
+                tenant=request.scope.owner, prompt_tokens=usage.prompt_tokens,
+                cached_tokens_by_tier=usage.cached_tokens_by_tier,
+                finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
+                total_s=usage.total_ms / 1e3)
         return generated
 
     def _store_generated(self, job: _Job, namespace: Namespace, seq: KVSequence,
@@ -610,8 +636,9 @@ class Engine:
                 or tier):
             raise InvalidRequest("say what to evict: a tenant, a prefix, a key, an age, a tier, "
                                  "or everything")
-        if tier is not None and tier not in cache.tier_names:
-            raise InvalidRequest(f"unknown tier {tier!r}; tiers are {list(cache.tier_names)}")
+        if tier is not None and tier not in (*cache.tier_names, REMOTE_TIER):
+            raise InvalidRequest(f"unknown tier {tier!r}; tiers are "
+                                 f"{[*cache.tier_names, REMOTE_TIER]}")
         if older_than_s is not None and not (math.isfinite(older_than_s) and older_than_s >= 0):
             raise InvalidRequest("older_than_s must be a non-negative number of seconds")
         under = None
@@ -627,11 +654,26 @@ class Engine:
                 key = BlockKey(bytes.fromhex(key_hex))
             except ValueError:
                 raise InvalidRequest(f"key must be hex, got {key_hex!r}") from None
+        local_tier = None if tier == REMOTE_TIER else tier
         before = cache.stats().num_blocks
-        freed = cache.evict_where(owner=tenant, under=under, key=key, idle_s=older_than_s,
-                                  tier=tier)
+        freed = {} if tier == REMOTE_TIER else cache.evict_where(
+            owner=tenant, under=under, key=key, idle_s=older_than_s, tier=local_tier)
+        if tier in (None, REMOTE_TIER):
+            # The shared tier: what one replica evicts must not come back from Redis. By age
+            # and by key it cannot select remote blocks (Redis expires them by its own TTL).
+            if under is not None:
+                cache.forget_remote(*under)
+            elif everything:
+                cache.flush_remote({*cache.known_namespaces(), *self._known_namespaces()})
+            elif tenant is not None and key is None and older_than_s is None:
+                scopes = [Scope.shared()] if tenant == "shared" else [Scope.of_tenant(tenant)]
+                cache.flush_remote(self._namespace(s) for s in scopes)
         return EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
                            bytes_by_tier=freed)
+
+    def _known_namespaces(self) -> list[Namespace]:
+        with self._lock:
+            return list(self._namespaces.values())
 
     def set_pinned(self, request: WarmRequest, pinned: bool) -> int:
         cache = self._require_cache()

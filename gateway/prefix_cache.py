@@ -932,7 +932,9 @@ class PrefixCache:
                 if not records or len(records) < len(keys):
                     selected = []
                 else:
-                    selected = list(self._index.subtree(namespace, records[-1]))
+                    # The prefix's own blocks and everything built on it; blocks of the prefix
+                    # that other prompts still continue from stay (they are not leaves).
+                    selected = records[:-1] + list(self._index.subtree(namespace, records[-1]))
             elif key is not None:
                 start = self._index.get(key)
                 selected = [] if start is None else list(
@@ -966,6 +968,33 @@ class PrefixCache:
                     evictions["admin"] = evictions.get("admin", 0) + 1
                 self._drop_unheld([record])
             return freed
+
+    def forget_remote(self, namespace: Namespace, tokens: TokenIds) -> int:
+        """Delete every full block of ``tokens`` (in ``namespace``) from the remote store, so
+        that no replica serves the prefix or anything after it. Returns how many blocks."""
+        if self._hierarchy is None or self._hierarchy.remote is None:
+            return 0
+        fp = self.fingerprinter(namespace)
+        keys = fp.block_keys(tokens)
+        metas = []
+        parent = fp.root_parent
+        for i, key in enumerate(keys):
+            metas.append(BlockMeta(key=key, parent_key=parent, namespace_digest=namespace.digest,
+                                   owner=namespace.scope.owner,
+                                   tokens=fp.block_token_bytes(tokens, i)))
+            parent = key
+        self._hierarchy.forget_remote(metas)
+        return len(metas)
+
+    def flush_remote(self, namespaces: Iterable[Namespace]) -> int:
+        """Remove every remote block of these namespaces; how many keys went."""
+        if self._hierarchy is None or self._hierarchy.remote is None:
+            return 0
+        return sum(self._hierarchy.flush_remote_namespace(ns.digest) for ns in namespaces)
+
+    def known_namespaces(self) -> list[Namespace]:
+        with self._lock:
+            return self._index.namespaces()
 
     def set_quota(self, owner: str, num_bytes: int | None) -> None:
         """Cap what ``owner`` may hold in every tier (None: no cap)."""

@@ -23,6 +23,10 @@ at once, before anything starts, with the file's own names::
     host_bytes = "4GiB"
     quotas = { tenant-a = "1GiB" }
 
+    [metrics]                     # MetricsSettings: Prometheus endpoint, off by default
+    enabled = true
+    port = 9464
+
     [[api_keys]]                  # key = "..." or key_blake2b = "<hex of auth.key_digest(key)>"
     tenant = "tenant-a"
     key_blake2b = "3f1c..."
@@ -45,6 +49,7 @@ import math
 import os
 import re
 import secrets
+import shutil
 import stat
 import tempfile
 from collections.abc import Mapping
@@ -72,6 +77,8 @@ DEFAULT_PORT = 50051
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL = "bundled"
 DEFAULT_DISK_BYTES = 8 * GiB
+DEFAULT_METRICS_HOST = "127.0.0.1"
+DEFAULT_METRICS_PORT = 9464
 DEV_TENANT = "default"
 DEV_KEY_FILE = "dev-api-key"
 SECRET_FILE = "secret"
@@ -204,6 +211,34 @@ class EngineSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsSettings:
+    """The Prometheus endpoint (``gateway.metrics``), on a port of its own.
+
+    Off by default: it has no authentication and shows per-tenant counters, so an operator
+    turns it on and decides who can reach it.
+
+    Attributes:
+        enabled: serve ``/metrics`` over HTTP.
+        host: where to listen (loopback by default; a scraper elsewhere needs a routable one).
+        port: the port (0 picks a free one, logged at start).
+    """
+
+    enabled: bool = False
+    host: str = DEFAULT_METRICS_HOST
+    port: int = DEFAULT_METRICS_PORT
+
+    def problems(self) -> list[str]:
+        errors = []
+        if not isinstance(self.enabled, bool):
+            errors.append(f"metrics.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.host, str) or not self.host:
+            errors.append(f"metrics.host must be a host name or address, got {self.host!r}")
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            errors.append(f"metrics.port must be 0 to 65535, got {self.port!r}")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
     """Everything ``kvgate serve`` needs, validated.
 
@@ -216,7 +251,7 @@ class ServeConfig:
             in the clear: only behind a TLS-terminating proxy on a private network).
         secret_file: the deployment secret (default ``data_dir/secret``).
         keys: every configured API key (tenant and admin).
-        grpc, engine, cache: the sections of the same names.
+        grpc, engine, cache, metrics: the sections of the same names.
     """
 
     host: str = DEFAULT_HOST
@@ -231,6 +266,7 @@ class ServeConfig:
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
 
     @property
     def address(self) -> str:
@@ -254,8 +290,73 @@ _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
      "secret_file"}
 )
-_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "api_keys", "admin_keys"})
+_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "api_keys",
+                       "admin_keys"})
 _SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes"})
+
+
+EXAMPLE_CONFIG = """\
+# kvgate serve --config kvgate.toml
+#
+# Every key is optional: what is left out keeps the default shown. Environment variables
+# add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) and set the deployment secret
+# (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir and --model override [server].
+# Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
+
+[server]
+host = "127.0.0.1"              # a non-loopback host needs TLS (or allow_insecure_remote)
+port = 50051
+data_dir = "data"               # kv/ (disk tier), models/, secret, dev-api-key
+model = "bundled"               # SmolLM2-135M-Instruct, or a transformers checkpoint directory
+# tls_cert = "/etc/kvgate/tls.crt"   # PEM; give both or neither
+# tls_key = "/etc/kvgate/tls.key"
+# allow_insecure_remote = false      # plaintext on a non-loopback host (behind a TLS proxy)
+# secret_file = "/etc/kvgate/secret" # default: data_dir/secret, created on first start
+
+[grpc]                          # limits of the gRPC server
+max_receive_bytes = 4194304     # bigger requests: RESOURCE_EXHAUSTED before any handler
+max_concurrent_rpcs = 64        # more at once: RESOURCE_EXHAUSTED instead of queueing
+max_deadline_s = 600.0          # the longest a request may run, whatever its client asks
+max_ttl_s = 604800.0            # the longest TTL a request may give its blocks
+shutdown_grace_s = 10.0         # on SIGTERM, time for requests in flight to finish
+
+[engine]
+max_queue = 64                  # requests waiting for the model; more are refused
+default_ttl_s = 3600.0          # TTL of blocks whose request names none
+# max_prompt_tokens = 8191      # default: the model's context minus 1
+
+[cache]
+block_tokens = 256              # tokens per block: the unit of storage and sharing
+order = "lru"                   # eviction order of every tier: "lru" or "clock"
+device_bytes = "2GiB"           # GPU memory (CPU memory without a GPU); 0 turns a tier off
+host_bytes = "4GiB"             # CPU memory
+disk_bytes = "8GiB"             # under disk_path (default: data_dir/kv), meant for local NVMe
+disk_fsync = true
+disk_write_through = true       # new blocks go to disk at once (off the request path)
+# redis_url = "rediss://kvgate:PASSWORD@redis.internal:6379/0"  # shared by replicas
+# redis_cluster = false
+redis_ttl_s = 3600.0
+redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
+compression = "raw"             # "raw", "lz4" or "auto"
+# quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }
+
+[metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics
+enabled = false                 # no authentication, per-tenant series: operators only
+host = "127.0.0.1"
+port = 9464
+
+# API keys: a tenant's key sees only that tenant's cache. Give `key` (the key itself) or
+# `key_blake2b` (hex of gateway.auth.key_digest(key)) so that the file holds no secret.
+# Without any key, serve creates a development key for tenant "default".
+# [[api_keys]]
+# tenant = "tenant-a"
+# key_blake2b = "<hex digest>"
+#
+# [[admin_keys]]                # the Admin service (stats, evict, pin, quota, flush)
+# name = "ops"
+# key_blake2b = "<hex digest>"
+"""
+"""The commented example of ``kvgate config example`` (and ``deploy/kvgate.example.toml``)."""
 
 
 def load_serve_config(
@@ -289,10 +390,12 @@ def load_serve_config(
 
     grpc_settings = _build(GrpcSettings, "grpc", _table(raw, "grpc", errors), errors)
     engine = _build(EngineSettings, "engine", _table(raw, "engine", errors), errors)
+    metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
     if grpc_settings is not None:
         errors.extend(grpc_settings.problems())
     if engine is not None:
         errors.extend(engine.problems())
+    errors.extend(metrics.problems())
 
     data_dir = Path(str(server.get("data_dir", DEFAULT_DATA_DIR))).expanduser()
     cache = _cache_config(_table(raw, "cache", errors), data_dir, errors)
@@ -329,7 +432,7 @@ def load_serve_config(
         host=str(host), port=int(port), data_dir=data_dir, model=str(model),
         tls_cert=tls_cert, tls_key=tls_key, allow_insecure_remote=bool(allow_insecure),
         secret_file=_optional_path(server.get("secret_file")),
-        keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache,
+        keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
     )
 
 
@@ -427,10 +530,60 @@ def _cache_config(table: Mapping[str, Any], data_dir: Path,
         if problem is not None:
             errors.append(f"cache.quotas: {problem}")
     try:
-        return CacheConfig(**values)
+        config = CacheConfig(**values)
     except (ValueError, TypeError) as exc:
         errors.append(f"[cache]: {exc}")
         return None
+    errors.extend(machine_fit_problems(config))
+    return config
+
+
+def machine_fit_problems(config: CacheConfig) -> list[str]:
+    """Budgets this machine cannot hold: memory tiers beyond its RAM, disk beyond its disk.
+
+    A budget is a promise the policies keep; one larger than the machine ends with the OOM
+    killer or a full disk instead of an eviction.
+    """
+    problems = []
+    memory = physical_memory_bytes()
+    in_ram = config.host_bytes + (0 if _has_cuda() else config.device_bytes)
+    if memory is not None and in_ram > memory:
+        what = "host_bytes" if _has_cuda() else "device_bytes + host_bytes"
+        problems.append(
+            f"cache.{what} = {_gib(in_ram)} is more than this machine's memory "
+            f"({_gib(memory)}); lower it"
+        )
+    if config.disk_bytes and config.disk_path is not None:
+        existing = config.disk_path
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        try:
+            total = shutil.disk_usage(existing).total
+        except OSError:
+            total = None
+        if total is not None and config.disk_bytes > total:
+            problems.append(
+                f"cache.disk_bytes = {_gib(config.disk_bytes)} is more than the filesystem of "
+                f"{config.disk_path} holds ({_gib(total)}); lower it"
+            )
+    return problems
+
+
+def physical_memory_bytes() -> int | None:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):.1f} GiB"
 
 
 def _keys(raw: Mapping[str, Any], env: Mapping[str, str], errors: list[str]) -> list[KeyEntry]:

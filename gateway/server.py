@@ -7,10 +7,11 @@ RPC UNAVAILABLE) until an engine is attached, SERVING from then on, NOT_SERVING 
 shutdown begins.
 
 ``serve`` builds everything from one ``ServeConfig`` -- secret, keys, server, model, cache,
-engine -- and runs until asked to stop. Shutdown order (SIGTERM): health NOT_SERVING; the
-server stops taking calls (new ones fail UNAVAILABLE, so clients retry elsewhere) while calls in
-flight go on; the engine finishes or cancels them within the grace period; the cache flushes
-pending disk writes and closes.
+metrics, engine -- and runs until asked to stop. The Prometheus endpoint (``[metrics]``) comes
+up once the cache is open. Shutdown order (SIGTERM): health NOT_SERVING; the server stops
+taking calls (new ones fail UNAVAILABLE, so clients retry elsewhere) while calls in flight go
+on; the engine finishes or cancels them within the grace period; the metrics endpoint stops;
+the cache flushes pending disk writes and closes.
 
 Bearer keys are refused on a plaintext listener that is not loopback: such a server does not
 start unless ``allow_insecure_remote`` says a TLS-terminating proxy sits in front.
@@ -47,6 +48,8 @@ from gateway.servicer import (
 
 if TYPE_CHECKING:
     from gateway.engine import Engine
+    from gateway.metrics import GatewayMetrics
+    from gateway.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +180,28 @@ def build_authenticator(
     return Authenticator([dev_key_entry(key)])
 
 
+def start_metrics(config: ServeConfig, cache: PrefixCache) -> GatewayMetrics:
+    """The metrics of ``cache`` and the requests, served on ``config.metrics``' address.
+
+    Raises:
+        ServeError: the address cannot be bound.
+    """
+    from gateway.metrics import GatewayMetrics
+
+    settings = config.metrics
+    metrics = GatewayMetrics(cache_stats=cache.stats)
+    try:
+        port = metrics.start(settings.host, settings.port)
+    except OSError as exc:
+        raise ServeError(f"cannot serve metrics on {settings.host}:{settings.port} ({exc}); "
+                         "is another process using the port?") from exc
+    if not is_loopback(settings.host):
+        logger.warning("the metrics endpoint on %s has no authentication and shows per-tenant "
+                       "counters: let only your scraper reach it", settings.host)
+    logger.info("metrics on http://%s:%d/metrics", settings.host, port)
+    return metrics
+
+
 def serve(
     config: ServeConfig,
     *,
@@ -210,9 +235,12 @@ def serve(
                 config.model)
     opened = None
     engine: Engine | None = None
+    metrics: GatewayMetrics | None = None
     try:
         loaded = load_model(config.model, cache_dir=config.data_dir / "models")
         opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret)
+        if config.metrics.enabled:
+            metrics = start_metrics(config, opened.cache)
         engine = Engine(
             loaded=loaded,
             cache=opened.cache,
@@ -224,6 +252,7 @@ def serve(
                 max_deadline_s=config.grpc.max_deadline_s,
             ),
             deployment_secret=secret,
+            metrics=metrics,
         )
         engine.start()
         if not stop_requested.is_set():
@@ -242,6 +271,8 @@ def serve(
             engine.stop(config.grpc.shutdown_grace_s)
         stopped.wait(config.grpc.shutdown_grace_s + 1.0)
         server.stop(0)
+        if metrics is not None:
+            metrics.stop()
         if opened is not None:
             opened.close()
         logger.info("stopped")

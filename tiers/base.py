@@ -136,3 +136,13 @@ class BatchDefaults:
     def put_many(self: BlockStore, items: Sequence[tuple[BlockMeta, KVBlock]]) -> None:
         for meta, block in items:
             self.put(meta, block)
+
+
+@runtime_checkable
+class RemoteStore(BlockStore, Protocol):
+    """A store shared by replicas (Redis): blocks are addressed by their full identity, since
+    this process may never have seen them, and a tenant's blocks can be removed wholesale."""
+
+    def delete_meta(self, meta: BlockMeta) -> None: ...
+
+    def flush_namespace(self, namespace_digest: bytes) -> int: ...

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.base import BlockKey
-from tiers.base import BlockMeta, BlockStore, StoreStats
+from tiers.base import BlockMeta, BlockStore, RemoteStore, StoreStats
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class TierHierarchy:
         self,
         levels: Sequence[TierLevel],
         *,
-        remote: BlockStore | None = None,
+        remote: RemoteStore | None = None,
         remote_max_pending_bytes: int = 256 << 20,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -209,6 +209,27 @@ class TierHierarchy:
         if self._writer is None or not items:
             return False
         return self._writer.submit(items)
+
+    def forget_remote(self, metas: Sequence[BlockMeta]) -> None:
+        """Delete these blocks from the remote store (admin eviction reaching every replica).
+
+        Queued writes are flushed first, so that a block queued before the eviction does not
+        reappear after it.
+        """
+        if self.remote is None:
+            return
+        if self._writer is not None:
+            self._writer.flush(timeout_s=30.0)
+        for meta in metas:
+            self.remote.delete_meta(meta)
+
+    def flush_remote_namespace(self, namespace_digest: bytes) -> int:
+        """Remove every remote block of one namespace; how many keys went."""
+        if self.remote is None:
+            return 0
+        if self._writer is not None:
+            self._writer.flush(timeout_s=30.0)
+        return self.remote.flush_namespace(namespace_digest)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for queued remote writes and local disk writes (graceful shutdown, tests)."""

@@ -387,3 +387,19 @@ def test_cancelling_after_the_answer_keeps_its_blocks(engine: Engine) -> None:
     history = engine._canonical(PROMPTS[3]).token_ids
     continued = PromptInput(token_ids=[*map(int, history), *ids, 1])
     assert run(engine, continued)[2].cached_tokens >= len(history) // BLOCK * BLOCK
+
+
+def test_evicting_a_prefix_removes_its_own_blocks_and_everything_after_it(
+    engine: Engine,
+) -> None:
+    text = "The quick brown fox jumps over the lazy dog. " * 8
+    engine.warm(WarmRequest(prompt=PromptInput(prompt=text), scope=ALICE))
+    longer = PromptInput(prompt=text + "And then it ran far away into the forest. " * 4)
+    engine.warm(WarmRequest(prompt=longer, scope=ALICE))
+    other = PromptInput(prompt="A different prompt entirely, about caches. " * 8)
+    engine.warm(WarmRequest(prompt=other, scope=ALICE))
+    result = engine.evict(tenant="alice", prefix_text=text)
+    assert result.num_blocks == engine.lookup(LookupRequest(prompt=longer, scope=BOB)
+                                              ).num_prompt_blocks
+    assert engine.lookup(LookupRequest(prompt=longer, scope=ALICE)).cached_tokens == 0
+    assert engine.lookup(LookupRequest(prompt=other, scope=ALICE)).cached_tokens > 0

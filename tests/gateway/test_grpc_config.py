@@ -232,3 +232,22 @@ def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
     auth = build_authenticator(config, lines.append)
     assert auth.num_keys == 1 and not lines
     assert not config.dev_key_path.exists()
+
+
+def test_budgets_larger_than_the_machine_are_refused(tmp_path: Path) -> None:
+    from gateway.serve_config import ConfigError, physical_memory_bytes
+
+    memory = physical_memory_bytes()
+    assert memory is not None
+    path = tmp_path / "kvgate.toml"
+    path.write_text(
+        "[cache]\n"
+        f"host_bytes = {memory + 1}\n"
+        f'disk_bytes = "1000000GiB"\n'
+        f'disk_path = "{tmp_path / "kv"}"\n'
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(path, env={})
+    message = str(excinfo.value)
+    assert "more than this machine's memory" in message
+    assert "more than the filesystem" in message
