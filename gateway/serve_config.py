@@ -87,6 +87,8 @@ SECRET_BYTES = 32
 ENV_API_KEYS = "KVGATE_API_KEYS"
 ENV_ADMIN_KEYS = "KVGATE_ADMIN_KEYS"
 ENV_SECRET = "KVGATE_DEPLOYMENT_SECRET"
+ENV_REDIS_URL = "KVGATE_REDIS_URL"
+"""Overrides ``[cache] redis_url``, so that a Redis password need not sit in the config file."""
 """Hex of the deployment secret; replicas sharing a Redis tier must all use the same one."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -398,8 +400,12 @@ def load_serve_config(
     errors.extend(metrics.problems())
 
     data_dir = Path(str(server.get("data_dir", DEFAULT_DATA_DIR))).expanduser()
-    cache = _cache_config(_table(raw, "cache", errors), data_dir, errors)
-    keys = _keys(raw, env or {}, errors)
+    environment = env or {}
+    cache_table = dict(_table(raw, "cache", errors))
+    if environment.get(ENV_REDIS_URL):
+        cache_table["redis_url"] = environment[ENV_REDIS_URL]
+    cache = _cache_config(cache_table, data_dir, errors)
+    keys = _keys(raw, environment, errors)
 
     host = server.get("host", DEFAULT_HOST)
     if not isinstance(host, str) or not host:

@@ -251,3 +251,8 @@ def test_budgets_larger_than_the_machine_are_refused(tmp_path: Path) -> None:
     message = str(excinfo.value)
     assert "more than this machine's memory" in message
     assert "more than the filesystem" in message
+
+
+def test_the_redis_url_can_come_from_the_environment_so_the_file_holds_no_password() -> None:
+    config = load_serve_config(None, env={"KVGATE_REDIS_URL": "redis://:pw@127.0.0.1:6399/0"})
+    assert config.cache.redis_url == "redis://:pw@127.0.0.1:6399/0"
