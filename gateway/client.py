@@ -6,7 +6,7 @@
                 print(item.text, end="", flush=True)
         text, usage = client.generate_text(messages=[{"role": "user", "content": "Hi"}])
 
-Results are plain records (``gateway.requests``' ``TokenDelta``, ``Usage``, ``WarmResult``,
+Results are plain records (``gateway.core.requests``' ``TokenDelta``, ``Usage``, ``WarmResult``,
 ``LookupResult``; this module's records for the Admin service), never protobuf messages.
 
 Every call has a deadline (``timeout_s``, per call or the client's default). A call that fails
@@ -41,10 +41,10 @@ from typing import Any, TypeVar
 
 import grpc
 
-from gateway import kvgate_pb2 as pb
-from gateway import kvgate_pb2_grpc as pb_grpc
-from gateway.auth import is_loopback
-from gateway.requests import FinishReason, LookupResult, TokenDelta, Usage, WarmResult
+from gateway.core.addresses import is_loopback
+from gateway.core.requests import FinishReason, LookupResult, TokenDelta, Usage, WarmResult
+from gateway.service.pb import kvgate_pb2 as pb
+from gateway.service.pb import kvgate_pb2_grpc as pb_grpc
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051

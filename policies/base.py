@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import NewType, Protocol, runtime_checkable
 
 BlockKey = NewType("BlockKey", bytes)
-"""The 16-byte keyed chain hash that addresses one block (see ``gateway.fingerprint``).
+"""The 16-byte keyed chain hash that addresses one block (see ``gateway.core.fingerprint``).
 
 NOTE: defined here, in the lowest package, because policies, tiers and the gateway all pass
 keys around and imports flow one way (policies <- tiers <- gateway)."""

@@ -2,7 +2,7 @@
 
 Vocabulary 512, hidden 64, 2 layers, 4 heads, 2 KV heads (RELIABILITY.md), saved with
 ``save_pretrained`` beside the offline test tokenizer and loaded back through
-``gateway.model.load_model``, so tests exercise the real loading path in well under a second.
+``gateway.engine.model.load_model``, so tests exercise the real loading path in well under a second.
 Its outputs are meaningless; its arithmetic is a real transformer's, which is what parity tests
 need.
 """

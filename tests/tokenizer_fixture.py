@@ -23,7 +23,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from gateway.tokenizer import HFTokenizerAdapter
+from gateway.core.tokenizer import HFTokenizerAdapter
 
 BOS = "<|endoftext|>"
 IM_START = "<|im_start|>"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.tokenizer import HFTokenizerAdapter
+from gateway.core.tokenizer import HFTokenizerAdapter
 from tests.tokenizer_fixture import make_test_tokenizer
 
 

@@ -1,6 +1,6 @@
 """``gateway.client``: typed results, status codes as exceptions, bounded retries of UNAVAILABLE.
 
-Against a real gateway on a loopback port (``tests.gateway.test_grpc_harness``); a gateway
+Against a real gateway on a loopback port (``tests.gateway.grpc_harness``); a gateway
 "still loading its model" is a real server whose engine is attached later.
 """
 
@@ -22,9 +22,9 @@ from gateway.client import (
     Unauthenticated,
     Unavailable,
 )
-from gateway.model import LoadedModel
-from gateway.requests import TokenDelta, Usage
-from tests.gateway.test_grpc_harness import (
+from gateway.core.requests import TokenDelta, Usage
+from gateway.engine.model import LoadedModel
+from tests.gateway.grpc_harness import (
     KEY_A,
     LONG_PROMPT,
     RunningGateway,

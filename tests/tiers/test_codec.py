@@ -26,7 +26,7 @@ import torch
 import xxhash
 from hypothesis import HealthCheck, example, given, settings
 
-from gateway.fingerprint import NamespaceSpec, Scope, derive_namespace
+from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from policies.base import BlockKey
 from tiers import codec as codec_module
 from tiers.base import BlockMeta, CodecError, TierConfigError

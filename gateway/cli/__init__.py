@@ -1,0 +1,1 @@
+"""The `kvgate` command line: serve, generate, prewarm, admin, bench. Thin: parsing and printing."""

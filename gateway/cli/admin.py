@@ -1,0 +1,333 @@
+"""``kvgate admin``: the Admin service from a terminal.
+
+    kvgate admin stats | ls | evict | pin | unpin | quota | flush   [--json]
+
+The admin key comes from ``--admin-key``, else ``$KVGATE_ADMIN_KEY``, else the first
+``[[admin_keys]]`` entry of ``--config FILE`` that holds the key itself (``key = "..."``; an
+entry stored only as ``key_blake2b`` cannot be sent). Human tables by default; ``--json``
+prints the records for scripts. ``evict`` and ``flush`` ask for confirmation on a terminal
+unless ``--yes``; without a terminal and without ``--yes`` they refuse (exit 2) rather than
+guess. A refused call (no admin key, a tenant key) prints the server's message and exits 1
+with nothing changed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
+
+from gateway.cli.prewarm import first_words, format_bytes, render_table
+from gateway.client import DEFAULT_HOST, DEFAULT_PORT, Evicted, KvgateClient, KvgateError
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_SECONDS_OF_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+class UsageError(Exception):
+    """The command line cannot be acted on (exit 2); the message says what to change."""
+
+
+# ---- shared with prewarm -------------------------------------------------------------------
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Where the gateway is and the admin key (``kvgate admin`` and ``kvgate prewarm``)."""
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--admin-key", default=None,
+                        help="admin key (default: $KVGATE_ADMIN_KEY, else the first admin key "
+                             "of --config); other users can see it in `ps`, so prefer the "
+                             "environment variable")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="a `kvgate serve` configuration whose first [[admin_keys]] key "
+                             "to use")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--ca-cert", type=Path, default=None,
+                        help="PEM of the CA that signed the gateway's certificate")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="deadline of each call in seconds")
+
+
+def admin_key_of(args: argparse.Namespace, env: Mapping[str, str], *,
+                 required: bool) -> str | None:
+    """The admin key: ``--admin-key``, ``$KVGATE_ADMIN_KEY``, then ``--config``'s first key.
+
+    Raises:
+        UsageError: the configuration cannot be read, or ``required`` and none was found.
+    """
+    key = args.admin_key or env.get("KVGATE_ADMIN_KEY") or None
+    if key is None and args.config is not None:
+        from gateway.config.serve_config import ConfigError, _read_file
+
+        try:
+            raw = _read_file(args.config)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from exc
+        items = raw.get("admin_keys", [])
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict) and isinstance(item.get("key"), str):
+                key = item["key"]
+                break
+        else:
+            raise UsageError(f"{args.config} has no [[admin_keys]] entry with a plain `key` "
+                             "(digests cannot be sent): use --admin-key or $KVGATE_ADMIN_KEY")
+    if key is None and required:
+        raise UsageError("no admin key: give --admin-key, set $KVGATE_ADMIN_KEY, or --config "
+                         "a file with [[admin_keys]]")
+    return key
+
+
+def connector(args: argparse.Namespace) -> Callable[[str | None], KvgateClient]:
+    """A factory of clients for the gateway ``args`` name, one per key."""
+    root_certificates = args.ca_cert.read_bytes() if args.ca_cert is not None else None
+
+    def connect(key: str | None) -> KvgateClient:
+        try:
+            return KvgateClient(args.host, args.port, key, tls=args.tls,
+                                root_certificates=root_certificates, timeout_s=args.timeout)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+
+    return connect
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from ``90``, ``90s``, ``15m``, ``1h``, ``2d`` (fractions allowed).
+
+    Raises:
+        ValueError: not a duration.
+    """
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"{text!r} is not a duration: write e.g. 90s, 15m, 1h or 2d")
+    return float(match.group(1)) * _SECONDS_OF_UNIT[match.group(2)]
+
+
+# ---- parser --------------------------------------------------------------------------------
+
+
+def add_admin_parser(sub: Any) -> None:
+    """The ``kvgate admin`` subcommands."""
+    admin = sub.add_parser("admin", help="operate a running gateway (admin key)",
+                           description=__doc__.split("\n\n")[1] if __doc__ else None)
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+
+    def command(name: str, help_text: str) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = admin_sub.add_parser(name, help=help_text)
+        add_connection_args(parser)
+        parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+        return parser
+
+    command("stats", "blocks, bytes and counters per tier and store")
+    ls = command("ls", "cached prefixes, most recently used first")
+    ls.add_argument("--tenant", default=None, help="only this tenant's ('' for shared)")
+    ls.add_argument("--limit", type=int, default=0, help="at most this many (server default)")
+    evict = command("evict", "drop the blocks a selector names")
+    evict.add_argument("--tenant", default=None)
+    evict.add_argument("--prefix", default=None, metavar="TEXT",
+                       help="prefixes whose text starts with TEXT")
+    evict.add_argument("--key", default=None, metavar="HEX", help="a block key, as ls shows")
+    evict.add_argument("--older-than", default=None, metavar="AGE",
+                       help="blocks idle longer than AGE (90s, 15m, 1h, 2d)")
+    evict.add_argument("--tier", default=None, help="only from this tier")
+    evict.add_argument("--all", action="store_true", help="every block (no other selector)")
+    evict.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    for name, what in (("pin", "keep a prefix from eviction"), ("unpin", "undo pin")):
+        pin = command(name, what)
+        pin.add_argument("prompt", nargs="?", default=None,
+                         help="the prefix text, as a system message (as prewarm warms text "
+                              "files); with --raw: raw text")
+        pin.add_argument("--file", type=Path, default=None, help="read the text from FILE")
+        pin.add_argument("--raw", action="store_true", help="the text is a raw prompt")
+        pin.add_argument("--tenant", default="", help="the tenant's scope (default: the "
+                                                      "admin's own)")
+        pin.add_argument("--shared", action="store_true", help="the shared scope")
+    quota = command("quota", "set (or remove) a tenant's byte quota")
+    quota.add_argument("tenant")
+    quota.add_argument("size", help="bytes, e.g. 2GiB or 500MB, or 'none' to remove it")
+    flush = command("flush", "drop every block of every tier (pinned ones too; blocks "
+                              "in use by a running request stay)")
+    flush.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+
+def run_admin(args: argparse.Namespace, *, out: TextIO, err: TextIO, env: Mapping[str, str],
+              stdin: TextIO | None = None) -> int:
+    """``kvgate admin ...``; returns the exit code."""
+    name = f"kvgate admin {args.admin_command}"
+    try:
+        key = admin_key_of(args, env, required=True)
+        run = _COMMANDS[args.admin_command]
+        with connector(args)(key) as client:
+            return run(client, args, out, err, stdin if stdin is not None else sys.stdin)
+    except UsageError as exc:
+        err.write(f"{name}: {exc}\n")
+        return EXIT_USAGE
+    except KvgateError as exc:
+        err.write(f"{name}: {exc}\n")
+        return EXIT_FAILED
+
+
+def _stats(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
+           stdin: TextIO) -> int:
+    stats = client.stats()
+    if args.json:
+        out.write(json.dumps(asdict(stats), indent=2) + "\n")
+        return 0
+    out.write(f"{stats.num_blocks} blocks in {stats.num_namespaces} namespaces, "
+              f"{stats.num_remote_hits} remote hits, {stats.num_token_mismatches} token "
+              "mismatches\n")
+    out.write(render_table(
+        ["tier", "blocks", "used", "budget", "hits", "inserts", "promoted", "demoted",
+         "evictions"],
+        [[t.name, str(t.num_blocks), format_bytes(t.used_bytes), format_bytes(t.budget_bytes),
+          str(t.hits), str(t.inserts), str(t.promotions), str(t.demotions),
+          ",".join(f"{k}:{v}" for k, v in sorted(t.evictions.items())) or "-"]
+         for t in stats.tiers]))
+    if stats.stores:
+        out.write(render_table(
+            ["store", "available", "blocks", "bytes", "hits", "misses", "errors"],
+            [[s.name, "yes" if s.is_available else "NO", str(s.num_blocks),
+              format_bytes(s.num_bytes), str(s.hits), str(s.misses), str(s.errors)]
+             for s in stats.stores]))
+    return 0
+
+
+def _ls(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
+        stdin: TextIO) -> int:
+    prefixes = client.list_prefixes(tenant=args.tenant, limit=args.limit)
+    if args.json:
+        out.write(json.dumps([asdict(p) for p in prefixes], indent=2) + "\n")
+        return 0
+    if not prefixes:
+        out.write("no cached prefixes\n")
+        return 0
+    out.write(render_table(
+        ["key", "tenant", "blocks", "tokens", "bytes", "tiers", "age", "idle", "hits",
+         "pinned", "preview"],
+        [[p.key_hex[:16], p.tenant or "(shared)", str(p.num_blocks), str(p.num_tokens),
+          format_bytes(p.num_bytes), ",".join(p.tiers) or "-", f"{p.age_s:.0f}s",
+          f"{p.idle_s:.0f}s", str(p.num_hits), "yes" if p.is_pinned else "no",
+          first_words(p.preview, 30)]
+         for p in prefixes]))
+    return 0
+
+
+def _evict(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
+           stdin: TextIO) -> int:
+    try:
+        older_than_s = parse_duration(args.older_than) if args.older_than is not None else None
+    except ValueError as exc:
+        raise UsageError(f"--older-than: {exc}") from exc
+    selectors = {"tenant": args.tenant, "prefix": args.prefix, "key": args.key,
+                 "older-than": args.older_than, "tier": args.tier}
+    named = {k: v for k, v in selectors.items() if v is not None}
+    if not named and not args.all:
+        raise UsageError("name what to evict: --tenant, --prefix, --key, --older-than, "
+                         "--tier, or --all")
+    if named and args.all:
+        raise UsageError("--all evicts every block; give it without other selectors")
+    what = "every block" if args.all else \
+        "blocks with " + " ".join(f"--{k} {v!r}" for k, v in named.items())
+    _confirm(f"Evict {what}?", args.yes, stdin, err)
+    evicted = client.evict(tenant=args.tenant, prefix_text=args.prefix, key_hex=args.key,
+                           older_than_s=older_than_s, tier=args.tier, everything=args.all)
+    _write_evicted(evicted, args.json, out)
+    return 0
+
+
+def _flush(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
+           stdin: TextIO) -> int:
+    _confirm("Flush every block of every tier, pinned ones too?", args.yes, stdin, err)
+    _write_evicted(client.flush(), args.json, out)
+    return 0
+
+
+def _pin(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
+         stdin: TextIO) -> int:
+    if (args.prompt is None) == (args.file is None):
+        raise UsageError("give the prefix text or --file FILE (one of them)")
+    if args.shared and args.tenant:
+        raise UsageError("--tenant and --shared name different scopes; give one")
+    if args.file is not None:
+        try:
+            text = args.file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--file {args.file}: {exc}") from exc
+    else:
+        text = args.prompt
+    unpin = args.admin_command == "unpin"
+    if args.raw:
+        num_blocks = client.pin(text, unpin=unpin, shared=args.shared, tenant=args.tenant)
+    else:
+        num_blocks = client.pin(None, unpin=unpin, messages=[{"role": "system",
+                                                              "content": text}],
+                                add_generation_prompt=False, shared=args.shared,
+                                tenant=args.tenant)
+    if args.json:
+        out.write(json.dumps({"num_blocks": num_blocks}) + "\n")
+    else:
+        out.write(f"{args.admin_command}ned {num_blocks} blocks\n")
+    return 0
+
+
+def _quota(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
+           stdin: TextIO) -> int:
+    from gateway.config.serve_config import parse_size
+
+    num_bytes: int | None = None
+    if args.size.lower() != "none":
+        try:
+            num_bytes = parse_size(args.size)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+    client.set_quota(args.tenant, num_bytes)
+    if args.json:
+        out.write(json.dumps({"tenant": args.tenant, "num_bytes": num_bytes}) + "\n")
+    elif num_bytes is None:
+        out.write(f"removed the quota of {args.tenant}\n")
+    else:
+        out.write(f"quota of {args.tenant}: {format_bytes(num_bytes)}\n")
+    return 0
+
+
+def _confirm(question: str, is_confirmed: bool, stdin: TextIO, err: TextIO) -> None:
+    """Ask on a terminal; refuse (``UsageError``) without one, or on anything but yes."""
+    if is_confirmed:
+        return
+    if not stdin.isatty():
+        raise UsageError("refusing to change the cache without confirmation: stdin is not a "
+                         "terminal; pass --yes")
+    err.write(f"{question} [y/N] ")
+    err.flush()
+    if stdin.readline().strip().lower() not in ("y", "yes"):
+        raise UsageError("not confirmed; nothing was changed")
+
+
+def _write_evicted(evicted: Evicted, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        out.write(json.dumps(asdict(evicted)) + "\n")
+        return
+    out.write(f"freed {evicted.num_blocks} blocks\n")
+    if evicted.bytes_by_tier:
+        out.write(render_table(["tier", "freed"],
+                               [[tier, format_bytes(n)]
+                                for tier, n in sorted(evicted.bytes_by_tier.items())]))
+
+
+_Command = Callable[[KvgateClient, argparse.Namespace, TextIO, TextIO, TextIO], int]
+_COMMANDS: dict[str, _Command] = {
+    "stats": _stats, "ls": _ls, "evict": _evict, "pin": _pin, "unpin": _pin,
+    "quota": _quota, "flush": _flush,
+}

@@ -1,0 +1,382 @@
+"""The ``kvgate`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import sys
+import textwrap
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvgate", description="Prefix-caching gateway for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench = sub.add_parser("bench", help="run a benchmark and print its figures")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    index = bench_sub.add_parser("index", help="fingerprint, radix index and eviction figures")
+    index.add_argument("--sizes", default="10000,100000,1000000",
+                       help="comma-separated index sizes in blocks (default: %(default)s)")
+    index.add_argument("--block-tokens", type=int, default=256)
+    index.add_argument("--repeats", type=int, default=2000,
+                       help="timed lookups per prompt length (default: %(default)s)")
+    chunks = bench_sub.add_parser("chunks", help="cold prefill time by chunk size "
+                                  "(to choose block_tokens)")
+    chunks.add_argument("--model", default="bundled")
+    chunks.add_argument("--data-dir", type=Path, default=Path("data"))
+    chunks.add_argument("--sizes", default="64,128,256,512")
+    chunks.add_argument("--prompt-tokens", type=int, default=2048)
+    chunks.add_argument("--repeats", type=int, default=3)
+    tiers = bench_sub.add_parser("tiers", help="put/get of a real prefix per tier vs raw limits")
+    tiers.add_argument("--model", default="bundled",
+                       help="'bundled' (SmolLM2-135M) or a checkpoint directory")
+    tiers.add_argument("--data-dir", type=Path, default=Path("data"),
+                       help="model conversion cache and scratch files (default: %(default)s)")
+    tiers.add_argument("--repeats", type=int, default=5)
+    tiers.add_argument("--redis-url", default=None,
+                       help="use this Redis instead of starting a redis-server on loopback")
+    _add_bench_ttft(bench_sub)
+    _add_serve(sub)
+    _add_generate(sub)
+    config = sub.add_parser("config", help="the configuration file of `kvgate serve`")
+    config_sub = config.add_subparsers(dest="config", required=True)
+    config_sub.add_parser("example", help="print a commented example kvgate.toml")
+    from gateway.cli.admin import add_admin_parser
+    from gateway.cli.prewarm import add_prewarm_parser
+
+    add_prewarm_parser(sub)
+    add_admin_parser(sub)
+    return parser
+
+
+def _add_bench_ttft(bench_sub: Any) -> None:
+    ttft = bench_sub.add_parser(
+        "ttft", help="cold vs warm time to first token per tier, beside transformers and "
+                     "llama.cpp",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent("""\
+            Cold vs warm time to first token for a shared prefix of each --lengths tokens plus
+            a unique --suffix-tokens suffix, one table per length (medians of --repeats):
+              - kvgate cold (no_cache), and warm from each tier: device, host, disk, Redis (the
+                tier that served each request is read from its usage);
+              - transformers' prompt-reuse recipe (DynamicCache + deepcopy), in this process;
+              - llama.cpp's LlamaRAMCache / LlamaDiskCache on the same GGUF (2 threads; needs
+                `make bench-peers` once, otherwise those rows say n/a);
+            and PASS/MISS against the targets at 2,048 tokens (information only).
+
+            The easy path:  kvgate bench ttft --spawn
+              starts its own `kvgate serve` (and redis-server, if on PATH) on free loopback
+              ports with a temporary data directory, and stops them at the end.
+            Against a running gateway instead, forcing host/disk/Redis needs an admin key
+            (--admin-key or $KVGATE_ADMIN_KEY) and evicts the whole --tenant's blocks from
+            those tiers: give it a gateway or a tenant of its own.
+
+            Duration on 2 idle CPU cores with the bundled model: about 4.5 minutes for the
+            defaults, llama.cpp included (a cold 4,096-token prefill takes 9-15 s per system
+            and repeat); --lengths 512,2048 --repeats 1 about 1 minute. Other work on the
+            machine skews every figure: the report says how busy the CPU was.
+            """))
+    ttft.add_argument("--spawn", action="store_true",
+                      help="start (and stop) a gateway of its own, and redis-server if on PATH")
+    ttft.add_argument("--lengths", default="512,2048,4096",
+                      help="comma-separated shared-prefix lengths in tokens, multiples of the "
+                           "block size (default: %(default)s)")
+    ttft.add_argument("--suffix-tokens", type=int, default=32,
+                      help="unique suffix per request (default: %(default)s)")
+    ttft.add_argument("--repeats", type=int, default=3,
+                      help="timed requests per row; the table shows medians (default: "
+                           "%(default)s)")
+    ttft.add_argument("--model", default="bundled",
+                      help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory: "
+                           "the same model the gateway serves")
+    ttft.add_argument("--data-dir", type=Path, default=Path("data"),
+                      help="model conversion cache (DATA_DIR/models) and, without --spawn, "
+                           "where the gateway keeps dev-api-key (default: %(default)s)")
+    ttft.add_argument("--block-tokens", type=int, default=256,
+                      help="the gateway's block size (with --spawn: the one it is given)")
+    ttft.add_argument("--host", default="127.0.0.1", help="without --spawn: the gateway")
+    ttft.add_argument("--port", type=int, default=50051, help="without --spawn: the gateway")
+    ttft.add_argument("--api-key", default=None,
+                      help="tenant key (default: $KVGATE_API_KEY, else DATA_DIR/dev-api-key)")
+    ttft.add_argument("--admin-key", default=None,
+                      help="admin key for the tier rows (default: $KVGATE_ADMIN_KEY)")
+    ttft.add_argument("--tenant", default="default",
+                      help="the tenant of --api-key, whose blocks are evicted to force a tier "
+                           "(default: %(default)s)")
+    ttft.add_argument("--redis-url", default=None,
+                      help="with --spawn: use this Redis instead of starting a redis-server")
+    ttft.add_argument("--peers-python", type=Path, default=None,
+                      help="interpreter with llama_cpp (default: .venv-peers/bin/python)")
+    ttft.add_argument("--no-peers", action="store_true", help="skip the llama.cpp rows")
+    ttft.add_argument("--timeout", type=float, default=600.0,
+                      help="deadline of each gateway call in seconds")
+
+
+def _add_serve(sub: Any) -> None:
+    serve = sub.add_parser(
+        "serve", help="run the gateway (gRPC kvgate.v1, health, reflection)",
+        description="Run the gateway until SIGTERM or Ctrl-C. With no API keys configured "
+                    "(config file, KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) a development key for "
+                    "tenant 'default' is created, printed and kept in DATA_DIR/dev-api-key.")
+    serve.add_argument("--config", type=Path, default=None,
+                       help="a .toml or .json configuration (see gateway/config/serve_config.py)")
+    serve.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=None, help="listen port (default: 50051)")
+    serve.add_argument("--data-dir", type=Path, default=None,
+                       help="disk tier, model cache, secret and dev key (default: data)")
+    serve.add_argument("--model", default=None,
+                       help="'bundled' (SmolLM2-135M-Instruct, the default) or a checkpoint "
+                            "directory")
+    serve.add_argument("--allow-insecure-remote", action="store_true", default=None,
+                       help="listen on a non-loopback address without TLS (API keys travel "
+                            "in the clear: only behind a TLS-terminating proxy)")
+    serve.add_argument("--log-level", default="INFO",
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+
+def _add_generate(sub: Any) -> None:
+    gen = sub.add_parser(
+        "generate", help="send one prompt to a running gateway and stream the answer",
+        description="Writes only the generated text to stdout, and one usage line "
+                    "(cached_tokens=N, per tier, ttft_ms=...) to stderr.")
+    gen.add_argument("prompt", nargs="?", default=None,
+                     help="the prompt, sent as a user message through the model's chat "
+                          "template (with --messages: appended as a last user message; "
+                          "with --raw: sent as raw text)")
+    gen.add_argument("--raw", action="store_true",
+                     help="send PROMPT as raw text (completion) instead of a user message")
+    gen.add_argument("--host", default="127.0.0.1")
+    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument("--api-key", default=None,
+                     help="API key (default: $KVGATE_API_KEY, else DATA_DIR/dev-api-key for a "
+                          "gateway on this machine); other users can see it in `ps`, so "
+                          "prefer the environment variable")
+    gen.add_argument("--data-dir", type=Path, default=Path("data"),
+                     help="where `kvgate serve` keeps dev-api-key (default: %(default)s)")
+    gen.add_argument("--messages", type=Path, default=None,
+                     help="a JSON file: a list of {role, content}, or {messages, tools}")
+    gen.add_argument("--max-tokens", type=int, default=None)
+    gen.add_argument("--temperature", type=float, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    gen.add_argument("--no-cache", action="store_true",
+                     help="nothing of this request is read from or stored in any tier")
+    gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    gen.add_argument("--tls", action="store_true", help="connect with TLS")
+    gen.add_argument("--ca-cert", type=Path, default=None,
+                     help="PEM of the CA that signed the gateway's certificate")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "bench" and args.bench == "index":
+        from gateway.bench.index import run_index_benchmark
+
+        sizes = [int(s) for s in args.sizes.split(",") if s.strip()]
+        run_index_benchmark(sizes=sizes, block_tokens=args.block_tokens,
+                            repeats=args.repeats, out=sys.stdout)
+        return 0
+    if args.command == "bench" and args.bench == "chunks":
+        from gateway.bench.chunks import run_chunks_benchmark
+
+        run_chunks_benchmark(model=args.model, cache_dir=args.data_dir / "models",
+                             sizes=[int(s) for s in args.sizes.split(",")],
+                             prompt_tokens=args.prompt_tokens, repeats=args.repeats,
+                             out=sys.stdout)
+        return 0
+    if args.command == "bench" and args.bench == "tiers":
+        from gateway.bench.tiers import run_tiers_benchmark
+
+        args.data_dir.mkdir(parents=True, exist_ok=True)
+        run_tiers_benchmark(model=args.model, cache_dir=args.data_dir / "models",
+                            repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url)
+        return 0
+    if args.command == "bench" and args.bench == "ttft":
+        return _bench_ttft(args, env=os.environ)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "generate":
+        return _generate(args, out=sys.stdout, err=sys.stderr, env=os.environ)
+    if args.command == "config" and args.config == "example":
+        from gateway.config.serve_config import EXAMPLE_CONFIG
+
+        sys.stdout.write(EXAMPLE_CONFIG)
+        return 0
+    if args.command == "prewarm":
+        from gateway.cli.prewarm import run_prewarm
+
+        return run_prewarm(args, out=sys.stdout, err=sys.stderr, env=os.environ)
+    if args.command == "admin":
+        from gateway.cli.admin import run_admin
+
+        return run_admin(args, out=sys.stdout, err=sys.stderr, env=os.environ)
+    return EXIT_USAGE
+
+
+def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
+    from gateway.bench.ttft import BenchError, TtftOptions, run_ttft_benchmark
+    from gateway.client import KvgateError
+    from gateway.core.addresses import is_loopback
+    from gateway.engine.model import ModelLoadError
+
+    try:
+        lengths = tuple(int(s) for s in args.lengths.split(",") if s.strip())
+    except ValueError:
+        sys.stderr.write(f"kvgate bench ttft: --lengths {args.lengths!r}: expected integers\n")
+        return EXIT_USAGE
+    api_key = args.api_key or env.get("KVGATE_API_KEY") or None
+    dev_key = args.data_dir / "dev-api-key"
+    if api_key is None and not args.spawn and is_loopback(args.host) and dev_key.is_file():
+        api_key = dev_key.read_text(encoding="ascii").strip()
+    options = TtftOptions(
+        lengths=lengths, suffix_tokens=args.suffix_tokens, repeats=args.repeats,
+        block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
+        spawn=args.spawn, host=args.host, port=args.port, api_key=api_key,
+        admin_key=args.admin_key or env.get("KVGATE_ADMIN_KEY") or None, tenant=args.tenant,
+        redis_url=args.redis_url, peers_python=args.peers_python,
+        with_peers=not args.no_peers, timeout_s=args.timeout,
+    )
+    try:
+        run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)
+    except (BenchError, KvgateError, ModelLoadError) as exc:
+        sys.stderr.write(f"kvgate bench ttft: {exc}\n")
+        return EXIT_FAILED
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from gateway.config.serve_config import ConfigError, load_serve_config
+    from gateway.core.errors import GatewayError
+    from gateway.service.server import ServeError, serve
+
+    logging.basicConfig(level=args.log_level, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_serve_config(
+            args.config,
+            env=os.environ,
+            overrides={"host": args.host, "port": args.port, "data_dir": args.data_dir,
+                       "model": args.model, "allow_insecure_remote": args.allow_insecure_remote},
+        )
+    except ConfigError as exc:
+        sys.stderr.write(f"kvgate serve: {exc}\n")
+        return EXIT_USAGE
+    stop_requested = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop_requested.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def announce(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    try:
+        serve(config, env=os.environ, stop_requested=stop_requested, announce=announce)
+    except (ConfigError, ServeError, GatewayError) as exc:
+        sys.stderr.write(f"kvgate serve: {exc}\n")
+        return EXIT_FAILED
+    return 0
+
+
+def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
+              env: Mapping[str, str]) -> int:
+    from gateway.client import KvgateClient, KvgateError
+    from gateway.core.addresses import is_loopback
+    from gateway.core.requests import TokenDelta, Usage
+
+    try:
+        messages, tools = _read_messages(args.messages)
+    except (OSError, ValueError) as exc:
+        err.write(f"kvgate generate: --messages {args.messages}: {exc}\n")
+        return EXIT_USAGE
+    prompt = args.prompt
+    if prompt is not None and not args.raw:
+        # An instruct model answers a question asked through its chat template; sent raw,
+        # SmolLM2 often ends at once.
+        messages = [*(messages or []), {"role": "user", "content": prompt}]
+        prompt = None
+    if messages is None and prompt is None:
+        err.write("kvgate generate: give a PROMPT or --messages FILE\n")
+        return EXIT_USAGE
+    api_key = args.api_key or env.get("KVGATE_API_KEY") or None
+    dev_key = args.data_dir / "dev-api-key"
+    if api_key is None and is_loopback(args.host) and dev_key.is_file():
+        api_key = dev_key.read_text(encoding="ascii").strip()
+    root_certificates = args.ca_cert.read_bytes() if args.ca_cert is not None else None
+    usage: Usage | None = None
+    ends_with_newline = True
+    try:
+        with KvgateClient(args.host, args.port, api_key, tls=args.tls,
+                          root_certificates=root_certificates, timeout_s=args.timeout) as client:
+            stream = client.generate(
+                prompt, messages=messages, tools=tools, max_tokens=args.max_tokens,
+                temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed, stop=args.stop, no_cache=args.no_cache,
+            )
+            for item in stream:
+                if isinstance(item, TokenDelta):
+                    if item.text:
+                        out.write(item.text)
+                        out.flush()
+                        ends_with_newline = item.text.endswith("\n")
+                else:
+                    usage = item
+    except (KvgateError, ValueError) as exc:
+        err.write(f"kvgate generate: {exc}\n")
+        return EXIT_FAILED
+    if out.isatty() and not ends_with_newline:
+        out.write("\n")
+        out.flush()
+    if usage is not None:
+        err.write(usage_line(usage) + "\n")
+    return 0
+
+
+def usage_line(usage: Any) -> str:
+    """The one-line usage summary ``kvgate generate`` writes to stderr."""
+    tiers = ",".join(f"{tier}:{n}" for tier, n in sorted(usage.cached_tokens_by_tier.items()))
+    return (f"prompt_tokens={usage.prompt_tokens} cached_tokens={usage.cached_tokens} "
+            f"cached_by_tier={tiers or '-'} completion_tokens={usage.completion_tokens} "
+            f"ttft_ms={usage.ttft_ms:.1f} total_ms={usage.total_ms:.1f} "
+            f"finish={usage.finish_reason}")
+
+
+def _read_messages(
+    path: Path | None,
+) -> tuple[list[dict[str, str]] | None, list[dict[str, Any]] | None]:
+    """Messages (and tools) from a JSON file: ``[{role, content}, ...]`` or
+    ``{"messages": [...], "tools": [...]}``."""
+    if path is None:
+        return None, None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    tools = None
+    if isinstance(data, dict):
+        tools = data.get("tools")
+        data = data.get("messages")
+    if not isinstance(data, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in data
+    ):
+        raise ValueError("expected a JSON list of {\"role\": ..., \"content\": ...} objects")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("`tools` must be a list of JSON objects")
+    return [{"role": m["role"], "content": m["content"]} for m in data], tools
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

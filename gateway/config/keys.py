@@ -1,0 +1,159 @@
+"""API keys as configured: digests, whom each authenticates, and the checks on keys and tenant ids.
+
+A key maps to a ``Principal``: a tenant id, and whether it is an admin key. The tenant is the
+cache scope of everything the caller sends (DESIGN.md, "Identity of a prefix"). Keys are never
+kept in the clear: entries hold BLAKE2b digests, and a configuration may hold digests instead of
+keys (``key_digest(key).hex()``), so the file itself need not be secret. The service's
+``Authenticator`` (``gateway.service.auth``) matches presented keys against these entries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import unicodedata
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from gateway.core.errors import PermissionDenied
+
+KEY_DIGEST_BYTES = 32
+MIN_KEY_CHARS = 16
+"""Shorter keys are refused by the configuration: they could be guessed."""
+
+MAX_KEY_CHARS = 512
+MAX_TENANT_CHARS = 128
+RESERVED_TENANTS = frozenset({"shared"})
+"""Tenant ids that would be confused with the shared scope (its owner is called "shared")."""
+
+DEFAULT_ADMIN_NAME = "admin"
+"""The name of an admin key configured without one (``KVGATE_ADMIN_KEYS=key``)."""
+
+_PERSON = b"kvgate-api-key"
+
+
+def key_digest(key: str) -> bytes:
+    """The digest kept for ``key`` (BLAKE2b-256, personalised for API keys)."""
+    return hashlib.blake2b(
+        key.encode("utf-8"), digest_size=KEY_DIGEST_BYTES, person=_PERSON
+    ).digest()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Principal:
+    """The authenticated caller.
+
+    Attributes:
+        tenant: the tenant id: the cache scope of the caller's prompts (an admin key's name is
+            its tenant id when it sends prompts in the tenant scope).
+        is_admin: an admin key (Admin service, shared scope, pinning).
+    """
+
+    tenant: str
+    is_admin: bool = False
+
+    def require_admin(self, what: str) -> None:
+        """Raise ``PermissionDenied`` unless this is an admin key.
+
+        Args:
+            what: what was asked, for the message ("the Admin service", "pinning").
+        """
+        if not self.is_admin:
+            raise PermissionDenied(
+                f"{what} needs an admin key; this key belongs to tenant {self.tenant!r}. "
+                "Ask the gateway's operator, or send the request without it"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KeyEntry:
+    """One configured key: its digest and whom it authenticates."""
+
+    digest: bytes = field(repr=False)
+    principal: Principal
+
+    def __post_init__(self) -> None:
+        if len(self.digest) != KEY_DIGEST_BYTES:
+            raise ValueError(f"a key digest is {KEY_DIGEST_BYTES} bytes, got {len(self.digest)}")
+        problem = tenant_id_problem(self.principal.tenant)
+        if problem is not None:
+            raise ValueError(problem)
+
+    @classmethod
+    def of_key(cls, key: str, tenant: str, *, is_admin: bool = False, where: str = "") -> KeyEntry:
+        """An entry for the clear-text ``key`` (checked for length, never kept)."""
+        problem = key_problem(key)
+        if problem is not None:
+            at = f" ({where})" if where else ""
+            raise ValueError(f"the key for {tenant!r}{at} {problem}")
+        return cls(digest=key_digest(key), principal=Principal(tenant=tenant, is_admin=is_admin))
+
+    @classmethod
+    def of_digest(cls, digest_hex: str, tenant: str, *, is_admin: bool = False) -> KeyEntry:
+        """An entry for a key given by its digest (``key_digest(key).hex()``)."""
+        try:
+            digest = bytes.fromhex(digest_hex)
+        except ValueError as exc:
+            raise ValueError(
+                f"the key digest for {tenant!r} is not hex: write key_digest(key).hex()"
+            ) from exc
+        return cls(digest=digest, principal=Principal(tenant=tenant, is_admin=is_admin))
+
+
+def key_problem(key: str) -> str | None:
+    """What is wrong with ``key`` as an API key, or None. The message never contains it."""
+    if len(key) < MIN_KEY_CHARS:
+        return (f"is {len(key)} characters long; use at least {MIN_KEY_CHARS} random characters "
+                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+    if len(key) > MAX_KEY_CHARS:
+        return f"is longer than {MAX_KEY_CHARS} characters"
+    if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
+        return "must be printable ASCII without spaces (it travels in an HTTP/2 header)"
+    return None
+
+
+def tenant_id_problem(tenant: str) -> str | None:
+    """What is wrong with ``tenant`` as a tenant id, or None."""
+    if not tenant:
+        return "a tenant id must not be empty"
+    if len(tenant) > MAX_TENANT_CHARS:
+        return f"the tenant id {tenant[:40]!r}... is longer than {MAX_TENANT_CHARS} characters"
+    if tenant in RESERVED_TENANTS:
+        return f"the tenant id {tenant!r} is reserved (it names the shared scope)"
+    if any(unicodedata.category(c).startswith("C") for c in tenant) or tenant != tenant.strip():
+        return f"the tenant id {tenant!r} has control characters or surrounding spaces"
+    return None
+
+
+def parse_key_list(text: str, *, is_admin: bool, source: str) -> list[KeyEntry]:
+    """Parse ``key1=tenantA,key2=tenantB`` (the ``KVGATE_API_KEYS`` form).
+
+    For admin keys (``KVGATE_ADMIN_KEYS``) the part after ``=`` is the admin's name and may be
+    left out (``key1,key2``: named ``admin``). The tenant is what follows the last ``=``, so a
+    key may itself contain ``=``.
+
+    Raises:
+        ValueError: an entry is malformed; the message names its position, never the key.
+    """
+    entries = []
+    for i, item in enumerate(part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        where = f"{source} entry {i + 1}"
+        key, sep, tenant = item.rpartition("=")
+        if not sep:
+            if not is_admin:
+                raise ValueError(f"{where} has no tenant: write key=tenant")
+            key, tenant = item, DEFAULT_ADMIN_NAME
+        tenant = tenant.strip()
+        key = key.strip()
+        problem = tenant_id_problem(tenant)
+        if problem is not None:
+            raise ValueError(f"{where}: {problem}")
+        entries.append(KeyEntry.of_key(key, tenant, is_admin=is_admin, where=where))
+    return entries
+
+
+def tenants_without_keys(entries: Sequence[KeyEntry], tenants: Iterable[str]) -> list[str]:
+    """Those of ``tenants`` that no key authenticates (a quota for one is likely a typo)."""
+    keyed = {e.principal.tenant for e in entries}
+    return sorted(t for t in tenants if t not in keyed)

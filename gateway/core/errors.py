@@ -1,0 +1,65 @@
+"""Errors of the gateway package, and what each means to a client.
+
+Hierarchy::
+
+    GatewayError                 root: anything the gateway raises on purpose
+     ├── InvalidRequest          the client sent something unusable (gRPC INVALID_ARGUMENT)
+     │    └── CanonicalizationError   messages / prompt / token ids cannot be canonicalised
+     ├── QueueFull               too many requests waiting (RESOURCE_EXHAUSTED)
+     ├── RequestCancelled        the client cancelled or went away (CANCELLED)
+     ├── DeadlineExceeded        the request's deadline passed (DEADLINE_EXCEEDED)
+     ├── EngineDraining          the server is shutting down (UNAVAILABLE)
+ ├── AuthError
+ │    ├── Unauthenticated     no key, a malformed header or an unknown key (UNAUTHENTICATED)
+ │    └── PermissionDenied    a known key asking for what only admin keys may do
+     └── IndexInvariantError     the radix index found its own state inconsistent (a bug)
+
+Messages are written for a person: they say what was wrong and what would be accepted. The gRPC
+servicer maps these to status codes in one place (``gateway.service.status_mapping``).
+"""
+
+from __future__ import annotations
+
+
+class GatewayError(Exception):
+    """Root of every error raised on purpose by ``gateway``."""
+
+
+class InvalidRequest(GatewayError):
+    """The request cannot be served as sent; retrying it unchanged will fail again."""
+
+
+class CanonicalizationError(InvalidRequest):
+    """Messages, prompt text or token ids that cannot be turned into canonical tokens."""
+
+
+class QueueFull(GatewayError):
+    """The engine's request queue is full; the client may retry after a while."""
+
+
+class RequestCancelled(GatewayError):
+    """The request was cancelled (the client disconnected or cancelled the call)."""
+
+
+class DeadlineExceeded(GatewayError):
+    """The request's deadline passed before it finished."""
+
+
+class EngineDraining(GatewayError):
+    """The engine is shutting down and takes no new requests."""
+
+
+class IndexInvariantError(GatewayError):
+    """The radix index or a block's reference count is inconsistent: always a bug."""
+
+
+class AuthError(GatewayError):
+    """The caller is not allowed to do what it asked."""
+
+
+class Unauthenticated(AuthError):
+    """No API key, a malformed ``authorization`` header, or a key this gateway does not know."""
+
+
+class PermissionDenied(AuthError):
+    """A valid key that is not allowed this call (an admin-only RPC or option)."""

@@ -1,0 +1,148 @@
+"""The records that cross the engine's boundary: what a request asks, what comes back.
+
+The gRPC servicer translates protobuf messages into these (validating at the edge) and the
+engine's results back; nothing below the servicer sees protobuf, and nothing above the engine
+sees tensors or the index.
+
+Errors the engine raises for a request (see ``gateway.core.errors``)::
+
+    InvalidRequest           INVALID_ARGUMENT: the request can never succeed as sent
+    QueueFull                RESOURCE_EXHAUSTED: too many requests waiting; retry later
+    RequestCancelled         CANCELLED: the client went away
+    DeadlineExceeded         DEADLINE_EXCEEDED: the request's deadline passed
+    EngineDraining           UNAVAILABLE: shutting down; retry on another replica
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.core.canonical import PromptInput
+from gateway.core.fingerprint import Scope
+
+FinishReason = Literal["stop", "length", "eos", "cancelled", "deadline"]
+
+MAX_NEW_TOKENS_LIMIT = 8192
+"""The most tokens one request may ask to generate (the model's context bounds it further)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """How to pick each next token. ``temperature == 0`` is greedy (the default).
+
+    Attributes:
+        max_tokens: most tokens to generate (1..MAX_NEW_TOKENS_LIMIT).
+        temperature: 0 for greedy, else in (0, 10].
+        top_p: nucleus sampling mass in (0, 1].
+        top_k: keep the k most likely tokens; 0 keeps all.
+        seed: seed of this request's own random generator (None: a fresh random seed).
+        stop: strings that end generation when they appear in the output (not included).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+
+    def problems(self) -> list[str]:
+        """Every out-of-range field, as messages a person can act on (empty if valid)."""
+        errors = []
+        if not 1 <= self.max_tokens <= MAX_NEW_TOKENS_LIMIT:
+            errors.append(f"max_tokens must be between 1 and {MAX_NEW_TOKENS_LIMIT}, "
+                          f"got {self.max_tokens}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 10):
+            errors.append(f"temperature must be between 0 and 10, got {self.temperature}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            errors.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            errors.append(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            errors.append("seed must be in [0, 2**63)")
+        if len(self.stop) > 16 or any(not s or len(s) > 256 for s in self.stop):
+            errors.append("stop takes at most 16 non-empty strings of at most 256 characters")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CacheOptions:
+    """What the cache may do with this request.
+
+    Attributes:
+        no_cache: nothing of this request is read from or stored in any tier.
+        ttl_s: sliding TTL of the blocks this request stores (None: the server's default).
+    """
+
+    no_cache: bool = False
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GenerateRequest:
+    prompt: PromptInput
+    scope: Scope
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cache: CacheOptions = field(default_factory=CacheOptions)
+    deadline: float | None = None
+    """Absolute time on ``time.monotonic`` after which the request is abandoned."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TokenDelta:
+    """Newly generated tokens and the text they complete (may be empty mid-character)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Usage:
+    """The final message of a generation."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+    completion_tokens: int
+    ttft_ms: float
+    total_ms: float
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmRequest:
+    prompt: PromptInput
+    scope: Scope
+    pin: bool = False
+    ttl_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmResult:
+    prompt_tokens: int
+    num_blocks: int
+    num_new_blocks: int
+    num_cached_blocks: int
+    stored_bytes: int
+    elapsed_ms: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LookupRequest:
+    prompt: PromptInput
+    scope: Scope
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LookupResult:
+    """How much of a prompt is cached in the caller's scope; nothing computed."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+    num_prompt_blocks: int
+    diverges_at_block: int | None
+    diverges_at_token: int | None
+    text_around_divergence: str

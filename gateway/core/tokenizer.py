@@ -1,0 +1,119 @@
+"""The seam between canonicalisation and the model's tokenizer.
+
+``Tokenizer`` is all that ``gateway.core.canonical`` needs from a tokenizer: the number of
+valid ids, text → ids, messages → text through the model's own chat template, and ids → text.
+``HFTokenizerAdapter`` puts a Hugging Face ``transformers`` tokenizer behind it.
+
+NOTE: this module never imports ``transformers``; the adapter is duck-typed over the object it
+is handed, so only the module that loads the model depends on that library's API (which changed
+shape between 4.x and 5.x). What it relies on, checked against transformers 5.23:
+
+- ``len(tokenizer)`` is the number of valid ids, added tokens included. ``tokenizer.vocab_size``
+  is not: it counts only the base vocabulary, so chat control tokens such as ``<|im_end|>``
+  (often added tokens with ids past it, as in Llama 3 and Qwen2) would look out of range.
+- ``apply_chat_template(..., tokenize=False)`` returns a ``str``. With ``tokenize=True`` it
+  returns a ``BatchEncoding`` in 5.x (``return_dict`` now defaults to ``True``) where 4.x
+  returned a list of ids; rendering to text and encoding separately avoids the difference.
+- Templates reject conversations they cannot render with ``raise_exception``, which raises
+  ``jinja2.exceptions.TemplateError``: that is a fault in the request and is translated here.
+- ``tokenizer.decode`` silently drops ids it does not know, so ids are checked before use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+from gateway.core.errors import CanonicalizationError
+from gateway.core.tokens import TokenIds
+
+
+class Tokenizer(Protocol):
+    """The model's tokenizer, as canonicalisation uses it."""
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of valid token ids, special and added tokens included: ids are ``[0, n)``."""
+        ...
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens`` adds the model's BOS/EOS convention."""
+        ...
+
+    def render_chat(
+        self,
+        messages: list[dict[str, str]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        """Render ``messages`` (and ``tools``) to text with the model's own chat template.
+
+        Raises:
+            CanonicalizationError: the model has no chat template, or its template rejects
+                this conversation.
+        """
+        ...
+
+    def decode(self, ids: Sequence[int] | TokenIds) -> str:
+        """Text of ``ids``, special tokens included."""
+        ...
+
+
+class HFTokenizerAdapter:
+    """A ``transformers`` tokenizer (``PreTrainedTokenizerFast`` or compatible) as a ``Tokenizer``.
+
+    Args:
+        tokenizer: the loaded tokenizer; only ``__len__``, ``encode``, ``decode``,
+            ``chat_template`` and ``apply_chat_template`` are used.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        # NOTE: len(), not .vocab_size, which leaves out added tokens (see the module docstring).
+        return len(self._tokenizer)
+
+    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return [int(i) for i in ids]
+
+    def render_chat(
+        self,
+        messages: list[dict[str, str]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise CanonicalizationError(
+                "this model has no chat template, so `messages` cannot be rendered; "
+                "send the text as `prompt` or the tokens as `token_ids` instead"
+            )
+        try:
+            rendered = self._tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        except TemplateSyntaxError:
+            raise  # a broken template is the deployment's fault, not the request's
+        except TemplateError as exc:
+            raise CanonicalizationError(
+                f"the model's chat template rejected these messages: {exc}"
+            ) from exc
+        if not isinstance(rendered, str):
+            raise TypeError(
+                "apply_chat_template(tokenize=False) returned "
+                f"{type(rendered).__name__}, expected str"
+            )
+        return rendered
+
+    def decode(self, ids: Sequence[int] | TokenIds) -> str:
+        text = self._tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+        if not isinstance(text, str):
+            raise TypeError(f"decode returned {type(text).__name__}, expected str")
+        return text

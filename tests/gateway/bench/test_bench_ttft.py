@@ -1,0 +1,96 @@
+"""``kvgate bench ttft --spawn`` end to end at tiny scale: the real CLI, a real ``kvgate serve``
+subprocess (and a real redis-server when one is installed), the tiny Llama, 16-token blocks.
+
+Speed is never asserted -- only that every row is there, with positive figures, and that each
+warm row was served from the tier it forces (as the responses' usage reports it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_llama import save_tiny_llama
+
+LENGTHS = (32, 64)
+BLOCK = 16
+KVGATE_ROWS = {
+    "kvgate cold (no_cache)": None,
+    "kvgate warm: device": "device",
+    "kvgate warm: host": "host",
+    "kvgate warm: disk": "disk",
+    "kvgate warm: redis": "redis",
+}
+HF_ROWS = ("HF recipe cold", "HF recipe warm (deepcopy)")
+LLAMA_ROWS = ("llama.cpp cold", "llama.cpp RAM-cache warm", "llama.cpp disk-cache warm")
+_NUMBER = r"(-|[\d,]+\.\d)"
+_ROW = re.compile(rf"^(?P<label>.+?)\s+{_NUMBER}\s+(?P<ratio>-|\d+\.\d+)\s+{_NUMBER}\s+"
+                  r"(?P<cached>[\d/-]+)\s+(?P<served>.+)$")
+
+
+def _tables(stdout: str) -> dict[int, dict[str, str]]:
+    """Rows of each length's table: label -> the rest of the line."""
+    tables: dict[int, dict[str, str]] = {}
+    current: dict[str, str] | None = None
+    for line in stdout.splitlines():
+        header = re.match(r"^prefix ([\d,]+) tokens \+ \d+-token suffix", line)
+        if header:
+            current = tables.setdefault(int(header.group(1).replace(",", "")), {})
+            continue
+        if current is not None and not line.strip():
+            current = None
+        if current is None or line.startswith(("row ", "---")):
+            continue
+        for label in (*KVGATE_ROWS, *HF_ROWS, *LLAMA_ROWS):
+            if line.startswith(label + " "):
+                current[label] = line
+    return tables
+
+
+@pytest.mark.slow
+def test_bench_ttft_spawn_prints_every_row_with_positive_figures(tmp_path: Path) -> None:
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "gateway.cli.main", "bench", "ttft", "--spawn",
+         "--model", str(model_dir), "--data-dir", str(tmp_path / "data"),
+         "--lengths", ",".join(map(str, LENGTHS)), "--block-tokens", str(BLOCK),
+         "--suffix-tokens", "8", "--repeats", "2", "--no-peers"],
+        capture_output=True, text=True, timeout=120, env=env, check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    tables = _tables(proc.stdout)
+    assert sorted(tables) == list(LENGTHS), proc.stdout
+    has_redis = shutil.which("redis-server") is not None
+    for length, rows in tables.items():
+        assert set(rows) == {*KVGATE_ROWS, *HF_ROWS, *LLAMA_ROWS}, proc.stdout
+        for label in LLAMA_ROWS:
+            assert "n/a (--no-peers)" in rows[label]
+        for label, tier in KVGATE_ROWS.items():
+            if tier == "redis" and not has_redis:
+                assert "n/a (no redis-server on PATH" in rows[label]
+                continue
+            match = _ROW.match(rows[label])
+            assert match is not None, rows[label]
+            ttft_ms, server_ms = float(match.group(2).replace(",", "")), float(
+                match.group(4).replace(",", ""))
+            assert ttft_ms > 0 and server_ms > 0, rows[label]
+            if tier is None:
+                assert match.group("cached") == "0" and match.group("served") == "-"
+            else:
+                assert match.group("cached") == str(length), rows[label]
+                assert match.group("served") == f"{tier}:{length}", rows[label]
+                assert 0 < float(match.group("ratio")), rows[label]
+        for label in HF_ROWS:
+            fields = rows[label][len(label):].split()
+            assert float(fields[0].replace(",", "")) > 0, rows[label]
+        assert rows["HF recipe warm (deepcopy)"].split()[-3] == str(length)
+    assert "targets at 2,048 tokens" in proc.stdout
+    assert "not measured: add 2048 to --lengths" in proc.stdout
+    assert "spawned kvgate serve (pid" in proc.stderr

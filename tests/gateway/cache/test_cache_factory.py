@@ -1,0 +1,184 @@
+"""The whole cache as ``open_cache`` builds it: real model KV through every tier.
+
+KV comes from the tiny random Llama (block-aligned cold prefill), so "bit-identical" here means
+what a request would compute. Tiers: device, host, disk (restart reuse) and a real redis-server
+shared by two caches, as two replicas would share it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
+from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
+from gateway.core.tokens import TokenIds, as_token_ids
+from gateway.engine.model import LoadedModel, compute_block_kv, load_model
+from tests.redis_harness import RedisServer
+from tests.tiny_llama import save_tiny_llama
+from tiers.payload import KVBlock
+
+BLOCK = 8
+SECRET = b"deployment-secret-for-tests-0001"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
+
+
+def namespace_for(model: LoadedModel, tenant: str = "alice") -> object:
+    return derive_namespace(
+        NamespaceSpec(
+            deployment_secret=SECRET,
+            model_fingerprint=model.fingerprint,
+            kv_dtype="float32",
+            device_kind="cpu",
+            scope=Scope.of_tenant(tenant),
+        )
+    )
+
+
+def cold_blocks(model: LoadedModel, tokens: TokenIds) -> list[KVBlock]:
+    return [
+        KVBlock(keys=k, values=v)
+        for k, v in compute_block_kv(model, torch.from_numpy(tokens.astype("int64")), BLOCK)
+    ]
+
+
+def identical(a: KVBlock, b: KVBlock) -> bool:
+    return all(
+        torch.equal(x, y) for x, y in zip((*a.keys, *a.values), (*b.keys, *b.values), strict=True)
+    )
+
+
+def serve(opened: OpenedCache, model: LoadedModel, tokens: TokenIds) -> tuple[str, ...]:
+    """Load the cached prefix (checking it bit for bit against a cold run), store the rest."""
+    cache = opened.cache
+    ns = namespace_for(model)
+    reference = cold_blocks(model, tokens)
+    with cache.acquire(ns, tokens) as lease:  # type: ignore[arg-type]
+        loaded = cache.load(lease)
+        assert all(identical(a, b) for a, b in zip(loaded, reference, strict=False))
+        cache.insert(lease, tier="device", blocks=reference[lease.match.num_blocks:])
+        return lease.match.tiers
+
+
+def prompt(seed: int, num_blocks: int = 3) -> TokenIds:
+    g = torch.Generator().manual_seed(seed)
+    return as_token_ids(torch.randint(0, 400, (num_blocks * BLOCK + 3,), generator=g).numpy())
+
+
+def config(tmp_path: Path, **overrides: object) -> CacheConfig:
+    block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4  # tiny Llama: 2 layers, 2 KV heads, head_dim 16
+    fields: dict[str, object] = {
+        "block_tokens": BLOCK,
+        "device_bytes": 3 * block_bytes,
+        "host_bytes": 3 * block_bytes,
+        "disk_bytes": 100 * block_bytes,
+        "disk_path": tmp_path / "disk",
+    }
+    fields.update(overrides)
+    return CacheConfig(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def opened(tiny: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
+    cache = open_cache(config(tmp_path), layout=tiny.layout, deployment_secret=SECRET)
+    yield cache
+    cache.close()
+
+
+def test_kv_is_bit_identical_from_the_device_tier(opened: OpenedCache, tiny: LoadedModel) -> None:
+    p = prompt(1)
+    assert serve(opened, tiny, p) == ()
+    assert serve(opened, tiny, p) == ("device",) * 3
+
+
+def test_kv_is_bit_identical_after_demotion_to_host_and_disk(
+    opened: OpenedCache, tiny: LoadedModel
+) -> None:
+    first = prompt(1)
+    serve(opened, tiny, first)
+    for seed in range(2, 5):  # push the first prompt down through host to disk
+        serve(opened, tiny, prompt(seed))
+    opened.hierarchy.flush(timeout_s=10)
+    tiers = serve(opened, tiny, first)
+    assert len(tiers) == 3 and set(tiers) <= {"host", "disk"}
+    assert "disk" in tiers
+    opened.cache.check_invariants()
+
+
+def test_a_prefix_cached_before_a_restart_is_a_disk_hit_after_it(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    p = prompt(7)
+    first = open_cache(config(tmp_path), layout=tiny.layout, deployment_secret=SECRET)
+    serve(first, tiny, p)
+    for seed in range(20, 24):
+        serve(first, tiny, prompt(seed))  # everything of p reaches the disk
+    first.close()
+    second = open_cache(config(tmp_path), layout=tiny.layout, deployment_secret=SECRET)
+    try:
+        assert second.num_recovered_blocks >= 3
+        assert serve(second, tiny, p) == ("disk",) * 3
+    finally:
+        second.close()
+
+
+def test_another_secret_on_the_same_disk_gets_no_hits(tiny: LoadedModel, tmp_path: Path) -> None:
+    first = open_cache(config(tmp_path), layout=tiny.layout, deployment_secret=SECRET)
+    for seed in range(30, 34):
+        serve(first, tiny, prompt(seed))
+    first.close()
+    other = open_cache(config(tmp_path), layout=tiny.layout,
+                       deployment_secret=b"another-deployment-secret-000002")
+    try:
+        assert other.num_recovered_blocks == 0
+    finally:
+        other.close()
+
+
+@pytest.mark.redis
+def test_a_prefix_stored_by_one_replica_is_a_redis_hit_on_another(
+    tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    p = prompt(11)
+    a = open_cache(config(tmp_path / "a", redis_url=redis_server.url, disk_bytes=0),
+                   layout=tiny.layout, deployment_secret=SECRET)
+    b = open_cache(config(tmp_path / "b", redis_url=redis_server.url, disk_bytes=0),
+                   layout=tiny.layout, deployment_secret=SECRET)
+    try:
+        serve(a, tiny, p)
+        assert a.hierarchy.flush(timeout_s=10)
+        assert serve(b, tiny, p) == ("redis",) * 3
+        assert serve(b, tiny, p) == ("device",) * 3  # now local on b
+        assert b.cache.stats().num_remote_hits == 3
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.redis
+def test_a_dead_redis_degrades_to_misses(
+    tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    opened = open_cache(config(tmp_path, redis_url=redis_server.url, disk_bytes=0),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    try:
+        redis_server.kill()
+        assert serve(opened, tiny, prompt(12)) == ()
+        assert serve(opened, tiny, prompt(12)) == ("device",) * 3
+    finally:
+        opened.close()
+
+
+def test_invalid_configurations_are_listed_at_once(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        CacheConfig(block_tokens=0, order="fifo", disk_bytes=10, device_bytes=0)
+    message = str(excinfo.value)
+    for part in ("block_tokens", "order", "disk_path", "device_bytes"):
+        assert part in message

@@ -1,0 +1,201 @@
+"""``kvgate admin`` against a real gateway (tiny Llama, 16-token blocks)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.cli.admin import parse_duration
+from gateway.cli.main import main
+from tests.gateway.grpc_harness import (
+    ADMIN_KEY,
+    KEY_A,
+    KEY_B,
+    LONG_PROMPT,
+    RunningGateway,
+    start_gateway,
+    tiny_model,
+)
+
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+OTHER = "A different preamble that belongs to tenant b alone and spans a few blocks of text."
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
+    running = start_gateway(tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_kvgate_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("KVGATE_API_KEY", "KVGATE_API_KEYS", "KVGATE_ADMIN_KEY"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def _admin(gateway: RunningGateway, command: str, *args: str, key: str | None = ADMIN_KEY,
+           ) -> list[str]:
+    argv = ["admin", command, *args, "--port", str(gateway.port)]
+    return [*argv, "--admin-key", key] if key is not None else argv
+
+
+def _json(capsys: pytest.CaptureFixture[str]) -> object:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_stats_ls_evict_quota_flush_round_trip(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+) -> None:
+    gateway.client(KEY_A).warm(LONG_PROMPT)
+    gateway.client(KEY_B).warm(OTHER)
+
+    assert main(_admin(gateway, "stats", "--json")) == 0
+    stats = _json(capsys)
+    assert isinstance(stats, dict) and stats["num_blocks"] > 0
+    device = next(t for t in stats["tiers"] if t["name"] == "device")
+    assert device["num_blocks"] == stats["num_blocks"] and device["used_bytes"] > 0
+    assert main(_admin(gateway, "stats")) == 0
+    table = capsys.readouterr().out
+    assert table.splitlines()[1].split()[:3] == ["tier", "blocks", "used"]
+
+    assert main(_admin(gateway, "ls", "--json")) == 0
+    listed = _json(capsys)
+    assert isinstance(listed, list)
+    assert {p["tenant"] for p in listed} == {"tenant-a", "tenant-b"}
+    assert main(_admin(gateway, "ls", "--tenant", "tenant-b")) == 0
+    assert "tenant-b" in capsys.readouterr().out
+
+    a_blocks = sum(p["num_blocks"] for p in listed if p["tenant"] == "tenant-a")
+    assert main(_admin(gateway, "evict", "--tenant", "tenant-a", "--yes", "--json")) == 0
+    evicted = _json(capsys)
+    assert isinstance(evicted, dict) and evicted["num_blocks"] == a_blocks
+    assert evicted["bytes_by_tier"]["device"] > 0
+    assert gateway.client(KEY_A).lookup(LONG_PROMPT).cached_tokens == 0
+    assert gateway.client(KEY_B).lookup(OTHER).cached_tokens > 0
+
+    assert main(_admin(gateway, "quota", "tenant-b", "2GiB", "--json")) == 0
+    assert _json(capsys) == {"tenant": "tenant-b", "num_bytes": 2 << 30}
+    assert main(_admin(gateway, "quota", "tenant-b", "none")) == 0
+    assert capsys.readouterr().out == "removed the quota of tenant-b\n"
+
+    assert main(_admin(gateway, "flush", "--yes")) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("freed ") and "device" in out
+    assert gateway.client(KEY_B).lookup(OTHER).cached_tokens == 0
+    assert main(_admin(gateway, "ls")) == 0
+    assert capsys.readouterr().out == "no cached prefixes\n"
+
+
+def test_pin_and_unpin_flip_the_flag_that_ls_shows(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+) -> None:
+    gateway.client(KEY_A).warm(LONG_PROMPT)
+    num_blocks = gateway.client(KEY_A).lookup(LONG_PROMPT).num_prompt_blocks
+    assert main(_admin(gateway, "pin", LONG_PROMPT, "--raw", "--tenant", "tenant-a",
+                       "--json")) == 0
+    assert num_blocks > 0 and _json(capsys) == {"num_blocks": num_blocks}
+    assert main(_admin(gateway, "ls", "--tenant", "tenant-a", "--json")) == 0
+    listed = _json(capsys)
+    assert isinstance(listed, list) and [p["is_pinned"] for p in listed] == [True]
+    assert main(_admin(gateway, "unpin", LONG_PROMPT, "--raw", "--tenant", "tenant-a")) == 0
+    assert capsys.readouterr().out == f"unpinned {num_blocks} blocks\n"
+    assert main(_admin(gateway, "ls", "--tenant", "tenant-a", "--json")) == 0
+    listed = _json(capsys)
+    assert isinstance(listed, list) and [p["is_pinned"] for p in listed] == [False]
+    assert main(_admin(gateway, "evict", "--older-than", "0s", "--yes")) == 0
+    assert capsys.readouterr().out.startswith("freed ")
+    assert gateway.client(KEY_A).lookup(LONG_PROMPT).cached_tokens == 0
+
+
+def test_evict_without_yes_and_without_a_tty_refuses_and_changes_nothing(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gateway.client(KEY_A).warm(LONG_PROMPT)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))  # not a TTY: never read
+    assert main(_admin(gateway, "evict", "--all")) == 2
+    assert "stdin is not a terminal; pass --yes" in capsys.readouterr().err
+    assert main(_admin(gateway, "flush")) == 2
+    assert gateway.client(KEY_A).lookup(LONG_PROMPT).cached_tokens > 0
+    assert main(_admin(gateway, "evict", "--yes")) == 2
+    assert "name what to evict" in capsys.readouterr().err
+    assert main(_admin(gateway, "evict", "--all", "--tier", "host", "--yes")) == 2
+    assert main(_admin(gateway, "evict", "--older-than", "soon", "--yes")) == 2
+    assert "is not a duration" in capsys.readouterr().err
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_evict_on_a_tty_asks_and_no_keeps_everything(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    gateway.client(KEY_A).warm(LONG_PROMPT)
+    monkeypatch.setattr(sys, "stdin", _Tty("n\n"))
+    assert main(_admin(gateway, "evict", "--tenant", "tenant-a")) == 2
+    err = capsys.readouterr().err
+    assert "Evict blocks with --tenant 'tenant-a'? [y/N]" in err and "not confirmed" in err
+    assert gateway.client(KEY_A).lookup(LONG_PROMPT).cached_tokens > 0
+    monkeypatch.setattr(sys, "stdin", _Tty("y\n"))
+    assert main(_admin(gateway, "evict", "--tenant", "tenant-a")) == 0
+    assert "freed " in capsys.readouterr().out
+    assert gateway.client(KEY_A).lookup(LONG_PROMPT).cached_tokens == 0
+
+
+def test_a_tenant_key_or_no_key_is_refused_and_nothing_changes(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    gateway.client(KEY_A).warm(LONG_PROMPT)
+    assert main(_admin(gateway, "flush", "--yes", key=KEY_A)) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+    assert main(_admin(gateway, "stats", key="not-a-key-0123456789abcdef")) == 1
+    assert "UNAUTHENTICATED" in capsys.readouterr().err
+    assert main(_admin(gateway, "stats", key=None)) == 2
+    assert "no admin key" in capsys.readouterr().err
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[[admin_keys]]\nname = "ops"\nkey_blake2b = "00"\n', encoding="utf-8")
+    assert main([*_admin(gateway, "stats", key=None), "--config", str(config)]) == 2
+    assert "digests cannot be sent" in capsys.readouterr().err
+    assert gateway.client(KEY_A).lookup(LONG_PROMPT).cached_tokens > 0
+
+
+def test_the_installed_command_takes_the_key_from_env_or_config(
+    gateway: RunningGateway, tmp_path: Path,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    run = subprocess.run(
+        [KVGATE, "admin", "stats", "--json", "--port", str(gateway.port)],
+        env={**env, "KVGATE_ADMIN_KEY": ADMIN_KEY}, capture_output=True, text=True,
+        timeout=60, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "tiers" in json.loads(run.stdout)
+    config = tmp_path / "kvgate.toml"
+    config.write_text(f'[[admin_keys]]\nname = "ops"\nkey = "{ADMIN_KEY}"\n', encoding="utf-8")
+    run = subprocess.run(
+        [KVGATE, "admin", "quota", "tenant-a", "500MB", "--port", str(gateway.port),
+         "--config", str(config)],
+        env=env, capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "quota of tenant-a: 476.8 MiB\n"
+
+
+def test_parse_duration() -> None:
+    assert [parse_duration(t) for t in ("90", "90s", "15m", "1h", "2d", "0.5h")] == \
+        [90.0, 90.0, 900.0, 3600.0, 172800.0, 1800.0]
+    with pytest.raises(ValueError, match="not a duration"):
+        parse_duration("1w")

@@ -1,0 +1,32 @@
+"""The ``kvgate`` command line, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gateway.cli.main import main
+
+
+def test_bench_index_prints_a_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "index", "--sizes", "700,1400", "--repeats", "20"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip().startswith(("700", "1,400"))]
+    assert len(rows) == 2
+    assert "lkp 2k p50/p99" in out
+
+
+def test_the_console_script_is_installed_beside_python() -> None:
+    script = Path(sys.executable).parent / "kvgate"
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=False)
+    assert result.returncode == 0
+    assert "bench" in result.stdout
+
+
+def test_an_unknown_command_exits_with_usage() -> None:
+    with pytest.raises(SystemExit) as excinfo:
+        main(["frobnicate"])
+    assert excinfo.value.code == 2

@@ -1,0 +1,259 @@
+"""``kvgate serve``'s configuration: file, environment and flags merged; every problem at once;
+the data directory's secret and dev key (0600, reused)."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+from gateway.cache.factory import GiB
+from gateway.config.keys import Principal, key_digest
+from gateway.config.serve_config import (
+    DEFAULT_DISK_BYTES,
+    ConfigError,
+    GrpcSettings,
+    ServeConfig,
+    deployment_secret,
+    dev_api_key,
+    load_serve_config,
+    parse_size,
+)
+from gateway.service.auth import Authenticator
+from gateway.service.server import build_authenticator
+
+KEY_A = "tenant-a-key-0123456789abcdef"
+ADMIN = "admin-key-0123456789abcdefgh"
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_defaults_listen_on_loopback_with_three_tiers_under_the_data_dir() -> None:
+    config = load_serve_config(None, env={})
+    assert (config.host, config.port, config.model) == ("127.0.0.1", 50051, "bundled")
+    assert config.data_dir == Path("data")
+    assert config.cache.disk_path == Path("data/kv")
+    assert config.cache.disk_bytes == DEFAULT_DISK_BYTES
+    assert config.cache.device_bytes > 0 and config.cache.host_bytes > 0
+    assert config.cache.redis_url is None
+    assert config.keys == () and not config.uses_tls
+    assert config.secret_path == Path("data/secret")
+    assert config.dev_key_path == Path("data/dev-api-key")
+
+
+def test_a_toml_file_env_keys_and_flags_merge(tmp_path: Path) -> None:
+    path = write(tmp_path / "kvgate.toml", f"""
+[server]
+host = "127.0.0.1"
+port = 6000
+data_dir = "{tmp_path / 'from-file'}"
+
+[grpc]
+max_concurrent_rpcs = 8
+max_deadline_s = 30
+
+[engine]
+max_queue = 4
+default_ttl_s = 60
+
+[cache]
+block_tokens = 64
+host_bytes = "512MiB"
+quotas = {{ tenant-a = "1GiB" }}
+
+[[api_keys]]
+tenant = "tenant-a"
+key = "{KEY_A}"
+
+[[api_keys]]
+tenant = "tenant-c"
+key_blake2b = "{key_digest('tenant-c-key-0123456789abc').hex()}"
+
+[[admin_keys]]
+name = "ops"
+key = "{ADMIN}"
+""")
+    env = {"KVGATE_API_KEYS": "tenant-b-key-0123456789abcdef=tenant-b", "HOME": "/x"}
+    config = load_serve_config(path, env=env,
+                               overrides={"port": 7000, "model": "/models/m", "host": None})
+    assert (config.host, config.port, config.model) == ("127.0.0.1", 7000, "/models/m")
+    assert config.data_dir == tmp_path / "from-file"
+    assert config.cache.disk_path == tmp_path / "from-file" / "kv"
+    assert config.grpc.max_concurrent_rpcs == 8 and config.grpc.max_deadline_s == 30
+    assert config.engine.max_queue == 4 and config.engine.default_ttl_s == 60
+    assert config.cache.block_tokens == 64 and config.cache.host_bytes == 512 << 20
+    assert dict(config.cache.quotas) == {"tenant-a": GiB}
+    auth = Authenticator(config.keys)
+    assert auth.find(KEY_A) == Principal(tenant="tenant-a")
+    assert auth.find("tenant-b-key-0123456789abcdef") == Principal(tenant="tenant-b")
+    assert auth.find("tenant-c-key-0123456789abc") == Principal(tenant="tenant-c")
+    assert auth.find(ADMIN) == Principal(tenant="ops", is_admin=True)
+    assert KEY_A not in repr(config)
+
+
+def test_json_works_too(tmp_path: Path) -> None:
+    path = write(tmp_path / "kvgate.json", json.dumps({
+        "server": {"port": 0}, "api_keys": [{"tenant": "tenant-a", "key": KEY_A}]}))
+    config = load_serve_config(path, env={})
+    assert config.port == 0 and len(config.keys) == 1
+
+
+def test_every_problem_is_reported_at_once_without_keys_in_the_message(tmp_path: Path) -> None:
+    path = write(tmp_path / "bad.toml", f"""
+[server]
+port = 70000
+colour = "blue"
+tls_cert = "{tmp_path / 'missing.crt'}"
+
+[grpc]
+max_receive_bytes = -1
+max_deadline_s = 900
+
+[engine]
+max_queue = 0
+block_tokens = 16
+
+[cache]
+host_bytes = "lots"
+
+[[api_keys]]
+tenant = "shared"
+key = "{KEY_A}"
+
+[[api_keys]]
+tenant = "tenant-b"
+key = "short"
+
+[extras]
+""")
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(path, env={"KVGATE_ADMIN_KEYS": f"{KEY_A}=ops"})
+    message = str(excinfo.value)
+    for hint in ("unknown sections ['extras']", "server.port", "['colour']",
+                 "tls_cert and server.tls_key go together", "missing.crt",
+                 "grpc.max_receive_bytes must be > 0", "[engine] has unknown keys ['block_tokens']",
+                 "engine.max_queue", "cache.host_bytes", "reserved", "characters long"):
+        assert hint in message, hint
+    assert KEY_A not in message and "short" not in message.replace("shorter", "")
+
+
+def test_the_connection_age_grace_must_cover_the_longest_request() -> None:
+    assert GrpcSettings(max_deadline_s=900).problems()
+    assert not GrpcSettings(max_deadline_s=900, max_connection_age_grace_s=900).problems()
+
+
+def test_the_same_key_for_a_tenant_and_an_admin_is_refused() -> None:
+    with pytest.raises(ConfigError, match="more than once"):
+        load_serve_config(None, env={"KVGATE_API_KEYS": f"{KEY_A}=tenant-a",
+                                     "KVGATE_ADMIN_KEYS": f"{KEY_A}=ops"})
+
+
+def test_unreadable_and_unknown_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_serve_config(tmp_path / "absent.toml", env={})
+    with pytest.raises(ConfigError, match=".toml or .json"):
+        load_serve_config(write(tmp_path / "x.yaml", "a: 1"), env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_serve_config(write(tmp_path / "x.toml", "[server"), env={})
+
+
+def test_server_options_set_every_limit_on_purpose() -> None:
+    options = dict(GrpcSettings().server_options())
+    assert options["grpc.max_receive_message_length"] == 4 << 20
+    assert options["grpc.so_reuseport"] == 0
+    for name in ("grpc.max_send_message_length", "grpc.max_concurrent_streams",
+                 "grpc.max_metadata_size", "grpc.keepalive_time_ms", "grpc.keepalive_timeout_ms",
+                 "grpc.keepalive_permit_without_calls", "grpc.http2.max_pings_without_data",
+                 "grpc.http2.min_ping_interval_without_data_ms", "grpc.http2.max_ping_strikes",
+                 "grpc.max_connection_idle_ms", "grpc.max_connection_age_ms",
+                 "grpc.max_connection_age_grace_ms"):
+        assert name in options
+    assert options["grpc.max_connection_age_grace_ms"] >= GrpcSettings().max_deadline_s * 1000
+
+
+@pytest.mark.parametrize(
+    ("text", "num_bytes"),
+    [(1024, 1024), ("1024", 1024), ("4KiB", 4096), ("1.5 GiB", 3 << 29), ("2GB", 2 * 10**9),
+     ("10b", 10)],
+)
+def test_sizes(text: object, num_bytes: int) -> None:
+    assert parse_size(text) == num_bytes
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", True, 1.5, "4 parsecs"])
+def test_bad_sizes(text: object) -> None:
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_secret_is_created_once_private_and_reused(tmp_path: Path) -> None:
+    config = ServeConfig(data_dir=tmp_path / "data")
+    secret = deployment_secret(config, {})
+    assert len(secret) == 32
+    assert mode_of(config.secret_path) == 0o600
+    assert mode_of(config.data_dir) == 0o700
+    assert deployment_secret(config, {}) == secret
+    assert list(config.data_dir.iterdir()) == [config.secret_path]  # no temp files left
+
+
+def test_the_secret_can_come_from_the_environment(tmp_path: Path) -> None:
+    config = ServeConfig(data_dir=tmp_path / "data")
+    assert deployment_secret(config, {"KVGATE_DEPLOYMENT_SECRET": "ab" * 24}) == b"\xab" * 24
+    with pytest.raises(ConfigError, match="16 to 64 bytes"):
+        deployment_secret(config, {"KVGATE_DEPLOYMENT_SECRET": "abcd"})
+    with pytest.raises(ConfigError, match="not hex"):
+        deployment_secret(config, {"KVGATE_DEPLOYMENT_SECRET": "xyz"})
+
+
+def test_without_keys_a_dev_key_is_created_announced_and_reused(tmp_path: Path) -> None:
+    config = ServeConfig(data_dir=tmp_path / "data")
+    lines: list[str] = []
+    auth = build_authenticator(config, lines.append)
+    key = config.dev_key_path.read_text().strip()
+    assert mode_of(config.dev_key_path) == 0o600
+    assert auth.find(key) == Principal(tenant="default")
+    assert len(lines) == 1 and key in lines[0] and "default" in lines[0]
+    assert dev_api_key(config) == key
+    assert build_authenticator(config, lines.append).find(key) is not None
+
+
+def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
+    config = load_serve_config(None, env={"KVGATE_API_KEYS": f"{KEY_A}=tenant-a"},
+                               overrides={"data_dir": tmp_path / "data"})
+    lines: list[str] = []
+    auth = build_authenticator(config, lines.append)
+    assert auth.num_keys == 1 and not lines
+    assert not config.dev_key_path.exists()
+
+
+def test_budgets_larger_than_the_machine_are_refused(tmp_path: Path) -> None:
+    from gateway.config.serve_config import ConfigError, physical_memory_bytes
+
+    memory = physical_memory_bytes()
+    assert memory is not None
+    path = tmp_path / "kvgate.toml"
+    path.write_text(
+        "[cache]\n"
+        f"host_bytes = {memory + 1}\n"
+        f'disk_bytes = "1000000GiB"\n'
+        f'disk_path = "{tmp_path / "kv"}"\n'
+    )
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(path, env={})
+    message = str(excinfo.value)
+    assert "more than this machine's memory" in message
+    assert "more than the filesystem" in message
+
+
+def test_the_redis_url_can_come_from_the_environment_so_the_file_holds_no_password() -> None:
+    config = load_serve_config(None, env={"KVGATE_REDIS_URL": "redis://:pw@127.0.0.1:6399/0"})
+    assert config.cache.redis_url == "redis://:pw@127.0.0.1:6399/0"

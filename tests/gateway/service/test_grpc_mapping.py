@@ -1,0 +1,150 @@
+"""Protobuf ↔ engine records, at the servicer's edge (no server, no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from gateway.client import prompt_message, stream_item
+from gateway.config.keys import Principal
+from gateway.core.errors import InvalidRequest, PermissionDenied
+from gateway.core.fingerprint import Scope
+from gateway.core.requests import LookupResult, SamplingParams, TokenDelta, Usage
+from gateway.service.auth import Authenticator
+from gateway.service.pb import kvgate_pb2 as pb
+from gateway.service.servicer import (
+    ADMIN_SERVICE,
+    GATEWAY_SERVICE,
+    EdgeLimits,
+    EngineSlot,
+    ServicerSet,
+    delta_message,
+    generate_request,
+    lookup_response,
+    prompt_input,
+    sampling_params,
+    scope_for,
+    ttl_seconds,
+    usage_message,
+)
+
+TENANT = Principal(tenant="tenant-a")
+ADMIN = Principal(tenant="ops", is_admin=True)
+
+
+def test_unset_sampling_fields_take_the_defaults_and_zero_is_a_value() -> None:
+    assert sampling_params(pb.SamplingParams()) == SamplingParams()
+    params = sampling_params(pb.SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9,
+                                               top_k=3, seed=0, stop=["\n\n"]))
+    assert params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, seed=0,
+                                    stop=("\n\n",))
+    with pytest.raises(InvalidRequest, match="max_tokens"):
+        sampling_params(pb.SamplingParams(max_tokens=0))
+
+
+def test_every_bad_sampling_field_is_named_in_one_message() -> None:
+    with pytest.raises(InvalidRequest) as excinfo:
+        sampling_params(pb.SamplingParams(max_tokens=-1, temperature=math.nan, top_p=2, top_k=-1,
+                                          seed=-5))
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "seed"):
+        assert name in str(excinfo.value)
+
+
+def test_prompt_fields_left_empty_are_not_sent() -> None:
+    record = prompt_input(pb.PromptInput(prompt="hi"))
+    assert (record.prompt, record.messages, record.token_ids, record.tools) == \
+        ("hi", None, None, None)
+    assert record.add_generation_prompt is True
+    assert prompt_input(pb.PromptInput(prompt="")).prompt == ""  # sent, and empty
+    record = prompt_input(pb.PromptInput(
+        messages=[pb.Message(role="user", content="hi")], add_generation_prompt=False,
+        tools=['{"name": "f", "parameters": {"type": "object"}}']))
+    assert record.messages == [{"role": "user", "content": "hi"}]
+    assert record.add_generation_prompt is False
+    assert record.tools == [{"name": "f", "parameters": {"type": "object"}}]
+    assert prompt_input(pb.PromptInput(token_ids=[1, 2, 3])).token_ids == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("tool", "hint"),
+    [('{"a": ', "not valid JSON"), ("[]", "must be a JSON object"), ("3", "JSON int"),
+     ('{"x": Infinity}', "not valid JSON"), ("[" * 50_000, "nested too deeply")],
+)
+def test_tool_schemas_must_be_json_objects(tool: str, hint: str) -> None:
+    with pytest.raises(InvalidRequest, match=r"tools\[1\]") as excinfo:
+        prompt_input(pb.PromptInput(messages=[pb.Message(role="user", content="x")],
+                                    tools=["{}", tool]))
+    assert hint in str(excinfo.value)
+
+
+def test_too_many_tools() -> None:
+    with pytest.raises(InvalidRequest, match="at most 128 tools"):
+        prompt_input(pb.PromptInput(tools=["{}"] * 129))
+
+
+def test_the_scope_comes_from_the_key() -> None:
+    assert scope_for(TENANT, pb.SCOPE_UNSPECIFIED) == Scope.of_tenant("tenant-a")
+    assert scope_for(TENANT, pb.SCOPE_TENANT) == Scope.of_tenant("tenant-a")
+    assert scope_for(ADMIN, pb.SCOPE_TENANT) == Scope.of_tenant("ops")
+    assert scope_for(ADMIN, pb.SCOPE_SHARED) == Scope.shared()
+    with pytest.raises(PermissionDenied):
+        scope_for(TENANT, pb.SCOPE_SHARED)
+    with pytest.raises(InvalidRequest, match="unknown scope 7"):
+        scope_for(TENANT, 7)
+
+
+def test_ttl_bounds() -> None:
+    limits = EdgeLimits(max_ttl_s=100.0)
+    assert ttl_seconds(pb.CacheOptions(), limits) is None
+    assert ttl_seconds(pb.CacheOptions(ttl_s=100.0), limits) == 100.0
+    for bad in (0.0, -1.0, 100.5, math.inf, math.nan):
+        with pytest.raises(InvalidRequest, match="ttl_s"):
+            ttl_seconds(pb.CacheOptions(ttl_s=bad), limits)
+
+
+def test_a_generate_request_carries_scope_cache_options_and_deadline() -> None:
+    message = pb.GenerateRequest(
+        input=pb.PromptInput(prompt="hi"),
+        sampling=pb.SamplingParams(max_tokens=3),
+        cache=pb.CacheOptions(ttl_s=5.0, no_cache=True, scope=pb.SCOPE_TENANT),
+    )
+    record = generate_request(message, TENANT, deadline=123.0, limits=EdgeLimits())
+    assert record.scope == Scope.of_tenant("tenant-a")
+    assert record.cache.no_cache and record.cache.ttl_s == 5.0
+    assert record.sampling.max_tokens == 3 and record.deadline == 123.0
+
+
+def test_stream_messages_round_trip_through_the_client() -> None:
+    delta = TokenDelta(token_ids=(5, 6), text="hé")
+    wire = pb.GenerateResponse.FromString(delta_message(delta).SerializeToString())
+    assert stream_item(wire) == delta
+    usage = Usage(prompt_tokens=40, cached_tokens=32, cached_tokens_by_tier={"device": 16,
+                  "disk": 16}, completion_tokens=3, ttft_ms=1.5, total_ms=9.25,
+                  finish_reason="eos")
+    wire = pb.GenerateResponse.FromString(usage_message(usage).SerializeToString())
+    assert stream_item(wire) == usage
+
+
+def test_lookup_response_keeps_unset_divergence_unset() -> None:
+    result = LookupResult(prompt_tokens=40, cached_tokens=32, cached_tokens_by_tier={"host": 32},
+                          num_prompt_blocks=2, diverges_at_block=None, diverges_at_token=None,
+                          text_around_divergence="")
+    message = lookup_response(result)
+    assert not message.HasField("diverges_at_block")
+    diverged = lookup_response(LookupResult(
+        prompt_tokens=40, cached_tokens=0, cached_tokens_by_tier={}, num_prompt_blocks=2,
+        diverges_at_block=0, diverges_at_token=0, text_around_divergence="abc"))
+    assert diverged.HasField("diverges_at_block") and diverged.diverges_at_block == 0
+
+
+def test_the_client_writes_tool_objects_as_json() -> None:
+    message = prompt_message(None, [{"role": "user", "content": "x"}], None,
+                             [{"name": "f"}, '{"raw": 1}'], None)
+    assert list(message.tools) == ['{"name": "f"}', '{"raw": 1}']
+    assert not message.HasField("prompt") and not message.HasField("add_generation_prompt")
+
+
+def test_every_rpc_of_the_proto_has_a_handler() -> None:
+    handlers = ServicerSet(EngineSlot(), Authenticator([]), EdgeLimits()).generic_handlers()
+    assert [h.service_name() for h in handlers] == [GATEWAY_SERVICE, ADMIN_SERVICE]
