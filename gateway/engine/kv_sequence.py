@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gateway.engine.attention import TILE as ATTENTION_TILE
 from tiers.payload import KVBlock, KVLayout
 
 
@@ -34,12 +35,16 @@ class KVSequence:
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        shape = (layout.kv_heads, capacity, layout.head_dim)
+        # NOTE: buffers are rounded up to whole attention tiles and zeroed: tiled attention reads
+        # whole tiles and weighs the positions after the query by exactly 0, which needs them
+        # finite (uninitialised memory can hold NaN, and 0 * NaN is NaN).
+        allocated = -(-capacity // ATTENTION_TILE) * ATTENTION_TILE
+        shape = (layout.kv_heads, allocated, layout.head_dim)
         self.layout = layout
         self.capacity = capacity
-        self._keys = [torch.empty(shape, dtype=layout.dtype, device=device)
+        self._keys = [torch.zeros(shape, dtype=layout.dtype, device=device)
                       for _ in range(layout.num_layers)]
-        self._values = [torch.empty(shape, dtype=layout.dtype, device=device)
+        self._values = [torch.zeros(shape, dtype=layout.dtype, device=device)
                         for _ in range(layout.num_layers)]
         self._length = 0
 
@@ -104,7 +109,7 @@ class KVSequence:
         return self._values[layer][:, : self._length]
 
     def key_buffer(self, layer: int) -> torch.Tensor:
-        """The whole preallocated K buffer of one layer (for attention that writes in place)."""
+        """The whole preallocated K buffer of one layer, whole attention tiles long (zeroed)."""
         return self._keys[layer]
 
     def value_buffer(self, layer: int) -> torch.Tensor:

@@ -1,0 +1,196 @@
+"""One batched forward over the new tokens of many sequences, each token's numbers its own.
+
+Why not call the transformers model: its forward takes one padded batch, builds masks and runs
+SDPA, so a row's bits depend on the batch, the chunking and the padding. This module walks the
+same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary positions,
+q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
+row-wise parts (norms, projections, MLP) and ``SequenceAttention`` per sequence over its own
+KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
+are enough rows (``padded_row_count``), so each forward is padded to that (DESIGN.md, "Parity").
+
+It only touches the modules' weights and forward methods, never transformers' APIs
+(``gateway.engine.model`` stays the only importer of ``transformers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gateway.engine.attention import SequenceAttention, padded_row_count
+from gateway.engine.kv_sequence import KVSequence
+
+ROPE_CHUNK = 4096
+"""Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
+
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture is not one this forward knows how to walk."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceRows:
+    """The new tokens of one sequence in a step.
+
+    Attributes:
+        sequence: its KV buffers; the tokens continue it (their first position is its length).
+        tokens: the token ids, ``[n]``.
+        wants_logits: whether the step returns the logits of the last token.
+    """
+
+    sequence: KVSequence
+    tokens: torch.Tensor
+    wants_logits: bool
+
+
+def architecture_problem(model: Any) -> str | None:
+    """Why ``model`` cannot run through ``BatchedForward``, or None."""
+    names = set(getattr(model.config, "architectures", None) or [type(model).__name__])
+    if not names & SUPPORTED_ARCHITECTURES:
+        return f"architecture {sorted(names)} is not one of {sorted(SUPPORTED_ARCHITECTURES)}"
+    if getattr(model.config, "rope_scaling", None) not in (None, {}) and (
+            model.config.rope_scaling.get("rope_type", "default") not in ("default", "llama3")):
+        return f"rope scaling {model.config.rope_scaling!r} is not supported"
+    return None
+
+
+class BatchedForward:
+    """Runs the rows of several sequences through a Llama-architecture model in one pass.
+
+    Args:
+        model: a loaded ``LlamaForCausalLM`` (eval mode).
+        attention: the per-sequence attention (one implementation per device kind).
+
+    Raises:
+        UnsupportedModel: ``architecture_problem(model)`` says why.
+    """
+
+    def __init__(self, model: Any, attention: SequenceAttention) -> None:
+        problem = architecture_problem(model)
+        if problem is not None:
+            raise UnsupportedModel(problem)
+        config = model.config
+        self._model = model
+        self._attention = attention
+        self._num_heads = int(config.num_attention_heads)
+        self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._num_heads)
+        self._head_dim = int(getattr(config, "head_dim", None)
+                             or config.hidden_size // config.num_attention_heads)
+        self._cos = torch.empty(0)
+        self._sin = torch.empty(0)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._model.model.layers)
+
+    def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
+        """Run one step: write every row's K/V into its sequence and return the wanted logits.
+
+        Returns:
+            Per entry of ``batch``, the float32 logits ``[vocab]`` of its last token, or None.
+
+        Raises:
+            ValueError: an entry has no tokens, or its sequence cannot hold them.
+        """
+        if not batch:
+            return []
+        lengths = [int(rows.tokens.numel()) for rows in batch]
+        if min(lengths) < 1:
+            raise ValueError("every sequence in a step needs at least one token")
+        for rows, n in zip(batch, lengths, strict=True):
+            if rows.sequence.length + n > rows.sequence.capacity:
+                raise ValueError(f"{n} tokens do not fit a sequence of {rows.sequence.length}/"
+                                 f"{rows.sequence.capacity}")
+        model = self._model.model
+        device = model.embed_tokens.weight.device
+        ids = torch.cat([rows.tokens.reshape(-1).to(torch.long) for rows in batch]).to(device)
+        positions = torch.cat([
+            torch.arange(rows.sequence.length, rows.sequence.length + n)
+            for rows, n in zip(batch, lengths, strict=True)])
+        num_real = int(ids.numel())
+        num_pad = padded_row_count(num_real) - num_real
+        if num_pad:
+            ids = torch.cat([ids, ids.new_zeros(num_pad)])
+            positions = torch.cat([positions, positions.new_zeros(num_pad)])
+        cos, sin = self._rope(positions)
+        cos, sin = cos.to(device), sin.to(device)
+        spans = []
+        offset = 0
+        for n in lengths:
+            spans.append((offset, offset + n))
+            offset += n
+        with torch.inference_mode():
+            hidden = model.embed_tokens(ids)
+            for index, layer in enumerate(model.layers):
+                hidden = self._layer(index, layer, hidden, batch, spans, positions, cos, sin)
+            for rows, n in zip(batch, lengths, strict=True):
+                rows.sequence.advance(n)
+            wanted = [end - 1 for (_, end), rows in zip(spans, batch, strict=True)
+                      if rows.wants_logits]
+            if not wanted:
+                return [None] * len(batch)
+            picked = hidden[torch.tensor(wanted, device=device)]
+            num_picked = picked.shape[0]
+            if padded_row_count(num_picked) > num_picked:
+                picked = torch.cat([picked, picked.new_zeros(
+                    padded_row_count(num_picked) - num_picked, picked.shape[1])])
+            logits = self._model.lm_head(model.norm(picked)).float()
+        out: list[torch.Tensor | None] = []
+        row = 0
+        for rows in batch:
+            if rows.wants_logits:
+                out.append(logits[row].clone())
+                row += 1
+            else:
+                out.append(None)
+        return out
+
+    def _layer(self, index: int, layer: Any, hidden: torch.Tensor,
+               batch: Sequence[SequenceRows], spans: list[tuple[int, int]],
+               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        attn = layer.self_attn
+        normed = layer.input_layernorm(hidden)
+        num_rows = hidden.shape[0]
+        q = attn.q_proj(normed).view(num_rows, self._num_heads, self._head_dim)
+        k = attn.k_proj(normed).view(num_rows, self._kv_heads, self._head_dim)
+        v = attn.v_proj(normed).view(num_rows, self._kv_heads, self._head_dim)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        attended = torch.zeros_like(q)
+        for rows, (start, end) in zip(batch, spans, strict=True):
+            seq = rows.sequence
+            seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
+            attended[start:end] = self._attention(
+                q[start:end], seq.key_buffer(index), seq.value_buffer(index),
+                positions[start:end])
+        hidden = hidden + attn.o_proj(attended.view(num_rows, -1))
+        out: torch.Tensor = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return out
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[rows, head_dim]`` for ``positions``, from tables built in fixed chunks."""
+        needed = (int(positions.max()) // ROPE_CHUNK + 1) * ROPE_CHUNK
+        if self._cos.shape[0] < needed:
+            rotary = self._model.model.rotary_emb
+            weight = self._model.model.embed_tokens.weight
+            cos_parts, sin_parts = [self._cos], [self._sin]
+            for start in range(self._cos.shape[0], needed, ROPE_CHUNK):
+                ids = torch.arange(start, start + ROPE_CHUNK, device=weight.device).unsqueeze(0)
+                with torch.inference_mode():
+                    cos, sin = rotary(weight[:1].unsqueeze(0), ids)
+                cos_parts.append(cos[0].cpu())
+                sin_parts.append(sin[0].cpu())
+            self._cos = torch.cat(cos_parts)
+            self._sin = torch.cat(sin_parts)
+        return self._cos[positions], self._sin[positions]
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[rows, heads, d]`` (Llama's rotate-half form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

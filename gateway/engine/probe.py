@@ -1,0 +1,131 @@
+"""The start-up check that the batched forward really is invariant on these weights, here.
+
+Why at start-up and on the real weights: invariance is a property of the kernels torch picks for
+these shapes on this machine (DESIGN.md, "Parity": other builds and devices behave otherwise).
+The probe runs the same random prompt one-shot, in odd chunks, decoding token by token, and
+side by side with other sequences, and compares every layer's K/V and the logits bit for bit.
+If any differ, the engine serves through the serial exact route and says why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gateway.engine.attention import TILE
+from gateway.engine.forward import BatchedForward, SequenceRows
+from gateway.engine.kv_sequence import KVSequence
+from tiers.payload import KVLayout
+
+logger = logging.getLogger(__name__)
+
+PROBE_TOKENS = 2 * TILE + 37
+"""Prompt length: more than two tiles and a partial one."""
+
+NUM_DECODE = 3
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProbeResult:
+    """What the probe found.
+
+    Attributes:
+        is_invariant: every variant matched the one-shot run bit for bit.
+        failure: the first variant that did not match, and where (None when invariant).
+        num_checks: variants compared.
+        seconds: how long the probe took.
+    """
+
+    is_invariant: bool
+    failure: str | None
+    num_checks: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Run:
+    sequence: KVSequence
+    logits: list[torch.Tensor]
+
+
+def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int, *,
+                     seed: int = 0, num_tokens: int = PROBE_TOKENS,
+                     clock: Callable[[], float] = time.perf_counter) -> ProbeResult:
+    """Compare one-shot, chunked, token-by-token and batched runs of one random prompt.
+
+    Args:
+        forward: the forward to probe (on the real weights and device).
+        layout: the model's KV layout.
+        vocab_size: token ids are drawn below it.
+        seed: seed of the random prompt and of the other sequences.
+        num_tokens: prompt length.
+        clock: time source for ``seconds``.
+    """
+    started = clock()
+    generator = torch.Generator().manual_seed(seed)
+    total = num_tokens + NUM_DECODE
+    tokens = torch.randint(0, vocab_size, (total,), generator=generator)
+
+    def others(*lengths: int) -> list[tuple[KVSequence, torch.Tensor]]:
+        made = []
+        for n in lengths:
+            seq = KVSequence(layout, n + 2 * TILE)
+            history = torch.randint(0, vocab_size, (n,), generator=generator)
+            forward.forward([SequenceRows(sequence=seq, tokens=history, wants_logits=False)])
+            made.append((seq, torch.randint(0, vocab_size, (1,), generator=generator)))
+        return made
+
+    def run(chunks: Sequence[int], beside: int = 0) -> _Run:
+        seq = KVSequence(layout, total)
+        logits: list[torch.Tensor] = []
+        at = 0
+        for step, size in enumerate(chunks):
+            batch = [SequenceRows(sequence=seq, tokens=tokens[at:at + size], wants_logits=True)]
+            if beside:
+                for other, token in others(*[5 + 17 * i + step for i in range(beside)]):
+                    batch.append(SequenceRows(sequence=other, tokens=token, wants_logits=True))
+                batch.reverse()  # ours is not the first row either
+            out = forward.forward(batch)
+            mine = out[-1] if beside else out[0]
+            assert mine is not None
+            logits.append(mine)
+            at += size
+        return _Run(seq, logits)
+
+    decode = [1] * NUM_DECODE
+    reference = run([num_tokens, *decode])
+    one_shot = run([total])
+    variants: list[tuple[str, Sequence[int], int]] = [
+        ("chunked by tile", [TILE, TILE, num_tokens - 2 * TILE, *decode], 0),
+        ("chunked oddly", [37, 5, num_tokens - 42, *decode], 0),
+        ("batched with other sequences", [num_tokens, *decode], 3),
+        ("chunked and batched", [TILE + 1, num_tokens - TILE - 1, *decode], 2),
+    ]
+    failure = _compare(reference, one_shot, "decode vs one-shot prefill", layout,
+                       logits_steps=[(-1, -1)])
+    for name, chunks, beside in variants:
+        if failure is not None:
+            break
+        failure = _compare(reference, run(chunks, beside), name, layout,
+                           logits_steps=[(-1 - i, -1 - i) for i in range(NUM_DECODE)])
+    result = ProbeResult(is_invariant=failure is None, failure=failure,
+                         num_checks=1 + len(variants), seconds=clock() - started)
+    return result
+
+
+def _compare(expected: _Run, got: _Run, name: str, layout: KVLayout,
+             logits_steps: Sequence[tuple[int, int]]) -> str | None:
+    for layer in range(layout.num_layers):
+        for kind, a, b in (("K", expected.sequence.keys(layer), got.sequence.keys(layer)),
+                           ("V", expected.sequence.values(layer), got.sequence.values(layer))):
+            if not torch.equal(a, b):
+                return f"{name}: layer {layer} {kind} differs by {(a - b).abs().max().item():.3g}"
+    for mine, theirs in logits_steps:
+        a, b = expected.logits[mine], got.logits[theirs]
+        if not torch.equal(a, b):
+            return f"{name}: logits differ by {(a - b).abs().max().item():.3g}"
+    return None
