@@ -127,3 +127,12 @@ class TiledAttention:
         attended = (numerator / denominator)[:, :num_rows]  # [kv_heads, n * rep, d]
         attended = attended.reshape(kv_heads, n, rep, head_dim).permute(1, 0, 2, 3)
         return attended.reshape(n, num_heads, head_dim)
+
+
+def attention_for(device: torch.device) -> SequenceAttention:
+    """The attention implementation for ``device`` (each held to the invariance contract).
+
+    NOTE: CUDA has no kernel of its own yet; the tiled torch implementation runs there too, and
+    the start-up probe decides whether it is invariant on that device.
+    """
+    return TiledAttention()

@@ -1,32 +1,26 @@
-"""The engine: runs requests on the model, warm-starting each from its cached prefix.
+"""The engine: the public face of the request path below the servicer.
 
-One model instance serves requests one at a time from a bounded queue, on one worker thread
-(a 135M model on 2 CPU cores has nothing to gain from batching, and batching prompts of
-different shapes would break parity). The gRPC threads only validate, enqueue and stream.
+``Engine`` validates and canonicalises requests, and hands them to one ``StepLoop``
+(``gateway.engine.loop``) that runs many at once on one model: each step batches the decode
+rows of every running request with prefill chunks of the admitted ones (``Scheduler``: fair
+across tenants, bounded per tenant). The gRPC threads only validate, submit and stream.
 
-Every prefill, cold or warm, runs in block-aligned chunks (DESIGN.md, "Parity"): block i is one
-chunk of its own tokens on top of blocks 0..i-1, and the trailing partial block one more chunk.
-A warm request loads its cached blocks -- bit-identical to what a cold run computes -- and then
-performs exactly the cold run's operations from its first uncached block on, so greedy outputs
-are identical token for token. A request that needs the logits of its last prompt token always
-recomputes the block holding it (the cache keeps KV, not logits).
-
-After prefill, every new full block of the prompt is stored; after the response is complete,
-the blocks that the generated tokens filled are recomputed block-aligned (their decode-time KV
-came from one-token steps, which a cold run would not reproduce bit for bit) and stored too, so
-the next turn of a chat hits them.
+Warm equals cold bit for bit because every forward is invariant (``BatchedForward``: a token's
+numbers depend only on its own sequence, DESIGN.md "Parity"). That is checked at start-up on the
+real weights (``probe_invariance``); where it does not hold, or the architecture is not one the
+batched forward walks, the engine runs the serial exact route instead -- one request at a time,
+block-aligned chunks through transformers -- and ``route`` says so and why. The route is part of
+every block's namespace: blocks of one route are never served to the other.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import ExitStack
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -35,36 +29,41 @@ import torch
 from gateway.cache.prefix_cache import CacheStats, PrefixCache
 from gateway.core.canonical import CanonicalPrompt, PromptInput, canonicalize
 from gateway.core.errors import (
-    DeadlineExceeded,
     EngineDraining,
     GatewayError,
     InvalidRequest,
     QueueFull,
-    RequestCancelled,
 )
 from gateway.core.fingerprint import Namespace, NamespaceSpec, Scope, derive_namespace
 from gateway.core.requests import (
-    FinishReason,
     GenerateRequest,
     LookupRequest,
     LookupResult,
-    TokenDelta,
-    Usage,
     WarmRequest,
     WarmResult,
 )
-from gateway.core.tokens import TokenIds, as_token_ids, tokens_from_bytes
-from gateway.engine.detokenizer import Detokenizer
+from gateway.core.tokens import TokenIds, tokens_from_bytes
+from gateway.engine.attention import TILE, attention_for
+from gateway.engine.forward import (
+    BatchedForward,
+    SequenceRows,
+    StepForward,
+    architecture_problem,
+)
+from gateway.engine.jobs import Job, RequestHandle
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, forward_logits, make_sequence_cache
+from gateway.engine.loop import LoopSettings, StepLoop
+from gateway.engine.model import LoadedModel, SerialForward
 from gateway.engine.observer import EngineMetrics
-from gateway.engine.sampling import Sampler
+from gateway.engine.probe import probe_invariance
+from gateway.engine.scheduler import ScheduleLimits, Scheduler
 from policies.base import BlockKey
 from tiers.hierarchy import REMOTE as REMOTE_TIER
+from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
 
-Event = TokenDelta | Usage
+ROUTES = ("auto", "batched", "serial")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,19 +72,58 @@ class EngineConfig:
 
     Attributes:
         block_tokens: tokens per block; must equal the cache's.
-        max_queue: requests that may wait; more are refused (RESOURCE_EXHAUSTED).
+        max_queue: requests that may wait, all tenants together; more are refused
+            (RESOURCE_EXHAUSTED).
         default_ttl_s: sliding TTL of stored blocks when a request names none.
         max_prompt_tokens: longest prompt accepted (default: the model's context - 1).
         max_deadline_s: the longest any request may run, whatever its own deadline.
-        store_generated_blocks: recompute and store the blocks generated tokens fill.
+        store_generated_blocks: store the blocks generated tokens fill.
+        route: "auto" (batched if the start-up probe finds it invariant, else serial),
+            "batched" or "serial".
+        step_tokens: tokens one step computes at most (decode rows + prefill chunks).
+        max_running: requests running at once.
+        max_running_per_tenant: requests one tenant runs at once.
+        max_queued_per_tenant: requests one tenant may have waiting.
+        kv_budget_bytes: KV buffer bytes the running requests may hold together.
     """
 
-    block_tokens: int = 256
+    block_tokens: int = 64
     max_queue: int = 64
     default_ttl_s: float | None = 3600.0
     max_prompt_tokens: int | None = None
     max_deadline_s: float = 600.0
     store_generated_blocks: bool = True
+    route: str = "auto"
+    step_tokens: int = 256
+    max_running: int = 16
+    max_running_per_tenant: int = 8
+    max_queued_per_tenant: int = 32
+    kv_budget_bytes: int = 2 << 30
+
+    def __post_init__(self) -> None:
+        if self.route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {self.route!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRoute:
+    """How this engine computes, and why.
+
+    Attributes:
+        name: "batched" (the invariant batched forward) or "serial" (transformers, one
+            request at a time, block-aligned chunks).
+        reason: why this route (the probe's finding, the configuration, the architecture).
+        probe_s: seconds the start-up probe took (0 when it did not run).
+    """
+
+    name: str
+    reason: str
+    probe_s: float = 0.0
+
+    @property
+    def numerics(self) -> str:
+        """The route's part of the block namespace (its K/V differ from the other's)."""
+        return f"{self.name}-t{TILE}" if self.name == "batched" else self.name
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,44 +147,6 @@ class PrefixSummary:
 class EvictResult:
     num_blocks: int
     bytes_by_tier: dict[str, int]
-
-
-@dataclass(slots=True, kw_only=True)
-class _Job:
-    kind: Literal["generate", "warm"]
-    request: GenerateRequest | WarmRequest
-    tokens: TokenIds
-    submitted: float
-    deadline: float
-    events: queue.SimpleQueue[Event | BaseException | None] = field(
-        default_factory=queue.SimpleQueue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    usage_sent: bool = False
-    warm_result: WarmResult | None = None
-    error: BaseException | None = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
-class RequestHandle:
-    """A queued or running generation: iterate it for deltas, then one ``Usage``."""
-
-    def __init__(self, job: _Job) -> None:
-        self._job = job
-
-    def __iter__(self) -> Iterator[Event]:
-        while True:
-            item = self._job.events.get()
-            if item is None:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if isinstance(item, Usage):
-                return
-
-    def cancel(self) -> None:
-        """Stop the request as soon as the worker next checks (between chunks and tokens)."""
-        self._job.cancelled.set()
 
 
 class Engine:
@@ -180,13 +180,12 @@ class Engine:
         self._secret = deployment_secret
         self._clock = clock
         self._metrics = metrics
-        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=config.max_queue)
-        self._thread: threading.Thread | None = None
-        self._is_draining = False
-        self._current: _Job | None = None
         self._lock = threading.Lock()
+        self._is_draining = False
         self._namespaces: dict[Scope, Namespace] = {}
-        self._prefill_s_per_token: float | None = None
+        self._next_id = 0
+        self._loop: StepLoop | None = None
+        self._route = EngineRoute(name="serial", reason="not started")
         self._started_at = clock()
         device = next(loaded.model.parameters()).device
         self._device = device
@@ -204,12 +203,59 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
-        self._thread.start()
+        """Choose the route (probing invariance on the real weights) and start the step loop."""
+        forward, self._route = self._choose_route()
+        logger.info("engine route: %s (%s)", self._route.name, self._route.reason)
+        limits = ScheduleLimits(
+            step_tokens=self._config.step_tokens, max_running=self._config.max_running,
+            max_running_per_tenant=self._config.max_running_per_tenant,
+            max_queued_per_tenant=self._config.max_queued_per_tenant,
+            max_queued=self._config.max_queue, kv_budget_bytes=self._config.kv_budget_bytes,
+            is_serial=self._route.name == "serial", block_tokens=self._config.block_tokens)
+        self._loop = StepLoop(
+            loaded=self._loaded, forward=forward, scheduler=Scheduler(limits), cache=self._cache,
+            settings=LoopSettings(
+                block_tokens=self._config.block_tokens,
+                default_ttl_s=self._config.default_ttl_s,
+                store_generated_blocks=self._config.store_generated_blocks,
+                decode_kv_is_prefill_kv=self._route.name == "batched"),
+            namespace_of=self._namespace, clock=self._clock, metrics=self._metrics)
+        self._loop.start()
+
+    def _choose_route(self) -> tuple[StepForward, EngineRoute]:
+        serial = SerialForward(self._loaded)
+        if self._config.route == "serial":
+            return serial, EngineRoute(name="serial", reason="configured (route = serial)")
+        problem = architecture_problem(self._loaded.model)
+        if problem is not None:
+            return serial, EngineRoute(name="serial", reason=f"the batched forward cannot run "
+                                       f"this model: {problem}")
+        batched = BatchedForward(self._loaded.model, attention_for(self._device))
+        probe = probe_invariance(batched, self._loaded.layout,
+                                 int(self._loaded.model.config.vocab_size))
+        if probe.is_invariant:
+            return batched, EngineRoute(
+                name="batched", probe_s=probe.seconds,
+                reason=f"start-up probe: {probe.num_checks} chunked/batched variants equal "
+                       "one-shot bit for bit")
+        if self._config.route == "batched":
+            logger.warning("route = batched although the probe failed (%s): warm may differ "
+                           "from cold", probe.failure)
+            return batched, EngineRoute(name="batched", probe_s=probe.seconds,
+                                        reason=f"configured, probe FAILED: {probe.failure}")
+        logger.warning("the batched forward is not invariant here (%s): serving one request at "
+                       "a time on the serial exact route", probe.failure)
+        return serial, EngineRoute(name="serial", probe_s=probe.seconds,
+                                   reason=f"start-up probe failed: {probe.failure}")
+
+    @property
+    def route(self) -> EngineRoute:
+        """The route chosen at start-up, and why."""
+        return self._route
 
     @property
     def is_ready(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and not self._is_draining
+        return self._loop is not None and self._loop.is_alive and not self._is_draining
 
     @property
     def model_name(self) -> str:
@@ -220,27 +266,15 @@ class Engine:
         cancel what is left; stop the worker."""
         with self._lock:
             self._is_draining = True
+        loop = self._loop
+        if loop is None:
+            return
         deadline = self._clock() + grace_s
-        while self._clock() < deadline:
-            with self._lock:
-                idle = self._current is None and self._queue.empty()
-            if idle:
-                break
+        while self._clock() < deadline and loop.num_in_flight:
             time.sleep(0.02)
-        while True:  # whatever is still queued is refused
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._fail(job, EngineDraining("the server is shutting down; retry elsewhere"))
-        with self._lock:
-            if self._current is not None:
-                self._current.cancelled.set()
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join(timeout=max(1.0, grace_s))
-            self._thread = None
+        loop.cancel_all()
+        loop.stop(timeout_s=max(1.0, grace_s))
+        self._loop = None
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -322,76 +356,59 @@ class Engine:
             text_around_divergence=around,
         )
 
+    def cold_blocks(self, tokens: TokenIds) -> list[KVBlock]:
+        """K/V of every full block of ``tokens`` computed cold, with no cache: the oracle.
+
+        One prefill of the whole prompt on the batched route, block-aligned chunks on the
+        serial route; a cached block must equal this bit for bit (DESIGN.md, "Parity").
+        """
+        if self._loop is None:
+            raise EngineDraining("the engine is not running")
+        bt = self._config.block_tokens
+        num_full = len(tokens) // bt
+        seq = KVSequence(self._loaded.layout, max(1, num_full * bt), device=self._device)
+        ids = torch.from_numpy(tokens.astype(np.int64))
+        forward = self._loop.forward
+        chunk = num_full * bt if self._route.name == "batched" else bt
+        for start in range(0, num_full * bt, chunk):
+            forward.forward([SequenceRows(sequence=seq, tokens=ids[start:start + chunk],
+                                          wants_logits=False)])
+        return [seq.block(i, bt) for i in range(num_full)]
+
     def _canonical(self, prompt: PromptInput) -> CanonicalPrompt:
         return canonicalize(prompt, self._loaded.tokenizer, max_prompt_tokens=self._max_prompt)
 
     def _job(self, kind: Literal["generate", "warm"], request: GenerateRequest | WarmRequest,
-             tokens: TokenIds, deadline: float | None) -> _Job:
+             tokens: TokenIds, deadline: float | None) -> Job:
         now = self._clock()
         limit = now + self._config.max_deadline_s
-        job = _Job(kind=kind, request=request, tokens=tokens, submitted=now,
-                   deadline=limit if deadline is None else min(deadline, limit))
         with self._lock:
-            if self._is_draining or self._thread is None:
+            self._next_id += 1
+            job = Job(id=self._next_id, kind=kind, request=request, tokens=tokens,
+                      submitted=now, deadline=limit if deadline is None else min(deadline, limit))
+            loop = self._loop
+            if self._is_draining or loop is None:
                 raise self._refused(kind, EngineDraining(
                     "the server is shutting down; retry on another replica"))
-            try:
-                self._queue.put_nowait(job)
-            except queue.Full:
-                raise self._refused(kind, QueueFull(
-                    f"{self._config.max_queue} requests are already waiting; retry shortly"
-                )) from None
-            self._note_queue_depth()
+        if isinstance(request, GenerateRequest):
+            to_compute = len(tokens)
+            capacity = len(tokens) + request.sampling.max_tokens
+        else:  # a warm computes the prompt's full blocks only
+            to_compute = capacity = len(tokens) // self._config.block_tokens * (
+                self._config.block_tokens)
+        kv_bytes = KVSequence.nbytes_for(self._loaded.layout, max(1, capacity))
+        try:
+            loop.submit(job, prompt_tokens=to_compute, kv_bytes=kv_bytes)
+        except QueueFull as exc:
+            raise self._refused(kind, exc) from None
+        except ValueError as exc:
+            raise self._refused(kind, InvalidRequest(str(exc))) from None
         return job
 
     def _refused(self, kind: str, exc: GatewayError) -> GatewayError:
         if self._metrics is not None and kind == "generate":
             self._metrics.record_failure(exc)
         return exc
-
-    def _note_queue_depth(self) -> None:
-        if self._metrics is not None:
-            self._metrics.set_queue_depth(self._queue.qsize())
-
-    # ---- worker ------------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            self._note_queue_depth()
-            with self._lock:
-                self._current = job
-            try:
-                if job.kind == "generate":
-                    self._run_generate(job)
-                else:
-                    job.warm_result = self._run_warm(job)
-            except GatewayError as exc:
-                self._fail(job, exc)
-            except Exception as exc:  # a bug: the request fails, the server lives on
-                logger.exception("request failed")
-                self._fail(job, exc)
-            finally:
-                with self._lock:
-                    self._current = None
-                job.done.set()
-
-    def _fail(self, job: _Job, exc: BaseException) -> None:
-        if self._metrics is not None and job.kind == "generate" and not job.usage_sent:
-            self._metrics.record_failure(exc)
-        job.error = exc
-        job.events.put(exc)
-        job.done.set()
-
-    def _check(self, job: _Job) -> None:
-        if job.usage_sent:
-            return  # the answer is delivered: storing its blocks is not the client's to stop
-        if job.cancelled.is_set():
-            raise RequestCancelled("the request was cancelled")
-        if self._clock() > job.deadline:
-            raise DeadlineExceeded("the request ran past its deadline")
 
     def _namespace(self, scope: Scope) -> Namespace:
         with self._lock:
@@ -402,189 +419,12 @@ class Engine:
                         deployment_secret=self._secret,
                         model_fingerprint=self._loaded.fingerprint,
                         kv_dtype=str(self._loaded.layout.dtype).removeprefix("torch."),
-                        device_kind=self._device_kind,
+                        device_kind=f"{self._device_kind}/{self._route.numerics}",
                         scope=scope,
                     )
                 )
                 self._namespaces[scope] = namespace
             return namespace
-
-    def _prefill(self, job: _Job, seq: KVSequence, tokens: torch.Tensor, start: int,
-                 end: int) -> torch.Tensor | None:
-        """Prefill tokens[start:end] in block-aligned chunks; the last position's logits."""
-        bt = self._config.block_tokens
-        logits = None
-        position = start
-        while position < end:
-            self._check(job)
-            chunk_end = min(end, (position // bt + 1) * bt)
-            began = time.perf_counter()
-            logits = forward_logits(self._loaded, tokens[position:chunk_end],
-                                    make_sequence_cache(seq))
-            seq.advance(chunk_end - position)
-            self._note_prefill_speed(chunk_end - position, time.perf_counter() - began)
-            position = chunk_end
-        return logits
-
-    def _note_prefill_speed(self, num_tokens: int, seconds: float) -> None:
-        sample = seconds / max(1, num_tokens)
-        previous = self._prefill_s_per_token
-        self._prefill_s_per_token = sample if previous is None else previous + 0.2 * (
-            sample - previous)
-
-    def _run_generate(self, job: _Job) -> None:
-        request = job.request
-        assert isinstance(request, GenerateRequest)
-        tokens = job.tokens
-        ids = torch.from_numpy(tokens.astype(np.int64))
-        bt = self._config.block_tokens
-        capacity = len(tokens) + request.sampling.max_tokens
-        use_cache = self._cache is not None and not request.cache.no_cache
-        if not use_cache:
-            seq = KVSequence(self._loaded.layout, capacity, device=self._device)
-            logits = self._prefill(job, seq, ids, 0, len(tokens))
-            assert logits is not None
-            self._decode(job, seq, logits, tokens, cached_by_tier={})
-            return
-        assert self._cache is not None
-        namespace = self._namespace(request.scope)
-        ttl = request.cache.ttl_s if request.cache.ttl_s is not None else (
-            self._config.default_ttl_s)
-        top_tier = self._cache.tier_names[0]
-        with ExitStack() as stack:
-            lease = stack.enter_context(self._cache.acquire(namespace, tokens))
-            source = lease
-            if request.scope.kind == "tenant":
-                # Prompts an admin published in the shared scope are read by every tenant; what
-                # the tenant then stores goes to its own namespace, never to the shared one.
-                shared = stack.enter_context(
-                    self._cache.acquire(self._namespace(Scope.shared()), tokens))
-                if shared.match.num_blocks > lease.match.num_blocks:
-                    source = shared
-            blocks = self._cache.load(
-                source,
-                recompute_s_per_token=self._prefill_s_per_token,
-                max_blocks=(len(tokens) - 1) // bt,
-            )
-            seq = KVSequence.from_blocks(self._loaded.layout, blocks, capacity,
-                                         device=self._device)
-            cached_by_tier: dict[str, int] = {}
-            for tier in source.match.tiers:
-                cached_by_tier[tier] = cached_by_tier.get(tier, 0) + bt
-            logits = self._prefill(job, seq, ids, len(blocks) * bt, len(tokens))
-            assert logits is not None
-            num_full = len(tokens) // bt
-            own = lease.match.num_blocks
-            fresh = [blocks[i] if i < len(blocks) else seq.block(i, bt)
-                     for i in range(own, num_full)]
-            self._cache.insert(lease, tier=top_tier, blocks=fresh, ttl_s=ttl)
-            generated = self._decode(job, seq, logits, tokens, cached_by_tier=cached_by_tier)
-        if self._config.store_generated_blocks and generated:
-            self._store_generated(job, namespace, seq, tokens, generated, ttl)
-
-    def _decode(self, job: _Job, seq: KVSequence, logits: torch.Tensor, tokens: TokenIds,
-                *, cached_by_tier: dict[str, int]) -> list[int]:
-        request = job.request
-        assert isinstance(request, GenerateRequest)
-        params = request.sampling
-        sampler = Sampler(params, vocab_size=self._loaded.tokenizer.vocab_size)
-        detok = Detokenizer(self._loaded.tokenizer, params.stop)
-        eos = set(self._loaded.eos_token_ids)
-        generated: list[int] = []
-        ttft_ms: float | None = None
-        finish: FinishReason = "length"
-        cache = make_sequence_cache(seq)
-        for step in range(params.max_tokens):
-            self._check(job)
-            token = sampler.pick(logits)
-            generated.append(token)
-            if ttft_ms is None:
-                ttft_ms = (self._clock() - job.submitted) * 1e3
-            if token in eos:
-                finish = "eos"
-                break
-            text = detok.add(token)
-            job.events.put(TokenDelta(token_ids=(token,), text=text))
-            if detok.stopped:
-                finish = "stop"
-                break
-            if step + 1 == params.max_tokens:
-                break
-            logits = forward_logits(self._loaded, torch.tensor([token]), cache)
-            seq.advance(1)
-        tail = detok.finish()
-        if tail:
-            job.events.put(TokenDelta(token_ids=(), text=tail))
-        usage = Usage(
-            prompt_tokens=len(tokens),
-            cached_tokens=sum(cached_by_tier.values()),
-            cached_tokens_by_tier=cached_by_tier,
-            completion_tokens=len(generated),
-            ttft_ms=ttft_ms if ttft_ms is not None else 0.0,
-            total_ms=(self._clock() - job.submitted) * 1e3,
-            finish_reason=finish,
-        )
-        job.events.put(usage)
-        job.usage_sent = True
-        if self._metrics is not None:
-            self._metrics.record_generation(
-                tenant=request.scope.owner, prompt_tokens=usage.prompt_tokens,
-                cached_tokens_by_tier=usage.cached_tokens_by_tier,
-                finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
-                total_s=usage.total_ms / 1e3)
-        return generated
-
-    def _store_generated(self, job: _Job, namespace: Namespace, seq: KVSequence,
-                         prompt: TokenIds, generated: list[int], ttl_s: float | None) -> None:
-        """Recompute, block-aligned, the full blocks the answer filled, and store them."""
-        assert self._cache is not None
-        bt = self._config.block_tokens
-        everything = as_token_ids(np.concatenate([prompt, np.asarray(generated, np.uint32)]))
-        first = len(prompt) // bt
-        num_full = min(len(everything), seq.length) // bt
-        if num_full <= first:
-            return
-        ids = torch.from_numpy(everything.astype(np.int64))
-        try:
-            with self._cache.acquire(namespace, everything) as lease:
-                if lease.match.num_blocks != first:
-                    return  # the prompt's blocks are not all stored: nothing to continue
-                seq.truncate(first * bt)
-                self._prefill(job, seq, ids, first * bt, num_full * bt)
-                fresh = [seq.block(i, bt) for i in range(first, num_full)]
-                self._cache.insert(lease, tier=self._cache.tier_names[0], blocks=fresh,
-                                   ttl_s=ttl_s)
-        except (RequestCancelled, DeadlineExceeded):
-            return  # the answer was already delivered; storing it is only an optimisation
-
-    def _run_warm(self, job: _Job) -> WarmResult:
-        request = job.request
-        assert isinstance(request, WarmRequest) and self._cache is not None
-        tokens = job.tokens
-        ids = torch.from_numpy(tokens.astype(np.int64))
-        bt = self._config.block_tokens
-        num_full = len(tokens) // bt
-        namespace = self._namespace(request.scope)
-        ttl = request.ttl_s if request.ttl_s is not None else self._config.default_ttl_s
-        with self._cache.acquire(namespace, tokens) as lease:
-            blocks = self._cache.load(lease, recompute_s_per_token=self._prefill_s_per_token)
-            num_cached = len(blocks)
-            seq = KVSequence.from_blocks(self._loaded.layout, blocks, max(1, num_full * bt),
-                                         device=self._device)
-            self._prefill(job, seq, ids, num_cached * bt, num_full * bt)
-            fresh = [seq.block(i, bt) for i in range(num_cached, num_full)]
-            result = self._cache.insert(lease, tier=self._cache.tier_names[0], blocks=fresh,
-                                        ttl_s=ttl)
-        if request.pin:
-            self._cache.set_pinned(namespace, tokens, True)
-        return WarmResult(
-            prompt_tokens=len(tokens),
-            num_blocks=num_full,
-            num_new_blocks=result.num_new_blocks,
-            num_cached_blocks=num_cached,
-            stored_bytes=sum(b.nbytes for b in fresh[: result.num_new_blocks]),
-            elapsed_ms=(self._clock() - job.submitted) * 1e3,
-        )
 
     # ---- administration ---------------------------------------------------------------
 

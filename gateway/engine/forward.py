@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -46,6 +46,14 @@ class SequenceRows:
     sequence: KVSequence
     tokens: torch.Tensor
     wants_logits: bool
+
+
+class StepForward(Protocol):
+    """Runs one step's rows: writes their K/V into their sequences, returns wanted logits."""
+
+    def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
+        """Per entry of ``batch``, the float32 logits of its last token, or None."""
+        ...
 
 
 def architecture_problem(model: Any) -> str | None:

@@ -48,6 +48,12 @@ class KVSequence:
                         for _ in range(layout.num_layers)]
         self._length = 0
 
+    @staticmethod
+    def nbytes_for(layout: KVLayout, capacity: int) -> int:
+        """The bytes of the buffers a sequence of ``capacity`` tokens allocates."""
+        allocated = -(-capacity // ATTENTION_TILE) * ATTENTION_TILE
+        return layout.bytes_per_token * allocated
+
     @classmethod
     def from_blocks(
         cls,

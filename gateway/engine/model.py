@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from gateway.core.errors import GatewayError
 from gateway.core.tokenizer import HFTokenizerAdapter
+from gateway.engine.forward import SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from tiers.payload import KVLayout
 
@@ -308,3 +310,23 @@ def forward_logits(loaded: LoadedModel, input_ids: torch.Tensor, cache: Any) -> 
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
     logits: torch.Tensor = out.logits[0, -1].float()
     return logits
+
+
+class SerialForward:
+    """The serial exact route: each entry through transformers on its own KV buffers.
+
+    Used when the batched forward is not invariant here (or the architecture is not one it
+    walks): with one request at a time and block-aligned chunks (the scheduler's serial mode),
+    a block's K/V do not depend on who computed it (DESIGN.md, "Parity").
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        self._loaded = loaded
+
+    def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = []
+        for rows in batch:
+            logits = forward_logits(self._loaded, rows.tokens, make_sequence_cache(rows.sequence))
+            rows.sequence.advance(int(rows.tokens.numel()))
+            out.append(logits if rows.wants_logits else None)
+        return out

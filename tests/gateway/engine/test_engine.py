@@ -30,7 +30,7 @@ from gateway.core.requests import (
 )
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, compute_block_kv, forward_logits, load_model
+from gateway.engine.model import LoadedModel, forward_logits, load_model
 from gateway.engine.model import make_sequence_cache as sequence_cache
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
@@ -156,8 +156,7 @@ def test_every_cached_block_equals_a_cold_computation_bit_for_bit(
 ) -> None:
     prompt = PROMPTS[7]
     run(engine, prompt)
-    tokens = torch.tensor(prompt.token_ids or [])
-    cold = compute_block_kv(tiny, tokens, BLOCK)
+    cold = [(b.keys, b.values) for b in engine.cold_blocks(engine._canonical(prompt).token_ids)]
     cache = opened.cache
     ns = engine._namespace(ALICE)
     with cache.acquire(ns, engine._canonical(prompt).token_ids) as lease:

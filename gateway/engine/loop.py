@@ -1,0 +1,473 @@
+"""The step loop: one thread, one model, many requests advancing together.
+
+Each turn: take new submissions, fail the cancelled and the late, admit what the scheduler
+allows (loading each admitted request's cached prefix), run the scheduler's ``StepPlan`` as one
+forward, then sample, stream and finish. A request's blocks are leased from admission until it
+ends, so nothing it reads is evicted under it; its prompt blocks are stored the moment its
+prefill completes (before its first token is sampled, they are what the next request needs),
+and the blocks its answer filled when it ends.
+
+Storing the answer's blocks needs no recomputation when the forward is invariant (decode-time
+K/V then equal prefill K/V bit for bit, ``gateway.engine.probe`` checks it); on the serial
+route they are recomputed block-aligned as before (DESIGN.md, "Parity").
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gateway.cache.prefix_cache import Lease, PrefixCache
+from gateway.core.errors import DeadlineExceeded, GatewayError, RequestCancelled
+from gateway.core.fingerprint import Namespace, Scope
+from gateway.core.requests import (
+    FinishReason,
+    GenerateRequest,
+    TokenDelta,
+    Usage,
+    WarmRequest,
+    WarmResult,
+)
+from gateway.core.tokens import as_token_ids
+from gateway.engine.detokenizer import Detokenizer
+from gateway.engine.forward import SequenceRows, StepForward
+from gateway.engine.jobs import Job
+from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.model import LoadedModel
+from gateway.engine.observer import EngineMetrics
+from gateway.engine.sampling import Sampler
+from gateway.engine.scheduler import Scheduler, StepPlan
+from tiers.payload import KVBlock
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopSettings:
+    """What the loop needs besides the model, cache and scheduler.
+
+    Attributes:
+        block_tokens: the cache block size.
+        default_ttl_s: TTL of stored blocks when a request names none.
+        store_generated_blocks: store the blocks an answer fills.
+        decode_kv_is_prefill_kv: the forward is invariant: an answer's blocks are stored as
+            decoded; otherwise they are recomputed block-aligned first.
+    """
+
+    block_tokens: int
+    default_ttl_s: float | None
+    store_generated_blocks: bool
+    decode_kv_is_prefill_kv: bool
+
+
+@dataclass(slots=True, kw_only=True)
+class _Active:
+    """A request the loop has admitted (its state across steps)."""
+
+    job: Job
+    seq: KVSequence
+    ids: torch.Tensor
+    target: int
+    stack: ExitStack
+    lease: Lease | None = None
+    namespace: Namespace | None = None
+    loaded_blocks: list[KVBlock] = field(default_factory=list)
+    stored_new: int = 0
+    ttl_s: float | None = None
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    sampler: Sampler | None = None
+    detok: Detokenizer | None = None
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None
+    ttft_ms: float | None = None
+
+
+class StepLoop:
+    """Runs admitted requests step by step on one worker thread.
+
+    Args:
+        loaded: the model (its tokenizer, layout and EOS ids).
+        forward: runs one step's rows (batched and invariant, or the serial route).
+        scheduler: admission and step plans.
+        cache: the prefix cache (None: nothing is read or stored).
+        settings: the loop's settings.
+        namespace_of: the namespace of a scope.
+        clock: monotonic time (deadlines, TTFT).
+        metrics: where generations are recorded.
+    """
+
+    def __init__(self, *, loaded: LoadedModel, forward: StepForward, scheduler: Scheduler,
+                 cache: PrefixCache | None, settings: LoopSettings,
+                 namespace_of: Callable[[Scope], Namespace],
+                 clock: Callable[[], float] = time.monotonic,
+                 metrics: EngineMetrics | None = None) -> None:
+        self._loaded = loaded
+        self._forward = forward
+        self._scheduler = scheduler
+        self._cache = cache
+        self._settings = settings
+        self._namespace_of = namespace_of
+        self._clock = clock
+        self._metrics = metrics
+        self._device = next(loaded.model.parameters()).device
+        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._waiting: dict[int, Job] = {}
+        self._active: dict[int, _Active] = {}
+        self._prefill_s_per_token: float | None = None
+        self._thread: threading.Thread | None = None
+        self._is_stopping = False
+
+    # ---- called from other threads ------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def forward(self) -> StepForward:
+        return self._forward
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._waiting) + len(self._active) + self._inbox.qsize()
+
+    def submit(self, job: Job, *, prompt_tokens: int, kv_bytes: int) -> None:
+        """Queue ``job`` (the scheduler's limits apply now, so a refusal reaches the caller).
+
+        Raises:
+            QueueFull: a queue limit is reached.
+        """
+        with self._lock:
+            self._scheduler.submit(job.id, tenant=job.tenant, prompt_tokens=prompt_tokens,
+                                   kv_bytes=kv_bytes)
+            self._waiting[job.id] = job
+            self._note_queue_depth()
+        self._inbox.put(job)
+
+    def cancel_all(self) -> None:
+        with self._lock:
+            for job in [*self._waiting.values(), *(a.job for a in self._active.values())]:
+                job.cancelled.set()
+
+    def stop(self, timeout_s: float) -> None:
+        """Stop the worker once nothing is in flight (``cancel_all`` first to hurry it)."""
+        self._is_stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            self._thread = None
+
+    # ---- the worker ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                is_idle = not self._active and not self._waiting
+            if is_idle and self._is_stopping:
+                break
+            if is_idle:
+                self._inbox.get()  # sleep until a submission (or stop) arrives
+            while True:  # the inbox only wakes the loop: jobs are in _waiting already
+                try:
+                    self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+            try:
+                self._turn()
+            except Exception:  # a bug: fail what runs, keep serving
+                logger.exception("engine step failed")
+                for active in list(self._active.values()):
+                    self._end(active, RuntimeError("internal error in the engine step"))
+
+    def _turn(self) -> None:
+        self._expire()
+        with self._lock:
+            admitted = self._scheduler.admit()
+            jobs = [self._waiting.pop(i) for i in admitted]
+            self._note_queue_depth()
+        for job in jobs:
+            self._admit(job)
+        with self._lock:
+            plan = self._scheduler.plan()
+        if plan.chunks:
+            self._step(plan)
+
+    def _expire(self) -> None:
+        now = self._clock()
+        with self._lock:
+            late = [j for j in self._waiting.values() if j.cancelled.is_set() or now > j.deadline]
+            for job in late:
+                del self._waiting[job.id]
+                self._scheduler.finish(job.id)
+        for job in late:
+            self._fail(job, _why_stopped(job, now))
+        for active in list(self._active.values()):
+            if not active.job.usage_sent and (active.job.cancelled.is_set()
+                                              or now > active.job.deadline):
+                self._end(active, _why_stopped(active.job, now))
+
+    def _admit(self, job: Job) -> None:
+        """Lease and load the cached prefix, and build the request's KV buffers."""
+        bt = self._settings.block_tokens
+        ids = torch.from_numpy(job.tokens.astype(np.int64))
+        request = job.request
+        stack = ExitStack()
+        try:
+            if isinstance(request, GenerateRequest):
+                capacity = len(job.tokens) + request.sampling.max_tokens
+                target = len(job.tokens)
+                max_blocks = (len(job.tokens) - 1) // bt
+                use_cache = self._cache is not None and not request.cache.no_cache
+                ttl = request.cache.ttl_s
+            else:
+                target = len(job.tokens) // bt * bt
+                capacity = max(1, target)
+                max_blocks = None
+                use_cache = True
+                ttl = request.ttl_s
+            active = _Active(job=job, seq=KVSequence(self._loaded.layout, 1), ids=ids,
+                             target=target, stack=stack,
+                             ttl_s=ttl if ttl is not None else self._settings.default_ttl_s)
+            blocks: list[KVBlock] = []
+            if use_cache and self._cache is not None:
+                blocks = self._lease(active, max_blocks)
+            active.seq = KVSequence.from_blocks(self._loaded.layout, blocks, capacity,
+                                                device=self._device)
+            active.loaded_blocks = blocks
+            if isinstance(request, GenerateRequest):
+                active.sampler = Sampler(request.sampling,
+                                         vocab_size=self._loaded.tokenizer.vocab_size)
+                active.detok = Detokenizer(self._loaded.tokenizer, request.sampling.stop)
+        except Exception as exc:
+            if not isinstance(exc, GatewayError):
+                logger.exception("admitting a request failed")
+            stack.close()
+            with self._lock:
+                self._scheduler.finish(job.id)
+            self._fail(job, exc)
+            return
+        self._active[job.id] = active
+        with self._lock:
+            self._scheduler.skip_prefill(job.id, active.seq.length)
+        if active.seq.length >= active.target:
+            self._prompt_done(active, None)
+
+    def _lease(self, active: _Active, max_blocks: int | None) -> list[KVBlock]:
+        assert self._cache is not None
+        request = active.job.request
+        namespace = self._namespace_of(request.scope)
+        tokens = active.job.tokens
+        lease = active.stack.enter_context(self._cache.acquire(namespace, tokens))
+        source = lease
+        if request.scope.kind == "tenant":
+            # Prompts an admin published in the shared scope are read by every tenant; what the
+            # tenant then stores goes to its own namespace, never to the shared one.
+            shared = active.stack.enter_context(
+                self._cache.acquire(self._namespace_of(Scope.shared()), tokens))
+            if shared.match.num_blocks > lease.match.num_blocks:
+                source = shared
+        active.lease, active.namespace = lease, namespace
+        blocks = self._cache.load(source, recompute_s_per_token=self._prefill_s_per_token,
+                                  max_blocks=max_blocks)
+        bt = self._settings.block_tokens
+        for tier in source.match.tiers[:len(blocks)]:
+            active.cached_by_tier[tier] = active.cached_by_tier.get(tier, 0) + bt
+        return blocks
+
+    def _step(self, plan: StepPlan) -> None:
+        batch: list[SequenceRows] = []
+        for chunk in plan.chunks:
+            active = self._active[chunk.request_id]
+            if chunk.is_decode:
+                assert active.next_token is not None
+                tokens = torch.tensor([active.next_token])
+                wants = True
+            else:
+                start = active.seq.length
+                tokens = active.ids[start:start + chunk.num_tokens]
+                wants = (start + chunk.num_tokens >= active.target
+                         and isinstance(active.job.request, GenerateRequest))
+            batch.append(SequenceRows(sequence=active.seq, tokens=tokens, wants_logits=wants))
+        began = time.perf_counter()
+        outputs = self._forward.forward(batch)
+        if not any(c.is_decode for c in plan.chunks):
+            self._note_prefill_speed(plan.num_tokens, time.perf_counter() - began)
+        for chunk, logits in zip(plan.chunks, outputs, strict=True):
+            active = self._active[chunk.request_id]
+            if chunk.is_decode:
+                assert logits is not None
+                self._next_token(active, logits)
+            elif active.seq.length >= active.target:
+                self._prompt_done(active, logits)
+
+    def _prompt_done(self, active: _Active, logits: torch.Tensor | None) -> None:
+        """Store the prompt's new blocks; a warm ends here, a generation samples its first token."""
+        self._store_prompt_blocks(active)
+        job = active.job
+        if isinstance(job.request, WarmRequest):
+            self._finish_warm(active)
+            return
+        assert logits is not None, "a generation's last prompt token always wants logits"
+        with self._lock:
+            self._scheduler.start_decoding(job.id)
+        self._next_token(active, logits)
+
+    def _next_token(self, active: _Active, logits: torch.Tensor) -> None:
+        job = active.job
+        request = job.request
+        assert isinstance(request, GenerateRequest)
+        assert active.sampler is not None and active.detok is not None
+        token = active.sampler.pick(logits)
+        active.generated.append(token)
+        if active.ttft_ms is None:
+            active.ttft_ms = (self._clock() - job.submitted) * 1e3
+        finish: FinishReason | None = None
+        if token in self._loaded.eos_token_ids:
+            finish = "eos"
+        else:
+            text = active.detok.add(token)
+            job.events.put(TokenDelta(token_ids=(token,), text=text))
+            if active.detok.stopped:
+                finish = "stop"
+            elif len(active.generated) >= request.sampling.max_tokens:
+                finish = "length"
+        if finish is None:
+            active.next_token = token
+            return
+        self._finish_generate(active, finish)
+
+    def _finish_generate(self, active: _Active, finish: FinishReason) -> None:
+        job = active.job
+        request = job.request
+        assert isinstance(request, GenerateRequest) and active.detok is not None
+        tail = active.detok.finish()
+        if tail:
+            job.events.put(TokenDelta(token_ids=(), text=tail))
+        usage = Usage(
+            prompt_tokens=len(job.tokens),
+            cached_tokens=sum(active.cached_by_tier.values()),
+            cached_tokens_by_tier=dict(active.cached_by_tier),
+            completion_tokens=len(active.generated),
+            ttft_ms=active.ttft_ms if active.ttft_ms is not None else 0.0,
+            total_ms=(self._clock() - job.submitted) * 1e3,
+            finish_reason=finish,
+        )
+        job.events.put(usage)
+        job.usage_sent = True
+        if self._metrics is not None:
+            self._metrics.record_generation(
+                tenant=request.scope.owner, prompt_tokens=usage.prompt_tokens,
+                cached_tokens_by_tier=usage.cached_tokens_by_tier,
+                finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
+                total_s=usage.total_ms / 1e3)
+        if self._settings.store_generated_blocks and active.generated:
+            self._store_generated(active)
+        self._end(active, None)
+
+    def _finish_warm(self, active: _Active) -> None:
+        job = active.job
+        request = job.request
+        assert isinstance(request, WarmRequest) and self._cache is not None
+        bt = self._settings.block_tokens
+        num_full = active.target // bt
+        num_cached = len(active.loaded_blocks)
+        if request.pin and active.namespace is not None:
+            self._cache.set_pinned(active.namespace, job.tokens, True)
+        fresh_bytes = active.stored_new * self._loaded.layout.block_nbytes(bt)
+        job.warm_result = WarmResult(
+            prompt_tokens=len(job.tokens), num_blocks=num_full,
+            num_new_blocks=active.stored_new, num_cached_blocks=num_cached,
+            stored_bytes=fresh_bytes, elapsed_ms=(self._clock() - job.submitted) * 1e3)
+        self._end(active, None)
+
+    def _store_prompt_blocks(self, active: _Active) -> None:
+        if self._cache is None or active.lease is None:
+            return
+        bt = self._settings.block_tokens
+        num_full = len(active.job.tokens) // bt
+        own = active.lease.match.num_blocks
+        blocks = active.loaded_blocks
+        fresh = [blocks[i] if i < len(blocks) else active.seq.block(i, bt)
+                 for i in range(own, min(num_full, active.seq.length // bt))]
+        result = self._cache.insert(active.lease, tier=self._cache.tier_names[0], blocks=fresh,
+                                    ttl_s=active.ttl_s)
+        active.stored_new = result.num_new_blocks
+
+    def _store_generated(self, active: _Active) -> None:
+        """Store the full blocks the answer filled (recomputed first on the serial route)."""
+        if self._cache is None or active.namespace is None:
+            return
+        bt = self._settings.block_tokens
+        job = active.job
+        everything = as_token_ids(np.concatenate(
+            [job.tokens, np.asarray(active.generated, np.uint32)]))
+        first = len(job.tokens) // bt
+        num_full = min(len(everything), active.seq.length) // bt
+        if num_full <= first:
+            return
+        with self._cache.acquire(active.namespace, everything) as lease:
+            if lease.match.num_blocks != first:
+                return  # the prompt's blocks are not all stored: nothing to continue
+            if not self._settings.decode_kv_is_prefill_kv:
+                self._recompute(active.seq, everything, first * bt, num_full * bt)
+            fresh = [active.seq.block(i, bt) for i in range(first, num_full)]
+            self._cache.insert(lease, tier=self._cache.tier_names[0], blocks=fresh,
+                               ttl_s=active.ttl_s)
+
+    def _recompute(self, seq: KVSequence, tokens: np.ndarray, start: int, end: int) -> None:
+        """Recompute tokens[start:end] block-aligned (the serial route's decode K/V differ)."""
+        bt = self._settings.block_tokens
+        ids = torch.from_numpy(tokens.astype(np.int64))
+        seq.truncate(start)
+        for at in range(start, end, bt):
+            self._forward.forward([SequenceRows(sequence=seq, tokens=ids[at:at + bt],
+                                                wants_logits=False)])
+
+    def _end(self, active: _Active, error: BaseException | None) -> None:
+        self._active.pop(active.job.id, None)
+        try:
+            active.stack.close()
+        finally:
+            with self._lock:
+                self._scheduler.finish(active.job.id)
+            if error is not None:
+                self._fail(active.job, error)
+            else:
+                active.job.done.set()
+
+    def _fail(self, job: Job, exc: BaseException) -> None:
+        if self._metrics is not None and job.kind == "generate" and not job.usage_sent:
+            self._metrics.record_failure(exc)
+        job.error = exc
+        job.events.put(exc)
+        job.done.set()
+
+    def _note_prefill_speed(self, num_tokens: int, seconds: float) -> None:
+        sample = seconds / max(1, num_tokens)
+        previous = self._prefill_s_per_token
+        self._prefill_s_per_token = sample if previous is None else previous + 0.2 * (
+            sample - previous)
+
+    def _note_queue_depth(self) -> None:
+        if self._metrics is not None:
+            self._metrics.set_queue_depth(self._scheduler.num_waiting)
+
+
+def _why_stopped(job: Job, now: float) -> GatewayError:
+    if job.cancelled.is_set():
+        return RequestCancelled("the request was cancelled")
+    return DeadlineExceeded("the request ran past its deadline")

@@ -1,0 +1,263 @@
+"""Who runs in the next step, and how many tokens each computes: fair across tenants, bounded.
+
+The scheduler is pure bookkeeping: it sees request ids, tenants and how many prompt tokens each
+still has to prefill, never tensors or the model. Each ``plan`` returns a ``StepPlan`` (a record,
+DESIGN.md "The engine"): one decode row for every running request that is decoding, then
+prefill chunks from the step's remaining token budget, shared across tenants by deficit — the
+tenant that received the fewest tokens so far goes first — so one tenant's long prompts cannot
+starve another's. Admission is bounded per tenant (running and queued) and in total, and by the
+KV memory the running requests need.
+
+In serial mode (``ScheduleLimits.is_serial``: the start-up probe found the batched forward not
+invariant) one request runs at a time and its prefill chunks end at block boundaries, which
+keeps warm equal to cold on the transformers route (DESIGN.md, "Parity": today's route).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gateway.core.errors import QueueFull
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleLimits:
+    """The bounds of the step loop.
+
+    Attributes:
+        step_tokens: tokens computed per step at most (decode rows and prefill chunks).
+        max_running: requests running at once, all tenants together.
+        max_running_per_tenant: requests one tenant runs at once.
+        max_queued_per_tenant: requests one tenant may have waiting; more are refused.
+        max_queued: requests waiting, all tenants together; more are refused.
+        kv_budget_bytes: KV buffer bytes the running requests may hold together.
+        is_serial: one request at a time, prefill chunks ending at ``block_tokens`` boundaries.
+        block_tokens: the cache block size (the chunk boundary in serial mode).
+    """
+
+    step_tokens: int = 256
+    max_running: int = 16
+    max_running_per_tenant: int = 8
+    max_queued_per_tenant: int = 32
+    max_queued: int = 64
+    kv_budget_bytes: int = 2 << 30
+    is_serial: bool = False
+    block_tokens: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("step_tokens", "max_running", "max_running_per_tenant",
+                     "max_queued_per_tenant", "max_queued", "kv_budget_bytes", "block_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduledChunk:
+    """Tokens one request computes in a step.
+
+    Attributes:
+        request_id: the request.
+        num_tokens: how many of its next tokens (1 for a decode row).
+        is_decode: a decode row (its token was sampled in the previous step).
+    """
+
+    request_id: int
+    num_tokens: int
+    is_decode: bool
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepPlan:
+    """What one forward computes: decode rows first, then prefill chunks."""
+
+    chunks: tuple[ScheduledChunk, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Entry:
+    request_id: int
+    tenant: str
+    kv_bytes: int
+    prefill_left: int
+    is_decoding: bool = False
+    prefilled: int = 0
+
+
+@dataclass(slots=True)
+class _TenantQueue:
+    waiting: deque[_Entry] = field(default_factory=deque)
+    num_running: int = 0
+    tokens_given: int = 0
+
+
+class Scheduler:
+    """Queues per tenant, the running set, and the plan of each step.
+
+    Args:
+        limits: the bounds.
+    """
+
+    def __init__(self, limits: ScheduleLimits) -> None:
+        self._limits = limits
+        self._tenants: dict[str, _TenantQueue] = {}
+        self._running: dict[int, _Entry] = {}
+        self._num_waiting = 0
+        self._kv_bytes = 0
+        self._admit_turn: deque[str] = deque()
+
+    @property
+    def limits(self) -> ScheduleLimits:
+        return self._limits
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def running_ids(self) -> list[int]:
+        return list(self._running)
+
+    def submit(self, request_id: int, *, tenant: str, prompt_tokens: int, kv_bytes: int) -> None:
+        """Queue a request that must prefill ``prompt_tokens`` tokens.
+
+        Raises:
+            QueueFull: the tenant's or the server's queue limit is reached (the message names it).
+            ValueError: the request alone needs more KV than the whole budget.
+        """
+        limits = self._limits
+        if kv_bytes > limits.kv_budget_bytes:
+            raise ValueError(f"the request needs {kv_bytes} bytes of KV buffers, more than the "
+                             f"engine's whole KV budget of {limits.kv_budget_bytes} bytes")
+        state = self._tenants.setdefault(tenant, _TenantQueue())
+        if len(state.waiting) >= limits.max_queued_per_tenant:
+            raise QueueFull(f"this tenant already has {limits.max_queued_per_tenant} requests "
+                            "waiting (max_queued_per_tenant); retry when some have finished")
+        if self._num_waiting >= limits.max_queued:
+            raise QueueFull(f"{limits.max_queued} requests are already waiting (max_queued); "
+                            "retry shortly")
+        state.waiting.append(_Entry(request_id=request_id, tenant=tenant, kv_bytes=kv_bytes,
+                                    prefill_left=prompt_tokens))
+        if tenant not in self._admit_turn:
+            self._admit_turn.append(tenant)
+        self._num_waiting += 1
+
+    def admit(self) -> list[int]:
+        """Move waiting requests to running, round-robin over tenants, within every bound.
+
+        Returns:
+            The ids admitted, in order.
+        """
+        limits = self._limits
+        admitted: list[int] = []
+        max_running = 1 if limits.is_serial else limits.max_running
+        stalled = 0
+        while self._admit_turn and len(self._running) < max_running:
+            if stalled == len(self._admit_turn):
+                break
+            tenant = self._admit_turn[0]
+            self._admit_turn.rotate(-1)
+            state = self._tenants[tenant]
+            if not state.waiting:
+                self._admit_turn.remove(tenant)
+                stalled = 0
+                continue
+            entry = state.waiting[0]
+            if (state.num_running >= limits.max_running_per_tenant
+                    or self._kv_bytes + entry.kv_bytes > limits.kv_budget_bytes):
+                stalled += 1
+                continue
+            stalled = 0
+            state.waiting.popleft()
+            self._num_waiting -= 1
+            state.num_running += 1
+            self._kv_bytes += entry.kv_bytes
+            self._running[entry.request_id] = entry
+            admitted.append(entry.request_id)
+        return admitted
+
+    def cancel_waiting(self, request_id: int) -> bool:
+        """Drop a request that has not started; whether it was waiting."""
+        for state in self._tenants.values():
+            for entry in state.waiting:
+                if entry.request_id == request_id:
+                    state.waiting.remove(entry)
+                    self._num_waiting -= 1
+                    return True
+        return False
+
+    def waiting_ids(self) -> list[int]:
+        return [e.request_id for s in self._tenants.values() for e in s.waiting]
+
+    def skip_prefill(self, request_id: int, num_tokens: int) -> None:
+        """Count ``num_tokens`` of a running request's prompt as done (loaded from the cache)."""
+        entry = self._running[request_id]
+        entry.prefill_left = max(0, entry.prefill_left - num_tokens)
+        entry.prefilled += num_tokens
+
+    def plan(self) -> StepPlan:
+        """The next step: every decoding request's row, then prefill chunks by deficit."""
+        limits = self._limits
+        chunks: list[ScheduledChunk] = []
+        budget = limits.step_tokens
+        for entry in self._running.values():
+            if entry.is_decoding:
+                chunks.append(ScheduledChunk(request_id=entry.request_id, num_tokens=1,
+                                             is_decode=True))
+                budget -= 1
+        prefilling = [e for e in self._running.values() if not e.is_decoding and e.prefill_left]
+        by_need = sorted(prefilling, key=lambda e: (self._tenants[e.tenant].tokens_given,
+                                                    e.request_id))
+        for entry in by_need:
+            if budget <= 0:
+                break
+            size = min(entry.prefill_left, budget)
+            if limits.is_serial:
+                boundary = (entry.prefilled // limits.block_tokens + 1) * limits.block_tokens
+                size = min(size, boundary - entry.prefilled) if not chunks else 0
+            if size <= 0:
+                continue
+            chunks.append(ScheduledChunk(request_id=entry.request_id, num_tokens=size,
+                                         is_decode=False))
+            budget -= size
+        if limits.is_serial and len({c.request_id for c in chunks}) > 1:
+            chunks = chunks[:1]
+        for chunk in chunks:
+            entry = self._running[chunk.request_id]
+            self._tenants[entry.tenant].tokens_given += chunk.num_tokens
+            if not chunk.is_decode:
+                entry.prefill_left -= chunk.num_tokens
+                entry.prefilled += chunk.num_tokens
+        return StepPlan(chunks=tuple(chunks))
+
+    def start_decoding(self, request_id: int) -> None:
+        """The request's prompt is done and its first token sampled: one row per step from now."""
+        self._running[request_id].is_decoding = True
+
+    def finish(self, request_id: int) -> None:
+        """The request left (done, failed or cancelled): free its slot and KV budget."""
+        entry = self._running.pop(request_id, None)
+        if entry is None:
+            self.cancel_waiting(request_id)
+            return
+        state = self._tenants[entry.tenant]
+        state.num_running -= 1
+        self._kv_bytes -= entry.kv_bytes
+        if not state.waiting and state.num_running == 0:
+            del self._tenants[entry.tenant]
+            if entry.tenant in self._admit_turn:
+                self._admit_turn.remove(entry.tenant)
+        elif state.waiting and entry.tenant not in self._admit_turn:
+            self._admit_turn.append(entry.tenant)
+
+    def tenants_running(self) -> Iterable[str]:
+        return {e.tenant for e in self._running.values()}
