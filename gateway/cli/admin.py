@@ -66,7 +66,7 @@ def admin_key_of(args: argparse.Namespace, env: Mapping[str, str], *,
     """
     key = args.admin_key or env.get("KVGATE_ADMIN_KEY") or None
     if key is None and args.config is not None:
-        from gateway.config.serve_config import ConfigError, _read_file
+        from gateway.config.loader import ConfigError, _read_file
 
         try:
             raw = _read_file(args.config)
@@ -284,7 +284,7 @@ def _pin(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextI
 
 def _quota(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
            stdin: TextIO) -> int:
-    from gateway.config.serve_config import parse_size
+    from gateway.config.loader import parse_size
 
     num_bytes: int | None = None
     if args.size.lower() != "none":

@@ -129,7 +129,7 @@ def _add_serve(sub: Any) -> None:
                     "(config file, KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) a development key for "
                     "tenant 'default' is created, printed and kept in DATA_DIR/dev-api-key.")
     serve.add_argument("--config", type=Path, default=None,
-                       help="a .toml or .json configuration (see gateway/config/serve_config.py)")
+                       help="a .toml or .json configuration (see gateway/config/loader.py)")
     serve.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default: 50051)")
     serve.add_argument("--data-dir", type=Path, default=None,
@@ -210,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args, out=sys.stdout, err=sys.stderr, env=os.environ)
     if args.command == "config" and args.config == "example":
-        from gateway.config.serve_config import EXAMPLE_CONFIG
+        from gateway.config.loader import EXAMPLE_CONFIG
 
         sys.stdout.write(EXAMPLE_CONFIG)
         return 0
@@ -257,7 +257,7 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.config.serve_config import ConfigError, load_serve_config
+    from gateway.config.loader import ConfigError, load_serve_config
     from gateway.core.errors import GatewayError
     from gateway.service.server import ServeError, serve
 

@@ -29,7 +29,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.config.serve_config import (
+from gateway.config.loader import (
     DEV_TENANT,
     ServeConfig,
     deployment_secret,
@@ -219,7 +219,7 @@ def serve(
         announce: writes a line for the operator's console (the development key).
 
     Raises:
-        ServeError, gateway.config.serve_config.ConfigError, gateway.engine.model.ModelLoadError:
+        ServeError, gateway.config.loader.ConfigError, gateway.engine.model.ModelLoadError:
             it could not start.
     """
     ensure_private_dir(config.data_dir)

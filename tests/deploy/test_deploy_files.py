@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config.serve_config import ServeConfig, load_serve_config
+from gateway.config.loader import ServeConfig, load_serve_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"

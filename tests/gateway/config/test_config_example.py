@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cli.main import main
-from gateway.config.serve_config import (
+from gateway.config.loader import (
     EXAMPLE_CONFIG,
     ConfigError,
     MetricsSettings,

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.cache.factory import GiB
 from gateway.config.keys import Principal, key_digest
-from gateway.config.serve_config import (
+from gateway.config.loader import (
     DEFAULT_DISK_BYTES,
     ConfigError,
     GrpcSettings,
@@ -236,7 +236,7 @@ def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
 
 
 def test_budgets_larger_than_the_machine_are_refused(tmp_path: Path) -> None:
-    from gateway.config.serve_config import ConfigError, physical_memory_bytes
+    from gateway.config.loader import ConfigError, physical_memory_bytes
 
     memory = physical_memory_bytes()
     assert memory is not None
