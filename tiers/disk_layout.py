@@ -25,8 +25,8 @@ _HEX_DIGITS = frozenset("0123456789abcdef")
 class ShardLayout:
     """The shard directories under one root, through the ``FileOps`` seam.
 
-    Not thread-safe: ``DiskStore`` calls it from ``start`` and from its writer thread, which
-    ``_io_lock`` serialises; ``path_for`` alone (no state) is called from any thread.
+    Not thread-safe: ``DiskStore`` changes it from ``start`` (before its writer thread runs)
+    and then from the writer thread alone; ``path_for`` (no state) is called from any thread.
 
     Args:
         root: the store's directory (absolute).
