@@ -1,8 +1,7 @@
 """The disk tier: one authenticated file per block on a local path, reusable after a restart.
 
-Layout: ``root/ab/cd/<keyhex>.kvb``, where ``abcd`` are the first four hex digits of the key
-(right-padded with ``0`` for keys shorter than two bytes). Files are 0600 in 0700 directories:
-stored KV can be inverted back into the prompt, so it is as sensitive as the prompt.
+Layout: ``root/ab/cd/<keyhex>.kvb`` (``tiers.disk_layout``). Files are 0600 in 0700
+directories: stored KV can be inverted back into the prompt, so it is as sensitive as the prompt.
 
 Writes stay off the request path. ``put`` only queues the block (bounded by bytes; when the
 queue is full the put is dropped and counted, never waited on); one writer thread encodes it
@@ -22,10 +21,11 @@ Failures are misses, never errors for the caller:
   clock, when the next put tries again. Reads keep working throughout;
 * a file that does not verify on ``get`` (``CodecError``) is a counted miss and is deleted.
 
-Restart: ``recover`` (run by ``start``) deletes leftover temp files, reads only the header of
-each block file, checks its MAC, layout, size and that its name is its key, deletes what fails
-and returns the good headers so that the prefix cache can adopt them. The payload checksum is
-verified lazily, on ``get``: a restart costs one small read per block, not a full re-read.
+Restart: ``recover`` (run by ``start``) scans the root (``tiers.disk_recovery``: only the
+header of each block file is read, its MAC, layout, size and name checked), deletes leftover
+temp files and what fails, and returns the good headers so that the prefix cache can adopt
+them. The payload checksum is verified lazily, on ``get``: a restart costs one small read per
+block, not a full re-read.
 
 Locks: ``_lock`` guards every map and counter and is never held across a slow syscall except
 the unlink that removes a file whose key it must keep consistent with the index. ``_io_lock``
@@ -48,22 +48,17 @@ from types import TracebackType
 
 from policies.base import BlockKey
 from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
-from tiers.codec import PREFIX_LEN, BlockCodec, DecodedHeader
-from tiers.fileops import TEMP_SUFFIX, FileOps, RealFileOps
+from tiers.codec import BlockCodec, DecodedHeader
+from tiers.disk_layout import ShardLayout
+from tiers.disk_recovery import scan_root
+from tiers.fileops import FileOps, RealFileOps
 from tiers.payload import KVBlock, PayloadError
 
 logger = logging.getLogger(__name__)
 
-FILE_SUFFIX = ".kvb"
-DIR_MODE = 0o700
-
 UNAVAILABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 """Errors that say the disk cannot take writes for a while (rather than that one write failed)."""
 
-_HEADER_PROBE = 4096
-"""Bytes read first during recovery: enough for the header of a 256-token block in one read."""
-
-_HEX_DIGITS = frozenset("0123456789abcdef")
 
 
 @dataclass(eq=False, slots=True)
@@ -128,6 +123,7 @@ class DiskStore(BatchDefaults):
         self._codec = codec
         self._ops: FileOps = fileops if fileops is not None else RealFileOps()
         self._is_fsync = fsync
+        self._layout = ShardLayout(self._root, self._ops, fsync=fsync)
         self._max_pending_bytes = max_pending_bytes
         self._retry_after_s = retry_after_s
         self._clock = clock
@@ -142,7 +138,6 @@ class DiskStore(BatchDefaults):
         self._num_outstanding = 0  # queued + in flight
         self._pending_bytes = 0
         self._failed: list[BlockKey] = []
-        self._known_dirs: set[str] = set()
         self._outage: _Outage | None = None
         self._last_error_log_at: float | None = None
         self._stats = StoreStats(name=name)
@@ -171,7 +166,7 @@ class DiskStore(BatchDefaults):
             if self._state != "new":
                 raise RuntimeError(f"DiskStore.start() called in state {self._state!r}")
         try:
-            self._make_dirs(self._root)
+            self._layout.make_dirs(self._root)
             self._ops.scandir(self._root)
         except (FileExistsError, NotADirectoryError) as exc:
             raise TierConfigError(
@@ -185,7 +180,7 @@ class DiskStore(BatchDefaults):
                 ) from exc
             self._enter_outage(exc)
         else:
-            self._known_dirs.add(self._root)
+            self._layout.mark_root_known()
             self._probe_writable()
         self._recovered_at_start = self.recover()
         thread = threading.Thread(target=self._run, name=f"kvgate-{self.name}-writer", daemon=True)
@@ -303,7 +298,7 @@ class DiskStore(BatchDefaults):
             if durable is None:
                 self._stats.misses += 1
                 return None
-        path = self._path_for(key)
+        path = self._layout.path_for(key)
         try:
             data = self._ops.read(path, durable.num_bytes + 1)
         except FileNotFoundError:
@@ -336,7 +331,7 @@ class DiskStore(BatchDefaults):
 
     def delete(self, key: BlockKey) -> None:
         """Forget the block: cancel its pending write and remove its file (if any)."""
-        path = self._path_for(key)
+        path = self._layout.path_for(key)
         with self._lock:
             write = self._pending.pop(key, None)
             if write is not None:
@@ -383,110 +378,32 @@ class DiskStore(BatchDefaults):
     # -- recovery ----------------------------------------------------------------------------
 
     def recover(self) -> list[DecodedHeader]:
-        """Scan the root: delete temp files and invalid block files, index the valid ones.
-
-        Each block file costs one small read (its header: MAC, layout, key) and one stat
-        (its size must be exactly what the header says). Payload checksums are verified on
-        ``get``.
+        """Scan the root (``tiers.disk_recovery``): delete temp files and invalid block files,
+        index the valid ones.
 
         Returns:
             The headers of the block files kept, for the caller to rebuild its index.
         """
         with self._io_lock:
-            found: dict[BlockKey, tuple[DecodedHeader, _Durable]] = {}
-            for directory in self._scan_dirs():
-                self._recover_dir(directory, found)
+            found = scan_root(self._layout, self._ops, self._codec)
             with self._lock:
-                self._index = {key: durable for key, (_, durable) in found.items()}
-                self._num_index_bytes = sum(d.num_bytes for d in self._index.values())
-                self._counts["recovered_blocks"] = len(found)
-            return [header for header, _ in found.values()]
-
-    def _scan_dirs(self) -> list[str]:
-        """The shard directories ``root/ab/cd`` (temp files at the root are removed here)."""
-        leaves: list[str] = []
-        for name, is_dir in self._list(self._root):
-            path = os.path.join(self._root, name)
-            if not is_dir:
-                if name.endswith(TEMP_SUFFIX):
-                    self._remove_leftover(path)
-                continue
-            if not _is_shard_name(name):
-                continue
-            for sub, sub_is_dir in self._list(path):
-                if sub_is_dir and _is_shard_name(sub):
-                    leaves.append(os.path.join(path, sub))
-        return leaves
-
-    def _recover_dir(
-        self, directory: str, found: dict[BlockKey, tuple[DecodedHeader, _Durable]]
-    ) -> None:
-        for name, is_dir in self._list(directory):
-            path = os.path.join(directory, name)
-            if is_dir:
-                continue
-            if name.endswith(TEMP_SUFFIX):
-                self._remove_leftover(path)
-                continue
-            if not name.endswith(FILE_SUFFIX):
-                self._counts["unknown_files"] += 1
-                continue
-            try:
-                header = self._check_file(path, name)
-            except CodecError as exc:
-                with self._lock:
-                    self._stats.count_failure(exc.reason)
+                for path in found.leftovers:
+                    self._counts["temp_files_removed"] += 1
+                    self._unlink_quietly(path)
+                for path, reason in found.invalid:
+                    self._stats.count_failure(reason)
                     self._counts["recovery_removed"] += 1
                     self._unlink_quietly(path)
-                continue
-            except FileNotFoundError:
-                continue
-            except OSError as exc:
-                with self._lock:
-                    self._stats.errors += 1
-                    self._counts["read_errors"] += 1
-                logger.debug("disk tier %s: cannot read %s: %s", self._root, name, exc.strerror)
-                continue
-            found[header.meta.key] = (header, _Durable(num_bytes=header.total_len))
-
-    def _check_file(self, path: str, name: str) -> DecodedHeader:
-        """The file's verified header. Raises CodecError (reason) or OSError."""
-        stem = name[: -len(FILE_SUFFIX)]
-        if not stem or len(stem) % 2 or not set(stem) <= _HEX_DIGITS:
-            raise CodecError("name", f"{name} is not named after a block key")
-        if self._path_for(BlockKey(bytes.fromhex(stem))) != path:
-            raise CodecError("name", f"{name} is in another key's directory")
-        data = self._ops.read(path, _HEADER_PROBE)
-        if len(data) < PREFIX_LEN:
-            raise CodecError("truncated", f"{name} is shorter than a header")
-        header_len = BlockCodec.header_length(data[:PREFIX_LEN])
-        if header_len > len(data):
-            data = self._ops.read(path, header_len)
-        header = self._codec.read_header(data[:header_len])
-        if header.meta.key.hex() != stem:
-            raise CodecError("name", f"{name} holds block {header.meta.key.hex()}")
-        size = self._ops.size(path)
-        if size != header.total_len:
-            reason = "truncated" if size < header.total_len else "size"
-            raise CodecError(reason, f"{name} is {size} bytes, its header says {header.total_len}")
-        return header
-
-    def _list(self, path: str) -> list[tuple[str, bool]]:
-        try:
-            return self._ops.scandir(path)
-        except FileNotFoundError:
-            return []
-        except OSError as exc:
-            with self._lock:
-                self._stats.errors += 1
-                self._counts["read_errors"] += 1
-            logger.warning("disk tier %s: cannot list %s: %s", self._root, path, exc.strerror)
-            return []
-
-    def _remove_leftover(self, path: str) -> None:
-        with self._lock:
-            self._counts["temp_files_removed"] += 1
-            self._unlink_quietly(path)
+                if found.num_unknown_files:
+                    self._counts["unknown_files"] += found.num_unknown_files
+                if found.num_read_errors:
+                    self._stats.errors += found.num_read_errors
+                    self._counts["read_errors"] += found.num_read_errors
+                self._index = {key: _Durable(num_bytes=header.total_len)
+                               for key, header in found.key_to_header.items()}
+                self._num_index_bytes = sum(d.num_bytes for d in self._index.values())
+                self._counts["recovered_blocks"] = len(found.key_to_header)
+            return list(found.key_to_header.values())
 
     # -- the writer thread -------------------------------------------------------------------
 
@@ -530,12 +447,12 @@ class DiskStore(BatchDefaults):
                 self._drop_locked(key, "encode_errors")
             logger.error("disk tier %s: block cannot be encoded: %s", self._root, exc)
             return False
-        path = self._path_for(key)
+        path = self._layout.path_for(key)
         directory = os.path.dirname(path)
         temp: str | None = None
         is_renamed = False
         try:
-            self._ensure_shard_dir(directory)
+            self._layout.ensure_shard_dir(directory)
             fd, temp = self._ops.open_temp(directory, os.path.basename(path))
             try:
                 self._ops.write(fd, data)
@@ -559,7 +476,7 @@ class DiskStore(BatchDefaults):
                     # Renamed but its directory entry may not be durable: never publish it.
                     self._unlink_quietly(path)
                 if exc.errno == errno.ENOENT:  # a directory vanished: create it again next time
-                    self._known_dirs.clear()
+                    self._layout.forget_known_dirs()
                 self._stats.errors += 1
                 self._drop_locked(key, "write_errors")
             self._on_write_error(exc)
@@ -633,52 +550,6 @@ class DiskStore(BatchDefaults):
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _path_for(self, key: BlockKey) -> str:
-        hexkey = key.hex()
-        padded = hexkey.ljust(4, "0")
-        return os.path.join(self._root, padded[:2], padded[2:4], hexkey + FILE_SUFFIX)
-
-    def _make_dirs(self, path: str) -> None:
-        """``mkdir -p`` through the seam, fsyncing the parent of each directory it creates."""
-        try:
-            self._ops.mkdir(path, DIR_MODE)
-        except FileExistsError:
-            return
-        except FileNotFoundError:
-            parent = os.path.dirname(path)
-            if parent == path:
-                raise
-            self._make_dirs(parent)
-            try:
-                self._ops.mkdir(path, DIR_MODE)
-            except FileExistsError:
-                return
-        if self._is_fsync:
-            self._ops.fsync_dir(os.path.dirname(path))
-
-    def _ensure_shard_dir(self, directory: str) -> None:
-        """Create ``root/ab/cd`` on first use in this process, with durable directory entries.
-
-        NOTE: the parents are fsynced even when the directory already existed: a crash
-        between a ``mkdir`` and its parent's fsync leaves a directory whose entry may not
-        survive the next power loss.
-        """
-        if directory in self._known_dirs:
-            return
-        if self._root not in self._known_dirs:  # start() could not create it (outage)
-            self._make_dirs(self._root)
-            self._known_dirs.add(self._root)
-        for level in (os.path.dirname(directory), directory):
-            if level in self._known_dirs:
-                continue
-            try:
-                self._ops.mkdir(level, DIR_MODE)
-            except FileExistsError:
-                pass
-            if self._is_fsync:
-                self._ops.fsync_dir(os.path.dirname(level))
-            self._known_dirs.add(level)
-
     def _drop_locked(self, key: BlockKey, counter: str) -> None:
         """Count why ``key`` did not reach the disk and report it through ``drain_failed``."""
         self._counts[counter] += 1
@@ -721,10 +592,6 @@ def _meta_mismatch(stored: BlockMeta, expected: BlockMeta) -> str | None:
     if stored.tokens != expected.tokens:
         return "tokens"
     return None
-
-
-def _is_shard_name(name: str) -> bool:
-    return len(name) == 2 and set(name) <= _HEX_DIGITS
 
 
 def _describe(exc: OSError) -> str:

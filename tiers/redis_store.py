@@ -37,6 +37,9 @@ Sliding TTL: a hit restarts the key's TTL (``PEXPIRE`` in the same pipeline), as
 
 Production: use ``rediss://`` and a Redis user with a password (ACL) in the URL; stored KV is
 as sensitive as the prompts. Passwords never reach a log line (URLs are redacted).
+
+The redis-py mechanics -- building and closing clients, which exceptions are faults, the
+commands over many keys, URL redaction -- live in ``tiers.redis_client``.
 """
 
 from __future__ import annotations
@@ -45,49 +48,41 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
-from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
+from collections.abc import Sequence
 
 import redis
-from redis.backoff import NoBackoff
 from redis.cluster import RedisCluster
-from redis.exceptions import (
-    AuthenticationError,
-    AuthenticationWrongNumberOfArgsError,
-    DataError,
-    NoPermissionError,
-    OutOfMemoryError,
-    RedisClusterException,
-    RedisError,
-    ResponseError,
-)
-from redis.retry import Retry
+from redis.exceptions import DataError, OutOfMemoryError, ResponseError
 
 from policies.base import BlockKey
 from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
 from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec
 from tiers.payload import KVBlock, KVLayout
+from tiers.redis_client import (
+    AUTH_FAULTS,
+    REDIS_FAULTS,
+    RedisClient,
+    build_client,
+    close_client,
+    glob_escape,
+    is_wrong_type,
+    raise_first_error,
+    redact_url,
+    scan_keys,
+    unlink_all,
+    url_secrets,
+)
 
 logger = logging.getLogger(__name__)
-
-_Client = redis.Redis | RedisCluster
 
 _NUM_KNOWN_KEYS = 65_536
 """Block key → Redis key entries remembered for ``delete(key)``/``contains(key)`` (~150 B each)."""
 
 _FLUSH_BATCH = 512
-_SCAN_COUNT = 1000
 
 _HEADER_SLACK_BYTES = 4096
 """Room for the codec's fixed header fields (magic, version, keys, digest, checksum, MAC)."""
-
-# Every error redis-py raises for a server or network fault. DataError is excluded where it is
-# caught: it means we passed bad arguments, a bug, and bugs raise.
-_REDIS_FAULTS = (RedisError, RedisClusterException)
-# Faults that a retry in a few seconds cannot fix: the breaker opens at the first one.
-_AUTH_FAULTS = (AuthenticationError, AuthenticationWrongNumberOfArgsError, NoPermissionError)
 
 
 def default_max_value_bytes(layout: KVLayout, block_tokens: int) -> int:
@@ -156,7 +151,7 @@ class RedisStore(BatchDefaults):
         self._codec = codec
         self._url = url
         self._is_cluster = cluster or isinstance(client, RedisCluster)
-        self._client: _Client | None = (
+        self._client: RedisClient | None = (
             client if isinstance(client, (redis.Redis, RedisCluster)) else None
         )
         self._owns_client = client is None
@@ -166,8 +161,8 @@ class RedisStore(BatchDefaults):
         self._connect_timeout_s = connect_timeout_s
         self._breaker = breaker if breaker is not None else CircuitBreaker()
         self._max_value_bytes = max_value_bytes
-        self._where = _redact_url(url) if url is not None else "an injected client"
-        self._secrets = _url_secrets(url) if url is not None else ()
+        self._where = redact_url(url) if url is not None else "an injected client"
+        self._secrets = url_secrets(url) if url is not None else ()
         self._lock = threading.Lock()  # counters, the known-key map, the outage flag
         self._client_lock = threading.Lock()  # building the client
         self._stats = StoreStats(name=self.name)
@@ -200,7 +195,7 @@ class RedisStore(BatchDefaults):
             client = self._ensure_client()
             began = time.perf_counter()
             client.ping()
-        except _REDIS_FAULTS as exc:
+        except REDIS_FAULTS as exc:
             if isinstance(exc, DataError):
                 raise
             self._breaker.trip()
@@ -218,14 +213,7 @@ class RedisStore(BatchDefaults):
         with self._client_lock:
             client, self._client = self._client, None
         if client is not None and self._owns_client:
-            if isinstance(client, RedisCluster):
-                # NOTE: RedisCluster.close() (redis-py 8.1) closes each node's Redis object, but a
-                # node built from a URL gets its pool passed in, and Redis.close() only closes
-                # pools it made itself: the sockets would stay open until garbage collection.
-                for node in list(client.nodes_manager.nodes_cache.values()):
-                    if node.redis_connection is not None:
-                        node.redis_connection.connection_pool.disconnect()
-            client.close()
+            close_client(client)
 
     # ------------------------------------------------------------------ BlockStore
 
@@ -265,8 +253,8 @@ class RedisStore(BatchDefaults):
                 for redis_key, value in zip(redis_keys, values, strict=True):
                     pipe.set(redis_key, value, nx=True, px=self._ttl_ms)
                 replies = pipe.execute(raise_on_error=False)
-            _raise_first_error(replies)
-        except _REDIS_FAULTS as exc:
+            raise_first_error(replies)
+        except REDIS_FAULTS as exc:
             self._on_fault(exc)
             with self._lock:
                 self._num_dropped_puts += len(items)
@@ -305,8 +293,8 @@ class RedisStore(BatchDefaults):
                         pipe.pexpire(redis_key, self._ttl_ms)
                 replies = pipe.execute(raise_on_error=False)
             values = replies[:: 1 if self._ttl_ms is None else 2]
-            _raise_first_error(replies, allow=_is_wrong_type)
-        except _REDIS_FAULTS as exc:
+            raise_first_error(replies, allow=is_wrong_type)
+        except REDIS_FAULTS as exc:
             self._on_fault(exc)
             with self._lock:
                 self._stats.misses += len(metas)
@@ -389,14 +377,14 @@ class RedisStore(BatchDefaults):
         began = time.perf_counter()
         try:
             batch: list[bytes] = []
-            for found in self._scan(client, _glob_escape(prefix) + "*"):
+            for found in scan_keys(client, glob_escape(prefix) + "*"):
                 batch.append(found)
                 if len(batch) >= _FLUSH_BATCH:
-                    num_removed += _unlink_all(client, batch)
+                    num_removed += unlink_all(client, batch)
                     batch = []
             if batch:
-                num_removed += _unlink_all(client, batch)
-        except _REDIS_FAULTS as exc:
+                num_removed += unlink_all(client, batch)
+        except REDIS_FAULTS as exc:
             self._on_fault(exc)
             logger.warning(
                 "flushing a namespace from the redis tier at %s stopped after %d keys: %s",
@@ -454,7 +442,7 @@ class RedisStore(BatchDefaults):
                 self._block_key_to_redis_key.popitem(last=False)
         return redis_key
 
-    def _admit(self) -> _Client | None:
+    def _admit(self) -> RedisClient | None:
         """The client to use now, or None when the breaker refuses (no network touched)."""
         if not self._is_started or self._is_closed:
             raise RuntimeError("RedisStore used before start() or after close()")
@@ -464,11 +452,11 @@ class RedisStore(BatchDefaults):
             return None
         try:
             return self._ensure_client()
-        except _REDIS_FAULTS as exc:  # a cluster client connects while it is built
+        except REDIS_FAULTS as exc:  # a cluster client connects while it is built
             self._on_fault(exc)
             return None
 
-    def _ensure_client(self) -> _Client:
+    def _ensure_client(self) -> RedisClient:
         with self._client_lock:
             if self._client is None:
                 if self._is_closed:
@@ -476,32 +464,15 @@ class RedisStore(BatchDefaults):
                 self._client = self._build_client()
             return self._client
 
-    def _build_client(self) -> _Client:
+    def _build_client(self) -> RedisClient:
         assert self._url is not None  # no url means an injected client, never rebuilt
-        options: dict[str, Any] = {
-            "socket_timeout": self._socket_timeout_s,
-            "socket_connect_timeout": self._connect_timeout_s,
-            # NOTE: no client-side retries: a retry doubles the stall of a request while the
-            # caller could be recomputing; the breaker decides when to try again.
-            "retry": Retry(NoBackoff(), 0),
-        }
         try:
-            if self._is_cluster:
-                return RedisCluster.from_url(self._url, **options)
-            return redis.Redis.from_url(self._url, **options)
+            return build_client(self._url, cluster=self._is_cluster,
+                                socket_timeout_s=self._socket_timeout_s,
+                                connect_timeout_s=self._connect_timeout_s)
         except ValueError as exc:
             # NOTE: `from None`: the original message may quote the URL, password included.
             raise TierConfigError(f"bad Redis URL {self._where}: {self._scrub(str(exc))}") from None
-
-    def _scan(self, client: _Client, pattern: str) -> Iterator[bytes]:
-        if isinstance(client, RedisCluster):
-            keys: Iterable[Any] = client.scan_iter(
-                match=pattern, count=_SCAN_COUNT, target_nodes=RedisCluster.PRIMARIES
-            )
-        else:
-            keys = client.scan_iter(match=pattern, count=_SCAN_COUNT)
-        for key in keys:
-            yield bytes(key)
 
     def _reject(self, redis_key: str, reason: str) -> str:
         with self._lock:
@@ -509,11 +480,11 @@ class RedisStore(BatchDefaults):
         logger.debug("redis value at %s failed verification (%s); deleting it", redis_key, reason)
         return redis_key
 
-    def _unlink(self, client: _Client, redis_keys: list[str]) -> bool:
+    def _unlink(self, client: RedisClient, redis_keys: list[str]) -> bool:
         began = time.perf_counter()
         try:
-            num = _unlink_all(client, redis_keys)
-        except _REDIS_FAULTS as exc:
+            num = unlink_all(client, redis_keys)
+        except REDIS_FAULTS as exc:
             self._on_fault(exc)
             return False
         self._on_success(began)
@@ -533,7 +504,7 @@ class RedisStore(BatchDefaults):
         began = time.perf_counter()
         try:
             num = client.exists(redis_key)
-        except _REDIS_FAULTS as exc:
+        except REDIS_FAULTS as exc:
             self._on_fault(exc)
             return False
         self._on_success(began)
@@ -558,7 +529,7 @@ class RedisStore(BatchDefaults):
             self._breaker.record_success()
             logger.debug("redis tier at %s is full: %s", self._where, self._describe(exc))
             return
-        if isinstance(exc, _AUTH_FAULTS):
+        if isinstance(exc, AUTH_FAULTS):
             self._breaker.trip()
         else:
             self._breaker.record_failure()
@@ -578,7 +549,7 @@ class RedisStore(BatchDefaults):
             if self._is_in_outage:
                 return
             self._is_in_outage = True
-        if isinstance(exc, _AUTH_FAULTS):
+        if isinstance(exc, AUTH_FAULTS):
             why = "authentication failed (check the user and password in the Redis URL)"
         else:
             why = "unreachable or failing"
@@ -599,62 +570,3 @@ class RedisStore(BatchDefaults):
         return text
 
 
-def _raise_first_error(
-    replies: list[Any], allow: Callable[[Exception], bool] | None = None
-) -> None:
-    """Pipelines with raise_on_error=False return server errors inline; raise the first one
-    that ``allow`` does not accept (connection errors are raised by redis-py itself)."""
-    for reply in replies:
-        if isinstance(reply, Exception) and not (allow is not None and allow(reply)):
-            raise reply
-
-
-def _is_wrong_type(reply: Exception) -> bool:
-    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
-
-
-def _unlink_all(client: _Client, redis_keys: Sequence[str | bytes]) -> int:
-    """UNLINK keys in one pipeline (a cluster pipeline sends each node its own keys)."""
-    with client.pipeline(transaction=False) as pipe:
-        for redis_key in redis_keys:
-            pipe.unlink(redis_key)
-        replies = pipe.execute(raise_on_error=False)
-    _raise_first_error(replies)
-    return sum(int(reply) for reply in replies)
-
-
-def _glob_escape(text: str) -> str:
-    """Escape Redis glob specials so a key prefix matches literally in SCAN MATCH."""
-    return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)
-
-
-def _url_secrets(url: str) -> tuple[str, ...]:
-    """The password of a Redis URL (userinfo or ?password=), raw and percent-encoded."""
-    parts = urlsplit(url)
-    found = [parts.password or ""]
-    found += [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "password"]
-    secrets: set[str] = set()
-    for secret in found:
-        if secret:
-            secrets.update({secret, quote(secret, safe="")})
-    return tuple(sorted(secrets, key=len, reverse=True))
-
-
-def _redact_url(url: str) -> str:
-    """The URL with its password replaced by ``***`` (safe for logs)."""
-    try:
-        parts = urlsplit(url)
-        netloc = parts.netloc
-        if parts.password is not None:
-            userinfo, _, hostport = netloc.rpartition("@")
-            user = userinfo.split(":", 1)[0]
-            netloc = f"{user}:***@{hostport}"
-        query = urlencode(
-            [
-                (k, "***" if k == "password" else v)
-                for k, v in parse_qsl(parts.query, keep_blank_values=True)
-            ]
-        )
-        return urlunsplit(parts._replace(netloc=netloc, query=query))
-    except ValueError:
-        return "<unparseable Redis URL>"

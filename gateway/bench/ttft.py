@@ -25,226 +25,55 @@ the model's tokenizer and cut to exact token counts, sent as ``token_ids``.
 ``--spawn`` starts its own ``kvgate serve`` (and a ``redis-server``, if one is on PATH) on free
 loopback ports with a temporary data directory, configured for the benchmark (its own tenant
 and admin keys, a device tier the size of the longest prefix), and stops them by pid at the end.
+
+Here: the gateway's rows, the run and the report. The references are ``gateway.bench.peers``,
+the spawned gateway ``gateway.bench.spawn``, the prompts ``gateway.bench.prompts``, the records
+``gateway.bench.rows``.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
-import json
 import os
-import re
 import secrets
 import shutil
-import signal
-import socket
-import statistics
-import subprocess
-import sys
-import tempfile
-import textwrap
 import time
-from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import torch
 
+from gateway.bench.peers import LLAMA_CPP_THREADS, hf_recipe_rows, llama_cpp_rows, peers_python
+from gateway.bench.prompts import SuffixSource, make_prefix
+from gateway.bench.rows import (
+    COLD,
+    COLD_OF,
+    DEVICE,
+    DISK,
+    HF_WARM,
+    HOST,
+    LLAMA_COLD,
+    LLAMA_DISK,
+    LLAMA_RAM,
+    REDIS,
+    BenchError,
+    LengthResult,
+    Row,
+    Sample,
+)
+from gateway.bench.spawn import Endpoint, spawn_gateway
 from gateway.client import KvgateClient, StatsReport
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.model import LoadedModel, ModelLoadError, load_model, resolve_source
 
 DEFAULT_LENGTHS = (512, 2048, 4096)
 TARGET_LENGTH = 2048
-PEERS_VENV = ".venv-peers"
-LLAMA_CPP_THREADS = 2
-SPAWN_TENANT = "bench"
-
-_SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
-
-PROSE = (
-    "The lighthouse keeper kept a ledger of every ship that passed the headland, noting the "
-    "hour, the wind and the colour of the sea. Over forty winters the pages filled with small, "
-    "careful handwriting, and a reader who turned them today would find not only the traffic "
-    "of a busy coast but the slow story of a man who learned to read weather the way others "
-    "read faces.",
-    "A river does not carve a valley in a day. Each flood moves a little gravel, each dry "
-    "summer lets the banks settle, and the shape we see is the sum of countless ordinary "
-    "seasons. Geologists like to say that the present is the key to the past, because the "
-    "same quiet forces are still at work under our feet.",
-    "When the library reopened after the repairs, the librarians found that readers had "
-    "changed their habits. Fewer people came to borrow novels, more came to sit in the warm "
-    "reading room with a laptop, and the children's corner was busier than ever on rainy "
-    "afternoons. The building was the same; what people needed from it was not.",
-    "Bread is a conversation between flour, water, salt and time. A baker who hurries the "
-    "dough gets a loaf that looks right and tastes of little, while one who lets it rest "
-    "overnight in a cool room is rewarded with a crust that crackles and a crumb full of "
-    "irregular holes. Patience, more than any recipe, is the secret ingredient.",
-    "The first railway timetables were printed because towns kept their own local time, set "
-    "by the sun, and a train that left one station at noon could arrive at the next before it "
-    "had departed. Standard time zones were a practical answer to a practical problem, and "
-    "they quietly changed how everyone thought about the hours of the day.",
-    "In the high meadows the snow lingers until June, and the flowers have only a few weeks "
-    "to bloom, be pollinated and set seed before the cold returns. Botanists who study them "
-    "describe a race against the calendar in which every warm afternoon matters and a single "
-    "late frost can undo a whole year of growth.",
-    "A good map leaves things out. The mapmaker decides which roads, rivers and villages a "
-    "traveller needs, and draws them clearly, while the thousand details that would only "
-    "clutter the page are quietly dropped. The art lies in knowing what the reader is trying "
-    "to do and serving that purpose without distraction.",
-    "Old sailing ships carried spare canvas, rope and timber, because a storm far from any "
-    "harbour could tear a sail or crack a spar, and the crew had to mend what broke with what "
-    "they had on board. Seamanship was as much about careful preparation before a voyage as "
-    "about courage during it.",
-)
-"""Paragraphs of plain English prose: the shared prefix is made of these, repeated."""
-
-_SUFFIX_LEADS = (
-    "Why", "How", "What", "When", "Where", "Which", "Who", "Explain", "Describe", "Summarise",
-    "List", "Compare", "Consider", "Imagine", "Suppose", "Tell", "Give", "Name", "Recall",
-    "Discuss", "Outline", "State", "Identify", "Contrast", "Estimate", "Judge", "Predict",
-    "Defend", "Question", "Analyse", "Reflect", "Review",
-)
-_SUFFIX_BODY = (
-    " in one short sentence would a careful reader answer the question about the passage "
-    "above, considering the details it gives and what it leaves unsaid?"
-)
-
-
-class BenchError(RuntimeError):
-    """The benchmark cannot run as asked (a process did not start, a prompt is too long)."""
-
-
-# ---- prompts ------------------------------------------------------------------------------
-
-
-def make_prefix(loaded: LoadedModel, num_tokens: int, tag: str) -> list[int]:
-    """Exactly ``num_tokens`` tokens of prose, starting with ``tag``: prompts with different
-    tags differ from their first tokens on, so they share no block."""
-    text = f"{tag}: reading notes.\n\n"
-    section = 0
-    ids: list[int] = []
-    while len(ids) < num_tokens:
-        for paragraph in PROSE:
-            section += 1
-            text += f"Section {section}. {paragraph}\n\n"
-        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
-    return ids[:num_tokens]
-
-
-class SuffixSource:
-    """A fresh ``num_tokens``-token question per request; leading words differ, so that no
-    cache (ours or a peer's) can reuse any of one request's suffix for another."""
-
-    def __init__(self, loaded: LoadedModel, num_tokens: int) -> None:
-        self._loaded = loaded
-        self._num_tokens = num_tokens
-        self._count = 0
-
-    def next(self) -> list[int]:
-        i = self._count
-        self._count += 1
-        lead = _SUFFIX_LEADS[i % len(_SUFFIX_LEADS)]
-        text = f"{lead}, for the {i + 1}th time,{_SUFFIX_BODY}"
-        ids = self._loaded.tokenizer.encode(text, add_special_tokens=False)
-        while len(ids) < self._num_tokens:
-            text += _SUFFIX_BODY
-            ids = self._loaded.tokenizer.encode(text, add_special_tokens=False)
-        return ids[: self._num_tokens]
-
-
-# ---- results ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Sample:
-    """One timed request."""
-
-    seconds: float
-    cached_tokens: int
-    served_from: str
-    server_ms: float | None = None
-
-
-@dataclass(slots=True, kw_only=True)
-class Row:
-    """One line of a table: a system in one state, its samples, or why it has none."""
-
-    label: str
-    system: str
-    samples: list[Sample] = field(default_factory=list)
-    note: str | None = None
-    tier: str | None = None
-    """The tier a kvgate row is meant to be served from (what the targets check)."""
-
-    @property
-    def median_s(self) -> float | None:
-        return statistics.median(s.seconds for s in self.samples) if self.samples else None
-
-    @property
-    def server_median_ms(self) -> float | None:
-        values = [s.server_ms for s in self.samples if s.server_ms is not None]
-        return statistics.median(values) if values else None
-
-    @property
-    def cached_text(self) -> str:
-        counts = sorted({s.cached_tokens for s in self.samples})
-        return "/".join(str(c) for c in counts) if counts else "-"
-
-    @property
-    def served_text(self) -> str:
-        counts = Counter(s.served_from for s in self.samples)
-        if len(counts) == 1:
-            return next(iter(counts))
-        return ", ".join(f"{where} x{n}" for where, n in counts.most_common())
-
-    @property
-    def is_served_as_meant(self) -> bool:
-        """Every sample came (entirely) from the intended tier."""
-        if self.tier is None or not self.samples:
-            return False
-        return all(s.served_from == f"{self.tier}:{s.cached_tokens}" and s.cached_tokens > 0
-                   for s in self.samples)
-
-
-@dataclass(slots=True, kw_only=True)
-class LengthResult:
-    prefix_tokens: int
-    rows: list[Row] = field(default_factory=list)
-
-    def row(self, label: str) -> Row | None:
-        return next((r for r in self.rows if r.label == label), None)
-
-
-COLD = "kvgate cold (no_cache)"
-DEVICE = "kvgate warm: device"
-HOST = "kvgate warm: host"
-DISK = "kvgate warm: disk"
-REDIS = "kvgate warm: redis"
-HF_COLD = "HF recipe cold"
-HF_WARM = "HF recipe warm (deepcopy)"
-LLAMA_COLD = "llama.cpp cold"
-LLAMA_RAM = "llama.cpp RAM-cache warm"
-LLAMA_DISK = "llama.cpp disk-cache warm"
-_COLD_OF = {"kvgate": COLD, "hf": HF_COLD, "llama.cpp": LLAMA_COLD}
 
 
 # ---- the gateway ----------------------------------------------------------------------------
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Endpoint:
-    """A gateway to measure, and what the benchmark may do to it."""
-
-    host: str
-    port: int
-    api_key: str | None
-    admin_key: str | None
-    tenant: str
-    why_no_redis: str | None = None
 
 
 def _served_from(usage: Usage) -> str:
@@ -474,330 +303,6 @@ def _redis_writes(stats: StatsReport) -> int:
     return 0
 
 
-# ---- spawning a gateway -------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
-    """SIGTERM by pid, then SIGKILL after ``grace_s``."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-
-
-@contextmanager
-def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
-    """A throwaway ``redis-server`` (no persistence) on a free loopback port; yields its URL."""
-    port = _free_port()
-    workdir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(workdir), "--protected-mode", "yes"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 15
-        while True:
-            if proc.poll() is not None:
-                raise BenchError(f"{binary} exited with status {proc.returncode}")
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise BenchError(f"{binary} did not answer on 127.0.0.1:{port}")
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        _stop(proc, grace_s=10)
-
-
-def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
-                 api_key: str, admin_key: str) -> str:
-    """The ``kvgate serve`` configuration of a spawned gateway (TOML)."""
-    lines = [
-        "[grpc]",
-        "shutdown_grace_s = 5.0",
-        "",
-        "[cache]",
-        f"block_tokens = {block_tokens}",
-        f"device_bytes = {device_bytes}",
-        'host_bytes = "4GiB"',
-        'disk_bytes = "8GiB"',
-    ]
-    if redis_url is not None:
-        # Loopback Redis moving a whole 4,096-token prefix (~190 MB) in one pipeline: give each
-        # socket read more than the 0.25 s default meant to bound a stalled remote Redis.
-        lines += [f'redis_url = "{redis_url}"', "redis_timeout_s = 10.0"]
-    lines += [
-        "",
-        "[[api_keys]]",
-        f'tenant = "{SPAWN_TENANT}"',
-        f'key = "{api_key}"',
-        "",
-        "[[admin_keys]]",
-        'name = "bench-admin"',
-        f'key = "{admin_key}"',
-        "",
-    ]
-    return "\n".join(lines)
-
-
-@contextmanager
-def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_bytes: int,
-                  redis_url: str | None, redis_binary: str | None, err: TextIO,
-                  start_timeout_s: float = 600.0) -> Iterator[Endpoint]:
-    """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
-    directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
-    """
-    root = Path(tempfile.mkdtemp(prefix="kvgate-bench-ttft-"))
-    try:
-        with _maybe_redis(redis_url, redis_binary, root / "redis") as (url, why_no_redis):
-            data_dir = root / "data"
-            data_dir.mkdir(mode=0o700)
-            models_dir.mkdir(parents=True, exist_ok=True)
-            (data_dir / "models").symlink_to(models_dir.resolve(), target_is_directory=True)
-            api_key = "kvg-bench-" + secrets.token_urlsafe(24)
-            admin_key = "kvg-bench-admin-" + secrets.token_urlsafe(24)
-            config = root / "kvgate.toml"
-            config.write_text(spawn_config(block_tokens=block_tokens, device_bytes=device_bytes,
-                                           redis_url=url, api_key=api_key, admin_key=admin_key),
-                              encoding="utf-8")
-            config.chmod(0o600)
-            model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())
-            env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-            log = root / "serve.log"
-            with log.open("wb") as log_fh:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(config),
-                     "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir),
-                     "--model", model_arg],
-                    stdout=subprocess.DEVNULL, stderr=log_fh, env=env,
-                )
-            try:
-                port = _wait_serving(proc, log, start_timeout_s)
-                err.write(f"[ttft] spawned kvgate serve (pid {proc.pid}) on 127.0.0.1:{port}"
-                          f"{', redis ' + url if url else ''}\n")
-                yield Endpoint(host="127.0.0.1", port=port, api_key=api_key,
-                               admin_key=admin_key, tenant=SPAWN_TENANT,
-                               why_no_redis=why_no_redis)
-            finally:
-                _stop(proc, grace_s=30)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-@contextmanager
-def _maybe_redis(url: str | None, binary: str | None,
-                 workdir: Path) -> Iterator[tuple[str | None, str | None]]:
-    if url is not None:
-        yield url, None
-        return
-    if binary is None:
-        yield None, "no redis-server on PATH and no --redis-url"
-        return
-    with redis_on_loopback(binary, workdir) as started:
-        yield started, None
-
-
-def _wait_serving(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> int:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = log.read_text(encoding="utf-8", errors="replace")
-        match = _SERVING.search(text)
-        if match:
-            return int(match.group(1))
-        if proc.poll() is not None:
-            raise BenchError(f"kvgate serve exited with status {proc.returncode}:\n"
-                             + text[-2000:])
-        time.sleep(0.1)
-    raise BenchError(f"kvgate serve did not start within {timeout_s:.0f} s:\n"
-                     + log.read_text(encoding="utf-8", errors="replace")[-2000:])
-
-
-# ---- transformers' prompt-reuse recipe -----------------------------------------------------
-
-
-def _first_token(loaded: LoadedModel, token_ids: Sequence[int], cache: Any) -> tuple[int, Any]:
-    with torch.inference_mode():
-        out = loaded.model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return int(out.logits[0, -1].argmax()), out.past_key_values
-
-
-def hf_recipe_rows(loaded: LoadedModel, prefix: list[int], suffixes: SuffixSource,
-                   repeats: int, err: TextIO) -> list[Row]:
-    """Cold: the whole prompt in one forward. Warm: the documented recipe -- the prefix's
-    ``DynamicCache`` computed once, ``copy.deepcopy``'d per request, the suffix run on it."""
-    cold = Row(label=HF_COLD, system="hf")
-    warm = Row(label=HF_WARM, system="hf")
-    for i in range(repeats):
-        began = time.perf_counter()
-        _first_token(loaded, prefix + suffixes.next(), None)
-        cold.samples.append(Sample(seconds=time.perf_counter() - began, cached_tokens=0,
-                                   served_from="-"))
-        err.write(f"[ttft] {len(prefix)}: HF recipe cold {i + 1}/{repeats}: "
-                  f"{cold.samples[-1].seconds * 1e3:.1f} ms\n")
-    _, prefix_cache = _first_token(loaded, prefix, None)
-    for i in range(repeats):
-        began = time.perf_counter()
-        cache = copy.deepcopy(prefix_cache)
-        num_cached = int(cache.get_seq_length())
-        _first_token(loaded, suffixes.next(), cache)
-        warm.samples.append(Sample(seconds=time.perf_counter() - began,
-                                   cached_tokens=num_cached, served_from="DynamicCache copy"))
-        err.write(f"[ttft] {len(prefix)}: HF recipe warm {i + 1}/{repeats}: "
-                  f"{warm.samples[-1].seconds * 1e3:.1f} ms\n")
-    return [cold, warm]
-
-
-# ---- llama.cpp (llama-cpp-python in its own venv) ------------------------------------------
-
-
-def _llama_cpp_worker() -> None:
-    """Runs in the peers venv (stdlib and llama_cpp only): a JSON spec on stdin, results on
-    stdout. Every completion is one token, streamed; TTFT is the time to its first chunk (the
-    cache saves its state after the last chunk, outside the timing)."""
-    import importlib
-    import json
-    import os
-    import shutil
-    import sys
-    import tempfile
-    import time
-
-    llama_cpp = importlib.import_module("llama_cpp")
-    spec = json.load(sys.stdin)
-    progress = sys.stderr
-    sys.stderr = open(os.devnull, "w")  # LlamaDiskCache prints on every put
-    llm = llama_cpp.Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_batch=512,
-                          n_threads=spec["threads"], n_threads_batch=spec["threads"],
-                          verbose=False)
-
-    num_evaluated = [0]
-    evaluate = llm.eval
-
-    def counting_eval(tokens: list[int]) -> None:
-        num_evaluated[0] += len(tokens)
-        evaluate(tokens)
-
-    llm.eval = counting_eval  # what the prompt cache did not supply is evaluated here
-
-    def timed(prompt: list[int]) -> list[float]:
-        llm.reset()  # forget the context's own tokens: only the prompt cache may help
-        num_evaluated[0] = 0
-        began = time.perf_counter()
-        stream = llm.create_completion(prompt, max_tokens=1, temperature=0.0, stream=True)
-        next(stream, None)
-        elapsed = time.perf_counter() - began
-        num_cached = len(prompt) - num_evaluated[0]
-        for _ in stream:
-            pass
-        return [elapsed, float(num_cached)]
-
-    def say(text: str) -> None:
-        progress.write(f"[ttft] {text}\n")
-        progress.flush()
-
-    results: dict[str, dict[str, list[list[float]]]] = {}
-    scratch = tempfile.mkdtemp(prefix="kvgate-bench-llama-cache-")
-    try:
-        llm.set_cache(None)
-        timed(spec["warmup"])
-        for case in spec["cases"]:
-            prefix = case["prefix"]
-            n = len(prefix)
-            out: dict[str, list[list[float]]] = {"cold": [], "ram": [], "disk": []}
-            llm.set_cache(None)
-            for i, suffix in enumerate(case["cold"]):
-                out["cold"].append(timed(prefix + suffix))
-                say(f"{n}: llama.cpp cold {i + 1}/{len(case['cold'])}: "
-                    f"{out['cold'][-1][0] * 1e3:.1f} ms")
-            caches = (
-                ("ram", llama_cpp.LlamaRAMCache(capacity_bytes=spec["cache_bytes"])),
-                ("disk", llama_cpp.LlamaDiskCache(cache_dir=f"{scratch}/{n}",
-                                                  capacity_bytes=spec["cache_bytes"])),
-            )
-            for name, cache in caches:
-                llm.set_cache(cache)
-                timed(prefix)  # fills the cache with the prefix's state
-                for i, suffix in enumerate(case[name]):
-                    out[name].append(timed(prefix + suffix))
-                    say(f"{n}: llama.cpp {name}-cache warm {i + 1}/{len(case[name])}: "
-                        f"{out[name][-1][0] * 1e3:.1f} ms")
-            llm.set_cache(None)
-            results[str(n)] = out
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-    json.dump({"version": llama_cpp.__version__, "results": results}, sys.stdout)
-
-
-def peers_python(explicit: Path | None = None) -> tuple[Path | None, str]:
-    """The interpreter with llama_cpp, or None and why not."""
-    python = explicit if explicit is not None else (
-        Path(__file__).resolve().parents[2] / PEERS_VENV / "bin" / "python")
-    if not python.is_file():
-        return None, "n/a (run make bench-peers)"
-    probe = subprocess.run([str(python), "-c", "import llama_cpp"], capture_output=True,
-                           timeout=120, check=False)
-    if probe.returncode != 0:
-        return None, "n/a (run make bench-peers: llama_cpp does not import)"
-    return python, ""
-
-
-def llama_cpp_rows(python: Path, gguf: Path, cases: list[tuple[list[int], SuffixSource]],
-                   repeats: int, err: TextIO) -> tuple[dict[int, list[Row]], str]:
-    """Run the llama.cpp reference for every length in one subprocess (one model load)."""
-    longest = max(len(prefix) for prefix, _ in cases)
-    spec = {
-        "gguf": str(gguf),
-        "n_ctx": -(-(longest + 64) // 256) * 256,
-        "threads": LLAMA_CPP_THREADS,
-        "cache_bytes": 8 << 30,
-        "warmup": cases[0][0][:32],
-        "cases": [
-            {"prefix": prefix,
-             **{name: [suffixes.next() for _ in range(repeats)]
-                for name in ("cold", "ram", "disk")}}
-            for prefix, suffixes in cases
-        ],
-    }
-    source = textwrap.dedent(inspect.getsource(_llama_cpp_worker)) + "\n_llama_cpp_worker()\n"
-    proc = subprocess.run([str(python), "-c", source], input=json.dumps(spec), text=True,
-                          stdout=subprocess.PIPE, stderr=None if err is sys.stderr else
-                          subprocess.PIPE, cwd=tempfile.gettempdir(), check=False)
-    if proc.returncode != 0:
-        raise BenchError(f"the llama.cpp reference failed (status {proc.returncode})"
-                         + (f":\n{proc.stderr[-2000:]}" if proc.stderr else ""))
-    if proc.stderr:
-        err.write(proc.stderr)
-    answer = json.loads(proc.stdout)
-    rows: dict[int, list[Row]] = {}
-    for key, out in answer["results"].items():
-        labelled = ((LLAMA_COLD, "cold", "-"), (LLAMA_RAM, "ram", "LlamaRAMCache"),
-                    (LLAMA_DISK, "disk", "LlamaDiskCache"))
-        rows[int(key)] = [
-            Row(label=label, system="llama.cpp", samples=[
-                Sample(seconds=s, cached_tokens=int(c), served_from=where if c else "-")
-                for s, c in out[name]
-            ])
-            for label, name, where in labelled
-        ]
-    return rows, str(answer["version"])
-
 
 # ---- the report ------------------------------------------------------------------------------
 
@@ -817,7 +322,7 @@ def print_table(result: LengthResult, *, suffix_tokens: int, repeats: int, out: 
         if row.note is not None:
             out.write(f"{row.label:<36} {row.note}\n")
             continue
-        cold = result.row(_COLD_OF[row.system])
+        cold = result.row(COLD_OF[row.system])
         median = row.median_s
         cold_s = cold.median_s if cold is not None else None
         ratio = f"{median / cold_s:.3f}" if median is not None and cold_s else "-"

@@ -22,82 +22,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
-from gateway.cli.prewarm import first_words, format_bytes, render_table
-from gateway.client import DEFAULT_HOST, DEFAULT_PORT, Evicted, KvgateClient, KvgateError
-
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+from gateway.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    add_connection_args,
+    admin_key_of,
+    connector,
+    first_words,
+    format_bytes,
+    render_table,
+)
+from gateway.client import Evicted, KvgateClient, KvgateError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _SECONDS_OF_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-class UsageError(Exception):
-    """The command line cannot be acted on (exit 2); the message says what to change."""
-
-
-# ---- shared with prewarm -------------------------------------------------------------------
-
-
-def add_connection_args(parser: argparse.ArgumentParser) -> None:
-    """Where the gateway is and the admin key (``kvgate admin`` and ``kvgate prewarm``)."""
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--admin-key", default=None,
-                        help="admin key (default: $KVGATE_ADMIN_KEY, else the first admin key "
-                             "of --config); other users can see it in `ps`, so prefer the "
-                             "environment variable")
-    parser.add_argument("--config", type=Path, default=None,
-                        help="a `kvgate serve` configuration whose first [[admin_keys]] key "
-                             "to use")
-    parser.add_argument("--tls", action="store_true", help="connect with TLS")
-    parser.add_argument("--ca-cert", type=Path, default=None,
-                        help="PEM of the CA that signed the gateway's certificate")
-    parser.add_argument("--timeout", type=float, default=300.0,
-                        help="deadline of each call in seconds")
-
-
-def admin_key_of(args: argparse.Namespace, env: Mapping[str, str], *,
-                 required: bool) -> str | None:
-    """The admin key: ``--admin-key``, ``$KVGATE_ADMIN_KEY``, then ``--config``'s first key.
-
-    Raises:
-        UsageError: the configuration cannot be read, or ``required`` and none was found.
-    """
-    key = args.admin_key or env.get("KVGATE_ADMIN_KEY") or None
-    if key is None and args.config is not None:
-        from gateway.config.serve_config import ConfigError, _read_file
-
-        try:
-            raw = _read_file(args.config)
-        except ConfigError as exc:
-            raise UsageError(str(exc)) from exc
-        items = raw.get("admin_keys", [])
-        for item in items if isinstance(items, list) else []:
-            if isinstance(item, dict) and isinstance(item.get("key"), str):
-                key = item["key"]
-                break
-        else:
-            raise UsageError(f"{args.config} has no [[admin_keys]] entry with a plain `key` "
-                             "(digests cannot be sent): use --admin-key or $KVGATE_ADMIN_KEY")
-    if key is None and required:
-        raise UsageError("no admin key: give --admin-key, set $KVGATE_ADMIN_KEY, or --config "
-                         "a file with [[admin_keys]]")
-    return key
-
-
-def connector(args: argparse.Namespace) -> Callable[[str | None], KvgateClient]:
-    """A factory of clients for the gateway ``args`` name, one per key."""
-    root_certificates = args.ca_cert.read_bytes() if args.ca_cert is not None else None
-
-    def connect(key: str | None) -> KvgateClient:
-        try:
-            return KvgateClient(args.host, args.port, key, tls=args.tls,
-                                root_certificates=root_certificates, timeout_s=args.timeout)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from exc
-
-    return connect
+# ---- durations -----------------------------------------------------------------------------
 
 
 def parse_duration(text: str) -> float:
@@ -284,7 +226,7 @@ def _pin(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextI
 
 def _quota(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
            stdin: TextIO) -> int:
-    from gateway.config.serve_config import parse_size
+    from gateway.config.loader import parse_size
 
     num_bytes: int | None = None
     if args.size.lower() != "none":

@@ -15,8 +15,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
 
-EXIT_FAILED = 1
-EXIT_USAGE = 2
+from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,7 +128,7 @@ def _add_serve(sub: Any) -> None:
                     "(config file, KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) a development key for "
                     "tenant 'default' is created, printed and kept in DATA_DIR/dev-api-key.")
     serve.add_argument("--config", type=Path, default=None,
-                       help="a .toml or .json configuration (see gateway/config/serve_config.py)")
+                       help="a .toml or .json configuration (see gateway/config/loader.py)")
     serve.add_argument("--host", default=None, help="listen address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=None, help="listen port (default: 50051)")
     serve.add_argument("--data-dir", type=Path, default=None,
@@ -210,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args, out=sys.stdout, err=sys.stderr, env=os.environ)
     if args.command == "config" and args.config == "example":
-        from gateway.config.serve_config import EXAMPLE_CONFIG
+        from gateway.config.example import EXAMPLE_CONFIG
 
         sys.stdout.write(EXAMPLE_CONFIG)
         return 0
@@ -226,9 +225,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
-    from gateway.bench.ttft import BenchError, TtftOptions, run_ttft_benchmark
+    from gateway.bench.rows import BenchError
+    from gateway.bench.ttft import TtftOptions, run_ttft_benchmark
     from gateway.client import KvgateError
-    from gateway.core.addresses import is_loopback
     from gateway.engine.model import ModelLoadError
 
     try:
@@ -236,10 +235,8 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
     except ValueError:
         sys.stderr.write(f"kvgate bench ttft: --lengths {args.lengths!r}: expected integers\n")
         return EXIT_USAGE
-    api_key = args.api_key or env.get("KVGATE_API_KEY") or None
-    dev_key = args.data_dir / "dev-api-key"
-    if api_key is None and not args.spawn and is_loopback(args.host) and dev_key.is_file():
-        api_key = dev_key.read_text(encoding="ascii").strip()
+    api_key = api_key_of(args.api_key, env, host=args.host,
+                         data_dir=None if args.spawn else args.data_dir)
     options = TtftOptions(
         lengths=lengths, suffix_tokens=args.suffix_tokens, repeats=args.repeats,
         block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
@@ -257,7 +254,8 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.config.serve_config import ConfigError, load_serve_config
+    from gateway.config.loader import load_serve_config
+    from gateway.config.settings import ConfigError
     from gateway.core.errors import GatewayError
     from gateway.service.server import ServeError, serve
 
@@ -296,7 +294,6 @@ def _serve(args: argparse.Namespace) -> int:
 def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
               env: Mapping[str, str]) -> int:
     from gateway.client import KvgateClient, KvgateError
-    from gateway.core.addresses import is_loopback
     from gateway.core.requests import TokenDelta, Usage
 
     try:
@@ -313,10 +310,7 @@ def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
     if messages is None and prompt is None:
         err.write("kvgate generate: give a PROMPT or --messages FILE\n")
         return EXIT_USAGE
-    api_key = args.api_key or env.get("KVGATE_API_KEY") or None
-    dev_key = args.data_dir / "dev-api-key"
-    if api_key is None and is_loopback(args.host) and dev_key.is_file():
-        api_key = dev_key.read_text(encoding="ascii").strip()
+    api_key = api_key_of(args.api_key, env, host=args.host, data_dir=args.data_dir)
     root_certificates = args.ca_cert.read_bytes() if args.ca_cert is not None else None
     usage: Usage | None = None
     ends_with_newline = True

@@ -33,6 +33,18 @@ from typing import Any, TextIO
 
 import yaml
 
+from gateway.cli.common import (
+    EXIT_FAILED,
+    EXIT_USAGE,
+    UsageError,
+    add_connection_args,
+    admin_key_of,
+    api_key_of,
+    connector,
+    first_words,
+    format_bytes,
+    render_table,
+)
 from gateway.client import KvgateClient, KvgateError
 
 STRUCTURED_SUFFIXES = frozenset({".yaml", ".yml", ".json"})
@@ -398,29 +410,6 @@ def write_report(report: PrewarmReport, out: TextIO) -> None:
         out.write(f"FAILED {problem.source}: {problem.reason}\n")
 
 
-def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table: left-aligned text, columns padded to their widest cell."""
-    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
-             for line in (headers, *rows)]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n"
-
-
-def format_bytes(num_bytes: int) -> str:
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{num_bytes} B" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def first_words(text: str, limit: int = 40) -> str:
-    words = " ".join(text.split())
-    return words if len(words) <= limit else words[: limit - 3].rstrip() + "..."
-
-
 def parse_tenant_keys(items: Iterable[str]) -> dict[str, str]:
     """``KEY=TENANT`` items (the ``KVGATE_API_KEYS`` form) as tenant -> key.
 
@@ -443,8 +432,6 @@ def parse_tenant_keys(items: Iterable[str]) -> dict[str, str]:
 
 def add_prewarm_parser(sub: Any) -> None:
     """The ``kvgate prewarm`` subcommand."""
-    from gateway.cli.admin import add_connection_args
-
     parser = sub.add_parser(
         "prewarm", help="warm system prompts from files into a running gateway",
         description="Warm every prompt of PATH... (text files: one system prompt each; "
@@ -467,9 +454,6 @@ def add_prewarm_parser(sub: Any) -> None:
 
 def run_prewarm(args: Any, *, out: TextIO, err: TextIO, env: Mapping[str, str]) -> int:
     """``kvgate prewarm``; returns the exit code."""
-    from gateway.cli.admin import EXIT_FAILED, EXIT_USAGE, UsageError, admin_key_of, connector
-    from gateway.core.addresses import is_loopback
-
     try:
         tenant_to_key = parse_tenant_keys(env.get("KVGATE_API_KEYS", "").split(","))
         tenant_to_key.update(parse_tenant_keys(args.tenant_key))
@@ -478,10 +462,7 @@ def run_prewarm(args: Any, *, out: TextIO, err: TextIO, env: Mapping[str, str]) 
     except (UsageError, ValueError) as exc:
         err.write(f"kvgate prewarm: {exc}\n")
         return EXIT_USAGE
-    api_key = args.api_key or env.get("KVGATE_API_KEY") or None
-    dev_key = args.data_dir / "dev-api-key"
-    if api_key is None and is_loopback(args.host) and dev_key.is_file():
-        api_key = dev_key.read_text(encoding="ascii").strip()
+    api_key = api_key_of(args.api_key, env, host=args.host, data_dir=args.data_dir)
     entries, problems = load_entries(args.paths)
     for problem in problems:
         err.write(f"FAILED {problem.source}: {problem.reason}\n")

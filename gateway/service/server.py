@@ -29,14 +29,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.config.serve_config import (
+from gateway.config.secrets import (
     DEV_TENANT,
-    ServeConfig,
     deployment_secret,
     dev_api_key,
     dev_key_entry,
     ensure_private_dir,
 )
+from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
 from gateway.service.servicer import (
@@ -219,7 +219,7 @@ def serve(
         announce: writes a line for the operator's console (the development key).
 
     Raises:
-        ServeError, gateway.config.serve_config.ConfigError, gateway.engine.model.ModelLoadError:
+        ServeError, gateway.config.settings.ConfigError, gateway.engine.model.ModelLoadError:
             it could not start.
     """
     ensure_private_dir(config.data_dir)

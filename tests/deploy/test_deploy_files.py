@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import yaml
 
-from gateway.config.serve_config import ServeConfig, load_serve_config
+from gateway.config.loader import load_serve_config
+from gateway.config.settings import ServeConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
 from gateway.client import KvgateClient, RetryPolicy
 from gateway.config.keys import KeyEntry
-from gateway.config.serve_config import GrpcSettings, ServeConfig
+from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel, load_model
 from gateway.service.auth import Authenticator

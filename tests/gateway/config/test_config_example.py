@@ -7,13 +7,9 @@ from pathlib import Path
 import pytest
 
 from gateway.cli.main import main
-from gateway.config.serve_config import (
-    EXAMPLE_CONFIG,
-    ConfigError,
-    MetricsSettings,
-    ServeConfig,
-    load_serve_config,
-)
+from gateway.config.example import EXAMPLE_CONFIG
+from gateway.config.loader import load_serve_config
+from gateway.config.settings import ConfigError, MetricsSettings, ServeConfig
 
 DEPLOY_EXAMPLE = Path(__file__).resolve().parents[3] / "deploy" / "kvgate.example.toml"
 

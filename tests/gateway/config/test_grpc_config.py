@@ -11,16 +11,9 @@ import pytest
 
 from gateway.cache.factory import GiB
 from gateway.config.keys import Principal, key_digest
-from gateway.config.serve_config import (
-    DEFAULT_DISK_BYTES,
-    ConfigError,
-    GrpcSettings,
-    ServeConfig,
-    deployment_secret,
-    dev_api_key,
-    load_serve_config,
-    parse_size,
-)
+from gateway.config.loader import DEFAULT_DISK_BYTES, load_serve_config, parse_size
+from gateway.config.secrets import dev_api_key
+from gateway.config.settings import ConfigError, GrpcSettings, ServeConfig
 from gateway.service.auth import Authenticator
 from gateway.service.server import build_authenticator
 
@@ -195,25 +188,6 @@ def mode_of(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
 
 
-def test_the_secret_is_created_once_private_and_reused(tmp_path: Path) -> None:
-    config = ServeConfig(data_dir=tmp_path / "data")
-    secret = deployment_secret(config, {})
-    assert len(secret) == 32
-    assert mode_of(config.secret_path) == 0o600
-    assert mode_of(config.data_dir) == 0o700
-    assert deployment_secret(config, {}) == secret
-    assert list(config.data_dir.iterdir()) == [config.secret_path]  # no temp files left
-
-
-def test_the_secret_can_come_from_the_environment(tmp_path: Path) -> None:
-    config = ServeConfig(data_dir=tmp_path / "data")
-    assert deployment_secret(config, {"KVGATE_DEPLOYMENT_SECRET": "ab" * 24}) == b"\xab" * 24
-    with pytest.raises(ConfigError, match="16 to 64 bytes"):
-        deployment_secret(config, {"KVGATE_DEPLOYMENT_SECRET": "abcd"})
-    with pytest.raises(ConfigError, match="not hex"):
-        deployment_secret(config, {"KVGATE_DEPLOYMENT_SECRET": "xyz"})
-
-
 def test_without_keys_a_dev_key_is_created_announced_and_reused(tmp_path: Path) -> None:
     config = ServeConfig(data_dir=tmp_path / "data")
     lines: list[str] = []
@@ -233,25 +207,6 @@ def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
     auth = build_authenticator(config, lines.append)
     assert auth.num_keys == 1 and not lines
     assert not config.dev_key_path.exists()
-
-
-def test_budgets_larger_than_the_machine_are_refused(tmp_path: Path) -> None:
-    from gateway.config.serve_config import ConfigError, physical_memory_bytes
-
-    memory = physical_memory_bytes()
-    assert memory is not None
-    path = tmp_path / "kvgate.toml"
-    path.write_text(
-        "[cache]\n"
-        f"host_bytes = {memory + 1}\n"
-        f'disk_bytes = "1000000GiB"\n'
-        f'disk_path = "{tmp_path / "kv"}"\n'
-    )
-    with pytest.raises(ConfigError) as excinfo:
-        load_serve_config(path, env={})
-    message = str(excinfo.value)
-    assert "more than this machine's memory" in message
-    assert "more than the filesystem" in message
 
 
 def test_the_redis_url_can_come_from_the_environment_so_the_file_holds_no_password() -> None:

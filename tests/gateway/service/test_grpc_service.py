@@ -33,7 +33,7 @@ from gateway.client import (
     Unauthenticated,
     Unavailable,
 )
-from gateway.config.serve_config import GrpcSettings, ServeConfig
+from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.engine import EngineConfig
 from gateway.engine.model import LoadedModel

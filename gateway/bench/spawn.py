@@ -1,0 +1,195 @@
+"""A gateway (and a Redis) of a benchmark's own: ``kvgate bench ttft --spawn``.
+
+Starts ``kvgate serve`` as a subprocess -- the same command an operator runs -- on free loopback
+ports with a temporary data directory and keys of its own, plus a throwaway ``redis-server``
+when one is on PATH, and stops them by pid. ``Endpoint`` names the gateway a run measures,
+spawned or given.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from gateway.bench.rows import BenchError
+
+SPAWN_TENANT = "bench"
+
+_SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Endpoint:
+    """A gateway to measure, and what the benchmark may do to it."""
+
+    host: str
+    port: int
+    api_key: str | None
+    admin_key: str | None
+    tenant: str
+    why_no_redis: str | None = None
+
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM by pid, then SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@contextmanager
+def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
+    """A throwaway ``redis-server`` (no persistence) on a free loopback port; yields its URL."""
+    port = _free_port()
+    workdir.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(workdir), "--protected-mode", "yes"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            if proc.poll() is not None:
+                raise BenchError(f"{binary} exited with status {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError(f"{binary} did not answer on 127.0.0.1:{port}")
+            time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        _stop(proc, grace_s=10)
+
+
+def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
+                 api_key: str, admin_key: str) -> str:
+    """The ``kvgate serve`` configuration of a spawned gateway (TOML)."""
+    lines = [
+        "[grpc]",
+        "shutdown_grace_s = 5.0",
+        "",
+        "[cache]",
+        f"block_tokens = {block_tokens}",
+        f"device_bytes = {device_bytes}",
+        'host_bytes = "4GiB"',
+        'disk_bytes = "8GiB"',
+    ]
+    if redis_url is not None:
+        # Loopback Redis moving a whole 4,096-token prefix (~190 MB) in one pipeline: give each
+        # socket read more than the 0.25 s default meant to bound a stalled remote Redis.
+        lines += [f'redis_url = "{redis_url}"', "redis_timeout_s = 10.0"]
+    lines += [
+        "",
+        "[[api_keys]]",
+        f'tenant = "{SPAWN_TENANT}"',
+        f'key = "{api_key}"',
+        "",
+        "[[admin_keys]]",
+        'name = "bench-admin"',
+        f'key = "{admin_key}"',
+        "",
+    ]
+    return "\n".join(lines)
+
+
+@contextmanager
+def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_bytes: int,
+                  redis_url: str | None, redis_binary: str | None, err: TextIO,
+                  start_timeout_s: float = 600.0) -> Iterator[Endpoint]:
+    """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
+    directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
+    """
+    root = Path(tempfile.mkdtemp(prefix="kvgate-bench-ttft-"))
+    try:
+        with _maybe_redis(redis_url, redis_binary, root / "redis") as (url, why_no_redis):
+            data_dir = root / "data"
+            data_dir.mkdir(mode=0o700)
+            models_dir.mkdir(parents=True, exist_ok=True)
+            (data_dir / "models").symlink_to(models_dir.resolve(), target_is_directory=True)
+            api_key = "kvg-bench-" + secrets.token_urlsafe(24)
+            admin_key = "kvg-bench-admin-" + secrets.token_urlsafe(24)
+            config = root / "kvgate.toml"
+            config.write_text(spawn_config(block_tokens=block_tokens, device_bytes=device_bytes,
+                                           redis_url=url, api_key=api_key, admin_key=admin_key),
+                              encoding="utf-8")
+            config.chmod(0o600)
+            model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())
+            env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+            log = root / "serve.log"
+            with log.open("wb") as log_fh:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "gateway.cli.main", "serve", "--config", str(config),
+                     "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir),
+                     "--model", model_arg],
+                    stdout=subprocess.DEVNULL, stderr=log_fh, env=env,
+                )
+            try:
+                port = _wait_serving(proc, log, start_timeout_s)
+                err.write(f"[ttft] spawned kvgate serve (pid {proc.pid}) on 127.0.0.1:{port}"
+                          f"{', redis ' + url if url else ''}\n")
+                yield Endpoint(host="127.0.0.1", port=port, api_key=api_key,
+                               admin_key=admin_key, tenant=SPAWN_TENANT,
+                               why_no_redis=why_no_redis)
+            finally:
+                _stop(proc, grace_s=30)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@contextmanager
+def _maybe_redis(url: str | None, binary: str | None,
+                 workdir: Path) -> Iterator[tuple[str | None, str | None]]:
+    if url is not None:
+        yield url, None
+        return
+    if binary is None:
+        yield None, "no redis-server on PATH and no --redis-url"
+        return
+    with redis_on_loopback(binary, workdir) as started:
+        yield started, None
+
+
+def _wait_serving(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> int:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text(encoding="utf-8", errors="replace")
+        match = _SERVING.search(text)
+        if match:
+            return int(match.group(1))
+        if proc.poll() is not None:
+            raise BenchError(f"kvgate serve exited with status {proc.returncode}:\n"
+                             + text[-2000:])
+        time.sleep(0.1)
+    raise BenchError(f"kvgate serve did not start within {timeout_s:.0f} s:\n"
+                     + log.read_text(encoding="utf-8", errors="replace")[-2000:])

@@ -1,0 +1,147 @@
+"""What the client commands share: connection flags, keys, exit codes, usage errors, tables.
+
+``kvgate admin``, ``kvgate prewarm``, ``kvgate generate`` and ``kvgate bench ttft`` talk to a
+running gateway the same way; this module holds that once, so that none of the commands
+imports another. It imports only the client (never the server's layers) at module level, so
+that a client command starts without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from gateway.client import DEFAULT_HOST, DEFAULT_PORT, KvgateClient
+from gateway.core.addresses import is_loopback
+
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+DEV_KEY_FILE = "dev-api-key"
+"""Where ``kvgate serve`` keeps its development key under its data directory.
+
+NOTE: the same name as ``gateway.config.settings.DEV_KEY_FILE``, not imported from there:
+loading the configuration layer loads the cache and torch (seconds) for one string.
+"""
+
+
+class UsageError(Exception):
+    """The command line cannot be acted on (exit 2); the message says what to change."""
+
+
+# ---- connecting ----------------------------------------------------------------------------
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Where the gateway is and the admin key (``kvgate admin`` and ``kvgate prewarm``)."""
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--admin-key", default=None,
+                        help="admin key (default: $KVGATE_ADMIN_KEY, else the first admin key "
+                             "of --config); other users can see it in `ps`, so prefer the "
+                             "environment variable")
+    parser.add_argument("--config", type=Path, default=None,
+                        help="a `kvgate serve` configuration whose first [[admin_keys]] key "
+                             "to use")
+    parser.add_argument("--tls", action="store_true", help="connect with TLS")
+    parser.add_argument("--ca-cert", type=Path, default=None,
+                        help="PEM of the CA that signed the gateway's certificate")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="deadline of each call in seconds")
+
+
+def connector(args: argparse.Namespace) -> Callable[[str | None], KvgateClient]:
+    """A factory of clients for the gateway ``args`` name, one per key."""
+    root_certificates = args.ca_cert.read_bytes() if args.ca_cert is not None else None
+
+    def connect(key: str | None) -> KvgateClient:
+        try:
+            return KvgateClient(args.host, args.port, key, tls=args.tls,
+                                root_certificates=root_certificates, timeout_s=args.timeout)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
+
+    return connect
+
+
+# ---- keys ----------------------------------------------------------------------------------
+
+
+def admin_key_of(args: argparse.Namespace, env: Mapping[str, str], *,
+                 required: bool) -> str | None:
+    """The admin key: ``--admin-key``, ``$KVGATE_ADMIN_KEY``, then ``--config``'s first key.
+
+    Raises:
+        UsageError: the configuration cannot be read, or ``required`` and none was found.
+    """
+    key = args.admin_key or env.get("KVGATE_ADMIN_KEY") or None
+    if key is None and args.config is not None:
+        from gateway.config.loader import read_config_file
+        from gateway.config.settings import ConfigError
+
+        try:
+            raw = read_config_file(args.config)
+        except ConfigError as exc:
+            raise UsageError(str(exc)) from exc
+        items = raw.get("admin_keys", [])
+        for item in items if isinstance(items, list) else []:
+            if isinstance(item, dict) and isinstance(item.get("key"), str):
+                key = item["key"]
+                break
+        else:
+            raise UsageError(f"{args.config} has no [[admin_keys]] entry with a plain `key` "
+                             "(digests cannot be sent): use --admin-key or $KVGATE_ADMIN_KEY")
+    if key is None and required:
+        raise UsageError("no admin key: give --admin-key, set $KVGATE_ADMIN_KEY, or --config "
+                         "a file with [[admin_keys]]")
+    return key
+
+
+def api_key_of(api_key: str | None, env: Mapping[str, str], *, host: str,
+               data_dir: Path | None) -> str | None:
+    """The tenant key: ``--api-key``, ``$KVGATE_API_KEY``, then the development key.
+
+    The development key (``DATA_DIR/dev-api-key``, written by ``kvgate serve`` when no key is
+    configured) is read only for a gateway on a loopback address: a gateway elsewhere has a
+    key of its own, and this machine's dev key must not travel to it.
+
+    Args:
+        api_key: ``--api-key`` (None when not given).
+        host: the gateway's address.
+        data_dir: where ``kvgate serve`` keeps the dev key; None never reads it.
+    """
+    key = api_key or env.get("KVGATE_API_KEY") or None
+    if key is None and data_dir is not None and is_loopback(host):
+        dev_key = data_dir / DEV_KEY_FILE
+        if dev_key.is_file():
+            key = dev_key.read_text(encoding="ascii").strip()
+    return key
+
+
+# ---- output --------------------------------------------------------------------------------
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: left-aligned text, columns padded to their widest cell."""
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
+             for line in (headers, *rows)]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines) + "\n"
+
+
+def format_bytes(num_bytes: int) -> str:
+    """``512 B``, ``1.5 KiB`` ... ``3.0 GiB`` (binary units, one decimal)."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{num_bytes} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def first_words(text: str, limit: int = 40) -> str:
+    """``text`` on one line, cut to ``limit`` characters with ``...``."""
+    words = " ".join(text.split())
+    return words if len(words) <= limit else words[: limit - 3].rstrip() + "..."

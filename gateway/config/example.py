@@ -1,0 +1,71 @@
+"""The commented example configuration that ``kvgate config example`` prints.
+
+It is the file format's documentation for operators (``deploy/kvgate.example.toml`` holds the
+same text, and a test keeps the two equal and checks that the example parses), so it lives
+apart from the parser that reads it.
+"""
+
+from __future__ import annotations
+
+EXAMPLE_CONFIG = """\
+# kvgate serve --config kvgate.toml
+#
+# Every key is optional: what is left out keeps the default shown. Environment variables
+# add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) and set the deployment secret
+# (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir and --model override [server].
+# Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
+
+[server]
+host = "127.0.0.1"              # a non-loopback host needs TLS (or allow_insecure_remote)
+port = 50051
+data_dir = "data"               # kv/ (disk tier), models/, secret, dev-api-key
+model = "bundled"               # SmolLM2-135M-Instruct, or a transformers checkpoint directory
+# tls_cert = "/etc/kvgate/tls.crt"   # PEM; give both or neither
+# tls_key = "/etc/kvgate/tls.key"
+# allow_insecure_remote = false      # plaintext on a non-loopback host (behind a TLS proxy)
+# secret_file = "/etc/kvgate/secret" # default: data_dir/secret, created on first start
+
+[grpc]                          # limits of the gRPC server
+max_receive_bytes = 4194304     # bigger requests: RESOURCE_EXHAUSTED before any handler
+max_concurrent_rpcs = 64        # more at once: RESOURCE_EXHAUSTED instead of queueing
+max_deadline_s = 600.0          # the longest a request may run, whatever its client asks
+max_ttl_s = 604800.0            # the longest TTL a request may give its blocks
+shutdown_grace_s = 10.0         # on SIGTERM, time for requests in flight to finish
+
+[engine]
+max_queue = 64                  # requests waiting for the model; more are refused
+default_ttl_s = 3600.0          # TTL of blocks whose request names none
+# max_prompt_tokens = 8191      # default: the model's context minus 1
+
+[cache]
+block_tokens = 256              # tokens per block: the unit of storage and sharing
+order = "lru"                   # eviction order of every tier: "lru" or "clock"
+device_bytes = "2GiB"           # GPU memory (CPU memory without a GPU); 0 turns a tier off
+host_bytes = "4GiB"             # CPU memory
+disk_bytes = "8GiB"             # under disk_path (default: data_dir/kv), meant for local NVMe
+disk_fsync = true
+disk_write_through = true       # new blocks go to disk at once (off the request path)
+# redis_url = "rediss://kvgate:PASSWORD@redis.internal:6379/0"  # shared by replicas
+# redis_cluster = false
+redis_ttl_s = 3600.0
+redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
+compression = "raw"             # "raw", "lz4" or "auto"
+# quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }
+
+[metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics
+enabled = false                 # no authentication, per-tenant series: operators only
+host = "127.0.0.1"
+port = 9464
+
+# API keys: a tenant's key sees only that tenant's cache. Give `key` (the key itself) or
+# `key_blake2b` (hex of gateway.config.keys.key_digest(key)) so that the file holds no secret.
+# Without any key, serve creates a development key for tenant "default".
+# [[api_keys]]
+# tenant = "tenant-a"
+# key_blake2b = "<hex digest>"
+#
+# [[admin_keys]]                # the Admin service (stats, evict, pin, quota, flush)
+# name = "ops"
+# key_blake2b = "<hex digest>"
+"""
+"""The commented example of ``kvgate config example`` (and ``deploy/kvgate.example.toml``)."""

@@ -1,0 +1,350 @@
+"""Reading ``kvgate serve``'s configuration: file, environment and flags into one ``ServeConfig``.
+
+Sources, later ones winning: the defaults here, a TOML or JSON file (``--config``), the
+environment (``KVGATE_API_KEYS``, ``KVGATE_ADMIN_KEYS``: keys are added to the file's), and the
+command line (``--host``, ``--port``, ``--data-dir``, ``--model``). Every problem is reported
+at once, before anything starts, with the file's own names::
+
+    [server]
+    host = "127.0.0.1"            # a non-loopback host needs TLS (or allow_insecure_remote)
+    port = 50051
+    data_dir = "data"             # kv/ (disk tier), models/, secret, dev-api-key
+    model = "bundled"             # or a transformers checkpoint directory
+    tls_cert = "/etc/kvgate/tls.crt"
+    tls_key = "/etc/kvgate/tls.key"
+
+    [grpc]                        # GrpcSettings: limits, keepalive, deadlines
+    max_concurrent_rpcs = 64
+
+    [engine]                      # EngineSettings
+    max_queue = 64
+
+    [cache]                       # gateway.cache.factory.CacheConfig; sizes as bytes or "2GiB"
+    host_bytes = "4GiB"
+    quotas = { tenant-a = "1GiB" }
+
+    [metrics]                     # MetricsSettings: Prometheus endpoint, off by default
+    enabled = true
+    port = 9464
+
+    [[api_keys]]                  # key = "..." or key_blake2b = "<hex of auth.key_digest(key)>"
+    tenant = "tenant-a"
+    key_blake2b = "3f1c..."
+
+    [[admin_keys]]
+    name = "ops"
+    key = "..."
+
+The values themselves live in ``gateway.config.settings``, the commented example in
+``gateway.config.example``, the budget checks against this machine in ``gateway.config.fit``.
+The data directory also keeps what must survive restarts: the deployment secret (``secret``,
+0600; it keys every block hash and MAC, so disk blocks stay valid only with the same secret)
+and, when no key is configured, a development key for tenant ``default`` (``dev-api-key``):
+``gateway.config.secrets``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from gateway.cache.factory import CacheConfig, GiB
+from gateway.config.fit import machine_fit_problems
+from gateway.config.keys import (
+    DEFAULT_ADMIN_NAME,
+    KeyEntry,
+    key_problem,
+    parse_key_list,
+    tenant_id_problem,
+    tenants_without_keys,
+)
+from gateway.config.settings import (
+    DEFAULT_DATA_DIR,
+    DEFAULT_HOST,
+    DEFAULT_MODEL,
+    DEFAULT_PORT,
+    ConfigError,
+    EngineSettings,
+    GrpcSettings,
+    KiB,
+    MetricsSettings,
+    MiB,
+    ServeConfig,
+    is_int,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DISK_BYTES = 8 * GiB
+
+ENV_API_KEYS = "KVGATE_API_KEYS"
+ENV_ADMIN_KEYS = "KVGATE_ADMIN_KEYS"
+ENV_REDIS_URL = "KVGATE_REDIS_URL"
+"""Overrides ``[cache] redis_url``, so that a Redis password need not sit in the config file."""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 1000, "kib": KiB, "mb": 1000**2, "mib": MiB, "gb": 1000**3, "gib": GiB,
+          "tb": 1000**4, "tib": 1 << 40}
+
+_SERVER_KEYS = frozenset(
+    {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
+     "secret_file"}
+)
+_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "api_keys",
+                       "admin_keys"})
+_SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes"})
+
+
+
+def load_serve_config(
+    path: Path | None = None,
+    *,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, object] | None = None,
+) -> ServeConfig:
+    """Read, merge and validate the configuration.
+
+    Args:
+        path: a ``.toml`` or ``.json`` file, or None for the defaults.
+        env: the environment (``os.environ``); only ``KVGATE_*`` keys are read.
+        overrides: ``[server]`` values from the command line (``None`` values are ignored).
+
+    Raises:
+        ConfigError: every problem found, in one message. Keys never appear in it.
+    """
+    raw = read_config_file(path) if path is not None else {}
+    where = str(path) if path is not None else "the configuration"
+    errors: list[str] = []
+    unknown = sorted(set(raw) - _SECTIONS)
+    if unknown:
+        errors.append(f"{where} has unknown sections {unknown}; known: {sorted(_SECTIONS)}")
+
+    server = dict(_table(raw, "server", errors))
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            server[name] = value
+    _unknown_keys("server", server, _SERVER_KEYS, errors)
+
+    grpc_settings = _build(GrpcSettings, "grpc", _table(raw, "grpc", errors), errors)
+    engine = _build(EngineSettings, "engine", _table(raw, "engine", errors), errors)
+    metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
+    if grpc_settings is not None:
+        errors.extend(grpc_settings.problems())
+    if engine is not None:
+        errors.extend(engine.problems())
+    errors.extend(metrics.problems())
+
+    data_dir = Path(str(server.get("data_dir", DEFAULT_DATA_DIR))).expanduser()
+    environment = env or {}
+    cache_table = dict(_table(raw, "cache", errors))
+    if environment.get(ENV_REDIS_URL):
+        cache_table["redis_url"] = environment[ENV_REDIS_URL]
+    cache = _cache_config(cache_table, data_dir, errors)
+    keys = _keys(raw, environment, errors)
+
+    host = server.get("host", DEFAULT_HOST)
+    if not isinstance(host, str) or not host:
+        errors.append(f"server.host must be a host name or address, got {host!r}")
+    port = server.get("port", DEFAULT_PORT)
+    if not is_int(port) or not 0 <= port <= 65535:
+        errors.append(f"server.port must be 0 to 65535, got {port!r}")
+    model = server.get("model", DEFAULT_MODEL)
+    if not isinstance(model, str) or not model:
+        errors.append(f"server.model must be 'bundled' or a directory, got {model!r}")
+    tls_cert = _optional_path(server.get("tls_cert"))
+    tls_key = _optional_path(server.get("tls_key"))
+    if (tls_cert is None) != (tls_key is None):
+        errors.append("server.tls_cert and server.tls_key go together: give both or neither")
+    for name, tls_path in (("tls_cert", tls_cert), ("tls_key", tls_key)):
+        if tls_path is not None and not tls_path.is_file():
+            errors.append(f"server.{name} {tls_path} is not a file")
+    allow_insecure = server.get("allow_insecure_remote", False)
+    if not isinstance(allow_insecure, bool):
+        errors.append("server.allow_insecure_remote must be true or false")
+
+    if errors:
+        raise ConfigError("invalid kvgate configuration:\n  - " + "\n  - ".join(errors))
+    assert grpc_settings is not None and engine is not None and cache is not None
+    strays = tenants_without_keys(keys, cache.quotas) if keys else []
+    if strays:
+        logger.warning("quotas are set for tenants that no key authenticates (typos?): %s",
+                       ", ".join(strays))
+    return ServeConfig(
+        host=str(host), port=int(port), data_dir=data_dir, model=str(model),
+        tls_cert=tls_cert, tls_key=tls_key, allow_insecure_remote=bool(allow_insecure),
+        secret_file=_optional_path(server.get("secret_file")),
+        keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
+    )
+
+
+def parse_size(value: object) -> int:
+    """Bytes from an integer or a string such as ``"512MiB"`` or ``"2 GB"``.
+
+    Raises:
+        ValueError: not a size.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match:
+            unit = (match.group(2) or "b").lower()
+            return int(float(match.group(1)) * _UNITS[unit])
+    raise ValueError(f"{value!r} is not a size: write bytes (1073741824) or e.g. \"1GiB\"")
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The sections of a ``.toml`` or ``.json`` configuration, unvalidated.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read the configuration {path}: {exc.strerror}") from exc
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
+    elif path.suffix == ".toml":
+        data = _parse_toml(text, path)
+    else:
+        raise ConfigError(f"the configuration {path} must be a .toml or .json file")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a table (object) of sections")
+    return data
+
+
+def _parse_toml(text: str, path: Path) -> Any:
+    try:
+        import tomllib
+    except ModuleNotFoundError as exc:  # Python 3.10
+        raise ConfigError(f"{path}: TOML needs Python 3.11 or later; write the configuration "
+                          "as JSON instead") from exc
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+
+
+def _table(raw: Mapping[str, Any], name: str, errors: list[str]) -> Mapping[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, dict):
+        errors.append(f"[{name}] must be a table")
+        return {}
+    return value
+
+
+def _unknown_keys(section: str, table: Mapping[str, Any], known: frozenset[str],
+                  errors: list[str]) -> None:
+    unknown = sorted(set(table) - known)
+    if unknown:
+        errors.append(f"[{section}] has unknown keys {unknown}; known: {sorted(known)}")
+
+
+def _build(cls: Any, section: str, table: Mapping[str, Any], errors: list[str]) -> Any:
+    known = frozenset(f.name for f in fields(cls))
+    _unknown_keys(section, table, known, errors)
+    return cls(**{k: v for k, v in table.items() if k in known})
+
+
+def _cache_config(table: Mapping[str, Any], data_dir: Path,
+                  errors: list[str]) -> CacheConfig | None:
+    known = frozenset(f.name for f in fields(CacheConfig))
+    _unknown_keys("cache", table, known, errors)
+    values: dict[str, Any] = {"disk_bytes": DEFAULT_DISK_BYTES, "disk_path": data_dir / "kv"}
+    for name, value in table.items():
+        if name not in known:
+            continue
+        try:
+            if name in _SIZE_KEYS:
+                value = parse_size(value)
+            elif name == "quotas":
+                if not isinstance(value, dict):
+                    raise ValueError("quotas must be a table of tenant = size")
+                value = {str(tenant): parse_size(size) for tenant, size in value.items()}
+            elif name == "disk_path":
+                value = Path(str(value)).expanduser()
+        except ValueError as exc:
+            errors.append(f"cache.{name}: {exc}")
+            continue
+        values[name] = value
+    for tenant in values.get("quotas", {}):
+        problem = tenant_id_problem(tenant)
+        if problem is not None:
+            errors.append(f"cache.quotas: {problem}")
+    try:
+        config = CacheConfig(**values)
+    except (ValueError, TypeError) as exc:
+        errors.append(f"[cache]: {exc}")
+        return None
+    errors.extend(machine_fit_problems(config))
+    return config
+
+
+def _keys(raw: Mapping[str, Any], env: Mapping[str, str], errors: list[str]) -> list[KeyEntry]:
+    entries: list[KeyEntry] = []
+    for section, is_admin in (("api_keys", False), ("admin_keys", True)):
+        items = raw.get(section, [])
+        if not isinstance(items, list):
+            errors.append(f"[[{section}]] must be an array of tables")
+            continue
+        for i, item in enumerate(items):
+            where = f"{section}[{i}]"
+            try:
+                entries.append(_key_entry(item, is_admin=is_admin, where=where))
+            except ValueError as exc:
+                errors.append(f"{where}: {exc}")
+    for name, is_admin in ((ENV_API_KEYS, False), (ENV_ADMIN_KEYS, True)):
+        text = env.get(name, "")
+        if text.strip():
+            try:
+                entries.extend(parse_key_list(text, is_admin=is_admin, source=name))
+            except ValueError as exc:
+                errors.append(str(exc))
+    digests = [e.digest for e in entries]
+    if len(set(digests)) != len(digests):
+        errors.append("the same API key is configured more than once; every key must be "
+                      "distinct (an admin key is not also a tenant key)")
+    return entries
+
+
+def _key_entry(item: object, *, is_admin: bool, where: str) -> KeyEntry:
+    if not isinstance(item, dict):
+        raise ValueError("each entry is a table with a key (or key_blake2b) and a "
+                         + ("name" if is_admin else "tenant"))
+    owner_field = "name" if is_admin else "tenant"
+    allowed = {owner_field, "key", "key_blake2b"}
+    unknown = sorted(set(item) - allowed)
+    if unknown:
+        raise ValueError(f"unknown keys {unknown}; known: {sorted(allowed)}")
+    owner = item.get(owner_field, DEFAULT_ADMIN_NAME if is_admin else None)
+    if not isinstance(owner, str):
+        raise ValueError(f"needs a `{owner_field}`")
+    problem = tenant_id_problem(owner)
+    if problem is not None:
+        raise ValueError(problem)
+    key, digest = item.get("key"), item.get("key_blake2b")
+    if (key is None) == (digest is None):
+        raise ValueError("give exactly one of `key` and `key_blake2b`")
+    if key is not None:
+        if not isinstance(key, str):
+            raise ValueError("`key` must be a string")
+        problem = key_problem(key)
+        if problem is not None:
+            raise ValueError(f"the key {problem}")
+        return KeyEntry.of_key(key, owner, is_admin=is_admin)
+    if not isinstance(digest, str):
+        raise ValueError("`key_blake2b` must be a hex string")
+    return KeyEntry.of_digest(digest, owner, is_admin=is_admin)
+
+
+def _optional_path(value: object) -> Path | None:
+    return None if value is None or value == "" else Path(str(value)).expanduser()

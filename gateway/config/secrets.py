@@ -1,0 +1,117 @@
+"""What the data directory keeps across restarts: the deployment secret and the dev key.
+
+The deployment secret (``secret``, 0600) keys every block hash and MAC, so disk blocks stay
+valid only with the same secret; replicas sharing a Redis tier must all use the same one
+(``KVGATE_DEPLOYMENT_SECRET``). When no API key is configured, ``kvgate serve`` creates a
+development key for tenant ``default`` (``dev-api-key``). Both files are created atomically and
+reused after, so two processes starting at once agree on one value.
+"""
+
+from __future__ import annotations
+
+import binascii
+import logging
+import os
+import secrets
+import stat
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from gateway.config.keys import KeyEntry, key_problem
+from gateway.config.settings import ConfigError, ServeConfig
+
+logger = logging.getLogger(__name__)
+
+DEV_TENANT = "default"
+SECRET_BYTES = 32
+
+ENV_SECRET = "KVGATE_DEPLOYMENT_SECRET"
+"""Hex of the deployment secret; replicas sharing a Redis tier must all use the same one."""
+
+
+def ensure_private_dir(path: Path) -> None:
+    """Create ``path`` (0700) if it is missing."""
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+
+def deployment_secret(config: ServeConfig, env: Mapping[str, str]) -> bytes:
+    """The deployment secret: from ``KVGATE_DEPLOYMENT_SECRET`` (hex), else the secret file,
+    created (0600, random) on first start and reused after, so disk blocks stay valid.
+
+    Raises:
+        ConfigError: the secret is malformed or unreadable.
+    """
+    text = env.get(ENV_SECRET, "").strip()
+    source = ENV_SECRET
+    if not text:
+        path = config.secret_path
+        ensure_private_dir(path.parent)
+        text = read_or_create_private(path, lambda: secrets.token_hex(SECRET_BYTES)).strip()
+        source = str(path)
+    try:
+        secret = binascii.unhexlify(text)
+    except (binascii.Error, ValueError) as exc:
+        raise ConfigError(f"the deployment secret in {source} is not hex") from exc
+    if not 16 <= len(secret) <= 64:
+        raise ConfigError(f"the deployment secret in {source} must be 16 to 64 bytes "
+                          f"(32 to 128 hex digits), got {len(secret)} bytes")
+    return secret
+
+
+def dev_api_key(config: ServeConfig) -> str:
+    """The development key of tenant ``default`` (``data_dir/dev-api-key``, 0600), created on
+    first start and reused after. Only for a server with no configured keys.
+
+    Raises:
+        ConfigError: the file holds something that is not a usable key.
+    """
+    ensure_private_dir(config.data_dir)
+    key = read_or_create_private(
+        config.dev_key_path, lambda: "kvg-dev-" + secrets.token_urlsafe(32)
+    ).strip()
+    problem = key_problem(key)
+    if problem is not None:
+        raise ConfigError(f"the key in {config.dev_key_path} {problem}; delete the file to "
+                          "get a new one")
+    return key
+
+
+def dev_key_entry(key: str) -> KeyEntry:
+    return KeyEntry.of_key(key, DEV_TENANT)
+
+
+def read_or_create_private(path: Path, make: Any) -> str:
+    """The text of ``path``; if missing, ``make()`` written there first with mode 0600.
+
+    The new file is written beside its final name, fsynced and hard-linked into place, so a
+    crash never leaves a partial file and two processes starting at once agree on one value.
+    """
+    try:
+        return _read_private(path)
+    except FileNotFoundError:
+        pass
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(str(make()) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process created it first: use theirs
+    finally:
+        os.unlink(tmp)
+    return _read_private(path)
+
+
+def _read_private(path: Path) -> str:
+    with path.open("r", encoding="ascii") as fh:
+        mode = os.fstat(fh.fileno()).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            logger.warning("%s is readable by other users (mode %o); run chmod 600 %s",
+                           path, stat.S_IMODE(mode), path)
+        return fh.read()

@@ -1,0 +1,229 @@
+"""The validated, frozen configuration of ``kvgate serve``: ``ServeConfig`` and its sections.
+
+These are values only: ``gateway.config.loader`` builds them from a file, the environment and
+the command line, and every layer above receives the one instance it builds. Each section
+lists its own problems (``problems()``) so that the loader can report all of them at once.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from gateway.cache.factory import CacheConfig
+from gateway.config.keys import KeyEntry
+
+MiB = 1 << 20
+KiB = 1 << 10
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 50051
+DEFAULT_DATA_DIR = Path("data")
+DEFAULT_MODEL = "bundled"
+DEFAULT_METRICS_HOST = "127.0.0.1"
+DEFAULT_METRICS_PORT = 9464
+DEV_KEY_FILE = "dev-api-key"
+SECRET_FILE = "secret"
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be used; the message lists every problem found."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrpcSettings:
+    """The gRPC server's limits, set on purpose (RELIABILITY.md, "gRPC server settings").
+
+    Attributes:
+        max_receive_bytes: largest request message; bigger ones get RESOURCE_EXHAUSTED before
+            any handler runs.
+        max_send_bytes: largest response message (ListPrefixes and Stats are the big ones).
+        max_concurrent_rpcs: RPCs served at once (one thread each); more get
+            RESOURCE_EXHAUSTED at once instead of queueing without bound.
+        max_concurrent_streams: streams one HTTP/2 connection may open at once.
+        max_metadata_bytes: largest metadata (headers) a call may send.
+        keepalive_time_s: how often the server pings an idle connection to see it is alive.
+        keepalive_timeout_s: how long it waits for the answer before closing it.
+        min_ping_interval_s: the shortest interval between client pings (without data) the
+            server accepts; faster pings are strikes.
+        max_ping_strikes: strikes before the server closes the connection (ping floods).
+        max_connection_idle_s: close connections without calls after this long.
+        max_connection_age_s: ask clients to reconnect after this long (spreads load over
+            replicas as they come and go).
+        max_connection_age_grace_s: how long calls in flight may still run after that.
+        max_deadline_s: the longest a request may run, whatever deadline its client sent.
+        max_ttl_s: the longest TTL a request may give its blocks.
+        shutdown_grace_s: on SIGTERM, how long requests in flight may take to finish.
+    """
+
+    max_receive_bytes: int = 4 * MiB
+    max_send_bytes: int = 16 * MiB
+    max_concurrent_rpcs: int = 64
+    max_concurrent_streams: int = 32
+    max_metadata_bytes: int = 16 * KiB
+    keepalive_time_s: float = 60.0
+    keepalive_timeout_s: float = 20.0
+    min_ping_interval_s: float = 30.0
+    max_ping_strikes: int = 2
+    max_connection_idle_s: float = 300.0
+    max_connection_age_s: float = 3600.0
+    max_connection_age_grace_s: float = 600.0
+    max_deadline_s: float = 600.0
+    max_ttl_s: float = 7 * 24 * 3600.0
+    shutdown_grace_s: float = 10.0
+
+    def problems(self) -> list[str]:
+        errors = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                errors.append(f"grpc.{f.name} must be a number, got {value!r}")
+            elif not (math.isfinite(value) and value > 0):
+                errors.append(f"grpc.{f.name} must be > 0, got {value!r}")
+        if not errors and self.max_connection_age_grace_s < self.max_deadline_s:
+            errors.append("grpc.max_connection_age_grace_s must be >= grpc.max_deadline_s, so "
+                          "that a connection's age never cuts a request short")
+        return errors
+
+    def server_options(self) -> list[tuple[str, int]]:
+        """The ``grpc.server(options=...)`` list for these settings."""
+
+        def ms(seconds: float) -> int:
+            return int(seconds * 1000)
+
+        return [
+            ("grpc.max_receive_message_length", self.max_receive_bytes),
+            ("grpc.max_send_message_length", self.max_send_bytes),
+            ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.max_metadata_size", self.max_metadata_bytes),
+            ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            # A client pinging without calls gets strikes; with calls, min_ping_interval.
+            ("grpc.keepalive_permit_without_calls", 0),
+            ("grpc.http2.max_pings_without_data", 2),
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_ping_interval_s)),
+            ("grpc.http2.max_ping_strikes", self.max_ping_strikes),
+            ("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)),
+            ("grpc.max_connection_age_ms", ms(self.max_connection_age_s)),
+            ("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)),
+            # NOTE: on by default on Linux: a second gateway could silently share the port.
+            ("grpc.so_reuseport", 0),
+        ]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSettings:
+    """The engine's settings that are not shared with the cache or the gRPC limits.
+
+    ``block_tokens`` comes from ``[cache]`` and ``max_deadline_s`` from ``[grpc]``, so that the
+    two places that need them cannot disagree.
+
+    Attributes:
+        max_queue: requests waiting for the model; more get RESOURCE_EXHAUSTED.
+        default_ttl_s: TTL of blocks whose request sent none (None: no expiry).
+        max_prompt_tokens: longest prompt accepted (None: the model's context minus 1).
+    """
+
+    max_queue: int = 64
+    default_ttl_s: float | None = 3600.0
+    max_prompt_tokens: int | None = None
+
+    def problems(self) -> list[str]:
+        errors = []
+        if not is_int(self.max_queue) or self.max_queue < 1:
+            errors.append(f"engine.max_queue must be an integer >= 1, got {self.max_queue!r}")
+        if self.default_ttl_s is not None and not is_positive(self.default_ttl_s):
+            errors.append(f"engine.default_ttl_s must be > 0, got {self.default_ttl_s!r}")
+        if self.max_prompt_tokens is not None and (
+            not is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1
+        ):
+            errors.append("engine.max_prompt_tokens must be an integer >= 1, got "
+                          f"{self.max_prompt_tokens!r}")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsSettings:
+    """The Prometheus endpoint (``gateway.service.metrics``), on a port of its own.
+
+    Off by default: it has no authentication and shows per-tenant counters, so an operator
+    turns it on and decides who can reach it.
+
+    Attributes:
+        enabled: serve ``/metrics`` over HTTP.
+        host: where to listen (loopback by default; a scraper elsewhere needs a routable one).
+        port: the port (0 picks a free one, logged at start).
+    """
+
+    enabled: bool = False
+    host: str = DEFAULT_METRICS_HOST
+    port: int = DEFAULT_METRICS_PORT
+
+    def problems(self) -> list[str]:
+        errors = []
+        if not isinstance(self.enabled, bool):
+            errors.append(f"metrics.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.host, str) or not self.host:
+            errors.append(f"metrics.host must be a host name or address, got {self.host!r}")
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            errors.append(f"metrics.port must be 0 to 65535, got {self.port!r}")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServeConfig:
+    """Everything ``kvgate serve`` needs, validated.
+
+    Attributes:
+        host, port: where to listen (port 0 picks a free one).
+        data_dir: disk tier (``kv/``), model cache (``models/``), secret, dev key.
+        model: ``bundled`` or a checkpoint directory.
+        tls_cert, tls_key: PEM files; both or neither.
+        allow_insecure_remote: listen on a non-loopback host without TLS (API keys then travel
+            in the clear: only behind a TLS-terminating proxy on a private network).
+        secret_file: the deployment secret (default ``data_dir/secret``).
+        keys: every configured API key (tenant and admin).
+        grpc, engine, cache, metrics: the sections of the same names.
+    """
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    data_dir: Path = DEFAULT_DATA_DIR
+    model: str = DEFAULT_MODEL
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    allow_insecure_remote: bool = False
+    secret_file: Path | None = None
+    keys: tuple[KeyEntry, ...] = ()
+    grpc: GrpcSettings = field(default_factory=GrpcSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def uses_tls(self) -> bool:
+        return self.tls_cert is not None
+
+    @property
+    def secret_path(self) -> Path:
+        return self.secret_file if self.secret_file is not None else self.data_dir / SECRET_FILE
+
+    @property
+    def dev_key_path(self) -> Path:
+        return self.data_dir / DEV_KEY_FILE
+
+
+
+def is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive(value: object) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
