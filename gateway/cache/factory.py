@@ -58,7 +58,7 @@ class CacheConfig:
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
     """
 
-    block_tokens: int = 256
+    block_tokens: int = 64
     order: str = "lru"
     device_bytes: int = 2 * GiB
     host_bytes: int = 4 * GiB

@@ -36,9 +36,15 @@ shutdown_grace_s = 10.0         # on SIGTERM, time for requests in flight to fin
 max_queue = 64                  # requests waiting for the model; more are refused
 default_ttl_s = 3600.0          # TTL of blocks whose request names none
 # max_prompt_tokens = 8191      # default: the model's context minus 1
+route = "auto"                  # "auto": batched if the start-up probe finds it exact, else serial
+step_tokens = 256               # tokens one step computes (decode rows + prefill chunks)
+max_running = 16                # requests running at once
+max_running_per_tenant = 8      # one tenant cannot take the engine
+max_queued_per_tenant = 32      # nor the queue: more are refused (RESOURCE_EXHAUSTED)
+kv_budget_bytes = "2GiB"        # KV buffers of the running requests, all together
 
 [cache]
-block_tokens = 256              # tokens per block: the unit of storage and sharing
+block_tokens = 64               # tokens per block: the unit of storage and sharing
 order = "lru"                   # eviction order of every tier: "lru" or "clock"
 device_bytes = "2GiB"           # GPU memory (CPU memory without a GPU); 0 turns a tier off
 host_bytes = "4GiB"             # CPU memory

@@ -131,7 +131,14 @@ def load_serve_config(
     _unknown_keys("server", server, _SERVER_KEYS, errors)
 
     grpc_settings = _build(GrpcSettings, "grpc", _table(raw, "grpc", errors), errors)
-    engine = _build(EngineSettings, "engine", _table(raw, "engine", errors), errors)
+    engine_table = dict(_table(raw, "engine", errors))
+    if "kv_budget_bytes" in engine_table:
+        try:
+            engine_table["kv_budget_bytes"] = parse_size(engine_table["kv_budget_bytes"])
+        except ValueError as exc:
+            errors.append(f"engine.kv_budget_bytes: {exc}")
+            del engine_table["kv_budget_bytes"]
+    engine = _build(EngineSettings, "engine", engine_table, errors)
     metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
     if grpc_settings is not None:
         errors.extend(grpc_settings.problems())

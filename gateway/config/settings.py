@@ -120,19 +120,38 @@ class EngineSettings:
     two places that need them cannot disagree.
 
     Attributes:
-        max_queue: requests waiting for the model; more get RESOURCE_EXHAUSTED.
+        max_queue: requests waiting for the model, all tenants; more get RESOURCE_EXHAUSTED.
         default_ttl_s: TTL of blocks whose request sent none (None: no expiry).
         max_prompt_tokens: longest prompt accepted (None: the model's context minus 1).
+        route: "auto" (the batched invariant forward if the start-up probe passes, else the
+            serial exact route), "batched" or "serial".
+        step_tokens: tokens one engine step computes at most (decode rows + prefill chunks).
+        max_running: requests running at once.
+        max_running_per_tenant: requests one tenant runs at once.
+        max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
+        kv_budget_bytes: memory the running requests' KV buffers may take together.
     """
 
     max_queue: int = 64
     default_ttl_s: float | None = 3600.0
     max_prompt_tokens: int | None = None
+    route: str = "auto"
+    step_tokens: int = 256
+    max_running: int = 16
+    max_running_per_tenant: int = 8
+    max_queued_per_tenant: int = 32
+    kv_budget_bytes: int = 2 << 30
 
     def problems(self) -> list[str]:
         errors = []
-        if not is_int(self.max_queue) or self.max_queue < 1:
-            errors.append(f"engine.max_queue must be an integer >= 1, got {self.max_queue!r}")
+        for name in ("max_queue", "step_tokens", "max_running", "max_running_per_tenant",
+                     "max_queued_per_tenant", "kv_budget_bytes"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                errors.append(f"engine.{name} must be an integer >= 1, got {value!r}")
+        if self.route not in ("auto", "batched", "serial"):
+            errors.append(f"engine.route must be \"auto\", \"batched\" or \"serial\", got "
+                          f"{self.route!r}")
         if self.default_ttl_s is not None and not is_positive(self.default_ttl_s):
             errors.append(f"engine.default_ttl_s must be > 0, got {self.default_ttl_s!r}")
         if self.max_prompt_tokens is not None and (

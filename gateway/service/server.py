@@ -251,6 +251,12 @@ def serve(
                 default_ttl_s=config.engine.default_ttl_s,
                 max_prompt_tokens=config.engine.max_prompt_tokens,
                 max_deadline_s=config.grpc.max_deadline_s,
+                route=config.engine.route,
+                step_tokens=config.engine.step_tokens,
+                max_running=config.engine.max_running,
+                max_running_per_tenant=config.engine.max_running_per_tenant,
+                max_queued_per_tenant=config.engine.max_queued_per_tenant,
+                kv_budget_bytes=config.engine.kv_budget_bytes,
             ),
             deployment_secret=secret,
             metrics=metrics,
@@ -259,9 +265,11 @@ def serve(
         if not stop_requested.is_set():
             server.attach(engine)
             logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s, tiers %s, %d API key(s))",
+                "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s, tiers %s, %d API key(s), "
+                "engine route %s: %s)",
                 config.host, server.port, "TLS" if config.uses_tls else "plaintext",
                 engine.model_name, "+".join(opened.cache.tier_names), authenticator.num_keys,
+                engine.route.name, engine.route.reason,
             )
             stop_requested.wait()
         logger.info("shutting down: finishing requests in flight (grace %.0f s)",
