@@ -52,7 +52,7 @@ from gateway.engine.forward import (
 )
 from gateway.engine.jobs import Job, RequestHandle
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.loop import LoopSettings, StepLoop
+from gateway.engine.loop import LoopCounters, LoopSettings, StepLoop
 from gateway.engine.model import LoadedModel, SerialForward
 from gateway.engine.observer import EngineMetrics
 from gateway.engine.probe import probe_invariance
@@ -247,6 +247,11 @@ class Engine:
                        "a time on the serial exact route", probe.failure)
         return serial, EngineRoute(name="serial", probe_s=probe.seconds,
                                    reason=f"start-up probe failed: {probe.failure}")
+
+    @property
+    def counters(self) -> LoopCounters:
+        """What the step loop has computed since start."""
+        return self._loop.counters if self._loop is not None else LoopCounters()
 
     @property
     def route(self) -> EngineRoute:

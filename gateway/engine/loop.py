@@ -68,6 +68,23 @@ class LoopSettings:
     decode_kv_is_prefill_kv: bool
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopCounters:
+    """What the loop has done since start (for Stats and tests).
+
+    Attributes:
+        num_steps: forwards run.
+        num_prefill_tokens: prompt tokens computed (not loaded from the cache).
+        num_decode_tokens: decode rows computed.
+        max_sequences_in_step: the most requests one forward carried.
+    """
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    max_sequences_in_step: int = 0
+
+
 @dataclass(slots=True, kw_only=True)
 class _Active:
     """A request the loop has admitted (its state across steps)."""
@@ -125,12 +142,17 @@ class StepLoop:
         self._prefill_s_per_token: float | None = None
         self._thread: threading.Thread | None = None
         self._is_stopping = False
+        self._counters = LoopCounters()
 
     # ---- called from other threads ------------------------------------------------------
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvgate-engine", daemon=True)
         self._thread.start()
+
+    @property
+    def counters(self) -> LoopCounters:
+        return self._counters
 
     @property
     def forward(self) -> StepForward:
@@ -304,6 +326,13 @@ class StepLoop:
             batch.append(SequenceRows(sequence=active.seq, tokens=tokens, wants_logits=wants))
         began = time.perf_counter()
         outputs = self._forward.forward(batch)
+        num_decode = sum(1 for c in plan.chunks if c.is_decode)
+        counters = self._counters
+        self._counters = LoopCounters(
+            num_steps=counters.num_steps + 1,
+            num_prefill_tokens=counters.num_prefill_tokens + plan.num_tokens - num_decode,
+            num_decode_tokens=counters.num_decode_tokens + num_decode,
+            max_sequences_in_step=max(counters.max_sequences_in_step, len(plan.chunks)))
         if not any(c.is_decode for c in plan.chunks):
             self._note_prefill_speed(plan.num_tokens, time.perf_counter() - began)
         for chunk, logits in zip(plan.chunks, outputs, strict=True):

@@ -1,0 +1,210 @@
+"""Many requests at once: the same answers as alone, warm still equal to cold, fair, cancellable.
+
+The engine batches every running request into each step (``gateway.engine.loop``); these tests
+run requests concurrently from threads on the tiny Llama and compare against the same requests
+run alone, token for token and K/V bit for bit.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.cache.factory import OpenedCache, open_cache
+from gateway.core.canonical import PromptInput
+from gateway.core.errors import RequestCancelled
+from gateway.core.fingerprint import Scope
+from gateway.core.requests import (
+    CacheOptions,
+    GenerateRequest,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
+from gateway.engine.engine import Engine, EngineConfig
+from gateway.engine.model import LoadedModel, load_model
+from tests.gateway.engine.test_engine import SECRET, cache_config
+from tests.tiny_llama import save_tiny_llama
+
+ALICE = Scope.of_tenant("alice")
+BOB = Scope.of_tenant("bob")
+SYSTEM = [(5 * i + 3) % 400 for i in range(70)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
+
+
+def start(tiny: LoadedModel, root: Path, block: int, **config: object
+          ) -> tuple[Engine, OpenedCache]:
+    opened = open_cache(cache_config(root, block_tokens=block), layout=tiny.layout,
+                        deployment_secret=SECRET)
+    engine = Engine(loaded=tiny, cache=opened.cache,
+                    config=EngineConfig(block_tokens=block, **config),  # type: ignore[arg-type]
+                    deployment_secret=SECRET)
+    engine.start()
+    assert engine.route.name == "batched", engine.route.reason
+    return engine, opened
+
+
+@pytest.fixture
+def stack(tiny: LoadedModel, tmp_path: Path) -> Iterator[tuple[Engine, OpenedCache]]:
+    engine, opened = start(tiny, tmp_path, 16)
+    yield engine, opened
+    engine.stop(grace_s=5)
+    opened.close()
+
+
+def request(tokens: list[int], *, scope: Scope = ALICE, max_tokens: int = 10,
+            no_cache: bool = False) -> GenerateRequest:
+    return GenerateRequest(prompt=PromptInput(token_ids=tokens), scope=scope,
+                           sampling=SamplingParams(max_tokens=max_tokens),
+                           cache=CacheOptions(no_cache=no_cache))
+
+
+def collect(engine: Engine, req: GenerateRequest) -> tuple[list[int], Usage]:
+    ids: list[int] = []
+    usage = None
+    for event in engine.generate(req):
+        if isinstance(event, TokenDelta):
+            ids.extend(event.token_ids)
+        else:
+            usage = event
+    assert usage is not None
+    return ids, usage
+
+
+def concurrently(engine: Engine, requests: list[GenerateRequest]
+                 ) -> list[tuple[list[int], Usage]]:
+    results: list[tuple[list[int], Usage] | None] = [None] * len(requests)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(requests))
+
+    def one(i: int) -> None:
+        try:
+            barrier.wait()
+            results[i] = collect(engine, requests[i])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    assert all(r is not None for r in results)
+    return [r for r in results if r is not None]
+
+
+def random_prompt(rng: random.Random, lo: int, hi: int) -> list[int]:
+    return [rng.randrange(400) for _ in range(rng.randint(lo, hi))]
+
+
+@pytest.mark.parametrize("block", [16, 32, 64])
+def test_a_request_gets_the_same_greedy_tokens_alone_and_among_others(tiny, tmp_path,
+                                                                      block) -> None:
+    engine, opened = start(tiny, tmp_path, block)
+    try:
+        rng = random.Random(block)
+        mine = request(SYSTEM + random_prompt(rng, 5, 30), no_cache=True, max_tokens=12)
+        alone, _ = collect(engine, mine)
+        for num_others in (1, 3, 7):
+            others = [request(random_prompt(rng, 3, 150), no_cache=True,
+                              max_tokens=rng.randint(1, 20)) for _ in range(num_others)]
+            together = concurrently(engine, [*others, mine])
+            assert together[-1][0] == alone, f"with {num_others} others"
+        assert engine.counters.max_sequences_in_step >= 4
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
+
+
+def test_warm_equals_cold_with_batching_on(stack) -> None:
+    engine, _ = stack
+    rng = random.Random(7)
+    prompts = [SYSTEM + random_prompt(rng, 10, 60) for _ in range(6)]
+    cold = concurrently(engine, [request(p, no_cache=True) for p in prompts])
+    first = concurrently(engine, [request(p) for p in prompts])
+    warm = concurrently(engine, [request(p) for p in prompts])
+    for (cold_ids, _), (first_ids, _), (warm_ids, usage) in zip(cold, first, warm,
+                                                                strict=True):
+        assert first_ids == cold_ids
+        assert warm_ids == cold_ids
+        assert usage.cached_tokens >= 64
+
+
+def test_every_block_stored_under_batching_equals_the_cold_computation(stack) -> None:
+    engine, opened = stack
+    rng = random.Random(8)
+    prompts = [SYSTEM + random_prompt(rng, 20, 80) for _ in range(5)]
+    concurrently(engine, [request(p, max_tokens=20) for p in prompts])
+    for prompt in prompts:
+        tokens = engine._canonical(PromptInput(token_ids=prompt)).token_ids
+        cold = engine.cold_blocks(tokens)
+        with opened.cache.acquire(engine._namespace(ALICE), tokens) as lease:
+            stored = opened.cache.load(lease)
+        assert len(stored) == len(cold) == len(prompt) // 16
+        for got, want in zip(stored, cold, strict=True):
+            for a, b in zip(got.keys + got.values, want.keys + want.values, strict=True):
+                assert torch.equal(a, b)
+
+
+def test_an_answers_blocks_are_stored_as_decoded_and_equal_a_cold_prefill(stack) -> None:
+    engine, opened = stack
+    prompt = SYSTEM[:40]
+    ids, _ = collect(engine, request(prompt, max_tokens=40))
+    everything = engine._canonical(PromptInput(token_ids=prompt + ids)).token_ids
+    cold = engine.cold_blocks(everything)
+    with opened.cache.acquire(engine._namespace(ALICE), everything) as lease:
+        stored = opened.cache.load(lease)
+    assert len(stored) == (len(prompt) + len(ids) - 1) // 16 >= 4  # the last token has no KV
+    for got, want in zip(stored, cold[:len(stored)], strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got.keys, want.keys, strict=True))
+        assert all(torch.equal(a, b) for a, b in zip(got.values, want.values, strict=True))
+
+
+def test_cancelling_one_request_mid_batch_frees_its_blocks_and_changes_no_other(stack) -> None:
+    engine, opened = stack
+    rng = random.Random(9)
+    others = [request(SYSTEM + random_prompt(rng, 5, 20), no_cache=True, max_tokens=15)
+              for _ in range(3)]
+    alone = [collect(engine, r)[0] for r in others]
+    victim = engine.generate(request(SYSTEM + [1, 2, 3], max_tokens=400))
+    results: list[list[int]] = []
+    runner = threading.Thread(target=lambda: results.extend(
+        r[0] for r in concurrently(engine, others)))
+    runner.start()
+    events = iter(victim)
+    next(events)  # it is decoding
+    victim.cancel()
+    with pytest.raises(RequestCancelled):
+        for _ in events:
+            pass
+    runner.join(timeout=120)
+    assert results == alone
+    assert opened.cache.total_refcount() == 0
+
+
+def test_a_flooding_tenant_does_not_hold_back_another_tenants_request(tiny, tmp_path) -> None:
+    engine, opened = start(tiny, tmp_path, 16, max_running=8, max_running_per_tenant=6)
+    try:
+        rng = random.Random(10)
+        flood = [engine.generate(request(random_prompt(rng, 100, 200), max_tokens=300,
+                                         no_cache=True)) for _ in range(6)]
+        for handle in flood:
+            next(iter(handle))  # every flood request is decoding
+        ids, usage = collect(engine, request(SYSTEM, scope=BOB, max_tokens=5, no_cache=True))
+        assert usage.completion_tokens == len(ids) == 5
+        assert all(not handle._job.done.is_set() for handle in flood)
+        for handle in flood:
+            handle.cancel()
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
