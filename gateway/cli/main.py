@@ -259,7 +259,8 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from gateway.config.serve_config import ConfigError, load_serve_config
     from gateway.core.errors import GatewayError
-    from gateway.service.server import ServeError, serve
+    from gateway.service.assembly import serve
+    from gateway.service.server import ServeError
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

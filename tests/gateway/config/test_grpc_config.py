@@ -21,8 +21,8 @@ from gateway.config.serve_config import (
     load_serve_config,
     parse_size,
 )
+from gateway.service.assembly import build_authenticator
 from gateway.service.auth import Authenticator
-from gateway.service.server import build_authenticator
 
 KEY_A = "tenant-a-key-0123456789abcdef"
 ADMIN = "admin-key-0123456789abcdefgh"
