@@ -1,15 +1,15 @@
-"""The prefix cache: the radix index, each tier's policy and the reference counts, kept in step.
+"""The prefix cache: matching a prompt, leasing its cached blocks, inserting the rest, pinning.
 
-This is the one object the request path talks to, and the part of the cache that decides:
-which blocks of a prompt are cached and where, which of them a running request is reading (so
-nothing evicts them), which are pinned, which new blocks a tier admits and what it evicts for
-them. What the bytes then do -- loading, promoting, demoting, writing through, the remote tier
--- is ``gateway.cache.transfers``; operators' selections are ``gateway.cache.admin``; indexing
-what a store kept over a restart is ``gateway.cache.adoption``. Those three build on the
-placement (``gateway.cache.placement``: who holds what, and the rules for changing it), never
-on the fields of either.
+This is the one object the request path talks to, and the part of the cache that decides for a
+request: which blocks of a prompt are cached and where, which of them a running request is
+reading (a lease: nothing evicts them), which new blocks a tier admits, which are pinned. It
+stands on ``gateway.cache.placement`` (the index, the tiers' policies and the reference counts:
+who holds what, and the rules for changing that). What the bytes then do -- loading, promoting,
+demoting, writing through, the remote tier -- is ``gateway.cache.transfers``; operators'
+selections are ``gateway.cache.admin``; indexing what a store kept over a restart is
+``gateway.cache.adoption``. None of them writes another's fields.
 
-Rules it keeps (the invariants the property tests check):
+Rules it keeps with its placement (the invariants the property tests check):
   * a block is in the index exactly while at least one tier holds it;
   * a block with references (``refcount > 0``) or pinned is never evicted;
   * a block leaves a tier only when none of its children is held in that tier, and leaves the
