@@ -97,14 +97,17 @@ class TierPlacement:
 
     @property
     def block_tokens(self) -> int:
+        """Tokens per block."""
         return self._block_tokens
 
     @property
     def tier_names(self) -> tuple[str, ...]:
+        """The local tiers, fastest first."""
         return tuple(t.name for t in self._tiers)
 
     @property
     def write_through_tiers(self) -> tuple[str, ...]:
+        """Tiers that receive a copy of every newly inserted block."""
         return tuple(t.name for t in self._tiers if t.write_through)
 
     @property
@@ -114,6 +117,7 @@ class TierPlacement:
 
     @property
     def num_remote_hits(self) -> int:
+        """Blocks served from the remote tier so far."""
         return self._num_remote_hits
 
     def fingerprinter(self, namespace: Namespace) -> BlockFingerprinter:

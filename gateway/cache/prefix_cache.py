@@ -114,6 +114,7 @@ class Lease:
 
     @property
     def is_released(self) -> bool:
+        """Whether the cache has taken its references back."""
         return self._is_released
 
     @property
@@ -180,6 +181,7 @@ class PrefixCache:
 
     @property
     def tier_names(self) -> tuple[str, ...]:
+        """The local tiers, fastest first."""
         return self._placement.tier_names
 
     @property

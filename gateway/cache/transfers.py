@@ -130,6 +130,7 @@ class TierTransfers:
 
     @property
     def has_remote(self) -> bool:
+        """Whether a remote (Redis) store is configured."""
         return self._hierarchy.remote is not None
 
     def can_demote_from(self, tier: str) -> bool:
@@ -137,6 +138,7 @@ class TierTransfers:
         return self._hierarchy.below(tier) is not None
 
     def stats(self) -> tuple[StoreStats, ...]:
+        """Each store's own counters."""
         return tuple(self._hierarchy.stats())
 
     # ---- writing ------------------------------------------------------------------------
