@@ -98,8 +98,7 @@ class EdgeLimits:
 
 
 class EngineSlot:
-    """The engine and the cache's admin that the services call; empty while the model loads
-    (calls get UNAVAILABLE)."""
+    """The engine and cache admin the services call; empty while the model loads (UNAVAILABLE)."""
 
     def __init__(self) -> None:
         self._engine: Engine | None = None
@@ -128,15 +127,13 @@ class EngineSlot:
         """The cache's admin operations.
 
         Raises:
-            EngineDraining: nothing attached yet: the model is still loading.
+            EngineDraining: the model is still loading.
             InvalidRequest: the server runs without a cache.
         """
-        self.get()
-        with self._lock:
-            admin = self._admin
-        if admin is None:
+        self.get()  # the admin is attached with the engine, under the lock
+        if self._admin is None:
             raise InvalidRequest("this server runs without a cache")
-        return admin
+        return self._admin
 
 
 # ---- protobuf -> records ------------------------------------------------------------------
@@ -397,8 +394,7 @@ class GatewayServicer:
 
 
 class AdminServicer:
-    """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only), served by the
-    cache layer's ``CacheAdmin``."""
+    """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only): ``CacheAdmin``."""
 
     def __init__(self, engines: EngineSlot) -> None:
         self._engines = engines
