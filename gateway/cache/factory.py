@@ -1,9 +1,10 @@
-"""Building the cache: stores, tier hierarchy, policies and prefix cache from one config.
+"""Building the cache layer: stores, tier hierarchy, policies and prefix cache from one config.
 
-The composition root of the cache (STYLE.md, "One composition root"): every store, policy and
-the prefix cache get what they need through their constructors here, from one validated, frozen
-``CacheConfig``; nothing reaches for globals. ``open_cache`` also starts what has threads
-(disk writer, remote writer) and re-indexes what the disk tier kept from the last run.
+``open_cache`` is the one function that the composition root (``gateway.service.assembly``)
+calls for the cache: every store, policy and the prefix cache get what they need through their
+constructors here, from one validated, frozen ``CacheConfig``; nothing reaches for globals. It
+also starts what has threads (disk writer, remote writer) and re-indexes what the disk tier
+kept from the last run (``gateway.cache.adoption``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+from gateway.cache.adoption import adopt
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from policies.registry import ORDER_POLICIES, TierPolicyConfig, build_tier_policy
 from tiers.breaker import CircuitBreaker
@@ -188,7 +190,7 @@ def open_cache(
     if disk is not None:
         disk.start()  # runs recovery
         found = [(h.meta, h.raw_len) for h in disk.take_recovered()]
-        num_recovered = cache.adopt("disk", found)
+        num_recovered = adopt(cache.placement, "disk", found)
         if found:
             logger.info("disk tier: %d of %d blocks from the last run are served again",
                         num_recovered, len(found))

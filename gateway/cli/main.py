@@ -257,7 +257,8 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.config.loader import load_serve_config
     from gateway.config.settings import ConfigError
     from gateway.core.errors import GatewayError
-    from gateway.service.server import ServeError, serve
+    from gateway.service.assembly import serve
+    from gateway.service.server import ServeError
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -19,14 +19,14 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 
-from gateway.cache.prefix_cache import CacheStats, PrefixCache
+from gateway.cache.prefix_cache import PrefixCache
 from gateway.core.canonical import CanonicalPrompt, PromptInput, canonicalize
 from gateway.core.errors import (
     EngineDraining,
@@ -42,7 +42,7 @@ from gateway.core.requests import (
     WarmRequest,
     WarmResult,
 )
-from gateway.core.tokens import TokenIds, tokens_from_bytes
+from gateway.core.tokens import TokenIds
 from gateway.engine.attention import TILE, attention_for
 from gateway.engine.forward import (
     BatchedForward,
@@ -57,8 +57,6 @@ from gateway.engine.model import LoadedModel, SerialForward
 from gateway.engine.observer import EngineMetrics
 from gateway.engine.probe import probe_invariance
 from gateway.engine.scheduler import ScheduleLimits, Scheduler
-from policies.base import BlockKey
-from tiers.hierarchy import REMOTE as REMOTE_TIER
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
@@ -126,27 +124,6 @@ class EngineRoute:
         return f"{self.name}-t{TILE}" if self.name == "batched" else self.name
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefixSummary:
-    """One cached prompt, for ``ListPrefixes``."""
-
-    tenant: str
-    key_hex: str
-    num_blocks: int
-    num_tokens: int
-    num_bytes: int
-    tiers: tuple[str, ...]
-    age_s: float
-    idle_s: float
-    num_hits: int
-    is_pinned: bool
-    preview: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EvictResult:
-    num_blocks: int
-    bytes_by_tier: dict[str, int]
 
 
 class Engine:
@@ -431,104 +408,21 @@ class Engine:
                 self._namespaces[scope] = namespace
             return namespace
 
-    # ---- administration ---------------------------------------------------------------
+    # ---- keys, for the cache's admin (gateway.cache.admin.PromptKeys) -----------------
 
-    def _require_cache(self) -> PrefixCache:
-        if self._cache is None:
-            raise InvalidRequest("this server runs without a cache")
-        return self._cache
+    def namespace(self, scope: Scope) -> Namespace:
+        """The namespace of ``scope`` for this model, secret and device."""
+        return self._namespace(scope)
 
-    def stats(self) -> CacheStats:
-        return self._require_cache().stats()
-
-    def list_prefixes(self, *, tenant: str | None, limit: int) -> list[PrefixSummary]:
-        cache = self._require_cache()
-        out = []
-        for info in cache.list_prefixes(owner=tenant, limit=limit):
-            first = [int(t) for t in tokens_from_bytes(info.first_block_tokens)[:24]]
-            out.append(
-                PrefixSummary(
-                    tenant=info.owner,
-                    key_hex=info.key.hex(),
-                    num_blocks=info.num_blocks,
-                    num_tokens=info.num_tokens,
-                    num_bytes=info.num_bytes,
-                    tiers=info.tiers,
-                    age_s=info.idle_s,
-                    idle_s=info.idle_s,
-                    num_hits=info.num_hits,
-                    is_pinned=info.is_pinned,
-                    preview=self._loaded.tokenizer.decode(first),
-                )
-            )
-        return out
-
-    def evict(
-        self,
-        *,
-        tenant: str | None = None,
-        prefix_text: str | None = None,
-        key_hex: str | None = None,
-        older_than_s: float | None = None,
-        tier: str | None = None,
-        everything: bool = False,
-    ) -> EvictResult:
-        """Drop blocks matching every given selector (``everything`` for all)."""
-        cache = self._require_cache()
-        if not (everything or tenant or prefix_text or key_hex or older_than_s is not None
-                or tier):
-            raise InvalidRequest("say what to evict: a tenant, a prefix, a key, an age, a tier, "
-                                 "or everything")
-        if tier is not None and tier not in (*cache.tier_names, REMOTE_TIER):
-            raise InvalidRequest(f"unknown tier {tier!r}; tiers are "
-                                 f"{[*cache.tier_names, REMOTE_TIER]}")
-        if older_than_s is not None and not (math.isfinite(older_than_s) and older_than_s >= 0):
-            raise InvalidRequest("older_than_s must be a non-negative number of seconds")
-        under = None
-        if prefix_text is not None:
-            if tenant is None:
-                raise InvalidRequest("evicting by prefix text needs the tenant it belongs to")
-            scope = Scope.shared() if tenant == "shared" else Scope.of_tenant(tenant)
-            tokens = self._canonical(PromptInput(prompt=prefix_text)).token_ids
-            under = (self._namespace(scope), tokens)
-        key = None
-        if key_hex is not None:
-            try:
-                key = BlockKey(bytes.fromhex(key_hex))
-            except ValueError:
-                raise InvalidRequest(f"key must be hex, got {key_hex!r}") from None
-        local_tier = None if tier == REMOTE_TIER else tier
-        before = cache.stats().num_blocks
-        freed = {} if tier == REMOTE_TIER else cache.evict_where(
-            owner=tenant, under=under, key=key, idle_s=older_than_s, tier=local_tier)
-        if tier in (None, REMOTE_TIER):
-            # The shared tier: what one replica evicts must not come back from Redis. By age
-            # and by key it cannot select remote blocks (Redis expires them by its own TTL).
-            if under is not None:
-                cache.forget_remote(*under)
-            elif everything:
-                cache.flush_remote({*cache.known_namespaces(), *self._known_namespaces()})
-            elif tenant is not None and key is None and older_than_s is None:
-                scopes = [Scope.shared()] if tenant == "shared" else [Scope.of_tenant(tenant)]
-                cache.flush_remote(self._namespace(s) for s in scopes)
-        return EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
-                           bytes_by_tier=freed)
-
-    def _known_namespaces(self) -> list[Namespace]:
+    def known_namespaces(self) -> list[Namespace]:
+        """Every namespace this engine has derived."""
         with self._lock:
             return list(self._namespaces.values())
 
-    def set_pinned(self, request: WarmRequest, pinned: bool) -> int:
-        cache = self._require_cache()
-        tokens = self._canonical(request.prompt).token_ids
-        return cache.set_pinned(self._namespace(request.scope), tokens, pinned)
+    def prompt_tokens(self, prompt: PromptInput) -> TokenIds:
+        """The canonical tokens of ``prompt``, as a request would see them."""
+        return self._canonical(prompt).token_ids
 
-    def set_quota(self, tenant: str, num_bytes: int | None) -> None:
-        if num_bytes is not None and num_bytes < 0:
-            raise InvalidRequest("a quota must be >= 0 bytes")
-        self._require_cache().set_quota(tenant, num_bytes)
-
-    def flush(self) -> EvictResult:
-        return self.evict(everything=True)
-
-
+    def preview(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` in this model's tokenizer."""
+        return self._loaded.tokenizer.decode(token_ids)

@@ -28,7 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
 
-from gateway.cache.prefix_cache import CacheStats
+from gateway.cache.stats import CacheStats
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
 
 logger = logging.getLogger(__name__)

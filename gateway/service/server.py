@@ -1,17 +1,10 @@
-"""The gRPC server, and ``kvgate serve``'s composition root.
+"""The gRPC server: ``kvgate.v1``, health checking and reflection on one listener.
 
 ``GatewayServer`` listens with the limits of ``GrpcSettings``, serves ``kvgate.v1`` (through
 ``gateway.service.servicer``), standard health checking and reflection. It starts listening before
 the model is loaded, so an orchestrator sees the process come up: health says NOT_SERVING (and every
 RPC UNAVAILABLE) until an engine is attached, SERVING from then on, NOT_SERVING again once shutdown
-begins.
-
-``serve`` builds everything from one ``ServeConfig`` -- secret, keys, server, model, cache,
-metrics, engine -- and runs until asked to stop. The Prometheus endpoint (``[metrics]``) comes
-up once the cache is open. Shutdown order (SIGTERM): health NOT_SERVING; the server stops
-taking calls (new ones fail UNAVAILABLE, so clients retry elsewhere) while calls in flight go
-on; the engine finishes or cancels them within the grace period; the metrics endpoint stops;
-the cache flushes pending disk writes and closes.
+begins. What it serves is built elsewhere, by the composition root (``gateway.service.assembly``).
 
 Bearer keys are refused on a plaintext listener that is not loopback: such a server does not
 start unless ``allow_insecure_remote`` says a TLS-terminating proxy sits in front.
@@ -21,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Mapping
 from concurrent import futures
 from typing import TYPE_CHECKING, Any
 
@@ -29,13 +21,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.config.secrets import (
-    DEV_TENANT,
-    deployment_secret,
-    dev_api_key,
-    dev_key_entry,
-    ensure_private_dir,
-)
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
@@ -48,9 +33,8 @@ from gateway.service.servicer import (
 )
 
 if TYPE_CHECKING:
-    from gateway.cache.prefix_cache import PrefixCache
+    from gateway.cache.admin import CacheAdmin
     from gateway.engine.engine import Engine
-    from gateway.service.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -136,9 +120,10 @@ class GatewayServer:
         self.port = int(port)
         return self.port
 
-    def attach(self, engine: Engine) -> None:
-        """Serve with ``engine`` from now on: health SERVING."""
-        self._engines.attach(engine)
+    def attach(self, engine: Engine, admin: CacheAdmin | None) -> None:
+        """Serve with ``engine``, and the Admin service with ``admin`` (None: no cache), from
+        now on: health SERVING."""
+        self._engines.attach(engine, admin)
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
 
@@ -165,124 +150,3 @@ class GatewayServer:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-
-
-def build_authenticator(
-    config: ServeConfig, announce: Callable[[str], None]
-) -> Authenticator:
-    """The configured keys; with none, the development key of tenant ``default``."""
-    if config.keys:
-        return Authenticator(config.keys)
-    key = dev_api_key(config)
-    announce(
-        f"no API keys configured: development key for tenant {DEV_TENANT!r}: {key}\n"
-        f"(saved in {config.dev_key_path}; `kvgate generate` on this machine uses it)"
-    )
-    return Authenticator([dev_key_entry(key)])
-
-
-def start_metrics(config: ServeConfig, cache: PrefixCache) -> GatewayMetrics:
-    """The metrics of ``cache`` and the requests, served on ``config.metrics``' address.
-
-    Raises:
-        ServeError: the address cannot be bound.
-    """
-    from gateway.service.metrics import GatewayMetrics
-
-    settings = config.metrics
-    metrics = GatewayMetrics(cache_stats=cache.stats)
-    try:
-        port = metrics.start(settings.host, settings.port)
-    except OSError as exc:
-        raise ServeError(f"cannot serve metrics on {settings.host}:{settings.port} ({exc}); "
-                         "is another process using the port?") from exc
-    if not is_loopback(settings.host):
-        logger.warning("the metrics endpoint on %s has no authentication and shows per-tenant "
-                       "counters: let only your scraper reach it", settings.host)
-    logger.info("metrics on http://%s:%d/metrics", settings.host, port)
-    return metrics
-
-
-def serve(
-    config: ServeConfig,
-    *,
-    env: Mapping[str, str],
-    stop_requested: threading.Event,
-    announce: Callable[[str], None],
-) -> None:
-    """Run the gateway until ``stop_requested`` is set, then shut down gracefully.
-
-    Args:
-        config: the validated configuration.
-        env: the environment (for ``KVGATE_DEPLOYMENT_SECRET``).
-        stop_requested: set by the signal handler (SIGTERM, SIGINT).
-        announce: writes a line for the operator's console (the development key).
-
-    Raises:
-        ServeError, gateway.config.settings.ConfigError, gateway.engine.model.ModelLoadError:
-            it could not start.
-    """
-    ensure_private_dir(config.data_dir)
-    secret = deployment_secret(config, env)
-    authenticator = build_authenticator(config, announce)
-    server = GatewayServer(config, authenticator)
-    server.start()
-    # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
-    from gateway.cache.factory import open_cache
-    from gateway.engine.engine import Engine, EngineConfig
-    from gateway.engine.model import load_model
-
-    logger.info("listening on %s:%d; loading the model %s", config.host, server.port,
-                config.model)
-    opened = None
-    engine: Engine | None = None
-    metrics: GatewayMetrics | None = None
-    try:
-        loaded = load_model(config.model, cache_dir=config.data_dir / "models")
-        opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret)
-        if config.metrics.enabled:
-            metrics = start_metrics(config, opened.cache)
-        engine = Engine(
-            loaded=loaded,
-            cache=opened.cache,
-            config=EngineConfig(
-                block_tokens=config.cache.block_tokens,
-                max_queue=config.engine.max_queue,
-                default_ttl_s=config.engine.default_ttl_s,
-                max_prompt_tokens=config.engine.max_prompt_tokens,
-                max_deadline_s=config.grpc.max_deadline_s,
-                route=config.engine.route,
-                step_tokens=config.engine.step_tokens,
-                max_running=config.engine.max_running,
-                max_running_per_tenant=config.engine.max_running_per_tenant,
-                max_queued_per_tenant=config.engine.max_queued_per_tenant,
-                kv_budget_bytes=config.engine.kv_budget_bytes,
-            ),
-            deployment_secret=secret,
-            metrics=metrics,
-        )
-        engine.start()
-        if not stop_requested.is_set():
-            server.attach(engine)
-            logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s, tiers %s, %d API key(s), "
-                "engine route %s: %s)",
-                config.host, server.port, "TLS" if config.uses_tls else "plaintext",
-                engine.model_name, "+".join(opened.cache.tier_names), authenticator.num_keys,
-                engine.route.name, engine.route.reason,
-            )
-            stop_requested.wait()
-        logger.info("shutting down: finishing requests in flight (grace %.0f s)",
-                    config.grpc.shutdown_grace_s)
-    finally:
-        stopped = server.begin_shutdown()
-        if engine is not None:
-            engine.stop(config.grpc.shutdown_grace_s)
-        stopped.wait(config.grpc.shutdown_grace_s + 1.0)
-        server.stop(0)
-        if metrics is not None:
-            metrics.stop()
-        if opened is not None:
-            opened.close()
-        logger.info("stopped")
-

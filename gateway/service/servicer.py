@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import grpc
 from google.protobuf.message import DecodeError
 
-from gateway.cache.prefix_cache import CacheStats
+from gateway.cache.stats import CacheStats
 from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import EngineDraining, InvalidRequest
@@ -54,7 +54,8 @@ from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.status_mapping import status_of
 
 if TYPE_CHECKING:
-    from gateway.engine.engine import Engine, EvictResult, PrefixSummary
+    from gateway.cache.admin import CacheAdmin, EvictResult, PrefixSummary
+    from gateway.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -97,15 +98,18 @@ class EdgeLimits:
 
 
 class EngineSlot:
-    """The engine the services call; empty while the model loads (calls get UNAVAILABLE)."""
+    """The engine and cache admin the services call; empty while the model loads (UNAVAILABLE)."""
 
     def __init__(self) -> None:
         self._engine: Engine | None = None
+        self._admin: CacheAdmin | None = None
         self._lock = threading.Lock()
 
-    def attach(self, engine: Engine) -> None:
+    def attach(self, engine: Engine, admin: CacheAdmin | None) -> None:
+        """Serve ``engine`` and ``admin`` (None: the server runs without a cache)."""
         with self._lock:
             self._engine = engine
+            self._admin = admin
 
     def get(self) -> Engine:
         """The engine.
@@ -118,6 +122,18 @@ class EngineSlot:
         if engine is None:
             raise EngineDraining("the gateway is still loading its model; retry in a few seconds")
         return engine
+
+    def admin(self) -> CacheAdmin:
+        """The cache's admin operations.
+
+        Raises:
+            EngineDraining: the model is still loading.
+            InvalidRequest: the server runs without a cache.
+        """
+        self.get()  # the admin is attached with the engine, under the lock
+        if self._admin is None:
+            raise InvalidRequest("this server runs without a cache")
+        return self._admin
 
 
 # ---- protobuf -> records ------------------------------------------------------------------
@@ -378,7 +394,7 @@ class GatewayServicer:
 
 
 class AdminServicer:
-    """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only)."""
+    """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only): ``CacheAdmin``."""
 
     def __init__(self, engines: EngineSlot) -> None:
         self._engines = engines
@@ -386,7 +402,7 @@ class AdminServicer:
     def Stats(
         self, request: pb.StatsRequest, principal: Principal, context: Any
     ) -> pb.StatsResponse:
-        return stats_response(self._engines.get().stats())
+        return stats_response(self._engines.admin().stats())
 
     def ListPrefixes(
         self, request: pb.ListPrefixesRequest, principal: Principal, context: Any
@@ -396,7 +412,7 @@ class AdminServicer:
             raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
                                  f"{DEFAULT_LIST_LIMIT}), got {request.limit}")
         tenant = request.tenant if request.HasField("tenant") else None
-        summaries = self._engines.get().list_prefixes(tenant=tenant, limit=limit)
+        summaries = self._engines.admin().list_prefixes(tenant=tenant, limit=limit)
         return pb.ListPrefixesResponse(prefixes=[prefix_summary(s) for s in summaries])
 
     def Evict(
@@ -423,7 +439,7 @@ class AdminServicer:
                 raise InvalidRequest(
                     "key_hex must be a block key in hex, as ListPrefixes shows it"
                 ) from None
-        result = self._engines.get().evict(everything=request.everything, **criteria)
+        result = self._engines.admin().evict(everything=request.everything, **criteria)
         return evict_response(result)
 
     def Pin(
@@ -448,8 +464,8 @@ class AdminServicer:
         else:
             raise InvalidRequest(f"unknown scope {request.scope}; use SCOPE_TENANT or "
                                  "SCOPE_SHARED")
-        record = WarmRequest(prompt=prompt_input(request.input), scope=scope, pin=pinned)
-        return pb.PinResponse(num_blocks=self._engines.get().set_pinned(record, pinned))
+        prompt = prompt_input(request.input)
+        return pb.PinResponse(num_blocks=self._engines.admin().set_pinned(prompt, scope, pinned))
 
     def SetQuota(
         self, request: pb.SetQuotaRequest, principal: Principal, context: Any
@@ -460,13 +476,13 @@ class AdminServicer:
         if num_bytes is not None and num_bytes < 0:
             raise InvalidRequest(f"num_bytes must be >= 0 (unset removes the quota), "
                                  f"got {num_bytes}")
-        self._engines.get().set_quota(request.tenant, num_bytes)
+        self._engines.admin().set_quota(request.tenant, num_bytes)
         return pb.SetQuotaResponse()
 
     def Flush(
         self, request: pb.FlushRequest, principal: Principal, context: Any
     ) -> pb.EvictResponse:
-        return evict_response(self._engines.get().flush())
+        return evict_response(self._engines.admin().flush())
 
 
 # ---- the wrapper every RPC goes through ---------------------------------------------------

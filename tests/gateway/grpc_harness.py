@@ -19,6 +19,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
 from gateway.client import KvgateClient, RetryPolicy
 from gateway.config.keys import KeyEntry
@@ -135,7 +136,8 @@ def attach_engine(
                             config=engine_config or EngineConfig(block_tokens=BLOCK),
                             deployment_secret=SECRET)
     running.engine.start()
-    running.server.attach(running.engine)
+    admin = CacheAdmin(running.opened.cache, keys=running.engine)
+    running.server.attach(running.engine, admin)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> bool:

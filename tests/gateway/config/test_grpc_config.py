@@ -14,8 +14,8 @@ from gateway.config.keys import Principal, key_digest
 from gateway.config.loader import DEFAULT_DISK_BYTES, load_serve_config, parse_size
 from gateway.config.secrets import dev_api_key
 from gateway.config.settings import ConfigError, GrpcSettings, ServeConfig
+from gateway.service.assembly import build_authenticator
 from gateway.service.auth import Authenticator
-from gateway.service.server import build_authenticator
 
 KEY_A = "tenant-a-key-0123456789abcdef"
 ADMIN = "admin-key-0123456789abcdefgh"

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from gateway.cache.admin import CacheAdmin, list_prefixes
 from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest, QueueFull, RequestCancelled
@@ -372,7 +373,7 @@ def test_a_shared_prompt_is_read_by_every_tenant_and_never_written_by_them(
     warm, _, usage = run(engine, prompt, scope=BOB)
     assert warm == cold and usage.cached_tokens > 0
     assert engine.lookup(LookupRequest(prompt=prompt, scope=ALICE)).cached_tokens > 0
-    shared = [p for p in opened.cache.list_prefixes(owner="shared")]
+    shared = [p for p in list_prefixes(opened.cache, owner="shared")]
     assert sum(p.num_blocks for p in shared) == shared_blocks  # bob wrote only his own
 
 
@@ -389,15 +390,16 @@ def test_cancelling_after_the_answer_keeps_its_blocks(engine: Engine) -> None:
 
 
 def test_evicting_a_prefix_removes_its_own_blocks_and_everything_after_it(
-    engine: Engine,
+    engine: Engine, opened: OpenedCache,
 ) -> None:
+    """The cache's admin, keyed by this engine (prefix text canonicalised as requests are)."""
     text = "The quick brown fox jumps over the lazy dog. " * 8
     engine.warm(WarmRequest(prompt=PromptInput(prompt=text), scope=ALICE))
     longer = PromptInput(prompt=text + "And then it ran far away into the forest. " * 4)
     engine.warm(WarmRequest(prompt=longer, scope=ALICE))
     other = PromptInput(prompt="A different prompt entirely, about caches. " * 8)
     engine.warm(WarmRequest(prompt=other, scope=ALICE))
-    result = engine.evict(tenant="alice", prefix_text=text)
+    result = CacheAdmin(opened.cache, keys=engine).evict(tenant="alice", prefix_text=text)
     assert result.num_blocks == engine.lookup(LookupRequest(prompt=longer, scope=BOB)
                                               ).num_prompt_blocks
     assert engine.lookup(LookupRequest(prompt=longer, scope=ALICE)).cached_tokens == 0

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import CacheConfig, open_cache
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
 from gateway.engine.engine import Engine, EngineConfig
@@ -76,7 +77,8 @@ def gateway(loaded: LoadedModel) -> Iterator[tuple[RunningGateway, GatewayMetric
                             config=EngineConfig(block_tokens=BLOCK), deployment_secret=SECRET,
                             metrics=metrics)
     running.engine.start()
-    running.server.attach(running.engine)
+    admin = CacheAdmin(running.opened.cache, keys=running.engine)
+    running.server.attach(running.engine, admin)
     try:
         yield running, metrics
     finally:
@@ -137,7 +139,8 @@ def test_counters_after_known_requests(
     for secret in (*ALL_KEYS, "careful assistant", "preamble"):
         assert secret not in text
     assert running.engine is not None
-    listed = running.engine.list_prefixes(tenant=None, limit=100)
+    admin = CacheAdmin(running.opened.cache, keys=running.engine)
+    listed = admin.list_prefixes(tenant=None, limit=100)
     assert listed
     for summary in listed:
         assert summary.key_hex not in text

@@ -1,4 +1,5 @@
-"""The prefix cache carrying bytes: promotion, demotion, failed loads, pressure across tiers."""
+"""The transfers: a prefix cache carrying bytes -- loads, promotion, demotion, failed loads,
+the load-or-recompute choice, and pressure across tiers (``gateway.cache.transfers``)."""
 
 from __future__ import annotations
 

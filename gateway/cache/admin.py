@@ -1,0 +1,338 @@
+"""Operators' view of the cache: list, evict, pin, quota and flush, across every tenant.
+
+The request path asks the cache about one prompt in one namespace; an operator asks about
+*sets* of blocks -- everything of a tenant, everything under a system prompt, everything idle
+for an hour, everything in one tier -- and about every replica at once (an eviction must reach
+the shared Redis tier, or another replica would serve the prefix back). That selection, and the
+checks on what an operator sent, live here, apart from the lease and insert logic they would
+otherwise crowd. ``CacheAdmin`` is what the gRPC Admin service calls.
+
+What an operator names (prefix text, a scope) becomes tokens and namespaces through
+``PromptKeys``: the engine implements it, since it owns the tokenizer and the model's
+namespaces; this module only sees the protocol.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gateway.cache.prefix_cache import PrefixCache
+from gateway.cache.radix_index import BlockRecord
+from gateway.cache.stats import CacheStats
+from gateway.core.canonical import PromptInput
+from gateway.core.errors import InvalidRequest
+from gateway.core.fingerprint import Namespace, Scope
+from gateway.core.tokens import TokenIds, tokens_from_bytes
+from policies.base import BlockKey
+from tiers.hierarchy import REMOTE
+
+PREVIEW_TOKENS = 24
+"""How many tokens of a prefix's first block a listing shows as text."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixInfo:
+    """One cached prompt (a leaf and its ancestors), as the index knows it."""
+
+    owner: str
+    key: BlockKey
+    num_blocks: int
+    num_tokens: int
+    num_bytes: int
+    tiers: tuple[str, ...]
+    idle_s: float
+    num_hits: int
+    is_pinned: bool
+    first_block_tokens: bytes
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PrefixSummary:
+    """One cached prompt, for ``ListPrefixes``."""
+
+    tenant: str
+    key_hex: str
+    num_blocks: int
+    num_tokens: int
+    num_bytes: int
+    tiers: tuple[str, ...]
+    age_s: float
+    idle_s: float
+    num_hits: int
+    is_pinned: bool
+    preview: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvictResult:
+    """What an admin eviction removed: blocks that left the index, bytes freed per tier."""
+
+    num_blocks: int
+    bytes_by_tier: dict[str, int]
+
+
+class PromptKeys(Protocol):
+    """Turns what an operator names into what the cache is keyed by (``Engine``)."""
+
+    def namespace(self, scope: Scope) -> Namespace:
+        """The namespace of ``scope`` for the served model."""
+        ...
+
+    def known_namespaces(self) -> list[Namespace]:
+        """Every namespace derived so far (including those with nothing cached locally)."""
+        ...
+
+    def prompt_tokens(self, prompt: PromptInput) -> TokenIds:
+        """The canonical tokens of ``prompt``."""
+        ...
+
+    def preview(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids``, for a listing."""
+        ...
+
+
+# ---- selection ----------------------------------------------------------------------------
+
+
+def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
+                  limit: int = 100) -> list[PrefixInfo]:
+    """One entry per cached prompt (a leaf of a trie), most recently used first.
+
+    Args:
+        cache: the cache to list.
+        owner: only this tenant's (or "shared") prefixes; None for all.
+        limit: the most entries returned.
+
+    Returns:
+        The entries, most recently used first.
+    """
+    placement = cache.placement
+    with placement.locked():
+        now = placement.now()
+        index = placement.index
+        leaves = [
+            r for r in index.records()
+            if not index.has_children(r) and (owner is None or r.namespace.scope.owner == owner)
+        ]
+        leaves.sort(key=lambda r: r.last_access, reverse=True)
+        out = []
+        for leaf in leaves[:limit]:
+            path = _path_to(leaf)
+            out.append(
+                PrefixInfo(
+                    owner=leaf.namespace.scope.owner,
+                    key=leaf.key,
+                    num_blocks=len(path),
+                    num_tokens=len(path) * cache.block_tokens,
+                    num_bytes=sum(r.num_bytes for r in path),
+                    tiers=placement.tiers_in(path),
+                    idle_s=max(0.0, now - leaf.last_access),
+                    num_hits=leaf.num_hits,
+                    is_pinned=any(r.is_pinned for r in path),
+                    first_block_tokens=path[0].tokens,
+                )
+            )
+        return out
+
+
+def _path_to(record: BlockRecord) -> list[BlockRecord]:
+    path = []
+    node: BlockRecord | None = record
+    while node is not None:
+        path.append(node)
+        node = node.parent
+    path.reverse()
+    return path
+
+
+def evict_where(
+    cache: PrefixCache,
+    *,
+    owner: str | None = None,
+    under: tuple[Namespace, TokenIds] | None = None,
+    key: BlockKey | None = None,
+    idle_s: float | None = None,
+    tier: str | None = None,
+) -> dict[str, int]:
+    """Drop every local block matching all the given selectors.
+
+    Pinned blocks go too (an operator asked); blocks in use by a running request stay. A block
+    is only dropped from a tier after its children there, so a selection that would orphan
+    children keeps the parents it needs.
+
+    Args:
+        cache: the cache to evict from.
+        owner: blocks of this tenant (or "shared").
+        under: blocks of the prompt ``tokens`` in ``namespace`` and everything after it.
+        key: one block and everything after it.
+        idle_s: blocks not used for at least this many seconds.
+        tier: drop only the copies in this tier (default: every tier).
+
+    Returns:
+        Bytes freed per tier.
+
+    Raises:
+        ValueError: ``tier`` is not a tier of the cache.
+    """
+    placement = cache.placement
+    tiers = [placement.slot(tier).name] if tier is not None else list(cache.tier_names)
+    with placement.locked():
+        now = placement.now()
+        index = placement.index
+        selected: list[BlockRecord]
+        if under is not None:
+            namespace, tokens = under
+            keys = cache.fingerprinter(namespace).block_keys(tokens)
+            _, records, _ = cache.match_records(namespace, tokens, keys)
+            if not records or len(records) < len(keys):
+                selected = []
+            else:
+                # The prefix's own blocks and everything built on it; blocks of the prefix
+                # that other prompts still continue from stay (they are not leaves).
+                selected = records[:-1] + list(index.subtree(namespace, records[-1]))
+        elif key is not None:
+            start = index.get(key)
+            selected = [] if start is None else list(index.subtree(start.namespace, start))
+        else:
+            selected = list(index.records())
+        selected = [
+            r for r in selected
+            if (owner is None or r.namespace.scope.owner == owner)
+            and (idle_s is None or now - r.last_access >= idle_s)
+        ]
+        freed: dict[str, int] = {}
+        # Deepest first, so that children leave before their parents.
+        for record in sorted(selected, key=lambda r: r.depth, reverse=True):
+            if record.key not in index or record.refcount:
+                continue
+            for name in tiers:
+                if placement.may_leave(record, name):
+                    placement.evict_copy(record, name, "admin")
+                    freed[name] = freed.get(name, 0) + record.num_bytes
+            placement.drop_unheld([record])
+        return freed
+
+
+# ---- the admin surface --------------------------------------------------------------------
+
+
+class CacheAdmin:
+    """The Admin service's operations on one cache, with the checks on what an operator sent.
+
+    Args:
+        cache: the cache administered.
+        keys: prompt text and scopes to tokens and namespaces (the engine).
+    """
+
+    def __init__(self, cache: PrefixCache, keys: PromptKeys) -> None:
+        self._cache = cache
+        self._keys = keys
+
+    def stats(self) -> CacheStats:
+        """Every figure of the cache (``PrefixCache.stats``)."""
+        return self._cache.stats()
+
+    def list_prefixes(self, *, tenant: str | None, limit: int) -> list[PrefixSummary]:
+        """The cached prompts (of ``tenant``, or all), most recently used first."""
+        out = []
+        for info in list_prefixes(self._cache, owner=tenant, limit=limit):
+            first = [int(t) for t in tokens_from_bytes(info.first_block_tokens)[:PREVIEW_TOKENS]]
+            out.append(
+                PrefixSummary(
+                    tenant=info.owner,
+                    key_hex=info.key.hex(),
+                    num_blocks=info.num_blocks,
+                    num_tokens=info.num_tokens,
+                    num_bytes=info.num_bytes,
+                    tiers=info.tiers,
+                    age_s=info.idle_s,
+                    idle_s=info.idle_s,
+                    num_hits=info.num_hits,
+                    is_pinned=info.is_pinned,
+                    preview=self._keys.preview(first),
+                )
+            )
+        return out
+
+    def evict(
+        self,
+        *,
+        tenant: str | None = None,
+        prefix_text: str | None = None,
+        key_hex: str | None = None,
+        older_than_s: float | None = None,
+        tier: str | None = None,
+        everything: bool = False,
+    ) -> EvictResult:
+        """Drop blocks matching every given selector (``everything`` for all), locally and,
+        where the selector can name them there, in the shared remote tier.
+
+        Raises:
+            InvalidRequest: no selector, an unknown tier, a bad age or key, or prefix text
+                without the tenant it belongs to.
+        """
+        cache = self._cache
+        if not (everything or tenant or prefix_text or key_hex or older_than_s is not None
+                or tier):
+            raise InvalidRequest("say what to evict: a tenant, a prefix, a key, an age, a tier, "
+                                 "or everything")
+        if tier is not None and tier not in (*cache.tier_names, REMOTE):
+            raise InvalidRequest(f"unknown tier {tier!r}; tiers are "
+                                 f"{[*cache.tier_names, REMOTE]}")
+        if older_than_s is not None and not (math.isfinite(older_than_s) and older_than_s >= 0):
+            raise InvalidRequest("older_than_s must be a non-negative number of seconds")
+        under = None
+        if prefix_text is not None:
+            if tenant is None:
+                raise InvalidRequest("evicting by prefix text needs the tenant it belongs to")
+            tokens = self._keys.prompt_tokens(PromptInput(prompt=prefix_text))
+            under = (self._keys.namespace(_scope_of(tenant)), tokens)
+        key = None
+        if key_hex is not None:
+            try:
+                key = BlockKey(bytes.fromhex(key_hex))
+            except ValueError:
+                raise InvalidRequest(f"key must be hex, got {key_hex!r}") from None
+        local_tier = None if tier == REMOTE else tier
+        before = cache.stats().num_blocks
+        freed = {} if tier == REMOTE else evict_where(
+            cache, owner=tenant, under=under, key=key, idle_s=older_than_s, tier=local_tier)
+        transfers = cache.placement.transfers
+        if tier in (None, REMOTE) and transfers is not None:
+            # The shared tier: what one replica evicts must not come back from Redis. By age
+            # and by key it cannot select remote blocks (Redis expires them by its own TTL).
+            if under is not None:
+                transfers.forget_remote(*under)
+            elif everything:
+                transfers.flush_remote(
+                    {*cache.known_namespaces(), *self._keys.known_namespaces()})
+            elif tenant is not None and key is None and older_than_s is None:
+                transfers.flush_remote([self._keys.namespace(_scope_of(tenant))])
+        return EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
+                           bytes_by_tier=freed)
+
+    def set_pinned(self, prompt: PromptInput, scope: Scope, is_pinned: bool) -> int:
+        """Pin (or unpin) the cached full blocks of ``prompt`` in ``scope``; how many changed."""
+        tokens = self._keys.prompt_tokens(prompt)
+        return self._cache.set_pinned(self._keys.namespace(scope), tokens, is_pinned)
+
+    def set_quota(self, tenant: str, num_bytes: int | None) -> None:
+        """Cap what ``tenant`` may hold in every tier (None: no cap).
+
+        Raises:
+            InvalidRequest: a negative quota.
+        """
+        if num_bytes is not None and num_bytes < 0:
+            raise InvalidRequest("a quota must be >= 0 bytes")
+        self._cache.set_quota(tenant, num_bytes)
+
+    def flush(self) -> EvictResult:
+        """Evict everything, everywhere."""
+        return self.evict(everything=True)
+
+
+def _scope_of(tenant: str) -> Scope:
+    return Scope.shared() if tenant == "shared" else Scope.of_tenant(tenant)

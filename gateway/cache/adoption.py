@@ -1,0 +1,93 @@
+"""Restart adoption: indexing the blocks a store kept from the last run, so they serve again.
+
+A process that restarts finds its disk tier full of blocks the new index knows nothing about.
+They are worth keeping -- a restart should not cost every prefix its first request -- but only
+as whole chains: a block is usable only with all its ancestors, so one whose parent did not
+survive is deleted, as is anything the tier's policy cannot admit. This happens once, before
+the cache serves, and is separate from the request path so that neither has to think about the
+other's order of events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from gateway.cache.placement import TierPlacement
+from gateway.cache.radix_index import BlockRecord, BlockSpec
+from gateway.core.fingerprint import Namespace, Scope
+from policies.base import BlockKey
+from tiers.base import BlockMeta
+
+
+def adopt(
+    placement: TierPlacement,
+    tier: str,
+    found: Sequence[tuple[BlockMeta, int]],
+    *,
+    ttl_s: float | None = None,
+) -> int:
+    """Index the blocks a store found on restart (e.g. the disk tier's files) in ``tier``.
+
+    Blocks are linked parents first; a block whose parent chain is incomplete is useless (only
+    usable with all its ancestors) and is deleted from the store, as is anything the tier's
+    policy cannot admit.
+
+    Args:
+        placement: the cache's placement (``PrefixCache.placement``).
+        tier: the tier whose store found the blocks.
+        found: each block's identity with its payload size (what the policy charges).
+        ttl_s: sliding TTL of the adopted blocks; None for none.
+
+    Returns:
+        How many blocks were adopted.
+
+    Raises:
+        ValueError: ``tier`` is not a tier of the cache.
+    """
+    placement.slot(tier)  # an unknown tier fails before anything changes
+    sizes = {meta.key: size for meta, size in found}
+    metas = [meta for meta, _ in found]
+    children: dict[bytes, list[BlockMeta]] = {}
+    for meta in metas:
+        children.setdefault(meta.parent_key, []).append(meta)
+    adopted = 0
+    with placement.locked():
+        placed: set[BlockKey] = set()
+        roots = [m for m in metas if m.parent_key == bytes(len(m.key))]
+        stack: list[tuple[BlockMeta, BlockRecord | None]] = [(m, None) for m in roots]
+        while stack:
+            meta, parent = stack.pop()
+            spec = BlockSpec(key=meta.key, tokens=meta.tokens, num_bytes=sizes[meta.key])
+            records = placement.index.insert(_namespace_for(placement, meta), parent, [spec],
+                                             now=placement.now(), ttl_s=ttl_s)
+            if not records:
+                continue
+            record = records[0]
+            if not placement.holds(record, tier) and not placement.place(record, tier):
+                continue
+            placed.add(meta.key)
+            adopted += 1
+            stack.extend((child, record) for child in children.get(meta.key, []))
+        _delete_strays(placement, tier, [m for m in metas if m.key not in placed])
+    return adopted
+
+
+def _delete_strays(placement: TierPlacement, tier: str, strays: Sequence[BlockMeta]) -> None:
+    """Forget what was not adopted, and delete its bytes unless the tier holds it anyway."""
+    transfers = placement.transfers
+    for meta in strays:
+        stray = placement.index.get(meta.key)
+        if stray is not None:
+            placement.drop_unheld([stray])
+        if transfers is not None and (stray is None or not placement.holds(stray, tier)):
+            transfers.delete(tier, meta.key)
+
+
+def _namespace_for(placement: TierPlacement, meta: BlockMeta) -> Namespace:
+    """The namespace a stored block belongs to: one the index knows, or one rebuilt from the
+    block's header (its digest and owner are all the index needs)."""
+    for namespace in placement.index.namespaces():
+        if namespace.digest == meta.namespace_digest:
+            return namespace
+    scope = Scope.shared() if meta.owner == "shared" else Scope.of_tenant(meta.owner)
+    return Namespace(digest=meta.namespace_digest, scope=scope)

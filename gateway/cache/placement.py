@@ -1,0 +1,419 @@
+"""Which tier holds which block, and the rules for changing that: the tiers' side of the cache.
+
+``TierPlacement`` keeps the radix index, each tier's eviction policy and counters, and the one
+lock they share, and it is the only code that changes what a tier holds. Its rules are the
+cache's invariants (DESIGN.md, "The radix index" and "Blocks"): a block with references or a
+pin is never a victim; a block leaves a tier only after its children there, and leaves its last
+tier only when it has no children (or can move down); a record held by no tier and used by no
+one leaves the index. Eviction demotes through ``TierTransfers``, which in turn asks ``place``
+before it adds a copy anywhere.
+
+The prefix cache (leases, matching, inserts), the transfers, admin selection and restart
+adoption all build on the methods here. Every method but ``locked`` expects its caller to hold
+``locked()``; the public ones of ``PrefixCache`` take it themselves.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+
+from gateway.cache.radix_index import BlockRecord, RadixIndex
+from gateway.cache.stats import TierCounters, TierStats
+from gateway.cache.transfers import TierTransfers
+from gateway.core.errors import IndexInvariantError
+from gateway.core.fingerprint import BlockFingerprinter, Namespace
+from policies.base import BlockKey, InsertRefused, PolicyEntry
+from policies.stack import EvictionResult, TierPolicy
+from tiers.base import BlockMeta
+from tiers.hierarchy import TierHierarchy
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TierSlot:
+    """One tier as the prefix cache sees it: a name, the policy that governs it, and whether
+    every inserted block is also written to it at once (write-through: the disk tier, so that
+    a restart finds what was hot, not only what had been demoted)."""
+
+    name: str
+    policy: TierPolicy
+    write_through: bool = False
+
+
+class TierPlacement:
+    """The index, the tiers' policies and counters, and the lock: who holds what.
+
+    Args:
+        tiers: the local tiers, fastest first, each with its policy.
+        block_tokens: tokens per block.
+        hierarchy: the stores carrying the bytes, with the same tier names in the same order;
+            None keeps metadata only (a block that leaves a tier is simply dropped from it).
+        remote_write: write every newly inserted chain through to the remote (Redis) store.
+        promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
+        clock: time source (seconds).
+        key_bytes: block key size; only tests shrink it, to force collisions.
+
+    Raises:
+        ValueError: no tiers, duplicate names, names that differ from the hierarchy's, or
+            ``block_tokens`` < 1.
+    """
+
+    def __init__(
+        self,
+        *,
+        tiers: Sequence[TierSlot],
+        block_tokens: int,
+        hierarchy: TierHierarchy | None = None,
+        remote_write: bool = False,
+        promote_on_hit: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+        key_bytes: int = 16,
+    ) -> None:
+        if not tiers:
+            raise ValueError("a prefix cache needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        if hierarchy is not None and tuple(names) != hierarchy.names:
+            raise ValueError(f"tiers {names} do not match the hierarchy's {hierarchy.names}")
+        if block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
+        self._tiers = list(tiers)
+        self._bit_of = {t.name: 1 << i for i, t in enumerate(tiers)}
+        self._counters = {t.name: TierCounters() for t in tiers}
+        self._block_tokens = block_tokens
+        self._transfers = None if hierarchy is None else TierTransfers(
+            hierarchy, self, remote_write=remote_write, promote_on_hit=promote_on_hit)
+        self._clock = clock
+        self._key_bytes = key_bytes
+        self._index = RadixIndex()
+        self._lock = threading.RLock()
+        self._fingerprinters: dict[bytes, BlockFingerprinter] = {}
+        self._num_remote_hits = 0
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens per block."""
+        return self._block_tokens
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The local tiers, fastest first."""
+        return tuple(t.name for t in self._tiers)
+
+    @property
+    def write_through_tiers(self) -> tuple[str, ...]:
+        """Tiers that receive a copy of every newly inserted block."""
+        return tuple(t.name for t in self._tiers if t.write_through)
+
+    @property
+    def transfers(self) -> TierTransfers | None:
+        """What moves the bytes; None when the cache keeps metadata only."""
+        return self._transfers
+
+    @property
+    def num_remote_hits(self) -> int:
+        """Blocks served from the remote tier so far."""
+        return self._num_remote_hits
+
+    def fingerprinter(self, namespace: Namespace) -> BlockFingerprinter:
+        """The (memoised) block keys of ``namespace``."""
+        with self._lock:
+            fp = self._fingerprinters.get(namespace.digest)
+            if fp is None:
+                fp = BlockFingerprinter(namespace, self._block_tokens, key_bytes=self._key_bytes)
+                self._fingerprinters[namespace.digest] = fp
+            return fp
+
+    def slot(self, tier: str) -> TierSlot:
+        """The tier named ``tier``.
+
+        Raises:
+            ValueError: no such tier (the message lists them).
+        """
+        bit = self._bit_of.get(tier)
+        if bit is None:
+            raise ValueError(f"unknown tier {tier!r}; tiers are {list(self._bit_of)}")
+        return self._tiers[bit.bit_length() - 1]
+
+    # ---- who holds what ------------------------------------------------------------------
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the cache's (reentrant) lock: a step of several placement calls is atomic."""
+        with self._lock:
+            yield
+
+    @property
+    def index(self) -> RadixIndex:
+        """The radix index; change what tiers hold only through the methods below."""
+        return self._index
+
+    def now(self) -> float:
+        """The cache's clock."""
+        return self._clock()
+
+    def touch(self, record: BlockRecord, now: float) -> None:
+        """An access: restart the block's TTL and tell every tier holding it."""
+        record.last_access = now
+        for slot in self._tiers:
+            if record.tier_mask & self._bit_of[slot.name]:
+                slot.policy.access(record.key)
+
+    def fastest_tier(self, record: BlockRecord) -> str:
+        """The fastest tier holding ``record``.
+
+        Raises:
+            IndexInvariantError: no tier holds it.
+        """
+        for tier in self._tiers:
+            if record.tier_mask & self._bit_of[tier.name]:
+                return tier.name
+        raise IndexInvariantError("a block in the index is held by no tier")
+
+    def holds(self, record: BlockRecord, tier: str) -> bool:
+        """Whether ``tier`` holds a copy of ``record``."""
+        return bool(record.tier_mask & self._bit_of[tier])
+
+    def tiers_in(self, records: Iterable[BlockRecord]) -> tuple[str, ...]:
+        """The tiers, fastest first, holding at least one of ``records``."""
+        mask = 0
+        for record in records:
+            mask |= record.tier_mask
+        return tuple(t.name for t in self._tiers if mask & self._bit_of[t.name])
+
+    def may_leave(self, record: BlockRecord, tier: str) -> bool:
+        """Whether ``tier``'s copy of ``record`` may go without orphaning a child: none of its
+        children is in ``tier``, and it is not the last copy of a block with children."""
+        bit = self._bit_of[tier]
+        if not record.tier_mask & bit or self._index.has_child_in(record, bit):
+            return False
+        return not (record.tier_mask == bit and self._index.has_children(record))
+
+    def meta(self, record: BlockRecord) -> BlockMeta:
+        """The identity a store files ``record`` under (key, parent, namespace, tokens)."""
+        parent = record.parent
+        namespace = record.namespace
+        return BlockMeta(
+            key=record.key,
+            parent_key=parent.key if parent is not None else self.fingerprinter(
+                namespace).root_parent,
+            namespace_digest=namespace.digest,
+            owner=namespace.scope.owner,
+            tokens=record.tokens,
+        )
+
+    def place(self, record: BlockRecord, tier: str) -> bool:
+        """Admit ``record`` into ``tier``, evicting (and so demoting) others to make room;
+        the record itself is never one of the victims. False if the tier refuses it."""
+        record.refcount += 1
+        try:
+            self.admit(record, tier)
+        except InsertRefused:
+            return False
+        finally:
+            record.refcount -= 1
+        self.mark_held(record, tier)
+        return True
+
+    def mark_held(self, record: BlockRecord, tier: str) -> None:
+        """``tier`` now holds ``record`` (which ``admit`` admitted there)."""
+        record.tier_mask |= self._bit_of[tier]
+
+    def forget_copy(self, record: BlockRecord, tier: str) -> None:
+        """``tier`` no longer holds ``record``: its policy and the record forget the copy.
+        The bytes are the caller's business; ``drop_unheld`` removes a record left in no tier."""
+        self.slot(tier).policy.discard(record.key)
+        record.tier_mask &= ~self._bit_of[tier]
+
+    def evict_copy(self, record: BlockRecord, tier: str, reason: str) -> None:
+        """An operator's eviction: unpin ``record``, drop its copy and bytes from ``tier``."""
+        record.is_pinned = False
+        self.forget_copy(record, tier)
+        if self._transfers is not None:
+            self._transfers.delete(tier, record.key)
+        self._counters[tier].count_eviction(reason)
+
+    def counters(self, tier: str) -> TierCounters:
+        """``tier``'s counters (for ``stats``)."""
+        return self._counters[tier]
+
+    def hold(self, records: Iterable[BlockRecord]) -> None:
+        """One more reference on each of ``records``: none of them can be evicted."""
+        for record in records:
+            record.refcount += 1
+
+    def unhold(self, records: Sequence[BlockRecord]) -> None:
+        """One reference less on each of ``records``; those held by no tier and no one leave
+        the index (children first).
+
+        Raises:
+            IndexInvariantError: a reference count would go below zero.
+        """
+        for record in records:
+            if record.refcount <= 0:
+                raise IndexInvariantError("refcount would go below zero")
+            record.refcount -= 1
+        self.drop_unheld(reversed(records))
+
+    def drop_unheld(self, records: Iterable[BlockRecord]) -> None:
+        """Remove records held by no tier and used by nobody, leaves first, then any ghost
+        ancestors they leave childless."""
+        for record in records:
+            node: BlockRecord | None = record
+            while (
+                node is not None
+                and node.tier_mask == 0
+                and node.refcount == 0
+                and node.key in self._index
+                and not self._index.has_children(node)
+            ):
+                parent = node.parent
+                self._index.remove(node)
+                node = parent
+
+    def note_remote_hits(self, num_blocks: int) -> None:
+        """Count blocks served from the remote tier (``stats().num_remote_hits``)."""
+        self._num_remote_hits += num_blocks
+
+    def admit(self, record: BlockRecord, tier: str) -> int:
+        """Make room for ``record`` in ``tier``'s policy and record it there (``mark_held``
+        follows once its bytes are written); returns how many victims left.
+
+        Raises:
+            InsertRefused: the policy cannot make room (budget, quota, pins, references).
+        """
+        entry = PolicyEntry(
+            key=record.key,
+            tenant=record.namespace.scope.owner,
+            num_bytes=record.num_bytes,
+            ttl_s=record.ttl_s,
+        )
+        slot = self.slot(tier)
+        result = slot.policy.admit(
+            entry,
+            can_evict=partial(self._can_evict, slot=slot),
+            remove=partial(self._remove_from_tier, slot=slot, reason="capacity"),
+        )
+        return len(result.victims)
+
+    def forget_failed_writes(self) -> None:
+        """Drop the tier copies whose queued writes failed (disk full, I/O error)."""
+        if self._transfers is None:
+            return
+        for tier, keys in self._transfers.drain_failed().items():
+            for key in keys:
+                record = self._index.get(key)
+                if record is not None and self.holds(record, tier):
+                    self.forget_copy(record, tier)
+                    self.drop_unheld([record])
+
+    # ---- eviction -----------------------------------------------------------------------
+
+    def evict(self, tier: str, num_bytes: int, *, tenant: str | None = None) -> EvictionResult:
+        """Free at least ``num_bytes`` in ``tier`` (``tenant``'s blocks only, when given)."""
+        with self._lock:
+            slot = self.slot(tier)
+            return slot.policy.evict(
+                num_bytes,
+                tenant=tenant,
+                can_evict=lambda key: self._can_evict(key, slot),
+                remove=lambda key: self._remove_from_tier(key, slot, "admin"),
+            )
+
+    def sweep_expired(self) -> int:
+        """Remove every expired block that nothing is using; returns how many left a tier."""
+        with self._lock:
+            return self._sweep_expired_locked()
+
+    def _sweep_expired_locked(self) -> int:
+        removed = 0
+        for slot in self._tiers:
+            result = slot.policy.sweep_expired(
+                can_evict=partial(self._can_evict, slot=slot),
+                remove=partial(self._remove_from_tier, slot=slot, reason="ttl"),
+            )
+            removed += len(result.victims)
+        return removed
+
+    def _can_evict(self, key: BlockKey, slot: TierSlot) -> bool:
+        record = self._index.get(key)
+        if record is None or record.refcount or record.is_pinned:
+            return False
+        bit = self._bit_of[slot.name]
+        if self._index.has_child_in(record, bit):
+            return False
+        if record.tier_mask == bit and self._index.has_children(record):
+            # Its last copy: only if it can move down, or a child would lose its parent.
+            return self._transfers is not None and self._transfers.can_demote_from(slot.name)
+        return True
+
+    def _remove_from_tier(self, key: BlockKey, slot: TierSlot, reason: str) -> None:
+        """A policy chose ``key`` as a victim in ``slot``: demote its bytes, then drop it."""
+        record = self._index.get(key)
+        if record is None:
+            raise IndexInvariantError("evicting a block that is not in the index")
+        if self._transfers is not None:
+            self._transfers.demote(record, slot.name)
+            self._transfers.delete(slot.name, key)
+        record.tier_mask &= ~self._bit_of[slot.name]
+        self._counters[slot.name].count_eviction(reason)
+        self.drop_unheld([record])
+
+    def set_quota(self, owner: str, num_bytes: int | None) -> None:
+        """Cap what ``owner`` may hold in every tier (None: no cap)."""
+        with self._lock:
+            for slot in self._tiers:
+                slot.policy.set_quota(owner, num_bytes)
+
+    # ---- inspection ---------------------------------------------------------------------
+
+    def tier_stats(self) -> tuple[TierStats, ...]:
+        """Each tier's policy view and counters."""
+        self.forget_failed_writes()
+        return tuple(
+            TierStats(
+                name=slot.name,
+                num_blocks=slot.policy.num_entries,
+                used_bytes=slot.policy.used_bytes,
+                budget_bytes=slot.policy.budget_bytes,
+                hits=self._counters[slot.name].hits,
+                inserts=self._counters[slot.name].inserts,
+                refused=self._counters[slot.name].refused,
+                promotions=self._counters[slot.name].promotions,
+                demotions=self._counters[slot.name].demotions,
+                load_failures=self._counters[slot.name].load_failures,
+                recomputed_instead=self._counters[slot.name].recomputed_instead,
+                evictions=dict(self._counters[slot.name].evictions),
+            )
+            for slot in self._tiers
+        )
+
+    def check_invariants(self) -> None:
+        """Assert index structure and its agreement with every tier's policy (tests only).
+
+        Raises:
+            IndexInvariantError: the first disagreement found.
+        """
+        with self._lock:
+            self._index.check_invariants()
+            for slot in self._tiers:
+                bit = self._bit_of[slot.name]
+                held = {r.key for r in self._index.records() if r.tier_mask & bit}
+                tracked = set(slot.policy.keys())
+                if held != tracked:
+                    raise IndexInvariantError(
+                        f"tier {slot.name}: {len(held)} blocks held, {len(tracked)} tracked"
+                    )
+            for record in self._index.records():
+                if record.tier_mask == 0 and not (
+                    self._index.has_children(record) or record.refcount
+                ):
+                    raise IndexInvariantError("a block held by no tier outlived its use")
+                parent = record.parent
+                if parent is not None and parent.key not in self._index:
+                    raise IndexInvariantError("a block outlived its parent")

@@ -1,0 +1,73 @@
+"""The placement primitives that transfers, admin and adoption build on.
+
+The prefix cache's tests (and its state machine) exercise these through the request path; here
+each rule is stated once against the placement itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.cache.placement import TierPlacement, TierSlot
+from gateway.cache.radix_index import BlockRecord, BlockSpec
+from gateway.core.errors import IndexInvariantError
+from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
+from policies.base import BlockKey
+from policies.registry import TierPolicyConfig, build_tier_policy
+
+NS = derive_namespace(NamespaceSpec(deployment_secret=b"k" * 32, model_fingerprint="tiny",
+                                    kv_dtype="float32", device_kind="cpu",
+                                    scope=Scope.of_tenant("a")))
+
+
+def make_placement(budget_blocks: int) -> TierPlacement:
+    slot = TierSlot(name="device", policy=build_tier_policy(
+        TierPolicyConfig(budget_bytes=budget_blocks * 10)))
+    return TierPlacement(tiers=[slot], block_tokens=2)
+
+
+def chain(placement: TierPlacement, *names: bytes,
+          parent: BlockRecord | None = None) -> list[BlockRecord]:
+    specs = [BlockSpec(key=BlockKey(n * 16), tokens=n * 8, num_bytes=10) for n in names]
+    with placement.locked():
+        return placement.index.insert(NS, parent, specs, now=placement.now(), ttl_s=None)
+
+
+def test_place_makes_room_by_eviction_but_never_evicts_the_block_placed() -> None:
+    placement = make_placement(budget_blocks=1)
+    (first,) = chain(placement, b"a")
+    (second,) = chain(placement, b"b")
+    with placement.locked():
+        assert placement.place(first, "device")
+        assert placement.place(second, "device")  # evicts the first, not itself
+        assert placement.holds(second, "device")
+        assert first.key not in placement.index  # held by no tier and no one: it left
+    placement.check_invariants()
+
+
+def test_a_full_tier_of_pinned_blocks_refuses_and_holds_nothing() -> None:
+    placement = make_placement(budget_blocks=1)
+    (pinned,) = chain(placement, b"a")
+    (refused,) = chain(placement, b"b")
+    with placement.locked():
+        assert placement.place(pinned, "device")
+        pinned.is_pinned = True
+        assert not placement.place(refused, "device")
+        assert placement.tiers_in([refused]) == ()
+        assert refused.refcount == 0
+
+
+def test_a_copy_leaves_only_after_its_children() -> None:
+    placement = make_placement(budget_blocks=4)
+    parent, child = chain(placement, b"a", b"b")
+    with placement.locked():
+        assert placement.place(parent, "device") and placement.place(child, "device")
+        assert not placement.may_leave(parent, "device")
+        assert placement.may_leave(child, "device")
+
+
+def test_releasing_a_reference_nobody_holds_is_a_bug() -> None:
+    placement = make_placement(budget_blocks=1)
+    (record,) = chain(placement, b"a")
+    with placement.locked(), pytest.raises(IndexInvariantError, match="below zero"):
+        placement.unhold([record])
