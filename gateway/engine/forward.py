@@ -93,6 +93,12 @@ class BatchedForward:
         self._sin = torch.empty(0)
 
     @property
+    def device(self) -> torch.device:
+        """Where the model (and so every sequence's KV buffers) lives."""
+        device: torch.device = self._model.model.embed_tokens.weight.device
+        return device
+
+    @property
     def num_layers(self) -> int:
         return len(self._model.model.layers)
 
@@ -127,6 +133,7 @@ class BatchedForward:
             positions = torch.cat([positions, positions.new_zeros(num_pad)])
         cos, sin = self._rope(positions)
         cos, sin = cos.to(device), sin.to(device)
+        positions = positions.to(device)
         spans = []
         offset = 0
         for n in lengths:

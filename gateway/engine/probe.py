@@ -73,14 +73,14 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
     def others(*lengths: int) -> list[tuple[KVSequence, torch.Tensor]]:
         made = []
         for n in lengths:
-            seq = KVSequence(layout, n + 2 * TILE)
+            seq = KVSequence(layout, n + 2 * TILE, device=forward.device)
             history = torch.randint(0, vocab_size, (n,), generator=generator)
             forward.forward([SequenceRows(sequence=seq, tokens=history, wants_logits=False)])
             made.append((seq, torch.randint(0, vocab_size, (1,), generator=generator)))
         return made
 
     def run(chunks: Sequence[int], beside: int = 0) -> _Run:
-        seq = KVSequence(layout, total)
+        seq = KVSequence(layout, total, device=forward.device)
         logits: list[torch.Tensor] = []
         at = 0
         for step, size in enumerate(chunks):
