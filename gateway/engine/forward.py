@@ -89,8 +89,9 @@ class BatchedForward:
         self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._num_heads)
         self._head_dim = int(getattr(config, "head_dim", None)
                              or config.hidden_size // config.num_attention_heads)
-        self._cos = torch.empty(0)
-        self._sin = torch.empty(0)
+        dtype = model.model.embed_tokens.weight.dtype
+        self._cos = torch.empty(0, self._head_dim, dtype=dtype)
+        self._sin = torch.empty(0, self._head_dim, dtype=dtype)
 
     @property
     def device(self) -> torch.device:
