@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -77,12 +77,15 @@ class LoopCounters:
         num_prefill_tokens: prompt tokens computed (not loaded from the cache).
         num_decode_tokens: decode rows computed.
         max_sequences_in_step: the most requests one forward carried.
+        num_dedup_waits: requests that waited for another's prefill of the same blocks
+            instead of computing them too.
     """
 
     num_steps: int = 0
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     max_sequences_in_step: int = 0
+    num_dedup_waits: int = 0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -143,6 +146,7 @@ class StepLoop:
         self._thread: threading.Thread | None = None
         self._is_stopping = False
         self._counters = LoopCounters()
+        self._parked: dict[int, list[Job]] = {}  # request id -> jobs waiting for its blocks
 
     # ---- called from other threads ------------------------------------------------------
 
@@ -165,7 +169,8 @@ class StepLoop:
     @property
     def num_in_flight(self) -> int:
         with self._lock:
-            return len(self._waiting) + len(self._active) + self._inbox.qsize()
+            num_parked = sum(len(jobs) for jobs in self._parked.values())
+            return len(self._waiting) + len(self._active) + num_parked + self._inbox.qsize()
 
     def submit(self, job: Job, *, prompt_tokens: int, kv_bytes: int) -> None:
         """Queue ``job`` (the scheduler's limits apply now, so a refusal reaches the caller).
@@ -182,7 +187,9 @@ class StepLoop:
 
     def cancel_all(self) -> None:
         with self._lock:
-            for job in [*self._waiting.values(), *(a.job for a in self._active.values())]:
+            parked = [job for jobs in self._parked.values() for job in jobs]
+            for job in [*self._waiting.values(), *(a.job for a in self._active.values()),
+                        *parked]:
                 job.cancelled.set()
 
     def stop(self, timeout_s: float) -> None:
@@ -243,7 +250,20 @@ class StepLoop:
                 self._end(active, _why_stopped(active.job, now))
 
     def _admit(self, job: Job) -> None:
-        """Lease and load the cached prefix, and build the request's KV buffers."""
+        """Lease and load the cached prefix, and build the request's KV buffers.
+
+        A request whose prompt shares full blocks that another running request is prefilling
+        right now waits for them (parked, computing nothing) and is admitted again once they
+        are stored, so concurrent requests for one new prefix compute it once.
+        """
+        computing = self._computing_shared_blocks(job)
+        if computing is not None:
+            with self._lock:
+                self._scheduler.hold(job.id)
+                self._parked.setdefault(computing, []).append(job)
+            self._counters = replace(self._counters,
+                                     num_dedup_waits=self._counters.num_dedup_waits + 1)
+            return
         bt = self._settings.block_tokens
         ids = torch.from_numpy(job.tokens.astype(np.int64))
         request = job.request
@@ -287,6 +307,42 @@ class StepLoop:
             self._scheduler.skip_prefill(job.id, active.seq.length)
         if active.seq.length >= active.target:
             self._prompt_done(active, None)
+
+    def _computing_shared_blocks(self, job: Job) -> int | None:
+        """The id of a running request now prefilling full blocks ``job`` needs, or None."""
+        request = job.request
+        if self._cache is None or (isinstance(request, GenerateRequest)
+                                   and request.cache.no_cache):
+            return None
+        bt = self._settings.block_tokens
+        namespace = self._namespace_of(request.scope)
+        for other in self._active.values():
+            if (other.lease is None or other.namespace != namespace
+                    or other.seq.length >= other.target):
+                continue
+            theirs = other.job.tokens
+            n = min(len(job.tokens), len(theirs), other.target) // bt * bt
+            if n == 0:
+                continue
+            same = np.flatnonzero(job.tokens[:n] != theirs[:n])
+            common_blocks = (int(same[0]) if same.size else n) // bt
+            if common_blocks > len(other.loaded_blocks):
+                return other.job.id
+        return None
+
+    def _wake_parked(self, request_id: int) -> None:
+        """Admit again the requests that waited for ``request_id``'s prompt blocks."""
+        with self._lock:
+            parked = self._parked.pop(request_id, [])
+        for job in parked:
+            with self._lock:
+                self._scheduler.unhold(job.id)
+            if job.cancelled.is_set() or self._clock() > job.deadline:
+                with self._lock:
+                    self._scheduler.finish(job.id)
+                self._fail(job, _why_stopped(job, self._clock()))
+                continue
+            self._admit(job)
 
     def _lease(self, active: _Active, max_blocks: int | None) -> list[KVBlock]:
         assert self._cache is not None
@@ -332,7 +388,8 @@ class StepLoop:
             num_steps=counters.num_steps + 1,
             num_prefill_tokens=counters.num_prefill_tokens + plan.num_tokens - num_decode,
             num_decode_tokens=counters.num_decode_tokens + num_decode,
-            max_sequences_in_step=max(counters.max_sequences_in_step, len(plan.chunks)))
+            max_sequences_in_step=max(counters.max_sequences_in_step, len(plan.chunks)),
+            num_dedup_waits=counters.num_dedup_waits)
         if not any(c.is_decode for c in plan.chunks):
             self._note_prefill_speed(plan.num_tokens, time.perf_counter() - began)
         for chunk, logits in zip(plan.chunks, outputs, strict=True):
@@ -346,6 +403,7 @@ class StepLoop:
     def _prompt_done(self, active: _Active, logits: torch.Tensor | None) -> None:
         """Store the prompt's new blocks; a warm ends here, a generation samples its first token."""
         self._store_prompt_blocks(active)
+        self._wake_parked(active.job.id)
         job = active.job
         if isinstance(job.request, WarmRequest):
             self._finish_warm(active)
@@ -468,6 +526,7 @@ class StepLoop:
 
     def _end(self, active: _Active, error: BaseException | None) -> None:
         self._active.pop(active.job.id, None)
+        self._wake_parked(active.job.id)
         try:
             active.stack.close()
         finally:

@@ -87,6 +87,7 @@ class _Entry:
     prefill_left: int
     is_decoding: bool = False
     prefilled: int = 0
+    is_held: bool = False
 
 
 @dataclass(slots=True)
@@ -214,7 +215,8 @@ class Scheduler:
                 chunks.append(ScheduledChunk(request_id=entry.request_id, num_tokens=1,
                                              is_decode=True))
                 budget -= 1
-        prefilling = [e for e in self._running.values() if not e.is_decoding and e.prefill_left]
+        prefilling = [e for e in self._running.values()
+                      if not e.is_decoding and not e.is_held and e.prefill_left]
         by_need = sorted(prefilling, key=lambda e: (self._tenants[e.tenant].tokens_given,
                                                     e.request_id))
         for entry in by_need:
@@ -238,6 +240,13 @@ class Scheduler:
                 entry.prefill_left -= chunk.num_tokens
                 entry.prefilled += chunk.num_tokens
         return StepPlan(chunks=tuple(chunks))
+
+    def hold(self, request_id: int) -> None:
+        """Plan nothing for a running request until ``unhold`` (it waits for others' blocks)."""
+        self._running[request_id].is_held = True
+
+    def unhold(self, request_id: int) -> None:
+        self._running[request_id].is_held = False
 
     def start_decoding(self, request_id: int) -> None:
         """The request's prompt is done and its first token sampled: one row per step from now."""

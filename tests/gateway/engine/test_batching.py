@@ -208,3 +208,20 @@ def test_a_flooding_tenant_does_not_hold_back_another_tenants_request(tiny, tmp_
     finally:
         engine.stop(grace_s=5)
         opened.close()
+
+
+def test_simultaneous_requests_on_one_new_prefix_compute_it_once(stack) -> None:
+    engine, _ = stack
+    rng = random.Random(11)
+    system = random_prompt(rng, 160, 160)  # 10 blocks nobody has cached
+    suffixes = [random_prompt(rng, 5, 9) for _ in range(8)]
+    before = engine.counters
+    results = concurrently(engine, [request(system + s, max_tokens=1) for s in suffixes])
+    after = engine.counters
+    computed = after.num_prefill_tokens - before.num_prefill_tokens
+    assert computed <= len(system) + sum(len(s) for s in suffixes) + 8 * 16
+    assert after.num_dedup_waits - before.num_dedup_waits >= 1
+    assert sum(u.cached_tokens for _, u in results) >= 7 * 160
+    alone = [collect(engine, request(system + s, max_tokens=1, no_cache=True))[0]
+             for s in suffixes]
+    assert [ids for ids, _ in results] == alone
