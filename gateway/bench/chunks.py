@@ -1,50 +1,83 @@
-"""``kvgate bench chunks``: cold prefill time by chunk size, to choose ``block_tokens``.
+"""``kvgate bench chunks``: cold prefill time by chunk size, to choose ``step_tokens``.
 
-Smaller blocks share more (a prefix is reused up to its last full block) but prefill in smaller
-chunks, which runs the model's matmuls on smaller shapes. Sizes are measured round-robin within
-each repeat, so a noisy neighbour slows every size alike; medians are printed with the ratio to
-256-token chunks.
+With the invariant forward the cache block (``block_tokens``) and the prefill chunk (at most
+``step_tokens`` per step) are independent: a block's K/V are the same however it was chunked.
+This measures what a chunk size costs a cold prefill on the batched forward, beside the two
+references: transformers' own one-shot prefill (the floor for a prompt computed at once) and the
+serial route's block-aligned chunks through transformers (how kvgate prefilled before, and
+still does where the start-up probe fails). Sizes are measured round-robin within each repeat,
+so a noisy neighbour slows every size alike.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
+from gateway.engine.attention import TiledAttention
+from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import forward_logits, load_model, make_sequence_cache
+from gateway.engine.model import LoadedModel, forward_logits, load_model, make_sequence_cache
+
+SERIAL_CHUNK = 256
 
 
 def run_chunks_benchmark(*, model: str, cache_dir: Path, sizes: list[int], prompt_tokens: int,
-                         repeats: int, out: TextIO) -> dict[int, float]:
-    """Print and return the median cold prefill seconds of ``prompt_tokens`` per chunk size."""
+                         repeats: int, out: TextIO) -> dict[str, float]:
+    """Print and return the median cold prefill seconds of ``prompt_tokens`` per variant."""
     loaded = load_model(model, cache_dir=cache_dir)
     generator = torch.Generator().manual_seed(0)
-    vocab = loaded.tokenizer.vocab_size
-    ids = torch.randint(0, vocab, (prompt_tokens,), generator=generator)
-    samples: dict[int, list[float]] = {size: [] for size in sizes}
+    ids = torch.randint(0, loaded.tokenizer.vocab_size, (prompt_tokens,), generator=generator)
+    forward = BatchedForward(loaded.model, TiledAttention())
+    variants: dict[str, Callable[[], None]] = {
+        f"batched, chunks of {size}": _batched(loaded, forward, ids, size) for size in sizes}
+    variants["transformers, one shot"] = lambda: _one_shot(loaded, ids)
+    variants[f"serial route, {SERIAL_CHUNK}-token chunks"] = _serial(loaded, ids, SERIAL_CHUNK)
+    samples: dict[str, list[float]] = {name: [] for name in variants}
     for repeat in range(repeats):
-        for size in sizes:
-            seq = KVSequence(loaded.layout, prompt_tokens)
+        for name, run in variants.items():
             start = time.perf_counter()
-            for begin in range(0, prompt_tokens, size):
-                end = min(prompt_tokens, begin + size)
-                forward_logits(loaded, ids[begin:end], make_sequence_cache(seq))
-                seq.advance(end - begin)
-            samples[size].append(time.perf_counter() - start)
+            run()
+            samples[name].append(time.perf_counter() - start)
         out.write(f"repeat {repeat + 1}/{repeats} done\n")
         out.flush()
-    medians = {size: statistics.median(values) for size, values in samples.items()}
-    base = medians.get(256)
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    base = medians["transformers, one shot"]
     out.write(f"\ncold prefill of {prompt_tokens} tokens ({model}), median of {repeats}, "
-              f"sizes interleaved:\n")
-    out.write(f"{'chunk':>6} {'seconds':>8} {'tokens/s':>9} {'vs 256':>7}\n")
-    for size in sizes:
-        ratio = f"{medians[size] / base:.2f}x" if base else "-"
-        out.write(f"{size:>6} {medians[size]:>8.2f} {prompt_tokens / medians[size]:>9.0f} "
-                  f"{ratio:>7}\n")
+              f"variants interleaved:\n")
+    out.write(f"{'variant':<34} {'seconds':>8} {'tokens/s':>9} {'vs one shot':>12}\n")
+    for name, seconds in medians.items():
+        out.write(f"{name:<34} {seconds:>8.2f} {prompt_tokens / seconds:>9.0f} "
+                  f"{seconds / base:>11.2f}x\n")
     return medians
+
+
+def _batched(loaded: LoadedModel, forward: BatchedForward, ids: torch.Tensor,
+             size: int) -> Callable[[], None]:
+    def run() -> None:
+        seq = KVSequence(loaded.layout, int(ids.numel()))
+        for begin in range(0, int(ids.numel()), size):
+            chunk = ids[begin:begin + size]
+            forward.forward([SequenceRows(sequence=seq, tokens=chunk,
+                                          wants_logits=begin + size >= ids.numel())])
+    return run
+
+
+def _one_shot(loaded: LoadedModel, ids: torch.Tensor) -> None:
+    with torch.inference_mode():
+        loaded.model(input_ids=ids.reshape(1, -1), logits_to_keep=1)
+
+
+def _serial(loaded: LoadedModel, ids: torch.Tensor, size: int) -> Callable[[], None]:
+    def run() -> None:
+        seq = KVSequence(loaded.layout, int(ids.numel()))
+        for begin in range(0, int(ids.numel()), size):
+            end = min(int(ids.numel()), begin + size)
+            forward_logits(loaded, ids[begin:end], make_sequence_cache(seq))
+            seq.advance(end - begin)
+    return run

@@ -26,14 +26,14 @@ def build_parser() -> argparse.ArgumentParser:
     index = bench_sub.add_parser("index", help="fingerprint, radix index and eviction figures")
     index.add_argument("--sizes", default="10000,100000,1000000",
                        help="comma-separated index sizes in blocks (default: %(default)s)")
-    index.add_argument("--block-tokens", type=int, default=256)
+    index.add_argument("--block-tokens", type=int, default=64)
     index.add_argument("--repeats", type=int, default=2000,
                        help="timed lookups per prompt length (default: %(default)s)")
-    chunks = bench_sub.add_parser("chunks", help="cold prefill time by chunk size "
-                                  "(to choose block_tokens)")
+    chunks = bench_sub.add_parser("chunks", help="cold prefill time by chunk size on the "
+                                  "batched forward, beside transformers (to choose step_tokens)")
     chunks.add_argument("--model", default="bundled")
     chunks.add_argument("--data-dir", type=Path, default=Path("data"))
-    chunks.add_argument("--sizes", default="64,128,256,512")
+    chunks.add_argument("--sizes", default="64,128,256,512,1024")
     chunks.add_argument("--prompt-tokens", type=int, default=2048)
     chunks.add_argument("--repeats", type=int, default=3)
     tiers = bench_sub.add_parser("tiers", help="put/get of a real prefix per tier vs raw limits")
