@@ -23,9 +23,9 @@ Failures are misses, never errors for the caller:
 * a file that does not verify on ``get`` (``CodecError``) is a counted miss and is deleted.
 
 Restart: ``recover`` (run by ``start``) deletes leftover temp files, reads only the header of
-each block file, checks its MAC, layout, size and that its name is its key, deletes what fails
-and returns the good headers so that the prefix cache can adopt them. The payload checksum is
-verified lazily, on ``get``: a restart costs one small read per block, not a full re-read.
+each block file, checks its header MAC, layout, size and that its name is its key, deletes what
+fails (an old format version too) and returns the good headers for the prefix cache to adopt.
+The block MAC over header and payload is verified on ``get``: one small read per block here.
 
 Locks: ``_lock`` guards every map and counter and is never held across a slow syscall except
 the unlink that removes a file whose key it must keep consistent with the index. ``_io_lock``
@@ -385,9 +385,9 @@ class DiskStore(BatchDefaults):
     def recover(self) -> list[DecodedHeader]:
         """Scan the root: delete temp files and invalid block files, index the valid ones.
 
-        Each block file costs one small read (its header: MAC, layout, key) and one stat
-        (its size must be exactly what the header says). Payload checksums are verified on
-        ``get``.
+        Each block file costs one small read (its header: header MAC, layout, key) and one stat
+        (its size must be exactly what the header says). The block MAC, over header and
+        payload, is verified on ``get``.
 
         Returns:
             The headers of the block files kept, for the caller to rebuild its index.

@@ -12,8 +12,8 @@ around three rules:
   redis-py's own retries are switched off (the caller recomputes faster than a retry storm).
 * **Stored bytes are untrusted.** Each value is read with ``GETRANGE key 0 max_value_bytes``,
   so a planted huge value costs at most ``max_value_bytes + 1`` bytes of memory and is
-  rejected before decoding; every value is decoded and verified by ``BlockCodec`` (MAC,
-  checksum, key, parent, namespace, tokens, shapes). A value that fails is a miss, counted by
+  rejected before decoding; every value is decoded and verified by ``BlockCodec`` (a MAC
+  over header and payload, key, parent, namespace, tokens). A value that fails is a miss, counted by
   reason, and deleted (it is poison, and ``SET NX`` would otherwise keep it forever).
 * **One key per block.** ``{key_prefix}:{namespace_digest hex}:{block key hex}`` holds the
   codec's bytes, written with ``SET NX PX ttl`` so that replicas writing the same block never
@@ -81,7 +81,7 @@ _FLUSH_BATCH = 512
 _SCAN_COUNT = 1000
 
 _HEADER_SLACK_BYTES = 4096
-"""Room for the codec's fixed header fields (magic, version, keys, digest, checksum, MAC)."""
+"""Room for the codec's fixed header fields (magic, version, keys, digest, two MAC tags)."""
 
 # Every error redis-py raises for a server or network fault. DataError is excluded where it is
 # caught: it means we passed bad arguments, a bug, and bugs raise.
