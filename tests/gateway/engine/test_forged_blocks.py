@@ -2,8 +2,8 @@
 
 The forgery is the one format 1 of the codec accepted (``tests/tiers/xxh3_forgery.py``): the
 header is left as written, the payload is replaced by KV of the attacker's choosing with two
-words per lane and KiB solved so that its xxh3-128 is unchanged. The block MAC over header and
-payload refuses it; the gateway counts the reason, drops the block and recomputes.
+words per lane in each KiB solved so that its xxh3-128 is unchanged. The block MAC over header
+and payload refuses it; the gateway counts the reason, drops the block and recomputes.
 """
 
 from __future__ import annotations
