@@ -36,8 +36,9 @@ class CodecError(TierError):
     Raised for truncation, corruption, another format version, a bad MAC, a header that
     disagrees with the expected key / namespace / tokens / parent, or shapes that do not match
     the model's KV layout. ``reason`` is a short stable word for counters ("truncated",
-    "magic", "version", "mac", "checksum", "key", "namespace", "tokens", "parent", "shape",
-    "codec", "size").
+    "magic", "version" (also every block of an older format), "mac" (header MAC), "payload_mac"
+    (the MAC over header and payload: corrupted or forged bytes), "key", "namespace",
+    "tokens", "parent", "shape", "codec", "size").
     """
 
     def __init__(self, reason: str, message: str) -> None:
@@ -102,7 +103,8 @@ class BlockStore(Protocol):
         they are (the device tier does) or copy them. A store that cannot take a block (disk
         full, Redis down) drops it and counts why.
       * ``get`` returns the block only if it is present and verifies against ``meta``
-        (tokens, parent, namespace, checksum, MAC where bytes leave the process); otherwise None,
+        (tokens, parent, namespace, and a MAC over header and payload where bytes leave the
+        process); otherwise None,
         counting the reason. A block that failed verification is deleted.
       * ``get_many``/``put_many`` exist so that remote stores can batch (one round trip for a
         chain); the defaults in ``BatchDefaults`` loop over the single calls.

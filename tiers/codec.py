@@ -2,228 +2,71 @@
 
 Bytes that come back from a file or from a shared Redis are untrusted: a crash can leave half a
 file, another deployment can write with another secret, anyone who can write to Redis can
-forge values. So every blob carries who it is (key, parent key, namespace digest, tokens),
-what it holds (dtype, shapes, compression, lengths, an xxh3-128 checksum of the payload) and a
-keyed BLAKE2b MAC over all of that. Decoding trusts nothing: shapes and sizes are checked
-against the model's ``KVLayout`` (never taken from the header), every length is bounded before
-anything is allocated, and the payload is plain little-endian tensor bytes -- no pickle, no
-``torch.load``, nothing that could run code.
+forge values -- and one forged Redis value would be served by every replica. So every blob
+carries who it is (key, parent key, namespace digest, tokens) and what it holds (dtype, shapes,
+compression, lengths), and one keyed BLAKE3 MAC, the block tag, covers that header *and* the
+payload (``tiers.block_mac`` says why a checksum of the payload is not enough). A second tag
+over the header alone lets a restart adopt a file from one small read. Decoding trusts
+nothing: shapes and sizes are checked against the model's ``KVLayout`` (never taken from the
+header), every length is bounded before anything is allocated, and the payload is plain
+little-endian tensor bytes -- no pickle, no ``torch.load``, nothing that could run code.
 
-Format (all integers little-endian)::
-
-    prefix  (PREFIX_LEN = 10)
-      0   4s   MAGIC b"KVGB"
-      4   u16  format version (FORMAT_VERSION)
-      6   u32  header length: bytes before the payload (prefix + fields + MAC)
-    fields  (fixed part, 90 bytes)
-      10  u8   dtype code (``_DTYPE_CODES``)
-      11  u8   compression id (0 raw, 1 lz4 frame)
-      12  u8   key length (1..64)
-      13  u8   parent key length (0..64)
-      14  u16  owner length (utf-8 bytes, <= MAX_OWNER_BYTES)
-      16  u32  number of tokens
-      20  u32  num_layers
-      24  u32  kv_heads
-      28  u32  block_tokens
-      32  u32  head_dim
-      36  u64  payload length (stored bytes)
-      44  u64  raw length (bytes after decompression)
-      52  16s  xxh3-128 of the stored payload
-      68  32s  namespace digest
-    fields  (variable part)
-      100      key, parent key, owner (utf-8), tokens (u32 each)
-    MAC     32 bytes: keyed BLAKE2b-256 (key = mac_key) of everything before it
-    payload for each layer: K bytes then V bytes, each [kv_heads, block_tokens, head_dim]
-            C-contiguous; optionally one lz4 frame of those bytes
-
-Checks happen cheapest first and before any allocation that a header could inflate: the prefix
-(magic, version, header length within ``MAX_HEADER_LEN``), the MAC, then the fields against
-the layout; ``decode`` then checks the exact total length, the expected identity, the checksum
-and finally decompresses with the output bounded to the layout's size. Every failure raises
-``CodecError`` with a stable ``reason`` (see ``tiers.base``); foreign errors (struct, lz4,
-unicode) are translated at this boundary.
+The byte layout is in ``tiers.block_format``. ``decode`` checks, cheapest first: the prefix
+(magic, version, header length), the header tag, the fields against the layout, the exact
+total length, the expected identity, then the block tag over header and payload, and only then
+decompresses (output bounded to the layout's size). Every failure raises ``CodecError`` with a
+stable ``reason`` (see ``tiers.base``); foreign errors (struct, lz4, unicode) are translated at
+this boundary. A block of format 1 (header-only MAC, xxh3 payload checksum) is refused as
+"version": the stores count it, delete it and the block is recomputed.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import struct
 import sys
-from dataclasses import dataclass
 from typing import Literal
 
 import lz4.frame
 import numpy as np
 import torch
-import xxhash
 
-from policies.base import BlockKey
 from tiers.base import BlockMeta, CodecError, TierConfigError
+from tiers.block_format import (
+    COMPRESSION_TO_ID,
+    DTYPE_TO_CODE,
+    FORMAT_VERSION,
+    MAGIC,
+    MAX_HEADER_LEN,
+    MAX_KEY_LEN,
+    MAX_OWNER_BYTES,
+    MIN_HEADER_LEN,
+    NAMESPACE_DIGEST_LEN,
+    PREFIX_LEN,
+    TAGS_LEN,
+    Compression,
+    DecodedHeader,
+    ExpectedShape,
+    HeaderFields,
+    header_length,
+    pack_body,
+    parse_fields,
+)
+from tiers.block_mac import MAC_LEN, BlockMac, derive_mac_key
 from tiers.payload import KVBlock, KVLayout, PayloadError
 
-FORMAT_VERSION: int = 1
-MAGIC: bytes = b"KVGB"
+__all__ = [
+    "FORMAT_VERSION",
+    "MAC_LEN",
+    "MAGIC",
+    "PREFIX_LEN",
+    "BlockCodec",
+    "CompressionMode",
+    "DecodedHeader",
+    "derive_mac_key",
+]
 
-_PREFIX = struct.Struct("<4sHI")
-PREFIX_LEN: int = _PREFIX.size
-"""Bytes at the start of every blob from which ``BlockCodec.header_length`` reads the header
-length (disk recovery reads this much, then the header, never the payload)."""
-
-_FIELDS = struct.Struct("<BBBBHIIIIIQQ16s32s")
-MAC_LEN = 32
-CHECKSUM_LEN = 16
-NAMESPACE_DIGEST_LEN = 32
-MAX_KEY_LEN = 64
-MAX_OWNER_BYTES = 256
-MAX_HEADER_LEN = 1 << 20
-"""Upper bound on any header (about 260k tokens per block); a longer claim is refused unread."""
-
-_MIN_HEADER_LEN = PREFIX_LEN + _FIELDS.size + 1 + MAC_LEN
-_MAC_PERSON = b"kvgate.blockmac"
-_MAC_DOMAIN = b"kvgate.block-mac-key.v1"
-
-Compression = Literal["raw", "lz4"]
 CompressionMode = Literal["raw", "lz4", "auto"]
-
-_COMPRESSION_TO_ID: dict[Compression, int] = {"raw": 0, "lz4": 1}
-_ID_TO_COMPRESSION: dict[int, Compression] = {v: k for k, v in _COMPRESSION_TO_ID.items()}
 _COMPRESSION_MODES: tuple[CompressionMode, ...] = ("raw", "lz4", "auto")
-
-
-def _dtype_table() -> dict[int, torch.dtype]:
-    # NOTE: codes are part of the format and never reused; dtypes this torch build lacks are
-    # simply absent (a blob naming one is refused as "codec").
-    names = {
-        1: "float32",
-        2: "float16",
-        3: "bfloat16",
-        4: "float64",
-        5: "int8",
-        6: "uint8",
-        7: "float8_e4m3fn",
-        8: "float8_e5m2",
-        9: "float8_e4m3fnuz",
-        10: "float8_e5m2fnuz",
-    }
-    table: dict[int, torch.dtype] = {}
-    for code, name in names.items():
-        dtype = getattr(torch, name, None)
-        if isinstance(dtype, torch.dtype):
-            table[code] = dtype
-    return table
-
-
-_CODE_TO_DTYPE: dict[int, torch.dtype] = _dtype_table()
-_DTYPE_TO_CODE: dict[torch.dtype, int] = {v: k for k, v in _CODE_TO_DTYPE.items()}
-
-
-def derive_mac_key(deployment_secret: bytes) -> bytes:
-    """Derive the 32-byte key that MACs block headers from the deployment secret.
-
-    A separate key (BLAKE2b personalised for this purpose, over its own domain string) so
-    that a MAC can never equal a namespace digest, which is keyed by the same secret.
-
-    Args:
-        deployment_secret: the per-deployment secret, 16..64 bytes.
-
-    Returns:
-        32 bytes.
-
-    Raises:
-        TierConfigError: the secret is shorter than 16 or longer than 64 bytes.
-    """
-    if not 16 <= len(deployment_secret) <= 64:
-        raise TierConfigError(
-            f"deployment secret must be 16 to 64 bytes long, got {len(deployment_secret)}"
-        )
-    return hashlib.blake2b(
-        _MAC_DOMAIN, key=deployment_secret, digest_size=MAC_LEN, person=_MAC_PERSON
-    ).digest()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DecodedHeader:
-    """A header that passed the MAC and the layout checks (the payload is not checked yet).
-
-    Attributes:
-        meta: the identity stored with the block.
-        dtype, num_layers, kv_heads, block_tokens, head_dim: the stored layout (equal to the
-            codec's, or the header would have been refused).
-        compression: "raw" or "lz4".
-        payload_len: stored payload bytes.
-        raw_len: payload bytes after decompression.
-        checksum: xxh3-128 of the stored payload.
-        header_len: bytes before the payload (prefix + fields + MAC).
-    """
-
-    meta: BlockMeta
-    dtype: torch.dtype
-    num_layers: int
-    kv_heads: int
-    block_tokens: int
-    head_dim: int
-    compression: Compression
-    payload_len: int
-    raw_len: int
-    checksum: bytes
-    header_len: int
-
-    @property
-    def total_len(self) -> int:
-        """Bytes of the whole blob."""
-        return self.header_len + self.payload_len
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class _HeaderFields:
-    """Everything a header says, before authentication (also used by tests to forge one)."""
-
-    dtype_code: int
-    compression_id: int
-    key: bytes
-    parent_key: bytes
-    owner: bytes
-    num_tokens: int
-    tokens: bytes
-    num_layers: int
-    kv_heads: int
-    block_tokens: int
-    head_dim: int
-    payload_len: int
-    raw_len: int
-    checksum: bytes
-    namespace_digest: bytes
-
-
-def _pack_header(fields: _HeaderFields, mac_key: bytes, *, version: int = FORMAT_VERSION) -> bytes:
-    """Prefix, fields and MAC of one blob (the payload follows it)."""
-    variable = fields.key + fields.parent_key + fields.owner + fields.tokens
-    header_len = PREFIX_LEN + _FIELDS.size + len(variable) + MAC_LEN
-    body = b"".join(
-        (
-            _PREFIX.pack(MAGIC, version, header_len),
-            _FIELDS.pack(
-                fields.dtype_code,
-                fields.compression_id,
-                len(fields.key),
-                len(fields.parent_key),
-                len(fields.owner),
-                fields.num_tokens,
-                fields.num_layers,
-                fields.kv_heads,
-                fields.block_tokens,
-                fields.head_dim,
-                fields.payload_len,
-                fields.raw_len,
-                fields.checksum,
-                fields.namespace_digest,
-            ),
-            variable,
-        )
-    )
-    mac = hashlib.blake2b(body, key=mac_key, digest_size=MAC_LEN).digest()
-    return body + mac
 
 
 def _as_byte_view(data: bytes | bytearray | memoryview) -> memoryview:
@@ -245,7 +88,7 @@ class BlockCodec:
     dtype or block size is refused even when its MAC is valid.
 
     Args:
-        mac_key: key of the header MAC (``derive_mac_key``), 16..64 bytes.
+        mac_key: key of the block MAC (``derive_mac_key``), 16..64 bytes.
         layout: the model's KV layout; every block must match it.
         block_tokens: tokens per block.
         compression: "raw" (default: lz4 saves only 1-1.5% on real KV), "lz4", or "auto"
@@ -271,14 +114,12 @@ class BlockCodec:
                 "the block codec stores native tensor bytes as little-endian and cannot run on "
                 f"a {sys.byteorder}-endian host"
             )
-        if not 16 <= len(mac_key) <= 64:
-            raise TierConfigError(f"mac_key must be 16 to 64 bytes long, got {len(mac_key)}")
         if block_tokens < 1:
             raise TierConfigError(f"block_tokens must be >= 1, got {block_tokens}")
-        if layout.dtype not in _DTYPE_TO_CODE:
+        if layout.dtype not in DTYPE_TO_CODE:
             raise TierConfigError(
                 f"KV dtype {layout.dtype} has no block format code; supported: "
-                + ", ".join(str(d) for d in _DTYPE_TO_CODE)
+                + ", ".join(str(d) for d in DTYPE_TO_CODE)
             )
         if compression not in _COMPRESSION_MODES:
             raise TierConfigError(
@@ -286,20 +127,23 @@ class BlockCodec:
             )
         if not 0.0 <= min_lz4_saving < 1.0:
             raise TierConfigError(f"min_lz4_saving must be in [0, 1), got {min_lz4_saving}")
-        if 4 * block_tokens + 2 * MAX_KEY_LEN + MAX_OWNER_BYTES + _MIN_HEADER_LEN > MAX_HEADER_LEN:
+        if 4 * block_tokens + 2 * MAX_KEY_LEN + MAX_OWNER_BYTES + MIN_HEADER_LEN > MAX_HEADER_LEN:
             raise TierConfigError(f"block_tokens {block_tokens} is too large for a block header")
-        self._mac_key = mac_key
+        self._mac = BlockMac(mac_key)  # raises TierConfigError for a key of a bad length
         self._layout = layout
         self._block_tokens = block_tokens
         self._compression: CompressionMode = compression
         self._min_lz4_saving = min_lz4_saving
-        self._dtype_code = _DTYPE_TO_CODE[layout.dtype]
+        self._dtype_code = DTYPE_TO_CODE[layout.dtype]
         self._raw_len = layout.block_nbytes(block_tokens)
         # lz4 frames of incompressible data grow by a few bytes per 64 KiB block plus the frame
         # header; anything beyond this bound is not an lz4 frame of raw_len bytes.
-        self._max_lz4_len = self._raw_len + self._raw_len // 255 + 1024
-        # NOTE: keying BLAKE2b costs a compression; copying a keyed state is cheaper.
-        self._mac_state = hashlib.blake2b(key=mac_key, digest_size=MAC_LEN)
+        self._shape = ExpectedShape(
+            layout=layout,
+            block_tokens=block_tokens,
+            raw_len=self._raw_len,
+            max_lz4_len=self._raw_len + self._raw_len // 255 + 1024,
+        )
 
     @property
     def layout(self) -> KVLayout:
@@ -314,13 +158,19 @@ class BlockCodec:
         """Payload bytes of one block before compression."""
         return self._raw_len
 
+    @property
+    def mac(self) -> BlockMac:
+        """The MAC this codec signs and verifies with (the tiers benchmark times it alone)."""
+        return self._mac
+
     # ----------------------------------------------------------------------------- encode
 
     def encode(self, meta: BlockMeta, block: KVBlock) -> bytes:
         """Serialise ``block`` with its identity ``meta`` into one authenticated blob.
 
         The block's tensors may live on any device and need not be contiguous; they are read,
-        never modified.
+        never modified (the MAC streams over the same views that are then joined into the
+        blob, so a tensor written to meanwhile would only produce a blob that fails to verify).
 
         Raises:
             CodecError: ``meta`` or ``block`` does not fit the format or the codec's layout
@@ -331,34 +181,24 @@ class BlockCodec:
             block.check(self._layout, self._block_tokens)
         except PayloadError as exc:
             raise CodecError("shape", f"cannot encode block: {exc}") from exc
-        chunks = [
+        pieces: list[memoryview | bytes] = [
             self._tensor_bytes(t) for kv in zip(block.keys, block.values, strict=True) for t in kv
         ]
 
         compression: Compression = "raw"
-        payload: bytes | None = None
         if self._compression != "raw":
-            raw = b"".join(chunks)
+            raw = b"".join(pieces)
             packed: bytes = lz4.frame.compress(raw, store_size=True)
             saving = len(raw) - len(packed)
             if self._compression == "lz4" or saving >= self._min_lz4_saving * len(raw):
-                compression, payload = "lz4", packed
+                compression, pieces = "lz4", [packed]
             else:
-                payload = raw
-        if payload is None:
-            hasher = xxhash.xxh3_128()
-            for chunk in chunks:
-                hasher.update(chunk)
-            checksum: bytes = hasher.digest()
-            payload_len = self._raw_len
-        else:
-            checksum = xxhash.xxh3_128_digest(payload)
-            payload_len = len(payload)
+                pieces = [raw]
 
-        header = _pack_header(
-            _HeaderFields(
+        body = pack_body(
+            HeaderFields(
                 dtype_code=self._dtype_code,
-                compression_id=_COMPRESSION_TO_ID[compression],
+                compression_id=COMPRESSION_TO_ID[compression],
                 key=bytes(meta.key),
                 parent_key=bytes(meta.parent_key),
                 owner=meta.owner.encode("utf-8"),
@@ -368,17 +208,15 @@ class BlockCodec:
                 kv_heads=self._layout.kv_heads,
                 block_tokens=self._block_tokens,
                 head_dim=self._layout.head_dim,
-                payload_len=payload_len,
+                payload_len=sum(len(p) for p in pieces),
                 raw_len=self._raw_len,
-                checksum=checksum,
                 namespace_digest=bytes(meta.namespace_digest),
-            ),
-            self._mac_key,
+            )
         )
+        block_tag = self._mac.block_tag(body, pieces)
+        header_tag = self._mac.header_tag(body, block_tag)
         # One copy of the tensor bytes: straight from the tensors into the result.
-        if payload is None:
-            return b"".join([header, *chunks])
-        return header + payload
+        return b"".join([body, block_tag, header_tag, *pieces])
 
     def _check_meta_for_encode(self, meta: BlockMeta) -> None:
         if not 1 <= len(meta.key) <= MAX_KEY_LEN:
@@ -428,165 +266,57 @@ class BlockCodec:
             CodecError: fewer than PREFIX_LEN bytes ("truncated"), another magic ("magic") or
                 format version ("version"), or a length out of bounds ("size").
         """
-        view = _as_byte_view(prefix)
-        if len(view) < PREFIX_LEN:
-            raise CodecError(
-                "truncated", f"block truncated: {len(view)} of at least {PREFIX_LEN} bytes"
-            )
-        magic, version, header_len = _PREFIX.unpack_from(view, 0)
-        if magic != MAGIC:
-            raise CodecError("magic", f"not a kvgate block: magic {bytes(magic)!r}, want {MAGIC!r}")
-        if version != FORMAT_VERSION:
-            raise CodecError(
-                "version", f"block format version {version}, this build reads {FORMAT_VERSION}"
-            )
-        if not _MIN_HEADER_LEN <= header_len <= MAX_HEADER_LEN:
-            raise CodecError(
-                "size",
-                f"block header claims {header_len} bytes, "
-                f"outside [{_MIN_HEADER_LEN}, {MAX_HEADER_LEN}]",
-            )
-        return int(header_len)
+        return header_length(_as_byte_view(prefix))
 
     def read_header(self, data: bytes | bytearray | memoryview) -> DecodedHeader:
         """Authenticate and check the header at the start of ``data`` (the payload may be
         absent: only the first ``header_len`` bytes are read).
+
+        This checks the header tag only: enough to trust the identity, sizes and layout of a
+        block file at restart, nothing about its payload.
 
         Raises:
             CodecError: reasons "truncated", "magic", "version", "size", "mac", "codec",
                 "shape".
         """
         view = _as_byte_view(data)
-        header_len = self.header_length(view[:PREFIX_LEN])
+        header_len = header_length(view[:PREFIX_LEN])
         if len(view) < header_len:
             raise CodecError(
                 "truncated", f"block truncated: {len(view)} of {header_len} header bytes"
             )
-        mac_at = header_len - MAC_LEN
-        state = self._mac_state.copy()
-        state.update(view[:mac_at])
-        if not hmac.compare_digest(state.digest(), view[mac_at:header_len]):
+        body_len = header_len - TAGS_LEN
+        block_tag = view[body_len : body_len + MAC_LEN]
+        if not self._mac.is_header_tag(
+            view[body_len + MAC_LEN : header_len], view[:body_len], block_tag
+        ):
             raise CodecError(
-                "mac", "MAC mismatch: written with another deployment secret or tampered"
+                "mac", "header MAC mismatch: written with another deployment secret or tampered"
             )
         try:
-            return self._parse_fields(view, header_len)
+            return parse_fields(view, header_len, self._shape)
         except (struct.error, IndexError, ValueError, OverflowError) as exc:
             # NOTE: unreachable for headers this codec wrote; a forged header that passed the
             # MAC is a leaked key, but it must still fail as a CodecError, never a crash.
             raise CodecError("codec", f"malformed block header: {exc}") from exc
 
-    def _parse_fields(self, view: memoryview, header_len: int) -> DecodedHeader:
-        (
-            dtype_code,
-            compression_id,
-            key_len,
-            parent_len,
-            owner_len,
-            num_tokens,
-            num_layers,
-            kv_heads,
-            block_tokens,
-            head_dim,
-            payload_len,
-            raw_len,
-            checksum,
-            namespace_digest,
-        ) = _FIELDS.unpack_from(view, PREFIX_LEN)
-        want_len = (
-            PREFIX_LEN + _FIELDS.size + key_len + parent_len + owner_len + 4 * num_tokens + MAC_LEN
-        )
-        if want_len != header_len:
-            raise CodecError(
-                "size", f"block header fields need {want_len} bytes, the prefix says {header_len}"
-            )
-        if not 1 <= key_len <= MAX_KEY_LEN or parent_len > MAX_KEY_LEN:
-            raise CodecError(
-                "size", f"block header key lengths {key_len}/{parent_len} out of bounds"
-            )
-        if owner_len > MAX_OWNER_BYTES:
-            raise CodecError("size", f"block header owner of {owner_len} bytes is too long")
-
-        dtype = _CODE_TO_DTYPE.get(dtype_code)
-        if dtype is None:
-            raise CodecError("codec", f"unknown dtype code {dtype_code} in block header")
-        layout = self._layout
-        stored = (dtype, num_layers, kv_heads, block_tokens, head_dim, num_tokens)
-        wanted = (
-            layout.dtype,
-            layout.num_layers,
-            layout.kv_heads,
-            self._block_tokens,
-            layout.head_dim,
-            self._block_tokens,
-        )
-        if stored != wanted:
-            raise CodecError(
-                "shape",
-                "block layout (dtype, layers, kv_heads, block_tokens, head_dim, tokens) "
-                f"{_fmt(stored)} differs from the model's {_fmt(wanted)}",
-            )
-        compression = _ID_TO_COMPRESSION.get(compression_id)
-        if compression is None:
-            raise CodecError("codec", f"unknown compression id {compression_id} in block header")
-        if raw_len != self._raw_len:
-            raise CodecError(
-                "size", f"block header claims {raw_len} raw bytes, the layout has {self._raw_len}"
-            )
-        max_payload = self._raw_len if compression == "raw" else self._max_lz4_len
-        min_payload = self._raw_len if compression == "raw" else 1
-        if not min_payload <= payload_len <= max_payload:
-            raise CodecError(
-                "size",
-                f"block header claims a {compression} payload of {payload_len} bytes; "
-                f"a {self._raw_len}-byte block allows {min_payload}..{max_payload}",
-            )
-
-        at = PREFIX_LEN + _FIELDS.size
-        key = bytes(view[at : at + key_len])
-        at += key_len
-        parent_key = bytes(view[at : at + parent_len])
-        at += parent_len
-        try:
-            owner = str(view[at : at + owner_len], "utf-8")
-        except UnicodeDecodeError as exc:
-            raise CodecError("codec", f"block owner is not valid utf-8: {exc}") from exc
-        at += owner_len
-        tokens = bytes(view[at : at + 4 * num_tokens])
-        meta = BlockMeta(
-            key=BlockKey(key),
-            parent_key=BlockKey(parent_key),
-            namespace_digest=bytes(namespace_digest),
-            owner=owner,
-            tokens=tokens,
-        )
-        return DecodedHeader(
-            meta=meta,
-            dtype=dtype,
-            num_layers=num_layers,
-            kv_heads=kv_heads,
-            block_tokens=block_tokens,
-            head_dim=head_dim,
-            compression=compression,
-            payload_len=payload_len,
-            raw_len=raw_len,
-            checksum=bytes(checksum),
-            header_len=header_len,
-        )
-
     def decode(self, data: bytes | bytearray | memoryview, expected: BlockMeta) -> KVBlock:
         """Verify ``data`` as the encoding of the block ``expected`` and return its tensors.
 
         The returned tensors own their memory (one buffer for the whole block): the caller may
-        reuse or release ``data`` at once.
+        reuse or release ``data`` at once. A raw payload is copied first and the block tag is
+        checked over that private copy, so the bytes served are the bytes verified even if
+        ``data`` is a buffer someone else can still write; an lz4 payload is verified before it
+        is decompressed (lz4 never sees unauthenticated bytes).
 
-        NOTE: the identity is compared before the checksum and decompression, so a foreign
+        NOTE: the identity is compared before the block tag and decompression, so a foreign
         block costs no payload work; every check runs either way, only the reported reason of
         a blob that is wrong twice depends on the order.
 
         Raises:
             CodecError: any reason of ``read_header``, or "truncated"/"size" (total length),
-                "key", "parent", "namespace", "tokens" (not the expected block), "checksum",
+                "key", "parent", "namespace", "tokens" (not the expected block), "payload_mac"
+                (the payload is not the one the block tag was made over: corrupted or forged),
                 "codec" (payload does not decompress to exactly the layout's size).
         """
         view = _as_byte_view(data)
@@ -602,15 +332,16 @@ class BlockCodec:
             )
         _check_identity(header.meta, expected)
 
+        body = view[: header.body_len]
         payload = view[header.header_len :]
-        if not hmac.compare_digest(xxhash.xxh3_128_digest(payload), header.checksum):
-            raise CodecError("checksum", "payload checksum mismatch: block corrupted")
-
         if header.compression == "lz4":
+            self._check_block_tag(header, body, payload)
             flat = torch.frombuffer(self._decompress(payload), dtype=torch.uint8)
         else:
             flat = torch.empty(self._raw_len, dtype=torch.uint8)
-            np.copyto(flat.numpy(), np.frombuffer(payload, dtype=np.uint8))
+            private = flat.numpy()
+            np.copyto(private, np.frombuffer(payload, dtype=np.uint8))
+            self._check_block_tag(header, body, private.data)
 
         layout = self._layout
         per_layer = flat.view(layout.dtype).view(
@@ -621,6 +352,14 @@ class BlockCodec:
             keys=tuple(layer[0] for layer in layers),
             values=tuple(layer[1] for layer in layers),
         )
+
+    def _check_block_tag(
+        self, header: DecodedHeader, body: memoryview, payload: memoryview
+    ) -> None:
+        if not self._mac.is_block_tag(header.block_tag, body, (payload,)):
+            raise CodecError(
+                "payload_mac", "block MAC mismatch: the payload was corrupted or forged"
+            )
 
     def _decompress(self, payload: memoryview) -> bytearray:
         """Decompress one lz4 frame into a new bytearray of exactly raw_len bytes, never
@@ -656,7 +395,3 @@ def _check_identity(stored: BlockMeta, expected: BlockMeta) -> None:
         raise CodecError("namespace", "block was written in another namespace")
     if stored.tokens != expected.tokens:
         raise CodecError("tokens", "block tokens differ from the expected tokens")
-
-
-def _fmt(fields: tuple[object, ...]) -> str:
-    return "(" + ", ".join(str(f).removeprefix("torch.") for f in fields) + ")"

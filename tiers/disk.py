@@ -21,11 +21,11 @@ Failures are misses, never errors for the caller:
   clock, when the next put tries again. Reads keep working throughout;
 * a file that does not verify on ``get`` (``CodecError``) is a counted miss and is deleted.
 
-Restart: ``recover`` (run by ``start``) scans the root (``tiers.disk_recovery``: only the
-header of each block file is read, its MAC, layout, size and name checked), deletes leftover
-temp files and what fails, and returns the good headers so that the prefix cache can adopt
-them. The payload checksum is verified lazily, on ``get``: a restart costs one small read per
-block, not a full re-read.
+Restart: ``recover`` (run by ``start``) scans the root (``tiers.disk_recovery``):
+deletes leftover temp files, reads only the header of each block file, checks its
+header MAC, layout, size and that its name is its key, deletes what fails (an old
+format version too) and returns the good headers for the prefix cache to adopt. The
+block MAC over header and payload is verified on ``get``: one small read per block here.
 
 Locks: ``_lock`` guards every map and counter and is never held across a slow syscall except
 the unlink that removes a file whose key it must keep consistent with the index. ``_io_lock``
@@ -378,8 +378,8 @@ class DiskStore(BatchDefaults):
     # -- recovery ----------------------------------------------------------------------------
 
     def recover(self) -> list[DecodedHeader]:
-        """Scan the root (``tiers.disk_recovery``): delete temp files and invalid block files,
-        index the valid ones.
+        """Scan the root (``tiers.disk_recovery``): delete temp and invalid block files, index
+        the valid ones (one header read and one stat per file; the block MAC waits for ``get``).
 
         Returns:
             The headers of the block files kept, for the caller to rebuild its index.

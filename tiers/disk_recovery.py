@@ -1,10 +1,10 @@
 """The disk tier's restart scan: which files under the root are blocks it may serve again.
 
-Every block file costs one small read (its header: MAC, layout, key) and one stat (its size
-must be exactly what the header says); payload checksums are verified later, on ``get``, so a
-restart does not re-read every byte. A file that fails -- not named after its key, in another
-key's directory, truncated, a bad MAC -- is reported with the codec's reason word; temp files
-left by a crash are reported as leftovers.
+Every block file costs one small read (its header: MAC, layout, key) and one stat (its size must be
+exactly what the header says); block MACs (header and payload) are verified later, on ``get``, so a
+restart does not re-read every byte. A file that fails -- not named after its key, in another key's
+directory, truncated, a bad MAC -- is reported with the codec's reason word; temp files left by a
+crash are reported as leftovers.
 
 The scan only reads. It returns a ``Recovery`` record, and ``DiskStore.recover`` applies it
 (removes what must go, counts, rebuilds its index) under its own locks: the scan needs none of

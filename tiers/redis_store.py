@@ -12,8 +12,8 @@ around three rules:
   redis-py's own retries are switched off (the caller recomputes faster than a retry storm).
 * **Stored bytes are untrusted.** Each value is read with ``GETRANGE key 0 max_value_bytes``,
   so a planted huge value costs at most ``max_value_bytes + 1`` bytes of memory and is
-  rejected before decoding; every value is decoded and verified by ``BlockCodec`` (MAC,
-  checksum, key, parent, namespace, tokens, shapes). A value that fails is a miss, counted by
+  rejected before decoding; every value is decoded and verified by ``BlockCodec`` (a MAC
+  over header and payload, key, parent, namespace, tokens). A value that fails is a miss, counted by
   reason, and deleted (it is poison, and ``SET NX`` would otherwise keep it forever).
 * **One key per block.** ``{key_prefix}:{namespace_digest hex}:{block key hex}`` holds the
   codec's bytes, written with ``SET NX PX ttl`` so that replicas writing the same block never
@@ -82,7 +82,7 @@ _NUM_KNOWN_KEYS = 65_536
 _FLUSH_BATCH = 512
 
 _HEADER_SLACK_BYTES = 4096
-"""Room for the codec's fixed header fields (magic, version, keys, digest, checksum, MAC)."""
+"""Room for the codec's fixed header fields (magic, version, keys, digest, two MAC tags)."""
 
 
 def default_max_value_bytes(layout: KVLayout, block_tokens: int) -> int:

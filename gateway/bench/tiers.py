@@ -6,10 +6,16 @@ the same run as the plain operation it is built on, so the printed ratios surviv
 machine: a tensor clone for the memory tiers, a plain file write (with the same fsync) and read
 of the same encoded bytes for the disk tier, plain redis-py SET/GET of the same bytes for Redis.
 Each figure is the median of ``--repeats`` runs.
+
+The codec table shows what authenticating a block costs: encode and decode per block, the block
+MAC alone (keyed BLAKE3 over header and payload) and its share of each, beside the keyed
+functions it was chosen over (HMAC-SHA256, keyed BLAKE2b) on the same bytes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import shutil
 import socket
@@ -90,6 +96,64 @@ def _metas(blocks: Sequence[KVBlock], tokens: torch.Tensor, block_tokens: int) -
 def _clone(blocks: Sequence[KVBlock]) -> list[KVBlock]:
     return [KVBlock(keys=tuple(t.clone() for t in b.keys),
                     values=tuple(t.clone() for t in b.values)) for b in blocks]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CodecRow:
+    """One codec operation, per block; ``mac_share`` = block MAC time / this operation's time."""
+
+    operation: str
+    seconds_per_block: float
+    block_bytes: int
+    mac_share: float | None
+
+
+def codec_rows(blocks: Sequence[KVBlock], metas: Sequence[BlockMeta], codec: BlockCodec,
+               repeats: int) -> list[CodecRow]:
+    """Time encode, decode and the block MAC alone per block, and the MAC's share of each."""
+    pairs = list(zip(metas, blocks, strict=True))
+    blobs = [codec.encode(m, b) for m, b in pairs]
+    parts = []
+    for blob in blobs:
+        header, view = codec.read_header(blob), memoryview(blob)
+        parts.append((view[: header.body_len], view[header.header_len :]))
+    payloads = [payload for _, payload in parts]
+    key = bytes(32)
+    num = len(blobs)
+
+    def per_block(fn: Callable[[], object]) -> float:
+        return _median_s(fn, repeats) / num
+
+    encode_s = per_block(lambda: [codec.encode(m, b) for m, b in pairs])
+    decode_s = per_block(lambda: [codec.decode(blob, m) for blob, (m, _) in
+                                  zip(blobs, pairs, strict=True)])
+    mac_s = per_block(lambda: [codec.mac.block_tag(body, (payload,)) for body, payload in parts])
+    hmac_s = per_block(lambda: [hmac.new(key, p, "sha256").digest() for p in payloads])
+    blake2_s = per_block(lambda: [hashlib.blake2b(p, key=key, digest_size=32).digest()
+                                  for p in payloads])
+    size = len(payloads[0])
+    return [
+        CodecRow(operation="encode", seconds_per_block=encode_s, block_bytes=size,
+                 mac_share=mac_s / encode_s),
+        CodecRow(operation="decode (verified)", seconds_per_block=decode_s, block_bytes=size,
+                 mac_share=mac_s / decode_s),
+        CodecRow(operation="block MAC: keyed BLAKE3", seconds_per_block=mac_s, block_bytes=size,
+                 mac_share=None),
+        CodecRow(operation="  vs HMAC-SHA256", seconds_per_block=hmac_s, block_bytes=size,
+                 mac_share=None),
+        CodecRow(operation="  vs keyed BLAKE2b", seconds_per_block=blake2_s, block_bytes=size,
+                 mac_share=None),
+    ]
+
+
+def write_codec_table(rows: Sequence[CodecRow], out: TextIO) -> None:
+    out.write(f"codec, per block of {rows[0].block_bytes / 1e6:.1f} MB payload:\n")
+    out.write(f"{'operation':<24} {'ms/block':>9} {'GB/s':>6} {'MAC share':>10}\n")
+    for row in rows:
+        share = "" if row.mac_share is None else f"{row.mac_share * 100:.0f}%"
+        out.write(f"{row.operation:<24} {row.seconds_per_block * 1e3:>9.2f} "
+                  f"{row.block_bytes / row.seconds_per_block / 1e9:>6.1f} {share:>10}\n")
+    out.write("\n")
 
 
 def _memory_rows(blocks: list[KVBlock], metas: list[BlockMeta], layout: KVLayout,
@@ -296,6 +360,8 @@ def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextI
     lz4_size = sum(len(lz4.encode(m, b)) for m, b in zip(metas, blocks, strict=True))
     out.write(f"lz4 on this KV: {lz4_size / raw_size:.4f} of raw "
               f"({(1 - lz4_size / raw_size) * 100:.1f}% saved) -> raw storage is the default\n\n")
+    write_codec_table(codec_rows(blocks, metas, codec, repeats), out)
+    out.flush()
     rows = _memory_rows(blocks, metas, loaded.layout, block_tokens, repeats)
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-disk-", dir=cache_dir) as tmp:
         rows += _disk_rows(blocks, metas, codec, Path(tmp), repeats)

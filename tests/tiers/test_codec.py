@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import pathlib
 import pickle
 import struct
@@ -28,8 +27,11 @@ from hypothesis import HealthCheck, example, given, settings
 
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from policies.base import BlockKey
+from tests.tiers.xxh3_forgery import encode_format_1, forge_keeping_xxh3, format_1_accepts
 from tiers import codec as codec_module
 from tiers.base import BlockMeta, CodecError, TierConfigError
+from tiers.block_format import TAGS_LEN, HeaderFields, pack_body
+from tiers.block_mac import BlockMac
 from tiers.codec import (
     FORMAT_VERSION,
     MAC_LEN,
@@ -37,8 +39,6 @@ from tiers.codec import (
     PREFIX_LEN,
     BlockCodec,
     DecodedHeader,
-    _HeaderFields,
-    _pack_header,
     derive_mac_key,
 )
 from tiers.payload import KVBlock, KVLayout
@@ -134,9 +134,9 @@ LZ4_CODEC = make_codec(compression="lz4")
 LZ4_BLOB = LZ4_CODEC.encode(META, BLOCK)
 
 
-def header_fields(**overrides: Any) -> _HeaderFields:
+def header_fields(**overrides: Any) -> HeaderFields:
     """The fields of BLOB's header, with some replaced (for forging with a valid MAC)."""
-    fields = _HeaderFields(
+    fields = HeaderFields(
         dtype_code=1,
         compression_id=0,
         key=bytes(META.key),
@@ -150,25 +150,29 @@ def header_fields(**overrides: Any) -> _HeaderFields:
         head_dim=LAYOUT.head_dim,
         payload_len=HEADER.payload_len,
         raw_len=HEADER.raw_len,
-        checksum=HEADER.checksum,
         namespace_digest=META.namespace_digest,
     )
     return dataclasses.replace(fields, **overrides)
 
 
+def seal(body: bytes, payload: bytes, mac_key: bytes = MAC_KEY) -> bytes:
+    """``body`` (a header without its tags) and ``payload`` joined with both tags, as the codec
+    would write them with ``mac_key``: what someone holding the key could forge."""
+    mac = BlockMac(mac_key)
+    block_tag = mac.block_tag(body, [payload])
+    return body + block_tag + mac.header_tag(body, block_tag) + payload
+
+
 def forge(payload: bytes, *, mac_key: bytes = MAC_KEY, **overrides: Any) -> bytes:
-    """A blob whose header says ``overrides`` about ``payload``, with a valid MAC."""
+    """A blob whose header says ``overrides`` about ``payload``, with valid tags."""
     overrides.setdefault("payload_len", len(payload))
-    overrides.setdefault("checksum", xxhash.xxh3_128_digest(payload))
-    return _pack_header(header_fields(**overrides), mac_key) + payload
+    return seal(pack_body(header_fields(**overrides)), payload, mac_key)
 
 
 def remac(blob: bytes | bytearray) -> bytes:
-    """Recompute the MAC of a (tampered) header with the real key."""
+    """Recompute both tags of a (tampered) blob with the real key."""
     header_len = struct.unpack_from("<I", blob, 6)[0]
-    body = bytes(blob[: header_len - MAC_LEN])
-    mac = hashlib.blake2b(body, key=MAC_KEY, digest_size=MAC_LEN).digest()
-    return body + mac + bytes(blob[header_len:])
+    return seal(bytes(blob[: header_len - TAGS_LEN]), bytes(blob[header_len:]))
 
 
 # ----------------------------------------------------------------------------- round trips
@@ -278,7 +282,7 @@ def test_read_header_needs_only_the_header_bytes() -> None:
     )
     assert header.block_tokens == BLOCK_TOKENS
     assert header.raw_len == header.payload_len == LAYOUT.block_nbytes(BLOCK_TOKENS)
-    assert header.checksum == xxhash.xxh3_128_digest(BLOB[header_len:])
+    assert header.block_tag == BLOB[header.body_len : header.body_len + MAC_LEN]
 
 
 def test_blob_starts_with_magic_version_and_header_length() -> None:
@@ -315,6 +319,13 @@ def test_other_format_version_is_refused() -> None:
     assert str(FORMAT_VERSION + 1) in str(error)
 
 
+def test_format_1_blob_is_refused_as_version() -> None:
+    old = encode_format_1(CODEC, MAC_KEY, META, BLOCK)
+    assert format_1_accepts(old, MAC_KEY)  # positive control: a genuine format 1 blob
+    refused("version", lambda: CODEC.decode(old, META))
+    refused("version", lambda: CODEC.read_header(old))
+
+
 def test_blob_of_another_mac_key_is_refused() -> None:
     foreign = make_codec(mac_key=OTHER_MAC_KEY).encode(META, BLOCK)
     error = refused("mac", lambda: CODEC.decode(foreign, META))
@@ -339,12 +350,54 @@ def test_prefix_bit_flips_are_refused() -> None:
 
 
 @pytest.mark.parametrize("blob", [BLOB, LZ4_BLOB], ids=["raw", "lz4"])
-def test_payload_bit_flips_are_caught_by_the_checksum(blob: bytes) -> None:
+def test_payload_bit_flips_are_caught_by_the_block_mac(blob: bytes) -> None:
     header_len = CODEC.read_header(blob).header_len
     for byte in range(header_len, len(blob)):
         tampered = bytearray(blob)
         tampered[byte] ^= 1 << (byte % 8)
-        refused("checksum", lambda: CODEC.decode(tampered, META))  # noqa: B023
+        refused("payload_mac", lambda: CODEC.decode(tampered, META))  # noqa: B023
+
+
+def test_read_header_vouches_for_the_header_only() -> None:
+    tampered = bytearray(BLOB)
+    tampered[-1] ^= 1
+    assert CODEC.read_header(tampered).meta == META
+    refused("payload_mac", lambda: CODEC.decode(tampered, META))
+
+
+# A layout whose payload (16 KiB) spans 15 xxh3 blocks of 1 KiB and a last partial one.
+ATTACK_LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=32, dtype=torch.float32)
+ATTACK_TOKENS = 16
+
+
+def _attack() -> tuple[BlockCodec, BlockMeta, KVBlock, bytes, float]:
+    """The victim's codec, meta and block, and the attacker's payload: KV of the attacker's
+    choosing (every value 1e4) wherever the lane fix-up leaves it, xxh3 of the victim's."""
+    codec = make_codec(layout=ATTACK_LAYOUT, block_tokens=ATTACK_TOKENS)
+    meta = make_meta(ATTACK_TOKENS)
+    block = make_block(ATTACK_LAYOUT, ATTACK_TOKENS, seed=11)
+    genuine = codec.encode(meta, block)[codec.read_header(codec.encode(meta, block)).header_len :]
+    chosen = torch.full((codec.raw_len // 4,), 1e4, dtype=torch.float32).numpy().tobytes()
+    forged, chosen_share = forge_keeping_xxh3(genuine, chosen)
+    return codec, meta, block, forged, chosen_share
+
+
+def test_xxh3_lane_fix_up_forges_a_payload_that_format_1_accepts() -> None:
+    codec, meta, block, forged, chosen_share = _attack()
+    old = encode_format_1(codec, MAC_KEY, meta, block)
+    header_len = struct.unpack_from("<I", old, 6)[0]
+    poisoned = old[:header_len] + forged
+    assert chosen_share >= 0.85  # the attacker picks 14 of every 16 words
+    assert xxhash.xxh3_128_digest(forged) == xxhash.xxh3_128_digest(old[header_len:])
+    assert forged != old[header_len:]
+    assert format_1_accepts(poisoned, MAC_KEY)
+
+
+def test_payload_forged_to_keep_its_xxh3_is_refused_by_the_block_mac() -> None:
+    codec, meta, block, forged, _ = _attack()
+    blob = codec.encode(meta, block)
+    header_len = codec.read_header(blob).header_len
+    refused("payload_mac", lambda: codec.decode(blob[:header_len] + forged, meta))
 
 
 @pytest.mark.parametrize(
@@ -639,7 +692,7 @@ def test_fuzz_mutated_blobs_decode_exactly_or_raise_codec_error(
 @given(
     flips=st.lists(
         st.tuples(
-            st.integers(min_value=PREFIX_LEN, max_value=HEADER.header_len - MAC_LEN - 1),
+            st.integers(min_value=PREFIX_LEN, max_value=HEADER.body_len - 1),
             st.integers(min_value=1, max_value=255),
         ),
         min_size=1,
@@ -671,7 +724,7 @@ def _valid_or(valid: Any, wild: st.SearchStrategy[Any]) -> st.SearchStrategy[Any
 @FUZZ
 @given(
     fields=st.builds(
-        _HeaderFields,
+        HeaderFields,
         dtype_code=_valid_or(1, _u8),
         compression_id=_valid_or(0, _u8),
         key=_valid_or(bytes(META.key), st.binary(max_size=80)),
@@ -685,23 +738,23 @@ def _valid_or(valid: Any, wild: st.SearchStrategy[Any]) -> st.SearchStrategy[Any
         head_dim=_valid_or(LAYOUT.head_dim, _u32),
         payload_len=_valid_or(HEADER.payload_len, _u64),
         raw_len=_valid_or(HEADER.raw_len, _u64),
-        checksum=_valid_or(HEADER.checksum, st.binary(min_size=16, max_size=16)),
         namespace_digest=_valid_or(META.namespace_digest, st.binary(min_size=32, max_size=32)),
     ),
     payload=_valid_or(PAYLOAD, st.binary(max_size=512)),
 )
 def test_fuzz_forged_headers_with_a_valid_mac_only_raise_codec_error(
-    fields: _HeaderFields, payload: bytes
+    fields: HeaderFields, payload: bytes
 ) -> None:
     try:
-        header = _pack_header(fields, MAC_KEY)
+        data = seal(pack_body(fields), payload)
     except struct.error:
         return  # a field too wide for its slot: such a header cannot even be written
-    data = header + payload
     try:
         CODEC.read_header(data)
     except CodecError:
         pass
     decoded = decode_or_codec_error(CODEC, data)
-    if decoded is not None:  # only if the forger got every field and the checksum right
-        assert_bit_identical(decoded, BLOCK)
+    if decoded is not None:  # a forger holding the key picks the payload, never the shapes
+        decoded.check(LAYOUT, BLOCK_TOKENS)
+        if payload == PAYLOAD:
+            assert_bit_identical(decoded, BLOCK)

@@ -32,6 +32,7 @@ from policies.base import BlockKey
 from tests.tiers.conftest import (
     TEST_BLOCK_TOKENS,
     TEST_LAYOUT,
+    TEST_SECRET,
     blocks_equal,
     make_test_codec,
     seed_of,
@@ -39,8 +40,9 @@ from tests.tiers.conftest import (
     seeded_kv_block,
 )
 from tests.tiers.faulty_fs import FaultyFileOps, TailMode
+from tests.tiers.xxh3_forgery import encode_format_1, forge_keeping_xxh3
 from tiers.base import BlockMeta, BlockStore, TierConfigError
-from tiers.codec import BlockCodec
+from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
 from tiers.fileops import FileOps, RealFileOps
 from tiers.payload import KVBlock, KVLayout
@@ -341,8 +343,15 @@ def _corrupt(case: str, root: Path, victim: BlockMeta, partner: BlockMeta, canar
     path = block_path(root, victim.key)
     data = bytearray(path.read_bytes())
     if case == "bit_flip":
-        data[-5] ^= 0x10  # in the payload: only the checksum can tell
+        data[-5] ^= 0x10  # in the payload: only the block MAC can tell
         path.write_bytes(data)
+    elif case == "xxh3_forgery":  # chosen KV that keeps the payload's xxh3 (format 1's check)
+        header_len = BlockCodec.header_length(bytes(data))
+        forged, _ = forge_keeping_xxh3(bytes(data[header_len:]), b"\x7f" * BLOCK_NBYTES)
+        path.write_bytes(bytes(data[:header_len]) + forged)
+    elif case == "format_1":  # the same block, written by the previous format
+        codec, mac_key = make_test_codec(), derive_mac_key(TEST_SECRET)
+        path.write_bytes(encode_format_1(codec, mac_key, victim, seeded_kv_block(seed_of(victim))))
     elif case == "truncated":
         path.write_bytes(data[: len(data) - 100])
     elif case == "swapped":
@@ -369,12 +378,14 @@ def _corrupt(case: str, root: Path, victim: BlockMeta, partner: BlockMeta, canar
         raise AssertionError(case)
 
 
-HEADER_LEVEL = {"truncated", "swapped", "other_mac", "pickle"}
+HEADER_LEVEL = {"truncated", "swapped", "other_mac", "pickle", "format_1"}
 """Damage that recovery sees from the header and size alone, before any get."""
 
 ZOO = {
     # case: (reason when found at restart, reason when found while running)
-    "bit_flip": ("checksum", "checksum"),
+    "bit_flip": ("payload_mac", "payload_mac"),
+    "xxh3_forgery": ("payload_mac", "payload_mac"),
+    "format_1": ("version", "version"),
     "truncated": ("truncated", "truncated"),
     "swapped": ("name", "key"),
     "other_namespace": ("namespace", "namespace"),

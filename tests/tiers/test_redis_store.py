@@ -18,6 +18,7 @@ import torch
 
 from policies.base import BlockKey
 from tests.redis_harness import FaultProxy, RedisCluster, RedisServer, free_port
+from tests.tiers.xxh3_forgery import encode_format_1, forge_keeping_xxh3
 from tiers.base import BlockMeta, BlockStore, TierConfigError
 from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
@@ -415,6 +416,34 @@ def test_value_from_another_deployment_secret_is_rejected(
     assert ours.get(meta) is None
     assert ours.stats().verification_failures == {"mac": 1}
     assert redis_server.command("EXISTS", ours.redis_key(meta)) == 0
+
+
+def test_format_1_value_is_a_counted_miss_and_deleted(
+    redis_server: RedisServer, open_store: Callable[..., RedisStore]
+) -> None:
+    store = open_store(redis_server.url)
+    [(meta, block)] = make_chain(namespace("t"), 1)
+    old = encode_format_1(make_codec(), derive_mac_key(SECRET), meta, block)
+    redis_server.command("SET", store.redis_key(meta), old)
+    assert store.get(meta) is None
+    assert store.stats().verification_failures == {"version": 1}
+    assert redis_server.command("EXISTS", store.redis_key(meta)) == 0
+
+
+def test_value_forged_to_keep_its_xxh3_is_a_counted_miss_and_deleted(
+    redis_server: RedisServer, open_store: Callable[..., RedisStore]
+) -> None:
+    store = open_store(redis_server.url)
+    [(meta, block)] = make_chain(namespace("t"), 1)
+    store.put(meta, block)
+    value = redis_server.command("GET", store.redis_key(meta))
+    assert isinstance(value, bytes)
+    header_len = BlockCodec.header_length(value)
+    forged, _ = forge_keeping_xxh3(value[header_len:], b"\x7f" * (len(value) - header_len))
+    redis_server.command("SET", store.redis_key(meta), value[:header_len] + forged)
+    assert store.get(meta) is None
+    assert store.stats().verification_failures == {"payload_mac": 1}
+    assert redis_server.command("EXISTS", store.redis_key(meta)) == 0
 
 
 def test_oversized_value_is_rejected_before_decoding(
