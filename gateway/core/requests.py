@@ -117,6 +117,7 @@ class WarmRequest:
     scope: Scope
     pin: bool = False
     ttl_s: float | None = None
+    deadline: float | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

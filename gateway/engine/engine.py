@@ -50,7 +50,7 @@ from gateway.engine.forward import (
     StepForward,
     architecture_problem,
 )
-from gateway.engine.jobs import Job, RequestHandle
+from gateway.engine.jobs import Job, RequestHandle, WarmHandle
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.loop import LoopCounters, LoopSettings, StepLoop
 from gateway.engine.model import LoadedModel, SerialForward
@@ -289,18 +289,23 @@ class Engine:
 
     def warm(self, request: WarmRequest) -> WarmResult:
         """Compute and store the full blocks of a prompt (pinned if asked); blocks until done."""
+        return self.start_warm(request).result()
+
+    def start_warm(self, request: WarmRequest) -> WarmHandle:
+        """Submit a warm through the scheduler, like any request: ``result()`` waits for it.
+
+        Raises:
+            InvalidRequest: the request can never succeed as sent.
+            QueueFull: too many requests are waiting.
+            EngineDraining: the engine is shutting down.
+        """
         if request.ttl_s is not None and not (math.isfinite(request.ttl_s) and request.ttl_s > 0):
             raise InvalidRequest(f"ttl_s must be a positive number of seconds, got "
                                  f"{request.ttl_s}")
         if self._cache is None:
             raise InvalidRequest("this server runs without a cache: nothing can be warmed")
         prompt = self._canonical(request.prompt)
-        job = self._job("warm", request, prompt.token_ids, None)
-        job.done.wait()
-        if job.error is not None:
-            raise job.error
-        assert job.warm_result is not None
-        return job.warm_result
+        return WarmHandle(self._job("warm", request, prompt.token_ids, request.deadline))
 
     def lookup(self, request: LookupRequest) -> LookupResult:
         """How much of the prompt is cached in the caller's scope; computes nothing."""

@@ -62,3 +62,25 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop the request at the next step (it releases its blocks then)."""
         self._job.cancelled.set()
+
+
+class WarmHandle:
+    """A submitted warm: ``result()`` waits for it; ``cancel()`` stops it at the next step."""
+
+    def __init__(self, job: Job) -> None:
+        self._job = job
+
+    def result(self) -> WarmResult:
+        """Wait for the warm and return what it stored.
+
+        Raises:
+            GatewayError: it was cancelled, ran past its deadline or failed.
+        """
+        self._job.done.wait()
+        if self._job.error is not None:
+            raise self._job.error
+        assert self._job.warm_result is not None
+        return self._job.warm_result
+
+    def cancel(self) -> None:
+        self._job.cancelled.set()

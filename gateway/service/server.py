@@ -24,11 +24,11 @@ from grpc_reflection.v1alpha import reflection
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
 from gateway.service.servicer import (
     ADMIN_SERVICE,
     GATEWAY_SERVICE,
     EdgeLimits,
-    EngineSlot,
     ServicerSet,
 )
 

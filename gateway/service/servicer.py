@@ -36,7 +36,7 @@ from google.protobuf.message import DecodeError
 from gateway.cache.stats import CacheStats
 from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
-from gateway.core.errors import EngineDraining, InvalidRequest
+from gateway.core.errors import InvalidRequest
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import (
     CacheOptions,
@@ -50,12 +50,12 @@ from gateway.core.requests import (
     WarmResult,
 )
 from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.status_mapping import status_of
 
 if TYPE_CHECKING:
-    from gateway.cache.admin import CacheAdmin, EvictResult, PrefixSummary
-    from gateway.engine.engine import Engine
+    from gateway.cache.admin import EvictResult, PrefixSummary
 
 logger = logging.getLogger(__name__)
 
@@ -95,45 +95,6 @@ class EdgeLimits:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-
-
-class EngineSlot:
-    """The engine and cache admin the services call; empty while the model loads (UNAVAILABLE)."""
-
-    def __init__(self) -> None:
-        self._engine: Engine | None = None
-        self._admin: CacheAdmin | None = None
-        self._lock = threading.Lock()
-
-    def attach(self, engine: Engine, admin: CacheAdmin | None) -> None:
-        """Serve ``engine`` and ``admin`` (None: the server runs without a cache)."""
-        with self._lock:
-            self._engine = engine
-            self._admin = admin
-
-    def get(self) -> Engine:
-        """The engine.
-
-        Raises:
-            EngineDraining: no engine yet: the model is still loading.
-        """
-        with self._lock:
-            engine = self._engine
-        if engine is None:
-            raise EngineDraining("the gateway is still loading its model; retry in a few seconds")
-        return engine
-
-    def admin(self) -> CacheAdmin:
-        """The cache's admin operations.
-
-        Raises:
-            EngineDraining: the model is still loading.
-            InvalidRequest: the server runs without a cache.
-        """
-        self.get()  # the admin is attached with the engine, under the lock
-        if self._admin is None:
-            raise InvalidRequest("this server runs without a cache")
-        return self._admin
 
 
 # ---- protobuf -> records ------------------------------------------------------------------
@@ -373,8 +334,11 @@ class GatewayServicer:
             scope=scope_for(principal, request.scope),
             pin=request.pin,
             ttl_s=ttl_seconds(request, self._limits),
+            deadline=self._deadline(context),
         )
-        return warm_response(engine.warm(record))
+        handle = engine.start_warm(record)
+        context.add_callback(handle.cancel)  # a client that goes away stops its warm
+        return warm_response(handle.result())
 
     def Lookup(
         self, request: pb.LookupRequest, principal: Principal, context: Any

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 
 from gateway.cache.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
-from gateway.core.errors import RequestCancelled
+from gateway.core.errors import DeadlineExceeded, RequestCancelled
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import (
     CacheOptions,
@@ -25,6 +26,7 @@ from gateway.core.requests import (
     SamplingParams,
     TokenDelta,
     Usage,
+    WarmRequest,
 )
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel, load_model
@@ -225,3 +227,22 @@ def test_simultaneous_requests_on_one_new_prefix_compute_it_once(stack) -> None:
     alone = [collect(engine, request(system + s, max_tokens=1, no_cache=True))[0]
              for s in suffixes]
     assert [ids for ids, _ in results] == alone
+
+
+def test_a_warm_past_its_deadline_stops_and_releases_its_blocks(stack) -> None:
+    engine, opened = stack
+    warm = WarmRequest(prompt=PromptInput(token_ids=SYSTEM * 3), scope=ALICE,
+                       deadline=time.monotonic() - 1)
+    with pytest.raises(DeadlineExceeded):
+        engine.warm(warm)
+    assert opened.cache.total_refcount() == 0
+
+
+def test_a_cancelled_warm_stops_and_releases_its_blocks(stack) -> None:
+    engine, opened = stack
+    handle = engine.start_warm(WarmRequest(prompt=PromptInput(token_ids=SYSTEM * 6),
+                                           scope=ALICE))
+    handle.cancel()
+    with pytest.raises(RequestCancelled):
+        handle.result()
+    assert opened.cache.total_refcount() == 0
