@@ -18,7 +18,8 @@ from tests.redis_harness import FaultProxy, RedisCluster, RedisServer, redis_ser
 # (added below for any test that requests one of these fixtures).
 
 _REDIS_FIXTURES = frozenset(
-    {"redis_server", "redis_server_factory", "redis_cluster", "fault_proxy"}
+    {"redis_server", "redis_server_factory", "module_redis_server", "redis_cluster",
+     "fault_proxy"}
 )
 
 
@@ -57,6 +58,18 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
 def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
     """A fresh, empty redis-server (no persistence) for one test."""
     return redis_server_factory()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server (no persistence) shared by a module's tests; never emptied by the
+    fixture (for data one process writes and many tests read)."""
+    _skip_without_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis-module")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture
