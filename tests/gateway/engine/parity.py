@@ -111,9 +111,11 @@ def num_servable_tokens(num_prompt_tokens: int) -> int:
     return (num_prompt_tokens - 1) // BLOCK * BLOCK
 
 
-def cold_blocks(tiny: LoadedModel, tokens: list[int], num_blocks: int) -> list[KVBlock]:
+def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
+                block_tokens: int = BLOCK) -> list[KVBlock]:
     """K/V of the first ``num_blocks`` blocks by a cold, block-aligned prefill (no cache)."""
-    computed = compute_block_kv(tiny, torch.tensor(tokens[: num_blocks * BLOCK]), BLOCK)
+    computed = compute_block_kv(loaded, torch.tensor(tokens[: num_blocks * block_tokens]),
+                                block_tokens)
     return [KVBlock(keys=keys, values=values) for keys, values in computed]
 
 
