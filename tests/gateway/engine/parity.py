@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from gateway.cache.factory import CacheConfig, OpenedCache
@@ -148,7 +149,7 @@ class ServedSpy:
         self._cache = cache
         self._load = cache.load
 
-    def install(self, monkeypatch: Any) -> ServedSpy:
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> ServedSpy:
         monkeypatch.setattr(self._cache, "load", self._spy)
         return self
 

@@ -28,6 +28,7 @@ from tests.gateway.engine.parity import (
     BLOCK,
     PARITY_PROMPTS,
     PROMPT_BY_ID,
+    PROMPT_IDS,
     SECRET,
     ServedSpy,
     assert_blocks_equal,
@@ -48,6 +49,10 @@ SERVABLE = ["repeated-sentence", "unicode", "shared-system-prompt-1", "shared-sy
             "multi-turn-chat", "exactly-3-blocks", "over-4-blocks", "one-letter-repeated",
             "crlf-lines", "chat-with-numbers"]
 UNSERVABLE = ["shorter-than-a-block-text", "shorter-than-a-block-ids"]
+
+
+def test_every_parity_prompt_is_checked() -> None:
+    assert sorted(SERVABLE + UNSERVABLE) == sorted(PROMPT_IDS)
 
 
 @pytest.fixture(scope="module")
