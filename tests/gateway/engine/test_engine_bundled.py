@@ -1,11 +1,11 @@
 """Parity with the real bundled model: SmolLM2-135M warm equals cold, greedy tokens exactly and
 K/V bit for bit, served from the device tier and from the disk tier after a restart.
 
-Prompts: two questions under one system prompt (the second is written after the first, so it
-reuses the first one's system-prompt blocks), a multi-turn chat, Unicode, and one of more than
-4 blocks. One engine writes them all to a disk directory and runs each cold (``no_cache``), then
-stops; each test restarts a new cache and engine over that directory. The expensive parts (the
-model, the writes, the cold runs, the cold K/V) are computed once per module.
+Prompts: a question under a system prompt that another question wrote first (so it was stored
+on top of that question's system-prompt blocks), a multi-turn chat, Unicode, and one of more
+than 4 blocks. One engine writes them all to a disk directory and runs each cold (``no_cache``),
+then stops; each test restarts a new cache and engine over that directory. The expensive parts
+(the model, the writes, the cold runs, the cold K/V) are computed once per module.
 """
 
 from __future__ import annotations
@@ -51,12 +51,11 @@ PASSAGE = (
     "that starts with the same tokens skips their prefill. "
 )
 
-# Written in this order: the second question finds the first one's system-prompt blocks.
+# Written first, so that the second question finds its system-prompt blocks.
+FIRST_QUESTION = PromptInput(messages=[
+    {"role": "system", "content": SYSTEM}, {"role": "user", "content": "How do refunds work?"}])
 PROMPTS: dict[str, PromptInput] = {
-    "system-prompt-question-1": PromptInput(messages=[
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "How do refunds work?"}]),
-    "system-prompt-question-2": PromptInput(messages=[
+    "shared-system-prompt": PromptInput(messages=[
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Is my data kept in Europe?"}]),
     "multi-turn-chat": PromptInput(messages=[
@@ -70,7 +69,7 @@ PROMPTS: dict[str, PromptInput] = {
         {"role": "user", "content": "Which tier is the fastest?"},
     ]),
     "unicode": PromptInput(prompt="Ünïcödé ✓ — 東京 🚀 naïve café, Grüße aus Zürich, Ελληνικά, "
-                                  "русский текст, עברית, 한국어, emoji 👩‍💻🎉. " * 4),
+                                  "русский текст, עברית, 한국어, emoji 👩‍💻🎉. " * 2),
     "over-4-blocks": PromptInput(prompt=PASSAGE * 12),
 }
 
@@ -114,10 +113,12 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def written(smol: LoadedModel, root: Path) -> dict[str, Written]:
-    """Every prompt stored on disk by one engine (then stopped), and its cold output."""
+    """The first question, then every prompt, stored on disk by one engine (then stopped),
+    and each prompt's cold output."""
     engine, opened = start_engine(smol, root)
     out: dict[str, Written] = {}
     try:
+        run(engine, FIRST_QUESTION, scope=TENANT, max_tokens=MAX_TOKENS)
         for name, prompt in PROMPTS.items():
             first = run(engine, prompt, scope=TENANT, max_tokens=MAX_TOKENS)[2]
             cold = run(engine, prompt, scope=TENANT, max_tokens=MAX_TOKENS, no_cache=True)
@@ -167,6 +168,7 @@ def test_served_from_disk_after_a_restart_equals_cold(
 ) -> None:
     engine, opened = restarted
     num_blocks = served_blocks(written[name])
+    assert num_blocks >= 1
     spy = ServedSpy(opened.cache).install(monkeypatch)
     ids, text, usage = run(engine, PROMPTS[name], scope=TENANT, max_tokens=MAX_TOKENS)
     assert (ids, text) == written[name].cold
@@ -182,6 +184,7 @@ def test_served_from_the_device_tier_equals_cold(
 ) -> None:
     engine, opened = restarted
     num_blocks = served_blocks(written[name])
+    assert num_blocks >= 1
     run(engine, PROMPTS[name], scope=TENANT, max_tokens=MAX_TOKENS)  # promotes disk -> device
     spy = ServedSpy(opened.cache).install(monkeypatch)
     ids, text, usage = run(engine, PROMPTS[name], scope=TENANT, max_tokens=MAX_TOKENS)
@@ -191,14 +194,15 @@ def test_served_from_the_device_tier_equals_cold(
     assert_blocks_equal(spy.only.blocks, cold_kv[name])
 
 
-def test_the_prompts_cover_a_shared_system_prompt_and_more_than_4_blocks(
-    written: dict[str, Written],
+def test_the_second_question_was_served_the_first_ones_system_prompt_blocks(
+    smol: LoadedModel, written: dict[str, Written],
 ) -> None:
-    q1, q2 = written["system-prompt-question-1"], written["system-prompt-question-2"]
-    num_shared = next(i for i, (a, b) in enumerate(zip(q1.tokens, q2.tokens, strict=False))
+    first, second = prompt_tokens(smol, FIRST_QUESTION), written["shared-system-prompt"]
+    num_shared = next(i for i, (a, b) in enumerate(zip(first, second.tokens, strict=False))
                       if a != b) // BLOCK
     assert num_shared >= 1
-    # Stored after the first question, the second was served the shared system-prompt blocks.
-    assert q2.first.cached_tokens_by_tier == {"device": num_shared * BLOCK}
-    assert served_blocks(written["over-4-blocks"]) > 4
-    assert all(served_blocks(w) >= 1 for w in written.values())
+    assert second.first.cached_tokens_by_tier == {"device": num_shared * BLOCK}
+
+
+def test_the_long_prompt_is_served_more_than_4_blocks(written: dict[str, Written]) -> None:
+    assert served_blocks(written["over-4-blocks"]) == 5
