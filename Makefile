@@ -39,15 +39,22 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check gateway tiers policies tests
 	$(VENV)/bin/mypy
 
-# The tests start their own redis-server on loopback ports; install Debian's if it is missing.
+# The tests start their own redis-server (and build clusters with redis-cli) on loopback ports;
+# install Debian's redis-server and redis-tools (redis-cli) if either is missing.
 redis-server:
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server (Debian package)"; \
+	@command -v redis-server >/dev/null 2>&1 && command -v redis-cli >/dev/null 2>&1 || { \
+	  echo "installing redis-server and redis-tools (Debian packages)"; \
 	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    redis-server redis-tools >/dev/null; }
+	@for bin in redis-server redis-cli; do command -v $$bin >/dev/null 2>&1 || { \
+	  echo "$$bin is still missing: install Debian's redis-server and redis-tools" >&2; exit 1; }; \
+	done
 
+# KVGATE_REQUIRE_REDIS=1: a missing redis-server or redis-cli fails the run instead of
+# skipping the Redis tests (outside `make test`, they skip).
 test: lint redis-server
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The gateway on 127.0.0.1:50051 with device + host + disk tiers (disk under data/kv). With no
 # keys configured it prints a development key for tenant `default` (kept in data/dev-api-key);

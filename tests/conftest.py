@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -13,13 +14,28 @@ from tests.redis_harness import FaultProxy, RedisCluster, RedisServer, redis_ser
 # ------------------------------------------------------------------ Redis (tests/redis_harness.py)
 #
 # Real Debian redis-server processes on free loopback ports, stopped by pid when the test (or
-# module, for the cluster) ends. Without /usr/bin/redis-server these skip with a message;
-# `make test` installs it, so in CI they always run. Tests using them carry `pytest.mark.redis`
-# (added below for any test that requests one of these fixtures).
+# module) ends. Without redis-server or redis-cli these skip with a message, except when
+# KVGATE_REQUIRE_REDIS=1 (`make test` sets it): then the run stops at once, naming the missing
+# binary. Tests using them carry `pytest.mark.redis` (added below for any test that requests one
+# of these fixtures).
+
+REQUIRE_REDIS_ENV = "KVGATE_REQUIRE_REDIS"
 
 _REDIS_FIXTURES = frozenset(
-    {"redis_server", "redis_server_factory", "redis_cluster", "fault_proxy"}
+    {"redis_server", "redis_server_factory", "module_redis_server", "redis_cluster",
+     "fault_proxy"}
 )
+
+
+def _redis_is_required() -> bool:
+    return os.environ.get(REQUIRE_REDIS_ENV, "") not in ("", "0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    reason = redis_server_missing()
+    if reason is not None and _redis_is_required():
+        raise pytest.UsageError(
+            f"{REQUIRE_REDIS_ENV} is set and the Redis tests cannot run: {reason}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -31,6 +47,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def _skip_without_redis() -> None:
     reason = redis_server_missing()
     if reason is not None:
+        if _redis_is_required():
+            pytest.fail(f"{REQUIRE_REDIS_ENV} is set: {reason}", pytrace=False)
         pytest.skip(reason)
 
 
@@ -57,6 +75,18 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
 def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
     """A fresh, empty redis-server (no persistence) for one test."""
     return redis_server_factory()
+
+
+@pytest.fixture(scope="module")
+def module_redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """One redis-server (no persistence) shared by a module's tests; never emptied by the
+    fixture (for data one process writes and many tests read)."""
+    _skip_without_redis()
+    server = RedisServer(tmp_path_factory.mktemp("redis-module")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

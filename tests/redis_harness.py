@@ -36,12 +36,20 @@ REDIS_CLI = shutil.which("redis-cli") or "/usr/bin/redis-cli"
 HOST = "127.0.0.1"
 
 
+REDIS_PACKAGES = {"redis-server": "redis-server", "redis-cli": "redis-tools"}
+"""The Debian package of each binary the Redis tests run."""
+
+
 def redis_server_missing() -> str | None:
-    """Why the Redis tests cannot run here, or None when they can."""
-    for path in (REDIS_SERVER, REDIS_CLI):
-        if not os.access(path, os.X_OK):
-            return f"{path} not found: install Debian's redis-server (`make test` does)"
-    return None
+    """Why the Redis tests cannot run here (naming each missing binary and how to install
+    it), or None when they can."""
+    missing = [name for name, path in (("redis-server", REDIS_SERVER), ("redis-cli", REDIS_CLI))
+               if not os.access(path, os.X_OK)]
+    if not missing:
+        return None
+    packages = " ".join(dict.fromkeys(REDIS_PACKAGES[name] for name in missing))
+    return (f"{' and '.join(missing)} not found on PATH: install Debian's {packages} "
+            f"(`sudo apt-get install -y {packages}`, or `make redis-server`)")
 
 
 def free_port() -> int:

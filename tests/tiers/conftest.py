@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -85,23 +84,6 @@ def make_test_codec(
     secret: bytes = TEST_SECRET,
 ) -> BlockCodec:
     return BlockCodec(mac_key=derive_mac_key(secret), layout=layout, block_tokens=block_tokens)
-
-
-@pytest.fixture
-def kv_layout() -> KVLayout:
-    return TEST_LAYOUT
-
-
-@pytest.fixture
-def make_kv_block() -> Callable[[int], KVBlock]:
-    """``make_kv_block(seed)``: a random block in ``TEST_LAYOUT``."""
-    return seeded_kv_block
-
-
-@pytest.fixture
-def make_block_meta() -> Callable[..., BlockMeta]:
-    """``make_block_meta(seed, namespace_digest=..., key_prefix=...)``."""
-    return seeded_block_meta
 
 
 @pytest.fixture

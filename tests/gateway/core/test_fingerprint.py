@@ -9,6 +9,7 @@ import pytest
 
 from gateway.core.fingerprint import (
     KEY_BYTES,
+    LAYOUT_VERSION,
     BlockFingerprinter,
     NamespaceSpec,
     Scope,
@@ -169,3 +170,32 @@ def test_scope_validation() -> None:
 def test_block_tokens_must_be_positive() -> None:
     with pytest.raises(ValueError, match="block_tokens"):
         BlockFingerprinter(derive_namespace(spec()), 0)
+
+
+def test_the_block_key_format_matches_its_golden_vector() -> None:
+    """Pins the block-key format: keyed BLAKE2b-256 namespace digest over length-framed fields
+    (domain, model fingerprint, KV dtype, device kind, layout version, scope kind, tenant)
+    keyed by the deployment secret, then a keyed BLAKE2b-128 chain over parent key and
+    little-endian uint32 token ids.
+
+    Every key on disk and in Redis was made this way: a change here silently turns every
+    stored block into a miss (or, worse, lets two formats meet). Change the format only on
+    purpose, bump ``LAYOUT_VERSION`` with it, and then update these hex strings.
+    """
+    namespace = derive_namespace(NamespaceSpec(
+        deployment_secret=b"kvgate-golden-vector-secret-0001",
+        model_fingerprint="golden-model-fingerprint",
+        kv_dtype="float32",
+        device_kind="cpu",
+        scope=Scope.of_tenant("tenant-a"),
+    ))
+    tokens = as_token_ids([1, 2, 3, 4, 500, 600, 70000, 2**32 - 1, 0, 42, 42, 7, 9])
+    keys = BlockFingerprinter(namespace, 4).block_keys(tokens)
+    assert LAYOUT_VERSION == 1
+    assert namespace.digest.hex() == (
+        "f174b6e7a12c098bcceec329d957202a8774970148dbb2f7fae769bd4d676182")
+    assert [key.hex() for key in keys] == [
+        "d5d1e6889d488024fefafde3597214e2",
+        "29e91156e6db16aca9b846000dd964e9",
+        "a97095cdb0b8a5b06bf9c16ac0d232a8",
+    ]

@@ -30,7 +30,7 @@ from gateway.core.requests import (
 )
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel, load_model
-from tests.gateway.engine.test_engine import SECRET, cache_config
+from tests.gateway.engine.parity import SECRET, cache_config
 from tests.tiny_llama import save_tiny_llama
 
 ALICE = Scope.of_tenant("alice")

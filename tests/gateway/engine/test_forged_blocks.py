@@ -14,7 +14,7 @@ import pytest
 
 from gateway.cache.factory import open_cache
 from gateway.engine.model import LoadedModel, load_model
-from tests.gateway.engine.test_engine import PROMPTS, SECRET, cache_config, make_engine, run
+from tests.gateway.engine.parity import PROMPTS, SECRET, cache_config, make_engine, run
 from tests.redis_harness import RedisServer
 from tests.tiers.xxh3_forgery import forge_keeping_xxh3
 from tests.tiny_llama import save_tiny_llama

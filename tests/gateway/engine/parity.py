@@ -1,0 +1,183 @@
+"""The parity harness: the prompts, the tiny Llama's cache and engine, and a spy on what a
+warm request is served.
+
+Shared by the engine tests and by ``tests.gateway.engine.redis_writer`` (the other process that
+fills Redis), so that both sides use the same prompts, block size and deployment secret.
+
+``ServedSpy`` wraps ``PrefixCache.load`` on one cache instance: it records, for the request that
+loads, which tiers held each matched block at that moment (before anything was promoted) and
+the K/V tensors handed to the request. That is what "served from tier X, bit for bit" means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gateway.cache.factory import CacheConfig, OpenedCache
+from gateway.cache.prefix_cache import Lease, PrefixCache
+from gateway.core.canonical import PromptInput, canonicalize
+from gateway.core.fingerprint import Scope
+from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
+from gateway.engine.attention import TiledAttention
+from gateway.engine.engine import Engine, EngineConfig
+from gateway.engine.forward import BatchedForward, SequenceRows
+from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.model import LoadedModel
+from tiers.payload import KVBlock
+
+BLOCK = 16
+SECRET = b"engine-test-secret-0000000000001"
+ALICE = Scope.of_tenant("alice")
+SYSTEM = "You are a careful assistant. Answer briefly and cite the manual. " * 2
+
+# The README's parity prompts: (id, prompt). Ids name the parametrised tests.
+PARITY_PROMPTS: list[tuple[str, PromptInput]] = [
+    ("shorter-than-a-block-text", PromptInput(prompt="short")),
+    ("repeated-sentence", PromptInput(prompt="The quick brown fox jumps over the lazy dog. " * 8)),
+    ("unicode", PromptInput(prompt="Ünïcödé ✓ — 東京 🚀 naïve café " * 3)),
+    ("shared-system-prompt-1", PromptInput(messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a block?"}])),
+    ("shared-system-prompt-2", PromptInput(messages=[
+        {"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a tier?"}])),
+    ("multi-turn-chat", PromptInput(messages=[
+        {"role": "user", "content": "Hi there, tell me about caches."},
+        {"role": "assistant", "content": "Caches keep results so they are not computed again."},
+        {"role": "user", "content": "And prefix caches?"},
+    ])),
+    ("exactly-3-blocks", PromptInput(token_ids=list(range(3 * BLOCK)))),
+    ("over-4-blocks", PromptInput(token_ids=[(7 * i) % 400 for i in range(5 * BLOCK + 3)])),
+    ("shorter-than-a-block-ids", PromptInput(token_ids=[(11 * i) % 400 for i in range(BLOCK - 1)])),
+    ("one-letter-repeated", PromptInput(prompt="a" * 40)),
+    ("crlf-lines", PromptInput(prompt="Line one\r\nLine two\r\n" * 5)),
+    ("chat-with-numbers", PromptInput(messages=[
+        {"role": "user", "content": "Count: " + " ".join(map(str, range(40)))}])),
+]
+PROMPT_IDS = [name for name, _ in PARITY_PROMPTS]
+PROMPTS = [prompt for _, prompt in PARITY_PROMPTS]
+PROMPT_BY_ID = dict(PARITY_PROMPTS)
+MAX_TOKENS = 12
+
+
+def cache_config(root: Path, **overrides: object) -> CacheConfig:
+    """Device, host and disk tiers under ``root`` (budgets far above what a test stores)."""
+    fields: dict[str, object] = {
+        "block_tokens": BLOCK,
+        "device_bytes": 64 << 20,
+        "host_bytes": 64 << 20,
+        "disk_bytes": 256 << 20,
+        "disk_path": root / "disk",
+    }
+    fields.update(overrides)
+    return CacheConfig(**fields)  # type: ignore[arg-type]
+
+
+def make_engine(tiny: LoadedModel, opened: OpenedCache | None, **overrides: object) -> Engine:
+    config = EngineConfig(block_tokens=BLOCK, **overrides)  # type: ignore[arg-type]
+    engine = Engine(loaded=tiny, cache=opened.cache if opened else None, config=config,
+                    deployment_secret=SECRET)
+    engine.start()
+    assert engine.route.name == config.route or config.route == "auto", engine.route
+    assert engine.route.name == "batched" or config.route == "serial", (
+        f"the tiny Llama should pass the invariance probe here: {engine.route.reason}")
+    return engine
+
+
+def run(engine: Engine, prompt: PromptInput, *, scope: Scope = ALICE, no_cache: bool = False,
+        max_tokens: int = MAX_TOKENS, **sampling: object) -> tuple[list[int], str, Usage]:
+    """One greedy (unless ``sampling`` says otherwise) generation: token ids, text, usage."""
+    handle = engine.generate(GenerateRequest(
+        prompt=prompt, scope=scope,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),  # type: ignore[arg-type]
+        cache=CacheOptions(no_cache=no_cache)))
+    ids: list[int] = []
+    text = ""
+    usage = None
+    for event in handle:
+        if isinstance(event, TokenDelta):
+            ids.extend(event.token_ids)
+            text += event.text
+        else:
+            usage = event
+    assert usage is not None
+    return ids, text, usage
+
+
+def prompt_tokens(tiny: LoadedModel, prompt: PromptInput) -> list[int]:
+    """The canonical token ids of ``prompt`` (what the engine fingerprints and prefills)."""
+    return [int(t) for t in canonicalize(prompt, tiny.tokenizer).token_ids]
+
+
+def num_servable_tokens(num_prompt_tokens: int) -> int:
+    """Tokens a warm request is served from the cache: every full block before the one holding
+    the last prompt token (that block is recomputed for its logits)."""
+    return (num_prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
+                block_tokens: int = BLOCK) -> list[KVBlock]:
+    """K/V of the first ``num_blocks`` blocks computed cold: one prefill, no cache.
+
+    The engines of these tests run the batched route (``make_engine`` checks it), whose
+    forward gives every block the same K/V however it is chunked, so one one-shot prefill is
+    the oracle (``Engine.cold_blocks`` is the same computation inside a running engine).
+    """
+    n = num_blocks * block_tokens
+    seq = KVSequence(loaded.layout, max(1, n))
+    forward = BatchedForward(loaded.model, TiledAttention())
+    if n:
+        forward.forward([SequenceRows(sequence=seq, tokens=torch.tensor(tokens[:n]),
+                                      wants_logits=False)])
+    return [seq.block(i, block_tokens) for i in range(num_blocks)]
+
+
+def assert_blocks_equal(served: list[KVBlock], cold: list[KVBlock]) -> None:
+    """Bit for bit: every layer's K and V of every block, same dtype and shape."""
+    assert len(served) == len(cold)
+    for i, (a, b) in enumerate(zip(served, cold, strict=True)):
+        assert a.num_layers == b.num_layers
+        for layer in range(a.num_layers):
+            for kind, x, y in (("K", a.keys[layer], b.keys[layer]),
+                               ("V", a.values[layer], b.values[layer])):
+                assert x.dtype == y.dtype and x.shape == y.shape, (i, layer, kind)
+                assert torch.equal(x, y), f"block {i} layer {layer} {kind} differs from cold"
+
+
+@dataclass
+class Served:
+    """What one ``load`` handed a request."""
+
+    tiers_before: list[tuple[str, ...]]  # per locally matched block: the tiers holding it
+    tiers: tuple[str, ...]  # per served block: the tier it was served from
+    blocks: list[KVBlock] = field(default_factory=list)
+
+
+class ServedSpy:
+    """Records every ``cache.load`` of one ``PrefixCache`` instance (install, then run)."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.calls: list[Served] = []
+        self._cache = cache
+        self._load = cache.load
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> ServedSpy:
+        monkeypatch.setattr(self._cache, "load", self._spy)
+        return self
+
+    def _spy(self, lease: Lease, **kwargs: Any) -> list[KVBlock]:
+        before = [self._cache.tiers_of(key) for key in lease.match.keys]
+        blocks = self._load(lease, **kwargs)
+        self.calls.append(Served(
+            tiers_before=before, tiers=lease.match.tiers,
+            blocks=[KVBlock(keys=tuple(t.clone() for t in b.keys),
+                            values=tuple(t.clone() for t in b.values)) for b in blocks]))
+        return blocks
+
+    @property
+    def only(self) -> Served:
+        assert len(self.calls) == 1, f"expected one load, saw {len(self.calls)}"
+        return self.calls[0]

@@ -1,0 +1,39 @@
+"""The other process of the Redis parity test: a second engine that fills a shared Redis.
+
+``python -m tests.gateway.engine.redis_writer MODEL_DIR REDIS_URL WORKDIR`` loads the tiny
+Llama from ``MODEL_DIR``, runs every parity prompt once through an engine whose cache writes
+through to ``REDIS_URL`` (no disk tier), waits until the remote writes are done and prints one
+JSON line: for each prompt id, the greedy token ids it generated.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from gateway.cache.factory import open_cache
+from gateway.engine.model import load_model
+from tests.gateway.engine.parity import PARITY_PROMPTS, SECRET, cache_config, make_engine, run
+
+
+def main(argv: list[str]) -> int:
+    model_dir, redis_url, workdir = argv
+    tiny = load_model(model_dir)
+    opened = open_cache(cache_config(Path(workdir), redis_url=redis_url, disk_bytes=0),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    try:
+        outputs = {name: run(engine, prompt)[0] for name, prompt in PARITY_PROMPTS}
+        if not opened.hierarchy.flush(timeout_s=60):
+            print("the remote writes did not finish", file=sys.stderr)
+            return 1
+    finally:
+        engine.stop()
+        opened.close()
+    print(json.dumps(outputs))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

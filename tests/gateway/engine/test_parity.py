@@ -1,0 +1,230 @@
+"""Parity: a warm request equals a cold one, greedy tokens exactly and K/V bit for bit, from
+every tier (DESIGN.md, "Parity").
+
+For every parity prompt (``tests.gateway.engine.parity``) and every tier -- device; host (the
+blocks demoted there, held by host and not by device when served); disk after a restart (a new
+cache and engine over the same directory); Redis written by another process -- a warm request:
+  * generates the cold run's token ids and text (the oracle: the same engine with no_cache);
+  * is served exactly its servable blocks (all full blocks before the one holding the last
+    prompt token), every one from that tier, as its ``Usage.cached_tokens_by_tier`` says;
+  * is handed K/V equal, layer by layer, to a cold block-aligned prefill (``torch.equal``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.cache.factory import OpenedCache, open_cache
+from gateway.core.canonical import PromptInput
+from gateway.engine.engine import Engine
+from gateway.engine.model import LoadedModel, load_model
+from tests.gateway.engine.parity import (
+    BLOCK,
+    PARITY_PROMPTS,
+    PROMPT_BY_ID,
+    PROMPT_IDS,
+    SECRET,
+    ServedSpy,
+    assert_blocks_equal,
+    cache_config,
+    cold_blocks,
+    make_engine,
+    num_servable_tokens,
+    prompt_tokens,
+    run,
+)
+from tests.redis_harness import RedisServer
+from tests.tiny_llama import save_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[3]
+
+# Prompts with at least one full block before the one holding their last token.
+SERVABLE = ["repeated-sentence", "unicode", "shared-system-prompt-1", "shared-system-prompt-2",
+            "multi-turn-chat", "exactly-3-blocks", "over-4-blocks", "one-letter-repeated",
+            "crlf-lines", "chat-with-numbers"]
+UNSERVABLE = ["shorter-than-a-block-text", "shorter-than-a-block-ids"]
+
+
+def test_every_parity_prompt_is_checked() -> None:
+    assert sorted(SERVABLE + UNSERVABLE) == sorted(PROMPT_IDS)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir: Path) -> LoadedModel:
+    return load_model(str(tiny_dir))
+
+
+def open_tiers(tiny: LoadedModel, root: Path, **overrides: object) -> OpenedCache:
+    return open_cache(cache_config(root, **overrides), layout=tiny.layout,
+                      deployment_secret=SECRET)
+
+
+@pytest.fixture
+def stack(tiny: LoadedModel) -> Iterator[list[tuple[Engine, OpenedCache]]]:
+    """Engines and caches a test opens; stopped and closed when it ends."""
+    opened: list[tuple[Engine, OpenedCache]] = []
+    yield opened
+    for engine, cache in reversed(opened):
+        engine.stop(grace_s=5)
+        cache.close()
+
+
+def start(tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], root: Path,
+          **overrides: object) -> tuple[Engine, OpenedCache]:
+    cache = open_tiers(tiny, root, **overrides)
+    engine = make_engine(tiny, cache)
+    stack.append((engine, cache))
+    return engine, cache
+
+
+def assert_warm_equals_cold(
+    tiny: LoadedModel, engine: Engine, spy: ServedSpy, prompt: PromptInput,
+    cold: tuple[list[int], str], *, tier: str, held_by: tuple[str, ...] | None,
+) -> None:
+    """Run ``prompt`` warm through ``engine`` and check it against the cold run ``cold``.
+
+    ``held_by``: the tiers that must hold every served block when it is served (None: the
+    blocks are not in the local index at all, i.e. they come from Redis).
+    """
+    tokens = prompt_tokens(tiny, prompt)
+    num_blocks = num_servable_tokens(len(tokens)) // BLOCK
+    assert num_blocks >= 1
+    ids, text, usage = run(engine, prompt)
+    served = spy.only
+    assert (ids, text) == cold
+    assert usage.cached_tokens == num_blocks * BLOCK
+    assert usage.cached_tokens_by_tier == {tier: num_blocks * BLOCK}
+    assert served.tiers == (tier,) * num_blocks
+    if held_by is None:
+        assert served.tiers_before == []
+    else:
+        assert served.tiers_before[:num_blocks] == [held_by] * num_blocks
+    assert_blocks_equal(served.blocks, cold_blocks(tiny, tokens, num_blocks))
+
+
+@pytest.mark.parametrize("name", SERVABLE)
+def test_served_from_the_device_tier_equals_cold(
+    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, name: str,
+) -> None:
+    prompt = PROMPT_BY_ID[name]
+    engine, opened = start(tiny, stack, tmp_path, disk_bytes=0)
+    run(engine, prompt)
+    cold = run(engine, prompt, no_cache=True)[:2]  # queued behind it: its blocks are stored
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="device", held_by=("device",))
+
+
+@pytest.mark.parametrize("name", SERVABLE)
+def test_served_from_the_host_tier_after_demotion_equals_cold(
+    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, name: str,
+) -> None:
+    prompt = PROMPT_BY_ID[name]
+    engine, opened = start(tiny, stack, tmp_path, disk_bytes=0)
+    run(engine, prompt)
+    cold = run(engine, prompt, no_cache=True)[:2]  # queued behind it: its blocks are stored
+    num_stored = opened.cache.stats().num_blocks
+    evicted = opened.cache.evict("device", 10**12)
+    assert len(evicted.victims) == num_stored  # every block left device ...
+    assert opened.cache.stats().num_blocks == num_stored  # ... for host, none was dropped
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="host", held_by=("host",))
+
+
+@pytest.mark.parametrize("name", SERVABLE)
+def test_served_from_the_disk_tier_after_a_restart_equals_cold(
+    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, name: str,
+) -> None:
+    prompt = PROMPT_BY_ID[name]
+    first_cache = open_tiers(tiny, tmp_path)
+    first = make_engine(tiny, first_cache)
+    try:
+        run(first, prompt)
+        cold = run(first, prompt, no_cache=True)[:2]
+    finally:
+        first.stop(grace_s=5)
+        first_cache.close()
+    engine, opened = start(tiny, stack, tmp_path)  # a new cache over the same disk directory
+    assert opened.num_recovered_blocks > 0
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="disk", held_by=("disk",))
+
+
+@pytest.fixture(scope="module")
+def redis_written_by_another_process(
+    tiny_dir: Path, module_redis_server: RedisServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, list[int]]:
+    """Every parity prompt run once by ``redis_writer`` in a subprocess; its outputs by id."""
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.gateway.engine.redis_writer", str(tiny_dir),
+         module_redis_server.url, str(tmp_path_factory.mktemp("writer"))],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    outputs: dict[str, list[int]] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(outputs) == {name for name, _ in PARITY_PROMPTS}
+    return outputs
+
+
+@pytest.mark.parametrize("name", SERVABLE)
+def test_served_from_redis_written_by_another_process_equals_cold(
+    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, module_redis_server: RedisServer,
+    redis_written_by_another_process: dict[str, list[int]], name: str,
+) -> None:
+    prompt = PROMPT_BY_ID[name]
+    engine, opened = start(tiny, stack, tmp_path, disk_bytes=0,
+                           redis_url=module_redis_server.url)
+    cold = run(engine, prompt, no_cache=True)[:2]
+    assert redis_written_by_another_process[name] == cold[0]  # the writer generated cold too
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="redis", held_by=None)
+
+
+@pytest.mark.parametrize("name", UNSERVABLE)
+def test_a_prompt_without_a_full_block_before_its_last_token_is_served_nothing(
+    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, name: str,
+) -> None:
+    prompt = PROMPT_BY_ID[name]
+    assert num_servable_tokens(len(prompt_tokens(tiny, prompt))) == 0
+    engine, opened = start(tiny, stack, tmp_path)
+    run(engine, prompt)
+    cold = run(engine, prompt, no_cache=True)[:2]  # queued behind it: its blocks are stored
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    ids, text, usage = run(engine, prompt)
+    assert (ids, text) == cold
+    assert usage.cached_tokens == 0 and usage.cached_tokens_by_tier == {}
+    assert spy.only.blocks == []
+
+
+def test_a_second_question_under_the_same_system_prompt_is_served_the_shared_blocks(
+    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = PROMPT_BY_ID["shared-system-prompt-1"], PROMPT_BY_ID["shared-system-prompt-2"]
+    a, b = prompt_tokens(tiny, first), prompt_tokens(tiny, second)
+    num_shared = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y) // BLOCK
+    assert num_shared >= 3
+    engine, opened = start(tiny, stack, tmp_path)
+    run(engine, first)
+    cold = run(engine, second, no_cache=True)[:2]
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    ids, text, usage = run(engine, second)
+    assert (ids, text) == cold
+    assert usage.cached_tokens_by_tier == {"device": num_shared * BLOCK}
+    assert spy.only.tiers == ("device",) * num_shared
+    assert_blocks_equal(spy.only.blocks, cold_blocks(tiny, b, num_shared))
