@@ -163,6 +163,19 @@ class StoreReport:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class EngineReport:
+    """How the engine computes ("batched" or "serial", and why) and what it has computed."""
+
+    route: str
+    route_reason: str
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    max_requests_in_step: int
+    dedup_waits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StatsReport:
     num_blocks: int
     num_namespaces: int
@@ -170,6 +183,7 @@ class StatsReport:
     num_remote_hits: int
     tiers: tuple[TierReport, ...]
     stores: tuple[StoreReport, ...]
+    engine: EngineReport | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -404,6 +418,12 @@ class KvgateClient:
                 )
                 for s in r.stores
             ),
+            engine=EngineReport(
+                route=r.engine.route, route_reason=r.engine.route_reason, steps=r.engine.steps,
+                prefill_tokens=r.engine.prefill_tokens, decode_tokens=r.engine.decode_tokens,
+                max_requests_in_step=r.engine.max_requests_in_step,
+                dedup_waits=r.engine.dedup_waits,
+            ) if r.HasField("engine") else None,
         )
 
     def list_prefixes(self, *, tenant: str | None = None, limit: int = 0,

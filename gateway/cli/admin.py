@@ -130,6 +130,12 @@ def _stats(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: Tex
     out.write(f"{stats.num_blocks} blocks in {stats.num_namespaces} namespaces, "
               f"{stats.num_remote_hits} remote hits, {stats.num_token_mismatches} token "
               "mismatches\n")
+    if stats.engine is not None:
+        e = stats.engine
+        out.write(f"engine route {e.route} ({e.route_reason}); {e.steps} steps, "
+                  f"{e.prefill_tokens} prefill + {e.decode_tokens} decode tokens computed, "
+                  f"up to {e.max_requests_in_step} requests per step, {e.dedup_waits} dedup "
+                  "waits\n")
     out.write(render_table(
         ["tier", "blocks", "used", "budget", "hits", "inserts", "promoted", "demoted",
          "evictions"],

@@ -56,6 +56,7 @@ from gateway.service.status_mapping import status_of
 
 if TYPE_CHECKING:
     from gateway.cache.admin import EvictResult, PrefixSummary
+    from gateway.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +244,18 @@ def lookup_response(result: LookupResult) -> pb.LookupResponse:
     )
 
 
-def stats_response(stats: CacheStats) -> pb.StatsResponse:
+def engine_stats(engine: Engine) -> pb.EngineStats:
+    counters = engine.counters
+    return pb.EngineStats(
+        route=engine.route.name, route_reason=engine.route.reason, steps=counters.num_steps,
+        prefill_tokens=counters.num_prefill_tokens, decode_tokens=counters.num_decode_tokens,
+        max_requests_in_step=counters.max_sequences_in_step,
+        dedup_waits=counters.num_dedup_waits)
+
+
+def stats_response(stats: CacheStats, engine: pb.EngineStats | None = None) -> pb.StatsResponse:
     return pb.StatsResponse(
+        engine=engine,
         num_blocks=stats.num_blocks,
         num_namespaces=stats.num_namespaces,
         num_token_mismatches=stats.num_token_mismatches,
@@ -366,7 +377,8 @@ class AdminServicer:
     def Stats(
         self, request: pb.StatsRequest, principal: Principal, context: Any
     ) -> pb.StatsResponse:
-        return stats_response(self._engines.admin().stats())
+        admin = self._engines.admin()
+        return stats_response(admin.stats(), engine_stats(self._engines.get()))
 
     def ListPrefixes(
         self, request: pb.ListPrefixesRequest, principal: Principal, context: Any

@@ -271,21 +271,41 @@ class StoreStats(_message.Message):
     notes: _containers.ScalarMap[str, str]
     def __init__(self, name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., deletes: _Optional[int] = ..., errors: _Optional[int] = ..., verification_failures: _Optional[_Mapping[str, int]] = ..., is_available: _Optional[bool] = ..., notes: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class EngineStats(_message.Message):
+    __slots__ = ("route", "route_reason", "steps", "prefill_tokens", "decode_tokens", "max_requests_in_step", "dedup_waits")
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUESTS_IN_STEP_FIELD_NUMBER: _ClassVar[int]
+    DEDUP_WAITS_FIELD_NUMBER: _ClassVar[int]
+    route: str
+    route_reason: str
+    steps: int
+    prefill_tokens: int
+    decode_tokens: int
+    max_requests_in_step: int
+    dedup_waits: int
+    def __init__(self, route: _Optional[str] = ..., route_reason: _Optional[str] = ..., steps: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., max_requests_in_step: _Optional[int] = ..., dedup_waits: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "num_namespaces", "num_token_mismatches", "num_remote_hits", "tiers", "stores")
+    __slots__ = ("num_blocks", "num_namespaces", "num_token_mismatches", "num_remote_hits", "tiers", "stores", "engine")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKEN_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     NUM_REMOTE_HITS_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     STORES_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     num_namespaces: int
     num_token_mismatches: int
     num_remote_hits: int
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
     stores: _containers.RepeatedCompositeFieldContainer[StoreStats]
-    def __init__(self, num_blocks: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_token_mismatches: _Optional[int] = ..., num_remote_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStats, _Mapping]]] = ...) -> None: ...
+    engine: EngineStats
+    def __init__(self, num_blocks: _Optional[int] = ..., num_namespaces: _Optional[int] = ..., num_token_mismatches: _Optional[int] = ..., num_remote_hits: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., stores: _Optional[_Iterable[_Union[StoreStats, _Mapping]]] = ..., engine: _Optional[_Union[EngineStats, _Mapping]] = ...) -> None: ...
 
 class ListPrefixesRequest(_message.Message):
     __slots__ = ("tenant", "limit")

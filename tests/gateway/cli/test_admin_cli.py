@@ -64,9 +64,12 @@ def test_stats_ls_evict_quota_flush_round_trip(
     assert isinstance(stats, dict) and stats["num_blocks"] > 0
     device = next(t for t in stats["tiers"] if t["name"] == "device")
     assert device["num_blocks"] == stats["num_blocks"] and device["used_bytes"] > 0
+    assert stats["engine"]["route"] == "batched" and stats["engine"]["steps"] > 0
+    assert stats["engine"]["prefill_tokens"] > 0
     assert main(_admin(gateway, "stats")) == 0
-    table = capsys.readouterr().out
-    assert table.splitlines()[1].split()[:3] == ["tier", "blocks", "used"]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("engine route batched (start-up probe: ")
+    assert lines[2].split()[:3] == ["tier", "blocks", "used"]
 
     assert main(_admin(gateway, "ls", "--json")) == 0
     listed = _json(capsys)
