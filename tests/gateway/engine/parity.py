@@ -27,7 +27,7 @@ from gateway.engine.attention import TiledAttention
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel
+from gateway.engine.model import LoadedModel, compute_block_kv
 from tiers.payload import KVBlock
 
 BLOCK = 16
@@ -119,14 +119,17 @@ def num_servable_tokens(num_prompt_tokens: int) -> int:
 
 
 def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
-                block_tokens: int = BLOCK) -> list[KVBlock]:
-    """K/V of the first ``num_blocks`` blocks computed cold: one prefill, no cache.
+                block_tokens: int = BLOCK, route: str = "batched") -> list[KVBlock]:
+    """K/V of the first ``num_blocks`` blocks computed cold, with no cache: the oracle.
 
-    The engines of these tests run the batched route (``make_engine`` checks it), whose
-    forward gives every block the same K/V however it is chunked, so one one-shot prefill is
-    the oracle (``Engine.cold_blocks`` is the same computation inside a running engine).
+    On the batched route one one-shot prefill (its forward gives a block the same K/V however
+    it is chunked; ``Engine.cold_blocks`` is the same computation in a running engine); on the
+    serial route a block-aligned prefill through transformers.
     """
     n = num_blocks * block_tokens
+    if route == "serial":
+        computed = compute_block_kv(loaded, torch.tensor(tokens[:n]), block_tokens)
+        return [KVBlock(keys=keys, values=values) for keys, values in computed]
     seq = KVSequence(loaded.layout, max(1, n))
     forward = BatchedForward(loaded.model, TiledAttention())
     if n:

@@ -91,6 +91,7 @@ def start(tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], root: Path
 def assert_warm_equals_cold(
     tiny: LoadedModel, engine: Engine, spy: ServedSpy, prompt: PromptInput,
     cold: tuple[list[int], str], *, tier: str, held_by: tuple[str, ...] | None,
+    route: str = "batched",
 ) -> None:
     """Run ``prompt`` warm through ``engine`` and check it against the cold run ``cold``.
 
@@ -110,7 +111,7 @@ def assert_warm_equals_cold(
         assert served.tiers_before == []
     else:
         assert served.tiers_before[:num_blocks] == [held_by] * num_blocks
-    assert_blocks_equal(served.blocks, cold_blocks(tiny, tokens, num_blocks))
+    assert_blocks_equal(served.blocks, cold_blocks(tiny, tokens, num_blocks, route=route))
 
 
 @pytest.mark.parametrize("name", SERVABLE)
@@ -228,3 +229,32 @@ def test_a_second_question_under_the_same_system_prompt_is_served_the_shared_blo
     assert usage.cached_tokens_by_tier == {"device": num_shared * BLOCK}
     assert spy.only.tiers == ("device",) * num_shared
     assert_blocks_equal(spy.only.blocks, cold_blocks(tiny, b, num_shared))
+
+
+@pytest.mark.parametrize("name", ["shared-system-prompt-1", "multi-turn-chat", "unicode",
+                                  "over-4-blocks"])
+def test_the_serial_route_keeps_parity_from_device_and_from_disk(
+    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch, name: str,
+) -> None:
+    """With invariance forced off (``route = serial``) warm still equals cold, bit for bit."""
+    prompt = PROMPT_BY_ID[name]
+    first_cache = open_tiers(tiny, tmp_path)
+    first = make_engine(tiny, first_cache, route="serial")
+    try:
+        assert first.route.name == "serial"
+        run(first, prompt)
+        cold = run(first, prompt, no_cache=True)[:2]
+        with monkeypatch.context() as patch:
+            spy = ServedSpy(first_cache.cache).install(patch)
+            assert_warm_equals_cold(tiny, first, spy, prompt, cold, tier="device",
+                                    held_by=("device", "disk"), route="serial")
+    finally:
+        first.stop(grace_s=5)
+        first_cache.close()
+    opened = open_tiers(tiny, tmp_path)
+    engine = make_engine(tiny, opened, route="serial")
+    stack.append((engine, opened))
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="disk", held_by=("disk",),
+                            route="serial")
