@@ -392,7 +392,7 @@ class TtftOptions:
     lengths: tuple[int, ...] = DEFAULT_LENGTHS
     suffix_tokens: int = 32
     repeats: int = 3
-    block_tokens: int = 256
+    block_tokens: int = 64
     model: str = "bundled"
     data_dir: Path = Path("data")
     spawn: bool = False

@@ -101,7 +101,7 @@ def _add_bench_ttft(bench_sub: Any) -> None:
     ttft.add_argument("--data-dir", type=Path, default=Path("data"),
                       help="model conversion cache (DATA_DIR/models) and, without --spawn, "
                            "where the gateway keeps dev-api-key (default: %(default)s)")
-    ttft.add_argument("--block-tokens", type=int, default=256,
+    ttft.add_argument("--block-tokens", type=int, default=64,
                       help="the gateway's block size (with --spawn: the one it is given)")
     ttft.add_argument("--host", default="127.0.0.1", help="without --spawn: the gateway")
     ttft.add_argument("--port", type=int, default=50051, help="without --spawn: the gateway")
