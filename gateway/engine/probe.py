@@ -23,8 +23,8 @@ from tiers.payload import KVLayout
 
 logger = logging.getLogger(__name__)
 
-PROBE_TOKENS = 2 * TILE + 37
-"""Prompt length: more than two tiles and a partial one."""
+PROBE_TOKENS = 2 * TILE + 5
+"""Prompt length: two tiles and a partial one."""
 
 NUM_DECODE = 3
 
@@ -70,27 +70,29 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
     total = num_tokens + NUM_DECODE
     tokens = torch.randint(0, vocab_size, (total,), generator=generator)
 
-    def others(*lengths: int) -> list[tuple[KVSequence, torch.Tensor]]:
+    def others(count: int) -> list[KVSequence]:
+        """``count`` other sequences with histories of different lengths, decoding beside."""
         made = []
-        for n in lengths:
+        for i in range(count):
+            n = 5 + 37 * i
             seq = KVSequence(layout, n + 2 * TILE, device=forward.device)
             history = torch.randint(0, vocab_size, (n,), generator=generator)
             forward.forward([SequenceRows(sequence=seq, tokens=history, wants_logits=False)])
-            made.append((seq, torch.randint(0, vocab_size, (1,), generator=generator)))
+            made.append(seq)
         return made
 
     def run(chunks: Sequence[int], beside: int = 0) -> _Run:
         seq = KVSequence(layout, total, device=forward.device)
+        company = others(beside)
         logits: list[torch.Tensor] = []
         at = 0
-        for step, size in enumerate(chunks):
-            batch = [SequenceRows(sequence=seq, tokens=tokens[at:at + size], wants_logits=True)]
-            if beside:
-                for other, token in others(*[5 + 17 * i + step for i in range(beside)]):
-                    batch.append(SequenceRows(sequence=other, tokens=token, wants_logits=True))
-                batch.reverse()  # ours is not the first row either
-            out = forward.forward(batch)
-            mine = out[-1] if beside else out[0]
+        for size in chunks:
+            batch = [SequenceRows(sequence=other, wants_logits=True,
+                                  tokens=torch.randint(0, vocab_size, (1,), generator=generator))
+                     for other in company]
+            batch.append(SequenceRows(sequence=seq, tokens=tokens[at:at + size],
+                                      wants_logits=True))  # ours is not the first row
+            mine = forward.forward(batch)[-1]
             assert mine is not None
             logits.append(mine)
             at += size
