@@ -30,6 +30,11 @@ from gateway.bench.spawn import free_port, stop_process
 
 PEERS_VENV = ".venv-peers"
 PEER_BLOCK_TOKENS = 32
+PEER_NUM_BLOCKS = 1024
+"""32k tokens of paged KV (~1.4 GiB for SmolLM2 in float32), kvgate's default KV budget being
+2 GiB: left to itself on a CPU, transformers sizes the pool from free memory (7 GiB here)."""
+PEER_BATCH_TOKENS = 256
+"""Tokens per batch, as kvgate's default ``step_tokens``."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -74,7 +79,8 @@ def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err
                              threads: int | None = None,
                              start_timeout_s: float = 600.0) -> Iterator[PeerServer]:
     """``transformers serve MODEL_DIR --continuous-batching`` on a free loopback port (CPU,
-    float32, ``PEER_BLOCK_TOKENS``-token pages), ready when ``/health`` answers; stopped by pid.
+    float32, ``PEER_NUM_BLOCKS`` pages of ``PEER_BLOCK_TOKENS`` tokens, batches of at most
+    ``PEER_BATCH_TOKENS``), ready when ``/health`` answers; stopped by pid.
 
     Raises:
         BenchError: the server exited or did not answer within ``start_timeout_s``.
@@ -89,6 +95,8 @@ def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err
     log = scratch / "serve.log"
     command = [str(python.parent / "transformers"), "serve", str(model_dir.resolve()),
                "--continuous-batching", "--cb-block-size", str(PEER_BLOCK_TOKENS),
+               "--cb-num-blocks", str(PEER_NUM_BLOCKS),
+               "--cb-max-batch-tokens", str(PEER_BATCH_TOKENS),
                "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
                "--port", str(port), "--log-level", "warning"]
     try:
