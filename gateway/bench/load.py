@@ -416,6 +416,7 @@ def plot_results(results: Sequence[LoadResult], path: Path, out: TextIO) -> bool
             if points:
                 ax.plot([u for u, _ in points], [v for _, v in points], marker="o", label=label)
         ax.set_title(title)
+        ax.set_xticks(sorted({r.num_users for r in results}))
         ax.set_xlabel("concurrent users")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize="small")
