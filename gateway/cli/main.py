@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--redis-url", default=None,
                        help="use this Redis instead of starting a redis-server on loopback")
     _add_bench_ttft(bench_sub)
+    _add_bench_load(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
     config = sub.add_parser("config", help="the configuration file of `kvgate serve`")
@@ -119,6 +120,56 @@ def _add_bench_ttft(bench_sub: Any) -> None:
     ttft.add_argument("--no-peers", action="store_true", help="skip the llama.cpp rows")
     ttft.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each gateway call in seconds")
+
+
+def _add_bench_load(bench_sub: Any) -> None:
+    load = bench_sub.add_parser(
+        "load", help="many users chatting under one system prompt: kvgate batched, serial and "
+                     "no_cache beside transformers serve --continuous-batching",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent("""\
+            U users (--users) each chat --rounds rounds under one shared system prompt of
+            --rules numbered rules (~1.2k tokens for 60): each round appends the previous
+            answer and a short new question, and streams --max-tokens greedy tokens. Users
+            start together; each user's rounds are sequential. Configurations, back to back:
+              - kvgate (engine route auto: batched when the start-up probe passes),
+              - kvgate serial ([engine] route = "serial"),
+              - kvgate no_cache (every request no_cache),
+              - transformers serve --continuous-batching on the same weights, over its
+                OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a).
+            Each configuration x U runs against a fresh server that this command spawns on a
+            free loopback port (temporary data directory) and stops by pid. Per row: TTFT and
+            latency p50/p99 (client side), req/s, completion tok/s, cached fraction (from usage)
+            and the server's peak RSS (VmHWM). A table goes to stdout and, with matplotlib, a
+            PNG to --plot.
+            """))
+    load.add_argument("--users", default="1,4,8",
+                      help="comma-separated numbers of concurrent users (default: %(default)s)")
+    load.add_argument("--configs", default="kvgate,serial,no_cache,peer",
+                      help="which configurations to run, comma-separated (default: "
+                           "%(default)s)")
+    load.add_argument("--rounds", type=int, default=4, help="rounds per user (default: 4)")
+    load.add_argument("--max-tokens", type=int, default=32,
+                      help="tokens per answer (default: %(default)s)")
+    load.add_argument("--rules", type=int, default=60,
+                      help="numbered rules in the system prompt (default: %(default)s)")
+    load.add_argument("--model", default="bundled",
+                      help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory")
+    load.add_argument("--data-dir", type=Path, default=Path("data"),
+                      help="model conversion cache (DATA_DIR/models) (default: %(default)s)")
+    load.add_argument("--block-tokens", type=int, default=64,
+                      help="the spawned gateways' block size (default: %(default)s)")
+    load.add_argument("--plot", type=Path, default=None,
+                      help="PNG of TTFT p50/p99 and req/s against users (default: "
+                           "DATA_DIR/bench-load.png)")
+    load.add_argument("--no-plot", action="store_true", help="write no PNG")
+    load.add_argument("--peers-python", type=Path, default=None,
+                      help="interpreter with transformers[serving] (default: "
+                           ".venv-peers/bin/python)")
+    load.add_argument("--no-peers", action="store_true",
+                      help="skip the transformers serve rows")
+    load.add_argument("--timeout", type=float, default=600.0,
+                      help="deadline of each request in seconds")
 
 
 def _add_serve(sub: Any) -> None:
@@ -204,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if args.command == "bench" and args.bench == "ttft":
         return _bench_ttft(args, env=os.environ)
+    if args.command == "bench" and args.bench == "load":
+        return _bench_load(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
@@ -249,6 +302,34 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
         run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)
     except (BenchError, KvgateError, ModelLoadError) as exc:
         sys.stderr.write(f"kvgate bench ttft: {exc}\n")
+        return EXIT_FAILED
+    return 0
+
+
+def _bench_load(args: argparse.Namespace) -> int:
+    from gateway.bench.load import LoadOptions, run_load_benchmark
+    from gateway.bench.rows import BenchError
+    from gateway.client import KvgateError
+    from gateway.engine.model import ModelLoadError
+
+    try:
+        users = tuple(int(s) for s in args.users.split(",") if s.strip())
+    except ValueError:
+        sys.stderr.write(f"kvgate bench load: --users {args.users!r}: expected integers\n")
+        return EXIT_USAGE
+    plot = None if args.no_plot else (args.plot or args.data_dir / "bench-load.png")
+    options = LoadOptions(
+        users=users, rounds=args.rounds,
+        configurations=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
+        max_tokens=args.max_tokens, num_rules=args.rules,
+        block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
+        peers_python=args.peers_python, with_peers=not args.no_peers, plot=plot,
+        timeout_s=args.timeout,
+    )
+    try:
+        run_load_benchmark(options, out=sys.stdout, err=sys.stderr)
+    except (BenchError, KvgateError, ModelLoadError, ValueError) as exc:
+        sys.stderr.write(f"kvgate bench load: {exc}\n")
         return EXIT_FAILED
     return 0
 

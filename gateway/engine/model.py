@@ -189,6 +189,33 @@ def load_model(
     )
 
 
+def converted_checkpoint(model: str, cache_dir: Path,
+                         dtype: torch.dtype = torch.float32) -> Path | None:
+    """The plain checkpoint directory that ``load_model`` reads for a GGUF ``model`` (converting
+    it first if needed), or None when ``model`` is already a checkpoint directory.
+
+    A checkpoint converted before its config named an architecture gets ``architectures`` added
+    in place: the directory's name (the GGUF's fingerprint) and its weights stay as they are.
+
+    Raises:
+        ModelLoadError: the model cannot be found or converted.
+    """
+    source = resolve_source(model)
+    if source.gguf_file is None:
+        return None
+    converted = cache_dir / "converted" / fingerprint_source(source, cache_dir)
+    if not (converted / "model.safetensors").is_file():
+        _convert_gguf(source, converted, dtype)
+    config_path = converted / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if not config.get("architectures"):
+        config["architectures"] = [f"{config.get('model_type', 'llama').capitalize()}ForCausalLM"]
+        tmp = config_path.with_name(f"config.json.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, config_path)
+    return converted
+
+
 def _convert_gguf(source: ModelSource, out: Path, dtype: torch.dtype) -> None:
     """Dequantise a GGUF once and write a plain checkpoint (safetensors) for fast restarts."""
     from safetensors.torch import save_file
@@ -204,6 +231,10 @@ def _convert_gguf(source: ModelSource, out: Path, dtype: torch.dtype) -> None:
     config = copy.deepcopy(hf_model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    if not getattr(config, "architectures", None):
+        # A GGUF's config names no architecture; other loaders of this checkpoint (`transformers
+        # serve`, the reference of `kvgate bench load`) need one to pick the model class.
+        config.architectures = [type(hf_model).__name__]
     config.save_pretrained(tmp)
     state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
     if getattr(config, "tie_word_embeddings", False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from gateway.engine.model import (
     BUNDLED,
     ModelLoadError,
     compute_block_kv,
+    converted_checkpoint,
     fingerprint_source,
     load_model,
     resolve_source,
@@ -44,6 +46,24 @@ def test_fingerprints_are_remembered_in_the_model_cache(tmp_path: Path) -> None:
     first = fingerprint_source(source, tmp_path / "cache")
     assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 1
     assert fingerprint_source(source, tmp_path / "cache") == first
+
+
+def test_a_converted_checkpoint_names_its_architecture_under_the_same_fingerprint(
+    tmp_path: Path, tiny_dir: Path
+) -> None:
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF not really")
+    cache = tmp_path / "models"
+    fingerprint = fingerprint_source(resolve_source(str(gguf)), cache)
+    converted = cache / "converted" / fingerprint
+    converted.mkdir(parents=True)
+    (converted / "model.safetensors").write_bytes(b"")  # converted already: no second conversion
+    (converted / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 9}))
+    assert converted_checkpoint(str(gguf), cache) == converted
+    config = json.loads((converted / "config.json").read_text())
+    assert config == {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                      "vocab_size": 9}
+    assert converted_checkpoint(str(tiny_dir), cache) is None  # a checkpoint is used as it is
 
 
 def test_a_directory_without_config_is_refused_with_a_hint(tmp_path: Path) -> None:

@@ -1,0 +1,426 @@
+"""``kvgate bench load``: many users chatting at once under one system prompt.
+
+U users (``--users 1,4,8``) each chat R rounds (``--rounds 4``) under one shared system prompt
+(``gateway.bench.chat_workload``: 60 numbered rules, ~1.2k tokens); each round sends the
+conversation so far plus a new short question and streams a greedy answer of ``--max-tokens``
+tokens, which the next round appends. Users start together; each user's rounds are sequential.
+The clients are threads of this process; every server is a separate process it spawns on a free
+loopback port with a temporary data directory, one per configuration and user count (so that
+neither cached blocks nor peak memory carry over), and stops by pid:
+
+* ``kvgate``: the default engine route (``auto``: batched when the start-up probe passes);
+* ``kvgate serial``: ``[engine] route = "serial"``, one request at a time;
+* ``kvgate no_cache``: the default route, every request ``no_cache`` (nothing read or stored);
+* ``transformers serve CB``: ``transformers serve --continuous-batching`` on the same weights
+  (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a).
+
+Per configuration and U: TTFT p50/p99 (client side: request sent -> first streamed token),
+latency p50/p99 (-> last item), requests/s and completion tokens/s over the wall time from the
+users' start to the last answer, the cached fraction (cached_tokens / prompt_tokens from the
+responses' usage; n/a where a server reports none), and the server process tree's peak RSS
+(``VmHWM`` from /proc, read before it is stopped). A table goes to stdout and, with matplotlib
+installed (the ``plot`` extra), a PNG of TTFT p50/p99 and req/s against users.
+"""
+
+from __future__ import annotations
+
+import http.client
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, TextIO
+
+import torch
+
+from gateway.bench.chat_workload import DEFAULT_RULES, Conversation, system_prompt
+from gateway.bench.peer_serve import (
+    PEER_BLOCK_TOKENS,
+    StreamedReply,
+    serve_binary,
+    spawn_transformers_serve,
+    stream_chat,
+)
+from gateway.bench.rows import BenchError
+from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_gateway
+from gateway.client import KvgateClient
+from gateway.core.requests import TokenDelta, Usage
+from gateway.engine.model import converted_checkpoint, resolve_source
+
+KVGATE = "kvgate"
+KVGATE_SERIAL = "kvgate serial"
+KVGATE_NO_CACHE = "kvgate no_cache"
+PEER = "transformers serve CB"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Configuration:
+    """One system under load: a spawned kvgate with engine settings, or the peer."""
+
+    name: str
+    """What ``--configs`` calls it."""
+    label: str
+    is_peer: bool = False
+    route: str | None = None
+    no_cache: bool = False
+
+
+CONFIGURATIONS = (
+    Configuration(name="kvgate", label=KVGATE),
+    Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
+    Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
+    Configuration(name="peer", label=PEER, is_peer=True),
+)
+CONFIGURATION_NAMES = tuple(c.name for c in CONFIGURATIONS)
+
+
+@dataclass(slots=True, kw_only=True)
+class LoadResult:
+    """One configuration at one user count: every reply, or why there are none."""
+
+    label: str
+    num_users: int
+    replies: list[StreamedReply] = field(default_factory=list)
+    wall_s: float = 0.0
+    peak_rss_bytes: int | None = None
+    note: str | None = None
+    server: str = ""
+
+    @property
+    def cached_fraction(self) -> float | None:
+        if any(r.cached_tokens is None or r.prompt_tokens is None for r in self.replies):
+            return None
+        prompt = sum(r.prompt_tokens or 0 for r in self.replies)
+        return sum(r.cached_tokens or 0 for r in self.replies) / prompt if prompt else None
+
+    @property
+    def requests_per_s(self) -> float:
+        return len(self.replies) / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = sum(r.completion_tokens for r in self.replies)
+        return total / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by linear interpolation between closest ranks."""
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+# ---- the clients -------------------------------------------------------------------------------
+
+
+class ChatSession(Protocol):
+    """One user's connection to the server under test."""
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply: ...
+
+    def close(self) -> None: ...
+
+
+class KvgateSession:
+    """A user's own gRPC channel to a spawned kvgate."""
+
+    def __init__(self, host: str, port: int, api_key: str | None, *, max_tokens: int,
+                 no_cache: bool, timeout_s: float) -> None:
+        self._client = KvgateClient(host, port, api_key, timeout_s=timeout_s)
+        self._max_tokens = max_tokens
+        self._no_cache = no_cache
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
+        began = time.perf_counter()
+        first: float | None = None
+        parts: list[str] = []
+        usage: Usage | None = None
+        for item in self._client.generate(messages=messages, max_tokens=self._max_tokens,
+                                          temperature=0.0, no_cache=self._no_cache):
+            if isinstance(item, TokenDelta):
+                if first is None:
+                    first = time.perf_counter() - began
+                parts.append(item.text)
+            else:
+                usage = item
+        latency = time.perf_counter() - began
+        if usage is None or first is None:
+            raise BenchError("kvgate's stream ended without a token or without usage")
+        return StreamedReply(text="".join(parts), ttft_s=first, latency_s=latency,
+                             prompt_tokens=usage.prompt_tokens,
+                             cached_tokens=usage.cached_tokens,
+                             completion_tokens=usage.completion_tokens)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class HttpSession:
+    """A user's own keep-alive HTTP connection to ``transformers serve``."""
+
+    def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float) -> None:
+        self._conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        self._max_tokens = max_tokens
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
+        return stream_chat(self._conn, messages, max_tokens=self._max_tokens)
+
+    def close(self) -> None:
+        self._conn.close()
+
+
+def run_users(open_session: Callable[[], ChatSession], *, num_users: int, rounds: int,
+              system: str, num_rules: int) -> tuple[list[StreamedReply], float]:
+    """``num_users`` threads, released together, each chatting ``rounds`` rounds in turn.
+
+    Returns:
+        Every reply, and the wall time from the release to the last answer.
+
+    Raises:
+        BenchError: a user's request failed (the first failure, with the user it hit).
+    """
+    sessions = [open_session() for _ in range(num_users)]
+    start = threading.Barrier(num_users + 1)
+    lock = threading.Lock()
+    replies: list[StreamedReply] = []
+    failures: list[BaseException] = []
+
+    def user(index: int) -> None:
+        conversation = Conversation(user=index, system=system, num_rules=num_rules)
+        start.wait()
+        try:
+            for _ in range(rounds):
+                reply = sessions[index].chat(conversation.next_messages())
+                conversation.answered(reply.text)
+                with lock:
+                    replies.append(reply)
+        except Exception as exc:  # noqa: BLE001 -- re-raised below, in the caller's thread
+            with lock:
+                failures.append(exc)
+
+    threads = [threading.Thread(target=user, args=(i,), name=f"load-user-{i}", daemon=True)
+               for i in range(num_users)]
+    try:
+        for thread in threads:
+            thread.start()
+        start.wait()
+        began = time.perf_counter()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - began
+    finally:
+        for session in sessions:
+            session.close()
+    if failures:
+        raise BenchError(f"a user's request failed: {failures[0]}") from failures[0]
+    return replies, wall
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoadOptions:
+    """What ``kvgate bench load`` measures (see ``--help``)."""
+
+    users: tuple[int, ...] = (1, 4, 8)
+    configurations: tuple[str, ...] = CONFIGURATION_NAMES
+    rounds: int = 4
+    max_tokens: int = 32
+    num_rules: int = DEFAULT_RULES
+    block_tokens: int = 64
+    model: str = "bundled"
+    data_dir: Path = Path("data")
+    peers_python: Path | None = None
+    with_peers: bool = True
+    plot: Path | None = None
+    timeout_s: float = 600.0
+
+
+def run_load_benchmark(options: LoadOptions, *, out: TextIO,
+                       err: TextIO) -> list[LoadResult]:
+    """Every configuration at every user count, back to back; the table, and the plot.
+
+    Raises:
+        BenchError: a server did not start, or a request failed.
+        gateway.engine.model.ModelLoadError: the model cannot be found or converted.
+    """
+    if not options.users or min(options.users) < 1 or options.rounds < 1 \
+            or options.max_tokens < 1:
+        raise BenchError("--users, --rounds and --max-tokens must be positive")
+    system = system_prompt(options.num_rules)
+    models_dir = options.data_dir / "models"
+    unknown = sorted(set(options.configurations) - set(CONFIGURATION_NAMES))
+    if unknown:
+        raise BenchError(f"unknown configuration(s) {', '.join(unknown)}: choose from "
+                         f"{', '.join(CONFIGURATION_NAMES)}")
+    resolve_source(options.model)  # fail early, before any server starts
+    results: list[LoadResult] = []
+    routes: dict[str, str] = {}
+    for config in CONFIGURATIONS:
+        if config.name not in options.configurations:
+            continue
+        for num_users in options.users:
+            result = LoadResult(label=config.label, num_users=num_users)
+            results.append(result)
+            if config.is_peer:
+                _measure_peer(options, result, system, models_dir, err)
+            else:
+                routes[config.label] = _measure_kvgate(options, config, result, system,
+                                                       models_dir, err)
+            if result.note is None:
+                err.write(f"[load] {config.label}, {num_users} user(s): "
+                          f"{len(result.replies)} requests in {result.wall_s:.1f} s\n")
+            err.flush()
+    print_table(options, results, routes, out)
+    if options.plot is not None:
+        plot_results(results, options.plot, out)
+    return results
+
+
+def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadResult,
+                    system: str, models_dir: Path, err: TextIO) -> str:
+    """Measure one kvgate row; returns the engine route its server named, with why."""
+    n = result.num_users
+    engine = EngineOptions(route=config.route, max_running=max(16, n),
+                           max_running_per_tenant=max(8, n), max_queued_per_tenant=max(32, n))
+    with spawn_gateway(model=options.model, models_dir=models_dir,
+                       block_tokens=options.block_tokens, device_bytes=2 << 30, redis_url=None,
+                       redis_binary=None, err=err, engine=engine, label="load") as endpoint:
+        route = endpoint.route or "? (the start line names none)"
+        result.server = "route " + route.split(" ", 1)[0]
+
+        def session() -> ChatSession:
+            return KvgateSession(endpoint.host, endpoint.port, endpoint.api_key,
+                                 max_tokens=options.max_tokens, no_cache=config.no_cache,
+                                 timeout_s=options.timeout_s)
+
+        _warm_up(session)
+        result.replies, result.wall_s = run_users(
+            session, num_users=n, rounds=options.rounds, system=system,
+            num_rules=options.num_rules)
+        result.peak_rss_bytes = (process_tree_peak_rss(endpoint.pid)
+                                 if endpoint.pid is not None else None)
+    return route
+
+
+def _measure_peer(options: LoadOptions, result: LoadResult, system: str, models_dir: Path,
+                  err: TextIO) -> None:
+    if not options.with_peers:
+        result.note = "n/a (--no-peers)"
+        return
+    python, version_or_why = serve_binary(options.peers_python)
+    if python is None:
+        result.note = version_or_why
+        return
+    model_dir = converted_checkpoint(options.model, models_dir)
+    if model_dir is None:
+        model_dir = Path(options.model).expanduser()
+    with spawn_transformers_serve(python, model_dir, version=version_or_why, err=err) as peer:
+        result.server = f"transformers {peer.version}, pages of {PEER_BLOCK_TOKENS}"
+
+        def session() -> ChatSession:
+            return HttpSession(peer.host, peer.port, max_tokens=options.max_tokens,
+                               timeout_s=options.timeout_s)
+
+        _warm_up(session)
+        result.replies, result.wall_s = run_users(
+            session, num_users=result.num_users, rounds=options.rounds, system=system,
+            num_rules=options.num_rules)
+        result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
+
+
+def _warm_up(session: Callable[[], ChatSession]) -> None:
+    """One short request that shares nothing with the workload, untimed: a fresh server's
+    one-off costs (first forward, lazy initialisation) are not the load's."""
+    warm = session()
+    try:
+        warm.chat([{"role": "user", "content": "Say hello."}])
+    finally:
+        warm.close()
+
+
+# ---- the report --------------------------------------------------------------------------------
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.0f}"
+
+
+def print_table(options: LoadOptions, results: Sequence[LoadResult],
+                routes: dict[str, str], out: TextIO) -> None:
+    out.write(
+        f"kvgate bench load: model {options.model}, {options.num_rules}-rule system prompt, "
+        f"{options.rounds} rounds x {options.max_tokens} tokens (greedy, streamed) per user, "
+        f"kvgate blocks of {options.block_tokens} tokens; {os.cpu_count()} CPU cores, "
+        f"torch {torch.__version__}; one fresh server per row\n\n")
+    header = (f"{'configuration':<24} {'users':>5} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
+              f"{'lat p50':>8} {'lat p99':>8} {'req/s':>6} {'tok/s':>6} {'cached':>6} "
+              f"{'peak RSS':>9}  server\n")
+    out.write(header)
+    out.write("-" * (len(header) + 10) + "\n")
+    for r in results:
+        if r.note is not None:
+            out.write(f"{r.label:<24} {r.num_users:>5} {r.note}\n")
+            continue
+        ttft = [x.ttft_s for x in r.replies]
+        latency = [x.latency_s for x in r.replies]
+        cached = r.cached_fraction
+        rss = f"{r.peak_rss_bytes / (1 << 20):,.0f} MiB" if r.peak_rss_bytes else "?"
+        out.write(
+            f"{r.label:<24} {r.num_users:>5} {len(r.replies):>5} "
+            f"{_ms(percentile(ttft, 0.5)):>9} {_ms(percentile(ttft, 0.99)):>9} "
+            f"{_ms(percentile(latency, 0.5)):>8} {_ms(percentile(latency, 0.99)):>8} "
+            f"{r.requests_per_s:>6.2f} {r.tokens_per_s:>6.1f} "
+            f"{'n/a' if cached is None else f'{cached:.3f}':>6} {rss:>9}  {r.server}\n")
+    out.write(
+        "\nTTFT and latency in ms, client side (request sent -> first streamed token / end of "
+        "the stream; gRPC for kvgate, HTTP server-sent events for the peer). req/s and tok/s: "
+        "requests and completion tokens over the wall time from the users' start to the last "
+        "answer. cached: cached_tokens / prompt_tokens from the responses' usage. peak RSS: "
+        "VmHWM of the server process and its children.\n")
+    for label, route in routes.items():
+        out.write(f"{label}: engine route {route}\n")
+
+
+def plot_results(results: Sequence[LoadResult], path: Path, out: TextIO) -> bool:
+    """TTFT p50, TTFT p99 and req/s against users, one line per configuration, as a PNG.
+
+    Returns:
+        False (having said so) when matplotlib is not installed.
+    """
+    try:
+        from matplotlib.figure import Figure  # the Agg canvas: no pyplot, no display
+    except ImportError:
+        out.write(f"\nno plot: matplotlib is not installed (pip install 'kvgate[plot]'); "
+                  f"{path} not written\n")
+        return False
+    panels: tuple[tuple[str, Callable[[LoadResult], float]], ...] = (
+        ("TTFT p50 (ms)", lambda r: percentile([x.ttft_s for x in r.replies], 0.5) * 1e3),
+        ("TTFT p99 (ms)", lambda r: percentile([x.ttft_s for x in r.replies], 0.99) * 1e3),
+        ("requests / s", lambda r: r.requests_per_s),
+    )
+    figure = Figure(figsize=(13, 4), layout="constrained")
+    axes = figure.subplots(1, len(panels))
+    labels = list(dict.fromkeys(r.label for r in results))
+    for ax, (title, value) in zip(axes, panels, strict=True):
+        for label in labels:
+            points = [(r.num_users, value(r)) for r in results
+                      if r.label == label and r.note is None and r.replies]
+            if points:
+                ax.plot([u for u, _ in points], [v for _, v in points], marker="o", label=label)
+        ax.set_title(title)
+        ax.set_xticks(sorted({r.num_users for r in results}))
+        ax.set_xlabel("concurrent users")
+        ax.grid(True, alpha=0.3)
+    axes[0].legend(fontsize="small")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    out.write(f"\nplot: {path}\n")
+    return True

@@ -1,0 +1,191 @@
+"""The reference of ``kvgate bench load``: ``transformers serve --continuous-batching``.
+
+transformers' own OpenAI-compatible server, run by the ``.venv-peers`` interpreter (``make
+bench-peers`` installs ``transformers[serving]`` there, the same transformers version as
+kvgate's) on the very checkpoint kvgate loads -- the GGUF's converted copy under
+``DATA_DIR/models/converted/<fingerprint>/`` -- on a free loopback port, float32 on the CPU,
+paged KV blocks of ``--cb-block-size`` tokens. It is started as a subprocess and stopped by
+pid. Requests go over HTTP (``/v1/chat/completions``, ``stream: true``, server-sent events)
+with nothing but the standard library, so kvgate's own environment needs none of the peer's
+packages.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from gateway.bench.rows import BenchError
+from gateway.bench.spawn import free_port, stop_process
+
+PEERS_VENV = ".venv-peers"
+PEER_BLOCK_TOKENS = 32
+PEER_NUM_BLOCKS = 1024
+"""32k tokens of paged KV (~1.4 GiB for SmolLM2 in float32), kvgate's default KV budget being
+2 GiB: left to itself on a CPU, transformers sizes the pool from free memory (7 GiB here)."""
+PEER_BATCH_TOKENS = 256
+"""Tokens per batch, as kvgate's default ``step_tokens``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PeerServer:
+    """A running ``transformers serve``."""
+
+    host: str
+    port: int
+    pid: int
+    version: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamedReply:
+    """What a client saw of one streamed chat completion."""
+
+    text: str
+    ttft_s: float
+    latency_s: float
+    prompt_tokens: int | None
+    cached_tokens: int | None
+    completion_tokens: int
+
+
+def serve_binary(explicit: Path | None = None) -> tuple[Path | None, str]:
+    """The ``transformers`` command of the peers venv, or None and why not."""
+    python = explicit if explicit is not None else (
+        Path(__file__).resolve().parents[2] / PEERS_VENV / "bin" / "python")
+    if not python.is_file():
+        return None, "n/a (run make bench-peers)"
+    probe = subprocess.run(
+        [str(python), "-c",
+         "import fastapi, uvicorn, transformers; print(transformers.__version__)"],
+        capture_output=True, text=True, timeout=120, check=False)
+    if probe.returncode != 0:
+        return None, "n/a (run make bench-peers: transformers[serving] does not import)"
+    return python, probe.stdout.strip()
+
+
+@contextmanager
+def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err: TextIO,
+                             threads: int | None = None,
+                             start_timeout_s: float = 600.0) -> Iterator[PeerServer]:
+    """``transformers serve MODEL_DIR --continuous-batching`` on a free loopback port (CPU,
+    float32, ``PEER_NUM_BLOCKS`` pages of ``PEER_BLOCK_TOKENS`` tokens, batches of at most
+    ``PEER_BATCH_TOKENS``), ready when ``/health`` answers; stopped by pid.
+
+    Raises:
+        BenchError: the server exited or did not answer within ``start_timeout_s``.
+    """
+    port = free_port()
+    scratch = Path(tempfile.mkdtemp(prefix="kvgate-bench-load-peer-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVGATE_", "HF_HUB_"))}
+    env["HF_HUB_OFFLINE"] = "1"
+    env["HF_HOME"] = str(scratch / "hf")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = str(threads)
+    log = scratch / "serve.log"
+    command = [str(python.parent / "transformers"), "serve", str(model_dir.resolve()),
+               "--continuous-batching", "--cb-block-size", str(PEER_BLOCK_TOKENS),
+               "--cb-num-blocks", str(PEER_NUM_BLOCKS),
+               "--cb-max-batch-tokens", str(PEER_BATCH_TOKENS),
+               "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
+               "--port", str(port), "--log-level", "warning"]
+    try:
+        with log.open("wb") as log_fh:
+            proc = subprocess.Popen(command, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
+                                    cwd=scratch)
+        try:
+            _wait_healthy(proc, port, log, start_timeout_s)
+            err.write(f"[load] spawned transformers serve {version} (pid {proc.pid}) on "
+                      f"127.0.0.1:{port}\n")
+            yield PeerServer(host="127.0.0.1", port=port, pid=proc.pid, version=version)
+        finally:
+            stop_process(proc, grace_s=15)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise BenchError(f"transformers serve exited with status {proc.returncode}:\n"
+                             + log.read_text(encoding="utf-8", errors="replace")[-2000:])
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            try:
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            finally:
+                conn.close()
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise BenchError(f"transformers serve did not answer within {timeout_s:.0f} s:\n"
+                     + log.read_text(encoding="utf-8", errors="replace")[-2000:])
+
+
+def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, str]], *,
+                max_tokens: int) -> StreamedReply:
+    """One greedy ``/v1/chat/completions`` with ``stream: true``, timed from sending the
+    request to the first chunk that carries text.
+
+    Raises:
+        BenchError: the server answered with an error or the stream had no text.
+    """
+    body = json.dumps({"messages": list(messages), "max_tokens": max_tokens, "temperature": 0.0,
+                       "stream": True, "stream_options": {"include_usage": True}})
+    began = time.perf_counter()
+    conn.request("POST", "/v1/chat/completions", body=body,
+                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise BenchError(f"transformers serve answered {response.status}: "
+                         f"{response.read()[:500]!r}")
+    first: float | None = None
+    parts: list[str] = []
+    num_chunks = 0
+    usage: dict[str, Any] | None = None
+    while True:
+        line = response.readline()
+        if not line:
+            break
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            break
+        chunk = json.loads(payload)
+        if "error" in chunk:
+            raise BenchError(f"transformers serve: {chunk['error']}")
+        for choice in chunk.get("choices") or []:
+            text = (choice.get("delta") or {}).get("content")
+            if text:
+                if first is None:
+                    first = time.perf_counter() - began
+                parts.append(text)
+                num_chunks += 1
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+    latency = time.perf_counter() - began
+    response.read()
+    if first is None:
+        raise BenchError("transformers serve streamed no text")
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return StreamedReply(
+        text="".join(parts), ttft_s=first, latency_s=latency,
+        prompt_tokens=int(usage["prompt_tokens"]) if usage else None,
+        cached_tokens=int(cached) if cached is not None else None,
+        completion_tokens=int(usage["completion_tokens"]) if usage else num_chunks,
+    )
