@@ -180,16 +180,43 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Choose the route (probing invariance on the real weights) and start the step loop."""
-        forward, self._route = self._choose_route()
-        logger.info("engine route: %s (%s)", self._route.name, self._route.reason)
+        """Choose the route (probing invariance on the real weights) and start the step loop.
+
+        Both happen on the engine's one worker thread (see ``StepLoop.serve_here``); this waits
+        until the route is chosen.
+
+        Raises:
+            Exception: whatever choosing the route raised (the probe found no model to run).
+        """
+        chosen = threading.Event()
+        failures: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                forward, self._route = self._choose_route()
+                logger.info("engine route: %s (%s)", self._route.name, self._route.reason)
+                loop = self._build_loop(forward)
+                self._loop = loop
+            except BaseException as exc:  # handed to start()'s caller
+                failures.append(exc)
+                return
+            finally:
+                chosen.set()
+            loop.serve_here()
+
+        threading.Thread(target=work, name="kvgate-engine", daemon=True).start()
+        chosen.wait()
+        if failures:
+            raise failures[0]
+
+    def _build_loop(self, forward: StepForward) -> StepLoop:
         limits = ScheduleLimits(
             step_tokens=self._config.step_tokens, max_running=self._config.max_running,
             max_running_per_tenant=self._config.max_running_per_tenant,
             max_queued_per_tenant=self._config.max_queued_per_tenant,
             max_queued=self._config.max_queue, kv_budget_bytes=self._config.kv_budget_bytes,
             is_serial=self._route.name == "serial", block_tokens=self._config.block_tokens)
-        self._loop = StepLoop(
+        return StepLoop(
             loaded=self._loaded, forward=forward, scheduler=Scheduler(limits), cache=self._cache,
             settings=LoopSettings(
                 block_tokens=self._config.block_tokens,
@@ -197,7 +224,6 @@ class Engine:
                 store_generated_blocks=self._config.store_generated_blocks,
                 decode_kv_is_prefill_kv=self._route.name == "batched"),
             namespace_of=self._namespace, clock=self._clock, metrics=self._metrics)
-        self._loop.start()
 
     def _choose_route(self) -> tuple[StepForward, EngineRoute]:
         serial = SerialForward(self._loaded)

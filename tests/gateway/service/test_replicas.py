@@ -265,7 +265,9 @@ def test_killing_redis_leaves_both_replicas_serving_and_they_use_it_again_after_
     assert _dbsize(redis_server) == 0
     deadline = time.monotonic() + BREAKER_WAIT_S
     attempt = 0
-    while _dbsize(redis_server) == 0:
+    # NOTE: until A's breaker has closed again, a half-open probe may let one block through and
+    # drop the rest of that prompt's writes: ask again until a whole prompt's blocks are there.
+    while _dbsize(redis_server) < 3:
         assert time.monotonic() < deadline, (
             f"no replica wrote to Redis within {BREAKER_WAIT_S} s of its restart\n"
             f"A:\n{a.stderr[-3000:]}")
