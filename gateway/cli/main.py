@@ -36,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     chunks.add_argument("--sizes", default="64,128,256,512,1024")
     chunks.add_argument("--prompt-tokens", type=int, default=2048)
     chunks.add_argument("--repeats", type=int, default=3)
+    fairness = bench_sub.add_parser("fairness", help="one tenant's TTFT alone and while another "
+                                    "tenant floods the engine (in process)")
+    fairness.add_argument("--model", default="bundled")
+    fairness.add_argument("--data-dir", type=Path, default=Path("data"))
+    fairness.add_argument("--requests", type=int, default=12,
+                          help="the quiet tenant's requests per phase (default: %(default)s)")
+    fairness.add_argument("--flood", type=int, default=8,
+                          help="the flooding tenant's requests in flight (default: %(default)s)")
+    fairness.add_argument("--flood-tokens", type=int, default=1024,
+                          help="prompt words per flood request (default: %(default)s)")
     tiers = bench_sub.add_parser("tiers", help="put/get of a real prefix per tier vs raw limits")
     tiers.add_argument("--model", default="bundled",
                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
@@ -245,6 +255,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              sizes=[int(s) for s in args.sizes.split(",")],
                              prompt_tokens=args.prompt_tokens, repeats=args.repeats,
                              out=sys.stdout)
+        return 0
+    if args.command == "bench" and args.bench == "fairness":
+        from gateway.bench.fairness import FairnessOptions, run_fairness_benchmark
+
+        run_fairness_benchmark(FairnessOptions(
+            model=args.model, cache_dir=args.data_dir / "models", requests=args.requests,
+            flood=args.flood, flood_tokens=args.flood_tokens), out=sys.stdout)
         return 0
     if args.command == "bench" and args.bench == "tiers":
         from gateway.bench.tiers import run_tiers_benchmark

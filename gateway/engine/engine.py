@@ -43,7 +43,7 @@ from gateway.core.requests import (
     WarmResult,
 )
 from gateway.core.tokens import TokenIds
-from gateway.engine.attention import TILE, attention_for
+from gateway.engine.attention import NUMERICS, attention_for
 from gateway.engine.forward import (
     BatchedForward,
     SequenceRows,
@@ -121,7 +121,7 @@ class EngineRoute:
     @property
     def numerics(self) -> str:
         """The route's part of the block namespace (its K/V differ from the other's)."""
-        return f"{self.name}-t{TILE}" if self.name == "batched" else self.name
+        return f"{self.name}-{NUMERICS}" if self.name == "batched" else self.name
 
 
 
