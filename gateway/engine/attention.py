@@ -167,30 +167,32 @@ class TiledAttention:
         n, num_heads, head_dim = first_item.queries.shape
         kv_heads = first_item.keys.shape[0]
         rep = num_heads // kv_heads
-        scale = 1.0 / math.sqrt(head_dim)
+        count = len(items)
         tiles = [_num_tiles(item.positions, item.keys) for item in items]
         max_tiles = max(tiles)
-        prepared = [_rows(item.queries * scale, item.positions, kv_heads) for item in items]
-        padded_rows = prepared[0][0].shape[1]
-        scores = first_item.keys.new_zeros(len(items), kv_heads, padded_rows, max_tiles * TILE)
-        for b, (item, (rows, _)) in enumerate(zip(items, prepared, strict=True)):
+        queries = torch.stack([item.queries for item in items]) * (1.0 / math.sqrt(head_dim))
+        rows, row_positions = _rows(queries.reshape(count * n, num_heads, head_dim),
+                                    torch.cat([item.positions for item in items]), kv_heads,
+                                    items=count)
+        padded_rows = rows.shape[2]
+        scores = first_item.keys.new_zeros(count, kv_heads, padded_rows, max_tiles * TILE)
+        for b, item in enumerate(items):
             span = tiles[b] * TILE
-            scores[b, :, :, :span] = torch.matmul(rows, item.keys[:, :span].transpose(-1, -2))
-        row_positions = torch.stack([row_positions for _, row_positions in prepared])
+            scores[b, :, :, :span] = torch.matmul(rows[b], item.keys[:, :span].transpose(-1, -2))
         hidden = (torch.arange(max_tiles * TILE, device=scores.device)
                   > row_positions.unsqueeze(-1)).unsqueeze(1)  # [items, 1, rows, span]
         _weigh(scores, scores, hidden)
-        weights = scores.view(len(items), kv_heads, padded_rows, max_tiles, TILE)
-        partial = scores.new_zeros(len(items), kv_heads, max_tiles, padded_rows, head_dim)
+        weights = scores.view(count, kv_heads, padded_rows, max_tiles, TILE)
+        partial = scores.new_zeros(count, kv_heads, max_tiles, padded_rows, head_dim)
         for b, item in enumerate(items):
-            count = tiles[b]
-            tile_values = item.values[:, :count * TILE].view(kv_heads, count, TILE, head_dim)
-            partial[b, :, :count] = torch.matmul(weights[b, :, :, :count].transpose(1, 2),
-                                                 tile_values)
+            used = tiles[b]
+            tile_values = item.values[:, :used * TILE].view(kv_heads, used, TILE, head_dim)
+            partial[b, :, :used] = torch.matmul(weights[b, :, :, :used].transpose(1, 2),
+                                                tile_values)
         sums = weights.sum(dim=-1).transpose(2, 3).unsqueeze(-1)  # [items, kv, tiles, rows, 1]
-        numerator = pairwise_tile_sum(partial, dim=2)
-        denominator = pairwise_tile_sum(sums, dim=2)
-        return [_combine(numerator[b], denominator[b], n, rep) for b in range(len(items))]
+        attended = _combine(pairwise_tile_sum(partial, dim=2), pairwise_tile_sum(sums, dim=2),
+                            n, rep)  # [items, n, heads, d]
+        return list(attended.unbind(0))
 
 
 def _num_tiles(positions: torch.Tensor, keys: torch.Tensor) -> int:
@@ -201,20 +203,25 @@ def _num_tiles(positions: torch.Tensor, keys: torch.Tensor) -> int:
     return num_tiles
 
 
-def _rows(queries: torch.Tensor, positions: torch.Tensor,
-          kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rows(queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, *,
+          items: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per KV head, its query heads' rows ``[kv_heads, rows, d]`` padded to
-    ``padded_row_count``, and each row's position."""
-    n, num_heads, head_dim = queries.shape
+    ``padded_row_count``, and each row's position ``[rows]``. With ``items``, ``queries`` holds
+    that many items' queries one after the other, and both get a leading items dimension."""
+    total, num_heads, head_dim = queries.shape
+    groups = items or 1
+    n = total // groups
     rep = num_heads // kv_heads
-    rows = queries.reshape(n, kv_heads, rep, head_dim).permute(1, 0, 2, 3)
-    rows = rows.reshape(kv_heads, n * rep, head_dim)
-    row_positions = positions.repeat_interleave(rep)
+    rows = queries.reshape(groups, n, kv_heads, rep, head_dim).permute(0, 2, 1, 3, 4)
+    rows = rows.reshape(groups, kv_heads, n * rep, head_dim)
+    row_positions = positions.reshape(groups, n).repeat_interleave(rep, dim=1)
     num_rows = n * rep
     if padded_row_count(num_rows) > num_rows:
         pad = padded_row_count(num_rows) - num_rows
-        rows = torch.cat([rows, rows.new_zeros(kv_heads, pad, head_dim)], dim=1)
-        row_positions = torch.cat([row_positions, row_positions.new_zeros(pad)])
+        rows = torch.cat([rows, rows.new_zeros(groups, kv_heads, pad, head_dim)], dim=2)
+        row_positions = torch.cat([row_positions, row_positions.new_zeros(groups, pad)], dim=1)
+    if items is None:
+        return rows[0], row_positions[0]
     return rows, row_positions
 
 
@@ -232,11 +239,11 @@ def _weigh(band: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor) -> No
 
 def _combine(numerator: torch.Tensor, denominator: torch.Tensor, n: int,
              rep: int) -> torch.Tensor:
-    """``[kv_heads, rows, d]`` sums back to ``[n, heads, d]`` attended queries."""
-    kv_heads, _, head_dim = numerator.shape
-    attended = (numerator / denominator)[:, :n * rep]
-    attended = attended.reshape(kv_heads, n, rep, head_dim).permute(1, 0, 2, 3)
-    return attended.reshape(n, kv_heads * rep, head_dim)
+    """``[..., kv_heads, rows, d]`` sums back to ``[..., n, heads, d]`` attended queries."""
+    *lead, kv_heads, _, head_dim = numerator.shape
+    attended = (numerator / denominator)[..., :n * rep, :]
+    attended = attended.reshape(*lead, kv_heads, n, rep, head_dim).transpose(-4, -3)
+    return attended.reshape(*lead, n, kv_heads * rep, head_dim)
 
 
 def pairwise_tile_sum(partial: torch.Tensor, dim: int) -> torch.Tensor:
