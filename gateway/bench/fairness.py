@@ -28,6 +28,7 @@ from typing import TextIO
 from gateway.bench.chat_workload import system_prompt
 from gateway.bench.load import percentile
 from gateway.core.canonical import PromptInput
+from gateway.core.errors import RequestCancelled
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta
 from gateway.engine.engine import Engine, EngineConfig
@@ -126,9 +127,12 @@ def _flood(engine: Engine, options: FairnessOptions, seed: int, stop: threading.
             prompt=PromptInput(prompt=text), scope=FLOOD,
             sampling=SamplingParams(max_tokens=options.flood_max_tokens),
             cache=CacheOptions(no_cache=True)))
-        for _ in handle:
-            if stop.is_set():
-                handle.cancel()
+        try:
+            for _ in handle:
+                if stop.is_set():
+                    handle.cancel()
+        except RequestCancelled:
+            return
         finished[0] += 1
 
 
