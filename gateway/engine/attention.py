@@ -13,8 +13,8 @@ a fixed shape, fixed by absolute positions only:
 - keys after the query's own position are masked to ``-inf`` (so they weigh exactly 0), and
   so are the tiles a longer chunk brings in: they add exact zeros;
 - the softmax uses the exact maximum over all visible scores (a max is exact in any order),
-  and the tiles are combined along a binary tree over tile indices (``pairwise_tile_sum``),
-  so extra all-zero tiles at the end add exact zeros and change nothing.
+  and the tiles are combined along a binary tree over tile indices (``fold_tile_sum``), so
+  extra all-zero tiles at the end add exact zeros and change nothing.
 
 NOTE: a matmul row's bits depend on how many rows share the product when there are few: on this
 CPU build (torch 2.13, measured for every shape of SmolLM2 and the tiny test Llama) M = 4, 8
@@ -49,8 +49,8 @@ EXP_FLOOR = -80.0
 """Scores more than this below a row's maximum weigh exp(-80) ~ 2e-35 instead of less: a change
 far below float32's resolution of the row's sum, and it keeps exp off its slow underflow path."""
 
-NUMERICS = f"t{TILE}p"
-"""This attention's part of the block namespace: tiles of TILE keys, pairwise combination. Any
+NUMERICS = f"t{TILE}f"
+"""This attention's part of the block namespace: tiles of TILE keys, folded combination. Any
 change to the numbers it produces must change this name, so old cached K/V is never mixed in."""
 
 FEW_QUERIES = 4
@@ -93,7 +93,7 @@ class SequenceAttention(Protocol):
 
 
 class TiledAttention:
-    """The CPU implementation: fixed tiles, exact max, a fixed pairwise combination of tiles.
+    """The CPU implementation: fixed tiles, exact max, a fixed folded combination of tiles.
 
     Items with few queries (decode rows) are attended together, one vectorised pass over all
     of them (a decode step of 8 sequences would otherwise run ~40 small tensor operations per
@@ -154,11 +154,16 @@ class TiledAttention:
         # Per tile: weighted values [kv_heads, tiles, rows, d] (exactly TILE keys each); one
         # product per KV head reads the weights in place (strided) instead of copying them into
         # tile-major order (the same bits as the copying product: the probe checks it).
-        partial = torch.stack([torch.bmm(weights[head].transpose(0, 1), tile_values[head])
-                               for head in range(kv_heads)])
-        sums = weights.sum(dim=-1).transpose(1, 2).unsqueeze(-1)  # [kv_heads, tiles, rows, 1]
-        return _combine(pairwise_tile_sum(partial, dim=1), pairwise_tile_sum(sums, dim=1),
-                        n, rep)
+        width = _tree_width(num_tiles)
+        partial = scores.new_empty(kv_heads, width, rows.shape[1], head_dim + 1)
+        partial[:, num_tiles:] = 0
+        for head in range(kv_heads):
+            torch.bmm(weights[head].transpose(0, 1), tile_values[head],
+                      out=partial[head, :num_tiles, :, :head_dim])
+        # The tile's weight sum rides along as one more column [kv_heads, tiles, rows].
+        partial[:, :num_tiles, :, head_dim] = weights.sum(dim=-1).transpose(1, 2)
+        summed = fold_tile_sum(partial, dim=1)
+        return _combine(summed[..., :head_dim], summed[..., head_dim:], n, rep)
 
     @staticmethod
     def _together(items: Sequence[AttentionItem]) -> list[torch.Tensor]:
@@ -183,15 +188,17 @@ class TiledAttention:
                   > row_positions.unsqueeze(-1)).unsqueeze(1)  # [items, 1, rows, span]
         _weigh(scores, scores, hidden)
         weights = scores.view(count, kv_heads, padded_rows, max_tiles, TILE)
-        partial = scores.new_zeros(count, kv_heads, max_tiles, padded_rows, head_dim)
+        partial = scores.new_zeros(count, kv_heads, _tree_width(max_tiles), padded_rows,
+                                   head_dim + 1)
         for b, item in enumerate(items):
             used = tiles[b]
             tile_values = item.values[:, :used * TILE].view(kv_heads, used, TILE, head_dim)
-            partial[b, :, :used] = torch.matmul(weights[b, :, :, :used].transpose(1, 2),
-                                                tile_values)
-        sums = weights.sum(dim=-1).transpose(2, 3).unsqueeze(-1)  # [items, kv, tiles, rows, 1]
-        attended = _combine(pairwise_tile_sum(partial, dim=2), pairwise_tile_sum(sums, dim=2),
-                            n, rep)  # [items, n, heads, d]
+            partial[b, :, :used, :, :head_dim] = torch.matmul(
+                weights[b, :, :, :used].transpose(1, 2), tile_values)
+        partial[:, :, :max_tiles, :, head_dim] = weights.sum(dim=-1).transpose(2, 3)
+        summed = fold_tile_sum(partial, dim=2)
+        attended = _combine(summed[..., :head_dim], summed[..., head_dim:], n,
+                            rep)  # [items, n, heads, d]
         return list(attended.unbind(0))
 
 
@@ -246,20 +253,27 @@ def _combine(numerator: torch.Tensor, denominator: torch.Tensor, n: int,
     return attended.reshape(*lead, n, kv_heads * rep, head_dim)
 
 
-def pairwise_tile_sum(partial: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum ``partial`` over its tile dimension ``dim`` along a fixed binary tree.
+def _tree_width(num_tiles: int) -> int:
+    """The power of two at or above ``num_tiles``: the width ``fold_tile_sum`` folds."""
+    return 1 << max(0, num_tiles - 1).bit_length()
 
-    Why a tree over tile indices: its shape depends only on each tile's index, so the zero tiles
-    that a longer chunk appends (keys after the query, weight exactly 0) only ever add exact
-    zeros, and a query's sum is the same whatever the chunk; and it takes log2(tiles) vectorised
-    additions instead of one per tile.
+
+def fold_tile_sum(partial: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum ``partial`` over its tile dimension ``dim`` (a power of two wide, zero past the last
+    tile) by folding it in half until one tile is left, in place.
+
+    Why this order: tile i is added to tile i + width/2, then to i + width/4, ... -- a binary
+    tree fixed by tile indices alone. The tiles a longer chunk brings in (keys after the query,
+    weight exactly 0) and a wider power of two only fold exact zeros into the same tree, so a
+    query's sum is the same whatever the chunk; and it takes log2(width) vectorised additions on
+    views, without copies (a row-by-row sequential sum took one operation per tile).
     """
-    while partial.shape[dim] > 1:
-        if partial.shape[dim] % 2:
-            partial = torch.cat([partial, torch.zeros_like(partial.narrow(dim, 0, 1))], dim=dim)
-        half = partial.shape[dim] // 2
-        pairs = partial.reshape(*partial.shape[:dim], half, 2, *partial.shape[dim + 1:])
-        partial = pairs.select(dim + 1, 0) + pairs.select(dim + 1, 1)
+    width = partial.shape[dim]
+    if width & (width - 1):
+        raise ValueError(f"the tile dimension must be a power of two wide, got {width}")
+    while width > 1:
+        width //= 2
+        partial.narrow(dim, 0, width).add_(partial.narrow(dim, width, width))
     return partial.select(dim, 0)
 
 
