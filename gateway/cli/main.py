@@ -174,7 +174,8 @@ def _add_bench_load(bench_sub: Any) -> None:
 
 def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
-        "serve", help="run the gateway (gRPC kvgate.v1, health, reflection)",
+        "serve", help="run the gateway (gRPC kvgate.v1, health, reflection; the "
+                      "OpenAI-compatible HTTP API beside it)",
         description="Run the gateway until SIGTERM or Ctrl-C. With no API keys configured "
                     "(config file, KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) a development key for "
                     "tenant 'default' is created, printed and kept in DATA_DIR/dev-api-key.")
@@ -187,6 +188,12 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--model", default=None,
                        help="'bundled' (SmolLM2-135M-Instruct, the default) or a checkpoint "
                             "directory")
+    serve.add_argument("--http-host", default=None,
+                       help="the OpenAI-compatible HTTP API's address (default: 127.0.0.1)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="its port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--no-http", action="store_const", const=False, default=None,
+                       dest="http_enabled", help="serve gRPC only")
     serve.add_argument("--allow-insecure-remote", action="store_true", default=None,
                        help="listen on a non-loopback address without TLS (API keys travel "
                             "in the clear: only behind a TLS-terminating proxy)")
@@ -343,12 +350,18 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn's own INFO lines ("Started server process") describe a process of its own that the
+    # HTTP front does not have; its warnings and errors still show.
+    logging.getLogger("uvicorn.error").setLevel(
+        max(logging.WARNING, logging.getLevelName(args.log_level)))
     try:
         config = load_serve_config(
             args.config,
             env=os.environ,
             overrides={"host": args.host, "port": args.port, "data_dir": args.data_dir,
-                       "model": args.model, "allow_insecure_remote": args.allow_insecure_remote},
+                       "model": args.model, "allow_insecure_remote": args.allow_insecure_remote,
+                       "http_host": args.http_host, "http_port": args.http_port,
+                       "http_enabled": args.http_enabled},
         )
     except ConfigError as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")
