@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--repeats", type=int, default=5)
     tiers.add_argument("--redis-url", default=None,
                        help="use this Redis instead of starting a redis-server on loopback")
+    tiers.add_argument("--plot", type=Path, default=None,
+                       help="PNG of the table (default: DATA_DIR/bench-tiers.png)")
+    tiers.add_argument("--no-plot", action="store_true", help="write no PNG")
     _add_bench_ttft(bench_sub)
     _add_bench_load(bench_sub)
     _add_serve(sub)
@@ -120,6 +123,10 @@ def _add_bench_ttft(bench_sub: Any) -> None:
     ttft.add_argument("--no-peers", action="store_true", help="skip the llama.cpp rows")
     ttft.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each gateway call in seconds")
+    ttft.add_argument("--plot", type=Path, default=None,
+                      help="PNG of the tables, TTFT per row and prefix length (default: "
+                           "DATA_DIR/bench-ttft.png)")
+    ttft.add_argument("--no-plot", action="store_true", help="write no PNG")
 
 
 def _add_bench_load(bench_sub: Any) -> None:
@@ -258,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args.data_dir.mkdir(parents=True, exist_ok=True)
         run_tiers_benchmark(model=args.model, cache_dir=args.data_dir / "models",
-                            repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url)
+                            repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url,
+                            plot=None if args.no_plot else (
+                                args.plot or args.data_dir / "bench-tiers.png"))
         return 0
     if args.command == "bench" and args.bench == "ttft":
         return _bench_ttft(args, env=os.environ)
@@ -304,6 +313,7 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
         admin_key=args.admin_key or env.get("KVGATE_ADMIN_KEY") or None, tenant=args.tenant,
         redis_url=args.redis_url, peers_python=args.peers_python,
         with_peers=not args.no_peers, timeout_s=args.timeout,
+        plot=None if args.no_plot else (args.plot or args.data_dir / "bench-ttft.png"),
     )
     try:
         run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)
