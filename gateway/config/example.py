@@ -12,7 +12,8 @@ EXAMPLE_CONFIG = """\
 #
 # Every key is optional: what is left out keeps the default shown. Environment variables
 # add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) and set the deployment secret
-# (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir and --model override [server].
+# (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir and --model override [server],
+# --http-host, --http-port and --no-http override [http].
 # Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
 
 [server]
@@ -57,6 +58,14 @@ redis_ttl_s = 3600.0
 redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
 # quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }
+
+[http]                          # the OpenAI-compatible API: http://HOST:PORT/v1
+enabled = true                  # same engine, keys, limits and metrics as gRPC; TLS as [server]
+host = "127.0.0.1"              # a non-loopback host needs TLS (or allow_insecure_remote)
+port = 8000
+max_body_bytes = "4MiB"         # bigger request bodies: 413 before they are read
+max_connections = 1024          # more at once: 503 (the engine's per-tenant limits come first)
+retry_after_s = 1               # Retry-After of a 429 or 503 answer
 
 [metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics
 enabled = false                 # no authentication, per-tenant series: operators only

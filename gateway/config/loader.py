@@ -2,7 +2,8 @@
 
 Sources, later ones winning: the defaults here, a TOML or JSON file (``--config``), the
 environment (``KVGATE_API_KEYS``, ``KVGATE_ADMIN_KEYS``: keys are added to the file's), and the
-command line (``--host``, ``--port``, ``--data-dir``, ``--model``). Every problem is reported
+command line (``--host``, ``--port``, ``--data-dir``, ``--model``; ``--http-host``,
+``--http-port``, ``--no-http`` for ``[http]``). Every problem is reported
 at once, before anything starts, with the file's own names::
 
     [server]
@@ -26,6 +27,9 @@ at once, before anything starts, with the file's own names::
     [metrics]                     # MetricsSettings: Prometheus endpoint, off by default
     enabled = true
     port = 9464
+
+    [http]                        # HttpSettings: the OpenAI-compatible front, on by default
+    port = 8000
 
     [[api_keys]]                  # key = "..." or key_blake2b = "<hex of auth.key_digest(key)>"
     tenant = "tenant-a"
@@ -71,6 +75,7 @@ from gateway.config.settings import (
     ConfigError,
     EngineSettings,
     GrpcSettings,
+    HttpSettings,
     KiB,
     MetricsSettings,
     MiB,
@@ -95,8 +100,10 @@ _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
      "secret_file"}
 )
-_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "api_keys",
+_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "api_keys",
                        "admin_keys"})
+_HTTP_OVERRIDES = {"http_host": "host", "http_port": "port", "http_enabled": "enabled"}
+"""Command-line overrides of ``[http]``: the override's name -> the key it sets."""
 _SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes"})
 
 
@@ -112,7 +119,8 @@ def load_serve_config(
     Args:
         path: a ``.toml`` or ``.json`` file, or None for the defaults.
         env: the environment (``os.environ``); only ``KVGATE_*`` keys are read.
-        overrides: ``[server]`` values from the command line (``None`` values are ignored).
+        overrides: ``[server]`` values from the command line, and ``http_host``,
+            ``http_port``, ``http_enabled`` for ``[http]`` (``None`` values are ignored).
 
     Raises:
         ConfigError: every problem found, in one message. Keys never appear in it.
@@ -125,8 +133,13 @@ def load_serve_config(
         errors.append(f"{where} has unknown sections {unknown}; known: {sorted(_SECTIONS)}")
 
     server = dict(_table(raw, "server", errors))
+    http_table = dict(_table(raw, "http", errors))
     for name, value in (overrides or {}).items():
-        if value is not None:
+        if value is None:
+            continue
+        if name in _HTTP_OVERRIDES:
+            http_table[_HTTP_OVERRIDES[name]] = value
+        else:
             server[name] = value
     _unknown_keys("server", server, _SERVER_KEYS, errors)
 
@@ -140,11 +153,19 @@ def load_serve_config(
             del engine_table["kv_budget_bytes"]
     engine = _build(EngineSettings, "engine", engine_table, errors)
     metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
+    if "max_body_bytes" in http_table:
+        try:
+            http_table["max_body_bytes"] = parse_size(http_table["max_body_bytes"])
+        except ValueError as exc:
+            errors.append(f"http.max_body_bytes: {exc}")
+            del http_table["max_body_bytes"]
+    http = _build(HttpSettings, "http", http_table, errors)
     if grpc_settings is not None:
         errors.extend(grpc_settings.problems())
     if engine is not None:
         errors.extend(engine.problems())
     errors.extend(metrics.problems())
+    errors.extend(http.problems())
 
     data_dir = Path(str(server.get("data_dir", DEFAULT_DATA_DIR))).expanduser()
     environment = env or {}
@@ -170,6 +191,10 @@ def load_serve_config(
     for name, tls_path in (("tls_cert", tls_cert), ("tls_key", tls_key)):
         if tls_path is not None and not tls_path.is_file():
             errors.append(f"server.{name} {tls_path} is not a file")
+    if (http.enabled and is_int(port) and port and http.port == port
+            and http.host == host):
+        errors.append(f"http.port and server.port are both {port} on {host}: give the HTTP "
+                      "front a port of its own")
     allow_insecure = server.get("allow_insecure_remote", False)
     if not isinstance(allow_insecure, bool):
         errors.append("server.allow_insecure_remote must be true or false")
@@ -186,6 +211,7 @@ def load_serve_config(
         tls_cert=tls_cert, tls_key=tls_key, allow_insecure_remote=bool(allow_insecure),
         secret_file=_optional_path(server.get("secret_file")),
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
+        http=http,
     )
 
 

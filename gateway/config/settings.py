@@ -23,6 +23,10 @@ DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL = "bundled"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+"""The port OpenAI-compatible servers (vLLM, ``transformers serve``) listen on by default, so
+an SDK client's ``base_url`` of ``http://127.0.0.1:8000/v1`` finds kvgate there unchanged."""
 DEV_KEY_FILE = "dev-api-key"
 SECRET_FILE = "secret"
 
@@ -191,6 +195,53 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HttpSettings:
+    """The OpenAI-compatible HTTP front (``gateway.service.http``), on a port of its own.
+
+    It is served by the same engine, keys, limits and metrics as gRPC, with the same TLS
+    certificate (``[server] tls_cert``/``tls_key``) and the same rule: plaintext only on
+    loopback unless ``allow_insecure_remote``.
+
+    Attributes:
+        enabled: serve it.
+        host: where to listen.
+        port: the port (0 picks a free one, logged at start).
+        max_body_bytes: largest request body; a bigger one gets 413 before it is read whole
+            (the Content-Length is checked first, a chunked body as it arrives).
+        max_connections: connections (and requests in flight) at once; more get 503. A
+            backstop against descriptor exhaustion, set far above what the engine admits:
+            the engine's per-tenant limits, checked after the key, are the real admission.
+        retry_after_s: the ``Retry-After`` seconds of a 429 or 503 answer.
+    """
+
+    enabled: bool = True
+    host: str = DEFAULT_HTTP_HOST
+    port: int = DEFAULT_HTTP_PORT
+    max_body_bytes: int = 4 * MiB
+    max_connections: int = 1024
+    retry_after_s: int = 1
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def problems(self) -> list[str]:
+        errors = []
+        if not isinstance(self.enabled, bool):
+            errors.append(f"http.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.host, str) or not self.host:
+            errors.append(f"http.host must be a host name or address, got {self.host!r}")
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            errors.append(f"http.port must be 0 to 65535, got {self.port!r}")
+        for name in ("max_body_bytes", "max_connections", "retry_after_s"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                errors.append(f"http.{name} must be an integer >= 1, got {value!r}")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
     """Everything ``kvgate serve`` needs, validated.
 
@@ -203,7 +254,7 @@ class ServeConfig:
             in the clear: only behind a TLS-terminating proxy on a private network).
         secret_file: the deployment secret (default ``data_dir/secret``).
         keys: every configured API key (tenant and admin).
-        grpc, engine, cache, metrics: the sections of the same names.
+        grpc, engine, cache, metrics, http: the sections of the same names.
     """
 
     host: str = DEFAULT_HOST
@@ -219,6 +270,7 @@ class ServeConfig:
     engine: EngineSettings = field(default_factory=EngineSettings)
     cache: CacheConfig = field(default_factory=CacheConfig)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
 
     @property
     def address(self) -> str:

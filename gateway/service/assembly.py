@@ -1,17 +1,21 @@
 """The composition root: ``kvgate serve`` built from one ``ServeConfig``, and run.
 
 Everything the gateway is made of is wired here and nowhere else (STYLE.md, "One composition
-root"): the deployment secret and API keys, the gRPC server, the model, the cache layer (stores,
-policies and prefix cache, through ``gateway.cache.factory.open_cache``), the metrics endpoint,
-the engine, and the cache's admin operations that the Admin service calls. Each gets what it
-needs through its constructor; nothing below reaches for a global.
+root"): the deployment secret and API keys, the gRPC server, the OpenAI-compatible HTTP front
+(``[http]``), the model, the cache layer (stores, policies and prefix cache, through
+``gateway.cache.factory.open_cache``), the metrics endpoint, the engine, and the cache's admin
+operations that the Admin service calls. Each gets what it needs through its constructor;
+nothing below reaches for a global. The two servers share one ``EngineSlot``, one
+``Authenticator`` and the same limits, so they serve one engine, one cache and one set of
+metrics: a prefix warmed over gRPC is a hit over HTTP.
 
-Start order: the server listens first (health NOT_SERVING, so an orchestrator sees the process
-come up), then the model loads, the cache opens (the Prometheus endpoint, ``[metrics]``, comes
-up with it) and the engine starts; then the server is attached and says SERVING. Shutdown order
-(SIGTERM): health NOT_SERVING; the server stops taking calls (new ones fail UNAVAILABLE, so
-clients retry elsewhere) while calls in flight go on; the engine finishes or cancels them within
-the grace period; the metrics endpoint stops; the cache flushes pending disk writes and closes.
+Start order: the servers listen first (gRPC health NOT_SERVING, HTTP ``/health`` 503, so an
+orchestrator sees the process come up), then the model loads, the cache opens (the Prometheus
+endpoint, ``[metrics]``, comes up with it) and the engine starts; then the engine is attached and
+both say SERVING. Shutdown order (SIGTERM): health NOT_SERVING; both servers stop taking calls
+(new ones fail UNAVAILABLE / 503, so clients retry elsewhere) while calls in flight go on; the
+engine finishes or cancels them within the grace period; the metrics endpoint stops; the cache
+flushes pending disk writes and closes.
 """
 
 from __future__ import annotations
@@ -31,11 +35,13 @@ from gateway.config.secrets import (
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
 from gateway.service.server import GatewayServer, ServeError
 
 if TYPE_CHECKING:
     from gateway.cache.prefix_cache import PrefixCache
     from gateway.engine.engine import Engine
+    from gateway.service.http.server import HttpFront
     from gateway.service.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
@@ -77,6 +83,23 @@ def start_metrics(config: ServeConfig, cache: PrefixCache) -> GatewayMetrics:
     return metrics
 
 
+def start_http(config: ServeConfig, authenticator: Authenticator,
+               engines: EngineSlot) -> HttpFront | None:
+    """The OpenAI-compatible HTTP front, listening (None when ``[http]`` is off).
+
+    Raises:
+        ServeError: it cannot listen as configured.
+    """
+    if not config.http.enabled:
+        return None
+    from gateway.service.http.server import HttpFront
+
+    http = HttpFront(config, authenticator, engines)
+    http.start()
+    logger.info("OpenAI-compatible HTTP on %s (503 until the model has loaded)", http.url)
+    return http
+
+
 def serve(
     config: ServeConfig,
     *,
@@ -99,8 +122,15 @@ def serve(
     ensure_private_dir(config.data_dir)
     secret = deployment_secret(config, env)
     authenticator = build_authenticator(config, announce)
-    server = GatewayServer(config, authenticator)
+    engines = EngineSlot()
+    server = GatewayServer(config, authenticator, engines)
     server.start()
+    http: HttpFront | None = None
+    try:
+        http = start_http(config, authenticator, engines)
+    except BaseException:
+        server.stop(0)
+        raise
     # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
     from gateway.cache.admin import CacheAdmin
     from gateway.cache.factory import open_cache
@@ -140,21 +170,30 @@ def serve(
         if not stop_requested.is_set():
             server.attach(engine, CacheAdmin(opened.cache, keys=engine))
             logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s, tiers %s, %d API key(s), "
+                "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s, tiers %s, %d API key(s), "
                 "engine route %s: %s)",
-                config.host, server.port, "TLS" if config.uses_tls else "plaintext",
+                config.host, server.port,
+                f" and the OpenAI API on {http.url}" if http is not None else "",
+                "TLS" if config.uses_tls else "plaintext",
                 engine.model_name, "+".join(opened.cache.tier_names), authenticator.num_keys,
                 engine.route.name, engine.route.reason,
             )
+            announce(f"gRPC kvgate.v1 on {config.host}:{server.port}"
+                     + (f"; OpenAI-compatible HTTP on {http.url}" if http is not None else
+                        " (the HTTP front is off: [http] enabled = false)"))
             stop_requested.wait()
         logger.info("shutting down: finishing requests in flight (grace %.0f s)",
                     config.grpc.shutdown_grace_s)
     finally:
         stopped = server.begin_shutdown()
+        if http is not None:
+            http.begin_shutdown()
         if engine is not None:
             engine.stop(config.grpc.shutdown_grace_s)
         stopped.wait(config.grpc.shutdown_grace_s + 1.0)
         server.stop(0)
+        if http is not None:
+            http.stop(config.grpc.shutdown_grace_s + 1.0)
         if metrics is not None:
             metrics.stop()
         if opened is not None:

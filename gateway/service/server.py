@@ -24,13 +24,9 @@ from grpc_reflection.v1alpha import reflection
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
+from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
-from gateway.service.servicer import (
-    ADMIN_SERVICE,
-    GATEWAY_SERVICE,
-    EdgeLimits,
-    ServicerSet,
-)
+from gateway.service.servicer import ADMIN_SERVICE, GATEWAY_SERVICE, ServicerSet
 
 if TYPE_CHECKING:
     from gateway.cache.admin import CacheAdmin
@@ -46,17 +42,39 @@ class ServeError(RuntimeError):
     """The server cannot start as configured; the message says what to change."""
 
 
+def check_plaintext_listener(config: ServeConfig, host: str, address: str) -> None:
+    """Refuse a plaintext listener on a non-loopback ``host`` (bearer keys would travel in the
+    clear) unless ``allow_insecure_remote`` says a TLS-terminating proxy is in front.
+
+    Raises:
+        ServeError: plaintext, not loopback, and not allowed.
+    """
+    if config.uses_tls or is_loopback(host):
+        return
+    if not config.allow_insecure_remote:
+        raise ServeError(
+            f"refusing to listen on {address} without TLS: API keys would travel in the "
+            "clear. Set tls_cert and tls_key, listen on 127.0.0.1, or pass "
+            "--allow-insecure-remote if a TLS-terminating proxy is in front"
+        )
+    logger.warning("listening on %s without TLS (allow_insecure_remote): API keys travel in "
+                   "the clear on this hop", address)
+
+
 class GatewayServer:
     """``kvgate.v1`` + health + reflection on one gRPC server.
 
     Args:
         config: where to listen, TLS, and the gRPC limits (``config.grpc``).
         authenticator: the API keys.
+        engines: the slot the engine will be attached to (shared with the HTTP front; default
+            a slot of its own).
     """
 
-    def __init__(self, config: ServeConfig, authenticator: Authenticator) -> None:
+    def __init__(self, config: ServeConfig, authenticator: Authenticator,
+                 engines: EngineSlot | None = None) -> None:
         self.config = config
-        self._engines = EngineSlot()
+        self._engines = engines if engines is not None else EngineSlot()
         self._servicers = ServicerSet(
             self._engines,
             authenticator,
@@ -76,15 +94,7 @@ class GatewayServer:
                 the address cannot be bound.
         """
         config = self.config
-        if not config.uses_tls and not is_loopback(config.host):
-            if not config.allow_insecure_remote:
-                raise ServeError(
-                    f"refusing to listen on {config.address} without TLS: API keys would "
-                    "travel in the clear. Set tls_cert and tls_key, listen on 127.0.0.1, or "
-                    "pass --allow-insecure-remote if a TLS-terminating proxy is in front"
-                )
-            logger.warning("listening on %s without TLS (allow_insecure_remote): API keys "
-                           "travel in the clear on this hop", config.address)
+        check_plaintext_listener(config, config.host, config.address)
         settings = config.grpc
         self._pool = futures.ThreadPoolExecutor(
             max_workers=settings.max_concurrent_rpcs, thread_name_prefix="kvgate-rpc"

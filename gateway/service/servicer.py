@@ -4,6 +4,8 @@ This module and ``gateway.client`` are the only ones that see the generated mess
 (``gateway.service.pb.kvgate_pb2``); below this line everything is ``gateway.core.requests``
 records. What a protobuf cannot say is checked here, at the edge: sampling ranges, TTLs, list
 limits, tool JSON. Everything about the prompt itself is checked by the engine's canonicalisation.
+The checks the OpenAI-compatible HTTP front shares (TTL and deadline bounds, the cache scope of a
+key, the cancellation rule of a generation) live in ``gateway.service.edge``.
 
 Every RPC goes through one wrapper (``ServicerSet.generic_handlers``) that, in this order,
 
@@ -14,8 +16,8 @@ Every RPC goes through one wrapper (``ServicerSet.generic_handlers``) that, in t
 3. turns any exception into a status with ``gateway.service.status_mapping.status_of``; faults are
    logged with their traceback and an incident id. Prompts and keys are never logged.
 
-Client disconnects reach the engine through ``context.add_callback(handle.cancel)``: a
-generation stops, and releases its blocks, when its caller goes away.
+Client disconnects reach the engine through ``context.add_callback``: a generation stops, and
+releases its blocks, when its caller goes away (``edge.Generation``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,6 @@ import contextlib
 import json
 import logging
 import math
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -50,6 +50,14 @@ from gateway.core.requests import (
     WarmResult,
 )
 from gateway.service.auth import Authenticator
+from gateway.service.edge import (
+    EdgeLimits,
+    Generation,
+    check_num_tools,
+    checked_ttl,
+    deadline_within,
+    scope_of,
+)
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.status_mapping import status_of
@@ -65,7 +73,6 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 1000
-MAX_TOOLS = 128
 
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -78,26 +85,6 @@ _FINISH_REASONS = {
 M = TypeVar("M")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EdgeLimits:
-    """Bounds the servicer enforces on what protobuf cannot bound.
-
-    Attributes:
-        max_deadline_s: the longest a generation may run, whatever deadline the client sent
-            (none at all included).
-        max_ttl_s: the longest TTL a request may ask for its blocks.
-    """
-
-    max_deadline_s: float = 600.0
-    max_ttl_s: float = 7 * 24 * 3600.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_deadline_s", "max_ttl_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-
-
 # ---- protobuf -> records ------------------------------------------------------------------
 
 
@@ -107,8 +94,7 @@ def prompt_input(message: pb.PromptInput) -> PromptInput:
     Raises:
         InvalidRequest: a tool schema is not a JSON object, or there are too many.
     """
-    if len(message.tools) > MAX_TOOLS:
-        raise InvalidRequest(f"send at most {MAX_TOOLS} tools, got {len(message.tools)}")
+    check_num_tools(len(message.tools))
     return PromptInput(
         messages=[{"role": m.role, "content": m.content} for m in message.messages] or None,
         prompt=message.prompt if message.HasField("prompt") else None,
@@ -163,13 +149,7 @@ def sampling_params(message: pb.SamplingParams) -> SamplingParams:
 
 def ttl_seconds(message: Any, limits: EdgeLimits) -> float | None:
     """``message.ttl_s`` checked against ``limits`` (None when unset)."""
-    if not message.HasField("ttl_s"):
-        return None
-    ttl = float(message.ttl_s)
-    if not (math.isfinite(ttl) and 0 < ttl <= limits.max_ttl_s):
-        raise InvalidRequest(f"ttl_s must be more than 0 and at most {limits.max_ttl_s:g} "
-                             f"seconds, got {ttl}")
-    return ttl
+    return checked_ttl(message.ttl_s if message.HasField("ttl_s") else None, limits)
 
 
 def scope_for(principal: Principal, scope: int) -> Scope:
@@ -179,12 +159,9 @@ def scope_for(principal: Principal, scope: int) -> Scope:
         PermissionDenied: the shared scope without an admin key.
         InvalidRequest: an unknown scope value.
     """
-    if scope == pb.SCOPE_SHARED:
-        principal.require_admin("the shared scope")
-        return Scope.shared()
-    if scope not in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT):
+    if scope not in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT, pb.SCOPE_SHARED):
         raise InvalidRequest(f"unknown scope {scope}; use SCOPE_TENANT or SCOPE_SHARED")
-    return Scope.of_tenant(principal.tenant)
+    return scope_of(principal, is_shared=scope == pb.SCOPE_SHARED)
 
 
 def generate_request(
@@ -311,28 +288,17 @@ class GatewayServicer:
         engine = self._engines.get()
         record = generate_request(request, principal, deadline=self._deadline(context),
                                   limits=self._limits)
-        handle = engine.generate(record)
-        # NOTE: cancel only a generation that has not delivered its usage yet. The call ends
-        # (and its callbacks run) right after the last message, while the engine is still
-        # storing the blocks the answer filled: cancelling then would drop them, and the next
-        # turn of the chat would miss.
-        is_delivered = threading.Event()
-
-        def cancel_unless_delivered() -> None:
-            if not is_delivered.is_set():
-                handle.cancel()
-
-        if not context.add_callback(cancel_unless_delivered):  # the call already ended
-            handle.cancel()
+        generation = Generation(engine.generate(record))
+        if not context.add_callback(generation.cancel_unless_delivered):  # the call ended
+            generation.cancel_unless_delivered()
         try:
-            for item in handle:
+            for item in generation:
                 if isinstance(item, TokenDelta):
                     yield delta_message(item)
                 else:
-                    is_delivered.set()
                     yield usage_message(item)
         finally:
-            cancel_unless_delivered()  # stopped early: the engine releases the blocks
+            generation.cancel_unless_delivered()  # stopped early: the engine releases the blocks
 
     def Warm(
         self, request: pb.WarmRequest, principal: Principal, context: Any
@@ -361,11 +327,7 @@ class GatewayServicer:
 
     def _deadline(self, context: Any) -> float:
         """min(the client's deadline, the server's maximum), on ``time.monotonic``."""
-        budget = self._limits.max_deadline_s
-        remaining = context.time_remaining()
-        if remaining is not None:
-            budget = min(budget, max(0.0, float(remaining)))
-        return time.monotonic() + budget
+        return deadline_within(self._limits, context.time_remaining())
 
 
 class AdminServicer:

@@ -8,6 +8,7 @@ until SERVING, stopped by pid with SIGTERM.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,10 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -31,10 +35,15 @@ from tests.tiny_llama import save_tiny_llama
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 GRACE_S = 5.0
 _SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
+_ADDRESSES = re.compile(r"gRPC kvgate\.v1 on 127\.0\.0\.1:(\d+); OpenAI-compatible HTTP on "
+                        r"(http://127\.0\.0\.1:\d+/v1)")
 
 CONFIG = f"""
 [grpc]
 shutdown_grace_s = {GRACE_S}
+
+[http]
+port = 0
 
 [cache]
 block_tokens = 16
@@ -224,6 +233,26 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0_within_the_grace_peri
     assert not failures
     assert isinstance(received[-1], Usage) and received[-1].completion_tokens == 600
     assert "shutting down" in gateway_proc.stderr and "stopped" in gateway_proc.stderr
+
+
+def test_serve_starts_the_openai_front_beside_grpc_and_prints_both_addresses(
+    gateway_proc: GatewayProcess,
+) -> None:
+    gateway_proc.start()
+    match = _ADDRESSES.search(gateway_proc.stdout)
+    assert match, gateway_proc.stdout
+    assert int(match.group(1)) == gateway_proc.port
+    url = match.group(2)
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as response:
+        assert json.loads(response.read())["status"] == "ok"
+    key = (gateway_proc.data_dir / "dev-api-key").read_text().strip()
+    with openai.OpenAI(base_url=url, api_key=key, max_retries=0) as client:
+        completion: Any = client.chat.completions.create(
+            model=gateway_proc.model_dir.name, max_tokens=3,
+            messages=[{"role": "user", "content": LONG_PROMPT}])
+    assert completion.usage.completion_tokens == 3
+    code, _ = gateway_proc.sigterm()
+    assert code == 0, gateway_proc.stderr
 
 
 def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Path) -> None:

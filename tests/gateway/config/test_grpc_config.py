@@ -212,3 +212,29 @@ def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
 def test_the_redis_url_can_come_from_the_environment_so_the_file_holds_no_password() -> None:
     config = load_serve_config(None, env={"KVGATE_REDIS_URL": "redis://:pw@127.0.0.1:6399/0"})
     assert config.cache.redis_url == "redis://:pw@127.0.0.1:6399/0"
+
+
+def test_the_http_front_is_on_by_default_on_loopback_and_flags_move_or_stop_it(
+    tmp_path: Path,
+) -> None:
+    default = load_serve_config(None, env={})
+    assert (default.http.enabled, default.http.host, default.http.port) == (True, "127.0.0.1",
+                                                                            8000)
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[http]\nport = 9000\nmax_body_bytes = "1MiB"\n', encoding="utf-8")
+    loaded = load_serve_config(config, env={}, overrides={"http_port": 0, "http_host": None})
+    assert (loaded.http.port, loaded.http.max_body_bytes) == (0, 1 << 20)
+    assert not load_serve_config(None, env={}, overrides={"http_enabled": False}).http.enabled
+
+
+def test_bad_http_settings_are_reported_with_the_others(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[server]\nport = 8000\n[http]\nmax_body_bytes = "lots"\n'
+                      "retry_after_s = 0\nspeed = 1\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(config, env={})
+    message = str(excinfo.value)
+    for part in ("http.max_body_bytes", "http.retry_after_s must be an integer >= 1",
+                 "[http] has unknown keys ['speed']",
+                 "http.port and server.port are both 8000"):
+        assert part in message, message

@@ -12,12 +12,12 @@ from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupResult, SamplingParams, TokenDelta, Usage
 from gateway.service.auth import Authenticator
+from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.servicer import (
     ADMIN_SERVICE,
     GATEWAY_SERVICE,
-    EdgeLimits,
     ServicerSet,
     delta_message,
     generate_request,

@@ -50,6 +50,9 @@ def _config(redis_url: str, *, cluster: bool) -> str:
 [grpc]
 shutdown_grace_s = 2
 
+[http]
+port = 0
+
 [cache]
 block_tokens = 16
 device_bytes = "64MiB"
