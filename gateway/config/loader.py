@@ -14,7 +14,10 @@ at once, before anything starts, with the file's own names::
     tls_key = "/etc/kvgate/tls.key"
 
     [grpc]                        # GrpcSettings: limits, keepalive, deadlines
-    max_concurrent_rpcs = 64
+    body_timeout_s = 5.0
+
+    [limits]                      # LimitSettings: per-key admission, prompt size
+    max_calls_per_key = 16
 
     [engine]                      # EngineSettings
     max_queue = 64
@@ -63,6 +66,7 @@ from gateway.config.keys import (
     tenant_id_problem,
     tenants_without_keys,
 )
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import (
     DEFAULT_DATA_DIR,
     DEFAULT_HOST,
@@ -95,8 +99,13 @@ _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
      "secret_file"}
 )
-_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "api_keys",
+_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "limits", "api_keys",
                        "admin_keys"})
+_REPLACED = {
+    ("grpc", "max_concurrent_rpcs"): "[grpc] max_concurrent_rpcs is gone: it counted calls before "
+    "their keys were checked. Use [limits] max_calls (all keys) and max_calls_per_key",
+}
+"""Settings that no longer exist, and what replaces them (said instead of "unknown key")."""
 _SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes"})
 
 
@@ -131,6 +140,8 @@ def load_serve_config(
     _unknown_keys("server", server, _SERVER_KEYS, errors)
 
     grpc_settings = _build(GrpcSettings, "grpc", _table(raw, "grpc", errors), errors)
+    limits = _build(LimitSettings, "limits", _table(raw, "limits", errors), errors)
+    errors.extend(limits.problems())
     engine_table = dict(_table(raw, "engine", errors))
     if "kv_budget_bytes" in engine_table:
         try:
@@ -186,6 +197,7 @@ def load_serve_config(
         tls_cert=tls_cert, tls_key=tls_key, allow_insecure_remote=bool(allow_insecure),
         secret_file=_optional_path(server.get("secret_file")),
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
+        limits=limits,
     )
 
 
@@ -251,7 +263,9 @@ def _table(raw: Mapping[str, Any], name: str, errors: list[str]) -> Mapping[str,
 
 def _unknown_keys(section: str, table: Mapping[str, Any], known: frozenset[str],
                   errors: list[str]) -> None:
-    unknown = sorted(set(table) - known)
+    replaced = [name for name in table if (section, name) in _REPLACED]
+    errors.extend(_REPLACED[(section, name)] for name in replaced)
+    unknown = sorted(set(table) - known - set(replaced))
     if unknown:
         errors.append(f"[{section}] has unknown keys {unknown}; known: {sorted(known)}")
 

@@ -5,14 +5,9 @@ This module and ``gateway.client`` are the only ones that see the generated mess
 records. What a protobuf cannot say is checked here, at the edge: sampling ranges, TTLs, list
 limits, tool JSON. Everything about the prompt itself is checked by the engine's canonicalisation.
 
-Every RPC goes through one wrapper (``ServicerSet.generic_handlers``) that, in this order,
-
-1. authenticates the call (``gateway.service.auth``): the principal is an argument of every method,
-   so no method can forget it, and every Admin method requires an admin key;
-2. refuses a request whose bytes did not parse as its message (INVALID_ARGUMENT, instead of
-   grpc's default INTERNAL for a deserialisation failure);
-3. turns any exception into a status with ``gateway.service.status_mapping.status_of``; faults are
-   logged with their traceback and an incident id. Prompts and keys are never logged.
+Every RPC reaches these methods through ``gateway.service.dispatch`` (authenticated and
+admitted before it took a thread; the principal is an argument of every method, so no method can
+forget it), and every error they raise becomes a status there.
 
 Client disconnects reach the engine through ``context.add_callback(handle.cancel)``: a
 generation stops, and releases its blocks, when its caller goes away.
@@ -20,18 +15,14 @@ generation stops, and releases its blocks, when its caller goes away.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
-
-import grpc
-from google.protobuf.message import DecodeError
+from typing import TYPE_CHECKING, Any
 
 from gateway.cache.stats import CacheStats
 from gateway.config.keys import Principal
@@ -49,10 +40,8 @@ from gateway.core.requests import (
     WarmRequest,
     WarmResult,
 )
-from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
-from gateway.service.status_mapping import status_of
 
 if TYPE_CHECKING:
     from gateway.cache.admin import EvictResult, PrefixSummary
@@ -74,8 +63,6 @@ _FINISH_REASONS = {
     "cancelled": pb.FINISH_REASON_CANCELLED,
     "deadline": pb.FINISH_REASON_DEADLINE,
 }
-
-M = TypeVar("M")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -459,118 +446,3 @@ class AdminServicer:
         self, request: pb.FlushRequest, principal: Principal, context: Any
     ) -> pb.EvictResponse:
         return evict_response(self._engines.admin().flush())
-
-
-# ---- the wrapper every RPC goes through ---------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Malformed:
-    """What a request whose bytes did not parse deserialises to."""
-
-    message_type: str
-    detail: str
-
-
-def _deserializer(message_class: Any) -> Callable[[bytes], object]:
-    def parse(data: bytes) -> object:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as exc:
-            return _Malformed(message_class.DESCRIPTOR.full_name, str(exc))
-
-    return parse
-
-
-class ServicerSet:
-    """Both services, their authentication, and their gRPC method handlers.
-
-    Args:
-        engines: where the engine will be once the model is loaded.
-        authenticator: the configured keys.
-        limits: bounds on deadlines and TTLs.
-    """
-
-    def __init__(self, engines: EngineSlot, authenticator: Authenticator,
-                 limits: EdgeLimits) -> None:
-        self.gateway = GatewayServicer(engines, limits)
-        self.admin = AdminServicer(engines)
-        self._auth = authenticator
-
-    def generic_handlers(self) -> tuple[Any, ...]:
-        """One ``grpc.GenericRpcHandler`` per service, every method wrapped.
-
-        Raises:
-            RuntimeError: an RPC of the proto has no method here (a servicer out of date).
-        """
-        return (
-            self._service_handler(GATEWAY_SERVICE, self.gateway, is_admin_only=False),
-            self._service_handler(ADMIN_SERVICE, self.admin, is_admin_only=True),
-        )
-
-    def _service_handler(self, service: str, servicer: object, *, is_admin_only: bool) -> Any:
-        descriptor = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[-1]]
-        handlers = {}
-        for method in descriptor.methods:
-            implementation = getattr(servicer, method.name, None)
-            if implementation is None:
-                raise RuntimeError(f"{type(servicer).__name__} does not implement {method.name}")
-            request_class = getattr(pb, method.input_type.name)
-            response_class = getattr(pb, method.output_type.name)
-            full_name = f"/{service}/{method.name}"
-            options = {
-                "request_deserializer": _deserializer(request_class),
-                "response_serializer": response_class.SerializeToString,
-            }
-            if method.server_streaming:
-                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                    self._streaming(full_name, implementation, is_admin_only), **options)
-            else:
-                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                    self._unary(full_name, implementation, is_admin_only), **options)
-        return grpc.method_handlers_generic_handler(service, handlers)
-
-    def _unary(self, name: str, implementation: Callable[..., M],
-               is_admin_only: bool) -> Callable[[object, Any], M]:
-        def behavior(request: object, context: Any) -> M:
-            with _statuses(context, name):
-                principal = self._admitted(request, context, name, is_admin_only)
-                return implementation(request, principal, context)
-            raise AssertionError("unreachable: _statuses aborts or re-raises")
-
-        return behavior
-
-    def _streaming(self, name: str, implementation: Callable[..., Iterator[M]],
-                   is_admin_only: bool) -> Callable[[object, Any], Iterator[M]]:
-        def behavior(request: object, context: Any) -> Iterator[M]:
-            with _statuses(context, name):
-                principal = self._admitted(request, context, name, is_admin_only)
-                yield from implementation(request, principal, context)
-
-        return behavior
-
-    def _admitted(self, request: object, context: Any, name: str,
-                  is_admin_only: bool) -> Principal:
-        principal = self._auth.authenticate(context.invocation_metadata())
-        if is_admin_only:
-            principal.require_admin("the Admin service")
-        if isinstance(request, _Malformed):
-            raise InvalidRequest(
-                f"the request is not a valid {request.message_type} protobuf "
-                f"({request.detail}); send the message {name} expects"
-            )
-        return principal
-
-
-@contextlib.contextmanager
-def _statuses(context: Any, name: str) -> Iterator[None]:
-    """End the call with the status of any exception raised inside (``status_of``)."""
-    try:
-        yield
-    except Exception as exc:
-        status = status_of(exc)
-        if status.is_fault:
-            logger.error("%s failed (incident %s)", name, status.incident, exc_info=exc)
-        else:
-            logger.debug("%s from %s ended with %s", name, context.peer(), status.code.name)
-        context.abort(status.code, status.message)

@@ -238,8 +238,8 @@ def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Pa
 
 def test_serve_reports_a_bad_configuration_and_exits_2(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
-    config.write_text("[grpc]\nmax_concurrent_rpcs = 0\n", encoding="utf-8")
+    config.write_text("[limits]\nmax_calls = 0\n", encoding="utf-8")
     result = subprocess.run([KVGATE, "serve", "--config", str(config)], capture_output=True,
                             text=True, timeout=60, env=_clean_env(), check=False)
     assert result.returncode == 2
-    assert "grpc.max_concurrent_rpcs must be > 0" in result.stderr
+    assert "limits.max_calls must be an integer >= 1" in result.stderr

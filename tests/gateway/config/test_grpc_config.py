@@ -47,8 +47,11 @@ port = 6000
 data_dir = "{tmp_path / 'from-file'}"
 
 [grpc]
-max_concurrent_rpcs = 8
+body_timeout_s = 2.5
 max_deadline_s = 30
+
+[limits]
+max_calls_per_key = 8
 
 [engine]
 max_queue = 4
@@ -77,7 +80,8 @@ key = "{ADMIN}"
     assert (config.host, config.port, config.model) == ("127.0.0.1", 7000, "/models/m")
     assert config.data_dir == tmp_path / "from-file"
     assert config.cache.disk_path == tmp_path / "from-file" / "kv"
-    assert config.grpc.max_concurrent_rpcs == 8 and config.grpc.max_deadline_s == 30
+    assert config.grpc.body_timeout_s == 2.5 and config.grpc.max_deadline_s == 30
+    assert config.limits.max_calls_per_key == 8 and config.limits.max_calls == 64
     assert config.engine.max_queue == 4 and config.engine.default_ttl_s == 60
     assert config.cache.block_tokens == 64 and config.cache.host_bytes == 512 << 20
     assert dict(config.cache.quotas) == {"tenant-a": GiB}
@@ -146,6 +150,21 @@ def test_the_same_key_for_a_tenant_and_an_admin_is_refused() -> None:
                                      "KVGATE_ADMIN_KEYS": f"{KEY_A}=ops"})
 
 
+def test_the_removed_max_concurrent_rpcs_names_what_replaces_it(tmp_path: Path) -> None:
+    path = write(tmp_path / "old.toml", "[grpc]\nmax_concurrent_rpcs = 64\n")
+    with pytest.raises(ConfigError, match=r"\[limits\] max_calls .* max_calls_per_key"):
+        load_serve_config(path, env={})
+
+
+def test_per_key_limits_must_fit_inside_the_server_wide_ones(tmp_path: Path) -> None:
+    path = write(tmp_path / "limits.toml",
+                 "[limits]\nmax_calls = 8\nmax_calls_per_key = 9\nmax_lookups = 8\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(path, env={})
+    assert "max_calls_per_key must be <= limits.max_calls" in str(excinfo.value)
+    assert "max_lookups must be < limits.max_calls" in str(excinfo.value)
+
+
 def test_unreadable_and_unknown_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_serve_config(tmp_path / "absent.toml", env={})
@@ -164,7 +183,7 @@ def test_server_options_set_every_limit_on_purpose() -> None:
                  "grpc.keepalive_permit_without_calls", "grpc.http2.max_pings_without_data",
                  "grpc.http2.min_ping_interval_without_data_ms", "grpc.http2.max_ping_strikes",
                  "grpc.max_connection_idle_ms", "grpc.max_connection_age_ms",
-                 "grpc.max_connection_age_grace_ms"):
+                 "grpc.max_connection_age_grace_ms", "grpc.server_handshake_timeout_ms"):
         assert name in options
     assert options["grpc.max_connection_age_grace_ms"] >= GrpcSettings().max_deadline_s * 1000
 

@@ -3,22 +3,26 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from gateway.client import prompt_message, stream_item
 from gateway.config.keys import Principal
+from gateway.config.limits import LimitSettings
 from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupResult, SamplingParams, TokenDelta, Usage
+from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
+from gateway.service.call_gate import BodyWatchdog, CallGate
+from gateway.service.dispatch import ServicerSet
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.servicer import (
     ADMIN_SERVICE,
     GATEWAY_SERVICE,
     EdgeLimits,
-    ServicerSet,
     delta_message,
     generate_request,
     lookup_response,
@@ -146,5 +150,8 @@ def test_the_client_writes_tool_objects_as_json() -> None:
 
 
 def test_every_rpc_of_the_proto_has_a_handler() -> None:
-    handlers = ServicerSet(EngineSlot(), Authenticator([]), EdgeLimits()).generic_handlers()
+    with ThreadPoolExecutor(1) as pool:
+        gate = CallGate(Authenticator([]), Admission(LimitSettings()), BodyWatchdog(1.0),
+                        worker_pool=pool, refusal_pool=pool)
+        handlers = ServicerSet(EngineSlot(), EdgeLimits()).keyed_services(gate)
     assert [h.service_name() for h in handlers] == [GATEWAY_SERVICE, ADMIN_SERVICE]

@@ -33,6 +33,7 @@ from gateway.client import (
     Unauthenticated,
     Unavailable,
 )
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.engine import EngineConfig
@@ -67,7 +68,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def gateway(loaded: LoadedModel) -> Iterator[RunningGateway]:
-    running = start_gateway(loaded)
+    # The fuzz tests send hundreds of Lookups in a row: above the default Lookup rate per key.
+    running = start_gateway(loaded, limits=LimitSettings(lookups_per_s=1000, lookup_burst=1000))
     try:
         yield running
     finally:
@@ -549,14 +551,15 @@ def test_the_next_turn_hits_the_blocks_the_answer_filled(tenant_a: KvgateClient)
                       timeout_s=5.0), tenant_a.lookup(token_ids=follow_up)
 
 
-def test_calls_past_max_concurrent_rpcs_are_resource_exhausted(loaded: LoadedModel) -> None:
-    narrow = start_gateway(loaded, grpc_settings=GrpcSettings(max_concurrent_rpcs=1))
+def test_calls_past_a_keys_limit_are_resource_exhausted(loaded: LoadedModel) -> None:
+    narrow = start_gateway(loaded, limits=LimitSettings(max_calls_per_key=1))
     try:
         client = narrow.client(KEY_A)
         stream = client.generate(LONG_PROMPT, max_tokens=1900)
         assert isinstance(next(stream), TokenDelta)  # the one allowed call is in flight
-        with pytest.raises(ResourceExhausted):
+        with pytest.raises(ResourceExhausted, match="max_calls_per_key"):
             client.lookup("hello")
+        narrow.client(KEY_B).lookup("hello")  # another key is not held up
         stream.close()
         assert wait_until(lambda: narrow.total_refcount() == 0)
         assert wait_until(lambda: _lookup_succeeds(client), timeout_s=5.0)
