@@ -76,7 +76,7 @@ class ServicerSet:
 
     def __init__(self, engines: EngineSlot, limits: EdgeLimits) -> None:
         self.gateway = GatewayServicer(engines, limits)
-        self.admin = AdminServicer(engines)
+        self.admin = AdminServicer(engines, limits)
 
     def keyed_services(self, gate: CallGate) -> tuple[KeyedService, KeyedService]:
         """One handler per service, every method behind ``gate``.

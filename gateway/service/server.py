@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
+from gateway.core.prompt_limits import PromptLimits
 from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
 from gateway.service.call_gate import BodyWatchdog, CallGate, PublicServicesGate
@@ -79,7 +80,9 @@ class GatewayServer:
         self._servicers = ServicerSet(
             self._engines,
             EdgeLimits(max_deadline_s=config.grpc.max_deadline_s,
-                       max_ttl_s=config.grpc.max_ttl_s),
+                       max_ttl_s=config.grpc.max_ttl_s,
+                       prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
+                                           max_messages=config.limits.max_messages)),
         )
         self._health = health.HealthServicer()
         self._server: Any = None

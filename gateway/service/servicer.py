@@ -29,6 +29,7 @@ from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
 from gateway.core.fingerprint import Scope
+from gateway.core.prompt_limits import PromptLimits, PromptSize, check_prompt_size
 from gateway.core.requests import (
     CacheOptions,
     GenerateRequest,
@@ -55,6 +56,7 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 1000
 MAX_TOOLS = 128
+DEFAULT_PROMPT_LIMITS = PromptLimits()
 
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -73,10 +75,12 @@ class EdgeLimits:
         max_deadline_s: the longest a generation may run, whatever deadline the client sent
             (none at all included).
         max_ttl_s: the longest TTL a request may ask for its blocks.
+        prompt: the most characters and messages a prompt may carry.
     """
 
     max_deadline_s: float = 600.0
     max_ttl_s: float = 7 * 24 * 3600.0
+    prompt: PromptLimits = DEFAULT_PROMPT_LIMITS
 
     def __post_init__(self) -> None:
         for name in ("max_deadline_s", "max_ttl_s"):
@@ -88,12 +92,22 @@ class EdgeLimits:
 # ---- protobuf -> records ------------------------------------------------------------------
 
 
-def prompt_input(message: pb.PromptInput) -> PromptInput:
+def prompt_input(message: pb.PromptInput, limits: PromptLimits = DEFAULT_PROMPT_LIMITS
+                 ) -> PromptInput:
     """The prompt record of ``message``; fields left empty are "not sent".
 
+    Its size is checked first (``gateway.core.prompt_limits``): nothing is parsed, rendered or
+    tokenised for a prompt over ``limits``.
+
     Raises:
-        InvalidRequest: a tool schema is not a JSON object, or there are too many.
+        InvalidRequest: too many characters, messages or tools, or a tool schema that is not
+            a JSON object.
     """
+    check_prompt_size(PromptSize(
+        num_chars=(len(message.prompt) + sum(len(m.role) + len(m.content)
+                                             for m in message.messages)
+                   + sum(len(tool) for tool in message.tools)),
+        num_messages=len(message.messages)), limits)
     if len(message.tools) > MAX_TOOLS:
         raise InvalidRequest(f"send at most {MAX_TOOLS} tools, got {len(message.tools)}")
     return PromptInput(
@@ -180,7 +194,7 @@ def generate_request(
 ) -> GenerateRequest:
     """The engine's request for a ``Generate`` call."""
     return GenerateRequest(
-        prompt=prompt_input(message.input),
+        prompt=prompt_input(message.input, limits.prompt),
         scope=scope_for(principal, message.cache.scope),
         sampling=sampling_params(message.sampling),
         cache=CacheOptions(no_cache=message.cache.no_cache,
@@ -328,7 +342,7 @@ class GatewayServicer:
         if request.pin:
             principal.require_admin("pinning (Warm with pin)")
         record = WarmRequest(
-            prompt=prompt_input(request.input),
+            prompt=prompt_input(request.input, self._limits.prompt),
             scope=scope_for(principal, request.scope),
             pin=request.pin,
             ttl_s=ttl_seconds(request, self._limits),
@@ -342,7 +356,7 @@ class GatewayServicer:
         self, request: pb.LookupRequest, principal: Principal, context: Any
     ) -> pb.LookupResponse:
         engine = self._engines.get()
-        record = LookupRequest(prompt=prompt_input(request.input),
+        record = LookupRequest(prompt=prompt_input(request.input, self._limits.prompt),
                                scope=scope_for(principal, request.scope))
         return lookup_response(engine.lookup(record))
 
@@ -358,8 +372,9 @@ class GatewayServicer:
 class AdminServicer:
     """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only): ``CacheAdmin``."""
 
-    def __init__(self, engines: EngineSlot) -> None:
+    def __init__(self, engines: EngineSlot, limits: EdgeLimits | None = None) -> None:
         self._engines = engines
+        self._limits = limits or EdgeLimits()
 
     def Stats(
         self, request: pb.StatsRequest, principal: Principal, context: Any
@@ -427,7 +442,7 @@ class AdminServicer:
         else:
             raise InvalidRequest(f"unknown scope {request.scope}; use SCOPE_TENANT or "
                                  "SCOPE_SHARED")
-        prompt = prompt_input(request.input)
+        prompt = prompt_input(request.input, self._limits.prompt)
         return pb.PinResponse(num_blocks=self._engines.admin().set_pinned(prompt, scope, pinned))
 
     def SetQuota(

@@ -18,6 +18,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gateway.client import InvalidArgument
 from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings
 from gateway.engine.model import LoadedModel
@@ -226,3 +227,46 @@ def _health_code(running: RunningGateway) -> grpc.StatusCode:
     except grpc.RpcError as exc:
         return exc.code()
     return grpc.StatusCode.OK
+
+
+# ---- limits before work ---------------------------------------------------------------------
+
+
+def test_lookups_cannot_take_every_worker_thread(loaded: LoadedModel) -> None:
+    running = start_gateway(
+        loaded, grpc_settings=GrpcSettings(body_timeout_s=30.0),
+        limits=LimitSettings(max_calls=6, max_calls_per_key=3, max_lookups=2,
+                             max_lookups_per_key=1))
+    held = HeaderOnlyCalls()
+    try:
+        held.open(running.channel(), LOOKUP, KEY_A)
+        held.open(running.channel(), LOOKUP, KEY_B)
+        assert wait_until(lambda: running.server.admission.snapshot().lookups == 2)
+        with pytest.raises(grpc.RpcError) as per_key:
+            keyed_lookup(running, KEY_A)
+        assert "max_lookups_per_key" in per_key.value.details()
+        with pytest.raises(grpc.RpcError) as in_total:
+            keyed_lookup(running, ADMIN_KEY)
+        assert in_total.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "(limits.max_lookups)" in in_total.value.details()
+        # The other threads still serve everything else.
+        text, usage = running.client(ADMIN_KEY).generate_text("still served?", max_tokens=2)
+        assert usage.completion_tokens >= 1
+    finally:
+        held.release()
+        running.stop()
+
+
+def test_oversized_prompts_are_refused_before_any_work(loaded: LoadedModel) -> None:
+    running = start_gateway(loaded, limits=LimitSettings(max_prompt_chars=2000, max_messages=4))
+    try:
+        client = running.client(KEY_A)
+        with pytest.raises(InvalidArgument, match="limits.max_prompt_chars"):
+            client.generate_text("x" * 2001, max_tokens=1)
+        with pytest.raises(InvalidArgument, match="limits.max_prompt_chars"):
+            client.lookup("x" * 2001)
+        with pytest.raises(InvalidArgument, match="limits.max_messages"):
+            client.warm(messages=[{"role": "user", "content": "hi"}] * 5)
+        assert running.client(KEY_A).lookup("x" * 2000).prompt_tokens > 0
+    finally:
+        running.stop()
