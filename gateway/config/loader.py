@@ -61,6 +61,7 @@ from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
     KeyEntry,
+    admin_tenant_clashes,
     key_problem,
     parse_key_list,
     tenant_id_problem,
@@ -330,6 +331,9 @@ def _keys(raw: Mapping[str, Any], env: Mapping[str, str], errors: list[str]) -> 
                 entries.extend(parse_key_list(text, is_admin=is_admin, source=name))
             except ValueError as exc:
                 errors.append(str(exc))
+    for name in admin_tenant_clashes(entries):
+        errors.append(f"the admin name {name!r} is also a tenant id: name admin keys apart "
+                      "from tenants (an admin's prompts would share that tenant's cache)")
     digests = [e.digest for e in entries]
     if len(set(digests)) != len(digests):
         errors.append("the same API key is configured more than once; every key must be "

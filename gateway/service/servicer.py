@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gateway.cache.stats import CacheStats
-from gateway.config.keys import Principal
+from gateway.config.keys import Principal, tenant_id_problem
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
 from gateway.core.fingerprint import Scope
@@ -57,6 +57,7 @@ DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 1000
 MAX_TOOLS = 128
 DEFAULT_PROMPT_LIMITS = PromptLimits()
+SHARED_OWNER = Scope.shared().owner
 
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -138,6 +139,26 @@ def _tool_schema(index: int, text: str) -> Mapping[str, object]:
             f"tools[{index}] is a JSON {type(schema).__name__}; each tool must be a JSON object"
         )
     return schema
+
+
+def admin_tenant(tenant: str, field_name: str, *, allow_shared: bool = False) -> str:
+    """A tenant id sent in an Admin request, checked like a configured one.
+
+    Args:
+        tenant: as sent.
+        field_name: the request field, for the message.
+        allow_shared: accept ``shared``, the owner of the shared scope's blocks (listing and
+            evicting them by owner).
+
+    Raises:
+        InvalidRequest: empty, too long, control characters, surrounding spaces, or reserved.
+    """
+    if allow_shared and tenant == SHARED_OWNER:
+        return tenant
+    problem = tenant_id_problem(tenant)
+    if problem is not None:
+        raise InvalidRequest(f"{field_name}: {problem}")
+    return tenant
 
 
 def sampling_params(message: pb.SamplingParams) -> SamplingParams:
@@ -389,7 +410,8 @@ class AdminServicer:
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
                                  f"{DEFAULT_LIST_LIMIT}), got {request.limit}")
-        tenant = request.tenant if request.HasField("tenant") else None
+        tenant = (admin_tenant(request.tenant, "tenant", allow_shared=True)
+                  if request.HasField("tenant") else None)
         summaries = self._engines.admin().list_prefixes(tenant=tenant, limit=limit)
         return pb.ListPrefixesResponse(prefixes=[prefix_summary(s) for s in summaries])
 
@@ -401,6 +423,8 @@ class AdminServicer:
             for name in ("tenant", "prefix_text", "key_hex", "older_than_s", "tier")
             if request.HasField(name)
         }
+        if "tenant" in criteria:
+            admin_tenant(criteria["tenant"], "tenant", allow_shared=True)
         if not criteria and not request.everything:
             raise InvalidRequest("name what to evict (tenant, prefix_text, key_hex, "
                                  "older_than_s, tier) or set everything")
@@ -438,7 +462,8 @@ class AdminServicer:
                 raise InvalidRequest("send `tenant` only with SCOPE_TENANT")
             scope = Scope.shared()
         elif request.scope in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT):
-            scope = Scope.of_tenant(request.tenant or principal.tenant)
+            scope = Scope.of_tenant(admin_tenant(request.tenant, "tenant")
+                                    if request.tenant else principal.tenant)
         else:
             raise InvalidRequest(f"unknown scope {request.scope}; use SCOPE_TENANT or "
                                  "SCOPE_SHARED")
@@ -454,7 +479,7 @@ class AdminServicer:
         if num_bytes is not None and num_bytes < 0:
             raise InvalidRequest(f"num_bytes must be >= 0 (unset removes the quota), "
                                  f"got {num_bytes}")
-        self._engines.admin().set_quota(request.tenant, num_bytes)
+        self._engines.admin().set_quota(admin_tenant(request.tenant, "tenant"), num_bytes)
         return pb.SetQuotaResponse()
 
     def Flush(

@@ -4,18 +4,22 @@ the data directory's secret and dev key (0600, reused)."""
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 
 import pytest
 
 from gateway.cache.factory import GiB
-from gateway.config.keys import Principal, key_digest
+from gateway.config.keys import KeyEntry, Principal, key_digest
 from gateway.config.loader import DEFAULT_DISK_BYTES, load_serve_config, parse_size
 from gateway.config.secrets import dev_api_key
 from gateway.config.settings import ConfigError, GrpcSettings, ServeConfig
 from gateway.service.assembly import build_authenticator
 from gateway.service.auth import Authenticator
+from gateway.service.server import ServeError
+
+ROOT = Path(__file__).resolve().parents[3]
 
 KEY_A = "tenant-a-key-0123456789abcdef"
 ADMIN = "admin-key-0123456789abcdefgh"
@@ -210,13 +214,58 @@ def mode_of(path: Path) -> int:
 def test_without_keys_a_dev_key_is_created_announced_and_reused(tmp_path: Path) -> None:
     config = ServeConfig(data_dir=tmp_path / "data")
     lines: list[str] = []
-    auth = build_authenticator(config, lines.append)
+    auth = build_authenticator(config, lines.append, announces_to_terminal=True)
     key = config.dev_key_path.read_text().strip()
     assert mode_of(config.dev_key_path) == 0o600
     assert auth.find(key) == Principal(tenant="default")
     assert len(lines) == 1 and key in lines[0] and "default" in lines[0]
     assert dev_api_key(config) == key
     assert build_authenticator(config, lines.append).find(key) is not None
+
+
+def test_the_dev_key_is_printed_only_to_a_terminal_else_only_its_path(tmp_path: Path) -> None:
+    config = ServeConfig(data_dir=tmp_path / "data")
+    lines: list[str] = []
+    build_authenticator(config, lines.append, announces_to_terminal=False)
+    key = config.dev_key_path.read_text().strip()
+    assert len(lines) == 1 and key not in lines[0]
+    assert str(config.dev_key_path) in lines[0] and "not a terminal" in lines[0]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "kvgate.internal"])
+def test_keyless_development_mode_is_refused_off_loopback(tmp_path: Path, host: str) -> None:
+    config = ServeConfig(host=host, data_dir=tmp_path / "data", allow_insecure_remote=True)
+    with pytest.raises(ServeError, match="loopback only"):
+        build_authenticator(config, print, announces_to_terminal=True)
+    assert not config.dev_key_path.exists()
+
+
+@pytest.mark.parametrize("key", [
+    "REPLACE-tenant-a-key", "replace-me-with-a-random-key", "changeme-0123456789",
+    "your-key-goes-here-123", "kvg-dev-xxxxxxxxxxxxxxxxxxxx", "aaaaaaaaaaaaaaaaaaaaaaaa",
+    "abababababababababababab", "0123401234012340123401234",
+])
+def test_placeholder_and_low_entropy_keys_are_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match="placeholder|too little entropy") as excinfo:
+        load_serve_config(None, env={"KVGATE_API_KEYS": f"{key}=tenant-a"})
+    assert key not in str(excinfo.value)
+
+
+def test_every_key_of_the_deploy_examples_secret_is_refused() -> None:
+    text = (ROOT / "deploy" / "k8s" / "secret.yaml").read_text(encoding="utf-8")
+    values = dict(re.findall(r'^\s+([a-z-]+): "([^"]*)"', text, flags=re.MULTILINE))
+    for env_name, entry in (("KVGATE_API_KEYS", "api-keys"), ("KVGATE_ADMIN_KEYS", "admin-keys")):
+        with pytest.raises(ConfigError, match="placeholder"):
+            load_serve_config(None, env={env_name: values[entry]})
+
+
+def test_an_admin_named_like_a_tenant_is_refused() -> None:
+    with pytest.raises(ConfigError, match="admin name 'tenant-a' is also a tenant id"):
+        load_serve_config(None, env={"KVGATE_API_KEYS": f"{KEY_A}=tenant-a",
+                                     "KVGATE_ADMIN_KEYS": f"{ADMIN}=tenant-a"})
+    with pytest.raises(ValueError, match="also tenant ids"):
+        Authenticator([KeyEntry.of_key(KEY_A, "tenant-a"),
+                       KeyEntry.of_key(ADMIN, "tenant-a", is_admin=True)])
 
 
 def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:

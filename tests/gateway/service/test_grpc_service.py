@@ -188,6 +188,23 @@ def test_a_malformed_authorization_header_is_unauthenticated(gateway: RunningGat
         assert "Bearer" in excinfo.value.details()
 
 
+@pytest.mark.parametrize("tenant", ["", " tenant-a", "tenant-a\n", "a\x00b", "t" * 129])
+def test_tenant_ids_in_admin_requests_are_checked_like_configured_ones(
+    admin: KvgateClient, tenant: str,
+) -> None:
+    calls = [lambda: admin.set_quota(tenant, 1 << 20)]
+    if tenant:  # an empty tenant means "not sent" to these three
+        calls += [lambda: admin.pin(LONG_PROMPT, tenant=tenant),
+                  lambda: admin.list_prefixes(tenant=tenant),
+                  lambda: admin.evict(tenant=tenant)]
+    for call in calls:
+        with pytest.raises(InvalidArgument):
+            call()
+    with pytest.raises(InvalidArgument, match="reserved"):
+        admin.set_quota("shared", 1 << 20)
+    admin.list_prefixes(tenant="shared")  # the shared scope's owner may be listed
+
+
 def test_the_shared_scope_and_pinning_need_an_admin_key(tenant_a: KvgateClient) -> None:
     with pytest.raises(PermissionDenied, match="admin key"):
         tenant_a.generate_text(LONG_PROMPT, max_tokens=1, shared=True)
