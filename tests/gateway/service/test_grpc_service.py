@@ -14,7 +14,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -192,7 +192,7 @@ def test_a_malformed_authorization_header_is_unauthenticated(gateway: RunningGat
 def test_tenant_ids_in_admin_requests_are_checked_like_configured_ones(
     admin: KvgateClient, tenant: str,
 ) -> None:
-    calls = [lambda: admin.set_quota(tenant, 1 << 20)]
+    calls: list[Callable[[], object]] = [lambda: admin.set_quota(tenant, 1 << 20)]
     if tenant:  # an empty tenant means "not sent" to these three
         calls += [lambda: admin.pin(LONG_PROMPT, tenant=tenant),
                   lambda: admin.list_prefixes(tenant=tenant),
