@@ -70,7 +70,9 @@ disk_write_through = true       # new blocks go to disk at once (off the request
 redis_ttl_s = 3600.0
 redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
-# quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }
+# quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }   # per tenant, in every tier
+# tenant_quota = { device = "512MiB", host = "1GiB", disk = "2GiB" }  # every other tenant's
+# redis_write_bytes_per_s = "64MiB"   # per tenant: past it, the rest of a chain stays local
 
 [metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics
 enabled = false                 # no authentication, per-tenant series: operators only

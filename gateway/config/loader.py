@@ -292,6 +292,12 @@ def _cache_config(table: Mapping[str, Any], data_dir: Path,
                 if not isinstance(value, dict):
                     raise ValueError("quotas must be a table of tenant = size")
                 value = {str(tenant): parse_size(size) for tenant, size in value.items()}
+            elif name == "tenant_quota":
+                if not isinstance(value, dict):
+                    raise ValueError("tenant_quota must be a table of tier = size")
+                value = {str(tier): parse_size(size) for tier, size in value.items()}
+            elif name == "redis_write_bytes_per_s":
+                value = parse_size(value)
             elif name == "disk_path":
                 value = Path(str(value)).expanduser()
         except ValueError as exc:

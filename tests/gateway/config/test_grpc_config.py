@@ -280,3 +280,20 @@ def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
 def test_the_redis_url_can_come_from_the_environment_so_the_file_holds_no_password() -> None:
     config = load_serve_config(None, env={"KVGATE_REDIS_URL": "redis://:pw@127.0.0.1:6399/0"})
     assert config.cache.redis_url == "redis://:pw@127.0.0.1:6399/0"
+
+
+def test_a_default_tenant_quota_per_tier_and_a_redis_write_budget(tmp_path: Path) -> None:
+    path = write(tmp_path / "quota.toml", """
+[cache]
+tenant_quota = { device = "512MiB", disk = "2GiB" }
+redis_write_bytes_per_s = "64MiB"
+""")
+    config = load_serve_config(path, env={})
+    assert dict(config.cache.tenant_quota) == {"device": 512 << 20, "disk": 2 * GiB}
+    assert config.cache.redis_write_bytes_per_s == 64 << 20
+
+
+def test_a_tenant_quota_for_an_unknown_tier_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path / "quota.toml", '[cache]\ntenant_quota = { redis = "1GiB" }\n')
+    with pytest.raises(ConfigError, match="tenant_quota names the tier 'redis'"):
+        load_serve_config(path, env={})

@@ -18,13 +18,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.client import InvalidArgument
+from gateway.client import InvalidArgument, ResourceExhausted
 from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings
+from gateway.engine.engine import EngineConfig
 from gateway.engine.model import LoadedModel
 from gateway.service.pb import kvgate_pb2 as pb
 from tests.gateway.grpc_harness import (
     ADMIN_KEY,
+    BLOCK,
     KEY_A,
     KEY_B,
     RunningGateway,
@@ -35,6 +37,9 @@ from tests.gateway.grpc_harness import (
 )
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
+SERIAL = EngineConfig(block_tokens=BLOCK, route="serial")
+"""What is tested here happens before the engine: the serial route starts without the
+invariance probe (seconds of CPU per gateway)."""
 LOOKUP = "/kvgate.v1.Gateway/Lookup"
 GENERATE = "/kvgate.v1.Gateway/Generate"
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
@@ -119,7 +124,8 @@ def health_check(gateway: RunningGateway) -> Any:
 
 @pytest.fixture(scope="module")
 def gateway(loaded: LoadedModel) -> Iterator[RunningGateway]:
-    running = start_gateway(loaded, grpc_settings=GrpcSettings(body_timeout_s=30.0))
+    running = start_gateway(loaded, engine_config=SERIAL,
+                            grpc_settings=GrpcSettings(body_timeout_s=30.0))
     try:
         yield running
     finally:
@@ -161,7 +167,8 @@ def test_header_only_calls_with_a_wrong_key_or_a_tenant_key_on_admin_hold_nothin
 def test_a_keyed_call_that_never_sends_its_request_is_cancelled_after_the_body_timeout(
     loaded: LoadedModel,
 ) -> None:
-    running = start_gateway(loaded, grpc_settings=GrpcSettings(body_timeout_s=0.5))
+    running = start_gateway(loaded, engine_config=SERIAL,
+                            grpc_settings=GrpcSettings(body_timeout_s=0.5))
     calls = HeaderOnlyCalls()
     try:
         calls.open(running.channel(), LOOKUP, KEY_A)
@@ -178,7 +185,7 @@ def test_a_key_that_holds_its_limit_does_not_hold_up_other_keys_or_health(
     loaded: LoadedModel,
 ) -> None:
     running = start_gateway(
-        loaded, grpc_settings=GrpcSettings(body_timeout_s=30.0),
+        loaded, engine_config=SERIAL, grpc_settings=GrpcSettings(body_timeout_s=30.0),
         limits=LimitSettings(max_calls=5, max_calls_per_key=2, max_lookups=4,
                              max_lookups_per_key=2))
     held = HeaderOnlyCalls()
@@ -204,7 +211,7 @@ def test_a_key_that_holds_its_limit_does_not_hold_up_other_keys_or_health(
 def test_header_only_health_checks_over_their_threads_are_refused_not_queued(
     loaded: LoadedModel,
 ) -> None:
-    running = start_gateway(loaded,
+    running = start_gateway(loaded, engine_config=SERIAL,
                             grpc_settings=GrpcSettings(body_timeout_s=30.0, health_threads=2))
     held = HeaderOnlyCalls()
     try:
@@ -234,7 +241,7 @@ def _health_code(running: RunningGateway) -> grpc.StatusCode:
 
 def test_lookups_cannot_take_every_worker_thread(loaded: LoadedModel) -> None:
     running = start_gateway(
-        loaded, grpc_settings=GrpcSettings(body_timeout_s=30.0),
+        loaded, engine_config=SERIAL, grpc_settings=GrpcSettings(body_timeout_s=30.0),
         limits=LimitSettings(max_calls=6, max_calls_per_key=3, max_lookups=2,
                              max_lookups_per_key=1))
     held = HeaderOnlyCalls()
@@ -258,7 +265,8 @@ def test_lookups_cannot_take_every_worker_thread(loaded: LoadedModel) -> None:
 
 
 def test_oversized_prompts_are_refused_before_any_work(loaded: LoadedModel) -> None:
-    running = start_gateway(loaded, limits=LimitSettings(max_prompt_chars=2000, max_messages=4))
+    running = start_gateway(loaded, engine_config=SERIAL,
+                            limits=LimitSettings(max_prompt_chars=2000, max_messages=4))
     try:
         client = running.client(KEY_A)
         with pytest.raises(InvalidArgument, match="limits.max_prompt_chars"):
@@ -268,5 +276,19 @@ def test_oversized_prompts_are_refused_before_any_work(loaded: LoadedModel) -> N
         with pytest.raises(InvalidArgument, match="limits.max_messages"):
             client.warm(messages=[{"role": "user", "content": "hi"}] * 5)
         assert running.client(KEY_A).lookup("x" * 2000).prompt_tokens > 0
+    finally:
+        running.stop()
+
+
+def test_the_lookup_rate_is_limited_per_key(loaded: LoadedModel) -> None:
+    running = start_gateway(loaded, engine_config=SERIAL,
+                            limits=LimitSettings(lookups_per_s=0.01, lookup_burst=2))
+    try:
+        tenant_a = running.client(KEY_A)
+        tenant_a.lookup("one")
+        tenant_a.lookup("two")
+        with pytest.raises(ResourceExhausted, match="limits.lookups_per_s"):
+            tenant_a.lookup("three")
+        running.client(KEY_B).lookup("one")  # B has a bucket of its own
     finally:
         running.stop()
