@@ -360,10 +360,15 @@ def test_a_prompt_warmed_in_the_shared_scope_is_a_hit_for_every_tenant(
     warmed = admin.warm(prompt, shared=True)
     assert warmed.num_new_blocks > 0
     assert admin.lookup(prompt, shared=True).cached_tokens == warmed.num_blocks * BLOCK
+    assert set(admin.lookup(prompt, shared=True).cached_tokens_by_tier) == {"device"}
     for client in (tenant_a, tenant_b):
-        assert client.lookup(prompt).cached_tokens > 0
+        looked_up = client.lookup(prompt)
+        assert looked_up.cached_tokens > 0
+        # Which tier holds a shared block depends on what other tenants used: not said.
+        assert looked_up.cached_tokens_by_tier == {"shared": looked_up.cached_tokens}
         _, usage = client.generate_text(prompt, max_tokens=2)
         assert usage.cached_tokens > 0
+        assert usage.cached_tokens_by_tier == {"shared": usage.cached_tokens}
 
 
 def test_warm_then_lookup_reports_blocks_tiers_and_divergence(tenant_a: KvgateClient) -> None:

@@ -53,6 +53,7 @@ def run_threads(targets: list[Callable[[], None]]) -> list[threading.Thread]:
     return threads
 
 
+@pytest.mark.slow
 def test_a_flooding_tenant_leaves_another_served_and_its_prefix_cached_locally_and_in_redis(
     loaded: LoadedModel, redis_server_factory: Callable[..., RedisServer],
 ) -> None:
