@@ -406,7 +406,8 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        serve(config, env=os.environ, stop_requested=stop_requested, announce=announce)
+        serve(config, env=os.environ, stop_requested=stop_requested, announce=announce,
+              announces_to_terminal=sys.stdout.isatty())
     except (ConfigError, ServeError, GatewayError) as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")
         return EXIT_FAILED

@@ -15,7 +15,10 @@ at once, before anything starts, with the file's own names::
     tls_key = "/etc/kvgate/tls.key"
 
     [grpc]                        # GrpcSettings: limits, keepalive, deadlines
-    max_concurrent_rpcs = 64
+    body_timeout_s = 5.0
+
+    [limits]                      # LimitSettings: per-key admission, prompt size
+    max_calls_per_key = 16
 
     [engine]                      # EngineSettings
     max_queue = 64
@@ -62,11 +65,13 @@ from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
     KeyEntry,
+    admin_tenant_clashes,
     key_problem,
     parse_key_list,
     tenant_id_problem,
     tenants_without_keys,
 )
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import (
     DEFAULT_DATA_DIR,
     DEFAULT_HOST,
@@ -100,10 +105,15 @@ _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
      "secret_file"}
 )
-_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "api_keys",
-                       "admin_keys"})
+_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
+                       "api_keys", "admin_keys"})
 _HTTP_OVERRIDES = {"http_host": "host", "http_port": "port", "http_enabled": "enabled"}
 """Command-line overrides of ``[http]``: the override's name -> the key it sets."""
+_REPLACED = {
+    ("grpc", "max_concurrent_rpcs"): "[grpc] max_concurrent_rpcs is gone: it counted calls before "
+    "their keys were checked. Use [limits] max_calls (all keys) and max_calls_per_key",
+}
+"""Settings that no longer exist, and what replaces them (said instead of "unknown key")."""
 _SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes"})
 
 
@@ -144,6 +154,8 @@ def load_serve_config(
     _unknown_keys("server", server, _SERVER_KEYS, errors)
 
     grpc_settings = _build(GrpcSettings, "grpc", _table(raw, "grpc", errors), errors)
+    limits = _build(LimitSettings, "limits", _table(raw, "limits", errors), errors)
+    errors.extend(limits.problems())
     engine_table = dict(_table(raw, "engine", errors))
     if "kv_budget_bytes" in engine_table:
         try:
@@ -212,6 +224,7 @@ def load_serve_config(
         secret_file=_optional_path(server.get("secret_file")),
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
         http=http,
+        limits=limits,
     )
 
 
@@ -277,7 +290,9 @@ def _table(raw: Mapping[str, Any], name: str, errors: list[str]) -> Mapping[str,
 
 def _unknown_keys(section: str, table: Mapping[str, Any], known: frozenset[str],
                   errors: list[str]) -> None:
-    unknown = sorted(set(table) - known)
+    replaced = [name for name in table if (section, name) in _REPLACED]
+    errors.extend(_REPLACED[(section, name)] for name in replaced)
+    unknown = sorted(set(table) - known - set(replaced))
     if unknown:
         errors.append(f"[{section}] has unknown keys {unknown}; known: {sorted(known)}")
 
@@ -303,6 +318,12 @@ def _cache_config(table: Mapping[str, Any], data_dir: Path,
                 if not isinstance(value, dict):
                     raise ValueError("quotas must be a table of tenant = size")
                 value = {str(tenant): parse_size(size) for tenant, size in value.items()}
+            elif name == "tenant_quota":
+                if not isinstance(value, dict):
+                    raise ValueError("tenant_quota must be a table of tier = size")
+                value = {str(tier): parse_size(size) for tier, size in value.items()}
+            elif name == "redis_write_bytes_per_s":
+                value = parse_size(value)
             elif name == "disk_path":
                 value = Path(str(value)).expanduser()
         except ValueError as exc:
@@ -342,6 +363,9 @@ def _keys(raw: Mapping[str, Any], env: Mapping[str, str], errors: list[str]) -> 
                 entries.extend(parse_key_list(text, is_admin=is_admin, source=name))
             except ValueError as exc:
                 errors.append(str(exc))
+    for name in admin_tenant_clashes(entries):
+        errors.append(f"the admin name {name!r} is also a tenant id: name admin keys apart "
+                      "from tenants (an admin's prompts would share that tenant's cache)")
     digests = [e.digest for e in entries]
     if len(set(digests)) != len(digests):
         errors.append("the same API key is configured more than once; every key must be "

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gateway.cache.factory import CacheConfig
 from gateway.config.keys import KeyEntry
+from gateway.config.limits import LimitSettings
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -43,9 +44,15 @@ class GrpcSettings:
         max_receive_bytes: largest request message; bigger ones get RESOURCE_EXHAUSTED before
             any handler runs.
         max_send_bytes: largest response message (ListPrefixes and Stats are the big ones).
-        max_concurrent_rpcs: RPCs served at once (one thread each); more get
-            RESOURCE_EXHAUSTED at once instead of queueing without bound.
         max_concurrent_streams: streams one HTTP/2 connection may open at once.
+        body_timeout_s: a call must send its request message within this long of its
+            headers, or it is cancelled and its worker thread freed (a call without a valid
+            key holds no thread at all: it is refused on its headers).
+        handshake_timeout_s: a new connection must finish its TLS and HTTP/2 handshake within
+            this long.
+        health_threads: worker threads of the health service, apart from the keyed calls'
+            (health checks answer whatever the keyed calls are doing); more health calls at
+            once get RESOURCE_EXHAUSTED.
         max_metadata_bytes: largest metadata (headers) a call may send.
         keepalive_time_s: how often the server pings an idle connection to see it is alive.
         keepalive_timeout_s: how long it waits for the answer before closing it.
@@ -63,8 +70,10 @@ class GrpcSettings:
 
     max_receive_bytes: int = 4 * MiB
     max_send_bytes: int = 16 * MiB
-    max_concurrent_rpcs: int = 64
     max_concurrent_streams: int = 32
+    body_timeout_s: float = 5.0
+    handshake_timeout_s: float = 10.0
+    health_threads: int = 4
     max_metadata_bytes: int = 16 * KiB
     keepalive_time_s: float = 60.0
     keepalive_timeout_s: float = 20.0
@@ -85,6 +94,8 @@ class GrpcSettings:
                 errors.append(f"grpc.{f.name} must be a number, got {value!r}")
             elif not (math.isfinite(value) and value > 0):
                 errors.append(f"grpc.{f.name} must be > 0, got {value!r}")
+            elif f.type == "int" and not isinstance(value, int):
+                errors.append(f"grpc.{f.name} must be an integer, got {value!r}")
         if not errors and self.max_connection_age_grace_s < self.max_deadline_s:
             errors.append("grpc.max_connection_age_grace_s must be >= grpc.max_deadline_s, so "
                           "that a connection's age never cuts a request short")
@@ -100,6 +111,7 @@ class GrpcSettings:
             ("grpc.max_receive_message_length", self.max_receive_bytes),
             ("grpc.max_send_message_length", self.max_send_bytes),
             ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
             ("grpc.max_metadata_size", self.max_metadata_bytes),
             ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
             ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
@@ -254,7 +266,7 @@ class ServeConfig:
             in the clear: only behind a TLS-terminating proxy on a private network).
         secret_file: the deployment secret (default ``data_dir/secret``).
         keys: every configured API key (tenant and admin).
-        grpc, engine, cache, metrics, http: the sections of the same names.
+        grpc, engine, cache, metrics, http, limits: the sections of the same names.
     """
 
     host: str = DEFAULT_HOST
@@ -271,6 +283,7 @@ class ServeConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
 
     @property
     def address(self) -> str:

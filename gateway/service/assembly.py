@@ -48,16 +48,37 @@ logger = logging.getLogger(__name__)
 
 
 def build_authenticator(
-    config: ServeConfig, announce: Callable[[str], None]
+    config: ServeConfig, announce: Callable[[str], None], *, announces_to_terminal: bool = False
 ) -> Authenticator:
-    """The configured keys; with none, the development key of tenant ``default``."""
+    """The configured keys; with none, the development key of tenant ``default``.
+
+    Development mode (no key configured) is for one machine: it is refused on a listener that is
+    not loopback. The development key itself is announced only to a terminal; anywhere else
+    (a log collector, a file) only the path of the file that holds it.
+
+    Raises:
+        ServeError: no key is configured and the listener is not loopback.
+        ConfigError: the development key file is unusable or open to other users.
+    """
     if config.keys:
         return Authenticator(config.keys)
+    if not is_loopback(config.host):
+        raise ServeError(
+            f"no API keys are configured, and development mode (one generated key) listens "
+            f"on loopback only, not on {config.host}: configure keys ([[api_keys]] in the "
+            "config, or KVGATE_API_KEYS) or listen on 127.0.0.1")
     key = dev_api_key(config)
-    announce(
-        f"no API keys configured: development key for tenant {DEV_TENANT!r}: {key}\n"
-        f"(saved in {config.dev_key_path}; `kvgate generate` on this machine uses it)"
-    )
+    if announces_to_terminal:
+        announce(
+            f"no API keys configured: development key for tenant {DEV_TENANT!r}: {key}\n"
+            f"(saved in {config.dev_key_path}; `kvgate generate` on this machine uses it)"
+        )
+    else:
+        announce(
+            f"no API keys configured: the development key for tenant {DEV_TENANT!r} is in "
+            f"{config.dev_key_path} (not printed: the output is not a terminal; "
+            "`kvgate generate` on this machine uses it)"
+        )
     return Authenticator([dev_key_entry(key)])
 
 
@@ -106,6 +127,7 @@ def serve(
     env: Mapping[str, str],
     stop_requested: threading.Event,
     announce: Callable[[str], None],
+    announces_to_terminal: bool = False,
 ) -> None:
     """Run the gateway until ``stop_requested`` is set, then shut down gracefully.
 
@@ -114,6 +136,8 @@ def serve(
         env: the environment (for ``KVGATE_DEPLOYMENT_SECRET``).
         stop_requested: set by the signal handler (SIGTERM, SIGINT).
         announce: writes a line for the operator's console (the development key).
+        announces_to_terminal: ``announce`` writes to a terminal (else the development key is
+            not written, only the path of its file).
 
     Raises:
         ServeError, gateway.config.settings.ConfigError, gateway.engine.model.ModelLoadError:
@@ -121,9 +145,10 @@ def serve(
     """
     ensure_private_dir(config.data_dir)
     secret = deployment_secret(config, env)
-    authenticator = build_authenticator(config, announce)
+    authenticator = build_authenticator(config, announce,
+                                        announces_to_terminal=announces_to_terminal)
     engines = EngineSlot()
-    server = GatewayServer(config, authenticator, engines)
+    server = GatewayServer(config, authenticator, engines=engines)
     server.start()
     http: HttpFront | None = None
     try:

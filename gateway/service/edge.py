@@ -5,7 +5,7 @@ The two surfaces differ only in their wire format; everything a request means is
 or below, so a prompt sent over HTTP reaches exactly the engine record the same prompt sent
 over gRPC does (the same canonical tokens, hence the same cache blocks):
 
-- ``EdgeLimits``: the server's bounds on deadlines and TTLs;
+- ``EdgeLimits``: the server's bounds on deadlines, TTLs and prompt size;
 - ``checked_ttl``, ``deadline_within``: a request's TTL and deadline checked against them;
 - ``scope_of``: the cache scope of a call, from the authenticated key only (RELIABILITY.md,
   threat 1): the tenant's own, or ``shared`` for admin keys;
@@ -25,11 +25,14 @@ from dataclasses import dataclass
 from gateway.config.keys import Principal
 from gateway.core.errors import InvalidRequest
 from gateway.core.fingerprint import Scope
+from gateway.core.prompt_limits import PromptLimits
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.jobs import RequestHandle
 
 MAX_TOOLS = 128
 """Most tool schemas one prompt may carry."""
+
+DEFAULT_PROMPT_LIMITS = PromptLimits()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -40,10 +43,12 @@ class EdgeLimits:
         max_deadline_s: the longest a generation may run, whatever deadline the client sent
             (none at all included).
         max_ttl_s: the longest TTL a request may ask for its blocks.
+        prompt: the most characters and messages a prompt may carry.
     """
 
     max_deadline_s: float = 600.0
     max_ttl_s: float = 7 * 24 * 3600.0
+    prompt: PromptLimits = DEFAULT_PROMPT_LIMITS
 
     def __post_init__(self) -> None:
         for name in ("max_deadline_s", "max_ttl_s"):

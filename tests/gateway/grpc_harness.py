@@ -23,6 +23,7 @@ from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
 from gateway.client import KvgateClient, RetryPolicy
 from gateway.config.keys import KeyEntry
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel, load_model
@@ -111,13 +112,14 @@ def start_gateway(
     keys: tuple[KeyEntry, ...] = KEYS,
     engines: EngineSlot | None = None,
     metrics: GatewayMetrics | None = None,
+    limits: LimitSettings | None = None,
 ) -> RunningGateway:
     """A gateway on a free loopback port; with ``loaded`` None, one still loading its model.
 
     ``engines`` is the slot it serves from (to share it with an HTTP front, as ``kvgate serve``
     does); ``metrics`` records the engine's requests."""
     config = ServeConfig(host="127.0.0.1", port=0, keys=keys,
-                         grpc=grpc_settings or GrpcSettings())
+                         grpc=grpc_settings or GrpcSettings(), limits=limits or LimitSettings())
     server = GatewayServer(config, Authenticator(keys), engines)
     port = server.start()
     running = RunningGateway(server=server, engine=None, opened=None, port=port)

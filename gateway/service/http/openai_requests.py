@@ -36,6 +36,7 @@ from typing import Any, Literal
 from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
+from gateway.core.prompt_limits import check_prompt_size, measure
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
 from gateway.service.edge import (
     EdgeLimits,
@@ -135,6 +136,10 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
         prompt = _completion_prompt(fields.get("prompt"))
         max_tokens = _optional(fields, "max_tokens", int, "an integer")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+    try:  # bounded before the chat template renders or anything is tokenised
+        check_prompt_size(measure(prompt), limits.prompt)
+    except InvalidRequest as exc:
+        raise InvalidParam("messages" if kind == "chat" else "prompt", str(exc)) from None
     sampling = _sampling(fields, max_tokens, extension)
     ttl = _optional(extension, "ttl_s", float, "a number of seconds", where="kvgate.ttl_s")
     try:

@@ -24,6 +24,7 @@ import time
 import uvicorn
 
 from gateway.config.settings import ServeConfig
+from gateway.core.prompt_limits import PromptLimits
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
@@ -52,7 +53,9 @@ class HttpFront:
         self._front = OpenAIFront(
             engines, authenticator,
             EdgeLimits(max_deadline_s=config.grpc.max_deadline_s,
-                       max_ttl_s=config.grpc.max_ttl_s),
+                       max_ttl_s=config.grpc.max_ttl_s,
+                       prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
+                                           max_messages=config.limits.max_messages)),
             max_body_bytes=settings.max_body_bytes, max_threads=settings.max_connections,
             retry_after_s=settings.retry_after_s,
         )
