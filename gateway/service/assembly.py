@@ -36,7 +36,7 @@ from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
-from gateway.service.server import GatewayServer, ServeError
+from gateway.service.server import GatewayServer, ServeError, check_plaintext_listener
 
 if TYPE_CHECKING:
     from gateway.cache.prefix_cache import PrefixCache
@@ -145,6 +145,9 @@ def serve(
     """
     ensure_private_dir(config.data_dir)
     secret = deployment_secret(config, env)
+    # NOTE: the listener's transport is judged before its keys, so a remote plaintext
+    # listener hears about TLS first (the keys would not help it).
+    check_plaintext_listener(config, config.host, config.address)
     authenticator = build_authenticator(config, announce,
                                         announces_to_terminal=announces_to_terminal)
     engines = EngineSlot()

@@ -276,7 +276,7 @@ _INVALID: list[tuple[str, dict[str, Any], str]] = [
      {"messages": [{"role": "user", "content": "hi"}], "tools": ['{"x": NaN}']},
      "not valid JSON"),
     ("tool JSON nested too deeply",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": ['{"a":' * 100_000]},
+     {"messages": [{"role": "user", "content": "hi"}], "tools": ['{"a":' * 40_000]},
      "not valid JSON"),
     ("tools with a raw prompt", {"prompt": "hi", "tools": ['{"name": "f"}']}, "`tools`"),
 ]
