@@ -126,6 +126,9 @@ def serve(
                                         announces_to_terminal=announces_to_terminal)
     server = GatewayServer(config, authenticator)
     server.start()
+    if server.admin_port is not None:
+        logger.info("the Admin service listens on its own, on %s:%d", config.admin_host,
+                    server.admin_port)
     # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
     from gateway.cache.admin import CacheAdmin
     from gateway.cache.factory import open_cache
