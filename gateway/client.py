@@ -234,6 +234,8 @@ class KvgateClient:
         timeout_s: default deadline of every call, retries included.
         retry: how UNAVAILABLE is retried.
         allow_insecure: send the key in the clear to a host that is not loopback.
+        admin_port: where the Admin service listens when the gateway serves it on a listener
+            of its own (``[server] admin_port``), on the same host; None: on ``port``.
 
     Raises:
         ValueError: a key would be sent in the clear to a remote host.
@@ -251,14 +253,17 @@ class KvgateClient:
         retry: RetryPolicy | None = None,
         allow_insecure: bool = False,
         options: Sequence[tuple[str, Any]] = (),
+        admin_port: int | None = None,
     ) -> None:
         if api_key is not None and not tls and not is_loopback(host) and not allow_insecure:
             raise ValueError(
                 f"refusing to send an API key in the clear to {host}; use tls=True (or "
                 "allow_insecure=True behind a trusted TLS proxy)"
             )
-        target = f"[{host}]:{port}" if ":" in host and not host.startswith("[") else \
-            f"{host}:{port}"
+        def target(at: int) -> str:
+            bracketed = ":" in host and not host.startswith("[")
+            return f"[{host}]:{at}" if bracketed else f"{host}:{at}"
+
         channel_options = [
             ("grpc.max_receive_message_length", 16 << 20),
             ("grpc.keepalive_time_ms", 60_000),
@@ -266,19 +271,26 @@ class KvgateClient:
             ("grpc.enable_retries", 0),  # retries are ours (UNAVAILABLE only)
             *options,
         ]
-        if tls:
-            credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
-            self._channel = grpc.secure_channel(target, credentials, options=channel_options)
-        else:
-            self._channel = grpc.insecure_channel(target, options=channel_options)
+
+        def channel(at: int) -> Any:
+            if tls:
+                credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
+                return grpc.secure_channel(target(at), credentials, options=channel_options)
+            return grpc.insecure_channel(target(at), options=channel_options)
+
+        self._channel = channel(port)
+        self._admin_channel = (channel(admin_port) if admin_port not in (None, port)
+                               else self._channel)
         self._gateway = pb_grpc.GatewayStub(self._channel)
-        self._admin = pb_grpc.AdminStub(self._channel)
+        self._admin = pb_grpc.AdminStub(self._admin_channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout_s = timeout_s
         self._retry = retry if retry is not None else RetryPolicy()
 
     def close(self) -> None:
         self._channel.close()
+        if self._admin_channel is not self._channel:
+            self._admin_channel.close()
 
     def __enter__(self) -> KvgateClient:
         return self

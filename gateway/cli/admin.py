@@ -117,7 +117,11 @@ def run_admin(args: argparse.Namespace, *, out: TextIO, err: TextIO, env: Mappin
         err.write(f"{name}: {exc}\n")
         return EXIT_USAGE
     except KvgateError as exc:
-        err.write(f"{name}: {exc}\n")
+        hint = ""
+        if exc.code.name == "UNIMPLEMENTED":
+            hint = (" (this port does not serve the Admin service: the gateway may serve it on "
+                    "a listener of its own, [server] admin_port; pass --admin-port)")
+        err.write(f"{name}: {exc}{hint}\n")
         return EXIT_FAILED
 
 

@@ -37,6 +37,9 @@ def add_connection_args(parser: argparse.ArgumentParser) -> None:
     """Where the gateway is and the admin key (``kvgate admin`` and ``kvgate prewarm``)."""
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--admin-port", type=int, default=None,
+                        help="the Admin service's own port, when the gateway serves it on a "
+                             "listener of its own ([server] admin_port); default: --port")
     parser.add_argument("--admin-key", default=None,
                         help="admin key (default: $KVGATE_ADMIN_KEY, else the first admin key "
                              "of --config); other users can see it in `ps`, so prefer the "
@@ -58,7 +61,8 @@ def connector(args: argparse.Namespace) -> Callable[[str | None], KvgateClient]:
     def connect(key: str | None) -> KvgateClient:
         try:
             return KvgateClient(args.host, args.port, key, tls=args.tls,
-                                root_certificates=root_certificates, timeout_s=args.timeout)
+                                root_certificates=root_certificates, timeout_s=args.timeout,
+                                admin_port=args.admin_port)
         except ValueError as exc:
             raise UsageError(str(exc)) from exc
 

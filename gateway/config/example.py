@@ -11,9 +11,11 @@ EXAMPLE_CONFIG = """\
 # kvgate serve --config kvgate.toml
 #
 # Every key is optional: what is left out keeps the default shown. Environment variables
-# add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) and set the deployment secret
-# (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir and --model override [server],
-# --http-host, --http-port and --no-http override [http].
+# add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS, or files: KVGATE_API_KEYS_FILE, ...) and set
+# the deployment secret (KVGATE_DEPLOYMENT_SECRET, hex) and the Redis URL (KVGATE_REDIS_URL or
+# KVGATE_REDIS_URL_FILE); --host, --port, --data-dir and --model override [server], --http-host,
+# --http-port and --no-http override [http]. Keep keys out of this file (key_blake2b digests
+# are fine): from a secret store, as files or env.
 # Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
 
 [server]
@@ -25,6 +27,8 @@ model = "bundled"               # SmolLM2-135M-Instruct, or a transformers check
 # tls_key = "/etc/kvgate/tls.key"
 # allow_insecure_remote = false      # plaintext on a non-loopback host (behind a TLS proxy)
 # secret_file = "/etc/kvgate/secret" # default: data_dir/secret, created on first start
+# admin_host = "127.0.0.1"           # the Admin service on a listener of its own (a network
+# admin_port = 50052                 #   policy then keeps it from the apps); default: on port
 
 [grpc]                          # limits of the gRPC server
 max_receive_bytes = 4194304     # bigger requests: RESOURCE_EXHAUSTED before any handler

@@ -72,7 +72,9 @@ from gateway.config.keys import (
     tenants_without_keys,
 )
 from gateway.config.limits import LimitSettings
+from gateway.config.secrets import read_secret_file
 from gateway.config.settings import (
+    DEFAULT_ADMIN_HOST,
     DEFAULT_DATA_DIR,
     DEFAULT_HOST,
     DEFAULT_MODEL,
@@ -95,6 +97,10 @@ DEFAULT_DISK_BYTES = 8 * GiB
 ENV_API_KEYS = "KVGATE_API_KEYS"
 ENV_ADMIN_KEYS = "KVGATE_ADMIN_KEYS"
 ENV_REDIS_URL = "KVGATE_REDIS_URL"
+FILE_SUFFIX = "_FILE"
+"""``KVGATE_API_KEYS_FILE`` / ``KVGATE_ADMIN_KEYS_FILE`` / ``KVGATE_REDIS_URL_FILE``: the same
+values read from a file (a mounted Secret; refused if other users may read it); key lists one
+entry per line or comma-separated."""
 """Overrides ``[cache] redis_url``, so that a Redis password need not sit in the config file."""
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -103,7 +109,7 @@ _UNITS = {"b": 1, "kb": 1000, "kib": KiB, "mb": 1000**2, "mib": MiB, "gb": 1000*
 
 _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
-     "secret_file"}
+     "secret_file", "admin_host", "admin_port"}
 )
 _SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
                        "api_keys", "admin_keys"})
@@ -184,6 +190,15 @@ def load_serve_config(
     cache_table = dict(_table(raw, "cache", errors))
     if environment.get(ENV_REDIS_URL):
         cache_table["redis_url"] = environment[ENV_REDIS_URL]
+    elif environment.get(ENV_REDIS_URL + FILE_SUFFIX):
+        url_file = Path(environment[ENV_REDIS_URL + FILE_SUFFIX])
+        try:
+            cache_table["redis_url"] = read_secret_file(url_file).strip()
+        except ConfigError as exc:
+            errors.append(f"{ENV_REDIS_URL}{FILE_SUFFIX}: {exc}")
+        except OSError as exc:
+            errors.append(f"{ENV_REDIS_URL}{FILE_SUFFIX}: cannot read {url_file}: "
+                          f"{exc.strerror}")
     cache = _cache_config(cache_table, data_dir, errors)
     keys = _keys(raw, environment, errors)
 
@@ -210,6 +225,15 @@ def load_serve_config(
     allow_insecure = server.get("allow_insecure_remote", False)
     if not isinstance(allow_insecure, bool):
         errors.append("server.allow_insecure_remote must be true or false")
+    admin_host = server.get("admin_host", DEFAULT_ADMIN_HOST)
+    if not isinstance(admin_host, str) or not admin_host:
+        errors.append(f"server.admin_host must be a host name or address, got {admin_host!r}")
+    admin_port = server.get("admin_port")
+    if admin_port is not None and (not is_int(admin_port) or not 0 <= admin_port <= 65535):
+        errors.append(f"server.admin_port must be 0 to 65535 (or left out: the Admin service "
+                      f"on the main listener), got {admin_port!r}")
+    elif admin_port is not None and admin_port == port and admin_port != 0:
+        errors.append("server.admin_port must differ from server.port")
 
     if errors:
         raise ConfigError("invalid kvgate configuration:\n  - " + "\n  - ".join(errors))
@@ -222,6 +246,7 @@ def load_serve_config(
         host=str(host), port=int(port), data_dir=data_dir, model=str(model),
         tls_cert=tls_cert, tls_key=tls_key, allow_insecure_remote=bool(allow_insecure),
         secret_file=_optional_path(server.get("secret_file")),
+        admin_host=str(admin_host), admin_port=None if admin_port is None else int(admin_port),
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
         http=http,
         limits=limits,
@@ -358,7 +383,15 @@ def _keys(raw: Mapping[str, Any], env: Mapping[str, str], errors: list[str]) -> 
                 errors.append(f"{where}: {exc}")
     for name, is_admin in ((ENV_API_KEYS, False), (ENV_ADMIN_KEYS, True)):
         text = env.get(name, "")
-        if text.strip():
+        file_name = env.get(name + FILE_SUFFIX, "")
+        if file_name:
+            try:
+                text += "," + ",".join(read_secret_file(Path(file_name)).split())
+            except ConfigError as exc:
+                errors.append(f"{name}{FILE_SUFFIX}: {exc}")
+            except OSError as exc:
+                errors.append(f"{name}{FILE_SUFFIX}: cannot read {file_name}: {exc.strerror}")
+        if text.strip(","):
             try:
                 entries.extend(parse_key_list(text, is_admin=is_admin, source=name))
             except ValueError as exc:

@@ -99,7 +99,7 @@ def read_or_create_private(path: Path, make: Any) -> str:
     crash never leaves a partial file and two processes starting at once agree on one value.
     """
     try:
-        return _read_private(path)
+        return read_secret_file(path)
     except FileNotFoundError:
         pass
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
@@ -115,20 +115,28 @@ def read_or_create_private(path: Path, make: Any) -> str:
             pass  # another process created it first: use theirs
     finally:
         os.unlink(tmp)
-    return _read_private(path)
+    return read_secret_file(path)
 
 
-def _read_private(path: Path) -> str:
+def read_secret_file(path: Path) -> str:
     """The text of a secret file, refused if other users could read or change it.
 
+    Others (the "other" class) may have no access at all, and the group none either, with one
+    exception: read access for the process's own group, which is how Kubernetes mounts a
+    Secret for a pod with an ``fsGroup`` (root-owned, the pod's group, mode 0440 whatever
+    ``defaultMode`` says).
+
     Raises:
-        ConfigError: the file's mode gives its group or others any access.
+        ConfigError: the file's mode gives others, or a group other than ours, any access.
     """
     with path.open("r", encoding="ascii") as fh:
-        mode = os.fstat(fh.fileno()).st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        info = os.fstat(fh.fileno())
+        mode = info.st_mode
+        group_bits = mode & stat.S_IRWXG
+        is_own_group_read = group_bits == stat.S_IRGRP and info.st_gid == os.getegid()
+        if mode & stat.S_IRWXO or (group_bits and not is_own_group_read):
             raise ConfigError(
                 f"{path} is open to other users (mode {stat.S_IMODE(mode):o}): it holds a "
                 f"secret. Run chmod 600 {path} (in Kubernetes, mount the Secret with "
-                "defaultMode: 0400)")
+                "defaultMode: 0400 and the pod's fsGroup)")
         return fh.read()

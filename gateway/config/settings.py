@@ -22,6 +22,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL = "bundled"
+DEFAULT_ADMIN_HOST = "127.0.0.1"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_HTTP_HOST = "127.0.0.1"
@@ -265,6 +266,9 @@ class ServeConfig:
         allow_insecure_remote: listen on a non-loopback host without TLS (API keys then travel
             in the clear: only behind a TLS-terminating proxy on a private network).
         secret_file: the deployment secret (default ``data_dir/secret``).
+        admin_host, admin_port: a listener of its own for the Admin service (so that a network
+            policy can keep it from the apps that reach the Gateway service); None: the Admin
+            service is served on the main listener.
         keys: every configured API key (tenant and admin).
         grpc, engine, cache, metrics, http, limits: the sections of the same names.
     """
@@ -277,6 +281,8 @@ class ServeConfig:
     tls_key: Path | None = None
     allow_insecure_remote: bool = False
     secret_file: Path | None = None
+    admin_host: str = DEFAULT_ADMIN_HOST
+    admin_port: int | None = None
     keys: tuple[KeyEntry, ...] = ()
     grpc: GrpcSettings = field(default_factory=GrpcSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
@@ -289,6 +295,14 @@ class ServeConfig:
     def address(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
+
+    @property
+    def admin_address(self) -> str | None:
+        """The Admin service's own listener, or None (it is on ``address``)."""
+        if self.admin_port is None:
+            return None
+        host = f"[{self.admin_host}]" if ":" in self.admin_host else self.admin_host
+        return f"{host}:{self.admin_port}"
 
     @property
     def uses_tls(self) -> bool:

@@ -153,6 +153,9 @@ def serve(
     engines = EngineSlot()
     server = GatewayServer(config, authenticator, engines=engines)
     server.start()
+    if server.admin_port is not None:
+        logger.info("the Admin service listens on its own, on %s:%d", config.admin_host,
+                    server.admin_port)
     http: HttpFront | None = None
     try:
         http = start_http(config, authenticator, engines)

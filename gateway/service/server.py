@@ -1,4 +1,4 @@
-"""The gRPC server: ``kvgate.v1``, health checking and reflection on one listener.
+"""The gRPC server: ``kvgate.v1``, health checking and reflection, on one listener or two.
 
 ``GatewayServer`` listens with the limits of ``GrpcSettings``, serves ``kvgate.v1`` (through
 ``gateway.service.dispatch`` and ``gateway.service.servicer``), standard health checking and
@@ -6,10 +6,13 @@ reflection. No call takes a worker thread before its key is checked and it is ad
 (``gateway.service.call_gate``, ``gateway.service.admission``): the worker pool has one thread
 per admission slot (``[limits] max_calls``), health and reflection have pools of their own,
 refusals a small one, and there is no server-wide ``maximum_concurrent_rpcs`` (it counted calls
-before their keys were checked). It starts listening before
-the model is loaded, so an orchestrator sees the process come up: health says NOT_SERVING (and every
-RPC UNAVAILABLE) until an engine is attached, SERVING from then on, NOT_SERVING again once shutdown
-begins. What it serves is built elsewhere, by the composition root (``gateway.service.assembly``).
+before their keys were checked). With ``[server] admin_port`` the Admin service has a listener of
+its own (health and reflection on both), so that a network policy can keep it from the apps.
+
+It starts listening before the model is loaded, so an orchestrator sees the process come up:
+health says NOT_SERVING (and every RPC UNAVAILABLE) until an engine is attached, SERVING from then
+on, NOT_SERVING again once shutdown begins. What it serves is built elsewhere, by the composition
+root (``gateway.service.assembly``).
 
 Bearer keys are refused on a plaintext listener that is not loopback: such a server does not
 start unless ``allow_insecure_remote`` says a TLS-terminating proxy sits in front.
@@ -107,20 +110,29 @@ class GatewayServer:
                                            max_messages=config.limits.max_messages)),
         )
         self._health = health.HealthServicer()
-        self._server: Any = None
+        self._servers: list[Any] = []
         self._pools: list[futures.ThreadPoolExecutor] = []
         self._watchdog = BodyWatchdog(config.grpc.body_timeout_s)
         self.port: int | None = None
+        self.admin_port: int | None = None
 
     def start(self) -> int:
         """Listen and serve (health NOT_SERVING until ``attach``); returns the bound port.
 
+        With ``config.admin_port`` set, the Admin service listens there, alone (with health and
+        reflection), and the main listener serves the Gateway service only; ``admin_port``
+        then holds its bound port.
+
         Raises:
             ServeError: a plaintext non-loopback listener without ``allow_insecure_remote``, or
-                the address cannot be bound.
+                an address cannot be bound.
         """
         config = self.config
-        check_plaintext_listener(config, config.host, config.address)
+        admin_address = config.admin_address
+        for address, host in ((config.address, config.host),
+                              (admin_address, config.admin_host)):
+            if address is not None:
+                check_plaintext_listener(config, host, address)
         settings = config.grpc
 
         def pool(size: int, name: str) -> futures.ThreadPoolExecutor:
@@ -139,36 +151,45 @@ class GatewayServer:
                                        REFLECTION_THREADS)},
             self._watchdog, refusals)
         self._watchdog.start()
-        server = grpc.server(
-            workers,
-            handlers=self._servicers.keyed_services(gate),
-            interceptors=(public,),
-            options=settings.server_options(),
-        )
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (GATEWAY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME),
-            server,
-        )
+        gateway_service, admin_service = self._servicers.keyed_services(gate)
+        listeners = ([(config.address, (gateway_service,), GATEWAY_SERVICE),
+                      (admin_address, (admin_service,), ADMIN_SERVICE)]
+                     if admin_address is not None else
+                     [(config.address, (gateway_service, admin_service), None)])
+        ports = []
+        for address, handlers, only in listeners:
+            assert address is not None
+            server = grpc.server(workers, handlers=handlers, interceptors=(public,),
+                                 options=settings.server_options())
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            named = (GATEWAY_SERVICE, ADMIN_SERVICE) if only is None else (only,)
+            reflection.enable_server_reflection(
+                (*named, health.SERVICE_NAME, reflection.SERVICE_NAME), server)
+            ports.append(self._bind(server, address))
+            self._servers.append(server)
+        for server in self._servers:
+            server.start()
+        self.port = ports[0]
+        self.admin_port = ports[1] if len(ports) > 1 else None
+        return self.port
+
+    def _bind(self, server: Any, address: str) -> int:
+        config = self.config
         try:
             if config.uses_tls:
                 assert config.tls_cert is not None and config.tls_key is not None
                 credentials = grpc.ssl_server_credentials(
                     [(config.tls_key.read_bytes(), config.tls_cert.read_bytes())]
                 )
-                port = server.add_secure_port(config.address, credentials)
-            else:
-                port = server.add_insecure_port(config.address)
+                return int(server.add_secure_port(address, credentials))
+            return int(server.add_insecure_port(address))
         except (RuntimeError, OSError) as exc:
+            self._servers = []
             self._shutdown_pools(wait=False)
-            raise ServeError(f"cannot listen on {config.address} ({exc}); is another "
+            raise ServeError(f"cannot listen on {address} ({exc}); is another "
                              "process using the port?") from exc
-        server.start()
-        self._server = server
-        self.port = int(port)
-        return self.port
 
     def attach(self, engine: Engine, admin: CacheAdmin | None) -> None:
         """Serve with ``engine``, and the Admin service with ``admin`` (None: no cache), from
@@ -184,19 +205,23 @@ class GatewayServer:
             An event set once every call has ended (at the latest after the grace period).
         """
         self._health.enter_graceful_shutdown()
-        if self._server is None:
-            done = threading.Event()
+        events = [server.stop(self.config.grpc.shutdown_grace_s) for server in self._servers]
+        done = threading.Event()
+
+        def wait_all() -> None:
+            for event in events:
+                event.wait()
             done.set()
-            return done
-        event: threading.Event = self._server.stop(self.config.grpc.shutdown_grace_s)
-        return event
+
+        threading.Thread(target=wait_all, name="kvgate-drain", daemon=True).start()
+        return done
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop now (calls in flight get ``grace_s``, default none) and wait for it."""
         self._health.enter_graceful_shutdown()
-        if self._server is not None:
-            self._server.stop(grace_s).wait()
-            self._server = None
+        for event in [server.stop(grace_s) for server in self._servers]:
+            event.wait()
+        self._servers = []
         self._shutdown_pools(wait=True)
 
     def _shutdown_pools(self, *, wait: bool) -> None:

@@ -13,7 +13,6 @@ import pytest
 import yaml
 
 from gateway.config.loader import load_serve_config
-from gateway.config.settings import ServeConfig
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -29,12 +28,6 @@ def _k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
         for doc in _docs(path):
             objects[(doc["kind"], doc["metadata"]["name"])] = doc
     return objects
-
-
-def _load_toml(text: str, tmp_path: Path) -> ServeConfig:
-    path = tmp_path / "kvgate.toml"
-    path.write_text(text, encoding="utf-8")
-    return load_serve_config(path, env={})
 
 
 # ---- Dockerfile ---------------------------------------------------------------------------
@@ -61,27 +54,49 @@ def test_dockerfile_is_multi_stage_non_root_with_a_data_volume_and_a_grpc_health
 # ---- compose ------------------------------------------------------------------------------
 
 
-def test_compose_runs_two_replicas_on_one_password_protected_redis(tmp_path: Path) -> None:
+def _secret_file(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    path.chmod(0o400)
+    return path
+
+
+def test_compose_runs_two_replicas_on_one_password_protected_tls_redis(tmp_path: Path) -> None:
     (compose,) = _docs(DEPLOY / "compose.yaml")
     services = compose["services"]
-    assert "--requirepass" in services["redis"]["command"]
+    redis_command = services["redis"]["command"]
+    assert "--requirepass" in redis_command
+    assert redis_command[redis_command.index("--port") + 1] == "0"  # TLS only
+    assert "--tls-port" in redis_command
     replicas = [name for name, svc in services.items() if name.startswith("kvgate")]
     assert len(replicas) == 2
     a, b = (services[name] for name in replicas)
     # YAML merge: B is A with its own volume and port
     for svc in (a, b):
-        assert svc["env_file"] == "kvgate.env"
-        assert svc["secrets"][0]["source"] == "deployment_secret"
+        assert set(svc["environment"]) == {"KVGATE_API_KEYS_FILE", "KVGATE_ADMIN_KEYS_FILE",
+                                           "KVGATE_REDIS_URL_FILE"}
+        targets = {f"/run/secrets/{secret['target']}": secret for secret in svc["secrets"]}
+        for path in svc["environment"].values():
+            assert targets[path]["mode"] == 0o400, path  # keys only from secret files
         assert svc["configs"][0]["target"] == "/etc/kvgate/kvgate.toml"
         assert svc["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert all(port.startswith("127.0.0.1:") for port in svc["ports"])
     assert a["volumes"] != b["volumes"]
     assert set(compose["volumes"]) == {v.split(":")[0] for v in a["volumes"] + b["volumes"]}
 
-    text = compose["configs"]["kvgate_toml"]["content"].replace("${REDIS_PASSWORD}", "pw")
-    config = _load_toml(text, tmp_path)
-    assert config.cache.redis_url == "redis://:pw@redis:6379/0"
+    text = compose["configs"]["kvgate_toml"]["content"]
+    assert "key =" not in text and "redis_url" not in text and "PASSWORD" not in text
+    url = "rediss://:pw@redis:6380/0?ssl_ca_certs=/run/secrets/redis_ca"
+    assert "rediss://:$pw@redis:6380/0?ssl_ca_certs=/run/secrets/redis_ca" in (
+        DEPLOY / "compose.yaml").read_text(encoding="utf-8")
+    path = tmp_path / "kvgate.toml"
+    path.write_text(text, encoding="utf-8")
+    config = load_serve_config(path, env={
+        "KVGATE_REDIS_URL_FILE": str(_secret_file(tmp_path, "redis-url", url + "\n"))})
+    assert config.cache.redis_url == url
     assert not config.cache.redis_cluster and config.cache.remote_write
     assert config.host == "0.0.0.0" and config.allow_insecure_remote
+    assert config.admin_port == 50052
     assert config.secret_path == Path("/run/secrets/kvgate_deployment_secret")
     assert config.data_dir == Path("/var/lib/kvgate")
 
@@ -91,14 +106,27 @@ def test_compose_runs_two_replicas_on_one_password_protected_redis(tmp_path: Pat
 
 def test_k8s_manifests_parse_and_have_the_expected_objects() -> None:
     objects = _k8s_objects()
-    assert {("Deployment", "kvgate"), ("Service", "kvgate"), ("ConfigMap", "kvgate-config"),
-            ("Secret", "kvgate-secrets"), ("StatefulSet", "kvgate-redis"),
-            ("Service", "kvgate-redis")} <= set(objects)
+    assert {("Deployment", "kvgate"), ("Service", "kvgate"), ("Service", "kvgate-admin"),
+            ("ConfigMap", "kvgate-config"), ("Secret", "kvgate-secrets"),
+            ("StatefulSet", "kvgate-redis"), ("Service", "kvgate-redis"),
+            ("NetworkPolicy", "kvgate"), ("NetworkPolicy", "kvgate-redis")} <= set(objects)
     secret = objects[("Secret", "kvgate-secrets")]["stringData"]
-    assert set(secret) == {"deployment-secret", "api-keys", "admin-keys", "redis-password"}
+    assert set(secret) == {"deployment-secret", "api-keys", "admin-keys", "redis-password",
+                           "redis-url"}
+    assert secret["redis-url"].startswith("rediss://")
     service = objects[("Service", "kvgate")]
     deployment = objects[("Deployment", "kvgate")]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
+    assert [p["port"] for p in service["spec"]["ports"]] == [50051]  # not the Admin port
+    admin = objects[("Service", "kvgate-admin")]
+    assert [p["targetPort"] for p in admin["spec"]["ports"]] == ["admin"]
+
+
+def test_k8s_pods_do_not_mount_a_service_account_token() -> None:
+    objects = _k8s_objects()
+    for kind, name in (("Deployment", "kvgate"), ("StatefulSet", "kvgate-redis")):
+        pod = objects[(kind, name)]["spec"]["template"]["spec"]
+        assert pod["automountServiceAccountToken"] is False, name
 
 
 def test_k8s_deployment_probes_ask_grpc_health_and_runs_non_root() -> None:
@@ -108,18 +136,35 @@ def test_k8s_deployment_probes_ask_grpc_health_and_runs_non_root() -> None:
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["runAsUser"] != 0
     (container,) = pod["containers"]
-    port = container["ports"][0]["containerPort"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"grpc": 50051, "admin": 50052}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == port, probe
+        assert container[probe]["grpc"]["port"] == ports["admin"], probe
     assert container["readinessProbe"]["grpc"]["service"] == "kvgate.v1.Gateway"
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
-    assert env["KVGATE_API_KEYS"] == {"name": "kvgate-secrets", "key": "api-keys"}
-    assert env["KVGATE_ADMIN_KEYS"] == {"name": "kvgate-secrets", "key": "admin-keys"}
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     mounts = {m["mountPath"] for m in container["volumeMounts"]}
     assert "/var/lib/kvgate" in mounts
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["deployment-secret"]["secret"]["defaultMode"] == 0o400
+    assert volumes["secret"]["secret"]["defaultMode"] == 0o400
+
+
+def test_k8s_keys_come_only_from_the_secret_as_env_or_files() -> None:
+    objects = _k8s_objects()
+    deployment = objects[("Deployment", "kvgate")]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["KVGATE_API_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "kvgate-secrets",
+                                                                    "key": "api-keys"}
+    assert env["KVGATE_ADMIN_KEYS"]["valueFrom"]["secretKeyRef"] == {"name": "kvgate-secrets",
+                                                                      "key": "admin-keys"}
+    secret_volume = {v["name"]: v for v in pod["volumes"]}["secret"]["secret"]
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert secret_volume["secretName"] == "kvgate-secrets"
+    paths = {f"{mounts['secret']}/{item['path']}" for item in secret_volume["items"]}
+    assert env["KVGATE_REDIS_URL_FILE"]["value"] in paths
+    template = objects[("ConfigMap", "kvgate-config")]["data"]["kvgate.toml"]
+    assert "key =" not in template and "redis_url =" not in template
 
 
 def test_k8s_health_service_names_are_the_servers() -> None:
@@ -131,26 +176,60 @@ def test_k8s_health_service_names_are_the_servers() -> None:
         assert container[probe]["grpc"].get("service", "") in HEALTH_SERVICES
 
 
-def test_k8s_configmap_renders_to_a_valid_kvgate_config(tmp_path: Path) -> None:
+def test_k8s_configmap_and_secret_load_as_a_kvgate_config_with_tls_redis(tmp_path: Path) -> None:
     objects = _k8s_objects()
     template = objects[("ConfigMap", "kvgate-config")]["data"]["kvgate.toml"]
-    assert "__REDIS_PASSWORD__" in template
-    config = _load_toml(template.replace("__REDIS_PASSWORD__", "pw"), tmp_path)
-    assert config.cache.redis_url == "redis://kvgate:pw@kvgate-redis:6379/0"
+    url = objects[("Secret", "kvgate-secrets")]["stringData"]["redis-url"].replace(
+        "REPLACE-redis-password", "pw")
+    path = tmp_path / "kvgate.toml"
+    path.write_text(template, encoding="utf-8")
+    config = load_serve_config(path, env={
+        "KVGATE_REDIS_URL_FILE": str(_secret_file(tmp_path, "redis-url", url))})
+    assert config.cache.redis_url is not None and config.cache.redis_url.startswith("rediss://")
+    assert "kvgate-redis:6380" in config.cache.redis_url
     assert config.port == 50051 and config.host == "0.0.0.0"
+    assert config.admin_port == 50052
     deployment = objects[("Deployment", "kvgate")]
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert config.secret_path.parent == Path(mounts["deployment-secret"])
+    assert config.secret_path.parent == Path(mounts["secret"])
     assert container["args"] == ["--config", mounts["config"] + "/kvgate.toml"]
+    ca = url.split("ssl_ca_certs=", 1)[1]
+    assert Path(ca).parent == Path(mounts["redis-tls"])
 
 
-def test_k8s_redis_requires_auth() -> None:
-    redis = _k8s_objects()[("StatefulSet", "kvgate-redis")]
+def test_k8s_redis_requires_auth_and_tls() -> None:
+    objects = _k8s_objects()
+    redis = objects[("StatefulSet", "kvgate-redis")]
     (container,) = redis["spec"]["template"]["spec"]["containers"]
     command = " ".join(container["args"])
     assert "--user default off" in command
     assert '"~kvgate:*"' in command and "-@dangerous" in command
+    assert "--port 0 --tls-port 6380" in command
+    service = objects[("Service", "kvgate-redis")]
+    assert [p["port"] for p in service["spec"]["ports"]] == [6380]
+
+
+def test_k8s_network_policies_let_only_the_apps_reach_kvgate_and_only_kvgate_reach_redis(
+) -> None:
+    objects = _k8s_objects()
+    kvgate = objects[("NetworkPolicy", "kvgate")]["spec"]
+    assert kvgate["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvgate"}
+    assert set(kvgate["policyTypes"]) == {"Ingress", "Egress"}
+    by_port = {rule["ports"][0]["port"]: rule["from"] for rule in kvgate["ingress"]}
+    assert set(by_port) == {50051, 50052}
+    apps, ops = by_port[50051], by_port[50052]
+    assert [list(peer) for peer in apps] == [["namespaceSelector"]]
+    assert apps != ops
+    egress_ports = {p["port"] for rule in kvgate["egress"] for p in rule["ports"]}
+    assert egress_ports == {6380, 53}
+    redis = objects[("NetworkPolicy", "kvgate-redis")]["spec"]
+    assert redis["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvgate-redis"}
+    ((rule,),) = [redis["ingress"]]
+    assert rule["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name":
+                                                                "kvgate"}}}]
+    assert rule["ports"] == [{"port": 6380, "protocol": "TCP"}]
+    assert redis["egress"] == []
 
 
 # ---- systemd ------------------------------------------------------------------------------
@@ -208,5 +287,5 @@ def test_readme_cites_the_measured_ttft_numbers() -> None:
         assert device in readme and redis in readme
         assert re.search(rf"warm: device\s+{re.escape(device)}", top)
         assert re.search(rf"warm: redis\s+{re.escape(redis)}", top)
-    for word in ("ACL", "rediss://", "requirepass", "deployment secret"):
+    for word in ("ACL", "rediss://", "requirepass", "deployment secret", "NetworkPolicy"):
         assert word in readme or word in (DEPLOY / "compose.yaml").read_text(encoding="utf-8")

@@ -74,6 +74,7 @@ class RunningGateway:
     def client(self, api_key: str | None = None, **options: Any) -> KvgateClient:
         options.setdefault("timeout_s", 30.0)
         options.setdefault("retry", RetryPolicy(max_attempts=1))
+        options.setdefault("admin_port", self.server.admin_port)
         client = KvgateClient("127.0.0.1", self.port, api_key, **options)
         self.clients.append(client)
         return client
@@ -113,13 +114,16 @@ def start_gateway(
     engines: EngineSlot | None = None,
     metrics: GatewayMetrics | None = None,
     limits: LimitSettings | None = None,
+    admin_listener: bool = False,
 ) -> RunningGateway:
     """A gateway on a free loopback port; with ``loaded`` None, one still loading its model.
 
     ``engines`` is the slot it serves from (to share it with an HTTP front, as ``kvgate serve``
-    does); ``metrics`` records the engine's requests."""
+    does); ``metrics`` records the engine's requests. With ``admin_listener``, the Admin
+    service on a free port of its own."""
     config = ServeConfig(host="127.0.0.1", port=0, keys=keys,
-                         grpc=grpc_settings or GrpcSettings(), limits=limits or LimitSettings())
+                         grpc=grpc_settings or GrpcSettings(), limits=limits or LimitSettings(),
+                         admin_port=0 if admin_listener else None)
     server = GatewayServer(config, Authenticator(keys), engines)
     port = server.start()
     running = RunningGateway(server=server, engine=None, opened=None, port=port)

@@ -30,7 +30,9 @@ OTHER = "A different preamble that belongs to tenant b alone and spans a few blo
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    running = start_gateway(tiny_model(tmp_path_factory.mktemp("tiny") / "model"))
+    # The Admin service on a listener of its own, as the deploy examples run it.
+    running = start_gateway(tiny_model(tmp_path_factory.mktemp("tiny") / "model"),
+                            admin_listener=True)
     try:
         yield running
     finally:
@@ -45,7 +47,8 @@ def _no_kvgate_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _admin(gateway: RunningGateway, command: str, *args: str, key: str | None = ADMIN_KEY,
            ) -> list[str]:
-    argv = ["admin", command, *args, "--port", str(gateway.port)]
+    argv = ["admin", command, *args, "--port", str(gateway.port),
+            "--admin-port", str(gateway.server.admin_port)]
     return [*argv, "--admin-key", key] if key is not None else argv
 
 
@@ -180,7 +183,7 @@ def test_the_installed_command_takes_the_key_from_env_or_config(
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     run = subprocess.run(
-        [KVGATE, "admin", "stats", "--json", "--port", str(gateway.port)],
+        [KVGATE, "admin", "stats", "--json", "--port", str(gateway.server.admin_port)],
         env={**env, "KVGATE_ADMIN_KEY": ADMIN_KEY}, capture_output=True, text=True,
         timeout=60, check=False,
     )
@@ -189,7 +192,7 @@ def test_the_installed_command_takes_the_key_from_env_or_config(
     config = tmp_path / "kvgate.toml"
     config.write_text(f'[[admin_keys]]\nname = "ops"\nkey = "{ADMIN_KEY}"\n', encoding="utf-8")
     run = subprocess.run(
-        [KVGATE, "admin", "quota", "tenant-a", "500MB", "--port", str(gateway.port),
+        [KVGATE, "admin", "quota", "tenant-a", "500MB", "--port", str(gateway.server.admin_port),
          "--config", str(config)],
         env=env, capture_output=True, text=True, timeout=60, check=False,
     )
@@ -202,3 +205,11 @@ def test_parse_duration() -> None:
         [90.0, 90.0, 900.0, 3600.0, 172800.0, 1800.0]
     with pytest.raises(ValueError, match="not a duration"):
         parse_duration("1w")
+
+
+def test_the_main_port_alone_says_where_the_admin_service_is(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["admin", "stats", "--port", str(gateway.port), "--admin-key", ADMIN_KEY]
+    assert main(argv) == 1
+    assert "--admin-port" in capsys.readouterr().err

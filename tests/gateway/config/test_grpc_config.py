@@ -323,3 +323,42 @@ def test_a_tenant_quota_for_an_unknown_tier_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path / "quota.toml", '[cache]\ntenant_quota = { redis = "1GiB" }\n')
     with pytest.raises(ConfigError, match="tenant_quota names the tier 'redis'"):
         load_serve_config(path, env={})
+
+
+def test_keys_and_the_redis_url_can_come_from_secret_files(tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{KEY_A}=tenant-a\ntenant-b-key-0123456789abcdef=tenant-b\n")
+    admins = tmp_path / "admin-keys"
+    admins.write_text(f"{ADMIN}=ops\n")
+    url = tmp_path / "redis-url"
+    url.write_text("rediss://kvgate:pw@redis.internal:6380/0\n")
+    for path in (keys, admins, url):
+        path.chmod(0o400)
+    config = load_serve_config(None, env={"KVGATE_API_KEYS_FILE": str(keys),
+                                          "KVGATE_ADMIN_KEYS_FILE": str(admins),
+                                          "KVGATE_REDIS_URL_FILE": str(url)})
+    auth = Authenticator(config.keys)
+    assert auth.find(KEY_A) == Principal(tenant="tenant-a")
+    assert auth.find("tenant-b-key-0123456789abcdef") == Principal(tenant="tenant-b")
+    assert auth.find(ADMIN) == Principal(tenant="ops", is_admin=True)
+    assert config.cache.redis_url == "rediss://kvgate:pw@redis.internal:6380/0"
+
+
+def test_a_key_file_open_to_other_users_is_refused(tmp_path: Path) -> None:
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"{KEY_A}=tenant-a\n")
+    keys.chmod(0o644)
+    with pytest.raises(ConfigError, match="KVGATE_API_KEYS_FILE: .*open to other users"):
+        load_serve_config(None, env={"KVGATE_API_KEYS_FILE": str(keys)})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_serve_config(None, env={"KVGATE_API_KEYS_FILE": str(tmp_path / "absent")})
+
+
+def test_the_admin_service_can_have_a_listener_of_its_own(tmp_path: Path) -> None:
+    path = write(tmp_path / "admin.toml", '[server]\nadmin_host = "0.0.0.0"\nadmin_port = 50052\n')
+    config = load_serve_config(path, env={})
+    assert config.admin_address == "0.0.0.0:50052"
+    assert load_serve_config(None, env={}).admin_address is None
+    with pytest.raises(ConfigError, match="admin_port must differ"):
+        load_serve_config(write(tmp_path / "same.toml", "[server]\nadmin_port = 50051\n"),
+                          env={})

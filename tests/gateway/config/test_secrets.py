@@ -81,7 +81,7 @@ def test_the_deploy_examples_placeholder_secret_is_refused(tmp_path: Path) -> No
         deployment_secret(config, {"KVGATE_DEPLOYMENT_SECRET": "REPLACE-with-64-hex-digits"})
 
 
-@pytest.mark.parametrize("mode", [0o640, 0o604, 0o644, 0o660])
+@pytest.mark.parametrize("mode", [0o604, 0o644, 0o660, 0o620, 0o606])
 def test_a_secret_file_open_to_other_users_is_refused_not_warned(tmp_path: Path,
                                                                  mode: int) -> None:
     path = tmp_path / "secret"
@@ -102,3 +102,18 @@ def test_a_dev_key_file_open_to_other_users_is_refused(tmp_path: Path) -> None:
         dev_api_key(config)
     config.dev_key_path.chmod(0o600)
     assert dev_api_key(config) == key
+
+
+def test_group_read_is_accepted_only_for_the_processs_own_group(tmp_path: Path) -> None:
+    # How Kubernetes mounts a Secret for a pod with an fsGroup: root-owned, the pod's group,
+    # mode 0440.
+    path = tmp_path / "secret"
+    path.write_text(os.urandom(32).hex() + "\n")
+    path.chmod(0o440)
+    config = ServeConfig(data_dir=tmp_path / "data", secret_file=path)
+    assert len(deployment_secret(config, {})) == 32
+    if os.geteuid() != 0:
+        pytest.skip("changing a file's group to a foreign one needs root")
+    os.chown(path, -1, os.getegid() + 4242)
+    with pytest.raises(ConfigError, match="open to other users"):
+        deployment_secret(config, {})
