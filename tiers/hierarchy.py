@@ -5,10 +5,14 @@ shared by every replica and is consulted by chain key when the local tiers miss.
 only moves bytes and keeps figures; what to promote, demote or evict is decided by the prefix
 cache, which owns the index and the policies.
 
-Load bandwidth: every read is timed, and each tier keeps an exponentially weighted estimate of
-its bytes per second. A block whose load would cost more than recomputing it is worth
-recomputing (peers shipped disk tiers whose hits were slower than a fresh prefill); the prefix
-cache asks ``estimate_load_s`` before loading.
+Load bandwidth: every read is timed, and each tier (the remote one too) keeps an exponentially
+weighted estimate of its bytes per second. A block whose load would cost more than recomputing
+it is worth recomputing (peers shipped disk tiers whose hits were slower than a fresh prefill);
+the prefix cache asks ``worth_loading`` before loading. A tier judged slow is not read, so its
+estimate would never change again: once per ``reprobe_interval_s`` one load from it is let
+through anyway (a *probe*), and a probe's measurement replaces the stale estimate, so a tier
+that got fast again (a disk that stopped thrashing, a Redis whose network recovered) is used
+again at once, and one that is still slow is judged slow again for another interval.
 
 Remote writes go through a background thread with a bounded queue, so a slow or dead Redis never
 sits on the request path; local disk writes are queued by the disk store itself.
@@ -139,8 +143,11 @@ class TierHierarchy:
         *,
         remote: RemoteStore | None = None,
         remote_max_pending_bytes: int = 256 << 20,
+        reprobe_interval_s: float = 10.0,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if not reprobe_interval_s > 0:
+            raise ValueError(f"reprobe_interval_s must be > 0, got {reprobe_interval_s}")
         names = [level.name for level in levels]
         if len(set(names)) != len(names) or REMOTE in names:
             raise ValueError(f"local tier names must be unique and not {REMOTE!r}: {names}")
@@ -152,6 +159,13 @@ class TierHierarchy:
         )
         self._clock = clock
         self._bandwidth = {name: Bandwidth() for name in (*names, REMOTE)}
+        self._reprobe_interval_s = reprobe_interval_s
+        self._lock = threading.Lock()  # the slow-tier bookkeeping below
+        self._slow_since: dict[str, float] = {}  # tier -> when it was judged slow / last probed
+        self._probing: set[str] = set()  # tiers whose next timed load is a probe
+        self._num_skipped_slow = {name: 0 for name in (*names, REMOTE)}
+        self._num_probes = {name: 0 for name in (*names, REMOTE)}
+        self._block_bytes: int | None = None  # payload size of one block, learned on reads
 
     def start(self) -> None:
         if self._writer is not None:
@@ -180,8 +194,20 @@ class TierHierarchy:
         start = self._clock()
         block = self._levels[tier].store.get(meta)
         if block is not None:
-            self._bandwidth[tier].record(block.nbytes, self._clock() - start)
+            with self._lock:
+                self._block_bytes = block.nbytes
+            self._record_load(tier, block.nbytes, self._clock() - start)
         return block
+
+    def _record_load(self, tier: str, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            is_probe = tier in self._probing
+            self._probing.discard(tier)
+        bandwidth = self._bandwidth[tier]
+        if is_probe:
+            # The estimate is stale by a whole interval: the probe's measurement replaces it.
+            bandwidth.bytes_per_s = None
+        bandwidth.record(num_bytes, seconds)
 
     def write(self, tier: str, meta: BlockMeta, block: KVBlock) -> None:
         self._levels[tier].store.put(meta, block)
@@ -201,7 +227,9 @@ class TierHierarchy:
                 break
             hits.append(block)
         if hits:
-            self._bandwidth[REMOTE].record(sum(b.nbytes for b in hits), self._clock() - start)
+            with self._lock:
+                self._block_bytes = hits[0].nbytes
+            self._record_load(REMOTE, sum(b.nbytes for b in hits), self._clock() - start)
         return hits
 
     def write_remote(self, items: list[tuple[BlockMeta, KVBlock]]) -> bool:
@@ -261,6 +289,39 @@ class TierHierarchy:
         bandwidth = self._bandwidth[tier].bytes_per_s
         return None if bandwidth is None else num_bytes / bandwidth
 
+    def worth_loading(self, tier: str, num_blocks: int, num_bytes: int | None,
+                      recompute_s: float | None) -> bool:
+        """Whether to load ``num_blocks`` blocks (``num_bytes``, when known) from ``tier``
+        rather than recompute them in ``recompute_s`` seconds.
+
+        Yes before any measurement, and whenever the estimate is no slower than recomputing.
+        A tier judged slower is skipped (counted) -- except once per ``reprobe_interval_s``,
+        when one load is let through as a probe (see the module docstring).
+        """
+        if recompute_s is None:
+            return True
+        if num_bytes is None:
+            with self._lock:
+                block_bytes = self._block_bytes
+            if block_bytes is None:
+                return True
+            num_bytes = num_blocks * block_bytes
+        estimate = self.estimate_load_s(tier, num_bytes)
+        if estimate is None or estimate <= recompute_s:
+            with self._lock:
+                self._slow_since.pop(tier, None)
+            return True
+        now = self._clock()
+        with self._lock:
+            since = self._slow_since.setdefault(tier, now)
+            if now - since >= self._reprobe_interval_s and tier not in self._probing:
+                self._slow_since[tier] = now
+                self._probing.add(tier)
+                self._num_probes[tier] += 1
+                return True
+            self._num_skipped_slow[tier] += 1
+            return False
+
     def bandwidth(self, tier: str) -> float | None:
         return self._bandwidth[tier].bytes_per_s
 
@@ -276,4 +337,8 @@ class TierHierarchy:
             bandwidth = self._bandwidth.get(stats.name)
             if bandwidth is not None and bandwidth.bytes_per_s is not None:
                 stats.notes["load_bytes_per_s"] = round(bandwidth.bytes_per_s)
+            with self._lock:
+                if stats.name in self._num_skipped_slow:
+                    stats.notes["recomputed_instead"] = self._num_skipped_slow[stats.name]
+                    stats.notes["slow_tier_probes"] = self._num_probes[stats.name]
         return out

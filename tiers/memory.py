@@ -3,7 +3,11 @@
 Device tier: payloads as torch tensors on the model's device (CUDA when present, else CPU),
 ready to be copied into a request's buffers. It stores the tensors it is given when they are
 already on its device (blocks handed to a store are never written again, see ``BlockStore``),
-so inserting a freshly computed block costs no copy.
+so inserting a freshly computed block costs no copy. One exception: a payload whose memory
+the tier already holds under another key (a tenant re-storing, under its own key, a block it
+was served from the shared scope) is copied, so that every key the tier's budget charges is
+memory of its own -- a budget charged twice for one copy would let the tier hold less than it
+says while it reports more.
 
 Host tier: CPU memory, carved out of a slab pool. With CUDA present the slabs are pinned (page-
 locked) so device <-> host copies run asynchronously at full bandwidth; pinning is expensive per
@@ -41,6 +45,7 @@ class DeviceStore(BatchDefaults):
         self.name = name
         self.device = torch.device(device) if device is not None else default_device()
         self._blocks: dict[BlockKey, KVBlock] = {}
+        self._storage_refs: dict[int, int] = {}  # storage address -> keys holding it
         self._lock = threading.Lock()
         self._stats = StoreStats(name=name)
 
@@ -48,11 +53,31 @@ class DeviceStore(BatchDefaults):
         on_device = block if _is_on(block, self.device) else _copy_to(block, self.device)
         with self._lock:
             previous = self._blocks.get(meta.key)
+            if previous is not None and _storage_of(previous) == _storage_of(on_device):
+                self._stats.puts += 1
+                return
+            if _storage_of(on_device) in self._storage_refs:
+                on_device = _copy_to(on_device, self.device)  # held under another key already
             self._blocks[meta.key] = on_device
+            self._hold_storage(on_device)
             if previous is None:
                 self._stats.num_blocks += 1
                 self._stats.num_bytes += on_device.nbytes
+            else:
+                self._release_storage(previous)
             self._stats.puts += 1
+
+    def _hold_storage(self, block: KVBlock) -> None:
+        storage = _storage_of(block)
+        self._storage_refs[storage] = self._storage_refs.get(storage, 0) + 1
+
+    def _release_storage(self, block: KVBlock) -> None:
+        storage = _storage_of(block)
+        left = self._storage_refs.get(storage, 0) - 1
+        if left > 0:
+            self._storage_refs[storage] = left
+        else:
+            self._storage_refs.pop(storage, None)
 
     def get(self, meta: BlockMeta) -> KVBlock | None:
         with self._lock:
@@ -67,6 +92,7 @@ class DeviceStore(BatchDefaults):
         with self._lock:
             block = self._blocks.pop(key, None)
             if block is not None:
+                self._release_storage(block)
                 self._stats.num_blocks -= 1
                 self._stats.num_bytes -= block.nbytes
                 self._stats.deletes += 1
@@ -82,6 +108,7 @@ class DeviceStore(BatchDefaults):
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
+            self._storage_refs.clear()
             self._stats.num_blocks = self._stats.num_bytes = 0
 
 
@@ -254,6 +281,12 @@ def _copy_stream(is_pinned: bool) -> Iterator[None]:
     finally:
         if is_pinned and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()
+
+
+def _storage_of(block: KVBlock) -> int:
+    """The address of the memory behind a block's first tensor: blocks that share it are one
+    copy (a block's tensors are views of one buffer, or of buffers owned by that block)."""
+    return int(block.keys[0].untyped_storage().data_ptr())
 
 
 def _is_on(block: KVBlock, device: torch.device) -> bool:

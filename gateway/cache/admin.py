@@ -43,6 +43,7 @@ class PrefixInfo:
     num_tokens: int
     num_bytes: int
     tiers: tuple[str, ...]
+    age_s: float
     idle_s: float
     num_hits: int
     is_pinned: bool
@@ -129,6 +130,7 @@ def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
                     num_tokens=len(path) * cache.block_tokens,
                     num_bytes=sum(r.num_bytes for r in path),
                     tiers=placement.tiers_in(path),
+                    age_s=max(0.0, now - leaf.created_at),
                     idle_s=max(0.0, now - leaf.last_access),
                     num_hits=leaf.num_hits,
                     is_pinned=any(r.is_pinned for r in path),
@@ -248,7 +250,7 @@ class CacheAdmin:
                     num_tokens=info.num_tokens,
                     num_bytes=info.num_bytes,
                     tiers=info.tiers,
-                    age_s=info.idle_s,
+                    age_s=info.age_s,
                     idle_s=info.idle_s,
                     num_hits=info.num_hits,
                     is_pinned=info.is_pinned,

@@ -58,6 +58,8 @@ class CacheConfig:
         remote_write: write every new chain through to Redis.
         quotas: bytes per tenant (applied in every tier), e.g. {"tenant-a": 2 * GiB}.
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
+        reprobe_interval_s: a tier judged slower than recomputing is skipped, except for one
+            probing load per this many seconds, so that it is used again once it is fast.
     """
 
     block_tokens: int = 64
@@ -77,6 +79,8 @@ class CacheConfig:
     remote_write: bool = True
     quotas: Mapping[str, int] = field(default_factory=dict)
     compression: Literal["raw", "lz4", "auto"] = "raw"
+    # -- lifecycle (issue 11) --
+    reprobe_interval_s: float = 10.0
 
     def __post_init__(self) -> None:
         errors = self.problems()
@@ -107,6 +111,9 @@ class CacheConfig:
         for tenant, quota in self.quotas.items():
             if quota < 0:
                 errors.append(f"quota of {tenant!r} must be >= 0")
+        if not (isinstance(self.reprobe_interval_s, (int, float))
+                and math.isfinite(self.reprobe_interval_s) and self.reprobe_interval_s > 0):
+            errors.append("reprobe_interval_s must be a positive number of seconds")
         if self.compression not in ("raw", "lz4", "auto"):
             errors.append(f"compression must be raw, lz4 or auto, got {self.compression!r}")
         return errors
@@ -166,7 +173,8 @@ def open_cache(
             connect_timeout_s=config.redis_timeout_s,
             breaker=CircuitBreaker(reset_after_s=config.redis_retry_after_s),
         )
-    hierarchy = TierHierarchy(levels, remote=remote)
+    hierarchy = TierHierarchy(levels, remote=remote,
+                              reprobe_interval_s=config.reprobe_interval_s)
     slots = [
         TierSlot(
             name=level.name,

@@ -231,9 +231,12 @@ class TierPlacement:
         record.tier_mask &= ~self._bit_of[tier]
 
     def evict_copy(self, record: BlockRecord, tier: str, reason: str) -> None:
-        """An operator's eviction: unpin ``record``, drop its copy and bytes from ``tier``."""
-        record.is_pinned = False
+        """An operator's eviction: drop ``record``'s copy and bytes from ``tier``. A pin
+        belongs to the block, not to one copy: it stays on the copies other tiers keep and
+        goes only with the last one."""
         self.forget_copy(record, tier)
+        if record.tier_mask == 0:
+            record.is_pinned = False
         if self._transfers is not None:
             self._transfers.delete(tier, record.key)
         self._counters[tier].count_eviction(reason)

@@ -252,8 +252,10 @@ class PrefixCache:
     def acquire(self, namespace: Namespace, tokens: TokenIds) -> Iterator[Lease]:
         """Match ``tokens`` and hold their cached prefix until the ``with`` block ends.
 
-        A hit counts as an access in every tier holding the block (LRU recency, TTL restart).
-        Expired blocks met on the way are swept.
+        A match counts as an access in every tier holding the block (LRU recency, TTL
+        restart). It is not a hit: only blocks ``load`` serves to a request are counted as
+        hits, so the engine's own acquires (storing an answer's blocks, looking at the shared
+        scope beside the tenant's) never inflate them. Expired blocks met on the way are swept.
         """
         keys = self.fingerprinter(namespace).block_keys(tokens)
         placement = self._placement
@@ -262,11 +264,8 @@ class PrefixCache:
             now = placement.now()
             # Children first, so that recency orders ancestors after their descendants.
             for record in reversed(records):
-                record.num_hits += 1
                 placement.touch(record, now)
             placement.hold(records)
-            if records:
-                placement.counters(match.tiers[-1]).hits += 1
             if met_expired:
                 placement.sweep_expired()
         lease = Lease(namespace=namespace, tokens=tokens, keys=keys, match=match, records=records)
@@ -315,13 +314,25 @@ class PrefixCache:
         if use_remote and transfers.has_remote and len(blocks) < limit:
             fetched = transfers.extend_from_remote(
                 lease.namespace, lease.tokens, lease.keys, lease.records,
-                min(limit, len(lease.keys)))
+                min(limit, len(lease.keys)), recompute_s_per_token)
             lease.extend(record for record, _ in fetched)
             blocks.extend(block for _, block in fetched)
             tiers.extend(REMOTE for _ in fetched)
         lease.match = self._make_match(lease.records, tuple(tiers), len(lease.keys),
                                        lease.match.num_token_mismatches)
+        self._count_hits(lease.records, tiers)
         return blocks
+
+    def _count_hits(self, records: Sequence[BlockRecord], tiers: Sequence[str]) -> None:
+        """A request was served ``records`` from ``tiers``: one hit per block on its record
+        (``ListPrefixes``), one per request on each local tier that served any of them."""
+        placement = self._placement
+        with placement.locked():
+            for record in records:
+                record.num_hits += 1
+            for tier in dict.fromkeys(tiers):
+                if tier != REMOTE:
+                    placement.counters(tier).hits += 1
 
     # ---- writing ------------------------------------------------------------------------
 

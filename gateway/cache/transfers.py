@@ -26,7 +26,7 @@ from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from gateway.core.tokens import TokenIds
 from policies.base import BlockKey
 from tiers.base import BlockMeta, StoreStats
-from tiers.hierarchy import TierHierarchy
+from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
 
@@ -210,12 +210,9 @@ class TierTransfers:
                     return None
                 tier = placement.fastest_tier(record)
                 meta = placement.meta(record)
-            estimate = self._hierarchy.estimate_load_s(tier, record.num_bytes)
-            if (
-                recompute_s_per_token is not None
-                and estimate is not None
-                and estimate > recompute_s_per_token * placement.block_tokens
-            ):
+            recompute_s = (None if recompute_s_per_token is None
+                           else recompute_s_per_token * placement.block_tokens)
+            if not self._hierarchy.worth_loading(tier, 1, record.num_bytes, recompute_s):
                 with placement.locked():
                     placement.counters(tier).recomputed_instead += 1
                 return None
@@ -236,7 +233,7 @@ class TierTransfers:
             return
         if placement.place(record, top):
             self._hierarchy.write(top, meta, block)
-            placement.counters(tier).promotions += 1
+            placement.counters(top).promotions += 1  # counted where the copy went
 
     # ---- the remote tier ----------------------------------------------------------------
 
@@ -247,9 +244,11 @@ class TierTransfers:
         keys: Sequence[BlockKey],
         held: Sequence[BlockRecord],
         end: int,
+        recompute_s_per_token: float | None = None,
     ) -> list[tuple[BlockRecord, KVBlock]]:
         """Fetch the chain after the ``held`` prefix (up to block ``end``) from the remote
-        store and place what came in the fastest tier.
+        store and place what came in the fastest tier -- unless the remote tier is judged
+        slower than recomputing the chain (``recompute_s_per_token``, from the worker).
 
         Returns each block used with its record, which holds one reference for the caller's
         lease; blocks after the first the fastest tier refuses are not used.
@@ -258,6 +257,10 @@ class TierTransfers:
         start = len(held)
         parent = held[-1] if held else None
         if start >= end:
+            return []
+        recompute_s = (None if recompute_s_per_token is None
+                       else recompute_s_per_token * placement.block_tokens * (end - start))
+        if not self._hierarchy.worth_loading(REMOTE, end - start, None, recompute_s):
             return []
         fp = placement.fingerprinter(namespace)
         metas = []

@@ -56,6 +56,7 @@ disk_write_through = true       # new blocks go to disk at once (off the request
 redis_ttl_s = 3600.0
 redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
+reprobe_interval_s = 10.0       # a tier judged slower than recomputing: one probing load per interval
 # quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }
 
 [metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics

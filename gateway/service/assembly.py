@@ -11,7 +11,12 @@ come up), then the model loads, the cache opens (the Prometheus endpoint, ``[met
 up with it) and the engine starts; then the server is attached and says SERVING. Shutdown order
 (SIGTERM): health NOT_SERVING; the server stops taking calls (new ones fail UNAVAILABLE, so
 clients retry elsewhere) while calls in flight go on; the engine finishes or cancels them within
-the grace period; the metrics endpoint stops; the cache flushes pending disk writes and closes.
+the grace period; the metrics endpoint stops; once the engine's worker has ended (never
+before: it may still be writing), the cache flushes pending disk writes and closes.
+
+If the engine's worker thread dies while serving, health turns NOT_SERVING at once
+(``gateway.service.watchdog``) and ``serve`` shuts down and raises ``ServeError``, so that
+``kvgate serve`` exits non-zero and its supervisor (systemd, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ if TYPE_CHECKING:
     from gateway.service.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 0.25
+"""How often ``serve`` looks whether it must stop (a signal, or a dead engine worker)."""
 
 
 def build_authenticator(
@@ -146,18 +154,24 @@ def serve(
                 engine.model_name, "+".join(opened.cache.tier_names), authenticator.num_keys,
                 engine.route.name, engine.route.reason,
             )
-            stop_requested.wait()
+            while not stop_requested.wait(_WATCH_INTERVAL_S):
+                if server.engine_died.is_set():
+                    raise ServeError("the engine's worker thread died (see the error logged "
+                                     "above); exiting so that a supervisor restarts the gateway")
         logger.info("shutting down: finishing requests in flight (grace %.0f s)",
                     config.grpc.shutdown_grace_s)
     finally:
         stopped = server.begin_shutdown()
-        if engine is not None:
-            engine.stop(config.grpc.shutdown_grace_s)
+        is_worker_stopped = engine is None or engine.stop(config.grpc.shutdown_grace_s)
         stopped.wait(config.grpc.shutdown_grace_s + 1.0)
         server.stop(0)
         if metrics is not None:
             metrics.stop()
         if opened is not None:
-            opened.close()
+            if is_worker_stopped:
+                opened.close()
+            else:
+                logger.error("the engine's worker did not stop: the stores are left open "
+                             "(closing them under it could lose or corrupt a write)")
         logger.info("stopped")
 

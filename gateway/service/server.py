@@ -31,6 +31,7 @@ from gateway.service.servicer import (
     EdgeLimits,
     ServicerSet,
 )
+from gateway.service.watchdog import EngineWatchdog
 
 if TYPE_CHECKING:
     from gateway.cache.admin import CacheAdmin
@@ -64,6 +65,9 @@ class GatewayServer:
                        max_ttl_s=config.grpc.max_ttl_s),
         )
         self._health = health.HealthServicer()
+        self._watchdog: EngineWatchdog | None = None
+        self.engine_died = threading.Event()
+        """Set when the attached engine's worker thread died (health is NOT_SERVING then)."""
         self._server: Any = None
         self._pool: futures.ThreadPoolExecutor | None = None
         self.port: int | None = None
@@ -122,10 +126,23 @@ class GatewayServer:
 
     def attach(self, engine: Engine, admin: CacheAdmin | None) -> None:
         """Serve with ``engine``, and the Admin service with ``admin`` (None: no cache), from
-        now on: health SERVING."""
+        now on: health SERVING, and NOT_SERVING (``engine_died`` set) if its worker dies."""
         self._engines.attach(engine, admin)
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._stop_watchdog()
+        self._watchdog = EngineWatchdog(lambda: engine.is_worker_dead, self._on_engine_death)
+        self._watchdog.start()
+
+    def _on_engine_death(self) -> None:
+        for service in HEALTH_SERVICES:
+            self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.engine_died.set()
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
 
     def begin_shutdown(self) -> threading.Event:
         """Health NOT_SERVING, refuse new calls; calls in flight go on for the grace period.
@@ -133,6 +150,7 @@ class GatewayServer:
         Returns:
             An event set once every call has ended (at the latest after the grace period).
         """
+        self._stop_watchdog()
         self._health.enter_graceful_shutdown()
         if self._server is None:
             done = threading.Event()
@@ -143,6 +161,7 @@ class GatewayServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop now (calls in flight get ``grace_s``, default none) and wait for it."""
+        self._stop_watchdog()
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace_s).wait()
