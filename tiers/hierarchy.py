@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.base import BlockKey
-from tiers.base import BlockMeta, BlockStore, RemoteStore, StoreStats
+from tiers.base import BlockExpiry, BlockMeta, BlockStore, RemoteStore, StoreStats
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
@@ -215,22 +215,37 @@ class TierHierarchy:
     def delete(self, tier: str, key: BlockKey) -> None:
         self._levels[tier].store.delete(key)
 
-    def fetch_remote(self, metas: Sequence[BlockMeta]) -> list[KVBlock]:
-        """The longest prefix of ``metas`` (a chain) that the remote store holds and verifies."""
+    def fetch_remote(
+        self, metas: Sequence[BlockMeta]
+    ) -> list[tuple[KVBlock, BlockExpiry | None]]:
+        """The longest prefix of ``metas`` (a chain) that the remote store holds and verifies,
+        each block with the expiry its header carries."""
         if self.remote is None or not metas:
             return []
         start = self._clock()
-        got = self.remote.get_many(metas)
-        hits: list[KVBlock] = []
-        for block in got:
-            if block is None:
+        got = self.remote.fetch_chain(metas)
+        hits: list[tuple[KVBlock, BlockExpiry | None]] = []
+        for one in got:
+            if one is None:
                 break
-            hits.append(block)
+            hits.append(one)
         if hits:
             with self._lock:
-                self._block_bytes = hits[0].nbytes
-            self._record_load(REMOTE, sum(b.nbytes for b in hits), self._clock() - start)
+                self._block_bytes = hits[0][0].nbytes
+            self._record_load(REMOTE, sum(b.nbytes for b, _ in hits), self._clock() - start)
         return hits
+
+    def refresh_remote_expiry(self, metas: Sequence[BlockMeta]) -> None:
+        """Give these blocks' remote copies the expiry their metas say (pin, unpin).
+
+        Queued writes are flushed first: a block pinned right after it was stored (a warm
+        with pin) must not get its ``PX`` back from a write that lands after the ``PERSIST``.
+        """
+        if self.remote is None:
+            return
+        if self._writer is not None:
+            self._writer.flush(timeout_s=30.0)
+        self.remote.refresh_expiry(metas)
 
     def write_remote(self, items: list[tuple[BlockMeta, KVBlock]]) -> bool:
         """Queue a chain for the remote store; False if there is none or the queue is full."""

@@ -20,6 +20,7 @@ from typing import Literal
 
 from gateway.cache.adoption import adopt
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
+from gateway.cache.sweeper import ExpirySweeper
 from policies.registry import ORDER_POLICIES, TierPolicyConfig, build_tier_policy
 from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
@@ -50,7 +51,8 @@ class CacheConfig:
             path), so that a restart finds everything, not only what had been demoted.
         redis_url: the Redis shared by replicas (``redis://`` / ``rediss://``), or None.
         redis_cluster: ``redis_url`` names a node of a Redis Cluster.
-        redis_ttl_s: expiry of blocks in Redis (restarted by hits).
+        redis_ttl_s: the longest a block lives in Redis without a hit (a block's own shorter
+            TTL wins; a pinned block never expires).
         redis_timeout_s: bound on each Redis operation: the most a stalled Redis adds.
         redis_key_prefix: first part of every Redis key.
         redis_retry_after_s: after Redis failed, how long the circuit breaker waits before
@@ -60,6 +62,7 @@ class CacheConfig:
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
         reprobe_interval_s: a tier judged slower than recomputing is skipped, except for one
             probing load per this many seconds, so that it is used again once it is fast.
+        sweep_interval_s: how often expired blocks are removed from every tier.
     """
 
     block_tokens: int = 64
@@ -81,6 +84,7 @@ class CacheConfig:
     compression: Literal["raw", "lz4", "auto"] = "raw"
     # -- lifecycle (issue 11) --
     reprobe_interval_s: float = 10.0
+    sweep_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         errors = self.problems()
@@ -111,9 +115,11 @@ class CacheConfig:
         for tenant, quota in self.quotas.items():
             if quota < 0:
                 errors.append(f"quota of {tenant!r} must be >= 0")
-        if not (isinstance(self.reprobe_interval_s, (int, float))
-                and math.isfinite(self.reprobe_interval_s) and self.reprobe_interval_s > 0):
-            errors.append("reprobe_interval_s must be a positive number of seconds")
+        for name in ("reprobe_interval_s", "sweep_interval_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value) and value > 0):
+                errors.append(f"{name} must be a positive number of seconds, got {value!r}")
         if self.compression not in ("raw", "lz4", "auto"):
             errors.append(f"compression must be raw, lz4 or auto, got {self.compression!r}")
         return errors
@@ -127,8 +133,12 @@ class OpenedCache:
     hierarchy: TierHierarchy
     codec: BlockCodec
     num_recovered_blocks: int
+    sweeper: ExpirySweeper | None = None
 
     def close(self) -> None:
+        """Stop the sweeper, then flush and close the stores (stop the engine first)."""
+        if self.sweeper is not None:
+            self.sweeper.stop()
         self.hierarchy.flush(timeout_s=30.0)
         self.hierarchy.close()
 
@@ -200,12 +210,14 @@ def open_cache(
         found = [(h.meta, h.raw_len) for h in disk.take_recovered()]
         num_recovered = adopt(cache.placement, "disk", found)
         if found:
-            logger.info("disk tier: %d of %d blocks from the last run are served again",
-                        num_recovered, len(found))
+            logger.info("disk tier: %d of %d blocks from the last run are served again (the "
+                        "others had expired or lost a parent)", num_recovered, len(found))
     if remote is not None:
         remote.start()
     hierarchy.start()
+    sweeper = ExpirySweeper(cache, interval_s=config.sweep_interval_s)
+    sweeper.start()
     return OpenedCache(cache=cache, hierarchy=hierarchy, codec=codec,
-                       num_recovered_blocks=num_recovered)
+                       num_recovered_blocks=num_recovered, sweeper=sweeper)
 
 

@@ -157,6 +157,7 @@ class PrefixCache:
         promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
         clock: time source (seconds); injected so that TTL tests need no sleeping.
         key_bytes: block key size; only tests shrink it, to force collisions.
+        wall_clock: Unix time (seconds), for the expiry written into a block's header.
     """
 
     def __init__(
@@ -169,11 +170,12 @@ class PrefixCache:
         promote_on_hit: bool = True,
         clock: Callable[[], float] = time.monotonic,
         key_bytes: int = 16,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._placement = TierPlacement(
             tiers=tiers, block_tokens=block_tokens, hierarchy=hierarchy,
             remote_write=remote_write, promote_on_hit=promote_on_hit, clock=clock,
-            key_bytes=key_bytes,
+            key_bytes=key_bytes, wall_clock=wall_clock,
         )
         self.block_tokens = block_tokens
         self._block_bytes = block_tokens * BYTES_PER_TOKEN
@@ -460,21 +462,26 @@ class PrefixCache:
     def set_pinned(self, namespace: Namespace, tokens: TokenIds, is_pinned: bool) -> int:
         """Pin (or unpin) the cached full blocks of ``tokens``; returns how many changed.
 
-        A pinned block is never evicted and never expires; unpinning restarts its TTL.
+        A pinned block is never evicted and never expires, here and in Redis (its keys lose
+        their expiry); unpinning restarts its TTL, there too.
         """
         keys = self.fingerprinter(namespace).block_keys(tokens)
         placement = self._placement
         with placement.locked():
             _, records, _ = self.match_records(namespace, tokens, keys)
             now = placement.now()
-            changed = 0
+            changed: list[BlockRecord] = []
             for record in records:
                 if record.is_pinned != is_pinned:
                     record.is_pinned = is_pinned
-                    changed += 1
+                    changed.append(record)
                     if not is_pinned:
                         placement.touch(record, now)
-            return changed
+                        placement.track_expiry(record)
+            metas = [placement.meta(record) for record in changed]
+        if metas and placement.transfers is not None:
+            placement.transfers.refresh_remote_expiry(metas)
+        return len(changed)
 
     def set_quota(self, owner: str, num_bytes: int | None) -> None:
         """Cap what ``owner`` may hold in every tier (None: no cap)."""

@@ -277,19 +277,23 @@ class TierTransfers:
         top = placement.tier_names[0]
         specs = [
             BlockSpec(key=m.key, tokens=m.tokens, num_bytes=b.nbytes)
-            for m, b in zip(metas, fetched, strict=False)
+            for m, (b, _) in zip(metas, fetched, strict=False)
         ]
         used: list[tuple[BlockRecord, KVBlock]] = []
         with placement.locked():
-            chain = placement.index.insert(
-                namespace, parent, specs, now=placement.now(), ttl_s=None
-            )
+            now = placement.now()
+            chain = placement.index.insert(namespace, parent, specs, now=now, ttl_s=None)
             placement.hold(chain)
-            for record, meta, block in zip(chain, metas, fetched, strict=False):
+            for record, (block, expiry) in zip(chain, fetched, strict=False):
+                if not record.tier_mask:
+                    # New here: it keeps the TTL its header carries (a fetch is a use, and
+                    # restarted its expiry in Redis too). A pin is not carried: it is local.
+                    record.ttl_s = None if expiry is None else expiry.ttl_s
+                    record.last_access = now
                 if not placement.holds(record, top):
                     if not placement.place(record, top):
                         break
-                    self._hierarchy.write(top, meta, block)
+                    self._hierarchy.write(top, placement.meta(record), block)
                 used.append((record, block))
             placement.unhold(chain[len(used):])
             placement.note_remote_hits(len(used))
@@ -310,6 +314,10 @@ class TierTransfers:
             parent = key
         self._hierarchy.forget_remote(metas)
         return len(metas)
+
+    def refresh_remote_expiry(self, metas: Sequence[BlockMeta]) -> None:
+        """Give these blocks' remote copies the expiry their metas say (pin, unpin)."""
+        self._hierarchy.refresh_remote_expiry(metas)
 
     def flush_remote(self, namespaces: Iterable[Namespace]) -> int:
         """Remove every remote block of these namespaces; how many keys went."""

@@ -53,10 +53,11 @@ disk_fsync = true
 disk_write_through = true       # new blocks go to disk at once (off the request path)
 # redis_url = "rediss://kvgate:PASSWORD@redis.internal:6379/0"  # shared by replicas
 # redis_cluster = false
-redis_ttl_s = 3600.0
+redis_ttl_s = 3600.0            # the longest a block lives in Redis unused (a shorter ttl_s wins)
 redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
-reprobe_interval_s = 10.0       # a tier judged slower than recomputing: one probing load per interval
+reprobe_interval_s = 10.0       # a tier slower than recomputing is skipped: one probe per interval
+sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
 # quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }
 
 [metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics

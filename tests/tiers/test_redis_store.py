@@ -21,7 +21,7 @@ from tests.redis_harness import FaultProxy, RedisCluster, RedisServer, free_port
 from tests.tiers.xxh3_forgery import encode_format_1, forge_keeping_xxh3
 from tiers.base import BlockMeta, BlockStore, TierConfigError
 from tiers.breaker import CircuitBreaker
-from tiers.codec import BlockCodec, derive_mac_key
+from tiers.codec import BlockCodec, DecodedHeader, derive_mac_key
 from tiers.payload import KVBlock, KVLayout
 from tiers.redis_store import RedisStore, default_max_value_bytes
 
@@ -47,9 +47,9 @@ class SpyCodec(BlockCodec):
 
     num_decodes = 0
 
-    def decode(self, data: Any, expected: BlockMeta) -> KVBlock:
+    def decode_with_header(self, data: Any, expected: BlockMeta) -> tuple[DecodedHeader, KVBlock]:
         self.num_decodes += 1
-        return super().decode(data, expected)
+        return super().decode_with_header(data, expected)
 
 
 def make_codec(
