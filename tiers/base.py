@@ -172,7 +172,15 @@ class RemoteStore(BlockStore, Protocol):
 
     def delete_meta(self, meta: BlockMeta) -> None: ...
 
-    def flush_namespace(self, namespace_digest: bytes) -> int: ...
+    def delete_metas(self, metas: Sequence[BlockMeta], *,
+                     min_idle_s: float | None = None) -> int:
+        """Delete these blocks (only those idle at least ``min_idle_s``); how many went."""
+        ...
+
+    def remove_where(self, *, namespace_digest: bytes | None = None,
+                     key: BlockKey | None = None, min_idle_s: float | None = None) -> int:
+        """Remove every block of the deployment matching all given selectors."""
+        ...
 
     def fetch_chain(
         self, metas: Sequence[BlockMeta]

@@ -253,8 +253,10 @@ class TierHierarchy:
             return False
         return self._writer.submit(items)
 
-    def forget_remote(self, metas: Sequence[BlockMeta]) -> None:
-        """Delete these blocks from the remote store (admin eviction reaching every replica).
+    def forget_remote(self, metas: Sequence[BlockMeta], *,
+                      min_idle_s: float | None = None) -> None:
+        """Delete these blocks (with ``min_idle_s``: those idle that long) from the remote
+        store (admin eviction reaching every replica).
 
         Queued writes are flushed first, so that a block queued before the eviction does not
         reappear after it.
@@ -263,16 +265,18 @@ class TierHierarchy:
             return
         if self._writer is not None:
             self._writer.flush(timeout_s=30.0)
-        for meta in metas:
-            self.remote.delete_meta(meta)
+        self.remote.delete_metas(metas, min_idle_s=min_idle_s)
 
-    def flush_remote_namespace(self, namespace_digest: bytes) -> int:
-        """Remove every remote block of one namespace; how many keys went."""
+    def remove_remote_where(self, *, namespace_digest: bytes | None = None,
+                            key: BlockKey | None = None, min_idle_s: float | None = None) -> int:
+        """Remove the remote blocks a selection names (``RemoteStore.remove_where``), after
+        the queued writes; how many keys went."""
         if self.remote is None:
             return 0
         if self._writer is not None:
             self._writer.flush(timeout_s=30.0)
-        return self.remote.flush_namespace(namespace_digest)
+        return self.remote.remove_where(namespace_digest=namespace_digest, key=key,
+                                        min_idle_s=min_idle_s)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for queued remote writes and local disk writes (graceful shutdown, tests)."""

@@ -35,15 +35,15 @@ first miss at position i every later position is None (those values are not even
 even if Redis held them; Redis's own eviction can drop a parent and keep its child, and the
 child must never be used.
 
-Keys need the namespace digest, which ``BlockStore.delete(key)`` and ``contains(key)`` do not
-carry: the store remembers the Redis key of the last ``_NUM_KNOWN_KEYS`` blocks this process put
-or got, and ``delete_meta(meta)`` / ``contains_meta(meta)`` work for any block.
+Keys need the namespace digest, which ``delete(key)`` and ``contains(key)`` do not carry: the
+store remembers the Redis key of the last ``_NUM_KNOWN_KEYS`` blocks this process put or got;
+``delete_metas`` / ``contains_meta`` work for any block, ``remove_where`` for any selection.
 
 Production: use ``rediss://`` and a Redis user with a password (ACL) in the URL; stored KV is
 as sensitive as the prompts. Passwords never reach a log line (URLs are redacted).
 
-The redis-py mechanics -- building and closing clients, which exceptions are faults, the
-commands over many keys, URL redaction -- live in ``tiers.redis_client``.
+The redis-py mechanics (clients, faults, commands over many keys, URL redaction) live in
+``tiers.redis_client``, the bookkeeping of failures in ``tiers.redis_faults``.
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ from tiers.redis_client import (
     is_wrong_type,
     raise_first_error,
     redact_url,
-    scan_keys,
     unlink_all,
+    unlink_idle,
+    unlink_matching,
     url_secrets,
 )
 from tiers.redis_faults import RedisFaults
@@ -417,11 +418,31 @@ class RedisStore(BatchDefaults):
             if redis_key is None:
                 self._num_delete_unknown += 1
                 return
-        self._delete_redis_key(redis_key)
+        client = self._admit()
+        if client is not None:
+            self._unlink(client, [redis_key])
 
     def delete_meta(self, meta: BlockMeta) -> None:
         """Delete any block, given its meta (the general form of ``delete``)."""
-        self._delete_redis_key(self._remember(meta))
+        self.delete_metas([meta])
+
+    def delete_metas(self, metas: Sequence[BlockMeta], *,
+                     min_idle_s: float | None = None) -> int:
+        """Delete these blocks in one round trip (two with ``min_idle_s``: only those idle at
+        least that long, by ``OBJECT IDLETIME``); how many keys went (0 on a fault)."""
+        client = self._admit()
+        if client is None or not metas:
+            return 0
+        began = time.perf_counter()
+        try:
+            num = unlink_idle(client, [self._remember(m) for m in metas], min_idle_s)
+        except REDIS_FAULTS as exc:
+            self._faults.on_fault(exc)
+            return 0
+        self._faults.on_success(began)
+        with self._lock:
+            self._stats.deletes += num
+        return num
 
     def contains(self, key: BlockKey) -> bool:
         """EXISTS for a block this process put or got recently; False when unknown or on error."""
@@ -433,42 +454,38 @@ class RedisStore(BatchDefaults):
         """EXISTS for any block, given its meta; False on error. Does not verify the value."""
         return self._exists(self._remember(meta))
 
-    def flush_namespace(self, namespace_digest: bytes) -> int:
-        """Remove every key of one namespace (admin eviction of a tenant); SCAN + UNLINK on
-        every master. Returns how many keys were removed.
+    def remove_where(self, *, namespace_digest: bytes | None = None, key: BlockKey | None = None,
+                     min_idle_s: float | None = None) -> int:
+        """Remove every block key of this deployment (``key_prefix``) in ``namespace_digest``
+        (default: any), of block ``key`` (default: any), idle at least ``min_idle_s`` (default:
+        however idle) -- SCAN + UNLINK on every primary, whichever replica wrote them. Returns
+        how many keys were removed.
 
-        A Redis fault stops the flush: it is counted, logged as a warning saying how far it
-        got, and the keys left behind expire with their TTL; run it again to finish.
+        A Redis fault stops it: it is counted, logged as a warning saying how far it got, and
+        the keys left behind expire with their TTL; run it again to finish.
         """
         client = self._admit()
         if client is None:
-            logger.warning("redis tier at %s is unavailable: namespace not flushed",
+            logger.warning("redis tier at %s is unavailable: nothing removed from it",
                            self._faults.where)
             return 0
-        prefix = f"{self._key_prefix}:{namespace_digest.hex()}:"
+        ns_part = "*" if namespace_digest is None else namespace_digest.hex()
+        key_part = "*" if key is None else key.hex()
+        pattern = f"{glob_escape(self._key_prefix)}:{ns_part}:{key_part}"
         with self._lock:
-            for key, redis_key in list(self._block_key_to_redis_key.items()):
-                if redis_key.startswith(prefix):
-                    del self._block_key_to_redis_key[key]
+            for known, redis_key in list(self._block_key_to_redis_key.items()):
+                _, ns_hex, key_hex = redis_key.rsplit(":", 2)
+                if ns_part in ("*", ns_hex) and key_part in ("*", key_hex):
+                    del self._block_key_to_redis_key[known]
         num_removed = 0
         began = time.perf_counter()
         try:
-            batch: list[bytes] = []
-            for found in scan_keys(client, glob_escape(prefix) + "*"):
-                batch.append(found)
-                if len(batch) >= _FLUSH_BATCH:
-                    num_removed += unlink_all(client, batch)
-                    batch = []
-            if batch:
-                num_removed += unlink_all(client, batch)
+            num_removed = unlink_matching(client, pattern, min_idle_s=min_idle_s,
+                                          batch=_FLUSH_BATCH)
         except REDIS_FAULTS as exc:
             self._faults.on_fault(exc)
-            logger.warning(
-                "flushing a namespace from the redis tier at %s stopped after %d keys: %s",
-                self._faults.where,
-                num_removed,
-                self._faults.describe(exc),
-            )
+            logger.warning("removing keys from the redis tier at %s stopped early: %s",
+                           self._faults.where, self._faults.describe(exc))
         else:
             self._faults.on_success(began)
         with self._lock:
@@ -566,11 +583,6 @@ class RedisStore(BatchDefaults):
         with self._lock:
             self._stats.deletes += num
         return True
-
-    def _delete_redis_key(self, redis_key: str) -> None:
-        client = self._admit()
-        if client is not None:
-            self._unlink(client, [redis_key])
 
     def _exists(self, redis_key: str) -> bool:
         client = self._admit()

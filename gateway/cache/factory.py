@@ -28,6 +28,7 @@ from tiers.disk import DiskStore
 from tiers.hierarchy import TierHierarchy, TierLevel
 from tiers.memory import DeviceStore, HostStore
 from tiers.payload import KVLayout
+from tiers.redis_events import RedisEventLog
 from tiers.redis_store import RedisStore
 
 logger = logging.getLogger(__name__)
@@ -134,6 +135,8 @@ class OpenedCache:
     codec: BlockCodec
     num_recovered_blocks: int
     sweeper: ExpirySweeper | None = None
+    events: RedisEventLog | None = None
+    """The stream replicas tell each other their evictions on (with Redis only)."""
 
     def close(self) -> None:
         """Stop the sweeper, then flush and close the stores (stop the engine first)."""
@@ -217,7 +220,19 @@ def open_cache(
     hierarchy.start()
     sweeper = ExpirySweeper(cache, interval_s=config.sweep_interval_s)
     sweeper.start()
+    events = None
+    if config.redis_url:
+        events = RedisEventLog(config.redis_url, name=f"{config.redis_key_prefix}:events",
+                               cluster=config.redis_cluster, timeout_s=config.redis_timeout_s)
     return OpenedCache(cache=cache, hierarchy=hierarchy, codec=codec,
-                       num_recovered_blocks=num_recovered, sweeper=sweeper)
+                       num_recovered_blocks=num_recovered, sweeper=sweeper, events=events)
+
+
+def eviction_cursor_path(config: CacheConfig) -> Path | None:
+    """Where a replica keeps the id of the last eviction it applied: beside the disk tier,
+    whose blocks are what outlives a restart (None without one: nothing to catch up on)."""
+    if not config.disk_bytes or config.disk_path is None:
+        return None
+    return config.disk_path / "eviction-cursor"
 
 

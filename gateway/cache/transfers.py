@@ -299,9 +299,11 @@ class TierTransfers:
             placement.note_remote_hits(len(used))
         return used
 
-    def forget_remote(self, namespace: Namespace, tokens: TokenIds) -> int:
-        """Delete every full block of ``tokens`` (in ``namespace``) from the remote store, so
-        that no replica serves the prefix or anything after it. Returns how many blocks."""
+    def forget_remote(self, namespace: Namespace, tokens: TokenIds, *,
+                      min_idle_s: float | None = None) -> int:
+        """Delete every full block of ``tokens`` (in ``namespace``; with ``min_idle_s``, only
+        those idle that long) from the remote store, so that no replica serves the prefix or
+        anything after it. Returns how many blocks were named."""
         if self._hierarchy.remote is None:
             return 0
         fp = self._placement.fingerprinter(namespace)
@@ -312,15 +314,17 @@ class TierTransfers:
                                    owner=namespace.scope.owner,
                                    tokens=fp.block_token_bytes(tokens, i)))
             parent = key
-        self._hierarchy.forget_remote(metas)
+        self._hierarchy.forget_remote(metas, min_idle_s=min_idle_s)
         return len(metas)
+
+    def remove_remote_where(self, *, namespace_digest: bytes | None = None,
+                            key: BlockKey | None = None, min_idle_s: float | None = None) -> int:
+        """Remove the remote blocks of a namespace (None: every namespace of the deployment),
+        of one block key, idle at least ``min_idle_s``; how many keys went."""
+        return self._hierarchy.remove_remote_where(namespace_digest=namespace_digest, key=key,
+                                                   min_idle_s=min_idle_s)
 
     def refresh_remote_expiry(self, metas: Sequence[BlockMeta]) -> None:
         """Give these blocks' remote copies the expiry their metas say (pin, unpin)."""
         self._hierarchy.refresh_remote_expiry(metas)
 
-    def flush_remote(self, namespaces: Iterable[Namespace]) -> int:
-        """Remove every remote block of these namespaces; how many keys went."""
-        if self._hierarchy.remote is None:
-            return 0
-        return sum(self._hierarchy.flush_remote_namespace(ns.digest) for ns in namespaces)

@@ -22,6 +22,7 @@ If the engine's worker thread dies while serving, health turns NOT_SERVING at on
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -47,6 +48,8 @@ logger = logging.getLogger(__name__)
 
 _WATCH_INTERVAL_S = 0.25
 """How often ``serve`` looks whether it must stop (a signal, or a dead engine worker)."""
+_CATCH_UP_S = 10.0
+"""The longest a starting replica waits to apply the evictions it missed before it serves."""
 
 
 def build_authenticator(
@@ -111,7 +114,8 @@ def serve(
     server.start()
     # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
     from gateway.cache.admin import CacheAdmin
-    from gateway.cache.factory import open_cache
+    from gateway.cache.factory import eviction_cursor_path, open_cache
+    from gateway.cache.invalidation import EvictionFeed
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.model import load_model
 
@@ -120,6 +124,7 @@ def serve(
     opened = None
     engine: Engine | None = None
     metrics: GatewayMetrics | None = None
+    feed: EvictionFeed | None = None
     try:
         loaded = load_model(config.model, cache_dir=config.data_dir / "models")
         opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret)
@@ -145,8 +150,21 @@ def serve(
             metrics=metrics,
         )
         engine.start()
+        admin: CacheAdmin
+        if opened.events is not None:
+            # Evictions through other replicas reach this one's tiers (and those it missed
+            # while down are applied before it serves).
+            feed = EvictionFeed(opened.events, lambda event: admin.apply_event(event),
+                                origin=secrets.token_hex(8),
+                                cursor_path=eviction_cursor_path(config.cache))
+        admin = CacheAdmin(opened.cache, keys=engine, feed=feed)
+        if feed is not None:
+            feed.start()
+            if not feed.caught_up.wait(_CATCH_UP_S):
+                logger.warning("serving before the evictions of other replicas were read: "
+                               "Redis is slow or unreachable")
         if not stop_requested.is_set():
-            server.attach(engine, CacheAdmin(opened.cache, keys=engine))
+            server.attach(engine, admin)
             logger.info(
                 "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s, tiers %s, %d API key(s), "
                 "engine route %s: %s)",
@@ -167,6 +185,8 @@ def serve(
         server.stop(0)
         if metrics is not None:
             metrics.stop()
+        if feed is not None:
+            feed.stop()
         if opened is not None:
             if is_worker_stopped:
                 opened.close()

@@ -610,10 +610,10 @@ def _flush_one_namespace(url: str, open_store: Callable[..., RedisStore], **opti
     chain_a, chain_b = make_chain(tenant_a, 7, seed=1), make_chain(tenant_b, 5, seed=2)
     store.put_many(chain_a)
     store.put_many(chain_b)
-    assert store.flush_namespace(tenant_a) == 7
+    assert store.remove_where(namespace_digest=tenant_a) == 7
     assert store.get_many([meta for meta, _ in chain_a]) == [None] * 7
     assert all(block is not None for block in store.get_many([meta for meta, _ in chain_b]))
-    assert store.flush_namespace(tenant_a) == 0
+    assert store.remove_where(namespace_digest=tenant_a) == 0
 
 
 def test_flush_namespace_removes_exactly_one_namespace(

@@ -1,5 +1,6 @@
 """Honest state through the engine (issue 11, item 4): counters and budgets say what happened,
-and shutdown waits for the worker before the stores go.
+and shutdown waits for the worker before the stores go; and an operator's ``--prefix`` matches
+a system prompt as it was warmed (item 2).
 
 A real tiny Llama, engine and cache in this process; the disk tier runs over the
 fault-injecting file seam (``tests.tiers.faulty_fs``) where a test needs a slow read.
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import OpenedCache, open_cache
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
@@ -108,6 +110,28 @@ def test_a_shared_block_stored_again_under_a_tenant_key_is_charged_once_per_copy
     assert opened.cache.stats().num_blocks == blocks + 3  # ... and kept under the tenant's keys
     charged, held = charged_and_held_bytes(opened)
     assert charged == held  # every charged byte is memory the tier holds, once
+
+
+def test_evict_by_prefix_text_matches_a_system_prompt_as_prewarm_warmed_it(
+    device_only: tuple[Engine, OpenedCache],
+) -> None:
+    engine, opened = device_only
+    system = "You are the billing assistant of Acme. Answer in one sentence. " * 3
+    warmed = engine.warm(WarmRequest(  # exactly what `kvgate prewarm` sends for a text file
+        prompt=PromptInput(messages=[{"role": "system", "content": system}],
+                           add_generation_prompt=False),
+        scope=Scope.of_tenant("alice")))
+    assert warmed.num_blocks >= 2
+    chat = PromptInput(messages=[{"role": "system", "content": system},
+                                 {"role": "user", "content": "Where is my invoice?"}])
+    _, _, usage = run(engine, chat, max_tokens=2)  # a chat under it hits the warmed blocks
+    assert usage.cached_tokens == warmed.num_blocks * BLOCK
+    settled(opened.cache)
+    admin = CacheAdmin(opened.cache, keys=engine)
+    evicted = admin.evict(tenant="alice", prefix_text=system)  # the text an operator has
+    assert evicted.num_blocks >= warmed.num_blocks  # the system prompt and the chat under it
+    _, _, usage = run(engine, chat, max_tokens=2)
+    assert usage.cached_tokens == 0
 
 
 # ---- shutdown ---------------------------------------------------------------------------

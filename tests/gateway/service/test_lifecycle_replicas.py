@@ -21,7 +21,9 @@ from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
 
 BLOCK = 16
-TTL_S = 2.0
+TTL_S = 3.0
+"""Real time, shortened. (2 s left too little room on a loaded 2-core machine between A's warm
+and B's fetch and lookup; the unit tests use 2 s.)"""
 
 
 def _config(redis_url: str) -> str:
@@ -105,20 +107,22 @@ def test_a_ttl_reaches_redis_and_the_other_replica_and_the_block_goes_everywhere
     keys_before, files_before = redis_keys(module_redis_server), block_files(a)
     with a.client() as client:
         warmed = client.warm(prompt, ttl_s=TTL_S)
+    began = time.monotonic()
     assert warmed.num_blocks >= 3
     wait_for("the remote writes",
              lambda: len(redis_keys(module_redis_server) - keys_before) >= warmed.num_blocks)
-    new_keys = redis_keys(module_redis_server) - keys_before
-    # Redis got the request's TTL, not the store-wide one (an hour by default).
-    pttls = [module_redis_server.command("PTTL", key) for key in new_keys]
-    assert all(isinstance(t, int) and 0 < t <= TTL_S * 1000 for t in pttls), pttls
-    wait_for("the disk writes", lambda: len(block_files(a) - files_before) >= warmed.num_blocks)
-    new_files = block_files(a) - files_before
-
     with b.client() as client:  # B is served from Redis (its own request asks for 1 h)
         _, usage = client.generate_text(prompt, max_tokens=1)
     assert usage.cached_tokens_by_tier.get("redis", 0) >= 2 * BLOCK, usage
-    assert cached(b, prompt) >= 2 * BLOCK  # and holds the blocks now
+    held = cached(b, prompt)  # and holds the blocks now
+    assert held >= 2 * BLOCK, f"B holds {held} tokens {time.monotonic() - began:.2f} s after"
+
+    new_keys = redis_keys(module_redis_server) - keys_before
+    # Redis got the request's TTL, not the store-wide one (an hour by default).
+    pttls = [module_redis_server.command("PTTL", key) for key in new_keys]
+    assert all(isinstance(t, int) and t <= TTL_S * 1000 for t in pttls), pttls
+    wait_for("the disk writes", lambda: len(block_files(a) - files_before) >= warmed.num_blocks)
+    new_files = block_files(a) - files_before
 
     time.sleep(TTL_S + 0.5)
     assert cached(a, prompt) == 0
@@ -127,23 +131,91 @@ def test_a_ttl_reaches_redis_and_the_other_replica_and_the_block_goes_everywhere
     wait_for("the sweeper", lambda: not block_files(a) & new_files, timeout_s=2.0)
 
 
-def test_a_block_that_expires_while_its_replica_is_down_is_gone_after_the_restart(
+# ---- eviction reaches every replica -------------------------------------------------------
+
+
+def system_prompt(tag: str) -> str:
+    return (f"[{tag}] You answer billing questions for the Acme cloud; one sentence, no "
+            "citations, every number exact, and this preamble is long enough to fill blocks.")
+
+
+def warm_as_prewarm(replica: Replica, text: str) -> int:
+    """Warm ``text`` the way ``kvgate prewarm`` warms a text file: as a system message."""
+    with replica.client() as client:
+        return client.warm(messages=[{"role": "system", "content": text}],
+                           add_generation_prompt=False).num_blocks
+
+
+def cached_system(replica: Replica, text: str) -> int:
+    with replica.client() as client:
+        return client.lookup(messages=[{"role": "system", "content": text}],
+                             add_generation_prompt=False).cached_tokens
+
+
+def within_one_second(what: str, predicate: Callable[[], bool]) -> None:
+    """The promise is a bound: an eviction through one replica is a miss on the others within
+    one second."""
+    deadline = time.monotonic() + 1.0
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} took longer than one second"
+        time.sleep(0.02)
+
+
+def test_a_prefix_evicted_through_a_is_a_miss_on_b_within_one_second(
     pair: tuple[Replica, Replica],
 ) -> None:
-    a, _ = pair
-    short, kept = _prompt("short-lived"), _prompt("long-lived")
-    files_before = block_files(a)
-    with a.client() as client:
+    a, b = pair
+    text = system_prompt("evict")
+    num_blocks = warm_as_prewarm(b, text)  # only B holds it locally (and Redis)
+    assert num_blocks >= 3 and cached_system(b, text) == num_blocks * BLOCK
+    with a.client(admin=True) as admin:
+        admin.evict(tenant=TENANT, prefix_text=text)  # the text, as the operator has it
+    within_one_second("B dropping its local copy", lambda: cached_system(b, text) == 0)
+    with b.client() as client:  # and Redis no longer has it either
+        _, usage = client.generate_text(messages=[{"role": "system", "content": text},
+                                                  {"role": "user", "content": "Hi"}],
+                                        max_tokens=1)
+    assert usage.cached_tokens == 0, usage
+
+
+def test_a_replica_that_was_down_drops_what_expired_or_was_evicted_meanwhile(
+    pair: tuple[Replica, Replica],
+) -> None:
+    """One restart of B, two promises (a restart costs seconds of test time): a block that
+    expired while B was down is not adopted, and an eviction published while B was down is
+    applied before B serves -- while a block that did neither is a disk hit after it."""
+    a, b = pair
+    short, kept, evicted = _prompt("short-lived"), _prompt("long-lived"), system_prompt("down")
+    files_before = block_files(b)
+    with b.client() as client:
         warmed = client.warm(short, ttl_s=TTL_S)
+        expires = time.monotonic() + TTL_S
         wait_for("the disk writes",
-                 lambda: len(block_files(a) - files_before) >= warmed.num_blocks)
-        short_files = block_files(a) - files_before
+                 lambda: len(block_files(b) - files_before) >= warmed.num_blocks)
+        short_files = block_files(b) - files_before
         client.warm(kept)  # the default TTL: an hour
-    a.stop()
-    time.sleep(TTL_S + 0.5)  # the short-lived prefix expires while A is down
-    a.launch()
-    a.wait_serving(timeout_s=180.0)
-    assert not block_files(a) & short_files  # not adopted: deleted at start
-    assert cached(a, short) == 0
-    with a.client() as client:
+    warm_as_prewarm(b, evicted)
+    b.stop()
+    with a.client(admin=True) as admin:
+        admin.evict(tenant=TENANT, prefix_text=evicted)  # B is not there to hear it
+    time.sleep(max(0.0, expires - time.monotonic()) + 0.5)  # the short-lived prefix expires
+    b.launch()
+    b.wait_serving(timeout_s=180.0)
+    assert not block_files(b) & short_files  # expired: not adopted, deleted at start
+    assert cached(b, short) == 0
+    assert cached_system(b, evicted) == 0  # adopted from disk, then evicted before serving
+    with b.client() as client:
         assert client.lookup(kept).cached_tokens_by_tier.get("disk", 0) >= 3 * BLOCK
+
+
+def test_flush_through_a_empties_b_and_every_block_key_in_redis(
+    pair: tuple[Replica, Replica], module_redis_server: RedisServer,
+) -> None:
+    a, b = pair
+    text = system_prompt("flush")
+    warm_as_prewarm(b, text)
+    assert cached_system(b, text) > 0
+    with a.client(admin=True) as admin:
+        admin.flush()
+    within_one_second("B emptying its tiers", lambda: cached_system(b, text) == 0)
+    assert redis_keys(module_redis_server) == {b"kvgate:events"}  # only the event stream
