@@ -18,6 +18,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+import torch
+
 from gateway.cache.adoption import adopt
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.cache.sweeper import ExpirySweeper
@@ -152,22 +154,27 @@ def open_cache(
     layout: KVLayout,
     deployment_secret: bytes,
     clock: Callable[[], float] = time.monotonic,
+    device: torch.device | str = "cpu",
 ) -> OpenedCache:
-    """Build and start every tier of ``config`` for a model with ``layout``.
+    """Build and start every tier of ``config`` for a model with ``layout`` running on
+    ``device``: the device tier lives there, and the host tier is pinned (and serves there)
+    exactly when it is a GPU.
 
     The disk tier's files from an earlier run are re-indexed (headers only) and served again.
     """
+    device = torch.device(device)
     codec = BlockCodec(
         mac_key=derive_mac_key(deployment_secret),
         layout=layout,
         block_tokens=config.block_tokens,
         compression=config.compression,
     )
-    levels = [TierLevel(name="device", store=DeviceStore())]
+    levels = [TierLevel(name="device", store=DeviceStore(device=device))]
     budgets = {"device": config.device_bytes}
     if config.host_bytes:
         levels.append(TierLevel(name="host", store=HostStore(
-            layout=layout, block_tokens=config.block_tokens, budget_bytes=config.host_bytes)))
+            layout=layout, block_tokens=config.block_tokens, budget_bytes=config.host_bytes,
+            pin=device.type == "cuda", serve_device=device)))
         budgets["host"] = config.host_bytes
     disk: DiskStore | None = None
     if config.disk_bytes and config.disk_path is not None:

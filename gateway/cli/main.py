@@ -187,6 +187,9 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--model", default=None,
                        help="'bundled' (SmolLM2-135M-Instruct, the default) or a checkpoint "
                             "directory")
+    serve.add_argument("--device", default=None,
+                       help="where the model and the device tier live: auto (the first GPU if "
+                            "torch sees one, else the CPU; the default), cpu, cuda or cuda:N")
     serve.add_argument("--allow-insecure-remote", action="store_true", default=None,
                        help="listen on a non-loopback address without TLS (API keys travel "
                             "in the clear: only behind a TLS-terminating proxy)")
@@ -348,7 +351,8 @@ def _serve(args: argparse.Namespace) -> int:
             args.config,
             env=os.environ,
             overrides={"host": args.host, "port": args.port, "data_dir": args.data_dir,
-                       "model": args.model, "allow_insecure_remote": args.allow_insecure_remote},
+                       "model": args.model, "allow_insecure_remote": args.allow_insecure_remote,
+                       "device": args.device},
         )
     except ConfigError as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")

@@ -12,7 +12,8 @@ EXAMPLE_CONFIG = """\
 #
 # Every key is optional: what is left out keeps the default shown. Environment variables
 # add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) and set the deployment secret
-# (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir and --model override [server].
+# (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir, --model and --device override
+# [server].
 # Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
 
 [server]
@@ -20,6 +21,7 @@ host = "127.0.0.1"              # a non-loopback host needs TLS (or allow_insecu
 port = 50051
 data_dir = "data"               # kv/ (disk tier), models/, secret, dev-api-key
 model = "bundled"               # SmolLM2-135M-Instruct, or a transformers checkpoint directory
+device = "auto"                 # the model and the device tier: auto (a GPU if any), cpu, cuda:N
 # tls_cert = "/etc/kvgate/tls.crt"   # PEM; give both or neither
 # tls_key = "/etc/kvgate/tls.key"
 # allow_insecure_remote = false      # plaintext on a non-loopback host (behind a TLS proxy)

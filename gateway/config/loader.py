@@ -2,14 +2,15 @@
 
 Sources, later ones winning: the defaults here, a TOML or JSON file (``--config``), the
 environment (``KVGATE_API_KEYS``, ``KVGATE_ADMIN_KEYS``: keys are added to the file's), and the
-command line (``--host``, ``--port``, ``--data-dir``, ``--model``). Every problem is reported
-at once, before anything starts, with the file's own names::
+command line (``--host``, ``--port``, ``--data-dir``, ``--model``, ``--device``). Every problem
+is reported at once, before anything starts, with the file's own names::
 
     [server]
     host = "127.0.0.1"            # a non-loopback host needs TLS (or allow_insecure_remote)
     port = 50051
     data_dir = "data"             # kv/ (disk tier), models/, secret, dev-api-key
     model = "bundled"             # or a transformers checkpoint directory
+    device = "auto"               # auto | cpu | cuda | cuda:N: the model and the device tier
     tls_cert = "/etc/kvgate/tls.crt"
     tls_key = "/etc/kvgate/tls.key"
 
@@ -54,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cache.factory import CacheConfig, GiB
+from gateway.config.device import device_problem
 from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
@@ -93,7 +95,7 @@ _UNITS = {"b": 1, "kb": 1000, "kib": KiB, "mb": 1000**2, "mib": MiB, "gb": 1000*
 
 _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
-     "secret_file"}
+     "secret_file", "device"}
 )
 _SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "api_keys",
                        "admin_keys"})
@@ -173,6 +175,10 @@ def load_serve_config(
     allow_insecure = server.get("allow_insecure_remote", False)
     if not isinstance(allow_insecure, bool):
         errors.append("server.allow_insecure_remote must be true or false")
+    device = server.get("device", "auto")
+    problem = device_problem(device)
+    if problem is not None:
+        errors.append(problem)
 
     if errors:
         raise ConfigError("invalid kvgate configuration:\n  - " + "\n  - ".join(errors))
@@ -186,6 +192,7 @@ def load_serve_config(
         tls_cert=tls_cert, tls_key=tls_key, allow_insecure_remote=bool(allow_insecure),
         secret_file=_optional_path(server.get("secret_file")),
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
+        device=str(device),
     )
 
 

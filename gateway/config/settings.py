@@ -204,6 +204,8 @@ class ServeConfig:
         secret_file: the deployment secret (default ``data_dir/secret``).
         keys: every configured API key (tenant and admin).
         grpc, engine, cache, metrics: the sections of the same names.
+        device: where the model and the device tier live: "auto", "cpu", "cuda", "cuda:N"
+            (``gateway.config.device``).
     """
 
     host: str = DEFAULT_HOST
@@ -219,6 +221,8 @@ class ServeConfig:
     engine: EngineSettings = field(default_factory=EngineSettings)
     cache: CacheConfig = field(default_factory=CacheConfig)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    # -- lifecycle and reach (issue 11) --
+    device: str = "auto"
 
     @property
     def address(self) -> str:

@@ -116,6 +116,7 @@ def serve(
     from gateway.cache.admin import CacheAdmin
     from gateway.cache.factory import eviction_cursor_path, open_cache
     from gateway.cache.invalidation import EvictionFeed
+    from gateway.config.device import DeviceError, resolve_device
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.model import load_model
 
@@ -126,8 +127,13 @@ def serve(
     metrics: GatewayMetrics | None = None
     feed: EvictionFeed | None = None
     try:
-        loaded = load_model(config.model, cache_dir=config.data_dir / "models")
-        opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret)
+        try:
+            device = resolve_device(config.device)
+        except DeviceError as exc:
+            raise ServeError(str(exc)) from None
+        loaded = load_model(config.model, cache_dir=config.data_dir / "models", device=device)
+        opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
+                            device=device)
         if config.metrics.enabled:
             metrics = start_metrics(config, opened.cache)
         engine = Engine(
@@ -166,11 +172,11 @@ def serve(
         if not stop_requested.is_set():
             server.attach(engine, admin)
             logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s, tiers %s, %d API key(s), "
-                "engine route %s: %s)",
+                "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s on %s, tiers %s, %d API "
+                "key(s), engine route %s: %s)",
                 config.host, server.port, "TLS" if config.uses_tls else "plaintext",
-                engine.model_name, "+".join(opened.cache.tier_names), authenticator.num_keys,
-                engine.route.name, engine.route.reason,
+                engine.model_name, device, "+".join(opened.cache.tier_names),
+                authenticator.num_keys, engine.route.name, engine.route.reason,
             )
             while not stop_requested.wait(_WATCH_INTERVAL_S):
                 if server.engine_died.is_set():
