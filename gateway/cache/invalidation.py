@@ -137,6 +137,9 @@ class EvictionFeed:
         self.num_applied = 0
         self.caught_up = threading.Event()
         """Set once the reader has handled every event published before it started."""
+        self.settled = threading.Event()
+        """Set once it caught up, or found the stream unreachable (the replica then serves
+        from its local tiers and catches up when Redis is back)."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvgate-evictions", daemon=True)
@@ -167,15 +170,18 @@ class EvictionFeed:
         while cursor is None and not self._stop.is_set():
             cursor = self._attempt(self._start_cursor)
             if cursor is None:
+                self.settled.set()  # unreachable: do not hold the replica back for it
                 self._stop.wait(self._retry_s)
         if cursor is not None and (self._cursor_path is None
                                    or not self._cursor_path.exists()):
             self._save(cursor)  # a restart reads on from here
             self.caught_up.set()  # it starts from the newest event: nothing to catch up on
+            self.settled.set()
         while cursor is not None and not self._stop.is_set():
             after: str = cursor
             events = self._attempt(lambda: self._log.read_after(after))  # noqa: B023
             if events is None:
+                self.settled.set()
                 self._stop.wait(self._retry_s)
                 continue
             for event_id, entry in events:
@@ -191,6 +197,7 @@ class EvictionFeed:
                 self._save(cursor)
             else:
                 self.caught_up.set()
+                self.settled.set()
 
     def _start_cursor(self) -> str:
         saved = self._load()

@@ -166,9 +166,10 @@ def serve(
         admin = CacheAdmin(opened.cache, keys=engine, feed=feed)
         if feed is not None:
             feed.start()
-            if not feed.caught_up.wait(_CATCH_UP_S):
+            feed.settled.wait(_CATCH_UP_S)
+            if not feed.caught_up.is_set():
                 logger.warning("serving before the evictions of other replicas were read: "
-                               "Redis is slow or unreachable")
+                               "Redis is slow or unreachable (they are applied once it is back)")
         if not stop_requested.is_set():
             server.attach(engine, admin)
             logger.info(
