@@ -5,9 +5,11 @@
 #   make lint                       ruff + mypy only
 #   make test-gpu                   the tests marked gpu (the parity suite on CUDA, pinned host
 #                                   tier, device placement) in .venv-gpu with a CUDA torch build
-#   make serve                      the gateway on 127.0.0.1:50051 (prints a dev API key)
+#   make serve                      the gateway: gRPC on 127.0.0.1:50051, the OpenAI-compatible
+#                                   HTTP API on http://127.0.0.1:8000/v1 (prints a dev API key)
 #   make bench-index                the index benchmark (printed figures, see README)
-#   make bench-ttft                 cold vs warm time to first token per tier, beside peers
+#   make bench-ttft                 cold vs warm time to first token per tier, beside peers;
+#                                   table + data/bench-ttft.png
 #   make bench-load                 U users x R chat rounds under one system prompt: kvgate
 #                                   (batched, serial, no_cache) beside `transformers serve
 #                                   --continuous-batching`; table + docs/bench-load.png
@@ -83,11 +85,13 @@ test-gpu: redis-server
 	  sys.exit(0 if torch.cuda.is_available() else 'no CUDA: set GPU_TORCH_SPEC to a CUDA build')"
 	KVGATE_REQUIRE_GPU=1 KVGATE_REQUIRE_REDIS=1 $(GPU_VENV)/bin/pytest -m gpu $(PYTEST_ARGS)
 
-# The gateway on 127.0.0.1:50051 with device + host + disk tiers (disk under data/kv). With no
+# The gateway on 127.0.0.1:50051 (gRPC) and http://127.0.0.1:8000/v1 (the OpenAI API) with
+# device + host + disk tiers (disk under data/kv); it prints both addresses once serving. With no
 # keys configured it prints a development key for tenant `default` (kept in data/dev-api-key);
-# from another terminal: .venv/bin/kvgate generate "Hello"
+# from another terminal: .venv/bin/kvgate generate "Hello", or any OpenAI client.
 serve: $(STAMP)
-	$(VENV)/bin/kvgate serve --host 127.0.0.1 --port 50051 --data-dir data
+	$(VENV)/bin/kvgate serve --host 127.0.0.1 --port 50051 --http-host 127.0.0.1 \
+	  --http-port 8000 --data-dir data
 
 bench-index: $(STAMP)
 	$(VENV)/bin/kvgate bench index

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from policies.base import BlockKey
+from policies.rate import TenantRates
 from tiers.base import BlockExpiry, BlockMeta, BlockStore, RemoteStore, StoreStats
 from tiers.payload import KVBlock
 
@@ -59,12 +60,21 @@ class RemoteWriter:
     """One background thread that writes chains to the remote store, oldest first.
 
     Bounded by bytes: when the remote is slower than the request rate, new writes are dropped
-    (counted), never queued without limit and never waited for.
+    (counted), never queued without limit and never waited for. With a ``budget``, each owner
+    (tenant) may write only so many bytes per second: past it, the rest of a chain is dropped
+    (counted per owner; a chain's head is kept, so no child is written without its parent),
+    so that one tenant's flood cannot fill the shared Redis and push the others' blocks out.
+    Owners in ``exempt_owners`` (the shared scope, which only admins write) are not budgeted.
     """
 
-    def __init__(self, store: BlockStore, *, max_pending_bytes: int = 256 << 20) -> None:
+    def __init__(self, store: BlockStore, *, max_pending_bytes: int = 256 << 20,
+                 budget: TenantRates | None = None,
+                 exempt_owners: frozenset[str] = frozenset()) -> None:
         self._store = store
         self._max_pending_bytes = max_pending_bytes
+        self._budget = budget
+        self._exempt = exempt_owners
+        self.owner_to_num_over_budget: dict[str, int] = {}
         self._queue: queue.Queue[list[tuple[BlockMeta, KVBlock]] | None] = queue.Queue()
         self._pending_bytes = 0
         self._lock = threading.Lock()
@@ -78,6 +88,10 @@ class RemoteWriter:
         self._thread.start()
 
     def submit(self, items: list[tuple[BlockMeta, KVBlock]]) -> bool:
+        if self._budget is not None:
+            items = self._within_budget(items, self._budget)
+            if not items:
+                return False
         size = sum(block.nbytes for _, block in items)
         with self._lock:
             if self._thread is None or self._pending_bytes + size > self._max_pending_bytes:
@@ -86,6 +100,27 @@ class RemoteWriter:
             self._pending_bytes += size
         self._queue.put(items)
         return True
+
+    def _within_budget(self, items: list[tuple[BlockMeta, KVBlock]],
+                       budget: TenantRates) -> list[tuple[BlockMeta, KVBlock]]:
+        kept = []
+        over: set[str] = set()
+        for meta, block in items:
+            owner = meta.owner
+            if owner not in self._exempt and (owner in over
+                                              or not budget.try_take(owner, block.nbytes)):
+                over.add(owner)
+                with self._lock:
+                    self.owner_to_num_over_budget[owner] = (
+                        self.owner_to_num_over_budget.get(owner, 0) + 1)
+                continue
+            kept.append((meta, block))
+        return kept
+
+    @property
+    def num_over_budget(self) -> int:
+        with self._lock:
+            return sum(self.owner_to_num_over_budget.values())
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait until every submitted write is done; False on timeout."""
@@ -134,6 +169,11 @@ class TierHierarchy:
     Args:
         levels: local tiers, fastest first (e.g. device, host, disk).
         remote: the store shared by replicas (Redis), or None.
+        remote_max_pending_bytes: bytes queued for the remote at most (more are dropped).
+        remote_budget: bytes per second each owner may write to the remote (None: no limit).
+        remote_exempt_owners: owners the budget does not apply to.
+        reprobe_interval_s: a tier judged slower than recomputing gets one probing load per
+            this many seconds (see the module docstring).
         clock: time source for load timing.
     """
 
@@ -144,6 +184,8 @@ class TierHierarchy:
         remote: RemoteStore | None = None,
         remote_max_pending_bytes: int = 256 << 20,
         reprobe_interval_s: float = 10.0,
+        remote_budget: TenantRates | None = None,
+        remote_exempt_owners: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not reprobe_interval_s > 0:
@@ -155,7 +197,9 @@ class TierHierarchy:
         self.names = tuple(names)
         self.remote = remote
         self._writer = (
-            RemoteWriter(remote, max_pending_bytes=remote_max_pending_bytes) if remote else None
+            RemoteWriter(remote, max_pending_bytes=remote_max_pending_bytes,
+                         budget=remote_budget, exempt_owners=remote_exempt_owners)
+            if remote else None
         )
         self._clock = clock
         self._bandwidth = {name: Bandwidth() for name in (*names, REMOTE)}
@@ -351,6 +395,7 @@ class TierHierarchy:
             if self._writer is not None:
                 remote.notes["remote_writes_dropped"] = self._writer.num_dropped
                 remote.notes["remote_writes_done"] = self._writer.num_written
+                remote.notes["remote_writes_over_budget"] = self._writer.num_over_budget
             out.append(remote)
         for stats in out:
             bandwidth = self._bandwidth.get(stats.name)

@@ -43,6 +43,7 @@ from gateway.bench.peer_serve import (
     spawn_transformers_serve,
     stream_chat,
 )
+from gateway.bench.plotting import new_figure, save_figure
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_gateway
 from gateway.client import KvgateClient
@@ -395,18 +396,14 @@ def plot_results(results: Sequence[LoadResult], path: Path, out: TextIO) -> bool
     Returns:
         False (having said so) when matplotlib is not installed.
     """
-    try:
-        from matplotlib.figure import Figure  # the Agg canvas: no pyplot, no display
-    except ImportError:
-        out.write(f"\nno plot: matplotlib is not installed (pip install 'kvgate[plot]'); "
-                  f"{path} not written\n")
-        return False
     panels: tuple[tuple[str, Callable[[LoadResult], float]], ...] = (
         ("TTFT p50 (ms)", lambda r: percentile([x.ttft_s for x in r.replies], 0.5) * 1e3),
         ("TTFT p99 (ms)", lambda r: percentile([x.ttft_s for x in r.replies], 0.99) * 1e3),
         ("requests / s", lambda r: r.requests_per_s),
     )
-    figure = Figure(figsize=(13, 4), layout="constrained")
+    figure = new_figure(path, out, size=(13, 4))
+    if figure is None:
+        return False
     axes = figure.subplots(1, len(panels))
     labels = list(dict.fromkeys(r.label for r in results))
     for ax, (title, value) in zip(axes, panels, strict=True):
@@ -420,7 +417,5 @@ def plot_results(results: Sequence[LoadResult], path: Path, out: TextIO) -> bool
         ax.set_xlabel("concurrent users")
         ax.grid(True, alpha=0.3)
     axes[0].legend(fontsize="small")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    out.write(f"\nplot: {path}\n")
+    save_figure(figure, path, out)
     return True

@@ -121,6 +121,10 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
     lines = [
         "[grpc]",
         "shutdown_grace_s = 5.0",
+        "",
+        "[http]",  # a free port: spawned gateways must not contend for the default one
+        "port = 0",
+        "",
         *(engine.toml_lines() if engine is not None else []),
         "",
         "[cache]",

@@ -7,6 +7,9 @@ machine: a tensor clone for the memory tiers, a plain file write (with the same 
 of the same encoded bytes for the disk tier, plain redis-py SET/GET of the same bytes for Redis.
 Each figure is the median of ``--repeats`` runs.
 
+With matplotlib (the ``plot`` extra) the table is also drawn as a PNG (``plot_tiers``): per tier
+and operation, kvgate's time beside the raw limit's.
+
 The codec table shows what authenticating a block costs: encode and decode per block, the block
 MAC alone (keyed BLAKE3 over header and payload) and its share of each, beside the keyed
 functions it was chosen over (HMAC-SHA256, keyed BLAKE2b) on the same bytes.
@@ -31,6 +34,7 @@ from typing import TextIO
 
 import torch
 
+from gateway.bench.plotting import new_figure, save_figure
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import compute_block_kv, load_model
 from policies.base import BlockKey
@@ -328,10 +332,43 @@ def _redis_rows(blocks: list[KVBlock], metas: list[BlockMeta], codec: BlockCodec
     ]
 
 
+def plot_tiers(rows: Sequence[Row], path: Path, out: TextIO) -> bool:
+    """kvgate's time beside the raw limit's for every tier and operation, as a PNG.
+
+    Returns:
+        False when matplotlib is not installed (nothing written).
+    """
+    figure = new_figure(path, out, size=(9, 0.7 * len(rows) + 1.5))
+    if figure is None:
+        return False
+    ax = figure.subplots()
+    names = [f"{row.tier}: {row.operation}\nvs {row.limit_name}" for row in rows][::-1]
+    positions = list(range(len(names)))
+    height = 0.38
+    for offset, label, values, colour in (
+        (height / 2, "kvgate", [row.seconds * 1e3 for row in rows][::-1], "tab:blue"),
+        (-height / 2, "raw limit (same bytes, same run)",
+         [row.limit_seconds * 1e3 for row in rows][::-1], "tab:gray"),
+    ):
+        bars = ax.barh([p + offset for p in positions], values, height=height, label=label,
+                       color=colour)
+        ax.bar_label(bars, labels=[f"{v:.1f}" for v in values], padding=2, fontsize="small")
+    ax.set_yticks(positions, names)
+    ax.set_xlabel(f"ms for the whole prefix ({rows[0].num_bytes / 1e6:.1f} MB), median"
+                  if rows else "ms")
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.margins(x=0.15)
+    ax.legend(fontsize="small", loc="best")
+    save_figure(figure, path, out)
+    return True
+
+
 def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextIO,
                         prompt_tokens: int = 2048, block_tokens: int = 256,
-                        redis_url: str | None = None, redis_binary: str | None = None) -> list[Row]:
-    """Measure every tier on one real prefix and print the table; returns the rows."""
+                        redis_url: str | None = None, redis_binary: str | None = None,
+                        plot: Path | None = None) -> list[Row]:
+    """Measure every tier on one real prefix and print the table (and, with ``plot``, draw it
+    there as a PNG); returns the rows."""
     out.write(f"kvgate bench tiers: loading {model} ...\n")
     out.flush()
     loaded = load_model(model, cache_dir=cache_dir)
@@ -387,4 +424,6 @@ def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextI
         "\nratio = kvgate time / raw limit time, same bytes, same run. Memory tiers run on the "
         f"CPU here (device = {torch.device('cuda' if torch.cuda.is_available() else 'cpu')}).\n"
     )
+    if plot is not None:
+        plot_tiers(rows, plot, out)
     return rows

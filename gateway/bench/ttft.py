@@ -46,6 +46,7 @@ from typing import TextIO
 import torch
 
 from gateway.bench.peers import LLAMA_CPP_THREADS, hf_recipe_rows, llama_cpp_rows, peers_python
+from gateway.bench.plotting import plot_ttft
 from gateway.bench.prompts import SuffixSource, make_prefix
 from gateway.bench.rows import (
     COLD,
@@ -406,6 +407,8 @@ class TtftOptions:
     peers_python: Path | None = None
     with_peers: bool = True
     timeout_s: float = 600.0
+    plot: Path | None = None
+    """Where to draw the PNG of the tables (None: no PNG)."""
 
 
 def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> list[LengthResult]:
@@ -476,6 +479,8 @@ def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> lis
 
     _print_report(options, loaded, results, endpoint, version, (busy_before, cpu_busy_fraction()),
                   out)
+    if options.plot is not None:
+        plot_ttft(results, options.plot, out)
     return results
 
 

@@ -23,6 +23,8 @@ import torch
 from gateway.cache.adoption import adopt
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.cache.sweeper import ExpirySweeper
+from gateway.core.fingerprint import Scope
+from policies.rate import TenantRates
 from policies.registry import ORDER_POLICIES, TierPolicyConfig, build_tier_policy
 from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
@@ -36,6 +38,7 @@ from tiers.redis_store import RedisStore
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
+LOCAL_TIERS = ("device", "host", "disk")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +65,12 @@ class CacheConfig:
             probing it again (meanwhile every request skips Redis at once).
         remote_write: write every new chain through to Redis.
         quotas: bytes per tenant (applied in every tier), e.g. {"tenant-a": 2 * GiB}.
+        tenant_quota: the quota of every tenant without one in ``quotas``, per tier name, e.g.
+            {"device": GiB, "host": 2 * GiB}; a tier left out has none. Over its quota a tenant
+            evicts only its own blocks, so one tenant's flood cannot push the others out.
+        redis_write_bytes_per_s: bytes per second each tenant may write to Redis (bursts of one
+            second's worth); past it the rest of a chain stays local. None: no limit. Blocks of
+            the shared scope (published by admins) are not counted.
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
         reprobe_interval_s: a tier judged slower than recomputing is skipped, except for one
             probing load per this many seconds, so that it is used again once it is fast.
@@ -84,6 +93,8 @@ class CacheConfig:
     redis_retry_after_s: float = 5.0
     remote_write: bool = True
     quotas: Mapping[str, int] = field(default_factory=dict)
+    tenant_quota: Mapping[str, int] = field(default_factory=dict)
+    redis_write_bytes_per_s: int | None = None
     compression: Literal["raw", "lz4", "auto"] = "raw"
     # -- lifecycle (issue 11) --
     reprobe_interval_s: float = 10.0
@@ -94,6 +105,7 @@ class CacheConfig:
         if errors:
             raise ValueError("invalid cache configuration: " + "; ".join(errors))
         object.__setattr__(self, "quotas", MappingProxyType(dict(self.quotas)))
+        object.__setattr__(self, "tenant_quota", MappingProxyType(dict(self.tenant_quota)))
 
     def problems(self) -> list[str]:
         """Every problem with this configuration, for one message listing them all."""
@@ -123,6 +135,15 @@ class CacheConfig:
             if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                     and math.isfinite(value) and value > 0):
                 errors.append(f"{name} must be a positive number of seconds, got {value!r}")
+        for tier, quota in self.tenant_quota.items():
+            if tier not in LOCAL_TIERS:
+                errors.append(f"tenant_quota names the tier {tier!r}; local tiers: "
+                              f"{', '.join(LOCAL_TIERS)} (Redis is bounded by "
+                              "redis_write_bytes_per_s)")
+            elif quota < 0:
+                errors.append(f"tenant_quota of the {tier} tier must be >= 0")
+        if self.redis_write_bytes_per_s is not None and self.redis_write_bytes_per_s < 1:
+            errors.append("redis_write_bytes_per_s must be >= 1 (or unset for no limit)")
         if self.compression not in ("raw", "lz4", "auto"):
             errors.append(f"compression must be raw, lz4 or auto, got {self.compression!r}")
         return errors
@@ -193,7 +214,11 @@ def open_cache(
             connect_timeout_s=config.redis_timeout_s,
             breaker=CircuitBreaker(reset_after_s=config.redis_retry_after_s),
         )
-    hierarchy = TierHierarchy(levels, remote=remote,
+    budget = (None if config.redis_write_bytes_per_s is None else
+              TenantRates(config.redis_write_bytes_per_s, config.redis_write_bytes_per_s,
+                          clock=clock))
+    hierarchy = TierHierarchy(levels, remote=remote, remote_budget=budget,
+                              remote_exempt_owners=frozenset({Scope.shared().owner}),
                               reprobe_interval_s=config.reprobe_interval_s)
     slots = [
         TierSlot(
@@ -201,7 +226,8 @@ def open_cache(
             write_through=level.name == "disk" and config.disk_write_through,
             policy=build_tier_policy(
                 TierPolicyConfig(order=config.order, budget_bytes=budgets[level.name],
-                                 quotas=config.quotas),
+                                 quotas=config.quotas,
+                                 default_quota_bytes=config.tenant_quota.get(level.name)),
                 clock=clock,
             ),
         )

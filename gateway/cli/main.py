@@ -36,6 +36,16 @@ def build_parser() -> argparse.ArgumentParser:
     chunks.add_argument("--sizes", default="64,128,256,512,1024")
     chunks.add_argument("--prompt-tokens", type=int, default=2048)
     chunks.add_argument("--repeats", type=int, default=3)
+    fairness = bench_sub.add_parser("fairness", help="one tenant's TTFT alone and while another "
+                                    "tenant floods the engine (in process)")
+    fairness.add_argument("--model", default="bundled")
+    fairness.add_argument("--data-dir", type=Path, default=Path("data"))
+    fairness.add_argument("--requests", type=int, default=12,
+                          help="the quiet tenant's requests per phase (default: %(default)s)")
+    fairness.add_argument("--flood", type=int, default=8,
+                          help="the flooding tenant's requests in flight (default: %(default)s)")
+    fairness.add_argument("--flood-tokens", type=int, default=1024,
+                          help="prompt words per flood request (default: %(default)s)")
     tiers = bench_sub.add_parser("tiers", help="put/get of a real prefix per tier vs raw limits")
     tiers.add_argument("--model", default="bundled",
                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
@@ -44,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--repeats", type=int, default=5)
     tiers.add_argument("--redis-url", default=None,
                        help="use this Redis instead of starting a redis-server on loopback")
+    tiers.add_argument("--plot", type=Path, default=None,
+                       help="PNG of the table (default: DATA_DIR/bench-tiers.png)")
+    tiers.add_argument("--no-plot", action="store_true", help="write no PNG")
     _add_bench_ttft(bench_sub)
     _add_bench_load(bench_sub)
     _add_serve(sub)
@@ -120,6 +133,10 @@ def _add_bench_ttft(bench_sub: Any) -> None:
     ttft.add_argument("--no-peers", action="store_true", help="skip the llama.cpp rows")
     ttft.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each gateway call in seconds")
+    ttft.add_argument("--plot", type=Path, default=None,
+                      help="PNG of the tables, TTFT per row and prefix length (default: "
+                           "DATA_DIR/bench-ttft.png)")
+    ttft.add_argument("--no-plot", action="store_true", help="write no PNG")
 
 
 def _add_bench_load(bench_sub: Any) -> None:
@@ -174,7 +191,8 @@ def _add_bench_load(bench_sub: Any) -> None:
 
 def _add_serve(sub: Any) -> None:
     serve = sub.add_parser(
-        "serve", help="run the gateway (gRPC kvgate.v1, health, reflection)",
+        "serve", help="run the gateway (gRPC kvgate.v1, health, reflection; the "
+                      "OpenAI-compatible HTTP API beside it)",
         description="Run the gateway until SIGTERM or Ctrl-C. With no API keys configured "
                     "(config file, KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) a development key for "
                     "tenant 'default' is created, printed and kept in DATA_DIR/dev-api-key.")
@@ -190,6 +208,12 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--device", default=None,
                        help="where the model and the device tier live: auto (the first GPU if "
                             "torch sees one, else the CPU; the default), cpu, cuda or cuda:N")
+    serve.add_argument("--http-host", default=None,
+                       help="the OpenAI-compatible HTTP API's address (default: 127.0.0.1)")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="its port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--no-http", action="store_const", const=False, default=None,
+                       dest="http_enabled", help="serve gRPC only")
     serve.add_argument("--allow-insecure-remote", action="store_true", default=None,
                        help="listen on a non-loopback address without TLS (API keys travel "
                             "in the clear: only behind a TLS-terminating proxy)")
@@ -249,12 +273,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                              prompt_tokens=args.prompt_tokens, repeats=args.repeats,
                              out=sys.stdout)
         return 0
+    if args.command == "bench" and args.bench == "fairness":
+        from gateway.bench.fairness import FairnessOptions, run_fairness_benchmark
+
+        run_fairness_benchmark(FairnessOptions(
+            model=args.model, cache_dir=args.data_dir / "models", requests=args.requests,
+            flood=args.flood, flood_tokens=args.flood_tokens), out=sys.stdout)
+        return 0
     if args.command == "bench" and args.bench == "tiers":
         from gateway.bench.tiers import run_tiers_benchmark
 
         args.data_dir.mkdir(parents=True, exist_ok=True)
         run_tiers_benchmark(model=args.model, cache_dir=args.data_dir / "models",
-                            repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url)
+                            repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url,
+                            plot=None if args.no_plot else (
+                                args.plot or args.data_dir / "bench-tiers.png"))
         return 0
     if args.command == "bench" and args.bench == "ttft":
         return _bench_ttft(args, env=os.environ)
@@ -300,6 +333,7 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
         admin_key=args.admin_key or env.get("KVGATE_ADMIN_KEY") or None, tenant=args.tenant,
         redis_url=args.redis_url, peers_python=args.peers_python,
         with_peers=not args.no_peers, timeout_s=args.timeout,
+        plot=None if args.no_plot else (args.plot or args.data_dir / "bench-ttft.png"),
     )
     try:
         run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)
@@ -346,13 +380,19 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn's own INFO lines ("Started server process") describe a process of its own that the
+    # HTTP front does not have; its warnings and errors still show.
+    logging.getLogger("uvicorn.error").setLevel(
+        max(logging.WARNING, logging.getLevelName(args.log_level)))
     try:
         config = load_serve_config(
             args.config,
             env=os.environ,
             overrides={"host": args.host, "port": args.port, "data_dir": args.data_dir,
                        "model": args.model, "allow_insecure_remote": args.allow_insecure_remote,
-                       "device": args.device},
+                       "device": args.device,
+                       "http_host": args.http_host, "http_port": args.http_port,
+                       "http_enabled": args.http_enabled},
         )
     except ConfigError as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")
@@ -370,7 +410,8 @@ def _serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
 
     try:
-        serve(config, env=os.environ, stop_requested=stop_requested, announce=announce)
+        serve(config, env=os.environ, stop_requested=stop_requested, announce=announce,
+              announces_to_terminal=sys.stdout.isatty())
     except (ConfigError, ServeError, GatewayError) as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")
         return EXIT_FAILED

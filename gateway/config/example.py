@@ -13,7 +13,7 @@ EXAMPLE_CONFIG = """\
 # Every key is optional: what is left out keeps the default shown. Environment variables
 # add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS) and set the deployment secret
 # (KVGATE_DEPLOYMENT_SECRET, hex); --host, --port, --data-dir, --model and --device override
-# [server].
+# [server], --http-host, --http-port and --no-http override [http].
 # Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
 
 [server]
@@ -29,7 +29,10 @@ device = "auto"                 # the model and the device tier: auto (a GPU if 
 
 [grpc]                          # limits of the gRPC server
 max_receive_bytes = 4194304     # bigger requests: RESOURCE_EXHAUSTED before any handler
-max_concurrent_rpcs = 64        # more at once: RESOURCE_EXHAUSTED instead of queueing
+max_concurrent_streams = 32     # streams one connection may open at once
+body_timeout_s = 5.0            # a call must send its request this soon after its headers
+handshake_timeout_s = 10.0      # a connection must finish its TLS/HTTP2 handshake this soon
+health_threads = 4              # health checks run apart from keyed calls, on their own threads
 max_deadline_s = 600.0          # the longest a request may run, whatever its client asks
 max_ttl_s = 604800.0            # the longest TTL a request may give its blocks
 shutdown_grace_s = 10.0         # on SIGTERM, time for requests in flight to finish
@@ -44,6 +47,17 @@ max_running = 16                # requests running at once
 max_running_per_tenant = 8      # one tenant cannot take the engine
 max_queued_per_tenant = 32      # nor the queue: more are refused (RESOURCE_EXHAUSTED)
 kv_budget_bytes = "2GiB"        # KV buffers of the running requests, all together
+
+[limits]                        # per API key, checked on the call's headers, before any work
+max_calls = 64                  # calls in flight, all keys (one worker thread each)
+max_calls_per_key = 16          # calls one key may have in flight; more: RESOURCE_EXHAUSTED
+max_lookups = 8                 # Lookups in flight (they tokenise), all keys
+max_lookups_per_key = 4
+lookups_per_s = 50.0            # Lookups one key may start per second (bursts of lookup_burst)
+lookup_burst = 100
+max_warms_per_key = 2           # Warm calls one key may have in flight
+max_prompt_chars = 262144       # checked before the chat template is rendered or tokenised
+max_messages = 512
 
 [cache]
 block_tokens = 64               # tokens per block: the unit of storage and sharing
@@ -60,7 +74,17 @@ redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
 reprobe_interval_s = 10.0       # a tier slower than recomputing is skipped: one probe per interval
 sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
-# quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }
+# quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }   # per tenant, in every tier
+# tenant_quota = { device = "512MiB", host = "1GiB", disk = "2GiB" }  # every other tenant's
+# redis_write_bytes_per_s = "64MiB"   # per tenant: past it, the rest of a chain stays local
+
+[http]                          # the OpenAI-compatible API: http://HOST:PORT/v1
+enabled = true                  # same engine, keys, limits and metrics as gRPC; TLS as [server]
+host = "127.0.0.1"              # a non-loopback host needs TLS (or allow_insecure_remote)
+port = 8000
+max_body_bytes = "4MiB"         # bigger request bodies: 413 before they are read
+max_connections = 1024          # more at once: 503 (the engine's per-tenant limits come first)
+retry_after_s = 1               # Retry-After of a 429 or 503 answer
 
 [metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics
 enabled = false                 # no authentication, per-tenant series: operators only

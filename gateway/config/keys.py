@@ -21,6 +21,12 @@ MIN_KEY_CHARS = 16
 """Shorter keys are refused by the configuration: they could be guessed."""
 
 MAX_KEY_CHARS = 512
+MIN_DISTINCT_KEY_CHARS = 10
+"""A random key of 16 URL-safe characters has ~15 distinct ones; fewer than this is a pattern."""
+
+PLACEHOLDER_WORDS = ("replace", "changeme", "change-me", "change_me", "placeholder",
+                     "example", "your-key", "your_key", "xxxxxxxx", "<", ">")
+"""Words of placeholders left from examples (the deploy files use ``REPLACE-...``)."""
 MAX_TENANT_CHARS = 128
 RESERVED_TENANTS = frozenset({"shared"})
 """Tenant ids that would be confused with the shared scope (its owner is called "shared")."""
@@ -100,14 +106,29 @@ class KeyEntry:
 
 
 def key_problem(key: str) -> str | None:
-    """What is wrong with ``key`` as an API key, or None. The message never contains it."""
+    """What is wrong with ``key`` as an API key, or None. The message never contains it.
+
+    Besides length and characters, a key that is a placeholder left from an example
+    (``REPLACE-...``, ``changeme``) or has little entropy (few distinct characters, one
+    character making up much of it) is refused: such a key would be guessed.
+    """
+    make_one = "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
     if len(key) < MIN_KEY_CHARS:
         return (f"is {len(key)} characters long; use at least {MIN_KEY_CHARS} random characters "
-                "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')")
+                + make_one)
     if len(key) > MAX_KEY_CHARS:
         return f"is longer than {MAX_KEY_CHARS} characters"
     if not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
         return "must be printable ASCII without spaces (it travels in an HTTP/2 header)"
+    lowered = key.lower()
+    placeholder = next((word for word in PLACEHOLDER_WORDS if word in lowered), None)
+    if placeholder is not None:
+        return (f"looks like a placeholder (it contains {placeholder!r}); replace it with a "
+                "random key " + make_one)
+    most_common = max(key.count(c) for c in set(key))
+    if len(set(key)) < MIN_DISTINCT_KEY_CHARS or most_common * 4 > len(key):
+        return (f"has too little entropy ({len(set(key))} distinct characters, one of them "
+                f"{most_common} times); use a random key " + make_one)
     return None
 
 
@@ -151,6 +172,13 @@ def parse_key_list(text: str, *, is_admin: bool, source: str) -> list[KeyEntry]:
             raise ValueError(f"{where}: {problem}")
         entries.append(KeyEntry.of_key(key, tenant, is_admin=is_admin, where=where))
     return entries
+
+
+def admin_tenant_clashes(entries: Sequence[KeyEntry]) -> list[str]:
+    """Admin names that equal a tenant id (refused: an admin key sending prompts in the tenant
+    scope would read and write that tenant's cache, whose scope is its name)."""
+    tenants = {e.principal.tenant for e in entries if not e.principal.is_admin}
+    return sorted({e.principal.tenant for e in entries if e.principal.is_admin} & tenants)
 
 
 def tenants_without_keys(entries: Sequence[KeyEntry], tenants: Iterable[str]) -> list[str]:

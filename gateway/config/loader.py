@@ -2,8 +2,9 @@
 
 Sources, later ones winning: the defaults here, a TOML or JSON file (``--config``), the
 environment (``KVGATE_API_KEYS``, ``KVGATE_ADMIN_KEYS``: keys are added to the file's), and the
-command line (``--host``, ``--port``, ``--data-dir``, ``--model``, ``--device``). Every problem
-is reported at once, before anything starts, with the file's own names::
+command line (``--host``, ``--port``, ``--data-dir``, ``--model``, ``--device``; ``--http-host``,
+``--http-port``, ``--no-http`` for ``[http]``). Every problem is reported at once, before
+anything starts, with the file's own names::
 
     [server]
     host = "127.0.0.1"            # a non-loopback host needs TLS (or allow_insecure_remote)
@@ -15,7 +16,10 @@ is reported at once, before anything starts, with the file's own names::
     tls_key = "/etc/kvgate/tls.key"
 
     [grpc]                        # GrpcSettings: limits, keepalive, deadlines
-    max_concurrent_rpcs = 64
+    body_timeout_s = 5.0
+
+    [limits]                      # LimitSettings: per-key admission, prompt size
+    max_calls_per_key = 16
 
     [engine]                      # EngineSettings
     max_queue = 64
@@ -27,6 +31,9 @@ is reported at once, before anything starts, with the file's own names::
     [metrics]                     # MetricsSettings: Prometheus endpoint, off by default
     enabled = true
     port = 9464
+
+    [http]                        # HttpSettings: the OpenAI-compatible front, on by default
+    port = 8000
 
     [[api_keys]]                  # key = "..." or key_blake2b = "<hex of auth.key_digest(key)>"
     tenant = "tenant-a"
@@ -60,11 +67,13 @@ from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
     KeyEntry,
+    admin_tenant_clashes,
     key_problem,
     parse_key_list,
     tenant_id_problem,
     tenants_without_keys,
 )
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import (
     DEFAULT_DATA_DIR,
     DEFAULT_HOST,
@@ -73,6 +82,7 @@ from gateway.config.settings import (
     ConfigError,
     EngineSettings,
     GrpcSettings,
+    HttpSettings,
     KiB,
     MetricsSettings,
     MiB,
@@ -97,8 +107,15 @@ _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
      "secret_file", "device"}
 )
-_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "api_keys",
-                       "admin_keys"})
+_SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
+                       "api_keys", "admin_keys"})
+_HTTP_OVERRIDES = {"http_host": "host", "http_port": "port", "http_enabled": "enabled"}
+"""Command-line overrides of ``[http]``: the override's name -> the key it sets."""
+_REPLACED = {
+    ("grpc", "max_concurrent_rpcs"): "[grpc] max_concurrent_rpcs is gone: it counted calls before "
+    "their keys were checked. Use [limits] max_calls (all keys) and max_calls_per_key",
+}
+"""Settings that no longer exist, and what replaces them (said instead of "unknown key")."""
 _SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes"})
 
 
@@ -114,7 +131,8 @@ def load_serve_config(
     Args:
         path: a ``.toml`` or ``.json`` file, or None for the defaults.
         env: the environment (``os.environ``); only ``KVGATE_*`` keys are read.
-        overrides: ``[server]`` values from the command line (``None`` values are ignored).
+        overrides: ``[server]`` values from the command line, and ``http_host``,
+            ``http_port``, ``http_enabled`` for ``[http]`` (``None`` values are ignored).
 
     Raises:
         ConfigError: every problem found, in one message. Keys never appear in it.
@@ -127,12 +145,19 @@ def load_serve_config(
         errors.append(f"{where} has unknown sections {unknown}; known: {sorted(_SECTIONS)}")
 
     server = dict(_table(raw, "server", errors))
+    http_table = dict(_table(raw, "http", errors))
     for name, value in (overrides or {}).items():
-        if value is not None:
+        if value is None:
+            continue
+        if name in _HTTP_OVERRIDES:
+            http_table[_HTTP_OVERRIDES[name]] = value
+        else:
             server[name] = value
     _unknown_keys("server", server, _SERVER_KEYS, errors)
 
     grpc_settings = _build(GrpcSettings, "grpc", _table(raw, "grpc", errors), errors)
+    limits = _build(LimitSettings, "limits", _table(raw, "limits", errors), errors)
+    errors.extend(limits.problems())
     engine_table = dict(_table(raw, "engine", errors))
     if "kv_budget_bytes" in engine_table:
         try:
@@ -142,11 +167,19 @@ def load_serve_config(
             del engine_table["kv_budget_bytes"]
     engine = _build(EngineSettings, "engine", engine_table, errors)
     metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
+    if "max_body_bytes" in http_table:
+        try:
+            http_table["max_body_bytes"] = parse_size(http_table["max_body_bytes"])
+        except ValueError as exc:
+            errors.append(f"http.max_body_bytes: {exc}")
+            del http_table["max_body_bytes"]
+    http = _build(HttpSettings, "http", http_table, errors)
     if grpc_settings is not None:
         errors.extend(grpc_settings.problems())
     if engine is not None:
         errors.extend(engine.problems())
     errors.extend(metrics.problems())
+    errors.extend(http.problems())
 
     data_dir = Path(str(server.get("data_dir", DEFAULT_DATA_DIR))).expanduser()
     environment = env or {}
@@ -172,6 +205,10 @@ def load_serve_config(
     for name, tls_path in (("tls_cert", tls_cert), ("tls_key", tls_key)):
         if tls_path is not None and not tls_path.is_file():
             errors.append(f"server.{name} {tls_path} is not a file")
+    if (http.enabled and is_int(port) and port and http.port == port
+            and http.host == host):
+        errors.append(f"http.port and server.port are both {port} on {host}: give the HTTP "
+                      "front a port of its own")
     allow_insecure = server.get("allow_insecure_remote", False)
     if not isinstance(allow_insecure, bool):
         errors.append("server.allow_insecure_remote must be true or false")
@@ -192,6 +229,8 @@ def load_serve_config(
         tls_cert=tls_cert, tls_key=tls_key, allow_insecure_remote=bool(allow_insecure),
         secret_file=_optional_path(server.get("secret_file")),
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
+        http=http,
+        limits=limits,
         device=str(device),
     )
 
@@ -258,7 +297,9 @@ def _table(raw: Mapping[str, Any], name: str, errors: list[str]) -> Mapping[str,
 
 def _unknown_keys(section: str, table: Mapping[str, Any], known: frozenset[str],
                   errors: list[str]) -> None:
-    unknown = sorted(set(table) - known)
+    replaced = [name for name in table if (section, name) in _REPLACED]
+    errors.extend(_REPLACED[(section, name)] for name in replaced)
+    unknown = sorted(set(table) - known - set(replaced))
     if unknown:
         errors.append(f"[{section}] has unknown keys {unknown}; known: {sorted(known)}")
 
@@ -284,6 +325,12 @@ def _cache_config(table: Mapping[str, Any], data_dir: Path,
                 if not isinstance(value, dict):
                     raise ValueError("quotas must be a table of tenant = size")
                 value = {str(tenant): parse_size(size) for tenant, size in value.items()}
+            elif name == "tenant_quota":
+                if not isinstance(value, dict):
+                    raise ValueError("tenant_quota must be a table of tier = size")
+                value = {str(tier): parse_size(size) for tier, size in value.items()}
+            elif name == "redis_write_bytes_per_s":
+                value = parse_size(value)
             elif name == "disk_path":
                 value = Path(str(value)).expanduser()
         except ValueError as exc:
@@ -323,6 +370,9 @@ def _keys(raw: Mapping[str, Any], env: Mapping[str, str], errors: list[str]) -> 
                 entries.extend(parse_key_list(text, is_admin=is_admin, source=name))
             except ValueError as exc:
                 errors.append(str(exc))
+    for name in admin_tenant_clashes(entries):
+        errors.append(f"the admin name {name!r} is also a tenant id: name admin keys apart "
+                      "from tenants (an admin's prompts would share that tenant's cache)")
     digests = [e.digest for e in entries]
     if len(set(digests)) != len(digests):
         errors.append("the same API key is configured more than once; every key must be "

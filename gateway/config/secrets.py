@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 DEV_TENANT = "default"
 SECRET_BYTES = 32
 
+MIN_DISTINCT_SECRET_BYTES = 8
+"""16 random bytes have ~15.5 distinct values; fewer than 8 is a pattern (``00..``, ``abab..``)."""
+
 ENV_SECRET = "KVGATE_DEPLOYMENT_SECRET"
 """Hex of the deployment secret; replicas sharing a Redis tier must all use the same one."""
 
@@ -41,7 +44,8 @@ def deployment_secret(config: ServeConfig, env: Mapping[str, str]) -> bytes:
     created (0600, random) on first start and reused after, so disk blocks stay valid.
 
     Raises:
-        ConfigError: the secret is malformed or unreadable.
+        ConfigError: the secret is malformed, has little entropy, is unreadable or is open to
+            other users.
     """
     text = env.get(ENV_SECRET, "").strip()
     source = ENV_SECRET
@@ -57,6 +61,11 @@ def deployment_secret(config: ServeConfig, env: Mapping[str, str]) -> bytes:
     if not 16 <= len(secret) <= 64:
         raise ConfigError(f"the deployment secret in {source} must be 16 to 64 bytes "
                           f"(32 to 128 hex digits), got {len(secret)} bytes")
+    if len(set(secret)) < MIN_DISTINCT_SECRET_BYTES:
+        raise ConfigError(
+            f"the deployment secret in {source} has too little entropy ({len(set(secret))} "
+            "distinct bytes): make one with python3 -c 'import secrets; "
+            "print(secrets.token_hex(32))'")
     return secret
 
 
@@ -65,7 +74,8 @@ def dev_api_key(config: ServeConfig) -> str:
     first start and reused after. Only for a server with no configured keys.
 
     Raises:
-        ConfigError: the file holds something that is not a usable key.
+        ConfigError: the file holds something that is not a usable key, or is open to other
+            users.
     """
     ensure_private_dir(config.data_dir)
     key = read_or_create_private(
@@ -109,9 +119,16 @@ def read_or_create_private(path: Path, make: Any) -> str:
 
 
 def _read_private(path: Path) -> str:
+    """The text of a secret file, refused if other users could read or change it.
+
+    Raises:
+        ConfigError: the file's mode gives its group or others any access.
+    """
     with path.open("r", encoding="ascii") as fh:
         mode = os.fstat(fh.fileno()).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            logger.warning("%s is readable by other users (mode %o); run chmod 600 %s",
-                           path, stat.S_IMODE(mode), path)
+            raise ConfigError(
+                f"{path} is open to other users (mode {stat.S_IMODE(mode):o}): it holds a "
+                f"secret. Run chmod 600 {path} (in Kubernetes, mount the Secret with "
+                "defaultMode: 0400)")
         return fh.read()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gateway.cache.factory import CacheConfig
 from gateway.config.keys import KeyEntry
+from gateway.config.limits import LimitSettings
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -23,6 +24,10 @@ DEFAULT_DATA_DIR = Path("data")
 DEFAULT_MODEL = "bundled"
 DEFAULT_METRICS_HOST = "127.0.0.1"
 DEFAULT_METRICS_PORT = 9464
+DEFAULT_HTTP_HOST = "127.0.0.1"
+DEFAULT_HTTP_PORT = 8000
+"""The port OpenAI-compatible servers (vLLM, ``transformers serve``) listen on by default, so
+an SDK client's ``base_url`` of ``http://127.0.0.1:8000/v1`` finds kvgate there unchanged."""
 DEV_KEY_FILE = "dev-api-key"
 SECRET_FILE = "secret"
 
@@ -39,9 +44,15 @@ class GrpcSettings:
         max_receive_bytes: largest request message; bigger ones get RESOURCE_EXHAUSTED before
             any handler runs.
         max_send_bytes: largest response message (ListPrefixes and Stats are the big ones).
-        max_concurrent_rpcs: RPCs served at once (one thread each); more get
-            RESOURCE_EXHAUSTED at once instead of queueing without bound.
         max_concurrent_streams: streams one HTTP/2 connection may open at once.
+        body_timeout_s: a call must send its request message within this long of its
+            headers, or it is cancelled and its worker thread freed (a call without a valid
+            key holds no thread at all: it is refused on its headers).
+        handshake_timeout_s: a new connection must finish its TLS and HTTP/2 handshake within
+            this long.
+        health_threads: worker threads of the health service, apart from the keyed calls'
+            (health checks answer whatever the keyed calls are doing); more health calls at
+            once get RESOURCE_EXHAUSTED.
         max_metadata_bytes: largest metadata (headers) a call may send.
         keepalive_time_s: how often the server pings an idle connection to see it is alive.
         keepalive_timeout_s: how long it waits for the answer before closing it.
@@ -59,8 +70,10 @@ class GrpcSettings:
 
     max_receive_bytes: int = 4 * MiB
     max_send_bytes: int = 16 * MiB
-    max_concurrent_rpcs: int = 64
     max_concurrent_streams: int = 32
+    body_timeout_s: float = 5.0
+    handshake_timeout_s: float = 10.0
+    health_threads: int = 4
     max_metadata_bytes: int = 16 * KiB
     keepalive_time_s: float = 60.0
     keepalive_timeout_s: float = 20.0
@@ -81,6 +94,8 @@ class GrpcSettings:
                 errors.append(f"grpc.{f.name} must be a number, got {value!r}")
             elif not (math.isfinite(value) and value > 0):
                 errors.append(f"grpc.{f.name} must be > 0, got {value!r}")
+            elif f.type == "int" and not isinstance(value, int):
+                errors.append(f"grpc.{f.name} must be an integer, got {value!r}")
         if not errors and self.max_connection_age_grace_s < self.max_deadline_s:
             errors.append("grpc.max_connection_age_grace_s must be >= grpc.max_deadline_s, so "
                           "that a connection's age never cuts a request short")
@@ -96,6 +111,7 @@ class GrpcSettings:
             ("grpc.max_receive_message_length", self.max_receive_bytes),
             ("grpc.max_send_message_length", self.max_send_bytes),
             ("grpc.max_concurrent_streams", self.max_concurrent_streams),
+            ("grpc.server_handshake_timeout_ms", ms(self.handshake_timeout_s)),
             ("grpc.max_metadata_size", self.max_metadata_bytes),
             ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
             ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
@@ -191,6 +207,53 @@ class MetricsSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class HttpSettings:
+    """The OpenAI-compatible HTTP front (``gateway.service.http``), on a port of its own.
+
+    It is served by the same engine, keys, limits and metrics as gRPC, with the same TLS
+    certificate (``[server] tls_cert``/``tls_key``) and the same rule: plaintext only on
+    loopback unless ``allow_insecure_remote``.
+
+    Attributes:
+        enabled: serve it.
+        host: where to listen.
+        port: the port (0 picks a free one, logged at start).
+        max_body_bytes: largest request body; a bigger one gets 413 before it is read whole
+            (the Content-Length is checked first, a chunked body as it arrives).
+        max_connections: connections (and requests in flight) at once; more get 503. A
+            backstop against descriptor exhaustion, set far above what the engine admits:
+            the engine's per-tenant limits, checked after the key, are the real admission.
+        retry_after_s: the ``Retry-After`` seconds of a 429 or 503 answer.
+    """
+
+    enabled: bool = True
+    host: str = DEFAULT_HTTP_HOST
+    port: int = DEFAULT_HTTP_PORT
+    max_body_bytes: int = 4 * MiB
+    max_connections: int = 1024
+    retry_after_s: int = 1
+
+    @property
+    def address(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    def problems(self) -> list[str]:
+        errors = []
+        if not isinstance(self.enabled, bool):
+            errors.append(f"http.enabled must be true or false, got {self.enabled!r}")
+        if not isinstance(self.host, str) or not self.host:
+            errors.append(f"http.host must be a host name or address, got {self.host!r}")
+        if not is_int(self.port) or not 0 <= self.port <= 65535:
+            errors.append(f"http.port must be 0 to 65535, got {self.port!r}")
+        for name in ("max_body_bytes", "max_connections", "retry_after_s"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                errors.append(f"http.{name} must be an integer >= 1, got {value!r}")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServeConfig:
     """Everything ``kvgate serve`` needs, validated.
 
@@ -203,7 +266,7 @@ class ServeConfig:
             in the clear: only behind a TLS-terminating proxy on a private network).
         secret_file: the deployment secret (default ``data_dir/secret``).
         keys: every configured API key (tenant and admin).
-        grpc, engine, cache, metrics: the sections of the same names.
+        grpc, engine, cache, metrics, http, limits: the sections of the same names.
         device: where the model and the device tier live: "auto", "cpu", "cuda", "cuda:N"
             (``gateway.config.device``).
     """
@@ -221,6 +284,8 @@ class ServeConfig:
     engine: EngineSettings = field(default_factory=EngineSettings)
     cache: CacheConfig = field(default_factory=CacheConfig)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    http: HttpSettings = field(default_factory=HttpSettings)
+    limits: LimitSettings = field(default_factory=LimitSettings)
     # -- lifecycle and reach (issue 11) --
     device: str = "auto"
 

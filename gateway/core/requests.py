@@ -98,9 +98,20 @@ class TokenDelta:
     text: str
 
 
+SHARED_SCOPE_TIER = "shared"
+"""What ``cached_tokens_by_tier`` says, instead of a tier, for tokens a tenant's request got
+from the shared scope: which tier holds a shared block depends on what *other* tenants used
+recently, so naming it would tell one tenant about the others (RELIABILITY.md, threat 1)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Usage:
-    """The final message of a generation."""
+    """The final message of a generation.
+
+    ``cached_tokens_by_tier`` maps a tier name (``device``, ``host``, ``disk``, ``redis``) to
+    the tokens served from it, or ``SHARED_SCOPE_TIER`` to those a tenant's request got from the
+    shared scope (its tier withheld).
+    """
 
     prompt_tokens: int
     cached_tokens: int
@@ -138,7 +149,11 @@ class LookupRequest:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LookupResult:
-    """How much of a prompt is cached in the caller's scope; nothing computed."""
+    """How much of a prompt is cached in the caller's scope; nothing computed.
+
+    ``cached_tokens_by_tier`` as in ``Usage``: a hit in the shared scope is reported under
+    ``SHARED_SCOPE_TIER``, never under the tier that holds it.
+    """
 
     prompt_tokens: int
     cached_tokens: int

@@ -13,8 +13,8 @@ a fixed shape, fixed by absolute positions only:
 - keys after the query's own position are masked to ``-inf`` (so they weigh exactly 0), and
   so are the tiles a longer chunk brings in: they add exact zeros;
 - the softmax uses the exact maximum over all visible scores (a max is exact in any order),
-  and the tiles are combined one after the other in increasing position order, so extra
-  all-zero tiles at the end change nothing.
+  and the tiles are combined along a binary tree over tile indices (``fold_tile_sum``), so
+  extra all-zero tiles at the end add exact zeros and change nothing.
 
 NOTE: a matmul row's bits depend on how many rows share the product when there are few: on this
 CPU build (torch 2.13, measured for every shape of SmolLM2 and the tiny test Llama) M = 4, 8
@@ -28,6 +28,8 @@ real weights at start-up, and the engine falls back to the serial exact route wh
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -43,48 +45,93 @@ def padded_row_count(num_rows: int) -> int:
     """The row count to pad a product of ``num_rows`` rows to (4, 8, or any count from 12)."""
     return _ROWS_ALONE[num_rows] if num_rows < len(_ROWS_ALONE) else num_rows
 
+EXP_FLOOR = -80.0
+"""Scores more than this below a row's maximum weigh exp(-80) ~ 2e-35 instead of less: a change
+far below float32's resolution of the row's sum, and it keeps exp off its slow underflow path."""
+
+NUMERICS = f"t{TILE}f"
+"""This attention's part of the block namespace: tiles of TILE keys, folded combination. Any
+change to the numbers it produces must change this name, so old cached K/V is never mixed in."""
+
+FEW_QUERIES = 4
+"""Items with up to this many queries (decode rows, short chunks) are attended together."""
+
 QUERY_GROUP = 256
 """Query positions attended at once in a long chunk (bounds the scores' memory)."""
 
 
-class SequenceAttention(Protocol):
-    """Attention of one sequence's new queries over its own keys (one implementation per device).
+@dataclass(frozen=True, slots=True)
+class AttentionItem:
+    """One sequence's part of a step's attention.
 
-    Every implementation keeps the invariance contract: the output row of a query depends only
-    on that query, its position and the keys/values at positions up to it.
+    Attributes:
+        queries: the new tokens' queries ``[n, heads, head_dim]`` (RoPE applied).
+        keys: ``[kv_heads, capacity, head_dim]``; positions up to ``positions.max()`` hold
+            this sequence's keys (RoPE applied), the rest is finite (zeros or stale).
+        values: like ``keys``.
+        positions: the absolute position of each query, ``[n]``.
     """
 
-    def __call__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                 positions: torch.Tensor) -> torch.Tensor:
-        """Attend ``queries`` ``[n, heads, head_dim]`` at ``positions`` ``[n]`` over K/V.
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
 
-        Args:
-            queries: the new tokens' queries (RoPE applied).
-            keys: ``[kv_heads, capacity, head_dim]``; positions up to ``positions.max()`` hold
-                this sequence's keys (RoPE applied), the rest is finite (zeros or stale).
-            values: like ``keys``.
-            positions: the absolute position of each query.
 
-        Returns:
-            ``[n, heads, head_dim]``.
-        """
+class SequenceAttention(Protocol):
+    """Attention of each sequence's new queries over its own keys (one implementation per
+    device), for all the sequences of a step at once.
+
+    Every implementation keeps the invariance contract: the output row of a query depends only
+    on that query, its position and its own sequence's keys/values at positions up to it --
+    never on the other items, nor on how many queries its item has.
+    """
+
+    def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
+        """Per item, its queries attended: ``[n, heads, head_dim]``."""
         ...
 
 
 class TiledAttention:
-    """The CPU implementation: fixed tiles, exact max, sequential combination of tiles."""
+    """The CPU implementation: fixed tiles, exact max, a fixed folded combination of tiles.
+
+    Items with few queries (decode rows) are attended together, one vectorised pass over all
+    of them (a decode step of 8 sequences would otherwise run ~40 small tensor operations per
+    sequence and layer); items with many go one by one in groups of ``QUERY_GROUP`` queries.
+    Both paths apply the same operations to each row, so a row's bits do not depend on which
+    path it took (the start-up probe checks this too: decode beside others vs prefill alone).
+    """
 
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
+        """One sequence's attention (``attend`` of one item)."""
+        return self.attend([AttentionItem(queries, keys, values, positions)])[0]
+
+    def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(items)
+        few: dict[int, list[int]] = {}
+        for index, item in enumerate(items):
+            n = item.queries.shape[0]
+            if n <= FEW_QUERIES:
+                few.setdefault(n, []).append(index)
+            else:
+                out[index] = self._one(item)
+        for indices in few.values():
+            for index, attended in zip(indices, self._together([items[i] for i in indices]),
+                                       strict=True):
+                out[index] = attended
+        return [attended for attended in out if attended is not None]
+
+    def _one(self, item: AttentionItem) -> torch.Tensor:
+        queries = item.queries
         n, num_heads, head_dim = queries.shape
-        kv_heads = keys.shape[0]
-        rep = num_heads // kv_heads
+        rep = num_heads // item.keys.shape[0]
         out = torch.empty_like(queries)
         scale = 1.0 / math.sqrt(head_dim)
         for start in range(0, n, QUERY_GROUP):
             end = min(n, start + QUERY_GROUP)
-            out[start:end] = self._group(queries[start:end] * scale, keys, values,
-                                         positions[start:end], rep)
+            out[start:end] = self._group(queries[start:end] * scale, item.keys, item.values,
+                                         item.positions[start:end], rep)
         return out
 
     @staticmethod
@@ -92,41 +139,142 @@ class TiledAttention:
                positions: torch.Tensor, rep: int) -> torch.Tensor:
         n, num_heads, head_dim = queries.shape
         kv_heads = keys.shape[0]
-        num_tiles = int(positions.max()) // TILE + 1
+        num_tiles = _num_tiles(positions, keys)
         span = num_tiles * TILE
-        if span > keys.shape[1]:
-            raise ValueError(f"keys hold {keys.shape[1]} positions; tiles need {span} "
-                             f"(capacity must be a multiple of {TILE})")
-        # Rows: for each KV head, its `rep` query heads for each query: [kv_heads, n * rep, d].
-        rows = queries.reshape(n, kv_heads, rep, head_dim).permute(1, 0, 2, 3)
-        rows = rows.reshape(kv_heads, n * rep, head_dim)
-        row_positions = positions.repeat_interleave(rep)
-        num_rows = n * rep
-        if padded_row_count(num_rows) > num_rows:
-            pad = padded_row_count(num_rows) - num_rows
-            rows = torch.cat([rows, rows.new_zeros(kv_heads, pad, head_dim)], dim=1)
-            row_positions = torch.cat([row_positions, row_positions.new_zeros(pad)])
-        padded_rows = rows.shape[1]
+        rows, row_positions = _rows(queries, positions, kv_heads)
         # Scores [kv_heads, rows, span]: a reduction over head_dim only. NOTE: one product over
         # the whole span gave the same bits as one per tile here (the probe re-checks it).
         scores = torch.matmul(rows, keys[:, :span].transpose(-1, -2))
-        hidden = torch.arange(span, device=keys.device) > row_positions.reshape(-1, 1)
-        scores.masked_fill_(hidden, float("-inf"))
-        scores.sub_(scores.amax(dim=-1, keepdim=True))
-        weights = scores.exp_().view(kv_heads, padded_rows, num_tiles, TILE)
-        # Per tile: weighted values [kv_heads, tiles, rows, d] (exactly TILE keys each) and the
-        # tile's weight sum [kv_heads, tiles, rows, 1].
-        tile_weights = weights.transpose(1, 2)
-        partial = torch.matmul(tile_weights, values[:, :span].view(kv_heads, num_tiles, TILE,
-                                                                   head_dim))
-        partial_sum = tile_weights.sum(dim=-1, keepdim=True)
-        numerator, denominator = partial[:, 0], partial_sum[:, 0]
-        for tile in range(1, num_tiles):  # in increasing position order, always
-            numerator = numerator + partial[:, tile]
-            denominator = denominator + partial_sum[:, tile]
-        attended = (numerator / denominator)[:, :num_rows]  # [kv_heads, n * rep, d]
-        attended = attended.reshape(kv_heads, n, rep, head_dim).permute(1, 0, 2, 3)
-        return attended.reshape(n, num_heads, head_dim)
+        # Only the tiles from the group's first query on can hold a later key: mask that band.
+        first = int(positions.min()) // TILE * TILE
+        _weigh(scores[:, :, first:], scores,
+               torch.arange(first, span, device=keys.device) > row_positions.reshape(-1, 1))
+        weights = scores.view(kv_heads, rows.shape[1], num_tiles, TILE)
+        tile_values = values[:, :span].view(kv_heads, num_tiles, TILE, head_dim)
+        # Per tile: weighted values [kv_heads, tiles, rows, d] (exactly TILE keys each); one
+        # product per KV head reads the weights in place (strided) instead of copying them into
+        # tile-major order (the same bits as the copying product: the probe checks it).
+        width = _tree_width(num_tiles)
+        partial = scores.new_empty(kv_heads, width, rows.shape[1], head_dim + 1)
+        partial[:, num_tiles:] = 0
+        for head in range(kv_heads):
+            torch.bmm(weights[head].transpose(0, 1), tile_values[head],
+                      out=partial[head, :num_tiles, :, :head_dim])
+        # The tile's weight sum rides along as one more column [kv_heads, tiles, rows].
+        partial[:, :num_tiles, :, head_dim] = weights.sum(dim=-1).transpose(1, 2)
+        summed = fold_tile_sum(partial, dim=1)
+        return _combine(summed[..., :head_dim], summed[..., head_dim:], n, rep)
+
+    @staticmethod
+    def _together(items: Sequence[AttentionItem]) -> list[torch.Tensor]:
+        """Items of the same (small) query count, each row through ``_group``'s operations."""
+        first_item = items[0]
+        n, num_heads, head_dim = first_item.queries.shape
+        kv_heads = first_item.keys.shape[0]
+        rep = num_heads // kv_heads
+        count = len(items)
+        tiles = [_num_tiles(item.positions, item.keys) for item in items]
+        max_tiles = max(tiles)
+        queries = torch.stack([item.queries for item in items]) * (1.0 / math.sqrt(head_dim))
+        rows, row_positions = _rows(queries.reshape(count * n, num_heads, head_dim),
+                                    torch.cat([item.positions for item in items]), kv_heads,
+                                    items=count)
+        padded_rows = rows.shape[2]
+        scores = first_item.keys.new_zeros(count, kv_heads, padded_rows, max_tiles * TILE)
+        for b, item in enumerate(items):
+            span = tiles[b] * TILE
+            scores[b, :, :, :span] = torch.matmul(rows[b], item.keys[:, :span].transpose(-1, -2))
+        hidden = (torch.arange(max_tiles * TILE, device=scores.device)
+                  > row_positions.unsqueeze(-1)).unsqueeze(1)  # [items, 1, rows, span]
+        _weigh(scores, scores, hidden)
+        weights = scores.view(count, kv_heads, padded_rows, max_tiles, TILE)
+        partial = scores.new_zeros(count, kv_heads, _tree_width(max_tiles), padded_rows,
+                                   head_dim + 1)
+        for b, item in enumerate(items):
+            used = tiles[b]
+            tile_values = item.values[:, :used * TILE].view(kv_heads, used, TILE, head_dim)
+            partial[b, :, :used, :, :head_dim] = torch.matmul(
+                weights[b, :, :, :used].transpose(1, 2), tile_values)
+        partial[:, :, :max_tiles, :, head_dim] = weights.sum(dim=-1).transpose(2, 3)
+        summed = fold_tile_sum(partial, dim=2)
+        attended = _combine(summed[..., :head_dim], summed[..., head_dim:], n,
+                            rep)  # [items, n, heads, d]
+        return list(attended.unbind(0))
+
+
+def _num_tiles(positions: torch.Tensor, keys: torch.Tensor) -> int:
+    num_tiles = int(positions.max()) // TILE + 1
+    if num_tiles * TILE > keys.shape[1]:
+        raise ValueError(f"keys hold {keys.shape[1]} positions; tiles need {num_tiles * TILE} "
+                         f"(capacity must be a multiple of {TILE})")
+    return num_tiles
+
+
+def _rows(queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, *,
+          items: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, its query heads' rows ``[kv_heads, rows, d]`` padded to
+    ``padded_row_count``, and each row's position ``[rows]``. With ``items``, ``queries`` holds
+    that many items' queries one after the other, and both get a leading items dimension."""
+    total, num_heads, head_dim = queries.shape
+    groups = items or 1
+    n = total // groups
+    rep = num_heads // kv_heads
+    rows = queries.reshape(groups, n, kv_heads, rep, head_dim).permute(0, 2, 1, 3, 4)
+    rows = rows.reshape(groups, kv_heads, n * rep, head_dim)
+    row_positions = positions.reshape(groups, n).repeat_interleave(rep, dim=1)
+    num_rows = n * rep
+    if padded_row_count(num_rows) > num_rows:
+        pad = padded_row_count(num_rows) - num_rows
+        rows = torch.cat([rows, rows.new_zeros(groups, kv_heads, pad, head_dim)], dim=2)
+        row_positions = torch.cat([row_positions, row_positions.new_zeros(groups, pad)], dim=1)
+    if items is None:
+        return rows[0], row_positions[0]
+    return rows, row_positions
+
+
+def _weigh(band: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor) -> None:
+    """Turn ``scores`` into unnormalised softmax weights in place; ``band`` is the part of it
+    that ``hidden`` (broadcast over it) says may hold keys after the query."""
+    band.masked_fill_(hidden, float("-inf"))
+    scores.sub_(scores.amax(dim=-1, keepdim=True))
+    # exp of a score far below the max is slow on CPU (its special-case path for results that
+    # underflow runs ~5x slower); clamping first keeps every exp on the fast path, and hidden
+    # keys are zeroed after.
+    scores.clamp_(min=EXP_FLOOR).exp_()
+    band.masked_fill_(hidden, 0.0)
+
+
+def _combine(numerator: torch.Tensor, denominator: torch.Tensor, n: int,
+             rep: int) -> torch.Tensor:
+    """``[..., kv_heads, rows, d]`` sums back to ``[..., n, heads, d]`` attended queries."""
+    *lead, kv_heads, _, head_dim = numerator.shape
+    attended = (numerator / denominator)[..., :n * rep, :]
+    attended = attended.reshape(*lead, kv_heads, n, rep, head_dim).transpose(-4, -3)
+    return attended.reshape(*lead, n, kv_heads * rep, head_dim)
+
+
+def _tree_width(num_tiles: int) -> int:
+    """The power of two at or above ``num_tiles``: the width ``fold_tile_sum`` folds."""
+    return 1 << max(0, num_tiles - 1).bit_length()
+
+
+def fold_tile_sum(partial: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum ``partial`` over its tile dimension ``dim`` (a power of two wide, zero past the last
+    tile) by folding it in half until one tile is left, in place.
+
+    Why this order: tile i is added to tile i + width/2, then to i + width/4, ... -- a binary
+    tree fixed by tile indices alone. The tiles a longer chunk brings in (keys after the query,
+    weight exactly 0) and a wider power of two only fold exact zeros into the same tree, so a
+    query's sum is the same whatever the chunk; and it takes log2(width) vectorised additions on
+    views, without copies (a row-by-row sequential sum took one operation per tile).
+    """
+    width = partial.shape[dim]
+    if width & (width - 1):
+        raise ValueError(f"the tile dimension must be a power of two wide, got {width}")
+    while width > 1:
+        width //= 2
+        partial.narrow(dim, 0, width).add_(partial.narrow(dim, width, width))
+    return partial.select(dim, 0)
 
 
 def attention_for(device: torch.device) -> SequenceAttention:

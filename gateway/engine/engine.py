@@ -36,6 +36,7 @@ from gateway.core.errors import (
 )
 from gateway.core.fingerprint import Namespace, NamespaceSpec, Scope, derive_namespace
 from gateway.core.requests import (
+    SHARED_SCOPE_TIER,
     GenerateRequest,
     LookupRequest,
     LookupResult,
@@ -43,7 +44,7 @@ from gateway.core.requests import (
     WarmResult,
 )
 from gateway.core.tokens import TokenIds
-from gateway.engine.attention import TILE, attention_for
+from gateway.engine.attention import NUMERICS, attention_for
 from gateway.engine.forward import (
     BatchedForward,
     SequenceRows,
@@ -121,7 +122,7 @@ class EngineRoute:
     @property
     def numerics(self) -> str:
         """The route's part of the block namespace (its K/V differ from the other's)."""
-        return f"{self.name}-t{TILE}" if self.name == "batched" else self.name
+        return f"{self.name}-{NUMERICS}" if self.name == "batched" else self.name
 
 
 
@@ -371,12 +372,13 @@ class Engine:
             num_blocks = len(tokens) // bt
         else:
             match = self._cache.lookup(self._namespace(request.scope), tokens)
+            match_tiers = match.tiers
             if request.scope.kind == "tenant":
                 shared = self._cache.lookup(self._namespace(Scope.shared()), tokens)
                 if shared.num_blocks > match.num_blocks:
-                    match = shared
-            match_tiers, diverges, num_blocks = (
-                match.tiers, match.diverges_at_block, match.num_prompt_blocks)
+                    # Which tier holds a shared block tells of other tenants: not said.
+                    match, match_tiers = shared, (SHARED_SCOPE_TIER,) * shared.num_blocks
+            diverges, num_blocks = match.diverges_at_block, match.num_prompt_blocks
         by_tier: dict[str, int] = {}
         for tier in match_tiers:
             by_tier[tier] = by_tier.get(tier, 0) + bt

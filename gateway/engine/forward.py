@@ -4,8 +4,8 @@ Why not call the transformers model: its forward takes one padded batch, builds 
 SDPA, so a row's bits depend on the batch, the chunking and the padding. This module walks the
 same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary positions,
 q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
-row-wise parts (norms, projections, MLP) and ``SequenceAttention`` per sequence over its own
-KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
+row-wise parts (norms, projections, MLP) and ``SequenceAttention`` for each sequence over its
+own KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
 are enough rows (``padded_row_count``), so each forward is padded to that (DESIGN.md, "Parity").
 
 It only touches the modules' weights and forward methods, never transformers' APIs
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from gateway.engine.attention import SequenceAttention, padded_row_count
+from gateway.engine.attention import AttentionItem, SequenceAttention, padded_row_count
 from gateway.engine.kv_sequence import KVSequence
 
 ROPE_CHUNK = 4096
@@ -177,13 +177,15 @@ class BatchedForward:
         v = attn.v_proj(normed).view(num_rows, self._kv_heads, self._head_dim)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
-        attended = torch.zeros_like(q)
+        items = []
         for rows, (start, end) in zip(batch, spans, strict=True):
             seq = rows.sequence
             seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
-            attended[start:end] = self._attention(
-                q[start:end], seq.key_buffer(index), seq.value_buffer(index),
-                positions[start:end])
+            items.append(AttentionItem(q[start:end], seq.key_buffer(index),
+                                       seq.value_buffer(index), positions[start:end]))
+        attended = torch.zeros_like(q)
+        for (start, end), rows_attended in zip(spans, self._attention.attend(items), strict=True):
+            attended[start:end] = rows_attended
         hidden = hidden + attn.o_proj(attended.view(num_rows, -1))
         out: torch.Tensor = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return out

@@ -29,6 +29,7 @@ from gateway.cache.prefix_cache import Lease, PrefixCache
 from gateway.core.errors import DeadlineExceeded, EngineDraining, GatewayError, RequestCancelled
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import (
+    SHARED_SCOPE_TIER,
     FinishReason,
     GenerateRequest,
     TokenDelta,
@@ -391,6 +392,8 @@ class StepLoop:
                                   max_blocks=max_blocks)
         bt = self._settings.block_tokens
         for tier in source.match.tiers[:len(blocks)]:
+            if source is not lease:  # the shared scope: its tier would tell of other tenants
+                tier = SHARED_SCOPE_TIER
             active.cached_by_tier[tier] = active.cached_by_tier.get(tier, 0) + bt
         return blocks
 

@@ -1,20 +1,23 @@
 """The composition root: ``kvgate serve`` built from one ``ServeConfig``, and run.
 
 Everything the gateway is made of is wired here and nowhere else (STYLE.md, "One composition
-root"): the deployment secret and API keys, the gRPC server, the model, the cache layer (stores,
-policies and prefix cache, through ``gateway.cache.factory.open_cache``), the metrics endpoint,
-the engine, and the cache's admin operations that the Admin service calls. Each gets what it
-needs through its constructor; nothing below reaches for a global.
+root"): the deployment secret and API keys, the gRPC server, the OpenAI-compatible HTTP front
+(``[http]``), the model, the cache layer (stores, policies and prefix cache, through
+``gateway.cache.factory.open_cache``), the metrics endpoint, the engine, and the cache's admin
+operations that the Admin service calls. Each gets what it needs through its constructor;
+nothing below reaches for a global. The two servers share one ``EngineSlot``, one
+``Authenticator`` and the same limits, so they serve one engine, one cache and one set of
+metrics: a prefix warmed over gRPC is a hit over HTTP.
 
-Start order: the server listens first (health NOT_SERVING, so an orchestrator sees the process
-come up), then the model loads, the cache opens (the Prometheus endpoint, ``[metrics]``, comes
-up with it) and the engine starts; then the server is attached and says SERVING. Shutdown order
-(SIGTERM): health NOT_SERVING; the server stops taking calls (new ones fail UNAVAILABLE, so
-clients retry elsewhere) while calls in flight go on; the engine finishes or cancels them within
-the grace period; the metrics endpoint stops; once the engine's worker has ended (never
-before: it may still be writing), the cache flushes pending disk writes and closes.
-
-If the engine's worker thread dies while serving, health turns NOT_SERVING at once
+Start order: the servers listen first (gRPC health NOT_SERVING, HTTP ``/health`` 503, so an
+orchestrator sees the process come up), then the model loads, the cache opens (the Prometheus
+endpoint, ``[metrics]``, comes up with it) and the engine starts; then the engine is attached and
+both say SERVING. Shutdown order (SIGTERM): health NOT_SERVING; both servers stop taking calls
+(new ones fail UNAVAILABLE / 503, so clients retry elsewhere) while calls in flight go on; the
+engine finishes or cancels them within the grace period; the metrics endpoint stops; the cache
+flushes pending disk writes and closes.
+Once the engine's worker has ended (never before: it may still be writing) the cache closes.
+If the worker thread dies while serving, health turns NOT_SERVING at once
 (``gateway.service.watchdog``) and ``serve`` shuts down and raises ``ServeError``, so that
 ``kvgate serve`` exits non-zero and its supervisor (systemd, Kubernetes) restarts it.
 """
@@ -37,11 +40,13 @@ from gateway.config.secrets import (
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
 from gateway.service.server import GatewayServer, ServeError
 
 if TYPE_CHECKING:
     from gateway.cache.prefix_cache import PrefixCache
     from gateway.engine.engine import Engine
+    from gateway.service.http.server import HttpFront
     from gateway.service.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
@@ -53,16 +58,37 @@ _CATCH_UP_S = 10.0
 
 
 def build_authenticator(
-    config: ServeConfig, announce: Callable[[str], None]
+    config: ServeConfig, announce: Callable[[str], None], *, announces_to_terminal: bool = False
 ) -> Authenticator:
-    """The configured keys; with none, the development key of tenant ``default``."""
+    """The configured keys; with none, the development key of tenant ``default``.
+
+    Development mode (no key configured) is for one machine: it is refused on a listener that is
+    not loopback. The development key itself is announced only to a terminal; anywhere else
+    (a log collector, a file) only the path of the file that holds it.
+
+    Raises:
+        ServeError: no key is configured and the listener is not loopback.
+        ConfigError: the development key file is unusable or open to other users.
+    """
     if config.keys:
         return Authenticator(config.keys)
+    if not is_loopback(config.host):
+        raise ServeError(
+            f"no API keys are configured, and development mode (one generated key) listens "
+            f"on loopback only, not on {config.host}: configure keys ([[api_keys]] in the "
+            "config, or KVGATE_API_KEYS) or listen on 127.0.0.1")
     key = dev_api_key(config)
-    announce(
-        f"no API keys configured: development key for tenant {DEV_TENANT!r}: {key}\n"
-        f"(saved in {config.dev_key_path}; `kvgate generate` on this machine uses it)"
-    )
+    if announces_to_terminal:
+        announce(
+            f"no API keys configured: development key for tenant {DEV_TENANT!r}: {key}\n"
+            f"(saved in {config.dev_key_path}; `kvgate generate` on this machine uses it)"
+        )
+    else:
+        announce(
+            f"no API keys configured: the development key for tenant {DEV_TENANT!r} is in "
+            f"{config.dev_key_path} (not printed: the output is not a terminal; "
+            "`kvgate generate` on this machine uses it)"
+        )
     return Authenticator([dev_key_entry(key)])
 
 
@@ -88,12 +114,30 @@ def start_metrics(config: ServeConfig, cache: PrefixCache) -> GatewayMetrics:
     return metrics
 
 
+def start_http(config: ServeConfig, authenticator: Authenticator,
+               engines: EngineSlot) -> HttpFront | None:
+    """The OpenAI-compatible HTTP front, listening (None when ``[http]`` is off).
+
+    Raises:
+        ServeError: it cannot listen as configured.
+    """
+    if not config.http.enabled:
+        return None
+    from gateway.service.http.server import HttpFront
+
+    http = HttpFront(config, authenticator, engines)
+    http.start()
+    logger.info("OpenAI-compatible HTTP on %s (503 until the model has loaded)", http.url)
+    return http
+
+
 def serve(
     config: ServeConfig,
     *,
     env: Mapping[str, str],
     stop_requested: threading.Event,
     announce: Callable[[str], None],
+    announces_to_terminal: bool = False,
 ) -> None:
     """Run the gateway until ``stop_requested`` is set, then shut down gracefully.
 
@@ -102,6 +146,8 @@ def serve(
         env: the environment (for ``KVGATE_DEPLOYMENT_SECRET``).
         stop_requested: set by the signal handler (SIGTERM, SIGINT).
         announce: writes a line for the operator's console (the development key).
+        announces_to_terminal: ``announce`` writes to a terminal (else the development key is
+            not written, only the path of its file).
 
     Raises:
         ServeError, gateway.config.settings.ConfigError, gateway.engine.model.ModelLoadError:
@@ -109,9 +155,17 @@ def serve(
     """
     ensure_private_dir(config.data_dir)
     secret = deployment_secret(config, env)
-    authenticator = build_authenticator(config, announce)
-    server = GatewayServer(config, authenticator)
+    authenticator = build_authenticator(config, announce,
+                                        announces_to_terminal=announces_to_terminal)
+    engines = EngineSlot()
+    server = GatewayServer(config, authenticator, engines=engines)
     server.start()
+    http: HttpFront | None = None
+    try:
+        http = start_http(config, authenticator, engines)
+    except BaseException:
+        server.stop(0)
+        raise
     # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
     from gateway.cache.admin import CacheAdmin
     from gateway.cache.factory import eviction_cursor_path, open_cache
@@ -173,12 +227,17 @@ def serve(
         if not stop_requested.is_set():
             server.attach(engine, admin)
             logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d (%s, model %s on %s, tiers %s, %d API "
+                "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s, tiers %s, %d API "
                 "key(s), engine route %s: %s)",
-                config.host, server.port, "TLS" if config.uses_tls else "plaintext",
+                config.host, server.port,
+                f" and the OpenAI API on {http.url}" if http is not None else "",
+                "TLS" if config.uses_tls else "plaintext",
                 engine.model_name, device, "+".join(opened.cache.tier_names),
                 authenticator.num_keys, engine.route.name, engine.route.reason,
             )
+            announce(f"gRPC kvgate.v1 on {config.host}:{server.port}"
+                     + (f"; OpenAI-compatible HTTP on {http.url}" if http is not None else
+                        " (the HTTP front is off: [http] enabled = false)"))
             while not stop_requested.wait(_WATCH_INTERVAL_S):
                 if server.engine_died.is_set():
                     raise ServeError("the engine's worker thread died (see the error logged "
@@ -187,9 +246,13 @@ def serve(
                     config.grpc.shutdown_grace_s)
     finally:
         stopped = server.begin_shutdown()
+        if http is not None:
+            http.begin_shutdown()
         is_worker_stopped = engine is None or engine.stop(config.grpc.shutdown_grace_s)
         stopped.wait(config.grpc.shutdown_grace_s + 1.0)
         server.stop(0)
+        if http is not None:
+            http.stop(config.grpc.shutdown_grace_s + 1.0)
         if metrics is not None:
             metrics.stop()
         if feed is not None:

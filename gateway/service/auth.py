@@ -21,7 +21,7 @@ import hmac
 import logging
 from collections.abc import Iterable, Sequence
 
-from gateway.config.keys import KeyEntry, Principal, key_digest
+from gateway.config.keys import KeyEntry, Principal, admin_tenant_clashes, key_digest
 from gateway.core.errors import Unauthenticated
 
 logger = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class Authenticator:
         entries: every configured key; a key may appear only once.
 
     Raises:
-        ValueError: two entries have the same key.
+        ValueError: two entries have the same key, or an admin is named like a tenant.
     """
 
     def __init__(self, entries: Sequence[KeyEntry]) -> None:
@@ -48,6 +48,9 @@ class Authenticator:
                     "every key must be distinct"
                 )
             seen.add(entry.digest)
+        clashes = admin_tenant_clashes(entries)
+        if clashes:
+            raise ValueError(f"admin names {clashes} are also tenant ids; name admin keys apart")
         self._entries = tuple(entries)
 
     @property

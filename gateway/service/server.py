@@ -1,7 +1,12 @@
 """The gRPC server: ``kvgate.v1``, health checking and reflection on one listener.
 
 ``GatewayServer`` listens with the limits of ``GrpcSettings``, serves ``kvgate.v1`` (through
-``gateway.service.servicer``), standard health checking and reflection. It starts listening before
+``gateway.service.dispatch`` and ``gateway.service.servicer``), standard health checking and
+reflection. No call takes a worker thread before its key is checked and it is admitted
+(``gateway.service.call_gate``, ``gateway.service.admission``): the worker pool has one thread
+per admission slot (``[limits] max_calls``), health and reflection have pools of their own,
+refusals a small one, and there is no server-wide ``maximum_concurrent_rpcs`` (it counted calls
+before their keys were checked). It starts listening before
 the model is loaded, so an orchestrator sees the process come up: health says NOT_SERVING (and every
 RPC UNAVAILABLE) until an engine is attached, SERVING from then on, NOT_SERVING again once shutdown
 begins. What it serves is built elsewhere, by the composition root (``gateway.service.assembly``).
@@ -23,14 +28,14 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
+from gateway.core.prompt_limits import PromptLimits
+from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
+from gateway.service.call_gate import BodyWatchdog, CallGate, PublicServicesGate
+from gateway.service.dispatch import ServicerSet
+from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
-from gateway.service.servicer import (
-    ADMIN_SERVICE,
-    GATEWAY_SERVICE,
-    EdgeLimits,
-    ServicerSet,
-)
+from gateway.service.servicer import ADMIN_SERVICE, GATEWAY_SERVICE
 from gateway.service.watchdog import EngineWatchdog
 
 if TYPE_CHECKING:
@@ -42,34 +47,73 @@ logger = logging.getLogger(__name__)
 HEALTH_SERVICES = ("", GATEWAY_SERVICE, ADMIN_SERVICE)
 """Health service names this server answers for ("" is the whole server)."""
 
+REFUSAL_THREADS = 2
+"""Threads that end refused calls (each refusal takes microseconds and reads no body)."""
+
+REFLECTION_THREADS = 2
+"""Threads (and calls in flight) of server reflection: tools, not traffic."""
+
+SPARE_WORKERS = 4
+"""Worker threads beyond the admission slots: a call's thread finishes its last bookkeeping
+just after its slot is released, and the next admitted call must not wait for it."""
+
 
 class ServeError(RuntimeError):
     """The server cannot start as configured; the message says what to change."""
+
+
+def check_plaintext_listener(config: ServeConfig, host: str, address: str) -> None:
+    """Refuse a plaintext listener on a non-loopback ``host`` (bearer keys would travel in the
+    clear) unless ``allow_insecure_remote`` says a TLS-terminating proxy is in front.
+
+    Raises:
+        ServeError: plaintext, not loopback, and not allowed.
+    """
+    if config.uses_tls or is_loopback(host):
+        return
+    if not config.allow_insecure_remote:
+        raise ServeError(
+            f"refusing to listen on {address} without TLS: API keys would travel in the "
+            "clear. Set tls_cert and tls_key, listen on 127.0.0.1, or pass "
+            "--allow-insecure-remote if a TLS-terminating proxy is in front"
+        )
+    logger.warning("listening on %s without TLS (allow_insecure_remote): API keys travel in "
+                   "the clear on this hop", address)
 
 
 class GatewayServer:
     """``kvgate.v1`` + health + reflection on one gRPC server.
 
     Args:
-        config: where to listen, TLS, and the gRPC limits (``config.grpc``).
+        config: where to listen, TLS, the gRPC limits (``config.grpc``) and the per-key limits
+            (``config.limits``).
         authenticator: the API keys.
+        engines: the slot the engine will be attached to (shared with the HTTP front; default
+            a slot of its own).
+        admission: the per-key limits' state (default: a new one from ``config.limits``; pass
+            one to share it with another front).
     """
 
-    def __init__(self, config: ServeConfig, authenticator: Authenticator) -> None:
+    def __init__(self, config: ServeConfig, authenticator: Authenticator,
+                 engines: EngineSlot | None = None, admission: Admission | None = None) -> None:
         self.config = config
-        self._engines = EngineSlot()
+        self._engines = engines if engines is not None else EngineSlot()
+        self._authenticator = authenticator
+        self.admission = admission if admission is not None else Admission(config.limits)
         self._servicers = ServicerSet(
             self._engines,
-            authenticator,
             EdgeLimits(max_deadline_s=config.grpc.max_deadline_s,
-                       max_ttl_s=config.grpc.max_ttl_s),
+                       max_ttl_s=config.grpc.max_ttl_s,
+                       prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
+                                           max_messages=config.limits.max_messages)),
         )
         self._health = health.HealthServicer()
-        self._watchdog: EngineWatchdog | None = None
+        self._engine_watchdog: EngineWatchdog | None = None
         self.engine_died = threading.Event()
         """Set when the attached engine's worker thread died (health is NOT_SERVING then)."""
         self._server: Any = None
-        self._pool: futures.ThreadPoolExecutor | None = None
+        self._pools: list[futures.ThreadPoolExecutor] = []
+        self._watchdog = BodyWatchdog(config.grpc.body_timeout_s)
         self.port: int | None = None
 
     def start(self) -> int:
@@ -80,24 +124,30 @@ class GatewayServer:
                 the address cannot be bound.
         """
         config = self.config
-        if not config.uses_tls and not is_loopback(config.host):
-            if not config.allow_insecure_remote:
-                raise ServeError(
-                    f"refusing to listen on {config.address} without TLS: API keys would "
-                    "travel in the clear. Set tls_cert and tls_key, listen on 127.0.0.1, or "
-                    "pass --allow-insecure-remote if a TLS-terminating proxy is in front"
-                )
-            logger.warning("listening on %s without TLS (allow_insecure_remote): API keys "
-                           "travel in the clear on this hop", config.address)
+        check_plaintext_listener(config, config.host, config.address)
         settings = config.grpc
-        self._pool = futures.ThreadPoolExecutor(
-            max_workers=settings.max_concurrent_rpcs, thread_name_prefix="kvgate-rpc"
-        )
+
+        def pool(size: int, name: str) -> futures.ThreadPoolExecutor:
+            self._pools.append(futures.ThreadPoolExecutor(max_workers=size,
+                                                          thread_name_prefix=name))
+            return self._pools[-1]
+
+        workers = pool(config.limits.max_calls + SPARE_WORKERS, "kvgate-rpc")
+        refusals = pool(REFUSAL_THREADS, "kvgate-refuse")
+        gate = CallGate(self._authenticator, self.admission, self._watchdog,
+                        worker_pool=workers, refusal_pool=refusals)
+        public = PublicServicesGate(
+            {health.SERVICE_NAME: (pool(settings.health_threads, "kvgate-health"),
+                                   settings.health_threads),
+             reflection.SERVICE_NAME: (pool(REFLECTION_THREADS, "kvgate-reflect"),
+                                       REFLECTION_THREADS)},
+            self._watchdog, refusals)
+        self._watchdog.start()
         server = grpc.server(
-            self._pool,
-            handlers=self._servicers.generic_handlers(),
+            workers,
+            handlers=self._servicers.keyed_services(gate),
+            interceptors=(public,),
             options=settings.server_options(),
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
         )
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -116,7 +166,7 @@ class GatewayServer:
             else:
                 port = server.add_insecure_port(config.address)
         except (RuntimeError, OSError) as exc:
-            self._pool.shutdown(wait=False)
+            self._shutdown_pools(wait=False)
             raise ServeError(f"cannot listen on {config.address} ({exc}); is another "
                              "process using the port?") from exc
         server.start()
@@ -130,17 +180,18 @@ class GatewayServer:
         self._engines.attach(engine, admin)
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._stop_watchdog()
-        self._watchdog = EngineWatchdog(lambda: engine.is_worker_dead, self._on_engine_death)
-        self._watchdog.start()
+        self._stop_engine_watchdog()
+        self._engine_watchdog = EngineWatchdog(lambda: engine.is_worker_dead,
+                                               self._on_engine_death)
+        self._engine_watchdog.start()
 
     def _on_engine_death(self) -> None:
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         self.engine_died.set()
 
-    def _stop_watchdog(self) -> None:
-        watchdog, self._watchdog = self._watchdog, None
+    def _stop_engine_watchdog(self) -> None:
+        watchdog, self._engine_watchdog = self._engine_watchdog, None
         if watchdog is not None:
             watchdog.stop()
 
@@ -150,7 +201,7 @@ class GatewayServer:
         Returns:
             An event set once every call has ended (at the latest after the grace period).
         """
-        self._stop_watchdog()
+        self._stop_engine_watchdog()
         self._health.enter_graceful_shutdown()
         if self._server is None:
             done = threading.Event()
@@ -161,11 +212,15 @@ class GatewayServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop now (calls in flight get ``grace_s``, default none) and wait for it."""
-        self._stop_watchdog()
+        self._stop_engine_watchdog()
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             self._server.stop(grace_s).wait()
             self._server = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        self._shutdown_pools(wait=True)
+
+    def _shutdown_pools(self, *, wait: bool) -> None:
+        self._watchdog.stop()
+        for pool in self._pools:
+            pool.shutdown(wait=wait)
+        self._pools = []

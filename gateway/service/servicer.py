@@ -5,39 +5,31 @@ This module and ``gateway.client`` are the only ones that see the generated mess
 records. What a protobuf cannot say is checked here, at the edge: sampling ranges, TTLs, list
 limits, tool JSON. Everything about the prompt itself is checked by the engine's canonicalisation.
 
-Every RPC goes through one wrapper (``ServicerSet.generic_handlers``) that, in this order,
+Every RPC reaches these methods through ``gateway.service.dispatch`` (authenticated and
+admitted before it took a thread; the principal is an argument of every method, so no method can
+forget it), and every error they raise becomes a status there.
 
-1. authenticates the call (``gateway.service.auth``): the principal is an argument of every method,
-   so no method can forget it, and every Admin method requires an admin key;
-2. refuses a request whose bytes did not parse as its message (INVALID_ARGUMENT, instead of
-   grpc's default INTERNAL for a deserialisation failure);
-3. turns any exception into a status with ``gateway.service.status_mapping.status_of``; faults are
-   logged with their traceback and an incident id. Prompts and keys are never logged.
+The checks the OpenAI-compatible HTTP front shares (TTL and deadline bounds, prompt size, the
+cache scope of a key, the cancellation rule of a generation) live in ``gateway.service.edge``.
 
-Client disconnects reach the engine through ``context.add_callback(handle.cancel)``: a
-generation stops, and releases its blocks, when its caller goes away.
+Client disconnects reach the engine through ``context.add_callback``: a generation stops, and
+releases its blocks, when its caller goes away (``edge.Generation``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
-import threading
-import time
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
-
-import grpc
-from google.protobuf.message import DecodeError
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from gateway.cache.stats import CacheStats
-from gateway.config.keys import Principal
+from gateway.config.keys import Principal, tenant_id_problem
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
 from gateway.core.fingerprint import Scope
+from gateway.core.prompt_limits import PromptLimits, PromptSize, check_prompt_size
 from gateway.core.requests import (
     CacheOptions,
     GenerateRequest,
@@ -49,10 +41,17 @@ from gateway.core.requests import (
     WarmRequest,
     WarmResult,
 )
-from gateway.service.auth import Authenticator
+from gateway.service.edge import (
+    DEFAULT_PROMPT_LIMITS,
+    EdgeLimits,
+    Generation,
+    check_num_tools,
+    checked_ttl,
+    deadline_within,
+    scope_of,
+)
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
-from gateway.service.status_mapping import status_of
 
 if TYPE_CHECKING:
     from gateway.cache.admin import EvictResult, PrefixSummary
@@ -65,7 +64,7 @@ ADMIN_SERVICE = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 DEFAULT_LIST_LIMIT = 100
 MAX_LIST_LIMIT = 1000
-MAX_TOOLS = 128
+SHARED_OWNER = Scope.shared().owner
 
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
@@ -75,40 +74,27 @@ _FINISH_REASONS = {
     "deadline": pb.FINISH_REASON_DEADLINE,
 }
 
-M = TypeVar("M")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EdgeLimits:
-    """Bounds the servicer enforces on what protobuf cannot bound.
-
-    Attributes:
-        max_deadline_s: the longest a generation may run, whatever deadline the client sent
-            (none at all included).
-        max_ttl_s: the longest TTL a request may ask for its blocks.
-    """
-
-    max_deadline_s: float = 600.0
-    max_ttl_s: float = 7 * 24 * 3600.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_deadline_s", "max_ttl_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {value}")
-
 
 # ---- protobuf -> records ------------------------------------------------------------------
 
 
-def prompt_input(message: pb.PromptInput) -> PromptInput:
+def prompt_input(message: pb.PromptInput, limits: PromptLimits = DEFAULT_PROMPT_LIMITS
+                 ) -> PromptInput:
     """The prompt record of ``message``; fields left empty are "not sent".
 
+    Its size is checked first (``gateway.core.prompt_limits``): nothing is parsed, rendered or
+    tokenised for a prompt over ``limits``.
+
     Raises:
-        InvalidRequest: a tool schema is not a JSON object, or there are too many.
+        InvalidRequest: too many characters, messages or tools, or a tool schema that is not
+            a JSON object.
     """
-    if len(message.tools) > MAX_TOOLS:
-        raise InvalidRequest(f"send at most {MAX_TOOLS} tools, got {len(message.tools)}")
+    check_prompt_size(PromptSize(
+        num_chars=(len(message.prompt) + sum(len(m.role) + len(m.content)
+                                             for m in message.messages)
+                   + sum(len(tool) for tool in message.tools)),
+        num_messages=len(message.messages)), limits)
+    check_num_tools(len(message.tools))
     return PromptInput(
         messages=[{"role": m.role, "content": m.content} for m in message.messages] or None,
         prompt=message.prompt if message.HasField("prompt") else None,
@@ -139,6 +125,26 @@ def _tool_schema(index: int, text: str) -> Mapping[str, object]:
     return schema
 
 
+def admin_tenant(tenant: str, field_name: str, *, allow_shared: bool = False) -> str:
+    """A tenant id sent in an Admin request, checked like a configured one.
+
+    Args:
+        tenant: as sent.
+        field_name: the request field, for the message.
+        allow_shared: accept ``shared``, the owner of the shared scope's blocks (listing and
+            evicting them by owner).
+
+    Raises:
+        InvalidRequest: empty, too long, control characters, surrounding spaces, or reserved.
+    """
+    if allow_shared and tenant == SHARED_OWNER:
+        return tenant
+    problem = tenant_id_problem(tenant)
+    if problem is not None:
+        raise InvalidRequest(f"{field_name}: {problem}")
+    return tenant
+
+
 def sampling_params(message: pb.SamplingParams) -> SamplingParams:
     """The sampling record of ``message``; unset fields take ``SamplingParams``' defaults.
 
@@ -163,13 +169,7 @@ def sampling_params(message: pb.SamplingParams) -> SamplingParams:
 
 def ttl_seconds(message: Any, limits: EdgeLimits) -> float | None:
     """``message.ttl_s`` checked against ``limits`` (None when unset)."""
-    if not message.HasField("ttl_s"):
-        return None
-    ttl = float(message.ttl_s)
-    if not (math.isfinite(ttl) and 0 < ttl <= limits.max_ttl_s):
-        raise InvalidRequest(f"ttl_s must be more than 0 and at most {limits.max_ttl_s:g} "
-                             f"seconds, got {ttl}")
-    return ttl
+    return checked_ttl(message.ttl_s if message.HasField("ttl_s") else None, limits)
 
 
 def scope_for(principal: Principal, scope: int) -> Scope:
@@ -179,12 +179,9 @@ def scope_for(principal: Principal, scope: int) -> Scope:
         PermissionDenied: the shared scope without an admin key.
         InvalidRequest: an unknown scope value.
     """
-    if scope == pb.SCOPE_SHARED:
-        principal.require_admin("the shared scope")
-        return Scope.shared()
-    if scope not in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT):
+    if scope not in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT, pb.SCOPE_SHARED):
         raise InvalidRequest(f"unknown scope {scope}; use SCOPE_TENANT or SCOPE_SHARED")
-    return Scope.of_tenant(principal.tenant)
+    return scope_of(principal, is_shared=scope == pb.SCOPE_SHARED)
 
 
 def generate_request(
@@ -193,7 +190,7 @@ def generate_request(
 ) -> GenerateRequest:
     """The engine's request for a ``Generate`` call."""
     return GenerateRequest(
-        prompt=prompt_input(message.input),
+        prompt=prompt_input(message.input, limits.prompt),
         scope=scope_for(principal, message.cache.scope),
         sampling=sampling_params(message.sampling),
         cache=CacheOptions(no_cache=message.cache.no_cache,
@@ -311,28 +308,17 @@ class GatewayServicer:
         engine = self._engines.get()
         record = generate_request(request, principal, deadline=self._deadline(context),
                                   limits=self._limits)
-        handle = engine.generate(record)
-        # NOTE: cancel only a generation that has not delivered its usage yet. The call ends
-        # (and its callbacks run) right after the last message, while the engine is still
-        # storing the blocks the answer filled: cancelling then would drop them, and the next
-        # turn of the chat would miss.
-        is_delivered = threading.Event()
-
-        def cancel_unless_delivered() -> None:
-            if not is_delivered.is_set():
-                handle.cancel()
-
-        if not context.add_callback(cancel_unless_delivered):  # the call already ended
-            handle.cancel()
+        generation = Generation(engine.generate(record))
+        if not context.add_callback(generation.cancel_unless_delivered):  # the call ended
+            generation.cancel_unless_delivered()
         try:
-            for item in handle:
+            for item in generation:
                 if isinstance(item, TokenDelta):
                     yield delta_message(item)
                 else:
-                    is_delivered.set()
                     yield usage_message(item)
         finally:
-            cancel_unless_delivered()  # stopped early: the engine releases the blocks
+            generation.cancel_unless_delivered()  # stopped early: the engine releases the blocks
 
     def Warm(
         self, request: pb.WarmRequest, principal: Principal, context: Any
@@ -341,7 +327,7 @@ class GatewayServicer:
         if request.pin:
             principal.require_admin("pinning (Warm with pin)")
         record = WarmRequest(
-            prompt=prompt_input(request.input),
+            prompt=prompt_input(request.input, self._limits.prompt),
             scope=scope_for(principal, request.scope),
             pin=request.pin,
             ttl_s=ttl_seconds(request, self._limits),
@@ -355,24 +341,21 @@ class GatewayServicer:
         self, request: pb.LookupRequest, principal: Principal, context: Any
     ) -> pb.LookupResponse:
         engine = self._engines.get()
-        record = LookupRequest(prompt=prompt_input(request.input),
+        record = LookupRequest(prompt=prompt_input(request.input, self._limits.prompt),
                                scope=scope_for(principal, request.scope))
         return lookup_response(engine.lookup(record))
 
     def _deadline(self, context: Any) -> float:
         """min(the client's deadline, the server's maximum), on ``time.monotonic``."""
-        budget = self._limits.max_deadline_s
-        remaining = context.time_remaining()
-        if remaining is not None:
-            budget = min(budget, max(0.0, float(remaining)))
-        return time.monotonic() + budget
+        return deadline_within(self._limits, context.time_remaining())
 
 
 class AdminServicer:
     """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only): ``CacheAdmin``."""
 
-    def __init__(self, engines: EngineSlot) -> None:
+    def __init__(self, engines: EngineSlot, limits: EdgeLimits | None = None) -> None:
         self._engines = engines
+        self._limits = limits or EdgeLimits()
 
     def Stats(
         self, request: pb.StatsRequest, principal: Principal, context: Any
@@ -387,7 +370,8 @@ class AdminServicer:
         if not 1 <= limit <= MAX_LIST_LIMIT:
             raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
                                  f"{DEFAULT_LIST_LIMIT}), got {request.limit}")
-        tenant = request.tenant if request.HasField("tenant") else None
+        tenant = (admin_tenant(request.tenant, "tenant", allow_shared=True)
+                  if request.HasField("tenant") else None)
         summaries = self._engines.admin().list_prefixes(tenant=tenant, limit=limit)
         return pb.ListPrefixesResponse(prefixes=[prefix_summary(s) for s in summaries])
 
@@ -399,6 +383,8 @@ class AdminServicer:
             for name in ("tenant", "prefix_text", "key_hex", "older_than_s", "tier")
             if request.HasField(name)
         }
+        if "tenant" in criteria:
+            admin_tenant(criteria["tenant"], "tenant", allow_shared=True)
         if not criteria and not request.everything:
             raise InvalidRequest("name what to evict (tenant, prefix_text, key_hex, "
                                  "older_than_s, tier) or set everything")
@@ -436,11 +422,12 @@ class AdminServicer:
                 raise InvalidRequest("send `tenant` only with SCOPE_TENANT")
             scope = Scope.shared()
         elif request.scope in (pb.SCOPE_UNSPECIFIED, pb.SCOPE_TENANT):
-            scope = Scope.of_tenant(request.tenant or principal.tenant)
+            scope = Scope.of_tenant(admin_tenant(request.tenant, "tenant")
+                                    if request.tenant else principal.tenant)
         else:
             raise InvalidRequest(f"unknown scope {request.scope}; use SCOPE_TENANT or "
                                  "SCOPE_SHARED")
-        prompt = prompt_input(request.input)
+        prompt = prompt_input(request.input, self._limits.prompt)
         return pb.PinResponse(num_blocks=self._engines.admin().set_pinned(prompt, scope, pinned))
 
     def SetQuota(
@@ -452,125 +439,10 @@ class AdminServicer:
         if num_bytes is not None and num_bytes < 0:
             raise InvalidRequest(f"num_bytes must be >= 0 (unset removes the quota), "
                                  f"got {num_bytes}")
-        self._engines.admin().set_quota(request.tenant, num_bytes)
+        self._engines.admin().set_quota(admin_tenant(request.tenant, "tenant"), num_bytes)
         return pb.SetQuotaResponse()
 
     def Flush(
         self, request: pb.FlushRequest, principal: Principal, context: Any
     ) -> pb.EvictResponse:
         return evict_response(self._engines.admin().flush())
-
-
-# ---- the wrapper every RPC goes through ---------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Malformed:
-    """What a request whose bytes did not parse deserialises to."""
-
-    message_type: str
-    detail: str
-
-
-def _deserializer(message_class: Any) -> Callable[[bytes], object]:
-    def parse(data: bytes) -> object:
-        try:
-            return message_class.FromString(data)
-        except DecodeError as exc:
-            return _Malformed(message_class.DESCRIPTOR.full_name, str(exc))
-
-    return parse
-
-
-class ServicerSet:
-    """Both services, their authentication, and their gRPC method handlers.
-
-    Args:
-        engines: where the engine will be once the model is loaded.
-        authenticator: the configured keys.
-        limits: bounds on deadlines and TTLs.
-    """
-
-    def __init__(self, engines: EngineSlot, authenticator: Authenticator,
-                 limits: EdgeLimits) -> None:
-        self.gateway = GatewayServicer(engines, limits)
-        self.admin = AdminServicer(engines)
-        self._auth = authenticator
-
-    def generic_handlers(self) -> tuple[Any, ...]:
-        """One ``grpc.GenericRpcHandler`` per service, every method wrapped.
-
-        Raises:
-            RuntimeError: an RPC of the proto has no method here (a servicer out of date).
-        """
-        return (
-            self._service_handler(GATEWAY_SERVICE, self.gateway, is_admin_only=False),
-            self._service_handler(ADMIN_SERVICE, self.admin, is_admin_only=True),
-        )
-
-    def _service_handler(self, service: str, servicer: object, *, is_admin_only: bool) -> Any:
-        descriptor = pb.DESCRIPTOR.services_by_name[service.rsplit(".", 1)[-1]]
-        handlers = {}
-        for method in descriptor.methods:
-            implementation = getattr(servicer, method.name, None)
-            if implementation is None:
-                raise RuntimeError(f"{type(servicer).__name__} does not implement {method.name}")
-            request_class = getattr(pb, method.input_type.name)
-            response_class = getattr(pb, method.output_type.name)
-            full_name = f"/{service}/{method.name}"
-            options = {
-                "request_deserializer": _deserializer(request_class),
-                "response_serializer": response_class.SerializeToString,
-            }
-            if method.server_streaming:
-                handlers[method.name] = grpc.unary_stream_rpc_method_handler(
-                    self._streaming(full_name, implementation, is_admin_only), **options)
-            else:
-                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                    self._unary(full_name, implementation, is_admin_only), **options)
-        return grpc.method_handlers_generic_handler(service, handlers)
-
-    def _unary(self, name: str, implementation: Callable[..., M],
-               is_admin_only: bool) -> Callable[[object, Any], M]:
-        def behavior(request: object, context: Any) -> M:
-            with _statuses(context, name):
-                principal = self._admitted(request, context, name, is_admin_only)
-                return implementation(request, principal, context)
-            raise AssertionError("unreachable: _statuses aborts or re-raises")
-
-        return behavior
-
-    def _streaming(self, name: str, implementation: Callable[..., Iterator[M]],
-                   is_admin_only: bool) -> Callable[[object, Any], Iterator[M]]:
-        def behavior(request: object, context: Any) -> Iterator[M]:
-            with _statuses(context, name):
-                principal = self._admitted(request, context, name, is_admin_only)
-                yield from implementation(request, principal, context)
-
-        return behavior
-
-    def _admitted(self, request: object, context: Any, name: str,
-                  is_admin_only: bool) -> Principal:
-        principal = self._auth.authenticate(context.invocation_metadata())
-        if is_admin_only:
-            principal.require_admin("the Admin service")
-        if isinstance(request, _Malformed):
-            raise InvalidRequest(
-                f"the request is not a valid {request.message_type} protobuf "
-                f"({request.detail}); send the message {name} expects"
-            )
-        return principal
-
-
-@contextlib.contextmanager
-def _statuses(context: Any, name: str) -> Iterator[None]:
-    """End the call with the status of any exception raised inside (``status_of``)."""
-    try:
-        yield
-    except Exception as exc:
-        status = status_of(exc)
-        if status.is_fault:
-            logger.error("%s failed (incident %s)", name, status.incident, exc_info=exc)
-        else:
-            logger.debug("%s from %s ended with %s", name, context.peer(), status.code.name)
-        context.abort(status.code, status.message)

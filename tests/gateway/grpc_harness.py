@@ -23,10 +23,13 @@ from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
 from gateway.client import KvgateClient, RetryPolicy
 from gateway.config.keys import KeyEntry
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel, load_model
 from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
+from gateway.service.metrics import GatewayMetrics
 from gateway.service.server import GatewayServer
 from tests.tiny_llama import save_tiny_llama
 
@@ -107,15 +110,22 @@ def start_gateway(
     engine_config: EngineConfig | None = None,
     cache_config: CacheConfig | None = None,
     keys: tuple[KeyEntry, ...] = KEYS,
+    engines: EngineSlot | None = None,
+    metrics: GatewayMetrics | None = None,
+    limits: LimitSettings | None = None,
 ) -> RunningGateway:
-    """A gateway on a free loopback port; with ``loaded`` None, one still loading its model."""
+    """A gateway on a free loopback port; with ``loaded`` None, one still loading its model.
+
+    ``engines`` is the slot it serves from (to share it with an HTTP front, as ``kvgate serve``
+    does); ``metrics`` records the engine's requests."""
     config = ServeConfig(host="127.0.0.1", port=0, keys=keys,
-                         grpc=grpc_settings or GrpcSettings())
-    server = GatewayServer(config, Authenticator(keys))
+                         grpc=grpc_settings or GrpcSettings(), limits=limits or LimitSettings())
+    server = GatewayServer(config, Authenticator(keys), engines)
     port = server.start()
     running = RunningGateway(server=server, engine=None, opened=None, port=port)
     if loaded is not None:
-        attach_engine(running, loaded, engine_config=engine_config, cache_config=cache_config)
+        attach_engine(running, loaded, engine_config=engine_config, cache_config=cache_config,
+                      metrics=metrics)
     return running
 
 
@@ -125,6 +135,7 @@ def attach_engine(
     *,
     engine_config: EngineConfig | None = None,
     cache_config: CacheConfig | None = None,
+    metrics: GatewayMetrics | None = None,
 ) -> None:
     """Open a cache, start an engine on ``loaded`` and attach it: the model has loaded."""
     running.opened = open_cache(
@@ -134,7 +145,7 @@ def attach_engine(
     )
     running.engine = Engine(loaded=loaded, cache=running.opened.cache,
                             config=engine_config or EngineConfig(block_tokens=BLOCK),
-                            deployment_secret=SECRET)
+                            deployment_secret=SECRET, metrics=metrics)
     running.engine.start()
     admin = CacheAdmin(running.opened.cache, keys=running.engine)
     running.server.attach(running.engine, admin)

@@ -4,8 +4,9 @@ MAC's share of encode and decode is reported. Speed is never asserted."""
 from __future__ import annotations
 
 import io
+from pathlib import Path
 
-from gateway.bench.tiers import codec_rows, write_codec_table
+from gateway.bench.tiers import Row, codec_rows, plot_tiers, write_codec_table
 from tests.tiers.conftest import make_test_codec, seeded_block_meta, seeded_kv_block
 
 
@@ -27,3 +28,14 @@ def test_codec_table_reports_the_block_mac_and_its_share_of_encode_and_decode() 
     write_codec_table(rows, out)
     assert "MAC share" in out.getvalue()
     assert out.getvalue().count("%") == 2
+
+
+def test_the_table_is_drawn_as_a_png_with_kvgate_beside_each_raw_limit(tmp_path: Path) -> None:
+    rows = [Row(tier="host", operation="get", seconds=0.005, num_bytes=94_400_000,
+                limit_name="tensor clone", limit_seconds=0.005),
+            Row(tier="disk", operation="get", seconds=0.010, num_bytes=94_400_000,
+                limit_name="plain read", limit_seconds=0.023)]
+    out = io.StringIO()
+    assert plot_tiers(rows, tmp_path / "tiers.png", out)
+    assert (tmp_path / "tiers.png").read_bytes().startswith(b"\x89PNG")
+    assert f"plot: {tmp_path / 'tiers.png'}" in out.getvalue()

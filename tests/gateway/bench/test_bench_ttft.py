@@ -7,6 +7,7 @@ warm row was served from the tier it forces (as the responses' usage reports it)
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from gateway.bench.plotting import plot_ttft
+from gateway.bench.rows import COLD, DEVICE, HF_WARM, LLAMA_RAM, LengthResult, Row, Sample
 from tests.tiny_llama import save_tiny_llama
 
 LENGTHS = (32, 64)
@@ -57,11 +60,12 @@ def _tables(stdout: str) -> dict[int, dict[str, str]]:
 def test_bench_ttft_spawn_prints_every_row_with_positive_figures(tmp_path: Path) -> None:
     model_dir = save_tiny_llama(tmp_path / "tiny")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    plot = tmp_path / "ttft.png"
     proc = subprocess.run(
         [sys.executable, "-m", "gateway.cli.main", "bench", "ttft", "--spawn",
          "--model", str(model_dir), "--data-dir", str(tmp_path / "data"),
          "--lengths", ",".join(map(str, LENGTHS)), "--block-tokens", str(BLOCK),
-         "--suffix-tokens", "8", "--repeats", "2", "--no-peers"],
+         "--suffix-tokens", "8", "--repeats", "2", "--no-peers", "--plot", str(plot)],
         capture_output=True, text=True, timeout=120, env=env, check=False,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -94,3 +98,26 @@ def test_bench_ttft_spawn_prints_every_row_with_positive_figures(tmp_path: Path)
     assert "targets at 2,048 tokens" in proc.stdout
     assert "not measured: add 2048 to --lengths" in proc.stdout
     assert "spawned kvgate serve (pid" in proc.stderr
+    assert plot.read_bytes().startswith(b"\x89PNG") and f"plot: {plot}" in proc.stdout
+
+
+def test_the_ttft_chart_has_a_panel_per_length_and_leaves_out_rows_without_samples(
+    tmp_path: Path,
+) -> None:
+    results = []
+    for length, cold_s in ((512, 0.87), (2048, 4.06)):
+        result = LengthResult(prefix_tokens=length)
+        result.rows = [
+            Row(label=COLD, system="kvgate", samples=[Sample(seconds=cold_s, cached_tokens=0,
+                                                             served_from="-")]),
+            Row(label=DEVICE, system="kvgate", tier="device",
+                samples=[Sample(seconds=0.1, cached_tokens=length,
+                                served_from=f"device:{length}")]),
+            Row(label=HF_WARM, system="hf", samples=[Sample(seconds=0.12, cached_tokens=length,
+                                                            served_from="DynamicCache copy")]),
+            Row(label=LLAMA_RAM, system="llama.cpp", note="n/a (--no-peers)"),
+        ]
+        results.append(result)
+    out = io.StringIO()
+    assert plot_ttft(results, tmp_path / "ttft.png", out)
+    assert (tmp_path / "ttft.png").read_bytes().startswith(b"\x89PNG")

@@ -8,8 +8,8 @@ from pathlib import Path
 from gateway.bench.spawn import SPAWN_TENANT, spawn_config
 from gateway.config.loader import load_serve_config
 
-API_KEY = "kvg-bench-" + "a" * 24
-ADMIN_KEY = "kvg-bench-admin-" + "b" * 24
+API_KEY = "kvg-bench-Qm3xT8vLp2Zr9Kd4Wn7Y"
+ADMIN_KEY = "kvg-bench-admin-Hs5Jq1Bc6Vf0Rt3Ue8Ga"
 
 
 def test_the_spawned_configuration_is_a_valid_serve_configuration(tmp_path: Path) -> None:

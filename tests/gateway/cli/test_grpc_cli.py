@@ -8,6 +8,7 @@ until SERVING, stopped by pid with SIGTERM.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,10 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
+import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -31,10 +35,15 @@ from tests.tiny_llama import save_tiny_llama
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 GRACE_S = 5.0
 _SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
+_ADDRESSES = re.compile(r"gRPC kvgate\.v1 on 127\.0\.0\.1:(\d+); OpenAI-compatible HTTP on "
+                        r"(http://127\.0\.0\.1:\d+/v1)")
 
 CONFIG = f"""
 [grpc]
 shutdown_grace_s = {GRACE_S}
+
+[http]
+port = 0
 
 [cache]
 block_tokens = 16
@@ -149,8 +158,9 @@ def test_serve_then_generate_twice_shows_the_cache_and_survives_a_restart(
     key = key_file.read_text().strip()
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
     assert stat.S_IMODE((gateway_proc.data_dir / "secret").stat().st_mode) == 0o600
-    assert key in gateway_proc.stdout and "default" in gateway_proc.stdout
-    assert key not in gateway_proc.stderr  # the log has no key
+    # stdout is a pipe here, not a terminal: it names the key's file, never the key
+    assert str(key_file) in gateway_proc.stdout and "default" in gateway_proc.stdout
+    assert key not in gateway_proc.stdout and key not in gateway_proc.stderr
 
     first = gateway_proc.generate("--max-tokens", "8", LONG_PROMPT)
     assert first.returncode == 0, first.stderr
@@ -226,6 +236,26 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0_within_the_grace_peri
     assert "shutting down" in gateway_proc.stderr and "stopped" in gateway_proc.stderr
 
 
+def test_serve_starts_the_openai_front_beside_grpc_and_prints_both_addresses(
+    gateway_proc: GatewayProcess,
+) -> None:
+    gateway_proc.start()
+    match = _ADDRESSES.search(gateway_proc.stdout)
+    assert match, gateway_proc.stdout
+    assert int(match.group(1)) == gateway_proc.port
+    url = match.group(2)
+    with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as response:
+        assert json.loads(response.read())["status"] == "ok"
+    key = (gateway_proc.data_dir / "dev-api-key").read_text().strip()
+    with openai.OpenAI(base_url=url, api_key=key, max_retries=0) as client:
+        completion: Any = client.chat.completions.create(
+            model=gateway_proc.model_dir.name, max_tokens=3,
+            messages=[{"role": "user", "content": LONG_PROMPT}])
+    assert completion.usage.completion_tokens == 3
+    code, _ = gateway_proc.sigterm()
+    assert code == 0, gateway_proc.stderr
+
+
 def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Path) -> None:
     result = subprocess.run(
         [KVGATE, "serve", "--host", "0.0.0.0", "--port", "0", "--data-dir",
@@ -238,8 +268,8 @@ def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Pa
 
 def test_serve_reports_a_bad_configuration_and_exits_2(tmp_path: Path) -> None:
     config = tmp_path / "bad.toml"
-    config.write_text("[grpc]\nmax_concurrent_rpcs = 0\n", encoding="utf-8")
+    config.write_text("[limits]\nmax_calls = 0\n", encoding="utf-8")
     result = subprocess.run([KVGATE, "serve", "--config", str(config)], capture_output=True,
                             text=True, timeout=60, env=_clean_env(), check=False)
     assert result.returncode == 2
-    assert "grpc.max_concurrent_rpcs must be > 0" in result.stderr
+    assert "limits.max_calls must be an integer >= 1" in result.stderr

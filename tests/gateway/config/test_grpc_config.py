@@ -4,18 +4,22 @@ the data directory's secret and dev key (0600, reused)."""
 from __future__ import annotations
 
 import json
+import re
 import stat
 from pathlib import Path
 
 import pytest
 
 from gateway.cache.factory import GiB
-from gateway.config.keys import Principal, key_digest
+from gateway.config.keys import KeyEntry, Principal, key_digest
 from gateway.config.loader import DEFAULT_DISK_BYTES, load_serve_config, parse_size
 from gateway.config.secrets import dev_api_key
 from gateway.config.settings import ConfigError, GrpcSettings, ServeConfig
 from gateway.service.assembly import build_authenticator
 from gateway.service.auth import Authenticator
+from gateway.service.server import ServeError
+
+ROOT = Path(__file__).resolve().parents[3]
 
 KEY_A = "tenant-a-key-0123456789abcdef"
 ADMIN = "admin-key-0123456789abcdefgh"
@@ -47,8 +51,11 @@ port = 6000
 data_dir = "{tmp_path / 'from-file'}"
 
 [grpc]
-max_concurrent_rpcs = 8
+body_timeout_s = 2.5
 max_deadline_s = 30
+
+[limits]
+max_calls_per_key = 8
 
 [engine]
 max_queue = 4
@@ -77,7 +84,8 @@ key = "{ADMIN}"
     assert (config.host, config.port, config.model) == ("127.0.0.1", 7000, "/models/m")
     assert config.data_dir == tmp_path / "from-file"
     assert config.cache.disk_path == tmp_path / "from-file" / "kv"
-    assert config.grpc.max_concurrent_rpcs == 8 and config.grpc.max_deadline_s == 30
+    assert config.grpc.body_timeout_s == 2.5 and config.grpc.max_deadline_s == 30
+    assert config.limits.max_calls_per_key == 8 and config.limits.max_calls == 64
     assert config.engine.max_queue == 4 and config.engine.default_ttl_s == 60
     assert config.cache.block_tokens == 64 and config.cache.host_bytes == 512 << 20
     assert dict(config.cache.quotas) == {"tenant-a": GiB}
@@ -146,6 +154,21 @@ def test_the_same_key_for_a_tenant_and_an_admin_is_refused() -> None:
                                      "KVGATE_ADMIN_KEYS": f"{KEY_A}=ops"})
 
 
+def test_the_removed_max_concurrent_rpcs_names_what_replaces_it(tmp_path: Path) -> None:
+    path = write(tmp_path / "old.toml", "[grpc]\nmax_concurrent_rpcs = 64\n")
+    with pytest.raises(ConfigError, match=r"\[limits\] max_calls .* max_calls_per_key"):
+        load_serve_config(path, env={})
+
+
+def test_per_key_limits_must_fit_inside_the_server_wide_ones(tmp_path: Path) -> None:
+    path = write(tmp_path / "limits.toml",
+                 "[limits]\nmax_calls = 8\nmax_calls_per_key = 9\nmax_lookups = 8\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(path, env={})
+    assert "max_calls_per_key must be <= limits.max_calls" in str(excinfo.value)
+    assert "max_lookups must be < limits.max_calls" in str(excinfo.value)
+
+
 def test_unreadable_and_unknown_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_serve_config(tmp_path / "absent.toml", env={})
@@ -164,7 +187,7 @@ def test_server_options_set_every_limit_on_purpose() -> None:
                  "grpc.keepalive_permit_without_calls", "grpc.http2.max_pings_without_data",
                  "grpc.http2.min_ping_interval_without_data_ms", "grpc.http2.max_ping_strikes",
                  "grpc.max_connection_idle_ms", "grpc.max_connection_age_ms",
-                 "grpc.max_connection_age_grace_ms"):
+                 "grpc.max_connection_age_grace_ms", "grpc.server_handshake_timeout_ms"):
         assert name in options
     assert options["grpc.max_connection_age_grace_ms"] >= GrpcSettings().max_deadline_s * 1000
 
@@ -191,13 +214,58 @@ def mode_of(path: Path) -> int:
 def test_without_keys_a_dev_key_is_created_announced_and_reused(tmp_path: Path) -> None:
     config = ServeConfig(data_dir=tmp_path / "data")
     lines: list[str] = []
-    auth = build_authenticator(config, lines.append)
+    auth = build_authenticator(config, lines.append, announces_to_terminal=True)
     key = config.dev_key_path.read_text().strip()
     assert mode_of(config.dev_key_path) == 0o600
     assert auth.find(key) == Principal(tenant="default")
     assert len(lines) == 1 and key in lines[0] and "default" in lines[0]
     assert dev_api_key(config) == key
     assert build_authenticator(config, lines.append).find(key) is not None
+
+
+def test_the_dev_key_is_printed_only_to_a_terminal_else_only_its_path(tmp_path: Path) -> None:
+    config = ServeConfig(data_dir=tmp_path / "data")
+    lines: list[str] = []
+    build_authenticator(config, lines.append, announces_to_terminal=False)
+    key = config.dev_key_path.read_text().strip()
+    assert len(lines) == 1 and key not in lines[0]
+    assert str(config.dev_key_path) in lines[0] and "not a terminal" in lines[0]
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::", "kvgate.internal"])
+def test_keyless_development_mode_is_refused_off_loopback(tmp_path: Path, host: str) -> None:
+    config = ServeConfig(host=host, data_dir=tmp_path / "data", allow_insecure_remote=True)
+    with pytest.raises(ServeError, match="loopback only"):
+        build_authenticator(config, print, announces_to_terminal=True)
+    assert not config.dev_key_path.exists()
+
+
+@pytest.mark.parametrize("key", [
+    "REPLACE-tenant-a-key", "replace-me-with-a-random-key", "changeme-0123456789",
+    "your-key-goes-here-123", "kvg-dev-xxxxxxxxxxxxxxxxxxxx", "aaaaaaaaaaaaaaaaaaaaaaaa",
+    "abababababababababababab", "0123401234012340123401234",
+])
+def test_placeholder_and_low_entropy_keys_are_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match="placeholder|too little entropy") as excinfo:
+        load_serve_config(None, env={"KVGATE_API_KEYS": f"{key}=tenant-a"})
+    assert key not in str(excinfo.value)
+
+
+def test_every_key_of_the_deploy_examples_secret_is_refused() -> None:
+    text = (ROOT / "deploy" / "k8s" / "secret.yaml").read_text(encoding="utf-8")
+    values = dict(re.findall(r'^\s+([a-z-]+): "([^"]*)"', text, flags=re.MULTILINE))
+    for env_name, entry in (("KVGATE_API_KEYS", "api-keys"), ("KVGATE_ADMIN_KEYS", "admin-keys")):
+        with pytest.raises(ConfigError, match="placeholder"):
+            load_serve_config(None, env={env_name: values[entry]})
+
+
+def test_an_admin_named_like_a_tenant_is_refused() -> None:
+    with pytest.raises(ConfigError, match="admin name 'tenant-a' is also a tenant id"):
+        load_serve_config(None, env={"KVGATE_API_KEYS": f"{KEY_A}=tenant-a",
+                                     "KVGATE_ADMIN_KEYS": f"{ADMIN}=tenant-a"})
+    with pytest.raises(ValueError, match="also tenant ids"):
+        Authenticator([KeyEntry.of_key(KEY_A, "tenant-a"),
+                       KeyEntry.of_key(ADMIN, "tenant-a", is_admin=True)])
 
 
 def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
@@ -212,3 +280,46 @@ def test_configured_keys_mean_no_dev_key(tmp_path: Path) -> None:
 def test_the_redis_url_can_come_from_the_environment_so_the_file_holds_no_password() -> None:
     config = load_serve_config(None, env={"KVGATE_REDIS_URL": "redis://:pw@127.0.0.1:6399/0"})
     assert config.cache.redis_url == "redis://:pw@127.0.0.1:6399/0"
+
+
+def test_the_http_front_is_on_by_default_on_loopback_and_flags_move_or_stop_it(
+    tmp_path: Path,
+) -> None:
+    default = load_serve_config(None, env={})
+    assert (default.http.enabled, default.http.host, default.http.port) == (True, "127.0.0.1",
+                                                                            8000)
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[http]\nport = 9000\nmax_body_bytes = "1MiB"\n', encoding="utf-8")
+    loaded = load_serve_config(config, env={}, overrides={"http_port": 0, "http_host": None})
+    assert (loaded.http.port, loaded.http.max_body_bytes) == (0, 1 << 20)
+    assert not load_serve_config(None, env={}, overrides={"http_enabled": False}).http.enabled
+
+
+def test_bad_http_settings_are_reported_with_the_others(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.toml"
+    config.write_text('[server]\nport = 8000\n[http]\nmax_body_bytes = "lots"\n'
+                      "retry_after_s = 0\nspeed = 1\n", encoding="utf-8")
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(config, env={})
+    message = str(excinfo.value)
+    for part in ("http.max_body_bytes", "http.retry_after_s must be an integer >= 1",
+                 "[http] has unknown keys ['speed']",
+                 "http.port and server.port are both 8000"):
+        assert part in message, message
+
+
+def test_a_default_tenant_quota_per_tier_and_a_redis_write_budget(tmp_path: Path) -> None:
+    path = write(tmp_path / "quota.toml", """
+[cache]
+tenant_quota = { device = "512MiB", disk = "2GiB" }
+redis_write_bytes_per_s = "64MiB"
+""")
+    config = load_serve_config(path, env={})
+    assert dict(config.cache.tenant_quota) == {"device": 512 << 20, "disk": 2 * GiB}
+    assert config.cache.redis_write_bytes_per_s == 64 << 20
+
+
+def test_a_tenant_quota_for_an_unknown_tier_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path / "quota.toml", '[cache]\ntenant_quota = { redis = "1GiB" }\n')
+    with pytest.raises(ConfigError, match="tenant_quota names the tier 'redis'"):
+        load_serve_config(path, env={})

@@ -21,6 +21,7 @@ from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest, QueueFull, RequestCancelled
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import (
+    SHARED_SCOPE_TIER,
     GenerateRequest,
     LookupRequest,
     SamplingParams,
@@ -232,9 +233,12 @@ def test_a_shared_prompt_is_read_by_every_tenant_and_never_written_by_them(
     cold = run(engine, prompt, scope=BOB, no_cache=True)[:2]
     warm, text, usage = run(engine, prompt, scope=BOB)
     assert (warm, text) == cold
-    assert usage.cached_tokens_by_tier == {"device": num_full * BLOCK}
-    assert engine.lookup(LookupRequest(prompt=prompt, scope=ALICE)).cached_tokens == (
-        num_full * BLOCK)
+    # A tenant is not told which tier holds a shared block (that tells of other tenants).
+    assert usage.cached_tokens_by_tier == {SHARED_SCOPE_TIER: num_full * BLOCK}
+    looked_up = engine.lookup(LookupRequest(prompt=prompt, scope=ALICE))
+    assert looked_up.cached_tokens_by_tier == {SHARED_SCOPE_TIER: num_full * BLOCK}
+    assert engine.lookup(LookupRequest(prompt=prompt, scope=Scope.shared())
+                         ).cached_tokens_by_tier == {"device": num_full * BLOCK}
     shared = list_prefixes(opened.cache, owner="shared")
     assert sum(p.num_blocks for p in shared) == num_full  # bob wrote only his own
 

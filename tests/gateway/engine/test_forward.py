@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from gateway.engine.attention import TILE, TiledAttention, padded_row_count
+from gateway.engine.attention import TILE, AttentionItem, TiledAttention, padded_row_count
 from gateway.engine.forward import BatchedForward, SequenceRows, UnsupportedModel
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, load_model
@@ -161,6 +161,24 @@ def test_tiled_attention_keeps_a_query_row_whatever_its_chunk() -> None:
     assert torch.equal(whole, one_by_one)
 
 
+def test_tiled_attention_keeps_a_decode_row_whatever_is_attended_beside_it() -> None:
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim = 6, 2, 32
+    lengths = [3, 70, 2 * TILE + 9, TILE]
+    sequences = [(torch.randn(n, heads, dim, generator=gen),
+                  torch.randn(kv_heads, 3 * TILE, dim, generator=gen),
+                  torch.randn(kv_heads, 3 * TILE, dim, generator=gen)) for n in lengths]
+    attention = TiledAttention()
+    # Each sequence's whole prompt at once: its last row goes through the many-query path.
+    one_shot = [attention(q, k, v, torch.arange(len(q)))[-1] for q, k, v in sequences]
+    last_rows = [AttentionItem(q[-1:], k, v, torch.tensor([len(q) - 1])) for q, k, v in sequences]
+    together = attention.attend(last_rows)
+    alone = [attention.attend([item])[0] for item in last_rows]
+    for expected, beside, by_itself in zip(one_shot, together, alone, strict=True):
+        assert torch.equal(beside[0], expected)
+        assert torch.equal(by_itself[0], expected)
+
+
 def test_the_probe_finds_the_tiny_llama_invariant(forward, tiny) -> None:
     result = probe_invariance(forward, tiny.layout, VOCAB)
     assert result.is_invariant, result.failure
@@ -170,7 +188,10 @@ def test_the_probe_finds_the_tiny_llama_invariant(forward, tiny) -> None:
 class _ChunkDependentAttention:
     """Softmax attention over only the keys of the current call's span: depends on chunking."""
 
-    def __call__(self, queries, keys, values, positions):
+    def attend(self, items):
+        return [self._one(i.queries, i.keys, i.values, i.positions) for i in items]
+
+    def _one(self, queries, keys, values, positions):
         n, heads, dim = queries.shape
         rep = heads // keys.shape[0]
         end = int(positions.max()) + 1

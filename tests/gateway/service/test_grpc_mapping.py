@@ -3,22 +3,27 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from gateway.client import prompt_message, stream_item
 from gateway.config.keys import Principal
+from gateway.config.limits import LimitSettings
 from gateway.core.errors import InvalidRequest, PermissionDenied
 from gateway.core.fingerprint import Scope
+from gateway.core.prompt_limits import PromptLimits, PromptSize, check_prompt_size, measure
 from gateway.core.requests import LookupResult, SamplingParams, TokenDelta, Usage
+from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
+from gateway.service.call_gate import BodyWatchdog, CallGate
+from gateway.service.dispatch import ServicerSet
+from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.servicer import (
     ADMIN_SERVICE,
     GATEWAY_SERVICE,
-    EdgeLimits,
-    ServicerSet,
     delta_message,
     generate_request,
     lookup_response,
@@ -146,5 +151,44 @@ def test_the_client_writes_tool_objects_as_json() -> None:
 
 
 def test_every_rpc_of_the_proto_has_a_handler() -> None:
-    handlers = ServicerSet(EngineSlot(), Authenticator([]), EdgeLimits()).generic_handlers()
+    with ThreadPoolExecutor(1) as pool:
+        gate = CallGate(Authenticator([]), Admission(LimitSettings()), BodyWatchdog(1.0),
+                        worker_pool=pool, refusal_pool=pool)
+        handlers = ServicerSet(EngineSlot(), EdgeLimits()).keyed_services(gate)
     assert [h.service_name() for h in handlers] == [GATEWAY_SERVICE, ADMIN_SERVICE]
+
+
+# ---- limits before work: counted on the protobuf, before anything is parsed or rendered -----
+
+SMALL = EdgeLimits(prompt=PromptLimits(max_chars=100, max_messages=3))
+
+
+def test_a_prompt_over_max_prompt_chars_is_refused_at_the_edge() -> None:
+    message = pb.GenerateRequest(input=pb.PromptInput(prompt="x" * 101))
+    with pytest.raises(InvalidRequest, match=r"101 characters.*at most 100 \(limits.max_prompt"):
+        generate_request(message, TENANT, deadline=None, limits=SMALL)
+    generate_request(pb.GenerateRequest(input=pb.PromptInput(prompt="x" * 100)), TENANT,
+                     deadline=None, limits=SMALL)
+
+
+def test_message_contents_roles_and_tool_text_count_as_prompt_characters() -> None:
+    messages = [pb.Message(role="user", content="y" * 40)] * 2  # 2 x (4 + 40) = 88
+    tools = ['{"name": "f"}']  # 13 more: 101
+    with pytest.raises(InvalidRequest, match="limits.max_prompt_chars"):
+        prompt_input(pb.PromptInput(messages=messages, tools=tools), SMALL.prompt)
+    assert prompt_input(pb.PromptInput(messages=messages), SMALL.prompt).messages
+
+
+def test_more_messages_than_max_messages_are_refused_before_a_tool_is_parsed() -> None:
+    message = pb.PromptInput(messages=[pb.Message(role="user", content="hi")] * 4,
+                             tools=["{not json"])
+    with pytest.raises(InvalidRequest, match=r"4 messages; send at most 3 \(limits.max_messages"):
+        prompt_input(message, SMALL.prompt)
+
+
+def test_measure_counts_a_built_prompt_like_the_protobuf_edge_does() -> None:
+    record = prompt_input(pb.PromptInput(messages=[pb.Message(role="system", content="abc")],
+                                         tools=['{"name": "f"}']))
+    assert measure(record) == PromptSize(num_chars=6 + 3 + len('{"name":"f"}'), num_messages=1)
+    with pytest.raises(InvalidRequest):
+        check_prompt_size(measure(record), PromptLimits(max_chars=10))

@@ -14,7 +14,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -33,6 +33,7 @@ from gateway.client import (
     Unauthenticated,
     Unavailable,
 )
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.engine import EngineConfig
@@ -67,7 +68,8 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def gateway(loaded: LoadedModel) -> Iterator[RunningGateway]:
-    running = start_gateway(loaded)
+    # The fuzz tests send hundreds of Lookups in a row: above the default Lookup rate per key.
+    running = start_gateway(loaded, limits=LimitSettings(lookups_per_s=1000, lookup_burst=1000))
     try:
         yield running
     finally:
@@ -184,6 +186,23 @@ def test_a_malformed_authorization_header_is_unauthenticated(gateway: RunningGat
             stub_call(b"", metadata=(("authorization", value),), timeout=5)
         assert excinfo.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "Bearer" in excinfo.value.details()
+
+
+@pytest.mark.parametrize("tenant", ["", " tenant-a", "tenant-a\n", "a\x00b", "t" * 129])
+def test_tenant_ids_in_admin_requests_are_checked_like_configured_ones(
+    admin: KvgateClient, tenant: str,
+) -> None:
+    calls: list[Callable[[], object]] = [lambda: admin.set_quota(tenant, 1 << 20)]
+    if tenant:  # an empty tenant means "not sent" to these three
+        calls += [lambda: admin.pin(LONG_PROMPT, tenant=tenant),
+                  lambda: admin.list_prefixes(tenant=tenant),
+                  lambda: admin.evict(tenant=tenant)]
+    for call in calls:
+        with pytest.raises(InvalidArgument):
+            call()
+    with pytest.raises(InvalidArgument, match="reserved"):
+        admin.set_quota("shared", 1 << 20)
+    admin.list_prefixes(tenant="shared")  # the shared scope's owner may be listed
 
 
 def test_the_shared_scope_and_pinning_need_an_admin_key(tenant_a: KvgateClient) -> None:
@@ -341,10 +360,15 @@ def test_a_prompt_warmed_in_the_shared_scope_is_a_hit_for_every_tenant(
     warmed = admin.warm(prompt, shared=True)
     assert warmed.num_new_blocks > 0
     assert admin.lookup(prompt, shared=True).cached_tokens == warmed.num_blocks * BLOCK
+    assert set(admin.lookup(prompt, shared=True).cached_tokens_by_tier) == {"device"}
     for client in (tenant_a, tenant_b):
-        assert client.lookup(prompt).cached_tokens > 0
+        looked_up = client.lookup(prompt)
+        assert looked_up.cached_tokens > 0
+        # Which tier holds a shared block depends on what other tenants used: not said.
+        assert looked_up.cached_tokens_by_tier == {"shared": looked_up.cached_tokens}
         _, usage = client.generate_text(prompt, max_tokens=2)
         assert usage.cached_tokens > 0
+        assert usage.cached_tokens_by_tier == {"shared": usage.cached_tokens}
 
 
 def test_warm_then_lookup_reports_blocks_tiers_and_divergence(tenant_a: KvgateClient) -> None:
@@ -549,14 +573,15 @@ def test_the_next_turn_hits_the_blocks_the_answer_filled(tenant_a: KvgateClient)
                       timeout_s=5.0), tenant_a.lookup(token_ids=follow_up)
 
 
-def test_calls_past_max_concurrent_rpcs_are_resource_exhausted(loaded: LoadedModel) -> None:
-    narrow = start_gateway(loaded, grpc_settings=GrpcSettings(max_concurrent_rpcs=1))
+def test_calls_past_a_keys_limit_are_resource_exhausted(loaded: LoadedModel) -> None:
+    narrow = start_gateway(loaded, limits=LimitSettings(max_calls_per_key=1))
     try:
         client = narrow.client(KEY_A)
         stream = client.generate(LONG_PROMPT, max_tokens=1900)
         assert isinstance(next(stream), TokenDelta)  # the one allowed call is in flight
-        with pytest.raises(ResourceExhausted):
+        with pytest.raises(ResourceExhausted, match="max_calls_per_key"):
             client.lookup("hello")
+        narrow.client(KEY_B).lookup("hello")  # another key is not held up
         stream.close()
         assert wait_until(lambda: narrow.total_refcount() == 0)
         assert wait_until(lambda: _lookup_succeeds(client), timeout_s=5.0)

@@ -30,8 +30,8 @@ from tests.tiny_llama import save_tiny_llama
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 _SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
 
-API_KEY = "kvg-replica-tenant-" + "t" * 32
-ADMIN_KEY = "kvg-replica-admin-" + "a" * 32
+API_KEY = "kvg-replica-tenant-Xw4Pd9Nq2Lc7Bv5Mz1Kh8Ra3"
+ADMIN_KEY = "kvg-replica-admin-Jt6Ey0Sg3Fu8Ho2Ci5Wb9Dn4"
 TENANT = "default"
 MAX_TOKENS = 8
 BREAKER_WAIT_S = 20.0
@@ -49,6 +49,9 @@ def _config(redis_url: str, *, cluster: bool) -> str:
     return f"""
 [grpc]
 shutdown_grace_s = 2
+
+[http]
+port = 0
 
 [cache]
 block_tokens = 16

@@ -1,0 +1,297 @@
+"""The ASGI application of the HTTP front: routes, and the path of one OpenAI request.
+
+One request, in this order (the gRPC servicer's order, so the surfaces refuse alike):
+
+1. authenticate ``Authorization: Bearer <key>`` with the gRPC service's ``Authenticator``
+   (401) -- before the body is read, so a caller without a key cannot make the gateway buffer
+   anything;
+2. the engine (503 while the model loads or the server drains);
+3. read the body, at most ``max_body_bytes`` (413: the Content-Length is checked before reading,
+   a chunked body as it arrives), parse JSON (400) and validate every field
+   (``openai_requests``; 400 naming the field, 404 for a model not served);
+4. submit to the engine on a worker thread (canonicalisation is tokenisation: not on the event
+   loop); its refusals are the gRPC ones (429 with Retry-After for a full queue, 400...);
+5. wait for the first event while watching the connection: a client that goes away cancels the
+   request and frees its blocks (``edge.Generation``). An error before the first token is still
+   an HTTP status; after it, an error is an ``error`` event in the stream.
+
+The engine's handle blocks, so each wait for an event runs on a worker thread
+(``anyio.to_thread``, bounded by a limiter of ``max_connections``), abandoned -- and the request
+cancelled -- when the client disconnects.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.core.errors import EngineDraining
+from gateway.core.requests import TokenDelta, Usage
+from gateway.service.auth import Authenticator
+from gateway.service.edge import EdgeLimits, Generation
+from gateway.service.engine_slot import EngineSlot
+from gateway.service.http.errors import HttpFailure, error_answer
+from gateway.service.http.openai_requests import Kind, OpenAICall, check_model, parse_call
+from gateway.service.http.openai_responses import Rendering
+
+if TYPE_CHECKING:
+    from gateway.engine.engine import Engine
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Event = TokenDelta | Usage
+
+
+class ClientGone(Exception):
+    """The client closed the connection while its request was waiting or running."""
+
+
+def served_model_names(model_name: str) -> tuple[str, ...]:
+    """The ``model`` values this gateway answers to: the short id ``/v1/models`` lists first
+    (a checkpoint directory's name, or ``bundled``), then the ``--model`` value itself."""
+    short = Path(model_name).name or model_name
+    return (short,) if short == model_name else (short, model_name)
+
+
+class OpenAIFront:
+    """The routes of the OpenAI-compatible API over one engine slot.
+
+    Args:
+        engines: the slot the gRPC server shares (empty while the model loads).
+        authenticator: the gRPC service's keys.
+        limits: the gRPC service's deadline and TTL bounds.
+        max_body_bytes: largest request body.
+        max_threads: worker threads waiting on engine events at once.
+        retry_after_s: ``Retry-After`` of a 429 or 503.
+    """
+
+    def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
+                 *, max_body_bytes: int, max_threads: int, retry_after_s: int) -> None:
+        self._engines = engines
+        self._auth = authenticator
+        self._limits = limits
+        self._max_body_bytes = max_body_bytes
+        self._max_threads = max_threads
+        self._retry_after_s = retry_after_s
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._is_draining = False
+        self._started = int(time.time())
+
+    def app(self) -> Starlette:
+        """The ASGI application."""
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", partial(self._generate, "chat"),
+                      methods=["POST"]),
+                Route("/v1/completions", partial(self._generate, "completion"),
+                      methods=["POST"]),
+                Route("/v1/models", self._models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._model, methods=["GET"]),
+                Route("/health", self._health, methods=["GET"]),
+            ],
+            exception_handlers={HTTPException: self._http_exception},  # type: ignore[dict-item]
+        )
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503); those in flight go on."""
+        self._is_draining = True
+
+    # ---- routes ------------------------------------------------------------------------
+
+    async def _health(self, request: Request) -> Response:
+        try:
+            engine = self._engine()
+        except EngineDraining as exc:
+            status = "draining" if self._is_draining else "loading"
+            return JSONResponse({"status": status, "detail": str(exc)}, status_code=503,
+                                headers={"Retry-After": str(self._retry_after_s)})
+        if not engine.is_ready:
+            return JSONResponse({"status": "draining"}, status_code=503,
+                                headers={"Retry-After": str(self._retry_after_s)})
+        return JSONResponse({"status": "ok", "model": served_model_names(engine.model_name)[0]})
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._auth.authenticate(request.headers.items())
+            names = served_model_names(self._engine().model_name)
+        except Exception as exc:
+            return self._error(exc, request)
+        return JSONResponse({"object": "list", "data": [self._model_object(names[0])]})
+
+    async def _model(self, request: Request) -> Response:
+        try:
+            self._auth.authenticate(request.headers.items())
+            names = served_model_names(self._engine().model_name)
+            if request.path_params["model"] not in names:
+                raise HttpFailure(status=404, type="invalid_request_error",
+                                  code="model_not_found", param="model",
+                                  message=f"the model {request.path_params['model']!r} is not "
+                                          f"served here; this gateway serves {names[0]!r}")
+        except Exception as exc:
+            return self._error(exc, request)
+        return JSONResponse(self._model_object(names[0]))
+
+    async def _generate(self, kind: Kind, request: Request) -> Response:
+        try:
+            principal = self._auth.authenticate(request.headers.items())
+            engine = self._engine()
+            body = await self._json_body(request)
+            call = parse_call(kind, body, principal, limits=self._limits)
+            check_model(call, served_model_names(engine.model_name))
+            handle = await self._in_thread(engine.generate, call.request)
+        except Exception as exc:
+            return self._error(exc, request)
+        generation = Generation(handle)
+        rendering = Rendering(kind=kind, model=call.model, include_usage=call.include_usage)
+        try:
+            first = await self._until_gone(request, generation.next_item)
+            if not call.stream:
+                rest: list[Event] = await self._until_gone(request, partial(list, generation))
+                return self._answer(rendering, [first, *rest])
+        except ClientGone:
+            generation.cancel_unless_delivered()
+            logger.debug("%s: the client went away; request cancelled", request.url.path)
+            return Response(status_code=499)
+        except Exception as exc:
+            generation.cancel_unless_delivered()
+            return self._error(exc, request)
+        return StreamingResponse(self._events(call, rendering, generation, first),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    # ---- the stream -------------------------------------------------------------------
+
+    async def _events(self, call: OpenAICall, rendering: Rendering, generation: Generation,
+                      first: Event | None) -> AsyncIterator[str]:
+        """The SSE events of a stream whose first event has arrived.
+
+        NOTE: Starlette cancels this generator when the client disconnects; ``finally`` then
+        cancels the generation, and the engine frees its blocks at its next step.
+        """
+        try:
+            for event in rendering.opening():
+                yield event
+            item = first
+            while item is not None:
+                if isinstance(item, Usage):
+                    for event in rendering.closing(item):
+                        yield event
+                elif item.text:
+                    yield rendering.delta(item.text)
+                item = await self._in_thread(generation.next_item)
+        except Exception as exc:  # after the headers: an error event ends the stream
+            answer = error_answer(exc, where=f"{call.kind} stream",
+                                  retry_after_s=self._retry_after_s)
+            yield f"data: {json.dumps(answer.body, ensure_ascii=False)}\n\n"
+        finally:
+            generation.cancel_unless_delivered()
+
+    # ---- helpers ----------------------------------------------------------------------
+
+    def _engine(self) -> Engine:
+        if self._is_draining:
+            raise EngineDraining("the server is shutting down; retry on another replica")
+        return self._engines.get()
+
+    async def _json_body(self, request: Request) -> dict[str, Any]:
+        limit = self._max_body_bytes
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            raise _too_large(limit) if length.isdigit() else HttpFailure(
+                status=400, type="invalid_request_error", code="invalid_argument",
+                message="the Content-Length header is not a number")
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(limit)
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        except (ValueError, RecursionError) as exc:
+            detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+            raise HttpFailure(status=400, type="invalid_request_error", code="invalid_argument",
+                              message=f"the request body is not valid JSON ({detail}); send "
+                                      "one JSON object") from None
+        if not isinstance(body, dict):
+            raise HttpFailure(status=400, type="invalid_request_error", code="invalid_argument",
+                              message="the request body must be one JSON object")
+        return body
+
+    async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
+        if self._limiter is None:  # NOTE: made here, inside the event loop that uses it
+            self._limiter = anyio.CapacityLimiter(self._max_threads)
+        return await anyio.to_thread.run_sync(func, *args, abandon_on_cancel=True,
+                                              limiter=self._limiter)
+
+    async def _until_gone(self, request: Request, func: Callable[[], T]) -> T:
+        """``func()`` on a worker thread, unless the client disconnects first (``ClientGone``).
+
+        The body has been read, so the next ASGI message is the disconnect.
+        """
+        outcome: list[T] = []
+        failures: list[Exception] = []
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(watch)
+            try:
+                outcome.append(await self._in_thread(func))
+            except Exception as exc:  # raised below, outside the task group
+                failures.append(exc)
+            group.cancel_scope.cancel()
+        if failures:
+            raise failures[0]
+        if not outcome:
+            raise ClientGone()
+        return outcome[0]
+
+    def _answer(self, rendering: Rendering, items: list[Event | None]) -> Response:
+        text = "".join(item.text for item in items if isinstance(item, TokenDelta))
+        usage = next(item for item in items if isinstance(item, Usage))
+        return JSONResponse(rendering.completion(text, usage))
+
+    def _model_object(self, name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": self._started, "owned_by": "kvgate"}
+
+    def _error(self, exc: BaseException, request: Request) -> Response:
+        answer = error_answer(exc, where=request.url.path, retry_after_s=self._retry_after_s)
+        return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers)
+
+    async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
+        """Starlette's own 404 and 405, in OpenAI's error shape."""
+        failure = HttpFailure(status=exc.status_code, type="invalid_request_error",
+                              code="not_found" if exc.status_code == 404 else "bad_method",
+                              message=f"{request.method} {request.url.path}: {exc.detail}; "
+                                      "kvgate serves POST /v1/chat/completions, POST "
+                                      "/v1/completions, GET /v1/models and GET /health")
+        return self._error(failure, request)
+
+
+def _too_large(limit: int) -> HttpFailure:
+    return HttpFailure(status=413, type="invalid_request_error", code="request_too_large",
+                       message=f"the request body is over this gateway's limit of {limit} "
+                               "bytes ([http] max_body_bytes); send a shorter prompt")
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not a JSON number")
+

@@ -1,0 +1,407 @@
+"""OpenAI request bodies -> the engine's ``GenerateRequest``, validated at the edge.
+
+Every field of ``/v1/chat/completions`` and ``/v1/completions`` is either served, accepted only
+at the value that asks for nothing (``n: 1``, ``presence_penalty: 0``, ``logprobs: false``...),
+or refused with a 400 that names it: a client never gets an answer that silently ignored part of
+what it asked. A field sent as ``null`` counts as not sent, as in OpenAI's API.
+
+What a prompt means is decided below this module, exactly as for gRPC: messages become a
+``PromptInput`` of ``{role, content}`` and tool schemas, which the engine renders with the
+model's chat template and canonicalises (NFC, CRLF, sorted tool keys). So the same chat sent
+over HTTP and over gRPC is the same tokens, the same cache blocks and the same answer.
+
+Mapped on purpose:
+
+- ``developer`` messages are ``system`` messages (OpenAI's newer name for the same role);
+- content given as a list of text parts is their texts joined by "\\n" (as vLLM does); other
+  parts (images, audio, files) are refused: the model reads text;
+- a ``tool`` message's ``tool_call_id`` is accepted and not rendered (chat templates render
+  role and content); an assistant message's ``tool_calls`` are refused: kvgate returns the
+  model's text and never parses it into tool calls;
+- ``tool_choice`` may be ``auto`` or ``none`` (kvgate never returns structured tool calls, so
+  neither can be broken); ``required`` or a named function is refused;
+- kvgate's own options live in one extension object, ``kvgate``: ``no_cache``, ``ttl_s``,
+  ``scope`` (``tenant`` or ``shared``; shared needs an admin key), ``top_k``, ``timeout_s``
+  (the most the request may run, capped by the server's maximum). With the OpenAI SDK:
+  ``extra_body={"kvgate": {"no_cache": True}}``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from gateway.config.keys import Principal
+from gateway.core.canonical import PromptInput
+from gateway.core.errors import InvalidRequest
+from gateway.core.prompt_limits import check_prompt_size, measure
+from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
+from gateway.service.edge import (
+    EdgeLimits,
+    check_num_tools,
+    checked_ttl,
+    deadline_within,
+    scope_of,
+)
+from gateway.service.http.errors import HttpFailure, InvalidParam
+
+Kind = Literal["chat", "completion"]
+
+DEFAULT_CHAT_MAX_TOKENS = SamplingParams().max_tokens
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's own default for ``/v1/completions``."""
+
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
+                     "stream_options", "n", "user", "kvgate"})
+_CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "max_completion_tokens",
+                        "parallel_tool_calls"})
+_COMPLETION_ONLY = frozenset({"prompt"})
+
+_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "presence_penalty": lambda v: _is_number(v) and v == 0,
+    "frequency_penalty": lambda v: _is_number(v) and v == 0,
+    "logprobs": lambda v: v is False or v == 0,
+    "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
+    "logit_bias": lambda v: v == {},
+    "response_format": lambda v: v == {"type": "text"},
+    "modalities": lambda v: v == ["text"],
+    "store": lambda v: v is False,
+    "echo": lambda v: v is False,
+    "best_of": lambda v: v == 1 and not isinstance(v, bool),
+    "suffix": lambda v: v == "",
+}
+"""Fields accepted only at the value that asks for nothing, and that value's test."""
+
+_NEUTRAL_WORDS = {
+    "presence_penalty": "0", "frequency_penalty": "0", "logprobs": "false", "top_logprobs": "0",
+    "logit_bias": "{}", "response_format": '{"type": "text"}', "modalities": '["text"]',
+    "store": "false", "echo": "false", "best_of": "1", "suffix": '""',
+}
+_CHAT_NEUTRAL = frozenset({"presence_penalty", "frequency_penalty", "logprobs", "top_logprobs",
+                           "logit_bias", "response_format", "modalities", "store"})
+_COMPLETION_NEUTRAL = frozenset({"presence_penalty", "frequency_penalty", "logprobs",
+                                 "logit_bias", "echo", "best_of", "suffix"})
+
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
+          "tool": "tool"}
+_EXTENSION_KEYS = frozenset({"no_cache", "ttl_s", "scope", "top_k", "timeout_s"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class OpenAICall:
+    """A validated OpenAI request.
+
+    Attributes:
+        kind: chat or (text) completion.
+        model: the model name the client asked for (checked against the served one).
+        request: what the engine runs.
+        stream: answer with server-sent events.
+        include_usage: with ``stream``, end with a chunk that carries the usage.
+    """
+
+    kind: Kind
+    model: str
+    request: GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
+               limits: EdgeLimits) -> OpenAICall:
+    """The engine request of a ``/v1/chat/completions`` or ``/v1/completions`` body.
+
+    Raises:
+        InvalidParam: a field is missing, of the wrong type, out of range or not supported.
+        PermissionDenied: the shared scope without an admin key.
+    """
+    fields = {name: value for name, value in body.items() if value is not None}
+    _refuse_unsupported(kind, fields)
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidParam("model", "`model` is required: the name GET /v1/models lists")
+    if fields.get("n", 1) != 1 or isinstance(fields.get("n"), bool):
+        raise InvalidParam("n", f"`n` must be 1 (one choice per request), got {fields['n']!r}; "
+                                "send the request again for another sample")
+    stream = _optional(fields, "stream", bool, "true or false")
+    include_usage = _stream_options(fields, bool(stream))
+    extension = _extension(fields)
+    if kind == "chat":
+        prompt = PromptInput(messages=_messages(fields.get("messages")),
+                             tools=_tools(fields.get("tools")))
+        _tool_choice(fields)
+        max_tokens = _chat_max_tokens(fields)
+    else:
+        prompt = _completion_prompt(fields.get("prompt"))
+        max_tokens = _optional(fields, "max_tokens", int, "an integer")
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
+    try:  # bounded before the chat template renders or anything is tokenised
+        check_prompt_size(measure(prompt), limits.prompt)
+    except InvalidRequest as exc:
+        raise InvalidParam("messages" if kind == "chat" else "prompt", str(exc)) from None
+    sampling = _sampling(fields, max_tokens, extension)
+    ttl = _optional(extension, "ttl_s", float, "a number of seconds", where="kvgate.ttl_s")
+    try:
+        ttl = checked_ttl(ttl, limits)
+    except InvalidRequest as exc:
+        raise InvalidParam("kvgate.ttl_s", str(exc)) from None
+    timeout = _optional(extension, "timeout_s", float, "a number of seconds",
+                        where="kvgate.timeout_s")
+    if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
+        raise InvalidParam("kvgate.timeout_s", f"kvgate.timeout_s must be more than 0 seconds, "
+                                               f"got {timeout}")
+    scope_name = extension.get("scope", "tenant")
+    if scope_name not in ("tenant", "shared"):
+        raise InvalidParam("kvgate.scope", f"kvgate.scope must be \"tenant\" or \"shared\", got "
+                                           f"{scope_name!r}")
+    no_cache = _optional(extension, "no_cache", bool, "true or false", where="kvgate.no_cache")
+    request = GenerateRequest(
+        prompt=prompt,
+        scope=scope_of(principal, is_shared=scope_name == "shared"),
+        sampling=sampling,
+        cache=CacheOptions(no_cache=bool(no_cache), ttl_s=ttl),
+        deadline=deadline_within(limits, timeout),
+    )
+    return OpenAICall(kind=kind, model=model, request=request, stream=bool(stream),
+                      include_usage=include_usage)
+
+
+def _refuse_unsupported(kind: Kind, fields: Mapping[str, Any]) -> None:
+    own = _CHAT_ONLY if kind == "chat" else _COMPLETION_ONLY
+    neutral = _CHAT_NEUTRAL if kind == "chat" else _COMPLETION_NEUTRAL
+    for name, value in fields.items():
+        if name in _COMMON or name in own:
+            continue
+        if name in neutral:
+            if not _NEUTRAL[name](value):
+                raise InvalidParam(name, f"`{name}` is not supported by kvgate; send "
+                                         f"{_NEUTRAL_WORDS[name]} or leave it out")
+            continue
+        if name in ("messages", "prompt"):
+            other = "/v1/chat/completions" if name == "messages" else "/v1/completions"
+            raise InvalidParam(name, f"`{name}` belongs to {other}")
+        what = {"audio": "audio output", "functions": "the deprecated `functions` (send "
+                "`tools`)", "function_call": "the deprecated `function_call`",
+                "prediction": "predicted outputs", "web_search_options": "web search"}
+        raise InvalidParam(name, f"`{name}` is not supported by kvgate"
+                                 + (f" ({what[name]})" if name in what else "")
+                                 + "; leave it out")
+
+
+def _messages(value: object) -> list[dict[str, str]]:
+    if value is None:
+        raise InvalidParam("messages", "`messages` is required: a list of {role, content}")
+    if not isinstance(value, list):
+        raise InvalidParam("messages", f"`messages` must be a list, got {_type(value)}")
+    if not value:
+        raise InvalidParam("messages", "`messages` is empty; send at least one message")
+    return [_message(i, message) for i, message in enumerate(value)]
+
+
+def _message(index: int, message: object) -> dict[str, str]:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise InvalidParam(where, f"{where} must be an object with `role` and `content`, got "
+                                  f"{_type(message)}")
+    role = message.get("role")
+    if role not in _ROLES:
+        raise InvalidParam(f"{where}.role", f"{where}.role must be one of "
+                           f"{', '.join(_ROLES)}, got {role!r}")
+    for key, value in message.items():
+        if key in ("role", "content") or value is None:
+            continue
+        if key == "tool_call_id" and role == "tool":
+            continue  # not rendered by the chat template (module docstring)
+        if key == "refusal" or key == "name":
+            raise InvalidParam(f"{where}.{key}", f"{where}.{key} is not supported: the chat "
+                               "template renders only role and content; put it in the content")
+        if key == "tool_calls":
+            raise InvalidParam(f"{where}.tool_calls", f"{where}.tool_calls is not supported: "
+                               "kvgate returns the model's text and never tool calls; send the "
+                               "assistant's turn as its content")
+        raise InvalidParam(f"{where}.{key}", f"{where}.{key} is not supported; a message has "
+                           "`role` and `content` (and `tool_call_id` for a tool message)")
+    return {"role": _ROLES[role], "content": _content(where, message.get("content"))}
+
+
+def _content(where: str, content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise InvalidParam(f"{where}.content", f"{where}.content is required (a string or a "
+                           "list of text parts)")
+    if not isinstance(content, list):
+        raise InvalidParam(f"{where}.content", f"{where}.content must be a string or a list of "
+                           f"text parts, got {_type(content)}")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict):
+            raise InvalidParam(at, f"{at} must be a content part object, got {_type(part)}")
+        kind = part.get("type")
+        if kind != "text":
+            raise InvalidParam(at, f"{at} is a {kind!r} part; kvgate serves a text-only model: "
+                               "send text parts only (images, audio and files are not "
+                               "supported)")
+        extra = sorted(set(part) - {"type", "text"})
+        if extra:
+            raise InvalidParam(at, f"{at} has unsupported keys {extra}; a text part is "
+                               "{type: text, text}")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidParam(at, f"{at}.text must be a string, got {_type(text)}")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def _tools(value: object) -> list[Mapping[str, object]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidParam("tools", f"`tools` must be a list of tool objects, got {_type(value)}")
+    try:
+        check_num_tools(len(value))
+    except InvalidRequest as exc:
+        raise InvalidParam("tools", str(exc)) from None
+    for i, tool in enumerate(value):
+        if not isinstance(tool, dict):
+            raise InvalidParam(f"tools[{i}]", f"tools[{i}] must be an object, got {_type(tool)}")
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidParam(f"tools[{i}]", f"tools[{i}] must be {{\"type\": \"function\", "
+                               "\"function\": {name, description, parameters}}: only function "
+                               "tools are supported")
+    return value or None
+
+
+def _tool_choice(fields: Mapping[str, Any]) -> None:
+    choice = fields.get("tool_choice", "auto")
+    if choice not in ("auto", "none"):
+        raise InvalidParam("tool_choice", "`tool_choice` may be \"auto\" or \"none\": kvgate "
+                           "returns the model's text and cannot force a tool call")
+    _optional(fields, "parallel_tool_calls", bool, "true or false")
+
+
+def _chat_max_tokens(fields: Mapping[str, Any]) -> int:
+    legacy = _optional(fields, "max_tokens", int, "an integer")
+    current = _optional(fields, "max_completion_tokens", int, "an integer")
+    if legacy is not None and current is not None and legacy != current:
+        raise InvalidParam("max_completion_tokens", f"`max_tokens` ({legacy}) and "
+                           f"`max_completion_tokens` ({current}) disagree; send one of them")
+    chosen = current if current is not None else legacy
+    return DEFAULT_CHAT_MAX_TOKENS if chosen is None else chosen
+
+
+def _completion_prompt(value: object) -> PromptInput:
+    if value is None:
+        raise InvalidParam("prompt", "`prompt` is required: the text to complete")
+    if isinstance(value, str):
+        return PromptInput(prompt=value)
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        return PromptInput(token_ids=[int(t) for t in value])
+    if isinstance(value, list) and len(value) == 1:
+        return _completion_prompt(value[0])
+    if isinstance(value, list) and len(value) > 1:
+        raise InvalidParam("prompt", f"`prompt` holds {len(value)} prompts; send one per request "
+                           "(batches are not supported)")
+    raise InvalidParam("prompt", "`prompt` must be a string or a list of token ids, got "
+                       f"{_type(value)}")
+
+
+def _sampling(fields: Mapping[str, Any], max_tokens: int,
+              extension: Mapping[str, Any]) -> SamplingParams:
+    defaults = SamplingParams()
+    temperature = _optional(fields, "temperature", float, "a number")
+    top_p = _optional(fields, "top_p", float, "a number")
+    top_k = _optional(extension, "top_k", int, "an integer", where="kvgate.top_k")
+    seed = _optional(fields, "seed", int, "an integer")
+    stop = fields.get("stop")
+    if isinstance(stop, str):
+        stops: tuple[str, ...] = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    elif stop is None:
+        stops = ()
+    else:
+        raise InvalidParam("stop", f"`stop` must be a string or a list of strings, got "
+                                   f"{_type(stop)}")
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+        top_k=defaults.top_k if top_k is None else top_k,
+        seed=seed,
+        stop=stops,
+    )
+    problems = params.problems()
+    if problems:
+        param = next((name for name in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                        "stop") if problems[0].startswith(name)), "")
+        raise InvalidParam(param, "invalid sampling: " + "; ".join(problems))
+    return params
+
+
+def _stream_options(fields: Mapping[str, Any], stream: bool) -> bool:
+    options = fields.get("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise InvalidParam("stream_options", "`stream_options` goes with `stream: true`")
+    if not isinstance(options, dict):
+        raise InvalidParam("stream_options", f"`stream_options` must be an object, got "
+                                             f"{_type(options)}")
+    unknown = sorted(set(options) - {"include_usage"})
+    if unknown:
+        raise InvalidParam("stream_options", f"stream_options has unsupported keys {unknown}; "
+                                             "kvgate knows include_usage")
+    return bool(_optional(options, "include_usage", bool, "true or false",
+                          where="stream_options.include_usage"))
+
+
+def _extension(fields: Mapping[str, Any]) -> dict[str, Any]:
+    extension = fields.get("kvgate", {})
+    if not isinstance(extension, dict):
+        raise InvalidParam("kvgate", f"`kvgate` must be an object of kvgate's options, got "
+                                     f"{_type(extension)}")
+    unknown = sorted(set(extension) - _EXTENSION_KEYS)
+    if unknown:
+        raise InvalidParam("kvgate", f"kvgate has unknown keys {unknown}; known: "
+                                     f"{sorted(_EXTENSION_KEYS)}")
+    return {name: value for name, value in extension.items() if value is not None}
+
+
+def _optional(fields: Mapping[str, Any], name: str, kind: type, words: str, *,
+              where: str | None = None) -> Any:
+    """``fields[name]`` if it is of ``kind`` (an int counts as a float), None if absent."""
+    value = fields.get(name)
+    if value is None:
+        return None
+    is_kind = (isinstance(value, bool) if kind is bool
+               else _is_int(value) if kind is int
+               else _is_number(value) and math.isfinite(value))
+    if not is_kind:
+        raise InvalidParam(where or name, f"`{where or name}` must be {words}, got {value!r}")
+    return float(value) if kind is float else value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _type(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value),
+                                                                        type(value).__name__)
+
+
+def check_model(call: OpenAICall, served: tuple[str, ...]) -> None:
+    """Raise a 404 ``model_not_found`` unless ``call`` asks for one of the ``served`` names."""
+    if call.model not in served:
+        raise HttpFailure(status=404, type="invalid_request_error", code="model_not_found",
+                          param="model",
+                          message=f"the model {call.model!r} is not served here; this gateway "
+                                  f"serves {served[0]!r} (GET /v1/models)")

@@ -1,0 +1,141 @@
+"""The HTTP front's listener: uvicorn on a thread of its own, beside the gRPC server.
+
+``HttpFront`` binds its socket itself (so a busy port is a ``ServeError`` at start, and port 0
+gives the bound port at once), then runs ``uvicorn.Server`` on a daemon thread with its own
+event loop. Like the gRPC server it listens before the model is loaded: ``/health`` says 503
+(loading) and every API call 503 until the composition root attaches the engine to the shared
+``EngineSlot``.
+
+uvicorn is configured on purpose: no logging configuration of its own and no access log (the
+gateway's logging stays the operator's, and a request line could carry nothing useful that the
+engine's metrics do not), no lifespan, no WebSockets, no ``Server`` header, the same TLS
+certificate as gRPC, ``limit_concurrency`` as a backstop (503 beyond it), and a graceful
+shutdown that lets requests in flight finish within the gRPC grace period. Headers are bounded
+by h11 (16 KiB); bodies by the front (``[http] max_body_bytes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import uvicorn
+
+from gateway.config.settings import ServeConfig
+from gateway.core.prompt_limits import PromptLimits
+from gateway.service.auth import Authenticator
+from gateway.service.edge import EdgeLimits
+from gateway.service.engine_slot import EngineSlot
+from gateway.service.http.app import OpenAIFront
+from gateway.service.server import ServeError, check_plaintext_listener
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 30.0
+
+
+class HttpFront:
+    """The OpenAI-compatible API on ``config.http``'s address.
+
+    Args:
+        config: ``config.http`` (address, limits), the TLS files and the gRPC deadline/TTL
+            bounds (``config.grpc``), which both surfaces enforce alike.
+        authenticator: the keys (the gRPC server's).
+        engines: the slot the gRPC server shares.
+    """
+
+    def __init__(self, config: ServeConfig, authenticator: Authenticator,
+                 engines: EngineSlot) -> None:
+        self.config = config
+        settings = config.http
+        self._front = OpenAIFront(
+            engines, authenticator,
+            EdgeLimits(max_deadline_s=config.grpc.max_deadline_s,
+                       max_ttl_s=config.grpc.max_ttl_s,
+                       prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
+                                           max_messages=config.limits.max_messages)),
+            max_body_bytes=settings.max_body_bytes, max_threads=settings.max_connections,
+            retry_after_s=settings.retry_after_s,
+        )
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        """The API's base URL (what an OpenAI SDK client takes as ``base_url``)."""
+        scheme = "https" if self.config.uses_tls else "http"
+        host = self.config.http.host
+        host = f"[{host}]" if ":" in host else host
+        return f"{scheme}://{host}:{self.port}/v1"
+
+    def start(self) -> int:
+        """Listen and serve (503 until an engine is attached); returns the bound port.
+
+        Raises:
+            ServeError: a plaintext non-loopback listener without ``allow_insecure_remote``,
+                the address cannot be bound, or the server did not come up.
+        """
+        settings = self.config.http
+        check_plaintext_listener(self.config, settings.host, settings.address)
+        sock = _bind(settings.host, settings.port)
+        cert, key = self.config.tls_cert, self.config.tls_key
+        uv_config = uvicorn.Config(
+            self._front.app(), log_config=None, access_log=False, lifespan="off", ws="none",
+            http="h11", loop="asyncio", server_header=False,
+            limit_concurrency=settings.max_connections,
+            timeout_graceful_shutdown=int(self.config.grpc.shutdown_grace_s) + 1,
+            ssl_certfile=str(cert) if cert is not None else None,
+            ssl_keyfile=str(key) if key is not None else None,
+        )
+        server = uvicorn.Server(uv_config)
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+                                  name="kvgate-http", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                sock.close()
+                raise ServeError(f"the HTTP front did not start on {settings.address}")
+            time.sleep(0.01)
+        self._server, self._thread = server, thread
+        self.port = int(sock.getsockname()[1])
+        return self.port
+
+    def begin_shutdown(self) -> None:
+        """Refuse new requests (503) and stop listening; requests in flight go on."""
+        self._front.begin_shutdown()
+        if self._server is not None:
+            self._server.should_exit = True
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop (requests in flight get what is left of the graceful shutdown) and wait."""
+        self.begin_shutdown()
+        if self._thread is not None:
+            self._thread.join(timeout=timeout_s)
+            if self._thread.is_alive() and self._server is not None:
+                self._server.force_exit = True
+                self._thread.join(timeout=5.0)
+            self._thread = None
+        self._server = None
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening: uvicorn's loop does that)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ServeError(f"cannot listen for HTTP on {host}:{port} ({exc})") from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise ServeError(f"cannot listen for HTTP on {host}:{port} ({exc}); is another "
+                         "process using the port? ([http] port, --http-port)") from exc
+    return sock
