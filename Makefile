@@ -3,6 +3,8 @@
 #   make test                       lint + the whole test suite
 #   make test TORCH_SPEC='torch'    use another torch build (default: the CPU build pinned below)
 #   make lint                       ruff + mypy only
+#   make test-gpu                   the tests marked gpu (the parity suite on CUDA, pinned host
+#                                   tier, device placement) in .venv-gpu with a CUDA torch build
 #   make serve                      the gateway: gRPC on 127.0.0.1:50051, the OpenAI-compatible
 #                                   HTTP API on http://127.0.0.1:8000/v1 (prints a dev API key)
 #   make bench-index                the index benchmark (printed figures, see README)
@@ -28,11 +30,17 @@ PEERS_TORCH_SPEC ?= $(TORCH_SPEC)
 SERVE_SPEC  ?= transformers[serving]==5.23.0 openai==1.109.1 fastapi==0.116.1 \
                starlette==0.47.3 uvicorn==0.35.0 pydantic==2.11.9
 PYTEST_ARGS ?=
+# `make test-gpu`: its own venv, so that the CPU build in .venv stays. GPU_TORCH_SPEC is a pip
+# requirement of a CUDA build of torch (the default index's Linux wheels are CUDA builds; where
+# pip is configured for CPU wheels, point PIP_INDEX_URL at an index that serves CUDA ones).
+GPU_VENV       ?= .venv-gpu
+GPU_TORCH_SPEC ?= torch==2.13.0
 
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: venv lint test redis-server serve bench-index bench-ttft bench-load bench-peers clean
+.PHONY: venv lint test test-gpu redis-server serve bench-index bench-ttft bench-load bench-peers \
+	clean
 
 venv: $(STAMP)
 
@@ -66,6 +74,16 @@ redis-server:
 # skipping the Redis tests (outside `make test`, they skip).
 test: lint redis-server
 	KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The tests marked `gpu` on CUDA: the whole parity suite with the model and the device tier on
+# the GPU, the pinned host tier's fenced copies, device placement. KVGATE_REQUIRE_GPU=1 makes a
+# missing GPU (or a CPU build of torch) fail the run instead of skipping every test.
+test-gpu: redis-server
+	$(MAKE) venv VENV=$(GPU_VENV) TORCH_SPEC='$(GPU_TORCH_SPEC)'
+	$(GPU_VENV)/bin/python -c "import torch, sys; print('torch', torch.__version__, 'CUDA', \
+	  torch.version.cuda, 'GPUs', torch.cuda.device_count()); \
+	  sys.exit(0 if torch.cuda.is_available() else 'no CUDA: set GPU_TORCH_SPEC to a CUDA build')"
+	KVGATE_REQUIRE_GPU=1 KVGATE_REQUIRE_REDIS=1 $(GPU_VENV)/bin/pytest -m gpu $(PYTEST_ARGS)
 
 # The gateway on 127.0.0.1:50051 (gRPC) and http://127.0.0.1:8000/v1 (the OpenAI API) with
 # device + host + disk tiers (disk under data/kv); it prints both addresses once serving. With no
@@ -109,4 +127,4 @@ $(PEERS_VENV)/.transformers-serve-installed: | $(PEERS_VENV)/bin/python
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

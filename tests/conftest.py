@@ -31,17 +31,46 @@ def _redis_is_required() -> bool:
     return os.environ.get(REQUIRE_REDIS_ENV, "") not in ("", "0")
 
 
+# ------------------------------------------------------------------ GPU
+#
+# Tests marked `gpu` need CUDA: without it they skip, with one line saying so -- except when
+# KVGATE_REQUIRE_GPU=1 (`make test-gpu` sets it), where a missing GPU or a CPU build of torch
+# stops the run at once instead of skipping everything it was meant to check.
+
+REQUIRE_GPU_ENV = "KVGATE_REQUIRE_GPU"
+
+
+def _gpu_missing() -> str | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    return f"needs CUDA (torch {torch.__version__} sees no GPU)"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     reason = redis_server_missing()
     if reason is not None and _redis_is_required():
         raise pytest.UsageError(
             f"{REQUIRE_REDIS_ENV} is set and the Redis tests cannot run: {reason}")
+    if os.environ.get(REQUIRE_GPU_ENV, "") not in ("", "0"):
+        missing = _gpu_missing()
+        if missing is not None:
+            raise pytest.UsageError(f"{REQUIRE_GPU_ENV} is set and the GPU tests cannot run: "
+                                    f"{missing}; install a CUDA build of torch")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    gpu_missing: str | None = None
+    checked_gpu = False
     for item in items:
         if _REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
+        if item.get_closest_marker("gpu") is not None:
+            if not checked_gpu:
+                gpu_missing, checked_gpu = _gpu_missing(), True
+            if gpu_missing is not None:
+                item.add_marker(pytest.mark.skip(reason=gpu_missing))
 
 
 def _skip_without_redis() -> None:

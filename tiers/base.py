@@ -51,6 +51,28 @@ class TierConfigError(TierError):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class BlockExpiry:
+    """When a block stops being served: written into its authenticated header, so that it
+    travels with the block to another replica (through Redis) and across a restart (on disk).
+
+    Attributes:
+        ttl_s: the sliding time-to-live (restarted by every hit), or None: never expires idle.
+        expires_at: wall-clock (Unix) seconds at which it expired as of writing, or None: it
+            did not expire then (no TTL, or pinned). Hits after the write move the expiry
+            later without rewriting the header, so a restart that finds a block by its
+            header alone can only expire it early, never late.
+    """
+
+    ttl_s: float | None
+    expires_at: float | None
+
+    @property
+    def is_pinned(self) -> bool:
+        """A TTL that does not run: the block was pinned when it was written."""
+        return self.ttl_s is not None and self.expires_at is None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BlockMeta:
     """What identifies one block, stored beside its payload and checked on every load.
 
@@ -60,6 +82,8 @@ class BlockMeta:
         namespace_digest: digest of the namespace the key was computed in.
         owner: who is charged for it (tenant id, or "shared"); restored after a restart.
         tokens: the block's token ids, little-endian uint32 bytes.
+        expiry: when it stops being served (None: never). Not part of its identity: two
+            metas of one block with different expiries are equal.
     """
 
     key: BlockKey
@@ -67,6 +91,7 @@ class BlockMeta:
     namespace_digest: bytes = field(repr=False)
     owner: str
     tokens: bytes = field(repr=False)
+    expiry: BlockExpiry | None = field(default=None, compare=False)
 
     @property
     def num_tokens(self) -> int:
@@ -147,4 +172,22 @@ class RemoteStore(BlockStore, Protocol):
 
     def delete_meta(self, meta: BlockMeta) -> None: ...
 
-    def flush_namespace(self, namespace_digest: bytes) -> int: ...
+    def delete_metas(self, metas: Sequence[BlockMeta], *,
+                     min_idle_s: float | None = None) -> int:
+        """Delete these blocks (only those idle at least ``min_idle_s``); how many went."""
+        ...
+
+    def remove_where(self, *, namespace_digest: bytes | None = None,
+                     key: BlockKey | None = None, min_idle_s: float | None = None) -> int:
+        """Remove every block of the deployment matching all given selectors."""
+        ...
+
+    def fetch_chain(
+        self, metas: Sequence[BlockMeta]
+    ) -> list[tuple[KVBlock, BlockExpiry | None] | None]:
+        """``get_many`` with each block's expiry from its verified header."""
+        ...
+
+    def refresh_expiry(self, metas: Sequence[BlockMeta]) -> None:
+        """Give these blocks' copies the expiry their metas say (pin, unpin)."""
+        ...

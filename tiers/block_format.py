@@ -1,12 +1,12 @@
 """The byte layout of a stored block's header, and the checks a header passes before it is used.
 
-Format 2 (all integers little-endian)::
+Format 3 (all integers little-endian)::
 
     prefix  (PREFIX_LEN = 10)
       0   4s   MAGIC b"KVGB"
       4   u16  format version (FORMAT_VERSION)
       6   u32  header length: bytes before the payload (prefix + fields + both tags)
-    fields  (fixed part, 74 bytes)
+    fields  (fixed part, 90 bytes)
       10  u8   dtype code (``_DTYPE_CODES``)
       11  u8   compression id (0 raw, 1 lz4 frame)
       12  u8   key length (1..64)
@@ -19,17 +19,23 @@ Format 2 (all integers little-endian)::
       32  u32  head_dim
       36  u64  payload length (stored bytes)
       44  u64  raw length (bytes after decompression)
-      52  32s  namespace digest
+      52  u64  TTL in milliseconds (sliding; 0: none)
+      60  u64  expiry as of writing, Unix milliseconds (0: none -- no TTL, or pinned)
+      68  32s  namespace digest
     fields  (variable part)
-      84       key, parent key, owner (utf-8), tokens (u32 each)
+      100      key, parent key, owner (utf-8), tokens (u32 each)
     block tag   32 bytes: keyed BLAKE3 of everything before it, then the payload
     header tag  32 bytes: keyed BLAKE3 of everything before it (``tiers.block_mac``)
     payload for each layer: K bytes then V bytes, each [kv_heads, block_tokens, head_dim]
             C-contiguous; optionally one lz4 frame of those bytes
 
 Format 1 (until 2026-11) had a keyed BLAKE2b over the header only and an xxh3-128 of the payload
-in the header, which a writer can forge (``tiers.block_mac``); its blocks are refused with
-reason "version" and recomputed.
+in the header, which a writer can forge (``tiers.block_mac``). Format 2 had today's MACs but no
+expiry: a block that left the process lost its TTL. Blocks of both are refused with reason
+"version" -- counted, deleted and recomputed, never an error.
+
+The expiry fields (``tiers.base.BlockExpiry``) sit inside the authenticated header: whoever can
+write Redis or the disk cannot extend a block's life without the deployment secret.
 
 Checks happen cheapest first and before any allocation that a header could inflate: the prefix
 (magic, version, header length within ``MAX_HEADER_LEN``), the header tag, then the fields
@@ -46,11 +52,11 @@ from typing import Literal
 import torch
 
 from policies.base import BlockKey
-from tiers.base import BlockMeta, CodecError
+from tiers.base import BlockExpiry, BlockMeta, CodecError
 from tiers.block_mac import MAC_LEN
 from tiers.payload import KVLayout
 
-FORMAT_VERSION: int = 2
+FORMAT_VERSION: int = 3
 MAGIC: bytes = b"KVGB"
 
 _PREFIX = struct.Struct("<4sHI")
@@ -58,7 +64,7 @@ PREFIX_LEN: int = _PREFIX.size
 """Bytes at the start of every blob from which ``header_length`` reads the header length (disk
 recovery reads this much, then the header, never the payload)."""
 
-_FIELDS = struct.Struct("<BBBBHIIIIIQQ32s")
+_FIELDS = struct.Struct("<BBBBHIIIIIQQQQ32s")
 TAGS_LEN: int = 2 * MAC_LEN
 """The block tag then the header tag, the last bytes of every header."""
 NAMESPACE_DIGEST_LEN = 32
@@ -159,6 +165,25 @@ class HeaderFields:
     payload_len: int
     raw_len: int
     namespace_digest: bytes
+    ttl_ms: int = 0
+    expires_at_ms: int = 0
+
+
+def expiry_fields(expiry: BlockExpiry | None) -> tuple[int, int]:
+    """``(ttl_ms, expires_at_ms)`` of an expiry, 0 standing for None."""
+    if expiry is None:
+        return 0, 0
+    ttl_ms = 0 if expiry.ttl_s is None else max(1, round(expiry.ttl_s * 1000))
+    expires_ms = 0 if expiry.expires_at is None else max(1, round(expiry.expires_at * 1000))
+    return ttl_ms, expires_ms
+
+
+def expiry_of(ttl_ms: int, expires_at_ms: int) -> BlockExpiry | None:
+    """The expiry a header's two fields say (None: never expires)."""
+    if not ttl_ms and not expires_at_ms:
+        return None
+    return BlockExpiry(ttl_s=ttl_ms / 1000 if ttl_ms else None,
+                       expires_at=expires_at_ms / 1000 if expires_at_ms else None)
 
 
 def pack_body(fields: HeaderFields, *, version: int = FORMAT_VERSION) -> bytes:
@@ -181,6 +206,8 @@ def pack_body(fields: HeaderFields, *, version: int = FORMAT_VERSION) -> bytes:
                 fields.head_dim,
                 fields.payload_len,
                 fields.raw_len,
+                fields.ttl_ms,
+                fields.expires_at_ms,
                 fields.namespace_digest,
             ),
             variable,
@@ -245,6 +272,8 @@ def parse_fields(view: memoryview, header_len: int, shape: ExpectedShape) -> Dec
         head_dim,
         payload_len,
         raw_len,
+        ttl_ms,
+        expires_at_ms,
         namespace_digest,
     ) = _FIELDS.unpack_from(view, PREFIX_LEN)
     want_len = (
@@ -313,6 +342,7 @@ def parse_fields(view: memoryview, header_len: int, shape: ExpectedShape) -> Dec
             namespace_digest=bytes(namespace_digest),
             owner=owner,
             tokens=tokens,
+            expiry=expiry_of(ttl_ms, expires_at_ms),
         ),
         dtype=dtype,
         num_layers=num_layers,

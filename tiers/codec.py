@@ -16,8 +16,12 @@ The byte layout is in ``tiers.block_format``. ``decode`` checks, cheapest first:
 total length, the expected identity, then the block tag over header and payload, and only then
 decompresses (output bounded to the layout's size). Every failure raises ``CodecError`` with a
 stable ``reason`` (see ``tiers.base``); foreign errors (struct, lz4, unicode) are translated at
-this boundary. A block of format 1 (header-only MAC, xxh3 payload checksum) is refused as
-"version": the stores count it, delete it and the block is recomputed.
+this boundary. A block of an older format -- 1 (header-only MAC, xxh3 payload checksum) or 2
+(no expiry) -- is refused as "version": the stores count it, delete it and the block is
+recomputed.
+
+The header also carries the block's expiry (``BlockMeta.expiry``: its sliding TTL and when it
+expired as of writing), under the same MAC, so that a block keeps its lifetime wherever it goes.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from tiers.block_format import (
     DecodedHeader,
     ExpectedShape,
     HeaderFields,
+    expiry_fields,
     header_length,
     pack_body,
     parse_fields,
@@ -195,6 +200,7 @@ class BlockCodec:
             else:
                 pieces = [raw]
 
+        ttl_ms, expires_at_ms = expiry_fields(meta.expiry)
         body = pack_body(
             HeaderFields(
                 dtype_code=self._dtype_code,
@@ -211,6 +217,8 @@ class BlockCodec:
                 payload_len=sum(len(p) for p in pieces),
                 raw_len=self._raw_len,
                 namespace_digest=bytes(meta.namespace_digest),
+                ttl_ms=ttl_ms,
+                expires_at_ms=expires_at_ms,
             )
         )
         block_tag = self._mac.block_tag(body, pieces)
@@ -301,7 +309,17 @@ class BlockCodec:
             raise CodecError("codec", f"malformed block header: {exc}") from exc
 
     def decode(self, data: bytes | bytearray | memoryview, expected: BlockMeta) -> KVBlock:
-        """Verify ``data`` as the encoding of the block ``expected`` and return its tensors.
+        """Verify ``data`` as the encoding of the block ``expected`` and return its tensors
+        (``decode_with_header`` also returns the verified header: its expiry, for instance).
+
+        Raises:
+            CodecError: see ``decode_with_header``.
+        """
+        return self.decode_with_header(data, expected)[1]
+
+    def decode_with_header(self, data: bytes | bytearray | memoryview,
+                           expected: BlockMeta) -> tuple[DecodedHeader, KVBlock]:
+        """Verify ``data`` as the encoding of the block ``expected``; its header and tensors.
 
         The returned tensors own their memory (one buffer for the whole block): the caller may
         reuse or release ``data`` at once. A raw payload is copied first and the block tag is
@@ -348,7 +366,7 @@ class BlockCodec:
             layout.num_layers, 2, layout.kv_heads, self._block_tokens, layout.head_dim
         )
         layers = per_layer.unbind(0)
-        return KVBlock(
+        return header, KVBlock(
             keys=tuple(layer[0] for layer in layers),
             values=tuple(layer[1] for layer in layers),
         )

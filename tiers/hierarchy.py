@@ -5,10 +5,14 @@ shared by every replica and is consulted by chain key when the local tiers miss.
 only moves bytes and keeps figures; what to promote, demote or evict is decided by the prefix
 cache, which owns the index and the policies.
 
-Load bandwidth: every read is timed, and each tier keeps an exponentially weighted estimate of
-its bytes per second. A block whose load would cost more than recomputing it is worth
-recomputing (peers shipped disk tiers whose hits were slower than a fresh prefill); the prefix
-cache asks ``estimate_load_s`` before loading.
+Load bandwidth: every read is timed, and each tier (the remote one too) keeps an exponentially
+weighted estimate of its bytes per second. A block whose load would cost more than recomputing
+it is worth recomputing (peers shipped disk tiers whose hits were slower than a fresh prefill);
+the prefix cache asks ``worth_loading`` before loading. A tier judged slow is not read, so its
+estimate would never change again: once per ``reprobe_interval_s`` one load from it is let
+through anyway (a *probe*), and a probe's measurement replaces the stale estimate, so a tier
+that got fast again (a disk that stopped thrashing, a Redis whose network recovered) is used
+again at once, and one that is still slow is judged slow again for another interval.
 
 Remote writes go through a background thread with a bounded queue, so a slow or dead Redis never
 sits on the request path; local disk writes are queued by the disk store itself.
@@ -25,7 +29,7 @@ from dataclasses import dataclass
 
 from policies.base import BlockKey
 from policies.rate import TenantRates
-from tiers.base import BlockMeta, BlockStore, RemoteStore, StoreStats
+from tiers.base import BlockExpiry, BlockMeta, BlockStore, RemoteStore, StoreStats
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
@@ -168,6 +172,8 @@ class TierHierarchy:
         remote_max_pending_bytes: bytes queued for the remote at most (more are dropped).
         remote_budget: bytes per second each owner may write to the remote (None: no limit).
         remote_exempt_owners: owners the budget does not apply to.
+        reprobe_interval_s: a tier judged slower than recomputing gets one probing load per
+            this many seconds (see the module docstring).
         clock: time source for load timing.
     """
 
@@ -177,10 +183,13 @@ class TierHierarchy:
         *,
         remote: RemoteStore | None = None,
         remote_max_pending_bytes: int = 256 << 20,
+        reprobe_interval_s: float = 10.0,
         remote_budget: TenantRates | None = None,
         remote_exempt_owners: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if not reprobe_interval_s > 0:
+            raise ValueError(f"reprobe_interval_s must be > 0, got {reprobe_interval_s}")
         names = [level.name for level in levels]
         if len(set(names)) != len(names) or REMOTE in names:
             raise ValueError(f"local tier names must be unique and not {REMOTE!r}: {names}")
@@ -194,6 +203,13 @@ class TierHierarchy:
         )
         self._clock = clock
         self._bandwidth = {name: Bandwidth() for name in (*names, REMOTE)}
+        self._reprobe_interval_s = reprobe_interval_s
+        self._lock = threading.Lock()  # the slow-tier bookkeeping below
+        self._slow_since: dict[str, float] = {}  # tier -> when it was judged slow / last probed
+        self._probing: set[str] = set()  # tiers whose next timed load is a probe
+        self._num_skipped_slow = {name: 0 for name in (*names, REMOTE)}
+        self._num_probes = {name: 0 for name in (*names, REMOTE)}
+        self._block_bytes: int | None = None  # payload size of one block, learned on reads
 
     def start(self) -> None:
         if self._writer is not None:
@@ -222,8 +238,20 @@ class TierHierarchy:
         start = self._clock()
         block = self._levels[tier].store.get(meta)
         if block is not None:
-            self._bandwidth[tier].record(block.nbytes, self._clock() - start)
+            with self._lock:
+                self._block_bytes = block.nbytes
+            self._record_load(tier, block.nbytes, self._clock() - start)
         return block
+
+    def _record_load(self, tier: str, num_bytes: int, seconds: float) -> None:
+        with self._lock:
+            is_probe = tier in self._probing
+            self._probing.discard(tier)
+        bandwidth = self._bandwidth[tier]
+        if is_probe:
+            # The estimate is stale by a whole interval: the probe's measurement replaces it.
+            bandwidth.bytes_per_s = None
+        bandwidth.record(num_bytes, seconds)
 
     def write(self, tier: str, meta: BlockMeta, block: KVBlock) -> None:
         self._levels[tier].store.put(meta, block)
@@ -231,20 +259,37 @@ class TierHierarchy:
     def delete(self, tier: str, key: BlockKey) -> None:
         self._levels[tier].store.delete(key)
 
-    def fetch_remote(self, metas: Sequence[BlockMeta]) -> list[KVBlock]:
-        """The longest prefix of ``metas`` (a chain) that the remote store holds and verifies."""
+    def fetch_remote(
+        self, metas: Sequence[BlockMeta]
+    ) -> list[tuple[KVBlock, BlockExpiry | None]]:
+        """The longest prefix of ``metas`` (a chain) that the remote store holds and verifies,
+        each block with the expiry its header carries."""
         if self.remote is None or not metas:
             return []
         start = self._clock()
-        got = self.remote.get_many(metas)
-        hits: list[KVBlock] = []
-        for block in got:
-            if block is None:
+        got = self.remote.fetch_chain(metas)
+        hits: list[tuple[KVBlock, BlockExpiry | None]] = []
+        for one in got:
+            if one is None:
                 break
-            hits.append(block)
+            hits.append(one)
         if hits:
-            self._bandwidth[REMOTE].record(sum(b.nbytes for b in hits), self._clock() - start)
+            with self._lock:
+                self._block_bytes = hits[0][0].nbytes
+            self._record_load(REMOTE, sum(b.nbytes for b, _ in hits), self._clock() - start)
         return hits
+
+    def refresh_remote_expiry(self, metas: Sequence[BlockMeta]) -> None:
+        """Give these blocks' remote copies the expiry their metas say (pin, unpin).
+
+        Queued writes are flushed first: a block pinned right after it was stored (a warm
+        with pin) must not get its ``PX`` back from a write that lands after the ``PERSIST``.
+        """
+        if self.remote is None:
+            return
+        if self._writer is not None:
+            self._writer.flush(timeout_s=30.0)
+        self.remote.refresh_expiry(metas)
 
     def write_remote(self, items: list[tuple[BlockMeta, KVBlock]]) -> bool:
         """Queue a chain for the remote store; False if there is none or the queue is full."""
@@ -252,8 +297,10 @@ class TierHierarchy:
             return False
         return self._writer.submit(items)
 
-    def forget_remote(self, metas: Sequence[BlockMeta]) -> None:
-        """Delete these blocks from the remote store (admin eviction reaching every replica).
+    def forget_remote(self, metas: Sequence[BlockMeta], *,
+                      min_idle_s: float | None = None) -> None:
+        """Delete these blocks (with ``min_idle_s``: those idle that long) from the remote
+        store (admin eviction reaching every replica).
 
         Queued writes are flushed first, so that a block queued before the eviction does not
         reappear after it.
@@ -262,16 +309,18 @@ class TierHierarchy:
             return
         if self._writer is not None:
             self._writer.flush(timeout_s=30.0)
-        for meta in metas:
-            self.remote.delete_meta(meta)
+        self.remote.delete_metas(metas, min_idle_s=min_idle_s)
 
-    def flush_remote_namespace(self, namespace_digest: bytes) -> int:
-        """Remove every remote block of one namespace; how many keys went."""
+    def remove_remote_where(self, *, namespace_digest: bytes | None = None,
+                            key: BlockKey | None = None, min_idle_s: float | None = None) -> int:
+        """Remove the remote blocks a selection names (``RemoteStore.remove_where``), after
+        the queued writes; how many keys went."""
         if self.remote is None:
             return 0
         if self._writer is not None:
             self._writer.flush(timeout_s=30.0)
-        return self.remote.flush_namespace(namespace_digest)
+        return self.remote.remove_where(namespace_digest=namespace_digest, key=key,
+                                        min_idle_s=min_idle_s)
 
     def flush(self, timeout_s: float | None = None) -> bool:
         """Wait for queued remote writes and local disk writes (graceful shutdown, tests)."""
@@ -303,6 +352,39 @@ class TierHierarchy:
         bandwidth = self._bandwidth[tier].bytes_per_s
         return None if bandwidth is None else num_bytes / bandwidth
 
+    def worth_loading(self, tier: str, num_blocks: int, num_bytes: int | None,
+                      recompute_s: float | None) -> bool:
+        """Whether to load ``num_blocks`` blocks (``num_bytes``, when known) from ``tier``
+        rather than recompute them in ``recompute_s`` seconds.
+
+        Yes before any measurement, and whenever the estimate is no slower than recomputing.
+        A tier judged slower is skipped (counted) -- except once per ``reprobe_interval_s``,
+        when one load is let through as a probe (see the module docstring).
+        """
+        if recompute_s is None:
+            return True
+        if num_bytes is None:
+            with self._lock:
+                block_bytes = self._block_bytes
+            if block_bytes is None:
+                return True
+            num_bytes = num_blocks * block_bytes
+        estimate = self.estimate_load_s(tier, num_bytes)
+        if estimate is None or estimate <= recompute_s:
+            with self._lock:
+                self._slow_since.pop(tier, None)
+            return True
+        now = self._clock()
+        with self._lock:
+            since = self._slow_since.setdefault(tier, now)
+            if now - since >= self._reprobe_interval_s and tier not in self._probing:
+                self._slow_since[tier] = now
+                self._probing.add(tier)
+                self._num_probes[tier] += 1
+                return True
+            self._num_skipped_slow[tier] += 1
+            return False
+
     def bandwidth(self, tier: str) -> float | None:
         return self._bandwidth[tier].bytes_per_s
 
@@ -319,4 +401,8 @@ class TierHierarchy:
             bandwidth = self._bandwidth.get(stats.name)
             if bandwidth is not None and bandwidth.bytes_per_s is not None:
                 stats.notes["load_bytes_per_s"] = round(bandwidth.bytes_per_s)
+            with self._lock:
+                if stats.name in self._num_skipped_slow:
+                    stats.notes["recomputed_instead"] = self._num_skipped_slow[stats.name]
+                    stats.notes["slow_tier_probes"] = self._num_probes[stats.name]
         return out

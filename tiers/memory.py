@@ -3,29 +3,43 @@
 Device tier: payloads as torch tensors on the model's device (CUDA when present, else CPU),
 ready to be copied into a request's buffers. It stores the tensors it is given when they are
 already on its device (blocks handed to a store are never written again, see ``BlockStore``),
-so inserting a freshly computed block costs no copy.
+so inserting a freshly computed block costs no copy. One exception: a payload whose memory
+the tier already holds under another key (a tenant re-storing, under its own key, a block it
+was served from the shared scope) is copied, so that every key the tier's budget charges is
+memory of its own -- a budget charged twice for one copy would let the tier hold less than it
+says while it reports more.
 
 Host tier: CPU memory, carved out of a slab pool. With CUDA present the slabs are pinned (page-
 locked) so device <-> host copies run asynchronously at full bandwidth; pinning is expensive per
 allocation, so the pool allocates large slabs once and reuses fixed-size slots, never one
 pinned allocation per block. Without CUDA the same pool still saves allocator churn.
 
-NOTE: a slot is reused as soon as its block leaves the tier, so ``HostStore.get`` never hands
-out views of a slot: it copies the block to the device it serves (one copy, pinned -> GPU when
+NOTE: a slot is reused once its block leaves the tier, so ``HostStore.get`` never hands out
+views of a slot: it copies the block to the device it serves (one copy, pinned -> GPU when
 CUDA is present), and what it returns stays valid however long the caller keeps it (a disk
 write queue, the device tier).
+
+CUDA: copies from a pinned slot to the GPU are queued with ``non_blocking=True`` on the serving
+device's current stream, so ``get`` returns before the bytes have moved. The returned tensors
+are ready for any later work on that stream (the engine's worker uses one stream throughout);
+work on another stream must ``wait_stream`` first. The slot, meanwhile, is still being read: a
+fence is recorded after each such copy (``tiers.copy_fence``), and a deleted block's slot is
+not handed to another block until its fences have completed (``SlabPool.give_back``). Copies
+*into* a slot (a put from the GPU) are waited for before the block becomes readable: an event
+on the source device's stream, not a whole-device synchronisation.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections import deque
+from collections.abc import Sequence
 
 import torch
 
 from policies.base import BlockKey
 from tiers.base import BatchDefaults, BlockMeta, StoreStats, TierConfigError
+from tiers.copy_fence import CopyFence, FenceFactory, record_fence
 from tiers.payload import KVBlock, KVLayout
 
 
@@ -41,6 +55,7 @@ class DeviceStore(BatchDefaults):
         self.name = name
         self.device = torch.device(device) if device is not None else default_device()
         self._blocks: dict[BlockKey, KVBlock] = {}
+        self._storage_refs: dict[int, int] = {}  # storage address -> keys holding it
         self._lock = threading.Lock()
         self._stats = StoreStats(name=name)
 
@@ -48,11 +63,31 @@ class DeviceStore(BatchDefaults):
         on_device = block if _is_on(block, self.device) else _copy_to(block, self.device)
         with self._lock:
             previous = self._blocks.get(meta.key)
+            if previous is not None and _storage_of(previous) == _storage_of(on_device):
+                self._stats.puts += 1
+                return
+            if _storage_of(on_device) in self._storage_refs:
+                on_device = _copy_to(on_device, self.device)  # held under another key already
             self._blocks[meta.key] = on_device
+            self._hold_storage(on_device)
             if previous is None:
                 self._stats.num_blocks += 1
                 self._stats.num_bytes += on_device.nbytes
+            else:
+                self._release_storage(previous)
             self._stats.puts += 1
+
+    def _hold_storage(self, block: KVBlock) -> None:
+        storage = _storage_of(block)
+        self._storage_refs[storage] = self._storage_refs.get(storage, 0) + 1
+
+    def _release_storage(self, block: KVBlock) -> None:
+        storage = _storage_of(block)
+        left = self._storage_refs.get(storage, 0) - 1
+        if left > 0:
+            self._storage_refs[storage] = left
+        else:
+            self._storage_refs.pop(storage, None)
 
     def get(self, meta: BlockMeta) -> KVBlock | None:
         with self._lock:
@@ -67,6 +102,7 @@ class DeviceStore(BatchDefaults):
         with self._lock:
             block = self._blocks.pop(key, None)
             if block is not None:
+                self._release_storage(block)
                 self._stats.num_blocks -= 1
                 self._stats.num_bytes -= block.nbytes
                 self._stats.deletes += 1
@@ -82,6 +118,7 @@ class DeviceStore(BatchDefaults):
     def close(self) -> None:
         with self._lock:
             self._blocks.clear()
+            self._storage_refs.clear()
             self._stats.num_blocks = self._stats.num_bytes = 0
 
 
@@ -105,20 +142,56 @@ class SlabPool:
         self.pin = pin
         self._slabs: list[torch.Tensor] = []
         self._free: list[torch.Tensor] = []
+        self._fenced: deque[tuple[torch.Tensor, list[CopyFence]]] = deque()  # oldest first
         self._num_slots = 0
+        self.num_waits = 0
+        """Times a take had to wait for a copy still reading a given-back slot."""
 
     @property
     def num_allocated_bytes(self) -> int:
         return sum(s.numel() for s in self._slabs)
 
+    @property
+    def num_fenced(self) -> int:
+        """Slots given back whose copies are (or were, at the last look) still in flight."""
+        return len(self._fenced)
+
     def take(self) -> torch.Tensor | None:
-        """A free slot (flat uint8 tensor), or None when the pool is at ``max_slots``."""
+        """A free slot (flat uint8 tensor), or None when the pool is at ``max_slots``.
+
+        A slot given back with copies in flight is never returned before they finish: free
+        slots first, then new ones, then the oldest fenced slot once its copies are done
+        (waiting for them only when nothing else is left).
+        """
+        self._reclaim()
         if not self._free:
             self._grow()
+        if not self._free and self._fenced:
+            slot, fences = self._fenced.popleft()
+            self.num_waits += 1
+            for fence in fences:
+                fence.wait()
+            return slot
         return self._free.pop() if self._free else None
 
-    def give_back(self, slot: torch.Tensor) -> None:
-        self._free.append(slot)
+    def give_back(self, slot: torch.Tensor, fences: Sequence[CopyFence] = ()) -> None:
+        """Return ``slot``; with ``fences``, only for reuse once every one of them is done."""
+        pending = [f for f in fences if not f.is_done()]
+        if pending:
+            self._fenced.append((slot, pending))
+        else:
+            self._free.append(slot)
+
+    def _reclaim(self) -> None:
+        """Move fenced slots whose copies have all finished to the free list."""
+        still: deque[tuple[torch.Tensor, list[CopyFence]]] = deque()
+        for slot, fences in self._fenced:
+            pending = [f for f in fences if not f.is_done()]
+            if pending:
+                still.append((slot, pending))
+            else:
+                self._free.append(slot)
+        self._fenced = still
 
     def _grow(self) -> None:
         count = min(self.slots_per_slab, self.max_slots - self._num_slots)
@@ -140,6 +213,8 @@ class HostStore(BatchDefaults):
         budget_bytes: the most payload bytes held.
         pin: use pinned memory; default: whether CUDA is available.
         serve_device: where ``get`` delivers blocks (the model's device by default).
+        fences: records a fence after a queued copy (``tiers.copy_fence``; tests inject
+            their own).
     """
 
     def __init__(
@@ -151,6 +226,7 @@ class HostStore(BatchDefaults):
         pin: bool | None = None,
         serve_device: torch.device | str | None = None,
         name: str = "host",
+        fences: FenceFactory = record_fence,
     ) -> None:
         self.name = name
         self.serve_device = (
@@ -168,6 +244,8 @@ class HostStore(BatchDefaults):
             pin=self.is_pinned,
         )
         self._blocks: dict[BlockKey, tuple[torch.Tensor, KVBlock]] = {}
+        self._reads: dict[BlockKey, list[CopyFence]] = {}  # copies from a slot in flight
+        self._fences = fences
         self._lock = threading.Lock()
         self._stats = StoreStats(name=name)
 
@@ -194,11 +272,13 @@ class HostStore(BatchDefaults):
                 return
         # The copy runs outside the lock; the block becomes readable only once it is complete.
         views = self._views(slot)
-        with _copy_stream(self.is_pinned):
-            for dst, src in zip(
-                (*views.keys, *views.values), (*block.keys, *block.values), strict=True
-            ):
-                dst.copy_(src, non_blocking=self.is_pinned)
+        source = block.keys[0].device
+        for dst, src in zip((*views.keys, *views.values), (*block.keys, *block.values),
+                            strict=True):
+            dst.copy_(src, non_blocking=self.is_pinned and source.type == "cuda")
+        done = self._fences(source) if self.is_pinned else None
+        if done is not None:
+            done.wait()  # this copy only: the source device's stream, up to here
         with self._lock:
             if meta.key in self._blocks:  # a concurrent put of the same block won
                 self._pool.give_back(slot)
@@ -209,20 +289,27 @@ class HostStore(BatchDefaults):
             self._stats.puts += 1
 
     def get(self, meta: BlockMeta) -> KVBlock | None:
-        # The copy runs under the lock: a concurrent delete must not recycle the slot mid-copy.
+        # Queued under the lock, with a fence recorded after it: a delete that follows hands
+        # the slot back only for reuse once this copy has read it (see the module docstring).
         with self._lock:
             entry = self._blocks.get(meta.key)
             if entry is None:
                 self._stats.misses += 1
                 return None
             self._stats.hits += 1
-            return _copy_to(entry[1], self.serve_device)
+            block = _copy_to(entry[1], self.serve_device)
+            if self.is_pinned:
+                fence = self._fences(self.serve_device)
+                if fence is not None:
+                    reads = [f for f in self._reads.get(meta.key, ()) if not f.is_done()]
+                    self._reads[meta.key] = [*reads, fence]
+            return block
 
     def delete(self, key: BlockKey) -> None:
         with self._lock:
             entry = self._blocks.pop(key, None)
             if entry is not None:
-                self._pool.give_back(entry[0])
+                self._pool.give_back(entry[0], self._reads.pop(key, ()))
                 self._stats.num_blocks -= 1
                 self._stats.num_bytes -= self._slot_bytes
                 self._stats.deletes += 1
@@ -236,24 +323,22 @@ class HostStore(BatchDefaults):
             stats = _copy_stats(self._stats)
             stats.notes["pool_bytes"] = self._pool.num_allocated_bytes
             stats.notes["pinned"] = int(self.is_pinned)
+            stats.notes["slots_awaiting_copies"] = self._pool.num_fenced
+            stats.notes["waits_for_copies"] = self._pool.num_waits
             return stats
 
     def close(self) -> None:
         with self._lock:
-            for slot, _ in self._blocks.values():
-                self._pool.give_back(slot)
+            for key, (slot, _) in self._blocks.items():
+                self._pool.give_back(slot, self._reads.pop(key, ()))
             self._blocks.clear()
             self._stats.num_blocks = self._stats.num_bytes = 0
 
 
-@contextmanager
-def _copy_stream(is_pinned: bool) -> Iterator[None]:
-    """Copies into pinned memory are asynchronous: wait for them before the block is read."""
-    try:
-        yield
-    finally:
-        if is_pinned and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()
+def _storage_of(block: KVBlock) -> int:
+    """The address of the memory behind a block's first tensor: blocks that share it are one
+    copy (a block's tensors are views of one buffer, or of buffers owned by that block)."""
+    return int(block.keys[0].untyped_storage().data_ptr())
 
 
 def _is_on(block: KVBlock, device: torch.device) -> bool:

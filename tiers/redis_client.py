@@ -106,6 +106,47 @@ def unlink_all(client: RedisClient, redis_keys: Sequence[str | bytes]) -> int:
     return sum(int(reply) for reply in replies)
 
 
+def unlink_matching(client: RedisClient, pattern: str, *, min_idle_s: float | None = None,
+                    batch: int = 512) -> int:
+    """UNLINK every key matching ``pattern`` (SCAN on every primary), in batches; with
+    ``min_idle_s``, only keys idle at least that long (``OBJECT IDLETIME``, whole seconds, not
+    available under an LFU maxmemory-policy). Returns how many keys went.
+
+    Raises:
+        redis.exceptions.RedisError, RedisClusterException: a fault (keys already unlinked
+            stay unlinked; run it again to finish).
+    """
+    num_removed = 0
+    found: list[bytes] = []
+    for key in scan_keys(client, pattern):
+        found.append(key)
+        if len(found) >= batch:
+            num_removed += unlink_idle(client, found, min_idle_s)
+            found = []
+    if found:
+        num_removed += unlink_idle(client, found, min_idle_s)
+    return num_removed
+
+
+def unlink_idle(client: RedisClient, keys: Sequence[str | bytes],
+                min_idle_s: float | None) -> int:
+    """UNLINK ``keys`` (with ``min_idle_s``: those idle at least that long); how many went."""
+    if min_idle_s is not None:
+        with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.object("IDLETIME", key)
+            idle = pipe.execute(raise_on_error=False)
+        raise_first_error([i for i in idle if not _is_no_such_key(i)])
+        keys = [k for k, i in zip(keys, idle, strict=True)
+                if isinstance(i, int) and i >= min_idle_s]
+    return unlink_all(client, keys) if keys else 0
+
+
+def _is_no_such_key(reply: object) -> bool:
+    """OBJECT IDLETIME of a key that expired between SCAN and the call (None or an error)."""
+    return reply is None or (isinstance(reply, ResponseError) and "no such key" in str(reply))
+
+
 def glob_escape(text: str) -> str:
     """Escape Redis glob specials so a key prefix matches literally in SCAN MATCH."""
     return "".join("\\" + ch if ch in "*?[]\\" else ch for ch in text)

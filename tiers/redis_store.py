@@ -19,6 +19,13 @@ around three rules:
   codec's bytes, written with ``SET NX PX ttl`` so that replicas writing the same block never
   rewrite it (the first wins; both wrote identical bytes anyway). No hash tags: the blocks of
   one chain spread over the cluster's slots and pipelines are split per node by redis-py.
+* **Expiry travels with the block.** ``PX`` is the block's own TTL (``BlockMeta.expiry``, the
+  request's ``ttl_s``), capped by the store's ``ttl_s``; a block pinned when written gets no
+  expiry. The TTL is also in the block's authenticated header, so the replica that fetches it
+  keeps it, and a hit restarts the key's expiry with that TTL (sliding, as ``policies.ttl``
+  does for local tiers) -- unless the key has none (it was pinned): ``PTTL`` is read with the
+  value and only keys that have an expiry get ``PEXPIRE``. ``refresh_expiry`` persists the
+  keys of a block that gets pinned and restores the expiry of one that gets unpinned.
 
 Batches: ``get_many``/``put_many`` send a whole chain in one pipelined round trip (one per
 node on a cluster; if one node of a cluster is down, the whole call is a miss: a chain spans
@@ -28,18 +35,15 @@ first miss at position i every later position is None (those values are not even
 even if Redis held them; Redis's own eviction can drop a parent and keep its child, and the
 child must never be used.
 
-Keys need the namespace digest, which ``BlockStore.delete(key)`` and ``contains(key)`` do not
-carry: the store remembers the Redis key of the last ``_NUM_KNOWN_KEYS`` blocks this process put
-or got, and ``delete_meta(meta)`` / ``contains_meta(meta)`` work for any block.
-
-Sliding TTL: a hit restarts the key's TTL (``PEXPIRE`` in the same pipeline), as
-``policies.ttl`` does for local tiers, so prefixes in use do not expire under their readers.
+Keys need the namespace digest, which ``delete(key)`` and ``contains(key)`` do not carry: the
+store remembers the Redis key of the last ``_NUM_KNOWN_KEYS`` blocks this process put or got;
+``delete_metas`` / ``contains_meta`` work for any block, ``remove_where`` for any selection.
 
 Production: use ``rediss://`` and a Redis user with a password (ACL) in the URL; stored KV is
 as sensitive as the prompts. Passwords never reach a log line (URLs are redacted).
 
-The redis-py mechanics -- building and closing clients, which exceptions are faults, the
-commands over many keys, URL redaction -- live in ``tiers.redis_client``.
+The redis-py mechanics (clients, faults, commands over many keys, URL redaction) live in
+``tiers.redis_client``, the bookkeeping of failures in ``tiers.redis_faults``.
 """
 
 from __future__ import annotations
@@ -52,15 +56,21 @@ from collections.abc import Sequence
 
 import redis
 from redis.cluster import RedisCluster
-from redis.exceptions import DataError, OutOfMemoryError, ResponseError
+from redis.exceptions import DataError, ResponseError
 
 from policies.base import BlockKey
-from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
+from tiers.base import (
+    BatchDefaults,
+    BlockExpiry,
+    BlockMeta,
+    CodecError,
+    StoreStats,
+    TierConfigError,
+)
 from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec
 from tiers.payload import KVBlock, KVLayout
 from tiers.redis_client import (
-    AUTH_FAULTS,
     REDIS_FAULTS,
     RedisClient,
     build_client,
@@ -69,10 +79,12 @@ from tiers.redis_client import (
     is_wrong_type,
     raise_first_error,
     redact_url,
-    scan_keys,
     unlink_all,
+    unlink_idle,
+    unlink_matching,
     url_secrets,
 )
+from tiers.redis_faults import RedisFaults
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +119,8 @@ class RedisStore(BatchDefaults):
             The caller owns it: ``close()`` does not close it, and its retry settings are its
             own.
         key_prefix: first part of every key; lets several deployments share one Redis.
-        ttl_s: expiry of each key in seconds (restarted by every hit); None for no expiry.
+        ttl_s: the longest a key lives without a hit, in seconds: a block's own shorter TTL
+            wins; a block without one gets this; None: no cap (a pinned block never expires).
         socket_timeout_s: bound on each socket read/write, so a Redis that stalls costs one
             timeout. NOTE: it bounds each read, not the call: a Redis that drips bytes faster
             than this stretches a call without failing it (it still never yields garbage).
@@ -160,21 +173,19 @@ class RedisStore(BatchDefaults):
         self._socket_timeout_s = socket_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._breaker = breaker if breaker is not None else CircuitBreaker()
+        self._faults = RedisFaults(
+            self._breaker, where=redact_url(url) if url is not None else "an injected client",
+            secrets=url_secrets(url) if url is not None else ())
         self._max_value_bytes = max_value_bytes
-        self._where = redact_url(url) if url is not None else "an injected client"
-        self._secrets = url_secrets(url) if url is not None else ()
         self._lock = threading.Lock()  # counters, the known-key map, the outage flag
         self._client_lock = threading.Lock()  # building the client
         self._stats = StoreStats(name=self.name)
-        self._num_errors_by_kind: dict[str, int] = {}
         self._num_skipped = 0
         self._num_dropped_puts = 0
         self._num_put_existing = 0
         self._num_not_decoded = 0
         self._num_delete_unknown = 0
-        self._last_rtt_ms = 0.0
         self._block_key_to_redis_key: OrderedDict[BlockKey, str] = OrderedDict()
-        self._is_in_outage = False  # an outage warning was logged and not yet followed by success
         self._is_started = False
         self._is_closed = False
 
@@ -199,11 +210,11 @@ class RedisStore(BatchDefaults):
             if isinstance(exc, DataError):
                 raise
             self._breaker.trip()
-            self._count_error(exc)
-            self._enter_outage(exc)
+            self._faults.count(exc)
+            self._faults.enter_outage(exc)
             return
-        self._on_success(began)
-        logger.info("redis tier ready at %s", self._where)
+        self._faults.on_success(began)
+        logger.info("redis tier ready at %s", self._faults.where)
 
     def close(self) -> None:
         """Close the client this store built (an injected client is left to its owner)."""
@@ -250,16 +261,16 @@ class RedisStore(BatchDefaults):
         began = time.perf_counter()
         try:
             with client.pipeline(transaction=False) as pipe:
-                for redis_key, value in zip(redis_keys, values, strict=True):
-                    pipe.set(redis_key, value, nx=True, px=self._ttl_ms)
+                for redis_key, value, (meta, _) in zip(redis_keys, values, items, strict=True):
+                    pipe.set(redis_key, value, nx=True, px=self.expiry_ms(meta.expiry))
                 replies = pipe.execute(raise_on_error=False)
             raise_first_error(replies)
         except REDIS_FAULTS as exc:
-            self._on_fault(exc)
+            self._faults.on_fault(exc)
             with self._lock:
                 self._num_dropped_puts += len(items)
             return
-        self._on_success(began)
+        self._faults.on_success(began)
         num_new = sum(1 for reply in replies if reply)
         with self._lock:
             self._stats.puts += num_new
@@ -273,7 +284,17 @@ class RedisStore(BatchDefaults):
             the caller uses the leading run of blocks only. Values after the first miss are
             not decoded (a child is useless without its parent).
         """
-        results: list[KVBlock | None] = [None] * len(metas)
+        return [None if got is None else got[0] for got in self.fetch_chain(metas)]
+
+    def fetch_chain(
+        self, metas: Sequence[BlockMeta]
+    ) -> list[tuple[KVBlock, BlockExpiry | None] | None]:
+        """``get_many`` with each block's expiry, as its verified header says.
+
+        A hit restarts the key's expiry with the block's own TTL (see the module docstring):
+        one more round trip, only when something was found.
+        """
+        results: list[tuple[KVBlock, BlockExpiry | None] | None] = [None] * len(metas)
         if not metas:
             return results
         client = self._admit()
@@ -289,22 +310,22 @@ class RedisStore(BatchDefaults):
                     # NOTE: the end index is inclusive, so an oversized value shows as
                     # max_value_bytes + 1 bytes and is never read whole.
                     pipe.getrange(redis_key, 0, self._max_value_bytes)
-                    if self._ttl_ms is not None:
-                        pipe.pexpire(redis_key, self._ttl_ms)
+                    pipe.pttl(redis_key)
                 replies = pipe.execute(raise_on_error=False)
-            values = replies[:: 1 if self._ttl_ms is None else 2]
+            values, pttls = replies[0::2], replies[1::2]
             raise_first_error(replies, allow=is_wrong_type)
         except REDIS_FAULTS as exc:
-            self._on_fault(exc)
+            self._faults.on_fault(exc)
             with self._lock:
                 self._stats.misses += len(metas)
             return results
-        self._on_success(began)
+        self._faults.on_success(began)
 
         num_hits = 0
         poison_key: str | None = None
+        slide: list[tuple[str, int]] = []  # keys of hits that expire, with their block's TTL
         for i, (meta, value) in enumerate(zip(metas, values, strict=True)):
-            block = None
+            got = None
             if isinstance(value, ResponseError):  # WRONGTYPE: not a string, not ours
                 poison_key = self._reject(redis_keys[i], "type")
             elif not value:
@@ -315,20 +336,76 @@ class RedisStore(BatchDefaults):
                 poison_key = self._reject(redis_keys[i], "size")
             else:
                 try:
-                    block = self._codec.decode(value, meta)
+                    header, block = self._codec.decode_with_header(value, meta)
+                    got = (block, header.meta.expiry)
                 except CodecError as exc:
                     poison_key = self._reject(redis_keys[i], exc.reason)
-            if block is None:
+            if got is None:
                 break
-            results[i] = block
+            results[i] = got
             num_hits += 1
+            px = self.expiry_ms(got[1], on_hit=True)
+            if isinstance(pttls[i], int) and pttls[i] > 0 and px is not None:
+                slide.append((redis_keys[i], px))
         with self._lock:
             self._stats.hits += num_hits
             self._stats.misses += len(metas) - num_hits
             self._num_not_decoded += max(0, len(metas) - num_hits - 1)
         if poison_key is not None:
             self._unlink(client, [poison_key])
+        if slide:
+            self._pexpire(client, slide)
         return results
+
+    def expiry_ms(self, expiry: BlockExpiry | None, *, on_hit: bool = False) -> int | None:
+        """``PX`` for a block with ``expiry``: its TTL capped by the store's, the store's for a
+        block without one, None (no expiry) for a block pinned when written. When written,
+        what is left of its TTL; after a hit (``on_hit``), its whole TTL again."""
+        if expiry is not None and expiry.is_pinned:
+            return None
+        own = None
+        if expiry is not None and expiry.ttl_s is not None:
+            own = max(1, round(expiry.ttl_s * 1000))
+            if expiry.expires_at is not None and not on_hit:
+                own = min(own, max(1, round((expiry.expires_at - time.time()) * 1000)))
+        if own is None:
+            return self._ttl_ms
+        return own if self._ttl_ms is None else min(own, self._ttl_ms)
+
+    def refresh_expiry(self, metas: Sequence[BlockMeta]) -> None:
+        """Give these blocks' keys the expiry their metas say now: ``PERSIST`` for a pinned
+        block, ``PEXPIRE`` otherwise (pin and unpin reach the shared tier). Missing keys are
+        left missing; a fault is counted and the keys keep their old expiry."""
+        client = self._admit()
+        if client is None or not metas:
+            return
+        began = time.perf_counter()
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for meta in metas:
+                    px = self.expiry_ms(meta.expiry)
+                    if px is None:
+                        pipe.persist(self._remember(meta))
+                    else:
+                        pipe.pexpire(self._remember(meta), px)
+                raise_first_error(pipe.execute(raise_on_error=False))
+        except REDIS_FAULTS as exc:
+            self._faults.on_fault(exc)
+            return
+        self._faults.on_success(began)
+
+    def _pexpire(self, client: RedisClient, items: list[tuple[str, int]]) -> None:
+        """Restart the expiry of keys that have one (a hit on a sliding TTL)."""
+        began = time.perf_counter()
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for redis_key, px in items:
+                    pipe.pexpire(redis_key, px)
+                raise_first_error(pipe.execute(raise_on_error=False))
+        except REDIS_FAULTS as exc:
+            self._faults.on_fault(exc)
+            return
+        self._faults.on_success(began)
 
     def delete(self, key: BlockKey) -> None:
         """Delete a block this process put or got recently (see ``delete_meta`` otherwise).
@@ -341,11 +418,31 @@ class RedisStore(BatchDefaults):
             if redis_key is None:
                 self._num_delete_unknown += 1
                 return
-        self._delete_redis_key(redis_key)
+        client = self._admit()
+        if client is not None:
+            self._unlink(client, [redis_key])
 
     def delete_meta(self, meta: BlockMeta) -> None:
         """Delete any block, given its meta (the general form of ``delete``)."""
-        self._delete_redis_key(self._remember(meta))
+        self.delete_metas([meta])
+
+    def delete_metas(self, metas: Sequence[BlockMeta], *,
+                     min_idle_s: float | None = None) -> int:
+        """Delete these blocks in one round trip (two with ``min_idle_s``: only those idle at
+        least that long, by ``OBJECT IDLETIME``); how many keys went (0 on a fault)."""
+        client = self._admit()
+        if client is None or not metas:
+            return 0
+        began = time.perf_counter()
+        try:
+            num = unlink_idle(client, [self._remember(m) for m in metas], min_idle_s)
+        except REDIS_FAULTS as exc:
+            self._faults.on_fault(exc)
+            return 0
+        self._faults.on_success(began)
+        with self._lock:
+            self._stats.deletes += num
+        return num
 
     def contains(self, key: BlockKey) -> bool:
         """EXISTS for a block this process put or got recently; False when unknown or on error."""
@@ -357,43 +454,40 @@ class RedisStore(BatchDefaults):
         """EXISTS for any block, given its meta; False on error. Does not verify the value."""
         return self._exists(self._remember(meta))
 
-    def flush_namespace(self, namespace_digest: bytes) -> int:
-        """Remove every key of one namespace (admin eviction of a tenant); SCAN + UNLINK on
-        every master. Returns how many keys were removed.
+    def remove_where(self, *, namespace_digest: bytes | None = None, key: BlockKey | None = None,
+                     min_idle_s: float | None = None) -> int:
+        """Remove every block key of this deployment (``key_prefix``) in ``namespace_digest``
+        (default: any), of block ``key`` (default: any), idle at least ``min_idle_s`` (default:
+        however idle) -- SCAN + UNLINK on every primary, whichever replica wrote them. Returns
+        how many keys were removed.
 
-        A Redis fault stops the flush: it is counted, logged as a warning saying how far it
-        got, and the keys left behind expire with their TTL; run it again to finish.
+        A Redis fault stops it: it is counted, logged as a warning saying how far it got, and
+        the keys left behind expire with their TTL; run it again to finish.
         """
         client = self._admit()
         if client is None:
-            logger.warning("redis tier at %s is unavailable: namespace not flushed", self._where)
+            logger.warning("redis tier at %s is unavailable: nothing removed from it",
+                           self._faults.where)
             return 0
-        prefix = f"{self._key_prefix}:{namespace_digest.hex()}:"
+        ns_part = "*" if namespace_digest is None else namespace_digest.hex()
+        key_part = "*" if key is None else key.hex()
+        pattern = f"{glob_escape(self._key_prefix)}:{ns_part}:{key_part}"
         with self._lock:
-            for key, redis_key in list(self._block_key_to_redis_key.items()):
-                if redis_key.startswith(prefix):
-                    del self._block_key_to_redis_key[key]
+            for known, redis_key in list(self._block_key_to_redis_key.items()):
+                _, ns_hex, key_hex = redis_key.rsplit(":", 2)
+                if ns_part in ("*", ns_hex) and key_part in ("*", key_hex):
+                    del self._block_key_to_redis_key[known]
         num_removed = 0
         began = time.perf_counter()
         try:
-            batch: list[bytes] = []
-            for found in scan_keys(client, glob_escape(prefix) + "*"):
-                batch.append(found)
-                if len(batch) >= _FLUSH_BATCH:
-                    num_removed += unlink_all(client, batch)
-                    batch = []
-            if batch:
-                num_removed += unlink_all(client, batch)
+            num_removed = unlink_matching(client, pattern, min_idle_s=min_idle_s,
+                                          batch=_FLUSH_BATCH)
         except REDIS_FAULTS as exc:
-            self._on_fault(exc)
-            logger.warning(
-                "flushing a namespace from the redis tier at %s stopped after %d keys: %s",
-                self._where,
-                num_removed,
-                self._describe(exc),
-            )
+            self._faults.on_fault(exc)
+            logger.warning("removing keys from the redis tier at %s stopped early: %s",
+                           self._faults.where, self._faults.describe(exc))
         else:
-            self._on_success(began)
+            self._faults.on_success(began)
         with self._lock:
             self._stats.deletes += num_removed
         return num_removed
@@ -402,26 +496,23 @@ class RedisStore(BatchDefaults):
         """A snapshot of the counters. ``num_blocks``/``num_bytes`` stay 0: Redis holds the
         blocks of every replica and its size is Redis's to report."""
         state = self._breaker.state
+        notes = self._faults.notes()
         with self._lock:
             s = self._stats
-            notes: dict[str, int | float | str] = {
-                "breaker": state,
-                "last_rtt_ms": round(self._last_rtt_ms, 3),
+            notes |= {
                 "num_skipped_breaker_open": self._num_skipped,
                 "num_dropped_puts": self._num_dropped_puts,
                 "num_put_existing": self._num_put_existing,
                 "num_not_decoded_after_miss": self._num_not_decoded,
                 "num_delete_unknown": self._num_delete_unknown,
             }
-            for kind, count in sorted(self._num_errors_by_kind.items()):
-                notes[f"errors.{kind}"] = count
             return StoreStats(
                 name=self.name,
                 hits=s.hits,
                 misses=s.misses,
                 puts=s.puts,
                 deletes=s.deletes,
-                errors=s.errors,
+                errors=self._faults.num_errors,
                 verification_failures=dict(s.verification_failures),
                 is_available=state != "open" and self._is_started and not self._is_closed,
                 notes=notes,
@@ -453,7 +544,7 @@ class RedisStore(BatchDefaults):
         try:
             return self._ensure_client()
         except REDIS_FAULTS as exc:  # a cluster client connects while it is built
-            self._on_fault(exc)
+            self._faults.on_fault(exc)
             return None
 
     def _ensure_client(self) -> RedisClient:
@@ -472,7 +563,8 @@ class RedisStore(BatchDefaults):
                                 connect_timeout_s=self._connect_timeout_s)
         except ValueError as exc:
             # NOTE: `from None`: the original message may quote the URL, password included.
-            raise TierConfigError(f"bad Redis URL {self._where}: {self._scrub(str(exc))}") from None
+            where, detail = self._faults.where, self._faults.scrub(str(exc))
+            raise TierConfigError(f"bad Redis URL {where}: {detail}") from None
 
     def _reject(self, redis_key: str, reason: str) -> str:
         with self._lock:
@@ -485,17 +577,12 @@ class RedisStore(BatchDefaults):
         try:
             num = unlink_all(client, redis_keys)
         except REDIS_FAULTS as exc:
-            self._on_fault(exc)
+            self._faults.on_fault(exc)
             return False
-        self._on_success(began)
+        self._faults.on_success(began)
         with self._lock:
             self._stats.deletes += num
         return True
-
-    def _delete_redis_key(self, redis_key: str) -> None:
-        client = self._admit()
-        if client is not None:
-            self._unlink(client, [redis_key])
 
     def _exists(self, redis_key: str) -> bool:
         client = self._admit()
@@ -505,68 +592,7 @@ class RedisStore(BatchDefaults):
         try:
             num = client.exists(redis_key)
         except REDIS_FAULTS as exc:
-            self._on_fault(exc)
+            self._faults.on_fault(exc)
             return False
-        self._on_success(began)
+        self._faults.on_success(began)
         return bool(num)
-
-    def _on_success(self, began: float) -> None:
-        self._breaker.record_success()
-        with self._lock:
-            self._last_rtt_ms = (time.perf_counter() - began) * 1000.0
-            was_in_outage, self._is_in_outage = self._is_in_outage, False
-        if was_in_outage:
-            logger.info("redis tier at %s is available again", self._where)
-
-    def _on_fault(self, exc: BaseException) -> None:
-        """Count a Redis fault, tell the breaker, and warn once per outage."""
-        if isinstance(exc, DataError):
-            raise exc  # bad arguments from us: a bug
-        self._count_error(exc)
-        if isinstance(exc, OutOfMemoryError):
-            # Redis answered but is full (maxmemory with noeviction): writes fail, reads work,
-            # so this is no reason to stop reading.
-            self._breaker.record_success()
-            logger.debug("redis tier at %s is full: %s", self._where, self._describe(exc))
-            return
-        if isinstance(exc, AUTH_FAULTS):
-            self._breaker.trip()
-        else:
-            self._breaker.record_failure()
-        if self._breaker.state != "closed":
-            self._enter_outage(exc)
-        else:
-            logger.debug("redis call failed: %s", self._describe(exc))
-
-    def _count_error(self, exc: BaseException) -> None:
-        kind = type(exc).__name__
-        with self._lock:
-            self._stats.errors += 1
-            self._num_errors_by_kind[kind] = self._num_errors_by_kind.get(kind, 0) + 1
-
-    def _enter_outage(self, exc: BaseException) -> None:
-        with self._lock:
-            if self._is_in_outage:
-                return
-            self._is_in_outage = True
-        if isinstance(exc, AUTH_FAULTS):
-            why = "authentication failed (check the user and password in the Redis URL)"
-        else:
-            why = "unreachable or failing"
-        logger.warning(
-            "redis tier at %s is off: %s (%s); serving misses, probing every %.1f s",
-            self._where,
-            why,
-            self._describe(exc),
-            self._breaker.reset_after_s,
-        )
-
-    def _describe(self, exc: BaseException) -> str:
-        return f"{type(exc).__name__}: {self._scrub(str(exc))}"
-
-    def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
-
-

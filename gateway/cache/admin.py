@@ -14,20 +14,24 @@ namespaces; this module only sees the protocol.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord
 from gateway.cache.stats import CacheStats
 from gateway.core.canonical import PromptInput
-from gateway.core.errors import InvalidRequest
+from gateway.core.errors import EvictionNotPublished, InvalidRequest
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.tokens import TokenIds, tokens_from_bytes
 from policies.base import BlockKey
 from tiers.hierarchy import REMOTE
+
+logger = logging.getLogger(__name__)
 
 PREVIEW_TOKENS = 24
 """How many tokens of a prefix's first block a listing shows as text."""
@@ -43,6 +47,7 @@ class PrefixInfo:
     num_tokens: int
     num_bytes: int
     tiers: tuple[str, ...]
+    age_s: float
     idle_s: float
     num_hits: int
     is_pinned: bool
@@ -72,6 +77,14 @@ class EvictResult:
 
     num_blocks: int
     bytes_by_tier: dict[str, int]
+
+
+class EvictionPublisher(Protocol):
+    """Tells the other replicas what was evicted (``gateway.cache.invalidation.EvictionFeed``)."""
+
+    def publish(self, event: EvictionEvent) -> bool:
+        """False if they could not be told."""
+        ...
 
 
 class PromptKeys(Protocol):
@@ -129,6 +142,7 @@ def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
                     num_tokens=len(path) * cache.block_tokens,
                     num_bytes=sum(r.num_bytes for r in path),
                     tiers=placement.tiers_in(path),
+                    age_s=max(0.0, now - leaf.created_at),
                     idle_s=max(0.0, now - leaf.last_access),
                     num_hits=leaf.num_hits,
                     is_pinned=any(r.is_pinned for r in path),
@@ -225,11 +239,14 @@ class CacheAdmin:
     Args:
         cache: the cache administered.
         keys: prompt text and scopes to tokens and namespaces (the engine).
+        feed: where evictions are published for the other replicas (None: a lone replica).
     """
 
-    def __init__(self, cache: PrefixCache, keys: PromptKeys) -> None:
+    def __init__(self, cache: PrefixCache, keys: PromptKeys, *,
+                 feed: EvictionPublisher | None = None) -> None:
         self._cache = cache
         self._keys = keys
+        self._feed = feed
 
     def stats(self) -> CacheStats:
         """Every figure of the cache (``PrefixCache.stats``)."""
@@ -248,7 +265,7 @@ class CacheAdmin:
                     num_tokens=info.num_tokens,
                     num_bytes=info.num_bytes,
                     tiers=info.tiers,
-                    age_s=info.idle_s,
+                    age_s=info.age_s,
                     idle_s=info.idle_s,
                     num_hits=info.num_hits,
                     is_pinned=info.is_pinned,
@@ -267,12 +284,21 @@ class CacheAdmin:
         tier: str | None = None,
         everything: bool = False,
     ) -> EvictResult:
-        """Drop blocks matching every given selector (``everything`` for all), locally and,
-        where the selector can name them there, in the shared remote tier.
+        """Drop blocks matching every given selector (``everything`` for all): here, in the
+        shared Redis tier (every selector reaches it, unless ``tier`` names a local tier), and
+        on every other replica (published, see ``gateway.cache.invalidation``).
+
+        ``prefix_text`` selects the prompts that begin with it *as warmed*: the text as a
+        system message rendered by the model's chat template without a generation prompt
+        (how ``kvgate prewarm`` warms a text file, and how a chat under that system prompt
+        begins), and the text as a raw prompt. Every full block of a rendering must be cached
+        for it to select anything; its blocks and everything built on them go.
 
         Raises:
             InvalidRequest: no selector, an unknown tier, a bad age or key, or prefix text
                 without the tenant it belongs to.
+            EvictionNotPublished: done here and in Redis, but the other replicas could not be
+                told (retry: an eviction is idempotent).
         """
         cache = self._cache
         if not (everything or tenant or prefix_text or key_hex or older_than_s is not None
@@ -284,35 +310,88 @@ class CacheAdmin:
                                  f"{[*cache.tier_names, REMOTE]}")
         if older_than_s is not None and not (math.isfinite(older_than_s) and older_than_s >= 0):
             raise InvalidRequest("older_than_s must be a non-negative number of seconds")
-        under = None
-        if prefix_text is not None:
-            if tenant is None:
-                raise InvalidRequest("evicting by prefix text needs the tenant it belongs to")
-            tokens = self._keys.prompt_tokens(PromptInput(prompt=prefix_text))
-            under = (self._keys.namespace(_scope_of(tenant)), tokens)
-        key = None
+        if prefix_text is not None and tenant is None:
+            raise InvalidRequest("evicting by prefix text needs the tenant it belongs to")
         if key_hex is not None:
             try:
-                key = BlockKey(bytes.fromhex(key_hex))
+                bytes.fromhex(key_hex)
             except ValueError:
                 raise InvalidRequest(f"key must be hex, got {key_hex!r}") from None
-        local_tier = None if tier == REMOTE else tier
+        event = EvictionEvent(tenant=tenant, prefix_text=prefix_text, key_hex=key_hex,
+                              older_than_s=older_than_s, tier=tier, everything=everything)
         before = cache.stats().num_blocks
-        freed = {} if tier == REMOTE else evict_where(
-            cache, owner=tenant, under=under, key=key, idle_s=older_than_s, tier=local_tier)
-        transfers = cache.placement.transfers
-        if tier in (None, REMOTE) and transfers is not None:
-            # The shared tier: what one replica evicts must not come back from Redis. By age
-            # and by key it cannot select remote blocks (Redis expires them by its own TTL).
-            if under is not None:
-                transfers.forget_remote(*under)
-            elif everything:
-                transfers.flush_remote(
-                    {*cache.known_namespaces(), *self._keys.known_namespaces()})
-            elif tenant is not None and key is None and older_than_s is None:
-                transfers.flush_remote([self._keys.namespace(_scope_of(tenant))])
-        return EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
-                           bytes_by_tier=freed)
+        self._evict_remote(event)
+        freed = self._evict_local(event)
+        result = EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
+                             bytes_by_tier=freed)
+        if self._feed is not None and not self._feed.publish(event):
+            raise EvictionNotPublished(
+                f"evicted here ({result.num_blocks} blocks) and from Redis, but the other "
+                "replicas could not be told: Redis is unreachable; retry the eviction")
+        return result
+
+    def apply_event(self, event: EvictionEvent) -> None:
+        """Apply an eviction another replica published to this replica's local tiers."""
+        try:
+            freed = self._evict_local(event)
+        except InvalidRequest as exc:  # e.g. a tier this replica does not have
+            logger.warning("an eviction from another replica does not apply here: %s", exc)
+            return
+        logger.info("applied an eviction from another replica: %s bytes freed",
+                    sum(freed.values()))
+
+    def _selections(self, event: EvictionEvent) -> list[tuple[Namespace, TokenIds] | None]:
+        """The prompts ``event.prefix_text`` names (module docstring of ``evict``), or
+        ``[None]`` when it names none."""
+        if event.prefix_text is None or event.tenant is None:
+            return [None]
+        namespace = self._keys.namespace(_scope_of(event.tenant))
+        renderings = (
+            PromptInput(messages=[{"role": "system", "content": event.prefix_text}],
+                        add_generation_prompt=False),
+            PromptInput(prompt=event.prefix_text),
+        )
+        out: list[tuple[Namespace, TokenIds] | None] = []
+        for prompt in renderings:
+            try:
+                out.append((namespace, self._keys.prompt_tokens(prompt)))
+            except InvalidRequest:
+                continue  # e.g. no chat template: only the raw rendering
+        return out
+
+    def _evict_local(self, event: EvictionEvent) -> dict[str, int]:
+        if event.tier == REMOTE:
+            return {}
+        key = None if event.key_hex is None else BlockKey(bytes.fromhex(event.key_hex))
+        freed: dict[str, int] = {}
+        for under in self._selections(event):
+            for name, num_bytes in evict_where(
+                self._cache, owner=event.tenant, under=under, key=key,
+                idle_s=event.older_than_s, tier=event.tier,
+            ).items():
+                freed[name] = freed.get(name, 0) + num_bytes
+        return freed
+
+    def _evict_remote(self, event: EvictionEvent) -> None:
+        """The shared tier: what one replica evicts must not come back from Redis."""
+        transfers = self._cache.placement.transfers
+        if event.tier not in (None, REMOTE) or transfers is None or not transfers.has_remote:
+            return
+        if event.prefix_text is not None:
+            for under in self._selections(event):
+                if under is not None:
+                    transfers.forget_remote(*under, min_idle_s=event.older_than_s)
+            return
+        digests: list[bytes | None] = [None]  # every namespace of this deployment
+        if event.tenant is not None:
+            scope = _scope_of(event.tenant)
+            known = {*self._cache.known_namespaces(), *self._keys.known_namespaces(),
+                     self._keys.namespace(scope)}
+            digests = [ns.digest for ns in known if ns.scope == scope]
+        key = None if event.key_hex is None else BlockKey(bytes.fromhex(event.key_hex))
+        for digest in digests:
+            transfers.remove_remote_where(namespace_digest=digest, key=key,
+                                          min_idle_s=event.older_than_s)
 
     def set_pinned(self, prompt: PromptInput, scope: Scope, is_pinned: bool) -> int:
         """Pin (or unpin) the cached full blocks of ``prompt`` in ``scope``; how many changed."""

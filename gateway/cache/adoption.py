@@ -6,6 +6,12 @@ as whole chains: a block is usable only with all its ancestors, so one whose par
 survive is deleted, as is anything the tier's policy cannot admit. This happens once, before
 the cache serves, and is separate from the request path so that neither has to think about the
 other's order of events.
+
+A block keeps the expiry its authenticated header carries (``BlockMeta.expiry``): one that
+expired while the process was down is deleted (counted as a "ttl" eviction of the tier) and so
+are its descendants; the others expire when their header says, with their own sliding TTL from
+then on. (Hits after the block was written moved its expiry later without rewriting the file,
+so after a restart a block can expire early, never late.) Pins are not kept over a restart.
 """
 
 from __future__ import annotations
@@ -23,20 +29,18 @@ def adopt(
     placement: TierPlacement,
     tier: str,
     found: Sequence[tuple[BlockMeta, int]],
-    *,
-    ttl_s: float | None = None,
 ) -> int:
     """Index the blocks a store found on restart (e.g. the disk tier's files) in ``tier``.
 
     Blocks are linked parents first; a block whose parent chain is incomplete is useless (only
     usable with all its ancestors) and is deleted from the store, as is anything the tier's
-    policy cannot admit.
+    policy cannot admit, and anything that has expired (see the module docstring).
 
     Args:
         placement: the cache's placement (``PrefixCache.placement``).
         tier: the tier whose store found the blocks.
-        found: each block's identity with its payload size (what the policy charges).
-        ttl_s: sliding TTL of the adopted blocks; None for none.
+        found: each block's identity (with the expiry its header carries) and its payload
+            size (what the policy charges).
 
     Returns:
         How many blocks were adopted.
@@ -55,11 +59,22 @@ def adopt(
         placed: set[BlockKey] = set()
         roots = [m for m in metas if m.parent_key == bytes(len(m.key))]
         stack: list[tuple[BlockMeta, BlockRecord | None]] = [(m, None) for m in roots]
+        now = placement.now()
         while stack:
             meta, parent = stack.pop()
+            expiry = meta.expiry
+            ttl_s = None if expiry is None else expiry.ttl_s
+            last_use = now
+            if expiry is not None and expiry.expires_at is not None:
+                due = placement.to_monotonic(expiry.expires_at)
+                if due <= now:  # expired while the process was down
+                    placement.counters(tier).count_eviction("ttl")
+                    continue
+                if ttl_s is not None:
+                    last_use = due - ttl_s  # so that it expires when its header says
             spec = BlockSpec(key=meta.key, tokens=meta.tokens, num_bytes=sizes[meta.key])
             records = placement.index.insert(_namespace_for(placement, meta), parent, [spec],
-                                             now=placement.now(), ttl_s=ttl_s)
+                                             now=last_use, ttl_s=ttl_s)
             if not records:
                 continue
             record = records[0]

@@ -18,8 +18,11 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Literal
 
+import torch
+
 from gateway.cache.adoption import adopt
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
+from gateway.cache.sweeper import ExpirySweeper
 from gateway.core.fingerprint import Scope
 from policies.rate import TenantRates
 from policies.registry import ORDER_POLICIES, TierPolicyConfig, build_tier_policy
@@ -29,6 +32,7 @@ from tiers.disk import DiskStore
 from tiers.hierarchy import TierHierarchy, TierLevel
 from tiers.memory import DeviceStore, HostStore
 from tiers.payload import KVLayout
+from tiers.redis_events import RedisEventLog
 from tiers.redis_store import RedisStore
 
 logger = logging.getLogger(__name__)
@@ -53,7 +57,8 @@ class CacheConfig:
             path), so that a restart finds everything, not only what had been demoted.
         redis_url: the Redis shared by replicas (``redis://`` / ``rediss://``), or None.
         redis_cluster: ``redis_url`` names a node of a Redis Cluster.
-        redis_ttl_s: expiry of blocks in Redis (restarted by hits).
+        redis_ttl_s: the longest a block lives in Redis without a hit (a block's own shorter
+            TTL wins; a pinned block never expires).
         redis_timeout_s: bound on each Redis operation: the most a stalled Redis adds.
         redis_key_prefix: first part of every Redis key.
         redis_retry_after_s: after Redis failed, how long the circuit breaker waits before
@@ -67,6 +72,9 @@ class CacheConfig:
             second's worth); past it the rest of a chain stays local. None: no limit. Blocks of
             the shared scope (published by admins) are not counted.
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
+        reprobe_interval_s: a tier judged slower than recomputing is skipped, except for one
+            probing load per this many seconds, so that it is used again once it is fast.
+        sweep_interval_s: how often expired blocks are removed from every tier.
     """
 
     block_tokens: int = 64
@@ -88,6 +96,9 @@ class CacheConfig:
     tenant_quota: Mapping[str, int] = field(default_factory=dict)
     redis_write_bytes_per_s: int | None = None
     compression: Literal["raw", "lz4", "auto"] = "raw"
+    # -- lifecycle (issue 11) --
+    reprobe_interval_s: float = 10.0
+    sweep_interval_s: float = 5.0
 
     def __post_init__(self) -> None:
         errors = self.problems()
@@ -119,6 +130,11 @@ class CacheConfig:
         for tenant, quota in self.quotas.items():
             if quota < 0:
                 errors.append(f"quota of {tenant!r} must be >= 0")
+        for name in ("reprobe_interval_s", "sweep_interval_s"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool)
+                    and math.isfinite(value) and value > 0):
+                errors.append(f"{name} must be a positive number of seconds, got {value!r}")
         for tier, quota in self.tenant_quota.items():
             if tier not in LOCAL_TIERS:
                 errors.append(f"tenant_quota names the tier {tier!r}; local tiers: "
@@ -141,8 +157,14 @@ class OpenedCache:
     hierarchy: TierHierarchy
     codec: BlockCodec
     num_recovered_blocks: int
+    sweeper: ExpirySweeper | None = None
+    events: RedisEventLog | None = None
+    """The stream replicas tell each other their evictions on (with Redis only)."""
 
     def close(self) -> None:
+        """Stop the sweeper, then flush and close the stores (stop the engine first)."""
+        if self.sweeper is not None:
+            self.sweeper.stop()
         self.hierarchy.flush(timeout_s=30.0)
         self.hierarchy.close()
 
@@ -153,22 +175,27 @@ def open_cache(
     layout: KVLayout,
     deployment_secret: bytes,
     clock: Callable[[], float] = time.monotonic,
+    device: torch.device | str = "cpu",
 ) -> OpenedCache:
-    """Build and start every tier of ``config`` for a model with ``layout``.
+    """Build and start every tier of ``config`` for a model with ``layout`` running on
+    ``device``: the device tier lives there, and the host tier is pinned (and serves there)
+    exactly when it is a GPU.
 
     The disk tier's files from an earlier run are re-indexed (headers only) and served again.
     """
+    device = torch.device(device)
     codec = BlockCodec(
         mac_key=derive_mac_key(deployment_secret),
         layout=layout,
         block_tokens=config.block_tokens,
         compression=config.compression,
     )
-    levels = [TierLevel(name="device", store=DeviceStore())]
+    levels = [TierLevel(name="device", store=DeviceStore(device=device))]
     budgets = {"device": config.device_bytes}
     if config.host_bytes:
         levels.append(TierLevel(name="host", store=HostStore(
-            layout=layout, block_tokens=config.block_tokens, budget_bytes=config.host_bytes)))
+            layout=layout, block_tokens=config.block_tokens, budget_bytes=config.host_bytes,
+            pin=device.type == "cuda", serve_device=device)))
         budgets["host"] = config.host_bytes
     disk: DiskStore | None = None
     if config.disk_bytes and config.disk_path is not None:
@@ -191,7 +218,8 @@ def open_cache(
               TenantRates(config.redis_write_bytes_per_s, config.redis_write_bytes_per_s,
                           clock=clock))
     hierarchy = TierHierarchy(levels, remote=remote, remote_budget=budget,
-                              remote_exempt_owners=frozenset({Scope.shared().owner}))
+                              remote_exempt_owners=frozenset({Scope.shared().owner}),
+                              reprobe_interval_s=config.reprobe_interval_s)
     slots = [
         TierSlot(
             name=level.name,
@@ -218,12 +246,26 @@ def open_cache(
         found = [(h.meta, h.raw_len) for h in disk.take_recovered()]
         num_recovered = adopt(cache.placement, "disk", found)
         if found:
-            logger.info("disk tier: %d of %d blocks from the last run are served again",
-                        num_recovered, len(found))
+            logger.info("disk tier: %d of %d blocks from the last run are served again (the "
+                        "others had expired or lost a parent)", num_recovered, len(found))
     if remote is not None:
         remote.start()
     hierarchy.start()
+    sweeper = ExpirySweeper(cache, interval_s=config.sweep_interval_s)
+    sweeper.start()
+    events = None
+    if config.redis_url:
+        events = RedisEventLog(config.redis_url, name=f"{config.redis_key_prefix}:events",
+                               cluster=config.redis_cluster, timeout_s=config.redis_timeout_s)
     return OpenedCache(cache=cache, hierarchy=hierarchy, codec=codec,
-                       num_recovered_blocks=num_recovered)
+                       num_recovered_blocks=num_recovered, sweeper=sweeper, events=events)
+
+
+def eviction_cursor_path(config: CacheConfig) -> Path | None:
+    """Where a replica keeps the id of the last eviction it applied: beside the disk tier,
+    whose blocks are what outlives a restart (None without one: nothing to catch up on)."""
+    if not config.disk_bytes or config.disk_path is None:
+        return None
+    return config.disk_path / "eviction-cursor"
 
 

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+from gateway.cache.expiry import ExpiryQueue
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, TierStats
 from gateway.cache.transfers import TierTransfers
@@ -29,8 +30,12 @@ from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from policies.base import BlockKey, InsertRefused, PolicyEntry
 from policies.stack import EvictionResult, TierPolicy
-from tiers.base import BlockMeta
+from tiers.base import BlockExpiry, BlockMeta
 from tiers.hierarchy import TierHierarchy
+
+SWEEP_RETRY_S = 1.0
+"""An expired block that cannot go yet (in use, or a parent whose children stay) is looked at
+again after this long."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,6 +61,7 @@ class TierPlacement:
         promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
         clock: time source (seconds).
         key_bytes: block key size; only tests shrink it, to force collisions.
+        wall_clock: Unix time (seconds): a block's expiry leaves the process in wall time.
 
     Raises:
         ValueError: no tiers, duplicate names, names that differ from the hierarchy's, or
@@ -72,6 +78,7 @@ class TierPlacement:
         promote_on_hit: bool = True,
         clock: Callable[[], float] = time.monotonic,
         key_bytes: int = 16,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         if not tiers:
             raise ValueError("a prefix cache needs at least one tier")
@@ -89,8 +96,10 @@ class TierPlacement:
         self._transfers = None if hierarchy is None else TierTransfers(
             hierarchy, self, remote_write=remote_write, promote_on_hit=promote_on_hit)
         self._clock = clock
+        self._wall_clock = wall_clock
         self._key_bytes = key_bytes
         self._index = RadixIndex()
+        self._expiry = ExpiryQueue()
         self._lock = threading.RLock()
         self._fingerprinters: dict[bytes, BlockFingerprinter] = {}
         self._num_remote_hits = 0
@@ -157,6 +166,25 @@ class TierPlacement:
         """The cache's clock."""
         return self._clock()
 
+    def to_monotonic(self, unix_s: float) -> float:
+        """The cache-clock time of a wall-clock (Unix) time."""
+        return self._clock() + (unix_s - self._wall_clock())
+
+    def expiry(self, record: BlockRecord) -> BlockExpiry | None:
+        """``record``'s expiry as it leaves the process (in a header): its TTL, and when it
+        expires in wall time (None while pinned); None if it has no TTL."""
+        if record.ttl_s is None:
+            return None
+        due = record.expires_at()
+        if due is None:
+            return BlockExpiry(ttl_s=record.ttl_s, expires_at=None)
+        unix_due = self._wall_clock() + (due - self._clock())
+        return BlockExpiry(ttl_s=record.ttl_s, expires_at=unix_due)
+
+    def track_expiry(self, record: BlockRecord) -> None:
+        """Watch ``record`` for the sweeper again (after an unpin, or a new TTL)."""
+        self._expiry.push(record)
+
     def touch(self, record: BlockRecord, now: float) -> None:
         """An access: restart the block's TTL and tell every tier holding it."""
         record.last_access = now
@@ -205,6 +233,7 @@ class TierPlacement:
             namespace_digest=namespace.digest,
             owner=namespace.scope.owner,
             tokens=record.tokens,
+            expiry=self.expiry(record),
         )
 
     def place(self, record: BlockRecord, tier: str) -> bool:
@@ -222,6 +251,8 @@ class TierPlacement:
 
     def mark_held(self, record: BlockRecord, tier: str) -> None:
         """``tier`` now holds ``record`` (which ``admit`` admitted there)."""
+        if not record.tier_mask:
+            self._expiry.push(record)  # newly cached: the sweeper watches it from now on
         record.tier_mask |= self._bit_of[tier]
 
     def forget_copy(self, record: BlockRecord, tier: str) -> None:
@@ -231,9 +262,12 @@ class TierPlacement:
         record.tier_mask &= ~self._bit_of[tier]
 
     def evict_copy(self, record: BlockRecord, tier: str, reason: str) -> None:
-        """An operator's eviction: unpin ``record``, drop its copy and bytes from ``tier``."""
-        record.is_pinned = False
+        """An operator's eviction: drop ``record``'s copy and bytes from ``tier``. A pin
+        belongs to the block, not to one copy: it stays on the copies other tiers keep and
+        goes only with the last one."""
         self.forget_copy(record, tier)
+        if record.tier_mask == 0:
+            record.is_pinned = False
         if self._transfers is not None:
             self._transfers.delete(tier, record.key)
         self._counters[tier].count_eviction(reason)
@@ -326,18 +360,36 @@ class TierPlacement:
             )
 
     def sweep_expired(self) -> int:
-        """Remove every expired block that nothing is using; returns how many left a tier."""
-        with self._lock:
-            return self._sweep_expired_locked()
+        """Remove every expired block that nothing is using from every tier (no demotion: an
+        expired block is gone, not moved down); returns how many tier copies left.
 
-    def _sweep_expired_locked(self) -> int:
+        A block in use or pinned stays; a parent whose children stay keeps the copies they
+        need (it is never served: a lookup stops at an expired block) and is looked at again.
+        """
+        with self._lock:
+            now = self._clock()
+            expired = self._expiry.pop_expired(now, lambda r: self._index.get(r.key) is r)
+            removed = 0
+            # Children first, so that their parents can leave in the same sweep.
+            for record in sorted(expired, key=lambda r: r.depth, reverse=True):
+                removed += self._drop_expired(record)
+                if self._index.get(record.key) is record and record.tier_mask:
+                    self._expiry.push(record, at=now + SWEEP_RETRY_S)
+            self._expiry.compact(self._index.records(), len(self._index))
+            return removed
+
+    def _drop_expired(self, record: BlockRecord) -> int:
+        if record.refcount or record.is_pinned:
+            return 0
         removed = 0
-        for slot in self._tiers:
-            result = slot.policy.sweep_expired(
-                can_evict=partial(self._can_evict, slot=slot),
-                remove=partial(self._remove_from_tier, slot=slot, reason="ttl"),
-            )
-            removed += len(result.victims)
+        for slot in reversed(self._tiers):  # slowest first: the last copy goes last
+            if self.holds(record, slot.name) and self.may_leave(record, slot.name):
+                self.forget_copy(record, slot.name)
+                if self._transfers is not None:
+                    self._transfers.delete(slot.name, record.key)
+                self._counters[slot.name].count_eviction("ttl")
+                removed += 1
+        self.drop_unheld([record])
         return removed
 
     def _can_evict(self, key: BlockKey, slot: TierSlot) -> bool:

@@ -157,6 +157,7 @@ class PrefixCache:
         promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
         clock: time source (seconds); injected so that TTL tests need no sleeping.
         key_bytes: block key size; only tests shrink it, to force collisions.
+        wall_clock: Unix time (seconds), for the expiry written into a block's header.
     """
 
     def __init__(
@@ -169,11 +170,12 @@ class PrefixCache:
         promote_on_hit: bool = True,
         clock: Callable[[], float] = time.monotonic,
         key_bytes: int = 16,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self._placement = TierPlacement(
             tiers=tiers, block_tokens=block_tokens, hierarchy=hierarchy,
             remote_write=remote_write, promote_on_hit=promote_on_hit, clock=clock,
-            key_bytes=key_bytes,
+            key_bytes=key_bytes, wall_clock=wall_clock,
         )
         self.block_tokens = block_tokens
         self._block_bytes = block_tokens * BYTES_PER_TOKEN
@@ -252,8 +254,10 @@ class PrefixCache:
     def acquire(self, namespace: Namespace, tokens: TokenIds) -> Iterator[Lease]:
         """Match ``tokens`` and hold their cached prefix until the ``with`` block ends.
 
-        A hit counts as an access in every tier holding the block (LRU recency, TTL restart).
-        Expired blocks met on the way are swept.
+        A match counts as an access in every tier holding the block (LRU recency, TTL
+        restart). It is not a hit: only blocks ``load`` serves to a request are counted as
+        hits, so the engine's own acquires (storing an answer's blocks, looking at the shared
+        scope beside the tenant's) never inflate them. Expired blocks met on the way are swept.
         """
         keys = self.fingerprinter(namespace).block_keys(tokens)
         placement = self._placement
@@ -262,11 +266,8 @@ class PrefixCache:
             now = placement.now()
             # Children first, so that recency orders ancestors after their descendants.
             for record in reversed(records):
-                record.num_hits += 1
                 placement.touch(record, now)
             placement.hold(records)
-            if records:
-                placement.counters(match.tiers[-1]).hits += 1
             if met_expired:
                 placement.sweep_expired()
         lease = Lease(namespace=namespace, tokens=tokens, keys=keys, match=match, records=records)
@@ -315,13 +316,25 @@ class PrefixCache:
         if use_remote and transfers.has_remote and len(blocks) < limit:
             fetched = transfers.extend_from_remote(
                 lease.namespace, lease.tokens, lease.keys, lease.records,
-                min(limit, len(lease.keys)))
+                min(limit, len(lease.keys)), recompute_s_per_token)
             lease.extend(record for record, _ in fetched)
             blocks.extend(block for _, block in fetched)
             tiers.extend(REMOTE for _ in fetched)
         lease.match = self._make_match(lease.records, tuple(tiers), len(lease.keys),
                                        lease.match.num_token_mismatches)
+        self._count_hits(lease.records, tiers)
         return blocks
+
+    def _count_hits(self, records: Sequence[BlockRecord], tiers: Sequence[str]) -> None:
+        """A request was served ``records`` from ``tiers``: one hit per block on its record
+        (``ListPrefixes``), one per request on each local tier that served any of them."""
+        placement = self._placement
+        with placement.locked():
+            for record in records:
+                record.num_hits += 1
+            for tier in dict.fromkeys(tiers):
+                if tier != REMOTE:
+                    placement.counters(tier).hits += 1
 
     # ---- writing ------------------------------------------------------------------------
 
@@ -449,21 +462,26 @@ class PrefixCache:
     def set_pinned(self, namespace: Namespace, tokens: TokenIds, is_pinned: bool) -> int:
         """Pin (or unpin) the cached full blocks of ``tokens``; returns how many changed.
 
-        A pinned block is never evicted and never expires; unpinning restarts its TTL.
+        A pinned block is never evicted and never expires, here and in Redis (its keys lose
+        their expiry); unpinning restarts its TTL, there too.
         """
         keys = self.fingerprinter(namespace).block_keys(tokens)
         placement = self._placement
         with placement.locked():
             _, records, _ = self.match_records(namespace, tokens, keys)
             now = placement.now()
-            changed = 0
+            changed: list[BlockRecord] = []
             for record in records:
                 if record.is_pinned != is_pinned:
                     record.is_pinned = is_pinned
-                    changed += 1
+                    changed.append(record)
                     if not is_pinned:
                         placement.touch(record, now)
-            return changed
+                        placement.track_expiry(record)
+            metas = [placement.meta(record) for record in changed]
+        if metas and placement.transfers is not None:
+            placement.transfers.refresh_remote_expiry(metas)
+        return len(changed)
 
     def set_quota(self, owner: str, num_bytes: int | None) -> None:
         """Cap what ``owner`` may hold in every tier (None: no cap)."""

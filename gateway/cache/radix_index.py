@@ -44,6 +44,7 @@ class BlockRecord:
         "refcount",
         "is_pinned",
         "last_access",
+        "created_at",
         "ttl_s",
         "num_hits",
     )
@@ -68,6 +69,7 @@ class BlockRecord:
         self.refcount = 0
         self.is_pinned = False
         self.last_access = now
+        self.created_at = now
         self.ttl_s = ttl_s
         self.num_hits = 0
 

@@ -26,7 +26,7 @@ from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from gateway.core.tokens import TokenIds
 from policies.base import BlockKey
 from tiers.base import BlockMeta, StoreStats
-from tiers.hierarchy import TierHierarchy
+from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
 
@@ -210,12 +210,9 @@ class TierTransfers:
                     return None
                 tier = placement.fastest_tier(record)
                 meta = placement.meta(record)
-            estimate = self._hierarchy.estimate_load_s(tier, record.num_bytes)
-            if (
-                recompute_s_per_token is not None
-                and estimate is not None
-                and estimate > recompute_s_per_token * placement.block_tokens
-            ):
+            recompute_s = (None if recompute_s_per_token is None
+                           else recompute_s_per_token * placement.block_tokens)
+            if not self._hierarchy.worth_loading(tier, 1, record.num_bytes, recompute_s):
                 with placement.locked():
                     placement.counters(tier).recomputed_instead += 1
                 return None
@@ -236,7 +233,7 @@ class TierTransfers:
             return
         if placement.place(record, top):
             self._hierarchy.write(top, meta, block)
-            placement.counters(tier).promotions += 1
+            placement.counters(top).promotions += 1  # counted where the copy went
 
     # ---- the remote tier ----------------------------------------------------------------
 
@@ -247,9 +244,11 @@ class TierTransfers:
         keys: Sequence[BlockKey],
         held: Sequence[BlockRecord],
         end: int,
+        recompute_s_per_token: float | None = None,
     ) -> list[tuple[BlockRecord, KVBlock]]:
         """Fetch the chain after the ``held`` prefix (up to block ``end``) from the remote
-        store and place what came in the fastest tier.
+        store and place what came in the fastest tier -- unless the remote tier is judged
+        slower than recomputing the chain (``recompute_s_per_token``, from the worker).
 
         Returns each block used with its record, which holds one reference for the caller's
         lease; blocks after the first the fastest tier refuses are not used.
@@ -258,6 +257,10 @@ class TierTransfers:
         start = len(held)
         parent = held[-1] if held else None
         if start >= end:
+            return []
+        recompute_s = (None if recompute_s_per_token is None
+                       else recompute_s_per_token * placement.block_tokens * (end - start))
+        if not self._hierarchy.worth_loading(REMOTE, end - start, None, recompute_s):
             return []
         fp = placement.fingerprinter(namespace)
         metas = []
@@ -274,27 +277,33 @@ class TierTransfers:
         top = placement.tier_names[0]
         specs = [
             BlockSpec(key=m.key, tokens=m.tokens, num_bytes=b.nbytes)
-            for m, b in zip(metas, fetched, strict=False)
+            for m, (b, _) in zip(metas, fetched, strict=False)
         ]
         used: list[tuple[BlockRecord, KVBlock]] = []
         with placement.locked():
-            chain = placement.index.insert(
-                namespace, parent, specs, now=placement.now(), ttl_s=None
-            )
+            now = placement.now()
+            chain = placement.index.insert(namespace, parent, specs, now=now, ttl_s=None)
             placement.hold(chain)
-            for record, meta, block in zip(chain, metas, fetched, strict=False):
+            for record, (block, expiry) in zip(chain, fetched, strict=False):
+                if not record.tier_mask:
+                    # New here: it keeps the TTL its header carries (a fetch is a use, and
+                    # restarted its expiry in Redis too). A pin is not carried: it is local.
+                    record.ttl_s = None if expiry is None else expiry.ttl_s
+                    record.last_access = now
                 if not placement.holds(record, top):
                     if not placement.place(record, top):
                         break
-                    self._hierarchy.write(top, meta, block)
+                    self._hierarchy.write(top, placement.meta(record), block)
                 used.append((record, block))
             placement.unhold(chain[len(used):])
             placement.note_remote_hits(len(used))
         return used
 
-    def forget_remote(self, namespace: Namespace, tokens: TokenIds) -> int:
-        """Delete every full block of ``tokens`` (in ``namespace``) from the remote store, so
-        that no replica serves the prefix or anything after it. Returns how many blocks."""
+    def forget_remote(self, namespace: Namespace, tokens: TokenIds, *,
+                      min_idle_s: float | None = None) -> int:
+        """Delete every full block of ``tokens`` (in ``namespace``; with ``min_idle_s``, only
+        those idle that long) from the remote store, so that no replica serves the prefix or
+        anything after it. Returns how many blocks were named."""
         if self._hierarchy.remote is None:
             return 0
         fp = self._placement.fingerprinter(namespace)
@@ -305,11 +314,17 @@ class TierTransfers:
                                    owner=namespace.scope.owner,
                                    tokens=fp.block_token_bytes(tokens, i)))
             parent = key
-        self._hierarchy.forget_remote(metas)
+        self._hierarchy.forget_remote(metas, min_idle_s=min_idle_s)
         return len(metas)
 
-    def flush_remote(self, namespaces: Iterable[Namespace]) -> int:
-        """Remove every remote block of these namespaces; how many keys went."""
-        if self._hierarchy.remote is None:
-            return 0
-        return sum(self._hierarchy.flush_remote_namespace(ns.digest) for ns in namespaces)
+    def remove_remote_where(self, *, namespace_digest: bytes | None = None,
+                            key: BlockKey | None = None, min_idle_s: float | None = None) -> int:
+        """Remove the remote blocks of a namespace (None: every namespace of the deployment),
+        of one block key, idle at least ``min_idle_s``; how many keys went."""
+        return self._hierarchy.remove_remote_where(namespace_digest=namespace_digest, key=key,
+                                                   min_idle_s=min_idle_s)
+
+    def refresh_remote_expiry(self, metas: Sequence[BlockMeta]) -> None:
+        """Give these blocks' remote copies the expiry their metas say (pin, unpin)."""
+        self._hierarchy.refresh_remote_expiry(metas)
+

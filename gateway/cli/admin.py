@@ -76,7 +76,9 @@ def add_admin_parser(sub: Any) -> None:
     evict = command("evict", "drop the blocks a selector names")
     evict.add_argument("--tenant", default=None)
     evict.add_argument("--prefix", default=None, metavar="TEXT",
-                       help="prefixes whose text starts with TEXT")
+                       help="prompts that begin with TEXT as warmed (needs --tenant): TEXT as "
+                            "a system message -- how prewarm warms a text file and how a chat "
+                            "under it begins -- or as a raw prompt")
     evict.add_argument("--key", default=None, metavar="HEX", help="a block key, as ls shows")
     evict.add_argument("--older-than", default=None, metavar="AGE",
                        help="blocks idle longer than AGE (90s, 15m, 1h, 2d)")

@@ -13,9 +13,9 @@ EXAMPLE_CONFIG = """\
 # Every key is optional: what is left out keeps the default shown. Environment variables
 # add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS, or files: KVGATE_API_KEYS_FILE, ...) and set
 # the deployment secret (KVGATE_DEPLOYMENT_SECRET, hex) and the Redis URL (KVGATE_REDIS_URL or
-# KVGATE_REDIS_URL_FILE); --host, --port, --data-dir and --model override [server], --http-host,
-# --http-port and --no-http override [http]. Keep keys out of this file (key_blake2b digests
-# are fine): from a secret store, as files or env.
+# KVGATE_REDIS_URL_FILE); --host, --port, --data-dir, --model and --device override [server],
+# --http-host, --http-port and --no-http override [http]. Keep keys out of this file
+# (key_blake2b digests are fine): from a secret store, as files or env.
 # Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
 
 [server]
@@ -23,6 +23,7 @@ host = "127.0.0.1"              # a non-loopback host needs TLS (or allow_insecu
 port = 50051
 data_dir = "data"               # kv/ (disk tier), models/, secret, dev-api-key
 model = "bundled"               # SmolLM2-135M-Instruct, or a transformers checkpoint directory
+device = "auto"                 # the model and the device tier: auto (a GPU if any), cpu, cuda:N
 # tls_cert = "/etc/kvgate/tls.crt"   # PEM; give both or neither
 # tls_key = "/etc/kvgate/tls.key"
 # allow_insecure_remote = false      # plaintext on a non-loopback host (behind a TLS proxy)
@@ -72,9 +73,11 @@ disk_fsync = true
 disk_write_through = true       # new blocks go to disk at once (off the request path)
 # redis_url = "rediss://kvgate:PASSWORD@redis.internal:6379/0"  # shared by replicas
 # redis_cluster = false
-redis_ttl_s = 3600.0
+redis_ttl_s = 3600.0            # the longest a block lives in Redis unused (a shorter ttl_s wins)
 redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
+reprobe_interval_s = 10.0       # a tier slower than recomputing is skipped: one probe per interval
+sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
 # quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }   # per tenant, in every tier
 # tenant_quota = { device = "512MiB", host = "1GiB", disk = "2GiB" }  # every other tenant's
 # redis_write_bytes_per_s = "64MiB"   # per tenant: past it, the rest of a chain stays local

@@ -2,15 +2,16 @@
 
 Sources, later ones winning: the defaults here, a TOML or JSON file (``--config``), the
 environment (``KVGATE_API_KEYS``, ``KVGATE_ADMIN_KEYS``: keys are added to the file's), and the
-command line (``--host``, ``--port``, ``--data-dir``, ``--model``; ``--http-host``,
-``--http-port``, ``--no-http`` for ``[http]``). Every problem is reported
-at once, before anything starts, with the file's own names::
+command line (``--host``, ``--port``, ``--data-dir``, ``--model``, ``--device``; ``--http-host``,
+``--http-port``, ``--no-http`` for ``[http]``). Every problem is reported at once, before
+anything starts, with the file's own names::
 
     [server]
     host = "127.0.0.1"            # a non-loopback host needs TLS (or allow_insecure_remote)
     port = 50051
     data_dir = "data"             # kv/ (disk tier), models/, secret, dev-api-key
     model = "bundled"             # or a transformers checkpoint directory
+    device = "auto"               # auto | cpu | cuda | cuda:N: the model and the device tier
     tls_cert = "/etc/kvgate/tls.crt"
     tls_key = "/etc/kvgate/tls.key"
 
@@ -61,6 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cache.factory import CacheConfig, GiB
+from gateway.config.device import device_problem
 from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
@@ -109,7 +111,7 @@ _UNITS = {"b": 1, "kb": 1000, "kib": KiB, "mb": 1000**2, "mib": MiB, "gb": 1000*
 
 _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
-     "secret_file", "admin_host", "admin_port"}
+     "secret_file", "admin_host", "admin_port", "device"}
 )
 _SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
                        "api_keys", "admin_keys"})
@@ -234,6 +236,10 @@ def load_serve_config(
                       f"on the main listener), got {admin_port!r}")
     elif admin_port is not None and admin_port == port and admin_port != 0:
         errors.append("server.admin_port must differ from server.port")
+    device = server.get("device", "auto")
+    problem = device_problem(device)
+    if problem is not None:
+        errors.append(problem)
 
     if errors:
         raise ConfigError("invalid kvgate configuration:\n  - " + "\n  - ".join(errors))
@@ -250,6 +256,7 @@ def load_serve_config(
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
         http=http,
         limits=limits,
+        device=str(device),
     )
 
 

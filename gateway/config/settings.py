@@ -271,6 +271,8 @@ class ServeConfig:
             service is served on the main listener.
         keys: every configured API key (tenant and admin).
         grpc, engine, cache, metrics, http, limits: the sections of the same names.
+        device: where the model and the device tier live: "auto", "cpu", "cuda", "cuda:N"
+            (``gateway.config.device``).
     """
 
     host: str = DEFAULT_HOST
@@ -290,6 +292,8 @@ class ServeConfig:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    # -- lifecycle and reach (issue 11) --
+    device: str = "auto"
 
     @property
     def address(self) -> str:

@@ -9,6 +9,7 @@ Hierarchy::
      ├── RequestCancelled        the client cancelled or went away (CANCELLED)
      ├── DeadlineExceeded        the request's deadline passed (DEADLINE_EXCEEDED)
      ├── EngineDraining          the server is shutting down (UNAVAILABLE)
+     │    └── EvictionNotPublished  evicted here, but the other replicas could not be told
  ├── AuthError
  │    ├── Unauthenticated     no key, a malformed header or an unknown key (UNAUTHENTICATED)
  │    └── PermissionDenied    a known key asking for what only admin keys may do
@@ -47,6 +48,12 @@ class DeadlineExceeded(GatewayError):
 
 class EngineDraining(GatewayError):
     """The engine is shutting down and takes no new requests."""
+
+
+class EvictionNotPublished(EngineDraining):
+    """An admin eviction was applied here and in Redis, but the other replicas could not be
+    told (the shared event stream is unreachable). UNAVAILABLE, like a draining server: an
+    eviction is idempotent, so the operator retries it."""
 
 
 class IndexInvariantError(GatewayError):

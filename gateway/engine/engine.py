@@ -163,6 +163,7 @@ class Engine:
         self._namespaces: dict[Scope, Namespace] = {}
         self._next_id = 0
         self._loop: StepLoop | None = None
+        self._worker: threading.Thread | None = None
         self._route = EngineRoute(name="serial", reason="not started")
         self._started_at = clock()
         device = next(loaded.model.parameters()).device
@@ -203,9 +204,16 @@ class Engine:
                 return
             finally:
                 chosen.set()
-            loop.serve_here()
+            try:
+                loop.serve_here()
+            except BaseException:  # a bug ended the worker: nothing will run again
+                logger.critical("the engine's worker thread died", exc_info=True)
+                loop.fail_outstanding(EngineDraining(
+                    "the engine's worker has stopped; this replica is restarting, retry on "
+                    "another"))
 
-        threading.Thread(target=work, name="kvgate-engine", daemon=True).start()
+        self._worker = threading.Thread(target=work, name="kvgate-engine", daemon=True)
+        self._worker.start()
         chosen.wait()
         if failures:
             raise failures[0]
@@ -267,23 +275,42 @@ class Engine:
         return self._loop is not None and self._loop.is_alive and not self._is_draining
 
     @property
+    def is_worker_dead(self) -> bool:
+        """Whether the worker thread has ended although nobody stopped the engine (a bug
+        escaped the step loop): nothing will ever run again, the process must be restarted."""
+        worker = self._worker
+        return (worker is not None and not worker.is_alive() and self._loop is not None
+                and not self._is_draining)
+
+    @property
     def model_name(self) -> str:
         return self._loaded.name
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float = 10.0, *, worker_timeout_s: float = 60.0) -> bool:
         """Take no new requests; let queued and running ones finish within ``grace_s``, then
-        cancel what is left; stop the worker."""
+        cancel what is left; wait for the worker to end.
+
+        Cancelled requests end at their next step, so the worker ends within one step (or one
+        tier load); ``worker_timeout_s`` bounds the wait for a worker that is stuck.
+
+        Returns:
+            Whether the worker has ended: only then may the stores it writes be closed.
+        """
         with self._lock:
             self._is_draining = True
         loop = self._loop
         if loop is None:
-            return
+            return True
         deadline = self._clock() + grace_s
         while self._clock() < deadline and loop.num_in_flight:
             time.sleep(0.02)
         loop.cancel_all()
-        loop.stop(timeout_s=max(1.0, grace_s))
-        self._loop = None
+        loop.stop(timeout_s=max(1.0, grace_s) + worker_timeout_s)
+        worker = self._worker
+        stopped = worker is None or worker is threading.current_thread() or not worker.is_alive()
+        if stopped:
+            self._loop = None
+        return stopped
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -405,6 +432,9 @@ class Engine:
             if self._is_draining or loop is None:
                 raise self._refused(kind, EngineDraining(
                     "the server is shutting down; retry on another replica"))
+        if self.is_worker_dead:
+            raise self._refused(kind, EngineDraining(
+                "the engine's worker has stopped; this replica is restarting, retry on another"))
         if isinstance(request, GenerateRequest):
             to_compute = len(tokens)
             capacity = len(tokens) + request.sampling.max_tokens

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from gateway.cache.prefix_cache import Lease, PrefixCache
-from gateway.core.errors import DeadlineExceeded, GatewayError, RequestCancelled
+from gateway.core.errors import DeadlineExceeded, EngineDraining, GatewayError, RequestCancelled
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import (
     SHARED_SCOPE_TIER,
@@ -148,6 +148,7 @@ class StepLoop:
         self._is_stopping = False
         self._counters = LoopCounters()
         self._parked: dict[int, list[Job]] = {}  # request id -> jobs waiting for its blocks
+        self._is_dead = False  # the worker died: nothing submitted will ever run
 
     # ---- called from other threads ------------------------------------------------------
 
@@ -192,6 +193,8 @@ class StepLoop:
             QueueFull: a queue limit is reached.
         """
         with self._lock:
+            if self._is_dead:
+                raise EngineDraining("the engine's worker has stopped; retry on another replica")
             self._scheduler.submit(job.id, tenant=job.tenant, prompt_tokens=prompt_tokens,
                                    kv_bytes=kv_bytes)
             self._waiting[job.id] = job
@@ -204,6 +207,19 @@ class StepLoop:
             for job in [*self._waiting.values(), *(a.job for a in self._active.values()),
                         *parked]:
                 job.cancelled.set()
+
+    def fail_outstanding(self, error: GatewayError) -> None:
+        """The worker died: refuse new submissions, and fail every job it will never run (their
+        callers would otherwise wait forever)."""
+        with self._lock:
+            self._is_dead = True
+            parked = [job for jobs in self._parked.values() for job in jobs]
+            jobs = [*self._waiting.values(), *(a.job for a in self._active.values()), *parked]
+            self._waiting.clear()
+            self._parked.clear()
+        for job in jobs:
+            if not job.done.is_set():
+                self._fail(job, error)
 
     def stop(self, timeout_s: float) -> None:
         """Stop the worker once nothing is in flight (``cancel_all`` first to hurry it)."""

@@ -16,11 +16,16 @@ both say SERVING. Shutdown order (SIGTERM): health NOT_SERVING; both servers sto
 (new ones fail UNAVAILABLE / 503, so clients retry elsewhere) while calls in flight go on; the
 engine finishes or cancels them within the grace period; the metrics endpoint stops; the cache
 flushes pending disk writes and closes.
+Once the engine's worker has ended (never before: it may still be writing) the cache closes.
+If the worker thread dies while serving, health turns NOT_SERVING at once
+(``gateway.service.watchdog``) and ``serve`` shuts down and raises ``ServeError``, so that
+``kvgate serve`` exits non-zero and its supervisor (systemd, Kubernetes) restarts it.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
@@ -45,6 +50,11 @@ if TYPE_CHECKING:
     from gateway.service.metrics import GatewayMetrics
 
 logger = logging.getLogger(__name__)
+
+_WATCH_INTERVAL_S = 0.25
+"""How often ``serve`` looks whether it must stop (a signal, or a dead engine worker)."""
+_CATCH_UP_S = 10.0
+"""The longest a starting replica waits to apply the evictions it missed before it serves."""
 
 
 def build_authenticator(
@@ -164,7 +174,9 @@ def serve(
         raise
     # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
     from gateway.cache.admin import CacheAdmin
-    from gateway.cache.factory import open_cache
+    from gateway.cache.factory import eviction_cursor_path, open_cache
+    from gateway.cache.invalidation import EvictionFeed
+    from gateway.config.device import DeviceError, resolve_device
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.model import load_model
 
@@ -173,9 +185,15 @@ def serve(
     opened = None
     engine: Engine | None = None
     metrics: GatewayMetrics | None = None
+    feed: EvictionFeed | None = None
     try:
-        loaded = load_model(config.model, cache_dir=config.data_dir / "models")
-        opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret)
+        try:
+            device = resolve_device(config.device)
+        except DeviceError as exc:
+            raise ServeError(str(exc)) from None
+        loaded = load_model(config.model, cache_dir=config.data_dir / "models", device=device)
+        opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
+                            device=device)
         if config.metrics.enabled:
             metrics = start_metrics(config, opened.cache)
         engine = Engine(
@@ -198,36 +216,58 @@ def serve(
             metrics=metrics,
         )
         engine.start()
+        admin: CacheAdmin
+        if opened.events is not None:
+            # Evictions through other replicas reach this one's tiers (and those it missed
+            # while down are applied before it serves).
+            feed = EvictionFeed(opened.events, lambda event: admin.apply_event(event),
+                                origin=secrets.token_hex(8),
+                                cursor_path=eviction_cursor_path(config.cache))
+        admin = CacheAdmin(opened.cache, keys=engine, feed=feed)
+        if feed is not None:
+            feed.start()
+            feed.settled.wait(_CATCH_UP_S)
+            if not feed.caught_up.is_set():
+                logger.warning("serving before the evictions of other replicas were read: "
+                               "Redis is slow or unreachable (they are applied once it is back)")
         if not stop_requested.is_set():
-            server.attach(engine, CacheAdmin(opened.cache, keys=engine))
+            server.attach(engine, admin)
             logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s, tiers %s, %d API key(s), "
-                "engine route %s: %s)",
+                "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s, tiers %s, %d API "
+                "key(s), engine route %s: %s)",
                 config.host, server.port,
                 f" and the OpenAI API on {http.url}" if http is not None else "",
                 "TLS" if config.uses_tls else "plaintext",
-                engine.model_name, "+".join(opened.cache.tier_names), authenticator.num_keys,
-                engine.route.name, engine.route.reason,
+                engine.model_name, device, "+".join(opened.cache.tier_names),
+                authenticator.num_keys, engine.route.name, engine.route.reason,
             )
             announce(f"gRPC kvgate.v1 on {config.host}:{server.port}"
                      + (f"; OpenAI-compatible HTTP on {http.url}" if http is not None else
                         " (the HTTP front is off: [http] enabled = false)"))
-            stop_requested.wait()
+            while not stop_requested.wait(_WATCH_INTERVAL_S):
+                if server.engine_died.is_set():
+                    raise ServeError("the engine's worker thread died (see the error logged "
+                                     "above); exiting so that a supervisor restarts the gateway")
         logger.info("shutting down: finishing requests in flight (grace %.0f s)",
                     config.grpc.shutdown_grace_s)
     finally:
         stopped = server.begin_shutdown()
         if http is not None:
             http.begin_shutdown()
-        if engine is not None:
-            engine.stop(config.grpc.shutdown_grace_s)
+        is_worker_stopped = engine is None or engine.stop(config.grpc.shutdown_grace_s)
         stopped.wait(config.grpc.shutdown_grace_s + 1.0)
         server.stop(0)
         if http is not None:
             http.stop(config.grpc.shutdown_grace_s + 1.0)
         if metrics is not None:
             metrics.stop()
+        if feed is not None:
+            feed.stop()
         if opened is not None:
-            opened.close()
+            if is_worker_stopped:
+                opened.close()
+            else:
+                logger.error("the engine's worker did not stop: the stores are left open "
+                             "(closing them under it could lose or corrupt a write)")
         logger.info("stopped")
 

@@ -39,6 +39,7 @@ from gateway.service.dispatch import ServicerSet
 from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.servicer import ADMIN_SERVICE, GATEWAY_SERVICE
+from gateway.service.watchdog import EngineWatchdog
 
 if TYPE_CHECKING:
     from gateway.cache.admin import CacheAdmin
@@ -111,6 +112,9 @@ class GatewayServer:
         )
         self._health = health.HealthServicer()
         self._servers: list[Any] = []
+        self._engine_watchdog: EngineWatchdog | None = None
+        self.engine_died = threading.Event()
+        """Set when the attached engine's worker thread died (health is NOT_SERVING then)."""
         self._pools: list[futures.ThreadPoolExecutor] = []
         self._watchdog = BodyWatchdog(config.grpc.body_timeout_s)
         self.port: int | None = None
@@ -193,10 +197,24 @@ class GatewayServer:
 
     def attach(self, engine: Engine, admin: CacheAdmin | None) -> None:
         """Serve with ``engine``, and the Admin service with ``admin`` (None: no cache), from
-        now on: health SERVING."""
+        now on: health SERVING, and NOT_SERVING (``engine_died`` set) if its worker dies."""
         self._engines.attach(engine, admin)
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self._stop_engine_watchdog()
+        self._engine_watchdog = EngineWatchdog(lambda: engine.is_worker_dead,
+                                               self._on_engine_death)
+        self._engine_watchdog.start()
+
+    def _on_engine_death(self) -> None:
+        for service in HEALTH_SERVICES:
+            self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.engine_died.set()
+
+    def _stop_engine_watchdog(self) -> None:
+        watchdog, self._engine_watchdog = self._engine_watchdog, None
+        if watchdog is not None:
+            watchdog.stop()
 
     def begin_shutdown(self) -> threading.Event:
         """Health NOT_SERVING, refuse new calls; calls in flight go on for the grace period.
@@ -204,6 +222,7 @@ class GatewayServer:
         Returns:
             An event set once every call has ended (at the latest after the grace period).
         """
+        self._stop_engine_watchdog()
         self._health.enter_graceful_shutdown()
         events = [server.stop(self.config.grpc.shutdown_grace_s) for server in self._servers]
         done = threading.Event()
@@ -218,6 +237,7 @@ class GatewayServer:
 
     def stop(self, grace_s: float | None = None) -> None:
         """Stop now (calls in flight get ``grace_s``, default none) and wait for it."""
+        self._stop_engine_watchdog()
         self._health.enter_graceful_shutdown()
         for event in [server.stop(grace_s) for server in self._servers]:
             event.wait()

@@ -21,7 +21,7 @@ from tests.redis_harness import FaultProxy, RedisCluster, RedisServer, free_port
 from tests.tiers.xxh3_forgery import encode_format_1, forge_keeping_xxh3
 from tiers.base import BlockMeta, BlockStore, TierConfigError
 from tiers.breaker import CircuitBreaker
-from tiers.codec import BlockCodec, derive_mac_key
+from tiers.codec import BlockCodec, DecodedHeader, derive_mac_key
 from tiers.payload import KVBlock, KVLayout
 from tiers.redis_store import RedisStore, default_max_value_bytes
 
@@ -47,9 +47,9 @@ class SpyCodec(BlockCodec):
 
     num_decodes = 0
 
-    def decode(self, data: Any, expected: BlockMeta) -> KVBlock:
+    def decode_with_header(self, data: Any, expected: BlockMeta) -> tuple[DecodedHeader, KVBlock]:
         self.num_decodes += 1
-        return super().decode(data, expected)
+        return super().decode_with_header(data, expected)
 
 
 def make_codec(
@@ -610,10 +610,10 @@ def _flush_one_namespace(url: str, open_store: Callable[..., RedisStore], **opti
     chain_a, chain_b = make_chain(tenant_a, 7, seed=1), make_chain(tenant_b, 5, seed=2)
     store.put_many(chain_a)
     store.put_many(chain_b)
-    assert store.flush_namespace(tenant_a) == 7
+    assert store.remove_where(namespace_digest=tenant_a) == 7
     assert store.get_many([meta for meta, _ in chain_a]) == [None] * 7
     assert all(block is not None for block in store.get_many([meta for meta, _ in chain_b]))
-    assert store.flush_namespace(tenant_a) == 0
+    assert store.remove_where(namespace_digest=tenant_a) == 0
 
 
 def test_flush_namespace_removes_exactly_one_namespace(

@@ -14,7 +14,7 @@ import pytest
 from gateway.cache.admin import CacheAdmin, evict_where, list_prefixes
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
-from gateway.core.errors import InvalidRequest
+from gateway.core.errors import CanonicalizationError, InvalidRequest
 from gateway.core.fingerprint import Namespace, NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids
 from policies.registry import TierPolicyConfig, build_tier_policy
@@ -50,7 +50,8 @@ class FakeKeys:
     def prompt_tokens(self, prompt: PromptInput) -> TokenIds:
         if prompt.token_ids is not None:
             return as_token_ids(list(prompt.token_ids))
-        assert prompt.prompt is not None
+        if prompt.prompt is None:  # like a tokenizer without a chat template
+            raise CanonicalizationError("this tokenizer has no chat template")
         return as_token_ids([ord(c) % 50 for c in prompt.prompt])
 
     def preview(self, token_ids: Sequence[int]) -> str:

@@ -249,13 +249,13 @@ def test_unknown_tier_is_a_clear_error(clock: FakeClock) -> None:
             cache.insert(lease, tier="gpu9", block_bytes=1)
 
 
-def test_stats_count_hits_inserts_and_evictions(clock: FakeClock) -> None:
+def test_stats_count_inserts_and_evictions_and_a_match_is_not_a_hit(clock: FakeClock) -> None:
     cache = make_cache(clock)
     store(cache, "a", toks(1, 2, 3, 4))
-    store(cache, "a", toks(1, 2, 3, 4))
+    store(cache, "a", toks(1, 2, 3, 4))  # matched, but nothing was served: no hit
     cache.evict("device", BLOCK_BYTES)
     (tier,) = cache.stats().tiers
-    assert (tier.hits, tier.inserts, tier.used_bytes) == (1, 2, BLOCK_BYTES)
+    assert (tier.hits, tier.inserts, tier.used_bytes) == (0, 2, BLOCK_BYTES)
     assert tier.evictions == {"admin": 1}
 
 

@@ -133,7 +133,7 @@ def test_device_evictions_demote_to_host_and_hits_promote_back() -> None:
     assert cache.tiers_of(cache.lookup(NS, first).keys[0]) == ("device", "host")
     stats = {t.name: t for t in cache.stats().tiers}
     assert stats["device"].demotions >= 2
-    assert stats["host"].promotions == 2
+    assert (stats["device"].promotions, stats["host"].promotions) == (2, 0)  # where they went
     cache.check_invariants()
 
 

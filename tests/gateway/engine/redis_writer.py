@@ -1,7 +1,8 @@
 """The other process of the Redis parity test: a second engine that fills a shared Redis.
 
-``python -m tests.gateway.engine.redis_writer MODEL_DIR REDIS_URL WORKDIR`` loads the tiny
-Llama from ``MODEL_DIR``, runs every parity prompt once through an engine whose cache writes
+``python -m tests.gateway.engine.redis_writer MODEL_DIR REDIS_URL WORKDIR [DEVICE]`` loads the
+tiny Llama from ``MODEL_DIR`` (on ``DEVICE``, default cpu), runs every parity prompt once through
+an engine whose cache writes
 through to ``REDIS_URL`` (no disk tier), waits until the remote writes are done and prints one
 JSON line: for each prompt id, the greedy token ids it generated.
 """
@@ -18,10 +19,11 @@ from tests.gateway.engine.parity import PARITY_PROMPTS, SECRET, cache_config, ma
 
 
 def main(argv: list[str]) -> int:
-    model_dir, redis_url, workdir = argv
-    tiny = load_model(model_dir)
+    model_dir, redis_url, workdir, *rest = argv
+    device = rest[0] if rest else "cpu"
+    tiny = load_model(model_dir, device=device)
     opened = open_cache(cache_config(Path(workdir), redis_url=redis_url, disk_bytes=0),
-                        layout=tiny.layout, deployment_secret=SECRET)
+                        layout=tiny.layout, deployment_secret=SECRET, device=device)
     engine = make_engine(tiny, opened)
     try:
         outputs = {name: run(engine, prompt)[0] for name, prompt in PARITY_PROMPTS}

@@ -35,6 +35,7 @@ from tests.gateway.engine.parity import (
     cache_config,
     cold_blocks,
     make_engine,
+    model_device,
     num_servable_tokens,
     prompt_tokens,
     run,
@@ -60,14 +61,16 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_dir: Path) -> LoadedModel:
-    return load_model(str(tiny_dir))
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def tiny(tiny_dir: Path, request: pytest.FixtureRequest) -> LoadedModel:
+    """The tiny Llama on each device: the whole suite runs on the CPU, and on CUDA where
+    there is a GPU (``make test-gpu``), with the device tier beside the model."""
+    return load_model(str(tiny_dir), device=request.param)
 
 
 def open_tiers(tiny: LoadedModel, root: Path, **overrides: object) -> OpenedCache:
     return open_cache(cache_config(root, **overrides), layout=tiny.layout,
-                      deployment_secret=SECRET)
+                      deployment_secret=SECRET, device=model_device(tiny))
 
 
 @pytest.fixture
@@ -166,13 +169,15 @@ def test_served_from_the_disk_tier_after_a_restart_equals_cold(
 
 @pytest.fixture(scope="module")
 def redis_written_by_another_process(
-    tiny_dir: Path, module_redis_server: RedisServer,
+    tiny_dir: Path, tiny: LoadedModel, module_redis_server: RedisServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, list[int]]:
-    """Every parity prompt run once by ``redis_writer`` in a subprocess; its outputs by id."""
+    """Every parity prompt run once by ``redis_writer`` in a subprocess (on the same device:
+    it is part of the blocks' namespace); its outputs by id."""
     done = subprocess.run(
         [sys.executable, "-m", "tests.gateway.engine.redis_writer", str(tiny_dir),
-         module_redis_server.url, str(tmp_path_factory.mktemp("writer"))],
+         module_redis_server.url, str(tmp_path_factory.mktemp("writer")),
+         str(model_device(tiny))],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     outputs: dict[str, list[int]] = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,260 @@
+"""Cross-replica invalidation: an eviction through one replica reaches every replica's tiers.
+
+Evicting from Redis is not enough: every other replica may hold the prefix in its own device,
+host or disk tier and would go on serving it. So an admin eviction is also published as an
+``EvictionEvent`` -- the operator's selectors, not block lists -- on a Redis stream that every
+replica follows (``tiers.redis_events``). Each replica applies the event to its local tiers
+with its own tokenizer and clock (``CacheAdmin.apply_event``), within milliseconds: the reader
+blocks on the stream and wakes when an event arrives.
+
+Nothing is lost while a replica is away. A stream keeps its last events with increasing ids;
+the reader remembers the id of the last event it handled (``cursor_path``, next to the disk
+tier whose blocks outlive a restart), and after a reconnect or a restart it reads on from there.
+If its id is older than the oldest event kept (it was away for longer than the stream
+remembers), it cannot know what it missed and empties its local tiers. A replica without a
+remembered id (first start, no disk tier: nothing survived) starts from the newest event.
+
+A replica that cannot reach Redis keeps serving from its local tiers; it catches up when Redis
+is back. Its own events are skipped (it evicted locally before publishing).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Protocol, TypeVar
+
+from tiers.redis_events import REDIS_FAULTS, Event
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EvictionEvent:
+    """What an operator evicted: the selectors of ``CacheAdmin.evict`` (all must match).
+
+    Attributes:
+        tenant: blocks of this tenant ("shared" for the shared scope).
+        prefix_text: prompts beginning with this text, as warmed (``CacheAdmin.evict``).
+        key_hex: one block and everything after it.
+        older_than_s: blocks idle at least this long (on each replica's own clock).
+        tier: only this tier's copies ("redis": no local copies at all).
+        everything: every block.
+        origin: the replica that published it (its own events are skipped).
+    """
+
+    tenant: str | None = None
+    prefix_text: str | None = None
+    key_hex: str | None = None
+    older_than_s: float | None = None
+    tier: str | None = None
+    everything: bool = False
+    origin: str = ""
+
+    def to_fields(self) -> dict[str, str]:
+        """The stream entry: only the selectors that are set."""
+        out = {"kind": "evict", "origin": self.origin}
+        for name in ("tenant", "prefix_text", "key_hex", "tier"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.older_than_s is not None:
+            out["older_than_s"] = repr(self.older_than_s)
+        if self.everything:
+            out["everything"] = "1"
+        return out
+
+    @classmethod
+    def from_fields(cls, entry: Mapping[str, str]) -> EvictionEvent | None:
+        """The event of a stream entry, or None if it is not one this build understands."""
+        if entry.get("kind") != "evict":
+            return None
+        known = {f.name for f in fields(cls)}
+        if set(entry) - known - {"kind"}:
+            return None
+        try:
+            older = entry.get("older_than_s")
+            older_than_s = None if older is None else float(older)
+        except ValueError:
+            return None
+        if older_than_s is not None and not (math.isfinite(older_than_s) and older_than_s >= 0):
+            return None
+        return cls(tenant=entry.get("tenant"), prefix_text=entry.get("prefix_text"),
+                   key_hex=entry.get("key_hex"), older_than_s=older_than_s,
+                   tier=entry.get("tier"), everything=entry.get("everything") == "1",
+                   origin=entry.get("origin", ""))
+
+    def with_origin(self, origin: str) -> EvictionEvent:
+        return EvictionEvent(tenant=self.tenant, prefix_text=self.prefix_text,
+                             key_hex=self.key_hex, older_than_s=self.older_than_s,
+                             tier=self.tier, everything=self.everything, origin=origin)
+
+
+class EventLog(Protocol):
+    """The shared stream (``tiers.redis_events.RedisEventLog``)."""
+
+    where: str
+
+    def append(self, fields: Mapping[str, str]) -> str: ...
+
+    def last_id(self) -> str: ...
+
+    def first_id(self) -> str | None: ...
+
+    def read_after(self, cursor: str, *, count: int = 100) -> list[Event]: ...
+
+    def close(self) -> None: ...
+
+
+class EvictionFeed:
+    """Publishes this replica's evictions and applies everyone else's (module docstring).
+
+    Args:
+        log: the shared stream.
+        apply: applies an event to the local tiers (``CacheAdmin.apply_event``).
+        origin: this replica's id (random per process).
+        cursor_path: where the id of the last handled event is kept (None: not kept).
+        retry_s: how long to wait after a Redis fault before reading again.
+    """
+
+    def __init__(self, log: EventLog, apply: Callable[[EvictionEvent], None], *, origin: str,
+                 cursor_path: Path | None = None, retry_s: float = 1.0) -> None:
+        self._log = log
+        self._apply = apply
+        self.origin = origin
+        self._cursor_path = cursor_path
+        self._retry_s = retry_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._is_in_outage = False
+        self.num_applied = 0
+        self.caught_up = threading.Event()
+        """Set once the reader has handled every event published before it started."""
+        self.settled = threading.Event()
+        """Set once it caught up, or found the stream unreachable (the replica then serves
+        from its local tiers and catches up when Redis is back)."""
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvgate-evictions", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop reading (before the stores close); waits at most one blocking read."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        self._log.close()
+
+    def publish(self, event: EvictionEvent) -> bool:
+        """Tell the other replicas; False if the stream could not be reached."""
+        try:
+            self._log.append(event.with_origin(self.origin).to_fields())
+        except REDIS_FAULTS as exc:
+            logger.warning("an eviction could not be published to the other replicas through "
+                           "%s: %s", self._log.where, type(exc).__name__)
+            return False
+        return True
+
+    # ---- the reader -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        cursor = None
+        while cursor is None and not self._stop.is_set():
+            cursor = self._attempt(self._start_cursor)
+            if cursor is None:
+                self.settled.set()  # unreachable: do not hold the replica back for it
+                self._stop.wait(self._retry_s)
+        if cursor is not None and (self._cursor_path is None
+                                   or not self._cursor_path.exists()):
+            self._save(cursor)  # a restart reads on from here
+            self.caught_up.set()  # it starts from the newest event: nothing to catch up on
+            self.settled.set()
+        while cursor is not None and not self._stop.is_set():
+            after: str = cursor
+            events = self._attempt(lambda: self._log.read_after(after))  # noqa: B023
+            if events is None:
+                self.settled.set()
+                self._stop.wait(self._retry_s)
+                continue
+            for event_id, entry in events:
+                event = EvictionEvent.from_fields(entry)
+                if event is None:
+                    logger.warning("skipping event %s on %s: not an eviction this build reads",
+                                   event_id, self._log.where)
+                elif event.origin != self.origin:
+                    self._apply(event)
+                    self.num_applied += 1
+                cursor = event_id
+            if events:
+                self._save(cursor)
+            else:
+                self.caught_up.set()
+                self.settled.set()
+
+    def _start_cursor(self) -> str:
+        saved = self._load()
+        if saved is None:
+            return self._log.last_id()
+        first = self._log.first_id()
+        if first is not None and _id_key(saved) < _id_key(first) and saved != "0-0":
+            logger.warning("missed evictions while away (the event stream on %s no longer goes "
+                           "back to %s): dropping every local block", self._log.where, saved)
+            self._apply(EvictionEvent(everything=True, origin="gap"))
+        return saved
+
+    def _attempt(self, call: Callable[[], T]) -> T | None:
+        try:
+            result = call()
+        except REDIS_FAULTS as exc:
+            if not self._is_in_outage:
+                self._is_in_outage = True
+                logger.warning("cannot read evictions from %s (%s): local tiers keep serving; "
+                               "retrying every %.1f s", self._log.where, type(exc).__name__,
+                               self._retry_s)
+            return None
+        if self._is_in_outage:
+            self._is_in_outage = False
+            logger.info("reading evictions from %s again", self._log.where)
+        return result
+
+    def _load(self) -> str | None:
+        if self._cursor_path is None:
+            return None
+        try:
+            text = self._cursor_path.read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return None
+        try:
+            _id_key(text)
+        except ValueError:
+            return None
+        return text
+
+    def _save(self, cursor: str) -> None:
+        if self._cursor_path is None:
+            return
+        temp = self._cursor_path.with_name(self._cursor_path.name + ".tmp")
+        try:
+            temp.write_text(cursor, encoding="ascii")
+            os.replace(temp, self._cursor_path)
+        except OSError as exc:
+            logger.warning("cannot keep the eviction cursor in %s: %s", self._cursor_path,
+                           exc.strerror)
+
+
+def _id_key(event_id: str) -> tuple[int, int]:
+    """A stream id ``"<ms>-<seq>"`` as a sortable pair.
+
+    Raises:
+        ValueError: not a stream id.
+    """
+    ms, _, seq = event_id.partition("-")
+    return int(ms), int(seq or 0)

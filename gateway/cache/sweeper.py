@@ -1,0 +1,56 @@
+"""The expiry sweeper: expired blocks leave every tier on time, not when a request meets them.
+
+An expired block is never served (a lookup stops at it), but until something removes it, it
+holds device and host memory, a file on disk, a Redis key -- and a tenant that asked for a TTL
+was promised its prompt's KV would be gone after it. ``ExpirySweeper`` calls
+``PrefixCache.sweep_expired`` every ``interval_s`` on a thread of its own; the sweep removes
+every expired block that nothing uses from every local tier (Redis expires its keys by their
+own ``PX``). It is started by ``gateway.cache.factory.open_cache`` and stopped before the
+stores close.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from gateway.cache.prefix_cache import PrefixCache
+
+logger = logging.getLogger(__name__)
+
+
+class ExpirySweeper:
+    """Sweeps ``cache`` every ``interval_s`` seconds until stopped.
+
+    Args:
+        cache: the cache to sweep.
+        interval_s: seconds between sweeps.
+    """
+
+    def __init__(self, cache: PrefixCache, *, interval_s: float) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self._cache = cache
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.num_swept = 0
+        """Tier copies removed so far."""
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kvgate-sweeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sweeping (before the stores close) and wait for a sweep in progress."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            removed = self._cache.sweep_expired()
+            self.num_swept += removed
+            if removed:
+                logger.debug("sweeper: %d expired block copies removed", removed)
