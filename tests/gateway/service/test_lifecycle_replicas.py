@@ -31,6 +31,9 @@ def _config(redis_url: str) -> str:
 [grpc]
 shutdown_grace_s = 2
 
+[http]
+port = 0
+
 [cache]
 block_tokens = {BLOCK}
 device_bytes = "64MiB"
