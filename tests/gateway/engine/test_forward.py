@@ -7,6 +7,7 @@ bit (``torch.equal``), never within a tolerance: that is the promise (DESIGN.md,
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -188,10 +189,11 @@ def test_the_probe_finds_the_tiny_llama_invariant(forward, tiny) -> None:
 class _ChunkDependentAttention:
     """Softmax attention over only the keys of the current call's span: depends on chunking."""
 
-    def attend(self, items):
+    def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         return [self._one(i.queries, i.keys, i.values, i.positions) for i in items]
 
-    def _one(self, queries, keys, values, positions):
+    def _one(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+             positions: torch.Tensor) -> torch.Tensor:
         n, heads, dim = queries.shape
         rep = heads // keys.shape[0]
         end = int(positions.max()) + 1
