@@ -104,8 +104,8 @@ def test_percentile_interpolates_between_ranks() -> None:
 def test_engine_options_reach_the_spawned_configuration(tmp_path: Path) -> None:
     path = tmp_path / "kvgate.toml"
     path.write_text(spawn_config(
-        block_tokens=64, device_bytes=1 << 20, redis_url=None, api_key="kvg-bench-" + "a" * 24,
-        admin_key="kvg-bench-admin-" + "b" * 24,
+        block_tokens=64, device_bytes=1 << 20, redis_url=None,
+        api_key="kvg-bench-Qm3xT8vLp2Zr9Kd4Wn7Y", admin_key="kvg-bench-admin-Hs5Jq1Bc6Vf0Rt3Ue8Ga",
         engine=EngineOptions(route="serial", max_running=20, max_running_per_tenant=20)))
     engine = load_serve_config(path, env={}).engine
     assert (engine.route, engine.max_running, engine.max_running_per_tenant) == (

@@ -257,13 +257,26 @@ def test_serve_starts_the_openai_front_beside_grpc_and_prints_both_addresses(
 
 
 def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Path) -> None:
+    env = {**_clean_env(), "KVGATE_API_KEYS": "tenant-a-key-0123456789abcdef=tenant-a"}
     result = subprocess.run(
         [KVGATE, "serve", "--host", "0.0.0.0", "--port", "0", "--data-dir",
          str(tmp_path / "data"), "--model", str(model_dir)],
-        capture_output=True, text=True, timeout=60, env=_clean_env(), check=False,
+        capture_output=True, text=True, timeout=60, env=env, check=False,
     )
     assert result.returncode == 1
     assert "without TLS" in result.stderr and "--allow-insecure-remote" in result.stderr
+
+
+def test_serve_refuses_keyless_development_mode_off_loopback(tmp_path: Path,
+                                                              model_dir: Path) -> None:
+    result = subprocess.run(
+        [KVGATE, "serve", "--host", "0.0.0.0", "--port", "0", "--allow-insecure-remote",
+         "--data-dir", str(tmp_path / "data"), "--model", str(model_dir)],
+        capture_output=True, text=True, timeout=60, env=_clean_env(), check=False,
+    )
+    assert result.returncode == 1
+    assert "loopback only" in result.stderr
+    assert not (tmp_path / "data" / "dev-api-key").exists()
 
 
 def test_serve_reports_a_bad_configuration_and_exits_2(tmp_path: Path) -> None:

@@ -276,8 +276,8 @@ _INVALID: list[tuple[str, dict[str, Any], str]] = [
      {"messages": [{"role": "user", "content": "hi"}], "tools": ['{"x": NaN}']},
      "not valid JSON"),
     ("tool JSON nested too deeply",
-     {"messages": [{"role": "user", "content": "hi"}], "tools": ['{"a":' * 40_000]},
-     "not valid JSON"),
+     {"messages": [{"role": "user", "content": "hi"}], "tools": ['{"a":' * 50_000]},
+     "not valid JSON"),  # deeper than the parser goes, within limits.max_prompt_chars
     ("tools with a raw prompt", {"prompt": "hi", "tools": ['{"name": "f"}']}, "`tools`"),
 ]
 
