@@ -46,6 +46,7 @@ from gateway.service.server import GatewayServer, ServeError, check_plaintext_li
 if TYPE_CHECKING:
     from gateway.cache.prefix_cache import PrefixCache
     from gateway.engine.engine import Engine
+    from gateway.service.admission import Admission
     from gateway.service.http.server import HttpFront
     from gateway.service.metrics import GatewayMetrics
 
@@ -115,7 +116,7 @@ def start_metrics(config: ServeConfig, cache: PrefixCache) -> GatewayMetrics:
 
 
 def start_http(config: ServeConfig, authenticator: Authenticator,
-               engines: EngineSlot) -> HttpFront | None:
+               engines: EngineSlot, admission: Admission | None = None) -> HttpFront | None:
     """The OpenAI-compatible HTTP front, listening (None when ``[http]`` is off).
 
     Raises:
@@ -125,7 +126,7 @@ def start_http(config: ServeConfig, authenticator: Authenticator,
         return None
     from gateway.service.http.server import HttpFront
 
-    http = HttpFront(config, authenticator, engines)
+    http = HttpFront(config, authenticator, engines, admission)
     http.start()
     logger.info("OpenAI-compatible HTTP on %s (503 until the model has loaded)", http.url)
     return http
@@ -168,7 +169,7 @@ def serve(
                     server.admin_port)
     http: HttpFront | None = None
     try:
-        http = start_http(config, authenticator, engines)
+        http = start_http(config, authenticator, engines, server.admission)
     except BaseException:
         server.stop(0)
         raise

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
@@ -38,8 +39,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from gateway.config.keys import Principal
 from gateway.core.errors import EngineDraining
 from gateway.core.requests import TokenDelta, Usage
+from gateway.service.admission import Admission, CallKind, Lease
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits, Generation
 from gateway.service.engine_slot import EngineSlot
@@ -77,12 +80,15 @@ class OpenAIFront:
         max_body_bytes: largest request body.
         max_threads: worker threads waiting on engine events at once.
         retry_after_s: ``Retry-After`` of a 429 or 503.
+        admission: the per-key call limits shared with the gRPC service (None: none here).
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
-                 *, max_body_bytes: int, max_threads: int, retry_after_s: int) -> None:
+                 *, max_body_bytes: int, max_threads: int, retry_after_s: int,
+                 admission: Admission | None = None) -> None:
         self._engines = engines
         self._auth = authenticator
+        self._admission = admission
         self._limits = limits
         self._max_body_bytes = max_body_bytes
         self._max_threads = max_threads
@@ -146,8 +152,24 @@ class OpenAIFront:
         return JSONResponse(self._model_object(names[0]))
 
     async def _generate(self, kind: Kind, request: Request) -> Response:
+        lease: Lease | None = None
+        streaming = False
         try:
             principal = self._auth.authenticate(request.headers.items())
+            if self._admission is not None:  # the same per-key limits as over gRPC
+                lease = self._admission.admit(principal, CallKind.GENERATE)
+            response = await self._generate_admitted(kind, request, principal, lease)
+            streaming = isinstance(response, StreamingResponse)
+            return response
+        except Exception as exc:
+            return self._error(exc, request)
+        finally:
+            if lease is not None and not streaming:  # a stream releases it when it ends
+                lease.release()
+
+    async def _generate_admitted(self, kind: Kind, request: Request, principal: Principal,
+                                 lease: Lease | None) -> Response:
+        try:
             engine = self._engine()
             body = await self._json_body(request)
             call = parse_call(kind, body, principal, limits=self._limits)
@@ -169,14 +191,18 @@ class OpenAIFront:
         except Exception as exc:
             generation.cancel_unless_delivered()
             return self._error(exc, request)
-        return StreamingResponse(self._events(call, rendering, generation, first),
+        events = self._events(call, rendering, generation, first, lease)
+        if lease is not None:  # also when the stream never starts (the client left first)
+            weakref.finalize(events, lease.release)
+        return StreamingResponse(events,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     # ---- the stream -------------------------------------------------------------------
 
     async def _events(self, call: OpenAICall, rendering: Rendering, generation: Generation,
-                      first: Event | None) -> AsyncIterator[str]:
+                      first: Event | None,
+                      lease: Lease | None = None) -> AsyncIterator[str]:
         """The SSE events of a stream whose first event has arrived.
 
         NOTE: Starlette cancels this generator when the client disconnects; ``finally`` then
@@ -199,6 +225,8 @@ class OpenAIFront:
             yield f"data: {json.dumps(answer.body, ensure_ascii=False)}\n\n"
         finally:
             generation.cancel_unless_delivered()
+            if lease is not None:
+                lease.release()
 
     # ---- helpers ----------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ import uvicorn
 
 from gateway.config.settings import ServeConfig
 from gateway.core.prompt_limits import PromptLimits
+from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
@@ -47,7 +48,7 @@ class HttpFront:
     """
 
     def __init__(self, config: ServeConfig, authenticator: Authenticator,
-                 engines: EngineSlot) -> None:
+                 engines: EngineSlot, admission: Admission | None = None) -> None:
         self.config = config
         settings = config.http
         self._front = OpenAIFront(
@@ -57,7 +58,7 @@ class HttpFront:
                        prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
                                            max_messages=config.limits.max_messages)),
             max_body_bytes=settings.max_body_bytes, max_threads=settings.max_connections,
-            retry_after_s=settings.retry_after_s,
+            retry_after_s=settings.retry_after_s, admission=admission,
         )
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None

@@ -23,9 +23,11 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.config.limits import LimitSettings
 from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel
+from gateway.service.admission import Admission, CallKind
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.server import HttpFront
@@ -54,8 +56,10 @@ LONG_STREAM = 1800
 class Stack:
     """The module's gateway: gRPC and HTTP over one engine, cache and metrics."""
 
-    def __init__(self, running: RunningGateway, front: HttpFront, metrics: GatewayMetrics):
+    def __init__(self, running: RunningGateway, front: HttpFront, metrics: GatewayMetrics,
+                 engines: EngineSlot):
         self.running = running
+        self.engines = engines
         self.front = front
         self.metrics = metrics
         self._clients: dict[str, openai.OpenAI] = {}
@@ -117,7 +121,7 @@ def stack(loaded: LoadedModel) -> Iterator[Stack]:
                          http=HttpSettings(port=0, max_body_bytes=MAX_BODY))
     front = HttpFront(config, Authenticator(KEYS), engines)
     front.start()
-    stack = Stack(running, front, metrics)
+    stack = Stack(running, front, metrics, engines)
     try:
         yield stack
     finally:
@@ -465,3 +469,25 @@ def test_a_plaintext_listener_off_loopback_is_refused_like_grpcs() -> None:
                          http=HttpSettings(host="0.0.0.0", port=0))
     with pytest.raises(ServeError, match="without TLS"):
         HttpFront(config, Authenticator(KEYS), EngineSlot()).start()
+
+
+def test_a_key_over_its_call_limit_gets_429_naming_the_limit_as_over_grpc(stack: Stack) -> None:
+    limits = LimitSettings(max_calls_per_key=1)
+    admission = Admission(limits)
+    config = ServeConfig(host="127.0.0.1", port=0, keys=KEYS, http=HttpSettings(port=0),
+                         limits=limits)
+    front = HttpFront(config, Authenticator(KEYS), stack.engines, admission)
+    front.start()
+    principal = Authenticator(KEYS).authenticate([("authorization", f"Bearer {KEY_A}")])
+    try:
+        with openai.OpenAI(base_url=front.url, api_key=KEY_A, max_retries=0) as client:
+            with admission.admit(principal, CallKind.GENERATE), \
+                    pytest.raises(openai.RateLimitError) as excinfo:
+                client.chat.completions.create(model=MODEL, max_tokens=2,
+                                               messages=[{"role": "user", "content": "hi"}])
+            assert "max_calls_per_key" in excinfo.value.message
+            answer = client.chat.completions.create(
+                model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+            assert answer.choices[0].message.content is not None
+    finally:
+        front.stop(timeout_s=5.0)
