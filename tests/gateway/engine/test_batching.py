@@ -222,7 +222,12 @@ def test_simultaneous_requests_on_one_new_prefix_compute_it_once(stack) -> None:
     after = engine.counters
     computed = after.num_prefill_tokens - before.num_prefill_tokens
     assert computed <= len(system) + sum(len(s) for s in suffixes) + 8 * 16
-    assert after.num_dedup_waits - before.num_dedup_waits >= 1
+    # Computed once either way: the requests that arrived while the prefix was being computed
+    # waited for it (counted), the ones that arrived after it was stored found it cached. Which
+    # of the two happens depends on thread timing, so both count here.
+    waited = after.num_dedup_waits - before.num_dedup_waits
+    found_cached = sum(1 for _, u in results if u.cached_tokens >= 160)
+    assert waited + found_cached >= 7
     assert sum(u.cached_tokens for _, u in results) >= 7 * 160
     alone = [collect(engine, request(system + s, max_tokens=1, no_cache=True))[0]
              for s in suffixes]
