@@ -268,7 +268,11 @@ class KvgateClient:
             ("grpc.max_receive_message_length", 16 << 20),
             ("grpc.keepalive_time_ms", 60_000),
             ("grpc.keepalive_permit_without_calls", 0),
-            ("grpc.enable_retries", 0),  # retries are ours (UNAVAILABLE only)
+            # gRPC's own retries stay on for one kind only: transparent retries of a stream the
+            # server refused before seeing it (REFUSED_STREAM at its per-connection stream
+            # cap, a GOAWAY). No retry policy is configured, so every other retry is ours
+            # (UNAVAILABLE only, ``RetryPolicy``).
+            ("grpc.enable_retries", 1),
             *options,
         ]
 

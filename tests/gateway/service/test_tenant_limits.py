@@ -66,7 +66,9 @@ def test_a_flooding_tenant_leaves_another_served_and_its_prefix_cached_locally_a
         limits=LimitSettings(max_calls_per_key=24))
     rng = random.Random(10)
     b_prefix = random_tokens(rng, B_PREFIX_TOKENS)
-    tenant_b = running.client(KEY_B)
+    # Each tenant on a connection of its own, as two app backends would be (grpc would otherwise
+    # share one connection, and its stream cap, between the test's clients).
+    tenant_b = running.client(KEY_B, options=[("kvgate.test.connection", "tenant-b")])
     assert tenant_b.warm(token_ids=b_prefix).num_new_blocks == 2
     assert running.opened is not None
     running.opened.hierarchy.flush(timeout_s=10.0)
@@ -81,7 +83,9 @@ def test_a_flooding_tenant_leaves_another_served_and_its_prefix_cached_locally_a
         with lock:
             codes[what] += 1
 
-    a_clients = [running.client(KEY_A, timeout_s=120.0) for _ in range(4)]
+    a_clients = [running.client(KEY_A, timeout_s=120.0,
+                                options=[("kvgate.test.connection", f"tenant-a-{i}")])
+                 for i in range(4)]
 
     def long_generate(i: int) -> Callable[[], None]:
         def run() -> None:
@@ -111,7 +115,8 @@ def test_a_flooding_tenant_leaves_another_served_and_its_prefix_cached_locally_a
                     count("warm refused")
                     time.sleep(1.0)
                     continue
-                except KvgateError:  # the gateway stopped: the test is over
+                except KvgateError as exc:  # the gateway stopped (the test is over), or a bug
+                    count(f"warm ended: {exc.code.name}")
                     return
                 with lock:
                     warmed.append(i)
