@@ -113,11 +113,14 @@ class EngineRoute:
             request at a time, block-aligned chunks).
         reason: why this route (the probe's finding, the configuration, the architecture).
         probe_s: seconds the start-up probe took (0 when it did not run).
+        decode_kv_is_prefill_kv: decoding writes the K/V a prefill writes (the probe found), so
+            an answer's blocks are stored as decoded; otherwise they are recomputed first.
     """
 
     name: str
     reason: str
     probe_s: float = 0.0
+    decode_kv_is_prefill_kv: bool = False
 
     @property
     def numerics(self) -> str:
@@ -231,7 +234,7 @@ class Engine:
                 block_tokens=self._config.block_tokens,
                 default_ttl_s=self._config.default_ttl_s,
                 store_generated_blocks=self._config.store_generated_blocks,
-                decode_kv_is_prefill_kv=self._route.name == "batched"),
+                decode_kv_is_prefill_kv=self._route.decode_kv_is_prefill_kv),
             namespace_of=self._namespace, clock=self._clock, metrics=self._metrics)
 
     def _choose_route(self) -> tuple[StepForward, EngineRoute]:
@@ -248,6 +251,7 @@ class Engine:
         if probe.is_invariant:
             return batched, EngineRoute(
                 name="batched", probe_s=probe.seconds,
+                decode_kv_is_prefill_kv=probe.decode_kv_is_prefill_kv,
                 reason=f"start-up probe: {probe.num_checks} chunked/batched variants equal "
                        "one-shot bit for bit")
         if self._config.route == "batched":

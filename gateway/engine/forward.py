@@ -6,7 +6,17 @@ same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary
 q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
 row-wise parts (norms, projections, MLP) and ``SequenceAttention`` for each sequence over its
 own KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
-are enough rows (``padded_row_count``), so each forward is padded to that (DESIGN.md, "Parity").
+are enough rows (``padded_row_count``), so the prefill rows of each forward are padded to that
+(DESIGN.md, "Parity").
+
+Decode rows (a sampled token fed back) are the exception: each is its own matrix-vector product.
+Padding one decode row to four costs 2.5x a matrix-vector product on this CPU (the four-row
+product packs the whole weight matrix; measured for every SmolLM2 projection), and a step of one
+user's decoding is nothing but that. A row alone keeps its bits whatever runs beside it, so a
+decode row's numbers stay independent of the batch; they are not the numbers a prefill of the
+same token gives, so an answer's blocks are recomputed as prefill before they are stored
+(``gateway.engine.probe`` reports whether they happen to match). Logits rows are their own
+products too, for the same reason: a step wants few of them.
 
 It only touches the modules' weights and forward methods, never transformers' APIs
 (``gateway.engine.model`` stays the only importer of ``transformers``).
@@ -19,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 
 from gateway.engine.attention import AttentionItem, SequenceAttention, padded_row_count
 from gateway.engine.kv_sequence import KVSequence
@@ -41,11 +52,14 @@ class SequenceRows:
         sequence: its KV buffers; the tokens continue it (their first position is its length).
         tokens: the token ids, ``[n]``.
         wants_logits: whether the step returns the logits of the last token.
+        is_decode: the one token sampled last step, fed back: its row is a product of its own
+            (fast alone, and the same whatever runs beside it), its K/V not the prefill's.
     """
 
     sequence: KVSequence
     tokens: torch.Tensor
     wants_logits: bool
+    is_decode: bool = False
 
 
 class StepForward(Protocol):
@@ -117,45 +131,52 @@ class BatchedForward:
         lengths = [int(rows.tokens.numel()) for rows in batch]
         if min(lengths) < 1:
             raise ValueError("every sequence in a step needs at least one token")
+        if any(rows.is_decode and n != 1 for rows, n in zip(batch, lengths, strict=True)):
+            raise ValueError("a decode entry feeds back exactly one token")
         for rows, n in zip(batch, lengths, strict=True):
             if rows.sequence.length + n > rows.sequence.capacity:
                 raise ValueError(f"{n} tokens do not fit a sequence of {rows.sequence.length}/"
                                  f"{rows.sequence.capacity}")
         model = self._model.model
         device = model.embed_tokens.weight.device
-        ids = torch.cat([rows.tokens.reshape(-1).to(torch.long) for rows in batch]).to(device)
-        positions = torch.cat([
-            torch.arange(rows.sequence.length, rows.sequence.length + n)
-            for rows, n in zip(batch, lengths, strict=True)])
-        num_real = int(ids.numel())
-        num_pad = padded_row_count(num_real) - num_real
-        if num_pad:
-            ids = torch.cat([ids, ids.new_zeros(num_pad)])
-            positions = torch.cat([positions, positions.new_zeros(num_pad)])
+        # Rows: every prefill entry's tokens, padding up to a row count that keeps their bits,
+        # then one row per decode entry.
+        spans: list[tuple[int, int]] = [(0, 0)] * len(batch)
+        id_parts: list[torch.Tensor] = []
+        position_parts: list[torch.Tensor] = []
+        offset = num_shared = 0
+        for decoding in (False, True):
+            if decoding:
+                num_pad = padded_row_count(offset) - offset if offset else 0
+                id_parts.append(torch.zeros(num_pad, dtype=torch.long))
+                position_parts.append(torch.zeros(num_pad, dtype=torch.long))
+                offset += num_pad
+                num_shared = offset
+            for i, (rows, n) in enumerate(zip(batch, lengths, strict=True)):
+                if rows.is_decode == decoding:
+                    spans[i] = (offset, offset + n)
+                    offset += n
+                    id_parts.append(rows.tokens.reshape(-1).to(torch.long))
+                    position_parts.append(torch.arange(rows.sequence.length,
+                                                       rows.sequence.length + n))
+        ids = torch.cat(id_parts).to(device)
+        positions = torch.cat(position_parts)
         cos, sin = self._rope(positions)
         cos, sin = cos.to(device), sin.to(device)
         positions = positions.to(device)
-        spans = []
-        offset = 0
-        for n in lengths:
-            spans.append((offset, offset + n))
-            offset += n
         with torch.inference_mode():
             hidden = model.embed_tokens(ids)
             for index, layer in enumerate(model.layers):
-                hidden = self._layer(index, layer, hidden, batch, spans, positions, cos, sin)
+                hidden = self._layer(index, layer, hidden, batch, spans, positions, cos, sin,
+                                     num_shared)
             for rows, n in zip(batch, lengths, strict=True):
                 rows.sequence.advance(n)
             wanted = [end - 1 for (_, end), rows in zip(spans, batch, strict=True)
                       if rows.wants_logits]
             if not wanted:
                 return [None] * len(batch)
-            picked = hidden[torch.tensor(wanted, device=device)]
-            num_picked = picked.shape[0]
-            if padded_row_count(num_picked) > num_picked:
-                picked = torch.cat([picked, picked.new_zeros(
-                    padded_row_count(num_picked) - num_picked, picked.shape[1])])
-            logits = self._model.lm_head(model.norm(picked)).float()
+            picked = model.norm(hidden[torch.tensor(wanted, device=device)])
+            logits = _project(self._model.lm_head, picked, 0).float()
         out: list[torch.Tensor | None] = []
         row = 0
         for rows in batch:
@@ -168,13 +189,17 @@ class BatchedForward:
 
     def _layer(self, index: int, layer: Any, hidden: torch.Tensor,
                batch: Sequence[SequenceRows], spans: list[tuple[int, int]],
-               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               num_shared: int) -> torch.Tensor:
         attn = layer.self_attn
         normed = layer.input_layernorm(hidden)
         num_rows = hidden.shape[0]
-        q = attn.q_proj(normed).view(num_rows, self._num_heads, self._head_dim)
-        k = attn.k_proj(normed).view(num_rows, self._kv_heads, self._head_dim)
-        v = attn.v_proj(normed).view(num_rows, self._kv_heads, self._head_dim)
+        q = _project(attn.q_proj, normed, num_shared).view(num_rows, self._num_heads,
+                                                            self._head_dim)
+        k = _project(attn.k_proj, normed, num_shared).view(num_rows, self._kv_heads,
+                                                            self._head_dim)
+        v = _project(attn.v_proj, normed, num_shared).view(num_rows, self._kv_heads,
+                                                            self._head_dim)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         items = []
@@ -186,8 +211,12 @@ class BatchedForward:
         attended = torch.zeros_like(q)
         for (start, end), rows_attended in zip(spans, self._attention.attend(items), strict=True):
             attended[start:end] = rows_attended
-        hidden = hidden + attn.o_proj(attended.view(num_rows, -1))
-        out: torch.Tensor = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        hidden = hidden + _project(attn.o_proj, attended.view(num_rows, -1), num_shared)
+        mlp = layer.mlp
+        normed = layer.post_attention_layernorm(hidden)
+        gated = (mlp.act_fn(_project(mlp.gate_proj, normed, num_shared))
+                 * _project(mlp.up_proj, normed, num_shared))
+        out: torch.Tensor = hidden + _project(mlp.down_proj, gated, num_shared)
         return out
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +235,26 @@ class BatchedForward:
             self._cos = torch.cat(cos_parts)
             self._sin = torch.cat(sin_parts)
         return self._cos[positions], self._sin[positions]
+
+
+def _project(linear: Any, rows: torch.Tensor, num_shared: int) -> torch.Tensor:
+    """``linear`` of ``rows``: the first ``num_shared`` in one product, each other row alone.
+
+    ``num_shared`` is zero or a ``padded_row_count``, so the shared rows keep their bits; a row
+    alone is a matrix-vector product, which no other row can change."""
+    weight: torch.Tensor = linear.weight
+    bias: torch.Tensor | None = linear.bias
+    if num_shared == rows.shape[0]:
+        return F.linear(rows, weight, bias)
+    out = rows.new_empty(rows.shape[0], weight.shape[0])
+    if num_shared:
+        out[:num_shared] = F.linear(rows[:num_shared], weight, bias)
+    for row in range(num_shared, rows.shape[0]):
+        torch.mv(weight, rows[row], out=out[row])
+    if bias is not None:
+        out[num_shared:] += bias
+    return out
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding of ``x`` ``[rows, heads, d]`` (Llama's rotate-half form)."""

@@ -410,7 +410,8 @@ class StepLoop:
                 tokens = active.ids[start:start + chunk.num_tokens]
                 wants = (start + chunk.num_tokens >= active.target
                          and isinstance(active.job.request, GenerateRequest))
-            batch.append(SequenceRows(sequence=active.seq, tokens=tokens, wants_logits=wants))
+            batch.append(SequenceRows(sequence=active.seq, tokens=tokens, wants_logits=wants,
+                                      is_decode=chunk.is_decode))
         began = time.perf_counter()
         outputs = self._forward.forward(batch)
         num_decode = sum(1 for c in plan.chunks if c.is_decode)

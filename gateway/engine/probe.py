@@ -2,9 +2,12 @@
 
 Why at start-up and on the real weights: invariance is a property of the kernels torch picks for
 these shapes on this machine (DESIGN.md, "Parity": other builds and devices behave otherwise).
-The probe runs the same random prompt one-shot, in odd chunks, decoding token by token, and
-side by side with other sequences, and compares every layer's K/V and the logits bit for bit.
-If any differ, the engine serves through the serial exact route and says why.
+The probe runs the same random prompt one-shot, in odd chunks, token by token, and side by side
+with other sequences, and compares every layer's K/V and the logits bit for bit. If any differ,
+the engine serves through the serial exact route and says why. It then decodes, alone and beside
+other decoding sequences (decode rows are products of their own, ``gateway.engine.forward``),
+which must match too; and it reports whether decode-time K/V happen to equal the prefill's, which
+decides whether an answer's blocks are stored as decoded or recomputed first.
 """
 
 from __future__ import annotations
@@ -38,12 +41,14 @@ class ProbeResult:
         failure: the first variant that did not match, and where (None when invariant).
         num_checks: variants compared.
         seconds: how long the probe took.
+        decode_kv_is_prefill_kv: decoding wrote the K/V a prefill of the same tokens writes.
     """
 
     is_invariant: bool
     failure: str | None
     num_checks: int
     seconds: float
+    decode_kv_is_prefill_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,17 +86,19 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
             made.append(seq)
         return made
 
-    def run(chunks: Sequence[int], beside: int = 0) -> _Run:
+    def run(chunks: Sequence[int], beside: int = 0, decoding: bool = False) -> _Run:
+        """``decoding``: the last NUM_DECODE one-token chunks, and the others', are decode rows."""
         seq = KVSequence(layout, total, device=forward.device)
         company = others(beside)
         logits: list[torch.Tensor] = []
         at = 0
         for size in chunks:
-            batch = [SequenceRows(sequence=other, wants_logits=True,
+            is_decode = decoding and at >= num_tokens
+            batch = [SequenceRows(sequence=other, wants_logits=True, is_decode=is_decode,
                                   tokens=torch.randint(0, vocab_size, (1,), generator=generator))
                      for other in company]
             batch.append(SequenceRows(sequence=seq, tokens=tokens[at:at + size],
-                                      wants_logits=True))  # ours is not the first row
+                                      wants_logits=True, is_decode=is_decode))  # not the first
             mine = forward.forward(batch)[-1]
             assert mine is not None
             logits.append(mine)
@@ -109,14 +116,21 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
     ]
     failure = _compare(reference, one_shot, "decode vs one-shot prefill", layout,
                        logits_steps=[(-1, -1)])
+    every_decode_step = [(-1 - i, -1 - i) for i in range(NUM_DECODE)]
     for name, chunks, beside in variants:
         if failure is not None:
             break
         failure = _compare(reference, run(chunks, beside), name, layout,
-                           logits_steps=[(-1 - i, -1 - i) for i in range(NUM_DECODE)])
-    result = ProbeResult(is_invariant=failure is None, failure=failure,
-                         num_checks=1 + len(variants), seconds=clock() - started)
-    return result
+                           logits_steps=every_decode_step)
+    decoded_alone = run([num_tokens, *decode], decoding=True)
+    if failure is None:
+        failure = _compare(decoded_alone, run([num_tokens, *decode], beside=3, decoding=True),
+                           "decoding beside other decoding sequences", layout,
+                           logits_steps=every_decode_step)
+    same_kv = _compare(reference, decoded_alone, "", layout, logits_steps=()) is None
+    return ProbeResult(is_invariant=failure is None, failure=failure,
+                       num_checks=2 + len(variants), seconds=clock() - started,
+                       decode_kv_is_prefill_kv=same_kv)
 
 
 def _compare(expected: _Run, got: _Run, name: str, layout: KVLayout,

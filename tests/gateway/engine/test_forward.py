@@ -100,6 +100,66 @@ def test_decoding_token_by_token_writes_the_kv_a_prefill_of_the_answer_writes(fo
     _assert_same_kv(tiny, decoded, prefilled)
 
 
+def _decode(forward: BatchedForward, tiny: LoadedModel, tokens: torch.Tensor, prompt: int,
+            beside: list[KVSequence]) -> tuple[KVSequence, list[torch.Tensor]]:
+    """Prefill ``tokens[:prompt]``, then feed the rest back as decode rows, ``beside`` decoding
+    in the same steps; the logits of every decode step."""
+    seq = KVSequence(tiny.layout, int(tokens.numel()) + 8)
+    forward.forward([SequenceRows(sequence=seq, tokens=tokens[:prompt], wants_logits=False)])
+    logits = []
+    for at in range(prompt, int(tokens.numel())):
+        batch = [SequenceRows(sequence=other, tokens=_tokens(1, at + i), wants_logits=True,
+                              is_decode=True) for i, other in enumerate(beside)]
+        batch.insert(len(batch) // 2, SequenceRows(sequence=seq, tokens=tokens[at:at + 1],
+                                                   wants_logits=True, is_decode=True))
+        got = forward.forward(batch)[len(beside) // 2]
+        assert got is not None
+        logits.append(got)
+    return seq, logits
+
+
+def _histories(forward: BatchedForward, tiny: LoadedModel, lengths: list[int]) -> list[KVSequence]:
+    made = []
+    for i, n in enumerate(lengths):
+        other = KVSequence(tiny.layout, n + 16)
+        forward.forward([SequenceRows(sequence=other, tokens=_tokens(n, 50 + i),
+                                      wants_logits=False)])
+        made.append(other)
+    return made
+
+
+@pytest.mark.parametrize("num_beside", [1, 3, 7])
+def test_a_decode_row_keeps_its_bits_whatever_decodes_beside_it(forward, tiny,
+                                                                num_beside) -> None:
+    tokens = _tokens(PROMPT, 9)
+    alone, alone_logits = _decode(forward, tiny, tokens, PROMPT - 5, [])
+    beside = _histories(forward, tiny, [7 + 31 * i for i in range(num_beside)])
+    batched, batched_logits = _decode(forward, tiny, tokens, PROMPT - 5, beside)
+    _assert_same_kv(tiny, alone, batched)
+    assert all(torch.equal(a, b) for a, b in zip(alone_logits, batched_logits, strict=True))
+
+
+def test_a_decode_row_keeps_its_bits_beside_a_prefill_chunk(forward, tiny) -> None:
+    tokens = _tokens(PROMPT, 10)
+    alone, alone_logits = _decode(forward, tiny, tokens, PROMPT - 1, [])
+    seq = KVSequence(tiny.layout, PROMPT + 8)
+    forward.forward([SequenceRows(sequence=seq, tokens=tokens[:PROMPT - 1], wants_logits=False)])
+    other = KVSequence(tiny.layout, 200)
+    logits = forward.forward([
+        SequenceRows(sequence=other, tokens=_tokens(150, 11), wants_logits=True),
+        SequenceRows(sequence=seq, tokens=tokens[PROMPT - 1:], wants_logits=True,
+                     is_decode=True)])[1]
+    _assert_same_kv(tiny, alone, seq)
+    assert logits is not None and torch.equal(logits, alone_logits[0])
+
+
+def test_a_decode_entry_of_more_than_one_token_is_refused(forward, tiny) -> None:
+    seq = KVSequence(tiny.layout, 16)
+    with pytest.raises(ValueError, match="exactly one token"):
+        forward.forward([SequenceRows(sequence=seq, tokens=_tokens(2, 1), wants_logits=True,
+                                      is_decode=True)])
+
+
 @pytest.mark.parametrize(("rows", "padded"), [(1, 4), (3, 4), (4, 4), (5, 8), (8, 8), (9, 12),
                                                (11, 12), (12, 12), (13, 13), (300, 300)])
 def test_products_are_padded_to_row_counts_whose_rows_keep_their_bits(rows, padded) -> None:
@@ -183,7 +243,17 @@ def test_tiled_attention_keeps_a_decode_row_whatever_is_attended_beside_it() -> 
 def test_the_probe_finds_the_tiny_llama_invariant(forward, tiny) -> None:
     result = probe_invariance(forward, tiny.layout, VOCAB)
     assert result.is_invariant, result.failure
-    assert result.failure is None and result.num_checks == 5
+    assert result.failure is None and result.num_checks == 6
+
+
+def test_the_probe_reports_whether_decoding_writes_the_prefills_kv(forward, tiny) -> None:
+    tokens = _tokens(PROMPT, 12)
+    decoded = _decode(forward, tiny, tokens, PROMPT - 3, [])[0]
+    prefilled, _ = _run(forward, tiny, tokens, [PROMPT])
+    same = all(torch.equal(decoded.keys(layer), prefilled.keys(layer))
+               and torch.equal(decoded.values(layer), prefilled.values(layer))
+               for layer in range(tiny.layout.num_layers))
+    assert probe_invariance(forward, tiny.layout, VOCAB).decode_kv_is_prefill_kv == same
 
 
 class _ChunkDependentAttention:
