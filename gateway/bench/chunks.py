@@ -19,7 +19,7 @@ from typing import TextIO
 
 import torch
 
-from gateway.engine.attention import TiledAttention
+from gateway.engine.attention_choice import attention_for
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, forward_logits, load_model, make_sequence_cache
@@ -33,7 +33,8 @@ def run_chunks_benchmark(*, model: str, cache_dir: Path, sizes: list[int], promp
     loaded = load_model(model, cache_dir=cache_dir)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, loaded.tokenizer.vocab_size, (prompt_tokens,), generator=generator)
-    forward = BatchedForward(loaded.model, TiledAttention())
+    forward = BatchedForward(loaded.model,
+                             attention_for(loaded.model.model.embed_tokens.weight.device))
     variants: dict[str, Callable[[], None]] = {
         f"batched, chunks of {size}": _batched(loaded, forward, ids, size) for size in sizes}
     variants["transformers, one shot"] = lambda: _one_shot(loaded, ids)

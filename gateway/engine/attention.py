@@ -49,6 +49,10 @@ EXP_FLOOR = -80.0
 """Scores more than this below a row's maximum weigh exp(-80) ~ 2e-35 instead of less: a change
 far below float32's resolution of the row's sum, and it keeps exp off its slow underflow path."""
 
+CAPACITY_ALIGNMENT = 512
+"""KV buffers hold a multiple of this many positions: what every implementation here needs (a
+multiple of ``TILE``, and of ``gateway.engine.flash_attention.KEY_BLOCK``)."""
+
 NUMERICS = f"t{TILE}f"
 """This attention's part of the block namespace: tiles of TILE keys, folded combination. Any
 change to the numbers it produces must change this name, so old cached K/V is never mixed in."""
@@ -70,12 +74,15 @@ class AttentionItem:
             this sequence's keys (RoPE applied), the rest is finite (zeros or stale).
         values: like ``keys``.
         positions: the absolute position of each query, ``[n]``.
+        is_decode: one query, a sampled token fed back: its numbers need only be its own (the
+            same whatever else is attended), not those a prefill of the token would give.
     """
 
     queries: torch.Tensor
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
+    is_decode: bool = False
 
 
 class SequenceAttention(Protocol):
@@ -85,7 +92,13 @@ class SequenceAttention(Protocol):
     Every implementation keeps the invariance contract: the output row of a query depends only
     on that query, its position and its own sequence's keys/values at positions up to it --
     never on the other items, nor on how many queries its item has.
+
+    Attributes:
+        numerics: the implementation's part of the block namespace: K/V computed through
+            another implementation (other numbers) are never mixed in.
     """
+
+    numerics: str
 
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         """Per item, its queries attended: ``[n, heads, head_dim]``."""
@@ -101,6 +114,8 @@ class TiledAttention:
     Both paths apply the same operations to each row, so a row's bits do not depend on which
     path it took (the start-up probe checks this too: decode beside others vs prefill alone).
     """
+
+    numerics = NUMERICS
 
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
@@ -275,12 +290,3 @@ def fold_tile_sum(partial: torch.Tensor, dim: int) -> torch.Tensor:
         width //= 2
         partial.narrow(dim, 0, width).add_(partial.narrow(dim, width, width))
     return partial.select(dim, 0)
-
-
-def attention_for(device: torch.device) -> SequenceAttention:
-    """The attention implementation for ``device`` (each held to the invariance contract).
-
-    NOTE: CUDA has no kernel of its own yet; the tiled torch implementation runs there too, and
-    the start-up probe decides whether it is invariant on that device.
-    """
-    return TiledAttention()

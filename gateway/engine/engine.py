@@ -44,7 +44,7 @@ from gateway.core.requests import (
     WarmResult,
 )
 from gateway.core.tokens import TokenIds
-from gateway.engine.attention import NUMERICS, attention_for
+from gateway.engine.attention_choice import attention_for
 from gateway.engine.forward import (
     BatchedForward,
     SequenceRows,
@@ -115,17 +115,19 @@ class EngineRoute:
         probe_s: seconds the start-up probe took (0 when it did not run).
         decode_kv_is_prefill_kv: decoding writes the K/V a prefill writes (the probe found), so
             an answer's blocks are stored as decoded; otherwise they are recomputed first.
+        attention: the batched forward's attention (its ``numerics``); empty on the serial route.
     """
 
     name: str
     reason: str
     probe_s: float = 0.0
     decode_kv_is_prefill_kv: bool = False
+    attention: str = ""
 
     @property
     def numerics(self) -> str:
         """The route's part of the block namespace (its K/V differ from the other's)."""
-        return f"{self.name}-{NUMERICS}" if self.name == "batched" else self.name
+        return f"{self.name}-{self.attention}" if self.name == "batched" else self.name
 
 
 
@@ -245,12 +247,13 @@ class Engine:
         if problem is not None:
             return serial, EngineRoute(name="serial", reason=f"the batched forward cannot run "
                                        f"this model: {problem}")
-        batched = BatchedForward(self._loaded.model, attention_for(self._device))
+        attention = attention_for(self._device)
+        batched = BatchedForward(self._loaded.model, attention)
         probe = probe_invariance(batched, self._loaded.layout,
                                  int(self._loaded.model.config.vocab_size))
         if probe.is_invariant:
             return batched, EngineRoute(
-                name="batched", probe_s=probe.seconds,
+                name="batched", probe_s=probe.seconds, attention=attention.numerics,
                 decode_kv_is_prefill_kv=probe.decode_kv_is_prefill_kv,
                 reason=f"start-up probe: {probe.num_checks} chunked/batched variants equal "
                        "one-shot bit for bit")
@@ -258,6 +261,7 @@ class Engine:
             logger.warning("route = batched although the probe failed (%s): warm may differ "
                            "from cold", probe.failure)
             return batched, EngineRoute(name="batched", probe_s=probe.seconds,
+                                        attention=attention.numerics,
                                         reason=f"configured, probe FAILED: {probe.failure}")
         logger.warning("the batched forward is not invariant here (%s): serving one request at "
                        "a time on the serial exact route", probe.failure)

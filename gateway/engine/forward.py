@@ -207,7 +207,8 @@ class BatchedForward:
             seq = rows.sequence
             seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             items.append(AttentionItem(q[start:end], seq.key_buffer(index),
-                                       seq.value_buffer(index), positions[start:end]))
+                                       seq.value_buffer(index), positions[start:end],
+                                       is_decode=rows.is_decode))
         attended = torch.zeros_like(q)
         for (start, end), rows_attended in zip(spans, self._attention.attend(items), strict=True):
             attended[start:end] = rows_attended

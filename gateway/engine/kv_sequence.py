@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gateway.engine.attention import TILE as ATTENTION_TILE
+from gateway.engine.attention import CAPACITY_ALIGNMENT
 from tiers.payload import KVBlock, KVLayout
 
 
@@ -38,7 +38,7 @@ class KVSequence:
         # NOTE: buffers are rounded up to whole attention tiles and zeroed: tiled attention reads
         # whole tiles and weighs the positions after the query by exactly 0, which needs them
         # finite (uninitialised memory can hold NaN, and 0 * NaN is NaN).
-        allocated = -(-capacity // ATTENTION_TILE) * ATTENTION_TILE
+        allocated = -(-capacity // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT
         shape = (layout.kv_heads, allocated, layout.head_dim)
         self.layout = layout
         self.capacity = capacity
@@ -51,7 +51,7 @@ class KVSequence:
     @staticmethod
     def nbytes_for(layout: KVLayout, capacity: int) -> int:
         """The bytes of the buffers a sequence of ``capacity`` tokens allocates."""
-        allocated = -(-capacity // ATTENTION_TILE) * ATTENTION_TILE
+        allocated = -(-capacity // CAPACITY_ALIGNMENT) * CAPACITY_ALIGNMENT
         return layout.bytes_per_token * allocated
 
     @classmethod

@@ -29,6 +29,11 @@ logger = logging.getLogger(__name__)
 PROBE_TOKENS = 2 * TILE + 5
 """Prompt length: two tiles and a partial one."""
 
+PROBE_PREFIX = 450
+"""Positions before the prompt, computed once and copied into every run: the prompt then
+crosses position 512 (a key block of ``gateway.engine.flash_attention``) 62 tokens in, at the
+cost of one prefill of the prefix."""
+
 NUM_DECODE = 3
 
 
@@ -74,6 +79,11 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
     generator = torch.Generator().manual_seed(seed)
     total = num_tokens + NUM_DECODE
     tokens = torch.randint(0, vocab_size, (total,), generator=generator)
+    prefix = KVSequence(layout, PROBE_PREFIX, device=forward.device)
+    forward.forward([SequenceRows(wants_logits=False, sequence=prefix,
+                                  tokens=torch.randint(0, vocab_size, (PROBE_PREFIX,),
+                                                       generator=generator))])
+    prefix_kv = [prefix.block(0, PROBE_PREFIX)]
 
     def others(count: int) -> list[KVSequence]:
         """``count`` other sequences with histories of different lengths, decoding beside."""
@@ -88,7 +98,8 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
 
     def run(chunks: Sequence[int], beside: int = 0, decoding: bool = False) -> _Run:
         """``decoding``: the last NUM_DECODE one-token chunks, and the others', are decode rows."""
-        seq = KVSequence(layout, total, device=forward.device)
+        seq = KVSequence.from_blocks(layout, prefix_kv, PROBE_PREFIX + total,
+                                     device=forward.device)
         company = others(beside)
         logits: list[torch.Tensor] = []
         at = 0
@@ -111,6 +122,7 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
     variants: list[tuple[str, Sequence[int], int]] = [
         ("chunked by tile", [TILE, TILE, num_tokens - 2 * TILE, *decode], 0),
         ("chunked oddly", [37, 5, num_tokens - 42, *decode], 0),
+        ("in chunks of 1, 2 and 3 tokens", [1, 2, 3, num_tokens - 6, *decode], 0),
         ("batched with other sequences", [num_tokens, *decode], 3),
         ("chunked and batched", [TILE + 1, num_tokens - TILE - 1, *decode], 2),
     ]

@@ -23,7 +23,7 @@ from gateway.cache.prefix_cache import Lease, PrefixCache
 from gateway.core.canonical import PromptInput, canonicalize
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
-from gateway.engine.attention import TiledAttention
+from gateway.engine.attention_choice import attention_for
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
@@ -137,7 +137,7 @@ def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
         computed = compute_block_kv(loaded, torch.tensor(tokens[:n], device=device), block_tokens)
         return [KVBlock(keys=keys, values=values) for keys, values in computed]
     seq = KVSequence(loaded.layout, max(1, n), device=device)
-    forward = BatchedForward(loaded.model, TiledAttention())
+    forward = BatchedForward(loaded.model, attention_for(torch.device(device)))
     if n:
         forward.forward([SequenceRows(sequence=seq, tokens=torch.tensor(tokens[:n]),
                                       wants_logits=False)])
