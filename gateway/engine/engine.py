@@ -76,7 +76,9 @@ class EngineConfig:
         default_ttl_s: sliding TTL of stored blocks when a request names none.
         max_prompt_tokens: longest prompt accepted (default: the model's context - 1).
         max_deadline_s: the longest any request may run, whatever its own deadline.
-        store_generated_blocks: store the blocks generated tokens fill.
+        store_generated_blocks: store the blocks generated tokens fill (as decoded where
+            decoding writes the prefill's K/V, recomputed on the serial route, and not at all
+            on the batched route otherwise: see ``LoopSettings``).
         route: "auto" (batched if the start-up probe finds it invariant, else serial),
             "batched" or "serial".
         step_tokens: tokens one step computes at most (decode rows + prefill chunks).
@@ -236,7 +238,8 @@ class Engine:
                 block_tokens=self._config.block_tokens,
                 default_ttl_s=self._config.default_ttl_s,
                 store_generated_blocks=self._config.store_generated_blocks,
-                decode_kv_is_prefill_kv=self._route.decode_kv_is_prefill_kv),
+                decode_kv_is_prefill_kv=self._route.decode_kv_is_prefill_kv,
+                recompute_generated_blocks=self._route.name == "serial"),
             namespace_of=self._namespace, clock=self._clock, metrics=self._metrics)
 
     def _choose_route(self) -> tuple[StepForward, EngineRoute]:

@@ -59,14 +59,19 @@ class LoopSettings:
         block_tokens: the cache block size.
         default_ttl_s: TTL of stored blocks when a request names none.
         store_generated_blocks: store the blocks an answer fills.
-        decode_kv_is_prefill_kv: the forward is invariant: an answer's blocks are stored as
-            decoded; otherwise they are recomputed block-aligned first.
+        decode_kv_is_prefill_kv: decoding writes the K/V a prefill writes: an answer's blocks
+            are stored as decoded.
+        recompute_generated_blocks: otherwise, recompute them block-aligned and store them
+            (the serial route); when False they are not stored (the batched route: the next
+            turn of a conversation sends the answer back in its prompt, whose prefill stores
+            it, cheaper than recomputing every answer in the loop when it ends).
     """
 
     block_tokens: int
     default_ttl_s: float | None
     store_generated_blocks: bool
     decode_kv_is_prefill_kv: bool
+    recompute_generated_blocks: bool = True
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -493,7 +498,9 @@ class StepLoop:
                 cached_tokens_by_tier=usage.cached_tokens_by_tier,
                 finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
                 total_s=usage.total_ms / 1e3)
-        if self._settings.store_generated_blocks and active.generated:
+        settings = self._settings
+        if settings.store_generated_blocks and active.generated and (
+                settings.decode_kv_is_prefill_kv or settings.recompute_generated_blocks):
             self._store_generated(active)
         self._end(active, None)
 

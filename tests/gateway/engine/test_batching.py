@@ -159,24 +159,23 @@ def test_every_block_stored_under_batching_equals_the_cold_computation(stack) ->
                 assert torch.equal(a, b)
 
 
-def test_an_answers_blocks_are_stored_and_equal_a_cold_prefill(stack) -> None:
+def test_an_answers_blocks_come_from_the_next_turns_prefill_and_equal_a_cold_one(stack) -> None:
     engine, opened = stack
+    assert not engine.route.decode_kv_is_prefill_kv  # decode rows are products of their own
     prompt = SYSTEM[:40]
     ids, _ = collect(engine, request(prompt, max_tokens=40))
-    everything = engine._canonical(PromptInput(token_ids=prompt + ids)).token_ids
-    cold = engine.cold_blocks(everything)
-    expected = (len(prompt) + len(ids) - 1) // 16  # the last token has no KV
+    turn = prompt + ids + SYSTEM[40:50]
+    everything = engine._canonical(PromptInput(token_ids=turn)).token_ids
 
     def stored_blocks() -> list[KVBlock]:
         with opened.cache.acquire(engine._namespace(ALICE), everything) as lease:
             return opened.cache.load(lease)
 
-    # Stored after the answer's last event (decode K/V are recomputed as prefill first, off
-    # the client's clock), before the engine takes its next request.
-    deadline = time.monotonic() + 30
-    while len(stored := stored_blocks()) < expected and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(stored) == expected >= 4
+    assert len(stored_blocks()) == len(prompt) // 16  # the answer's own blocks: not stored
+    collect(engine, request(turn, max_tokens=1))  # the next turn sends the answer back
+    cold = engine.cold_blocks(everything)
+    stored = stored_blocks()
+    assert len(stored) == (len(turn) - 1) // 16 >= 5
     for got, want in zip(stored, cold[:len(stored)], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(got.keys, want.keys, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(got.values, want.values, strict=True))
