@@ -164,7 +164,8 @@ class StoreReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EngineReport:
-    """How the engine computes ("batched" or "serial", and why) and what it has computed."""
+    """How the engine computes ("batched" or "serial", and why; the dtype and device) and what
+    it has computed. ``dtype`` and ``device`` are "" from a gateway older than them."""
 
     route: str
     route_reason: str
@@ -173,6 +174,8 @@ class EngineReport:
     decode_tokens: int
     max_requests_in_step: int
     dedup_waits: int
+    dtype: str = ""
+    device: str = ""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -438,7 +441,8 @@ class KvgateClient:
                 route=r.engine.route, route_reason=r.engine.route_reason, steps=r.engine.steps,
                 prefill_tokens=r.engine.prefill_tokens, decode_tokens=r.engine.decode_tokens,
                 max_requests_in_step=r.engine.max_requests_in_step,
-                dedup_waits=r.engine.dedup_waits,
+                dedup_waits=r.engine.dedup_waits, dtype=r.engine.dtype,
+                device=r.engine.device,
             ) if r.HasField("engine") else None,
         )
 

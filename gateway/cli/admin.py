@@ -138,7 +138,8 @@ def _stats(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: Tex
               "mismatches\n")
     if stats.engine is not None:
         e = stats.engine
-        out.write(f"engine route {e.route} ({e.route_reason}); {e.steps} steps, "
+        where = f" on {e.device} in {e.dtype}" if e.dtype else ""
+        out.write(f"engine route {e.route} ({e.route_reason}){where}; {e.steps} steps, "
                   f"{e.prefill_tokens} prefill + {e.decode_tokens} decode tokens computed, "
                   f"up to {e.max_requests_in_step} requests per step, {e.dedup_waits} dedup "
                   "waits\n")

@@ -208,6 +208,10 @@ def _add_serve(sub: Any) -> None:
     serve.add_argument("--device", default=None,
                        help="where the model and the device tier live: auto (the first GPU if "
                             "torch sees one, else the CPU; the default), cpu, cuda or cuda:N")
+    serve.add_argument("--dtype", default=None,
+                       help="what the model computes and the cache stores K/V in: auto "
+                            "(bfloat16 on a GPU, float32 on the CPU; the default), float32, "
+                            "bfloat16 or float16 (half precision is slow on most CPUs)")
     serve.add_argument("--http-host", default=None,
                        help="the OpenAI-compatible HTTP API's address (default: 127.0.0.1)")
     serve.add_argument("--http-port", type=int, default=None,
@@ -390,7 +394,7 @@ def _serve(args: argparse.Namespace) -> int:
             env=os.environ,
             overrides={"host": args.host, "port": args.port, "data_dir": args.data_dir,
                        "model": args.model, "allow_insecure_remote": args.allow_insecure_remote,
-                       "device": args.device,
+                       "device": args.device, "dtype": args.dtype,
                        "http_host": args.http_host, "http_port": args.http_port,
                        "http_enabled": args.http_enabled},
         )

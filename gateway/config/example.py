@@ -13,8 +13,8 @@ EXAMPLE_CONFIG = """\
 # Every key is optional: what is left out keeps the default shown. Environment variables
 # add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS, or files: KVGATE_API_KEYS_FILE, ...) and set
 # the deployment secret (KVGATE_DEPLOYMENT_SECRET, hex) and the Redis URL (KVGATE_REDIS_URL or
-# KVGATE_REDIS_URL_FILE); --host, --port, --data-dir, --model and --device override [server],
-# --http-host, --http-port and --no-http override [http]. Keep keys out of this file
+# KVGATE_REDIS_URL_FILE); --host, --port, --data-dir, --model, --device and --dtype override
+# [server], --http-host, --http-port and --no-http override [http]. Keep keys out of this file
 # (key_blake2b digests are fine): from a secret store, as files or env.
 # Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
 
@@ -24,6 +24,9 @@ port = 50051
 data_dir = "data"               # kv/ (disk tier), models/, secret, dev-api-key
 model = "bundled"               # SmolLM2-135M-Instruct, or a transformers checkpoint directory
 device = "auto"                 # the model and the device tier: auto (a GPU if any), cpu, cuda:N
+dtype = "auto"                  # weights and K/V: auto (bfloat16 on a GPU, float32 on the CPU),
+                                #   float32, bfloat16, float16 (slow on the CPU); part of the
+                                #   cache namespace: blocks of one dtype never serve another
 # tls_cert = "/etc/kvgate/tls.crt"   # PEM; give both or neither
 # tls_key = "/etc/kvgate/tls.key"
 # allow_insecure_remote = false      # plaintext on a non-loopback host (behind a TLS proxy)

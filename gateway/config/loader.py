@@ -2,9 +2,9 @@
 
 Sources, later ones winning: the defaults here, a TOML or JSON file (``--config``), the
 environment (``KVGATE_API_KEYS``, ``KVGATE_ADMIN_KEYS``: keys are added to the file's), and the
-command line (``--host``, ``--port``, ``--data-dir``, ``--model``, ``--device``; ``--http-host``,
-``--http-port``, ``--no-http`` for ``[http]``). Every problem is reported at once, before
-anything starts, with the file's own names::
+command line (``--host``, ``--port``, ``--data-dir``, ``--model``, ``--device``, ``--dtype``;
+``--http-host``, ``--http-port``, ``--no-http`` for ``[http]``). Every problem is reported at
+once, before anything starts, with the file's own names::
 
     [server]
     host = "127.0.0.1"            # a non-loopback host needs TLS (or allow_insecure_remote)
@@ -12,6 +12,7 @@ anything starts, with the file's own names::
     data_dir = "data"             # kv/ (disk tier), models/, secret, dev-api-key
     model = "bundled"             # or a transformers checkpoint directory
     device = "auto"               # auto | cpu | cuda | cuda:N: the model and the device tier
+    dtype = "auto"                # auto (bfloat16 on a GPU, float32 on the CPU) | float32 | ...
     tls_cert = "/etc/kvgate/tls.crt"
     tls_key = "/etc/kvgate/tls.key"
 
@@ -63,6 +64,7 @@ from typing import Any
 
 from gateway.cache.factory import CacheConfig, GiB
 from gateway.config.device import device_problem
+from gateway.config.dtype import dtype_problem
 from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
@@ -111,7 +113,7 @@ _UNITS = {"b": 1, "kb": 1000, "kib": KiB, "mb": 1000**2, "mib": MiB, "gb": 1000*
 
 _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
-     "secret_file", "admin_host", "admin_port", "device"}
+     "secret_file", "admin_host", "admin_port", "device", "dtype"}
 )
 _SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
                        "api_keys", "admin_keys"})
@@ -240,6 +242,10 @@ def load_serve_config(
     problem = device_problem(device)
     if problem is not None:
         errors.append(problem)
+    dtype = server.get("dtype", "auto")
+    problem = dtype_problem(dtype)
+    if problem is not None:
+        errors.append(problem)
 
     if errors:
         raise ConfigError("invalid kvgate configuration:\n  - " + "\n  - ".join(errors))
@@ -257,6 +263,7 @@ def load_serve_config(
         http=http,
         limits=limits,
         device=str(device),
+        dtype=str(dtype),
     )
 
 

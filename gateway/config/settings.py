@@ -273,6 +273,9 @@ class ServeConfig:
         grpc, engine, cache, metrics, http, limits: the sections of the same names.
         device: where the model and the device tier live: "auto", "cpu", "cuda", "cuda:N"
             (``gateway.config.device``).
+        dtype: what the model computes and the cache stores K/V in: "auto" (bfloat16 on a GPU,
+            float32 on the CPU), "float32", "bfloat16", "float16" (``gateway.config.dtype``);
+            part of every block's namespace.
     """
 
     host: str = DEFAULT_HOST
@@ -294,6 +297,8 @@ class ServeConfig:
     limits: LimitSettings = field(default_factory=LimitSettings)
     # -- lifecycle and reach (issue 11) --
     device: str = "auto"
+    # -- numerics for a GPU (issue 14) --
+    dtype: str = "auto"
 
     @property
     def address(self) -> str:

@@ -10,7 +10,8 @@ numbers depend only on its own sequence, DESIGN.md "Parity"). That is checked at
 real weights (``probe_invariance``); where it does not hold, or the architecture is not one the
 batched forward walks, the engine runs the serial exact route instead -- one request at a time,
 block-aligned chunks through transformers -- and ``route`` says so and why. The route is part of
-every block's namespace: blocks of one route are never served to the other.
+every block's namespace: blocks of one route are never served to the other. So are the device
+kind and the dtype the K/V are computed in (``dtype``: bfloat16 K/V never serve a float32 engine).
 """
 
 from __future__ import annotations
@@ -282,6 +283,16 @@ class Engine:
         return self._route
 
     @property
+    def dtype(self) -> str:
+        """What the model computes and the K/V are kept in, e.g. "bfloat16" (in the namespace)."""
+        return str(self._loaded.layout.dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        """Where the model runs, e.g. "cpu" or "cuda:0"."""
+        return str(self._device)
+
+    @property
     def is_ready(self) -> bool:
         return self._loop is not None and self._loop.is_alive and not self._is_draining
 
@@ -474,7 +485,7 @@ class Engine:
                     NamespaceSpec(
                         deployment_secret=self._secret,
                         model_fingerprint=self._loaded.fingerprint,
-                        kv_dtype=str(self._loaded.layout.dtype).removeprefix("torch."),
+                        kv_dtype=self.dtype,
                         device_kind=f"{self._device_kind}/{self._route.numerics}",
                         scope=scope,
                     )

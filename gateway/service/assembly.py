@@ -178,6 +178,7 @@ def serve(
     from gateway.cache.factory import eviction_cursor_path, open_cache
     from gateway.cache.invalidation import EvictionFeed
     from gateway.config.device import DeviceError, resolve_device
+    from gateway.config.dtype import DtypeError, resolve_dtype
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.model import load_model
 
@@ -190,9 +191,11 @@ def serve(
     try:
         try:
             device = resolve_device(config.device)
-        except DeviceError as exc:
+            dtype = resolve_dtype(config.dtype, device)
+        except (DeviceError, DtypeError) as exc:
             raise ServeError(str(exc)) from None
-        loaded = load_model(config.model, cache_dir=config.data_dir / "models", device=device)
+        loaded = load_model(config.model, cache_dir=config.data_dir / "models", device=device,
+                            dtype=dtype)
         opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
                             device=device)
         if config.metrics.enabled:
@@ -234,12 +237,12 @@ def serve(
         if not stop_requested.is_set():
             server.attach(engine, admin)
             logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s, tiers %s, %d API "
+                "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s in %s, tiers %s, %d API "
                 "key(s), engine route %s: %s)",
                 config.host, server.port,
                 f" and the OpenAI API on {http.url}" if http is not None else "",
                 "TLS" if config.uses_tls else "plaintext",
-                engine.model_name, device, "+".join(opened.cache.tier_names),
+                engine.model_name, device, engine.dtype, "+".join(opened.cache.tier_names),
                 authenticator.num_keys, engine.route.name, engine.route.reason,
             )
             announce(f"gRPC kvgate.v1 on {config.host}:{server.port}"

@@ -247,7 +247,7 @@ def engine_stats(engine: Engine) -> pb.EngineStats:
         route=engine.route.name, route_reason=engine.route.reason, steps=counters.num_steps,
         prefill_tokens=counters.num_prefill_tokens, decode_tokens=counters.num_decode_tokens,
         max_requests_in_step=counters.max_sequences_in_step,
-        dedup_waits=counters.num_dedup_waits)
+        dedup_waits=counters.num_dedup_waits, dtype=engine.dtype, device=engine.device)
 
 
 def stats_response(stats: CacheStats, engine: pb.EngineStats | None = None) -> pb.StatsResponse:

@@ -69,9 +69,11 @@ def test_stats_ls_evict_quota_flush_round_trip(
     assert device["num_blocks"] == stats["num_blocks"] and device["used_bytes"] > 0
     assert stats["engine"]["route"] == "batched" and stats["engine"]["steps"] > 0
     assert stats["engine"]["prefill_tokens"] > 0
+    assert (stats["engine"]["device"], stats["engine"]["dtype"]) == ("cpu", "float32")
     assert main(_admin(gateway, "stats")) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("engine route batched (start-up probe: ")
+    assert ") on cpu in float32; " in lines[1]
     assert lines[2].split()[:3] == ["tier", "blocks", "used"]
 
     assert main(_admin(gateway, "ls", "--json")) == 0

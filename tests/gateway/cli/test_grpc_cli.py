@@ -154,6 +154,11 @@ def test_serve_then_generate_twice_shows_the_cache_and_survives_a_restart(
     gateway_proc: GatewayProcess,
 ) -> None:
     gateway_proc.start()
+    # the start line says where and in what the model computes: auto is float32 on the CPU
+    started = re.search(r"model \S+ on (\S+) in (\w+),", gateway_proc.stderr)
+    assert started is not None, gateway_proc.stderr
+    device, dtype = started.groups()
+    assert dtype == ("bfloat16" if device.startswith("cuda") else "float32")
     key_file = gateway_proc.data_dir / "dev-api-key"
     key = key_file.read_text().strip()
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600

@@ -1,4 +1,5 @@
-"""Model loading: sources, fingerprints, the conversion cache, and block-aligned KV."""
+"""Model loading: sources, fingerprints, the conversion cache (float32 whatever dtype loads it),
+and block-aligned KV."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from gateway.engine.model import (
     BUNDLED,
+    LoadedModel,
     ModelLoadError,
     compute_block_kv,
     converted_checkpoint,
     fingerprint_source,
     load_model,
     resolve_source,
+    stored_float_dtypes,
 )
+from tests.tiny_gguf import save_tiny_gguf
 from tests.tiny_llama import save_tiny_llama
 
 
@@ -57,13 +62,62 @@ def test_a_converted_checkpoint_names_its_architecture_under_the_same_fingerprin
     fingerprint = fingerprint_source(resolve_source(str(gguf)), cache)
     converted = cache / "converted" / fingerprint
     converted.mkdir(parents=True)
-    (converted / "model.safetensors").write_bytes(b"")  # converted already: no second conversion
+    # converted already (float32): no second conversion
+    save_file({"w": torch.zeros(1)}, str(converted / "model.safetensors"))
     (converted / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 9}))
     assert converted_checkpoint(str(gguf), cache) == converted
     config = json.loads((converted / "config.json").read_text())
     assert config == {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
                       "vocab_size": 9}
     assert converted_checkpoint(str(tiny_dir), cache) is None  # a checkpoint is used as it is
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_gguf(tmp_path_factory.mktemp("gguf"))
+
+
+def _assert_weights_equal(loaded: LoadedModel, weights: dict[str, torch.Tensor],
+                          dtype: torch.dtype) -> None:
+    state = loaded.model.state_dict()
+    assert set(state) == set(weights)
+    for name, tensor in weights.items():
+        assert state[name].dtype == dtype and torch.equal(state[name], tensor.to(dtype)), name
+
+
+def test_a_gguf_is_converted_to_float32_whatever_dtype_loads_it_first(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "models"
+    half = load_model(str(tiny_gguf), cache_dir=cache, dtype=torch.bfloat16)
+    weights = cache / "converted" / half.fingerprint / "model.safetensors"
+    assert stored_float_dtypes(weights) == {"F32"}
+    full = load_model(str(tiny_gguf), cache_dir=cache)  # the copy a bfloat16 start made
+    original = load_model(str(tiny_gguf.parent / "checkpoint")).model.state_dict()
+    assert (half.layout.dtype, full.layout.dtype) == (torch.bfloat16, torch.float32)
+    _assert_weights_equal(full, original, torch.float32)
+    _assert_weights_equal(half, original, torch.bfloat16)
+
+
+def test_a_converted_copy_in_another_dtype_is_converted_again(
+    tiny_gguf: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "models"
+    first = load_model(str(tiny_gguf), cache_dir=cache)
+    weights = cache / "converted" / first.fingerprint / "model.safetensors"
+    # as a build that converted in the dtype it ran in would have left it
+    save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(weights)).items()},
+              str(weights))
+    assert stored_float_dtypes(weights) == {"BF16"}
+    again = load_model(str(tiny_gguf), cache_dir=cache)
+    assert stored_float_dtypes(weights) == {"F32"}
+    _assert_weights_equal(again, first.model.state_dict(), torch.float32)
+
+
+def test_an_unreadable_safetensors_header_names_no_dtype_it_could_trust(tmp_path: Path) -> None:
+    broken = tmp_path / "model.safetensors"
+    broken.write_bytes(b"")
+    assert stored_float_dtypes(broken) == {"?"}
 
 
 def test_a_directory_without_config_is_refused_with_a_hint(tmp_path: Path) -> None:
