@@ -117,7 +117,8 @@ def test_k8s_manifests_parse_and_have_the_expected_objects() -> None:
     service = objects[("Service", "kvgate")]
     deployment = objects[("Deployment", "kvgate")]
     assert service["spec"]["selector"] == deployment["spec"]["selector"]["matchLabels"]
-    assert [p["port"] for p in service["spec"]["ports"]] == [50051]  # not the Admin port
+    # gRPC and the OpenAI-compatible HTTP API, not the Admin port
+    assert [p["port"] for p in service["spec"]["ports"]] == [50051, 8000]
     admin = objects[("Service", "kvgate-admin")]
     assert [p["targetPort"] for p in admin["spec"]["ports"]] == ["admin"]
 
@@ -137,7 +138,7 @@ def test_k8s_deployment_probes_ask_grpc_health_and_runs_non_root() -> None:
     assert pod["securityContext"]["runAsUser"] != 0
     (container,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 50051, "admin": 50052}
+    assert ports == {"grpc": 50051, "http": 8000, "admin": 50052}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["admin"], probe
     assert container["readinessProbe"]["grpc"]["service"] == "kvgate.v1.Gateway"
@@ -219,6 +220,9 @@ def test_k8s_network_policies_let_only_the_apps_reach_kvgate_and_only_kvgate_rea
     by_port = {rule["ports"][0]["port"]: rule["from"] for rule in kvgate["ingress"]}
     assert set(by_port) == {50051, 50052}
     apps, ops = by_port[50051], by_port[50052]
+    ports_of = {rule["ports"][0]["port"]: {p["port"] for p in rule["ports"]}
+                for rule in kvgate["ingress"]}
+    assert ports_of == {50051: {50051, 8000}, 50052: {50052}}  # gRPC and HTTP; Admin alone
     assert [list(peer) for peer in apps] == [["namespaceSelector"]]
     assert apps != ops
     egress_ports = {p["port"] for rule in kvgate["egress"] for p in rule["ports"]}
