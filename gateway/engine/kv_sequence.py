@@ -31,7 +31,8 @@ class KVSequence:
     """
 
     def __init__(
-        self, layout: KVLayout, capacity: int, *, device: torch.device | str = "cpu"
+        self, layout: KVLayout, capacity: int, *, device: torch.device | str = "cpu",
+        zeroed_from: int = 0,
     ) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
@@ -42,9 +43,11 @@ class KVSequence:
         shape = (layout.kv_heads, allocated, layout.head_dim)
         self.layout = layout
         self.capacity = capacity
-        self._keys = [torch.zeros(shape, dtype=layout.dtype, device=device)
+        # ``zeroed_from``: the caller fills the positions before it at once (``from_blocks``), so
+        # only the rest is zeroed (one write of the buffers fewer).
+        self._keys = [_buffer(shape, zeroed_from, layout.dtype, device)
                       for _ in range(layout.num_layers)]
-        self._values = [torch.zeros(shape, dtype=layout.dtype, device=device)
+        self._values = [_buffer(shape, zeroed_from, layout.dtype, device)
                         for _ in range(layout.num_layers)]
         self._length = 0
 
@@ -64,7 +67,8 @@ class KVSequence:
         device: torch.device | str = "cpu",
     ) -> KVSequence:
         """A new sequence holding a copy of ``blocks`` (the cached prefix) at its start."""
-        seq = cls(layout, capacity, device=device)
+        held = sum(block.num_tokens for block in blocks)
+        seq = cls(layout, capacity, device=device, zeroed_from=min(held, capacity))
         for block in blocks:
             n = block.num_tokens
             seq._reserve(n)
@@ -130,3 +134,13 @@ class KVSequence:
             keys=tuple(k[:, start:end].clone() for k in self._keys),
             values=tuple(v[:, start:end].clone() for v in self._values),
         )
+
+
+def _buffer(shape: tuple[int, int, int], zeroed_from: int, dtype: torch.dtype,
+            device: torch.device | str) -> torch.Tensor:
+    """A buffer whose positions from ``zeroed_from`` on are zero (the rest is the caller's)."""
+    if zeroed_from <= 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buffer = torch.empty(shape, dtype=dtype, device=device)
+    buffer[:, zeroed_from:].zero_()
+    return buffer

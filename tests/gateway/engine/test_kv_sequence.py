@@ -121,3 +121,14 @@ def test_payload_check_rejects_wrong_shapes_and_dtypes() -> None:
 def test_layout_sizes() -> None:
     assert LAYOUT.bytes_per_token == 2 * 2 * 2 * 4 * 4
     assert LAYOUT.block_nbytes(BLOCK) == shared_block(0).nbytes
+
+
+def test_a_sequence_from_blocks_holds_them_and_zeros_after_them() -> None:
+    blocks = [shared_block(1), shared_block(2)]
+    seq = KVSequence.from_blocks(LAYOUT, blocks, capacity=3 * BLOCK)
+    for layer in range(LAYOUT.num_layers):
+        buffer = seq.key_buffer(layer)
+        assert torch.equal(buffer[:, :BLOCK], blocks[0].keys[layer])
+        assert torch.equal(buffer[:, BLOCK:2 * BLOCK], blocks[1].keys[layer])
+        assert not buffer[:, 2 * BLOCK:].any()  # attention reads whole key blocks: finite
+        assert not seq.value_buffer(layer)[:, 2 * BLOCK:].any()
