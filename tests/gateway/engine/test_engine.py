@@ -84,22 +84,28 @@ def test_the_sequence_cache_computes_what_transformers_dynamic_cache_computes(
         assert torch.equal(reference.layers[layer].keys[0], seq.keys(layer))
 
 
-def test_the_next_chat_turn_is_served_the_blocks_of_the_previous_answer(
+def test_the_next_chat_turn_stores_the_previous_answers_blocks_for_the_turn_after(
     engine: Engine, tiny: LoadedModel
 ) -> None:
+    # Decode rows are products of their own (their K/V are not a prefill's), so on the batched
+    # route an answer's blocks are not stored when it ends: the next turn, which sends the
+    # answer back, prefills and stores them.
+    assert engine.route.name == "batched" and not engine.route.decode_kv_is_prefill_kv
     first_turn = PromptInput(messages=[
         {"role": "user", "content": "Tell me something long about caches please."}])
     ids, _, usage = run(engine, first_turn, max_tokens=40)
     assert (usage.finish_reason, usage.completion_tokens) == ("length", 40)
     history = prompt_tokens(tiny, first_turn)
-    continued = PromptInput(token_ids=[*history, *ids, 5, 6, 7])
-    cold = run(engine, continued, no_cache=True)[:2]  # queued behind: the answer is stored
+    tokens = [*history, *ids, 5, 6, 7]
+    continued = PromptInput(token_ids=tokens)
+    cold = run(engine, continued, no_cache=True)[:2]
     warm, text, usage2 = run(engine, continued)
     assert (warm, text) == cold
-    # The answer's KV covers the prompt and all generated tokens but the last (never fed back).
-    answered_blocks = (len(history) + 40 - 1) // BLOCK
-    assert answered_blocks > len(history) // BLOCK  # the answer filled at least one block
-    assert usage2.cached_tokens_by_tier == {"device": answered_blocks * BLOCK}
+    assert usage2.cached_tokens_by_tier == {"device": len(history) // BLOCK * BLOCK}
+    assert (len(tokens) - 1) // BLOCK > len(history) // BLOCK  # the answer filled a block
+    again = run(engine, continued)
+    assert again[:2] == cold
+    assert again[2].cached_tokens_by_tier == {"device": (len(tokens) - 1) // BLOCK * BLOCK}
 
 
 def test_tenants_never_hit_each_others_blocks(engine: Engine, tiny: LoadedModel) -> None:
@@ -244,8 +250,18 @@ def test_a_shared_prompt_is_read_by_every_tenant_and_never_written_by_them(
 
 
 def test_cancelling_after_the_answer_keeps_the_blocks_the_answer_filled(
-    engine: Engine, tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch
+    tiny: LoadedModel, opened: OpenedCache, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The serial route stores an answer's blocks when it ends (recomputed block-aligned).
+    engine = make_engine(tiny, opened, route="serial")
+    try:
+        _cancel_after_the_answer(engine, tiny, monkeypatch)
+    finally:
+        engine.stop(grace_s=5)
+
+
+def _cancel_after_the_answer(engine: Engine, tiny: LoadedModel,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
     cancelled = threading.Event()
     assert engine._loop is not None
     store_generated = engine._loop._store_generated  # runs on the step loop's thread
