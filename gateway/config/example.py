@@ -50,6 +50,7 @@ default_ttl_s = 3600.0          # TTL of blocks whose request names none
 # max_prompt_tokens = 8191      # default: the model's context minus 1
 route = "auto"                  # "auto": batched if the start-up probe finds it exact, else serial
 step_tokens = 256               # tokens one step computes (decode rows + prefill chunks)
+prefill_step_tokens = 1024      # ... while no request is decoding (bigger chunks prefill faster)
 max_running = 16                # requests running at once
 max_running_per_tenant = 8      # one tenant cannot take the engine
 max_queued_per_tenant = 32      # nor the queue: more are refused (RESOURCE_EXHAUSTED)

@@ -143,6 +143,8 @@ class EngineSettings:
         route: "auto" (the batched invariant forward if the start-up probe passes, else the
             serial exact route), "batched" or "serial".
         step_tokens: tokens one engine step computes at most (decode rows + prefill chunks).
+        prefill_step_tokens: tokens a step computes at most while no request is decoding (no
+            one waits for a next token, and larger chunks prefill faster).
         max_running: requests running at once.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
@@ -154,6 +156,7 @@ class EngineSettings:
     max_prompt_tokens: int | None = None
     route: str = "auto"
     step_tokens: int = 256
+    prefill_step_tokens: int = 1024
     max_running: int = 16
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
@@ -161,8 +164,8 @@ class EngineSettings:
 
     def problems(self) -> list[str]:
         errors = []
-        for name in ("max_queue", "step_tokens", "max_running", "max_running_per_tenant",
-                     "max_queued_per_tenant", "kv_budget_bytes"):
+        for name in ("max_queue", "step_tokens", "prefill_step_tokens", "max_running",
+                     "max_running_per_tenant", "max_queued_per_tenant", "kv_budget_bytes"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 errors.append(f"engine.{name} must be an integer >= 1, got {value!r}")

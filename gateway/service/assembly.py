@@ -211,6 +211,7 @@ def serve(
                 max_deadline_s=config.grpc.max_deadline_s,
                 route=config.engine.route,
                 step_tokens=config.engine.step_tokens,
+                prefill_step_tokens=config.engine.prefill_step_tokens,
                 max_running=config.engine.max_running,
                 max_running_per_tenant=config.engine.max_running_per_tenant,
                 max_queued_per_tenant=config.engine.max_queued_per_tenant,

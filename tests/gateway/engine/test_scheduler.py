@@ -17,7 +17,7 @@ def scheduler(**limits: object) -> Scheduler:
 
 
 def test_decode_rows_come_first_then_prefill_chunks_up_to_the_step_budget() -> None:
-    s = scheduler(step_tokens=100)
+    s = scheduler(step_tokens=100, prefill_step_tokens=100)
     s.submit(1, tenant="a", prompt_tokens=10, kv_bytes=KV)
     s.submit(2, tenant="a", prompt_tokens=500, kv_bytes=KV)
     assert s.admit() == [1, 2]
@@ -29,6 +29,27 @@ def test_decode_rows_come_first_then_prefill_chunks_up_to_the_step_budget() -> N
     assert second.chunks == (ScheduledChunk(request_id=1, num_tokens=1, is_decode=True),
                              ScheduledChunk(request_id=2, num_tokens=99, is_decode=False))
     assert second.num_tokens == 100
+
+
+def test_while_no_request_decodes_a_step_prefills_up_to_the_prefill_step_budget() -> None:
+    s = scheduler(step_tokens=100, prefill_step_tokens=400)
+    s.submit(1, tenant="a", prompt_tokens=1_000, kv_bytes=KV)
+    s.submit(2, tenant="b", prompt_tokens=30, kv_bytes=KV)
+    s.admit()
+    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=400, is_decode=False),)
+    assert s.plan().chunks == (ScheduledChunk(request_id=2, num_tokens=30, is_decode=False),
+                               ScheduledChunk(request_id=1, num_tokens=370, is_decode=False))
+
+
+def test_once_a_request_decodes_steps_keep_to_the_step_budget() -> None:
+    s = scheduler(step_tokens=100, prefill_step_tokens=400)
+    s.submit(1, tenant="a", prompt_tokens=10, kv_bytes=KV)
+    s.submit(2, tenant="a", prompt_tokens=1_000, kv_bytes=KV)
+    s.admit()
+    s.plan()
+    s.start_decoding(1)
+    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=1, is_decode=True),
+                               ScheduledChunk(request_id=2, num_tokens=99, is_decode=False))
 
 
 def test_cached_tokens_are_not_prefilled() -> None:
@@ -83,7 +104,8 @@ def test_a_request_larger_than_the_whole_kv_budget_is_refused_at_once() -> None:
 
 
 def test_a_newly_arrived_tenant_gets_the_prefill_budget_before_a_flooding_one() -> None:
-    s = scheduler(step_tokens=64, max_running=16, max_running_per_tenant=8)
+    s = scheduler(step_tokens=64, prefill_step_tokens=64, max_running=16,
+                  max_running_per_tenant=8)
     for i in range(8):
         s.submit(i, tenant="flood", prompt_tokens=1_000, kv_bytes=KV)
     s.admit()
@@ -119,11 +141,12 @@ def test_finishing_a_waiting_request_drops_it_from_the_queue() -> None:
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 300)), min_size=1,
                 max_size=25),
-       st.integers(8, 200))
+       st.integers(8, 200), st.integers(8, 400))
 def test_every_prompt_token_is_planned_exactly_once_and_steps_stay_in_budget(
-        requests: list[tuple[str, int]], step_tokens: int) -> None:
-    s = scheduler(step_tokens=step_tokens, max_running=4, max_running_per_tenant=2,
-                  max_queued=100, max_queued_per_tenant=100)
+        requests: list[tuple[str, int]], step_tokens: int, prefill_step_tokens: int) -> None:
+    s = scheduler(step_tokens=step_tokens, prefill_step_tokens=prefill_step_tokens,
+                  max_running=4, max_running_per_tenant=2, max_queued=100,
+                  max_queued_per_tenant=100)
     for i, (tenant, n) in enumerate(requests):
         s.submit(i, tenant=tenant, prompt_tokens=n, kv_bytes=KV)
     planned = {i: 0 for i in range(len(requests))}
@@ -132,7 +155,7 @@ def test_every_prompt_token_is_planned_exactly_once_and_steps_stay_in_budget(
         if not s.num_running:
             break
         plan = s.plan()
-        assert 0 < plan.num_tokens <= step_tokens
+        assert 0 < plan.num_tokens <= max(step_tokens, prefill_step_tokens)
         for chunk in plan.chunks:
             planned[chunk.request_id] += chunk.num_tokens
             if planned[chunk.request_id] == requests[chunk.request_id][1]:
