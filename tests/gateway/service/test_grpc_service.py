@@ -558,7 +558,7 @@ def test_a_tls_free_remote_listener_is_refused() -> None:
         server.start()
 
 
-def test_the_next_turn_hits_the_blocks_the_answer_filled(tenant_a: KvgateClient) -> None:
+def test_the_next_turn_stores_the_blocks_the_answer_filled(tenant_a: KvgateClient) -> None:
     rng = random.Random(7)
     prompt = [rng.randrange(3, 400) for _ in range(2 * BLOCK + 5)]
     answer: list[int] = []
@@ -568,7 +568,11 @@ def test_the_next_turn_hits_the_blocks_the_answer_filled(tenant_a: KvgateClient)
     follow_up = prompt + answer
     full_blocks = (len(follow_up) // BLOCK) * BLOCK
     assert full_blocks > 3 * BLOCK  # the answer filled blocks of its own
-    # Stored after the stream's end, so the end of the call must not cancel the storing.
+    # Decode rows are computed on their own (their K/V are not a prefill's): the answer's
+    # blocks are stored by the next turn, which sends the answer back.
+    assert tenant_a.lookup(token_ids=follow_up).cached_tokens == 2 * BLOCK
+    _, usage = tenant_a.generate_text(token_ids=follow_up + [5], max_tokens=1)
+    assert usage.cached_tokens == 2 * BLOCK
     assert wait_until(lambda: tenant_a.lookup(token_ids=follow_up).cached_tokens == full_blocks,
                       timeout_s=5.0), tenant_a.lookup(token_ids=follow_up)
 
