@@ -4,10 +4,10 @@ K/V bit for bit, served from the device tier and from the disk tier after a rest
 Prompts: a question under a system prompt that another question wrote first (so it was stored
 on top of that question's system-prompt blocks), a multi-turn chat, Unicode, and one of more
 than 4 blocks. One engine writes them all to a disk directory and runs each cold (``no_cache``),
-then stops; a new cache and engine restarted over that directory serve the tests. The expensive
-parts (the model, the writes, the cold runs, the cold K/V, a restart: each engine start probes
-invariance on SmolLM2) are computed once per module; a test that needs a prompt untouched since
-the restart gets a fresh restart only if the current one has already run that prompt.
+then stops; new caches and engines restarted over that directory serve the tests. The expensive
+parts (the model, the writes, the cold runs, the cold K/V) are computed once per module, and the
+tests share a restart (each engine start probes invariance on SmolLM2) until one needs a prompt
+whose blocks the current one has moved (``tests.gateway.engine.shared_engine``).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from tests.gateway.engine.parity import (
     prompt_tokens,
     run,
 )
+from tests.gateway.engine.shared_engine import SharedEngine
 from tiers.payload import KVBlock
 
 pytestmark = [
@@ -152,58 +153,27 @@ def cold_kv(smol: LoadedModel, written: dict[str, Written]) -> ColdKV:
     return ColdKV(smol, written)
 
 
-class Restarts:
-    """New caches and engines over the disk directory the writing engine left, one at a time.
-
-    The prompts share no full block (each test checks which tiers held every block it was
-    served), so one prompt's requests never move another's blocks: the tests share a restart.
-    ``untouched(name)`` restarts again only when the current engine has already run ``name``.
-    """
-
-    def __init__(self, smol: LoadedModel, root: Path) -> None:
-        self._smol = smol
-        self._root = root
-        self._current: tuple[Engine, OpenedCache] | None = None
-        self._ran: set[str] = set()
-
-    def untouched(self, name: str) -> tuple[Engine, OpenedCache]:
-        """An engine restarted over the directory that has not run prompt ``name`` yet."""
-        if self._current is None or name in self._ran:
-            self.close()
-            self._current = start_engine(self._smol, self._root)
-            assert self._current[1].num_recovered_blocks > 0
-        self._ran.add(name)
-        return self._current
-
-    def any(self, name: str) -> tuple[Engine, OpenedCache]:
-        """An engine restarted over the directory (it may have run ``name`` already)."""
-        if self._current is None:
-            return self.untouched(name)
-        self._ran.add(name)
-        return self._current
-
-    def close(self) -> None:
-        if self._current is not None:
-            engine, opened = self._current
-            self._current = None
-            self._ran.clear()
-            engine.stop()
-            opened.close()
+def recovered_blocks(engine: Engine, opened: OpenedCache) -> None:
+    assert opened.num_recovered_blocks > 0
 
 
 @pytest.fixture(scope="module")
-def restarts(smol: LoadedModel, root: Path, written: dict[str, Written]) -> Iterator[Restarts]:
-    restarts = Restarts(smol, root)
-    yield restarts
-    restarts.close()
+def restarted(smol: LoadedModel, root: Path, written: dict[str, Written]
+              ) -> Iterator[SharedEngine]:
+    """New caches and engines over the disk directory the writing engine left (one at a time,
+    shared by the tests: ``tests.gateway.engine.shared_engine``)."""
+    shared = SharedEngine(lambda: start_engine(smol, root), block_tokens=BLOCK,
+                          on_start=recovered_blocks)
+    yield shared
+    shared.close()
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_served_from_disk_after_a_restart_equals_cold(
-    restarts: Restarts, written: dict[str, Written],
+    restarted: SharedEngine, written: dict[str, Written],
     cold_kv: ColdKV, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
-    engine, opened = restarts.untouched(name)
+    engine, opened = restarted.untouched(written[name].tokens)
     num_blocks = served_blocks(written[name])
     assert num_blocks >= 1
     spy = ServedSpy(opened.cache).install(monkeypatch)
@@ -216,10 +186,10 @@ def test_served_from_disk_after_a_restart_equals_cold(
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_served_from_the_device_tier_equals_cold(
-    restarts: Restarts, written: dict[str, Written],
+    restarted: SharedEngine, written: dict[str, Written],
     cold_kv: ColdKV, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
-    engine, opened = restarts.any(name)
+    engine, opened = restarted.any(written[name].tokens)
     num_blocks = served_blocks(written[name])
     assert num_blocks >= 1
     run(engine, PROMPTS[name], scope=TENANT, max_tokens=MAX_TOKENS)  # disk -> device, if not yet
