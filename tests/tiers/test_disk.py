@@ -8,6 +8,7 @@ that does not verify is never served -- it is a counted miss, and its file is re
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -716,22 +717,37 @@ KILL_LAYOUT = KVLayout(num_layers=4, kv_heads=2, head_dim=64, dtype=torch.float3
 KILL_BLOCK_TOKENS = 16
 WRITER_SCRIPT = textwrap.dedent(
     """
+    import os
     import sys
     import torch
     from tests.tiers.conftest import make_test_codec, seeded_block_meta, seeded_kv_block
     from tiers.disk import DiskStore
     from tiers.payload import KVBlock, KVLayout
 
-    layout = KVLayout(num_layers=4, kv_heads=2, head_dim=64, dtype=torch.float32)
-    codec = make_test_codec(layout=layout, block_tokens=16)
-    store = DiskStore(sys.argv[1], codec)
-    store.start()
-    seed = 0
-    while True:
-        for _ in range(4):
-            store.put(seeded_block_meta(seed, block_tokens=16), seeded_kv_block(seed, layout, 16))
-            seed += 1
-        store.flush()
+    def write_forever(root):
+        layout = KVLayout(num_layers=4, kv_heads=2, head_dim=64, dtype=torch.float32)
+        codec = make_test_codec(layout=layout, block_tokens=16)
+        store = DiskStore(root, codec)
+        store.start()
+        seed = 0
+        while True:
+            for _ in range(4):
+                store.put(seeded_block_meta(seed, block_tokens=16),
+                          seeded_kv_block(seed, layout, 16))
+                seed += 1
+            store.flush()
+
+    # For each directory read from stdin: fork a writer into it (torch is imported once, here,
+    # not once per writer), print its pid, and once it has ended, its wait status.
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                write_forever(line.strip())
+            finally:
+                os._exit(1)
+        print(pid, flush=True)
+        print(os.waitpid(pid, 0)[1], flush=True)
     """
 )
 
@@ -739,44 +755,56 @@ WRITER_SCRIPT = textwrap.dedent(
 def test_kill_9_mid_write_never_leaves_a_servable_bad_block(tmp_path: Path) -> None:
     rng = random.Random(5)
     codec = make_test_codec(layout=KILL_LAYOUT, block_tokens=KILL_BLOCK_TOKENS)
-    for run in range(5):
-        root = tmp_path / f"run{run}"
-        proc = subprocess.Popen(
-            [sys.executable, "-c", WRITER_SCRIPT, str(root)],
-            cwd=REPO_ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+    with (tmp_path / "writers.err").open("wb") as err:
+        forker = subprocess.Popen(
+            [sys.executable, "-c", WRITER_SCRIPT], cwd=REPO_ROOT, stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=err, text=True,
         )
-        try:
-            want = 5 + rng.randrange(20)
-            deadline = time.monotonic() + 20
-            while len(files_under(root, ".kvb")) < want:
-                assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
-                assert time.monotonic() < deadline, "the writer made no progress"
-                time.sleep(0.005)
-            time.sleep(rng.random() * 0.02)
-            seen_before_kill = {p.stem for p in files_under(root, ".kvb")}
-            proc.send_signal(signal.SIGKILL)
-        finally:
-            proc.kill()
-            proc.wait(10)
-            if proc.stderr:
-                proc.stderr.close()
-        assert proc.returncode == -signal.SIGKILL
+    assert forker.stdin is not None and forker.stdout is not None
+    try:
+        for run in range(5):
+            root = tmp_path / f"run{run}"
+            forker.stdin.write(f"{root}\n")
+            forker.stdin.flush()
+            writer = int(forker.stdout.readline())
+            try:
+                want = 5 + rng.randrange(20)
+                deadline = time.monotonic() + 20
+                while len(files_under(root, ".kvb")) < want:
+                    assert time.monotonic() < deadline, (
+                        "the writer made no progress\n"
+                        + (tmp_path / "writers.err").read_text(errors="replace"))
+                    time.sleep(0.005)
+                time.sleep(rng.random() * 0.02)
+                seen_before_kill = {p.stem for p in files_under(root, ".kvb")}
+            finally:
+                with contextlib.suppress(ProcessLookupError):  # (it died on its own: see below)
+                    os.kill(writer, signal.SIGKILL)
+                status = int(forker.stdout.readline())
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
-        with DiskStore(root, codec) as store:
-            headers = store.recover()
-            assert files_under(root, ".tmp") == []
-            recovered = {h.meta.key.hex() for h in headers}
-            assert seen_before_kill <= recovered  # every renamed file is whole
-            for header in headers:
-                seed = seed_of(header.meta)
-                meta = seeded_block_meta(seed, block_tokens=KILL_BLOCK_TOKENS)
-                assert header.meta == meta
-                block = store.get(meta)
-                assert block is not None
-                assert blocks_equal(block, seeded_kv_block(seed, KILL_LAYOUT, KILL_BLOCK_TOKENS))
-            assert store.stats().verification_failures == {}
+            with DiskStore(root, codec) as store:
+                headers = store.recover()
+                assert files_under(root, ".tmp") == []
+                recovered = {h.meta.key.hex() for h in headers}
+                assert seen_before_kill <= recovered  # every renamed file is whole
+                for header in headers:
+                    seed = seed_of(header.meta)
+                    meta = seeded_block_meta(seed, block_tokens=KILL_BLOCK_TOKENS)
+                    assert header.meta == meta
+                    block = store.get(meta)
+                    assert block is not None
+                    assert blocks_equal(block, seeded_kv_block(seed, KILL_LAYOUT,
+                                                               KILL_BLOCK_TOKENS))
+                assert store.stats().verification_failures == {}
+    finally:
+        forker.stdin.close()
+        try:
+            forker.wait(10)
+        except subprocess.TimeoutExpired:
+            forker.kill()
+            forker.wait(10)
+        forker.stdout.close()
 
 
 def test_real_file_ops_reads_at_most_max_bytes(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@
 ``gateway_proc`` is the RELIABILITY.md harness piece: the real ``kvgate serve`` as a subprocess
 (tiny Llama, 16-token blocks, device + host + disk tiers under its data dir), listening on a
 port it picks itself (``--port 0``; the port is read from its SERVING log line), health polled
-until SERVING, stopped by pid with SIGTERM.
+until SERVING, stopped by pid with SIGTERM. Tests that only send requests share one such
+process (``serving``); tests that restart or signal it start their own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from tests.tiny_llama import save_tiny_llama
 
 KVGATE = str(Path(sys.executable).parent / "kvgate")
 GRACE_S = 5.0
+STREAM_TOKENS = 200
+"""Decoded by the stream that SIGTERM finds in flight: long enough to be still streaming when
+the signal lands, short enough to finish well within GRACE_S on a loaded 2-core machine."""
 _SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
 _ADDRESSES = re.compile(r"gRPC kvgate\.v1 on 127\.0\.0\.1:(\d+); OpenAI-compatible HTTP on "
                         r"(http://127\.0\.0\.1:\d+/v1)")
@@ -144,6 +148,20 @@ def gateway_proc(tmp_path: Path, model_dir: Path) -> Iterator[GatewayProcess]:
         process.kill()
 
 
+@pytest.fixture(scope="module")
+def serving(tmp_path_factory: pytest.TempPathFactory, model_dir: Path
+            ) -> Iterator[GatewayProcess]:
+    """One started ``kvgate serve`` for the tests that only send it requests; SIGTERM at the
+    end must stop it with status 0."""
+    process = GatewayProcess(tmp_path_factory.mktemp("serving"), model_dir)
+    try:
+        yield process.start()
+        code, _ = process.sigterm()
+        assert code == 0, process.stderr
+    finally:
+        process.kill()
+
+
 def _usage_fields(stderr: str) -> dict[str, str]:
     lines = [line for line in stderr.splitlines() if "cached_tokens=" in line]
     assert len(lines) == 1, stderr
@@ -194,20 +212,19 @@ def test_serve_then_generate_twice_shows_the_cache_and_survives_a_restart(
 
 
 def test_generate_reports_errors_on_stderr_with_a_failing_status(
-    gateway_proc: GatewayProcess,
+    serving: GatewayProcess, tmp_path: Path,
 ) -> None:
-    gateway_proc.start()
-    wrong = gateway_proc.generate("--api-key", "not-the-key-0123456789abcdef", "hello")
+    wrong = serving.generate("--api-key", "not-the-key-0123456789abcdef", "hello")
     assert wrong.returncode == 1 and wrong.stdout == ""
     assert "UNAUTHENTICATED" in wrong.stderr
-    bad = gateway_proc.generate("--max-tokens", "0", "hello")
+    bad = serving.generate("--max-tokens", "0", "hello")
     assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_tokens" in bad.stderr
-    messages = gateway_proc.root / "chat.json"
+    messages = tmp_path / "chat.json"
     messages.write_text('[{"role": "system", "content": "Be brief."}]', encoding="utf-8")
-    chat = gateway_proc.generate("--messages", str(messages), "--max-tokens", "3", "Hi")
+    chat = serving.generate("--messages", str(messages), "--max-tokens", "3", "Hi")
     assert chat.returncode == 0, chat.stderr
     assert _usage_fields(chat.stderr)["completion_tokens"] == "3"
-    assert gateway_proc.generate().returncode == 2  # no prompt: a usage error
+    assert serving.generate().returncode == 2  # no prompt: a usage error
 
 
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0_within_the_grace_period(
@@ -222,7 +239,7 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0_within_the_grace_peri
     def stream() -> None:
         try:
             with KvgateClient("127.0.0.1", gateway_proc.port, key) as client:
-                for item in client.generate(LONG_PROMPT, max_tokens=600):
+                for item in client.generate(LONG_PROMPT, max_tokens=STREAM_TOKENS):
                     received.append(item)
                     started.set()
         except BaseException as exc:  # reported below
@@ -232,33 +249,32 @@ def test_sigterm_finishes_the_stream_in_flight_and_exits_0_within_the_grace_peri
     thread = threading.Thread(target=stream)
     thread.start()
     assert started.wait(30)
-    code, seconds = gateway_proc.sigterm()
+    assert not any(isinstance(item, Usage) for item in received)  # still streaming ...
+    code, seconds = gateway_proc.sigterm()  # ... when SIGTERM is sent
     thread.join(timeout=30)
     assert code == 0, gateway_proc.stderr
     assert seconds < GRACE_S + 2.0
     assert not failures
-    assert isinstance(received[-1], Usage) and received[-1].completion_tokens == 600
+    assert isinstance(received[-1], Usage) and received[-1].completion_tokens == STREAM_TOKENS
     assert "shutting down" in gateway_proc.stderr and "stopped" in gateway_proc.stderr
 
 
 def test_serve_starts_the_openai_front_beside_grpc_and_prints_both_addresses(
-    gateway_proc: GatewayProcess,
+    serving: GatewayProcess,
 ) -> None:
-    gateway_proc.start()
-    match = _ADDRESSES.search(gateway_proc.stdout)
-    assert match, gateway_proc.stdout
-    assert int(match.group(1)) == gateway_proc.port
+    match = _ADDRESSES.search(serving.stdout)
+    assert match, serving.stdout
+    assert int(match.group(1)) == serving.port
     url = match.group(2)
     with urllib.request.urlopen(url.removesuffix("/v1") + "/health", timeout=10) as response:
         assert json.loads(response.read())["status"] == "ok"
-    key = (gateway_proc.data_dir / "dev-api-key").read_text().strip()
+    key = (serving.data_dir / "dev-api-key").read_text().strip()
     with openai.OpenAI(base_url=url, api_key=key, max_retries=0) as client:
         completion: Any = client.chat.completions.create(
-            model=gateway_proc.model_dir.name, max_tokens=3,
+            model=serving.model_dir.name, max_tokens=3,
             messages=[{"role": "user", "content": LONG_PROMPT}])
     assert completion.usage.completion_tokens == 3
-    code, _ = gateway_proc.sigterm()
-    assert code == 0, gateway_proc.stderr
+    # SIGTERM stops it, HTTP front and all, with status 0: checked where ``serving`` ends.
 
 
 def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Path) -> None:

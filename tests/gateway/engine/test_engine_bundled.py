@@ -4,8 +4,10 @@ K/V bit for bit, served from the device tier and from the disk tier after a rest
 Prompts: a question under a system prompt that another question wrote first (so it was stored
 on top of that question's system-prompt blocks), a multi-turn chat, Unicode, and one of more
 than 4 blocks. One engine writes them all to a disk directory and runs each cold (``no_cache``),
-then stops; each test restarts a new cache and engine over that directory. The expensive parts
-(the model, the writes, the cold runs, the cold K/V) are computed once per module.
+then stops; new caches and engines restarted over that directory serve the tests. The expensive
+parts (the model, the writes, the cold runs, the cold K/V) are computed once per module, and the
+tests share a restart (each engine start probes invariance on SmolLM2) until one needs a prompt
+whose blocks the current one has moved (``tests.gateway.engine.shared_engine``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.gateway.engine.parity import (
     prompt_tokens,
     run,
 )
+from tests.gateway.engine.shared_engine import SharedEngine
 from tiers.payload import KVBlock
 
 pytestmark = [
@@ -150,23 +153,27 @@ def cold_kv(smol: LoadedModel, written: dict[str, Written]) -> ColdKV:
     return ColdKV(smol, written)
 
 
-@pytest.fixture
-def restarted(smol: LoadedModel, root: Path, written: dict[str, Written]
-              ) -> Iterator[tuple[Engine, OpenedCache]]:
-    """A new cache and engine over the disk directory the writing engine left."""
-    engine, opened = start_engine(smol, root)
+def recovered_blocks(engine: Engine, opened: OpenedCache) -> None:
     assert opened.num_recovered_blocks > 0
-    yield engine, opened
-    engine.stop()
-    opened.close()
+
+
+@pytest.fixture(scope="module")
+def restarted(smol: LoadedModel, root: Path, written: dict[str, Written]
+              ) -> Iterator[SharedEngine]:
+    """New caches and engines over the disk directory the writing engine left (one at a time,
+    shared by the tests: ``tests.gateway.engine.shared_engine``)."""
+    shared = SharedEngine(lambda: start_engine(smol, root), block_tokens=BLOCK,
+                          on_start=recovered_blocks)
+    yield shared
+    shared.close()
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_served_from_disk_after_a_restart_equals_cold(
-    restarted: tuple[Engine, OpenedCache], written: dict[str, Written],
+    restarted: SharedEngine, written: dict[str, Written],
     cold_kv: ColdKV, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
-    engine, opened = restarted
+    engine, opened = restarted.untouched(written[name].tokens)
     num_blocks = served_blocks(written[name])
     assert num_blocks >= 1
     spy = ServedSpy(opened.cache).install(monkeypatch)
@@ -179,13 +186,13 @@ def test_served_from_disk_after_a_restart_equals_cold(
 
 @pytest.mark.parametrize("name", list(PROMPTS))
 def test_served_from_the_device_tier_equals_cold(
-    restarted: tuple[Engine, OpenedCache], written: dict[str, Written],
+    restarted: SharedEngine, written: dict[str, Written],
     cold_kv: ColdKV, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
-    engine, opened = restarted
+    engine, opened = restarted.any(written[name].tokens)
     num_blocks = served_blocks(written[name])
     assert num_blocks >= 1
-    run(engine, PROMPTS[name], scope=TENANT, max_tokens=MAX_TOKENS)  # promotes disk -> device
+    run(engine, PROMPTS[name], scope=TENANT, max_tokens=MAX_TOKENS)  # disk -> device, if not yet
     spy = ServedSpy(opened.cache).install(monkeypatch)
     ids, text, usage = run(engine, PROMPTS[name], scope=TENANT, max_tokens=MAX_TOKENS)
     assert (ids, text) == written[name].cold

@@ -8,6 +8,10 @@ cache and engine over the same directory); Redis written by another process -- a
   * is served exactly its servable blocks (all full blocks before the one holding the last
     prompt token), every one from that tier, as its ``Usage.cached_tokens_by_tier`` says;
   * is handed K/V equal, layer by layer, to a cold block-aligned prefill (``torch.equal``).
+
+The tests of one tier share an engine (each start probes invariance), started again only when a
+test needs a prompt's blocks untouched and the current engine has moved them
+(``tests.gateway.engine.shared_engine``).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from tests.gateway.engine.parity import (
     prompt_tokens,
     run,
 )
+from tests.gateway.engine.shared_engine import SharedEngine
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
 
@@ -71,6 +76,46 @@ def tiny(tiny_dir: Path, request: pytest.FixtureRequest) -> LoadedModel:
 def open_tiers(tiny: LoadedModel, root: Path, **overrides: object) -> OpenedCache:
     return open_cache(cache_config(root, **overrides), layout=tiny.layout,
                       deployment_secret=SECRET, device=model_device(tiny))
+
+
+@pytest.fixture(scope="module")
+def device_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[SharedEngine]:
+    """Device and host tiers, no disk: one engine for every device-tier test."""
+    shared = SharedEngine(
+        lambda: start_shared(tiny, tmp_path_factory.mktemp("device"), disk_bytes=0),
+        block_tokens=BLOCK)
+    yield shared
+    shared.close()
+
+
+@pytest.fixture(scope="module")
+def host_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[SharedEngine]:
+    """Device and host tiers, no disk: one engine for every host-tier test."""
+    shared = SharedEngine(
+        lambda: start_shared(tiny, tmp_path_factory.mktemp("host"), disk_bytes=0),
+        block_tokens=BLOCK)
+    yield shared
+    shared.close()
+
+
+def start_shared(tiny: LoadedModel, root: Path, **overrides: object
+                 ) -> tuple[Engine, OpenedCache]:
+    cache = open_tiers(tiny, root, **overrides)
+    try:
+        return make_engine(tiny, cache), cache
+    except BaseException:
+        cache.close()
+        raise
+
+
+def recovered_blocks(engine: Engine, opened: OpenedCache) -> None:
+    assert opened.num_recovered_blocks > 0
+
+
+def tier_blocks(opened: OpenedCache, tier: str) -> int:
+    return next(t.num_blocks for t in opened.cache.stats().tiers if t.name == tier)
 
 
 @pytest.fixture
@@ -119,11 +164,10 @@ def assert_warm_equals_cold(
 
 @pytest.mark.parametrize("name", SERVABLE)
 def test_served_from_the_device_tier_equals_cold(
-    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, name: str,
+    tiny: LoadedModel, device_engines: SharedEngine, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
     prompt = PROMPT_BY_ID[name]
-    engine, opened = start(tiny, stack, tmp_path, disk_bytes=0)
+    engine, opened = device_engines.any(prompt_tokens(tiny, prompt))
     run(engine, prompt)
     cold = run(engine, prompt, no_cache=True)[:2]  # queued behind it: its blocks are stored
     spy = ServedSpy(opened.cache).install(monkeypatch)
@@ -132,37 +176,62 @@ def test_served_from_the_device_tier_equals_cold(
 
 @pytest.mark.parametrize("name", SERVABLE)
 def test_served_from_the_host_tier_after_demotion_equals_cold(
-    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, name: str,
+    tiny: LoadedModel, host_engines: SharedEngine, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
     prompt = PROMPT_BY_ID[name]
-    engine, opened = start(tiny, stack, tmp_path, disk_bytes=0)
+    engine, opened = host_engines.any(prompt_tokens(tiny, prompt))
     run(engine, prompt)
     cold = run(engine, prompt, no_cache=True)[:2]  # queued behind it: its blocks are stored
     num_stored = opened.cache.stats().num_blocks
+    num_in_device = tier_blocks(opened, "device")
     evicted = opened.cache.evict("device", 10**12)
-    assert len(evicted.victims) == num_stored  # every block left device ...
+    assert len(evicted.victims) == num_in_device > 0  # every block left device ...
+    assert tier_blocks(opened, "device") == 0
     assert opened.cache.stats().num_blocks == num_stored  # ... for host, none was dropped
     spy = ServedSpy(opened.cache).install(monkeypatch)
     assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="host", held_by=("host",))
 
 
+@pytest.fixture(scope="module")
+def written_to_disk(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+                    ) -> tuple[Path, dict[str, tuple[list[int], str]]]:
+    """Every servable prompt run once by one engine over a disk directory (then stopped), and
+    each one's cold output from that engine."""
+    root = tmp_path_factory.mktemp("written")
+    opened = open_tiers(tiny, root)
+    engine = make_engine(tiny, opened)
+    colds: dict[str, tuple[list[int], str]] = {}
+    try:
+        for name in SERVABLE:
+            run(engine, PROMPT_BY_ID[name])
+            ids, text, _ = run(engine, PROMPT_BY_ID[name], no_cache=True)
+            colds[name] = (ids, text)
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
+    return root, colds
+
+
+@pytest.fixture(scope="module")
+def disk_restarts(tiny: LoadedModel, written_to_disk: tuple[Path, dict[str, object]]
+                  ) -> Iterator[SharedEngine]:
+    """New caches and engines over the directory ``written_to_disk`` left."""
+    root, _ = written_to_disk
+    shared = SharedEngine(lambda: start_shared(tiny, root), block_tokens=BLOCK,
+                          on_start=recovered_blocks)
+    yield shared
+    shared.close()
+
+
 @pytest.mark.parametrize("name", SERVABLE)
 def test_served_from_the_disk_tier_after_a_restart_equals_cold(
-    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, name: str,
+    tiny: LoadedModel, written_to_disk: tuple[Path, dict[str, tuple[list[int], str]]],
+    disk_restarts: SharedEngine, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
     prompt = PROMPT_BY_ID[name]
-    first_cache = open_tiers(tiny, tmp_path)
-    first = make_engine(tiny, first_cache)
-    try:
-        run(first, prompt)
-        cold = run(first, prompt, no_cache=True)[:2]
-    finally:
-        first.stop(grace_s=5)
-        first_cache.close()
-    engine, opened = start(tiny, stack, tmp_path)  # a new cache over the same disk directory
-    assert opened.num_recovered_blocks > 0
+    cold = written_to_disk[1][name]
+    # a new cache over the disk directory, which has not run a prompt sharing a block with it
+    engine, opened = disk_restarts.untouched(prompt_tokens(tiny, prompt))
     spy = ServedSpy(opened.cache).install(monkeypatch)
     assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="disk", held_by=("disk",))
 
@@ -185,15 +254,26 @@ def redis_written_by_another_process(
     return outputs
 
 
+@pytest.fixture(scope="module")
+def redis_readers(tiny: LoadedModel, module_redis_server: RedisServer,
+                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedEngine]:
+    """Engines over fresh device and host tiers reading the module's Redis (no disk)."""
+    shared = SharedEngine(
+        lambda: start_shared(tiny, tmp_path_factory.mktemp("reader"), disk_bytes=0,
+                             redis_url=module_redis_server.url),
+        block_tokens=BLOCK)
+    yield shared
+    shared.close()
+
+
 @pytest.mark.parametrize("name", SERVABLE)
 def test_served_from_redis_written_by_another_process_equals_cold(
-    tiny: LoadedModel, stack: list[tuple[Engine, OpenedCache]], tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch, module_redis_server: RedisServer,
+    tiny: LoadedModel, redis_readers: SharedEngine, monkeypatch: pytest.MonkeyPatch,
     redis_written_by_another_process: dict[str, list[int]], name: str,
 ) -> None:
     prompt = PROMPT_BY_ID[name]
-    engine, opened = start(tiny, stack, tmp_path, disk_bytes=0,
-                           redis_url=module_redis_server.url)
+    # an engine that has not fetched (into its own tiers) a block of this prompt
+    engine, opened = redis_readers.untouched(prompt_tokens(tiny, prompt))
     cold = run(engine, prompt, no_cache=True)[:2]
     assert redis_written_by_another_process[name] == cold[0]  # the writer generated cold too
     spy = ServedSpy(opened.cache).install(monkeypatch)

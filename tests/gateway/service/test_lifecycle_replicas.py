@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gateway.service.test_replicas import ADMIN_KEY, API_KEY, TENANT, Replica
+from tests.gateway.service.test_replicas import ADMIN_KEY, API_KEY, TENANT, Replica, stop_all
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
 
@@ -76,8 +76,7 @@ def pair(tmp_path_factory: pytest.TempPathFactory,
             replica.wait_serving(timeout_s=180.0)
         yield a, b
     finally:
-        for replica in (a, b):
-            replica.stop()
+        stop_all((a, b))
 
 
 def redis_keys(server: RedisServer) -> set[bytes]:

@@ -4,6 +4,8 @@ Two real ``kvgate serve`` processes (tiny Llama, 16-token blocks, device tier on
 free loopback ports share one ``redis_server`` (or the 3-master ``redis_cluster``) named in
 their config file, with the same deployment secret and keys from the environment, as the
 compose file's env file gives them. Everything is started by the test and stopped by pid.
+The tests that leave Redis and both replicas up share one pair on the module's redis-server
+(each with prompts of its own); the cluster and the Redis restart get pairs of their own.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import grpc
@@ -120,14 +122,32 @@ class Replica:
 
     def stop(self) -> None:
         """SIGTERM by pid, SIGKILL if it does not exit."""
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
+        """SIGTERM by pid (``wait_stopped`` waits for the exit)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGTERM)
+
+    def wait_stopped(self) -> None:
+        """Wait for the exit after ``terminate``; SIGKILL if it does not come."""
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.kill(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(timeout=10)
+
+
+def stop_all(replicas: Iterable[Replica]) -> None:
+    """SIGTERM every replica, then wait for each: they shut down side by side."""
+    replicas = list(replicas)
+    for replica in replicas:
+        replica.terminate()
+    for replica in replicas:
+        replica.wait_stopped()
 
 
 @pytest.fixture(scope="module")
@@ -138,34 +158,53 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 StartReplicas = Callable[..., tuple[Replica, Replica]]
 
 
+def launch_pair(root: Path, model_dir: Path, redis_url: str, *, cluster: bool,
+                started: list[Replica]) -> tuple[Replica, Replica]:
+    """Start replicas A and B (at once) on one Redis URL, appending them to ``started`` (for
+    the caller to stop) before waiting for them."""
+    config = root / "kvgate.toml"
+    config.write_text(_config(redis_url, cluster=cluster), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    env.update({
+        "KVGATE_DEPLOYMENT_SECRET": secrets.token_hex(32),
+        "KVGATE_API_KEYS": f"{API_KEY}={TENANT}",
+        "KVGATE_ADMIN_KEYS": f"{ADMIN_KEY}=ops",
+    })
+    pair = (Replica(root, "a", model_dir, config, env),
+            Replica(root, "b", model_dir, config, env))
+    for replica in pair:
+        started.append(replica)
+        replica.launch()
+    for replica in pair:
+        replica.wait_serving()
+    return pair
+
+
 @pytest.fixture
 def start_replicas(tmp_path: Path, model_dir: Path) -> Iterator[StartReplicas]:
     """Start replicas A and B (at once) on one Redis URL; both are stopped by pid after."""
     started: list[Replica] = []
 
     def start(redis_url: str, *, cluster: bool = False) -> tuple[Replica, Replica]:
-        config = tmp_path / "kvgate.toml"
-        config.write_text(_config(redis_url, cluster=cluster), encoding="utf-8")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-        env.update({
-            "KVGATE_DEPLOYMENT_SECRET": secrets.token_hex(32),
-            "KVGATE_API_KEYS": f"{API_KEY}={TENANT}",
-            "KVGATE_ADMIN_KEYS": f"{ADMIN_KEY}=ops",
-        })
-        pair = (Replica(tmp_path, "a", model_dir, config, env),
-                Replica(tmp_path, "b", model_dir, config, env))
-        for replica in pair:
-            started.append(replica)
-            replica.launch()
-        for replica in pair:
-            replica.wait_serving()
-        return pair
+        return launch_pair(tmp_path, model_dir, redis_url, cluster=cluster, started=started)
 
     try:
         yield start
     finally:
-        for replica in started:
-            replica.stop()
+        stop_all(started)
+
+
+@pytest.fixture(scope="module")
+def shared_pair(tmp_path_factory: pytest.TempPathFactory, model_dir: Path,
+                module_redis_server: RedisServer) -> Iterator[tuple[Replica, Replica]]:
+    """Replicas A and B on the module's redis-server, for tests that leave both (and Redis)
+    up; each test uses prompts of its own."""
+    started: list[Replica] = []
+    try:
+        yield launch_pair(tmp_path_factory.mktemp("shared-pair"), model_dir,
+                          module_redis_server.url, cluster=False, started=started)
+    finally:
+        stop_all(started)
 
 
 def _dbsize(server: RedisServer | RedisCluster) -> int:
@@ -208,10 +247,10 @@ def _cross_replica_hit(a: Replica, b: Replica, server: RedisServer | RedisCluste
 
 
 def test_a_prompt_warmed_through_a_is_served_to_b_from_redis(
-    start_replicas: StartReplicas, redis_server: RedisServer,
+    shared_pair: tuple[Replica, Replica], module_redis_server: RedisServer,
 ) -> None:
-    a, b = start_replicas(redis_server.url)
-    _cross_replica_hit(a, b, redis_server)
+    a, b = shared_pair
+    _cross_replica_hit(a, b, module_redis_server)
 
 
 def test_the_same_cross_replica_hit_on_a_redis_cluster(
@@ -225,20 +264,30 @@ def test_the_same_cross_replica_hit_on_a_redis_cluster(
     assert sum(sizes) >= 3, sizes
 
 
+def _block_keys(server: RedisServer) -> set[bytes]:
+    """Every block key (the event stream, kvgate:events, is not one)."""
+    found = server.command("KEYS", "kvgate:*:*")
+    assert isinstance(found, list)
+    return {bytes(k) for k in found}
+
+
 def test_admin_evict_through_a_removes_the_prefix_from_redis_so_b_misses(
-    start_replicas: StartReplicas, redis_server: RedisServer,
+    shared_pair: tuple[Replica, Replica], module_redis_server: RedisServer,
 ) -> None:
-    a, b = start_replicas(redis_server.url)
+    a, b = shared_pair
+    _wait_for_keys(module_redis_server, 0)  # other tests' writes have landed
+    keys_before = _block_keys(module_redis_server)
     prompt = _prompt("evict")
     with a.client() as client:
         warmed = client.warm(prompt)
-    _wait_for_keys(redis_server, warmed.num_blocks)
+    _wait_for_keys(module_redis_server, len(keys_before) + warmed.num_blocks)
 
     with a.client(admin=True) as admin:
         evicted = admin.evict(tenant=TENANT, prefix_text=prompt)
     assert evicted.num_blocks >= warmed.num_blocks
-    assert redis_server.command("KEYS", "kvgate:*:*") == []  # no block key left (the event
-    # stream that told B, kvgate:events, stays)
+    # No block key of the prefix is left, and no other prompt's key went with it (the event
+    # stream that told B, kvgate:events, stays).
+    assert _block_keys(module_redis_server) == keys_before
 
     _, usage = b.generate(prompt)  # a miss: B recomputes (and stores its own copy again)
     assert usage.cached_tokens_by_tier.get("redis", 0) == 0, usage
