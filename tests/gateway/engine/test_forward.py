@@ -259,6 +259,8 @@ def test_the_probe_reports_whether_decoding_writes_the_prefills_kv(forward, tiny
 class _ChunkDependentAttention:
     """Softmax attention over only the keys of the current call's span: depends on chunking."""
 
+    numerics = "chunk-dependent"
+
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         return [self._one(i.queries, i.keys, i.values, i.positions) for i in items]
 
