@@ -206,5 +206,8 @@ class ClockMachine(RuleBasedStateMachine):
             assert self.policy.is_referenced(k) == self.reference.bits[k]
 
 
-ClockMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# NOTE: 75 examples (150 until the suite was trimmed): seeded bugs (a read that sets no
+# reference bit, new blocks linked at the hand, the hand stepping back on a removal) were each
+# found in every one of 8+ runs at 75, as at 150.
+ClockMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
 TestClockMachine = ClockMachine.TestCase

@@ -111,5 +111,8 @@ class LRUMachine(RuleBasedStateMachine):
             assert offered(self.policy, tenant) == [k for k, t in self.order if t == tenant]
 
 
-LRUMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# NOTE: 75 examples (150 until the suite was trimmed): seeded bugs (a read that does not
+# refresh, tenant victims from the whole tier, a tenant's ring walked backwards) were each found
+# in every one of 8+ runs at 75, as at 150.
+LRUMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
 TestLRUMachine = LRUMachine.TestCase

@@ -154,5 +154,8 @@ class QuotaMachine(RuleBasedStateMachine):
             assert self.policy.quota_of(tenant) == self.quota(tenant)
 
 
-QuotaMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# NOTE: 75 examples (150 until the suite was trimmed): seeded bugs (one byte over the quota
+# admitted, a block of exactly the quota refused, a quota freed from other tenants' blocks) were
+# each found in every one of 8 runs at 75, as at 150.
+QuotaMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
 TestQuotaMachine = QuotaMachine.TestCase

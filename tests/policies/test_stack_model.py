@@ -346,6 +346,8 @@ class ClockTierMachine(TierMachine):
     IS_EXACT = False
 
 
+# NOTE: keep 200. At 100, seeded bugs were found less often: TTL-expired blocks not evicted
+# first 0 of 6 runs (4 of 6 at 200), a read that does not refresh LRU order 1 of 6 (3 of 6).
 _SETTINGS = settings(max_examples=200, stateful_step_count=50, deadline=None)
 TierMachine.TestCase.settings = _SETTINGS
 ClockTierMachine.TestCase.settings = _SETTINGS

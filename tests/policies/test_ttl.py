@@ -225,7 +225,10 @@ class TTLMachine(RuleBasedStateMachine):
             assert self.policy.is_expired(k) == is_expired
 
 
-TTLMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# NOTE: 75 examples (150 until the suite was trimmed): seeded bugs (expiry at the boundary
+# instant, a TTL that does not slide on reads, tenant filtering ignored) were each found in every
+# one of 8 runs at 75, as at 150.
+TTLMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=40, deadline=None)
 TestTTLMachine = TTLMachine.TestCase
 
 

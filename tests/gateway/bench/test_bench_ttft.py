@@ -11,14 +11,13 @@ import io
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from gateway.bench.plotting import plot_ttft
 from gateway.bench.rows import COLD, DEVICE, HF_WARM, LLAMA_RAM, LengthResult, Row, Sample
+from tests.gateway.bench.cli_run import run_bench
 from tests.tiny_llama import save_tiny_llama
 
 LENGTHS = (32, 64)
@@ -61,12 +60,11 @@ def test_bench_ttft_spawn_prints_every_row_with_positive_figures(tmp_path: Path)
     model_dir = save_tiny_llama(tmp_path / "tiny")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     plot = tmp_path / "ttft.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli.main", "bench", "ttft", "--spawn",
-         "--model", str(model_dir), "--data-dir", str(tmp_path / "data"),
+    proc = run_bench(
+        ["ttft", "--spawn", "--model", str(model_dir), "--data-dir", str(tmp_path / "data"),
          "--lengths", ",".join(map(str, LENGTHS)), "--block-tokens", str(BLOCK),
          "--suffix-tokens", "8", "--repeats", "2", "--no-peers", "--plot", str(plot)],
-        capture_output=True, text=True, timeout=120, env=env, check=False,
+        timeout_s=240, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     tables = _tables(proc.stdout)

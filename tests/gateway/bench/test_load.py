@@ -12,8 +12,6 @@ from __future__ import annotations
 import io
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +21,7 @@ from gateway.bench.load import LoadResult, percentile, plot_results
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_config
 from gateway.config.loader import load_serve_config
+from tests.gateway.bench.cli_run import run_bench
 from tests.tiny_llama import save_tiny_llama
 
 USERS = (1, 2)
@@ -45,13 +44,12 @@ def test_bench_load_prints_every_configuration_and_user_count(tmp_path: Path) ->
     model_dir = save_tiny_llama(tmp_path / "tiny")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     plot = tmp_path / "load.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "gateway.cli.main", "bench", "load",
-         "--model", str(model_dir), "--data-dir", str(tmp_path / "data"),
+    proc = run_bench(
+        ["load", "--model", str(model_dir), "--data-dir", str(tmp_path / "data"),
          "--users", ",".join(map(str, USERS)), "--rounds", str(ROUNDS), "--max-tokens", "4",
          "--rules", "6", "--block-tokens", "16", "--plot", str(plot),
          "--peers-python", str(tmp_path / "no-peers-venv" / "bin" / "python")],
-        capture_output=True, text=True, timeout=180, env=env, check=False,
+        timeout_s=300, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [m for m in map(_ROW.match, proc.stdout.splitlines()) if m is not None]

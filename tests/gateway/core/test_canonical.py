@@ -726,6 +726,10 @@ def test_canonicalising_canonical_message_contents_gives_the_same_prompt(test_to
     assert canonicalize(PromptInput(messages=again), test_tokenizer) == first
 
 
+# NOTE: 50 examples (the default 100 until the suite was trimmed): unsorted keys, keys sorted at
+# the top level only or below it only were each found in every one of 6+ runs at 50, as at 100;
+# generating the nested schemas is what costs (about 0.1 s an example).
+@settings(max_examples=50)
 @given(st.lists(json_objects, min_size=1, max_size=3), st.randoms(use_true_random=False))
 def test_key_order_never_changes_the_prompt(test_tokenizer, tools, random):
     def shuffled(value: Any) -> Any:
