@@ -20,6 +20,10 @@ users' start to the last answer, the cached fraction (cached_tokens / prompt_tok
 responses' usage; n/a where a server reports none), and the server process tree's peak RSS
 (``VmHWM`` from /proc, read before it is stopped). A table goes to stdout and, with matplotlib
 installed (the ``plot`` extra), a PNG of TTFT p50/p99 and req/s against users.
+
+Every server, kvgate's and the peer, runs the model on ``--device`` in ``--dtype``
+(``gateway.bench.numerics``; ``auto`` as for ``kvgate serve``), resolved once here and passed
+to each server spelled out, so that no row runs on other hardware than its neighbours.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Protocol, TextIO
 import torch
 
 from gateway.bench.chat_workload import DEFAULT_RULES, Conversation, system_prompt
+from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peer_serve import (
     PEER_BLOCK_TOKENS,
     StreamedReply,
@@ -242,6 +247,8 @@ class LoadOptions:
     with_peers: bool = True
     plot: Path | None = None
     timeout_s: float = 600.0
+    numerics: BenchNumerics = field(default_factory=resolve_numerics)
+    """Where every server runs the model, and in what dtype."""
 
 
 def run_load_benchmark(options: LoadOptions, *, out: TextIO,
@@ -293,7 +300,9 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
                            max_running_per_tenant=max(8, n), max_queued_per_tenant=max(32, n))
     with spawn_gateway(model=options.model, models_dir=models_dir,
                        block_tokens=options.block_tokens, device_bytes=2 << 30, redis_url=None,
-                       redis_binary=None, err=err, engine=engine, label="load") as endpoint:
+                       redis_binary=None, err=err, engine=engine, label="load",
+                       device=options.numerics.device_text,
+                       dtype=options.numerics.dtype_name) as endpoint:
         route = endpoint.route or "? (the start line names none)"
         result.server = "route " + route.split(" ", 1)[0]
 
@@ -323,7 +332,9 @@ def _measure_peer(options: LoadOptions, result: LoadResult, system: str, models_
     model_dir = converted_checkpoint(options.model, models_dir)
     if model_dir is None:
         model_dir = Path(options.model).expanduser()
-    with spawn_transformers_serve(python, model_dir, version=version_or_why, err=err) as peer:
+    with spawn_transformers_serve(python, model_dir, version=version_or_why, err=err,
+                                  device=options.numerics.device_text,
+                                  dtype=options.numerics.dtype_name) as peer:
         result.server = f"transformers {peer.version}, pages of {PEER_BLOCK_TOKENS}"
 
         def session() -> ChatSession:
@@ -359,7 +370,8 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
     out.write(
         f"kvgate bench load: model {options.model}, {options.num_rules}-rule system prompt, "
         f"{options.rounds} rounds x {options.max_tokens} tokens (greedy, streamed) per user, "
-        f"kvgate blocks of {options.block_tokens} tokens; {os.cpu_count()} CPU cores, "
+        f"kvgate blocks of {options.block_tokens} tokens; every server "
+        f"{options.numerics.describe()}; {os.cpu_count()} CPU cores, "
         f"torch {torch.__version__}; one fresh server per row\n\n")
     header = (f"{'configuration':<24} {'users':>5} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'lat p50':>8} {'lat p99':>8} {'req/s':>6} {'tok/s':>6} {'cached':>6} "

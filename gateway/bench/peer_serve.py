@@ -3,8 +3,9 @@
 transformers' own OpenAI-compatible server, run by the ``.venv-peers`` interpreter (``make
 bench-peers`` installs ``transformers[serving]`` there, the same transformers version as
 kvgate's) on the very checkpoint kvgate loads -- the GGUF's converted copy under
-``DATA_DIR/models/converted/<fingerprint>/`` -- on a free loopback port, float32 on the CPU,
-paged KV blocks of ``--cb-block-size`` tokens. It is started as a subprocess and stopped by
+``DATA_DIR/models/converted/<fingerprint>/`` -- on a free loopback port, on the benchmark's
+device in its dtype (``--device``, ``--dtype``: the same as the kvgate servers beside it), paged
+KV blocks of ``--cb-block-size`` tokens. It is started as a subprocess and stopped by
 pid. Requests go over HTTP (``/v1/chat/completions``, ``stream: true``, server-sent events)
 with nothing but the standard library, so kvgate's own environment needs none of the peer's
 packages.
@@ -74,13 +75,26 @@ def serve_binary(explicit: Path | None = None) -> tuple[Path | None, str]:
     return python, probe.stdout.strip()
 
 
+def serve_command(python: Path, model_dir: Path, *, port: int, device: str,
+                  dtype: str) -> list[str]:
+    """The ``transformers serve --continuous-batching`` command line of the reference, on
+    127.0.0.1:``port``, its model on ``device`` in ``dtype``."""
+    return [str(python.parent / "transformers"), "serve", str(model_dir.resolve()),
+            "--continuous-batching", "--cb-block-size", str(PEER_BLOCK_TOKENS),
+            "--cb-num-blocks", str(PEER_NUM_BLOCKS),
+            "--cb-max-batch-tokens", str(PEER_BATCH_TOKENS),
+            "--device", device, "--dtype", dtype, "--host", "127.0.0.1",
+            "--port", str(port), "--log-level", "warning"]
+
+
 @contextmanager
 def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err: TextIO,
-                             threads: int | None = None,
+                             device: str, dtype: str, threads: int | None = None,
                              start_timeout_s: float = 600.0) -> Iterator[PeerServer]:
-    """``transformers serve MODEL_DIR --continuous-batching`` on a free loopback port (CPU,
-    float32, ``PEER_NUM_BLOCKS`` pages of ``PEER_BLOCK_TOKENS`` tokens, batches of at most
-    ``PEER_BATCH_TOKENS``), ready when ``/health`` answers; stopped by pid.
+    """``transformers serve MODEL_DIR --continuous-batching`` on a free loopback port (on
+    ``device`` in ``dtype``, spelled as ``kvgate serve`` resolves them: ``cpu``/``cuda:0``,
+    ``float32``/``bfloat16``; ``PEER_NUM_BLOCKS`` pages of ``PEER_BLOCK_TOKENS`` tokens, batches
+    of at most ``PEER_BATCH_TOKENS``), ready when ``/health`` answers; stopped by pid.
 
     Raises:
         BenchError: the server exited or did not answer within ``start_timeout_s``.
@@ -93,12 +107,7 @@ def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
     log = scratch / "serve.log"
-    command = [str(python.parent / "transformers"), "serve", str(model_dir.resolve()),
-               "--continuous-batching", "--cb-block-size", str(PEER_BLOCK_TOKENS),
-               "--cb-num-blocks", str(PEER_NUM_BLOCKS),
-               "--cb-max-batch-tokens", str(PEER_BATCH_TOKENS),
-               "--device", "cpu", "--dtype", "float32", "--host", "127.0.0.1",
-               "--port", str(port), "--log-level", "warning"]
+    command = serve_command(python, model_dir, port=port, device=device, dtype=dtype)
     try:
         with log.open("wb") as log_fh:
             proc = subprocess.Popen(command, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
@@ -106,7 +115,7 @@ def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err
         try:
             _wait_healthy(proc, port, log, start_timeout_s)
             err.write(f"[load] spawned transformers serve {version} (pid {proc.pid}) on "
-                      f"127.0.0.1:{port}\n")
+                      f"127.0.0.1:{port}, {device} in {dtype}\n")
             yield PeerServer(host="127.0.0.1", port=port, pid=proc.pid, version=version)
         finally:
             stop_process(proc, grace_s=15)

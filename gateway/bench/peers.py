@@ -1,7 +1,8 @@
 """The references beside kvgate in ``kvgate bench ttft``: transformers' recipe and llama.cpp.
 
-* transformers' prompt-reuse recipe, in this process on the same model: prefill the prefix
-  into a ``DynamicCache`` once, then per request ``copy.deepcopy`` it and run the suffix.
+* transformers' prompt-reuse recipe, in this process on the same model, on the gateway's device
+  in its dtype (``--device``, ``--dtype``): prefill the prefix into a ``DynamicCache`` once,
+  then per request ``copy.deepcopy`` it and run the suffix.
 * llama.cpp's own prompt cache on the same GGUF file (``LlamaRAMCache`` and ``LlamaDiskCache``
   through llama-cpp-python), run by the separate ``.venv-peers`` interpreter (``make
   bench-peers``) so that kvgate's own environment needs nothing.
@@ -19,13 +20,13 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 
+from gateway.bench.numerics import BenchNumerics
 from gateway.bench.prompts import SuffixSource
 from gateway.bench.rows import (
     HF_COLD,
@@ -46,33 +47,41 @@ LLAMA_CPP_THREADS = 2
 # ---- transformers' prompt-reuse recipe -----------------------------------------------------
 
 
-def _first_token(loaded: LoadedModel, token_ids: Sequence[int], cache: Any) -> tuple[int, Any]:
+def _first_token(loaded: LoadedModel, token_ids: Sequence[int], cache: Any,
+                 device: torch.device) -> tuple[int, Any]:
+    """The greedy first token (``int`` waits for the device) and the cache after the forward."""
     with torch.inference_mode():
-        out = loaded.model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long),
+        out = loaded.model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long,
+                                                  device=device),
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
     return int(out.logits[0, -1].argmax()), out.past_key_values
 
 
 def hf_recipe_rows(loaded: LoadedModel, prefix: list[int], suffixes: SuffixSource,
-                   repeats: int, err: TextIO) -> list[Row]:
+                   repeats: int, err: TextIO, numerics: BenchNumerics) -> list[Row]:
     """Cold: the whole prompt in one forward. Warm: the documented recipe -- the prefix's
-    ``DynamicCache`` computed once, ``copy.deepcopy``'d per request, the suffix run on it."""
+    ``DynamicCache`` computed once, ``copy.deepcopy``'d per request, the suffix run on it.
+
+    ``loaded`` runs on ``numerics.device`` in its dtype (the gateway's: the comparison is fair
+    only on the same hardware); the clock is read once the device is done.
+    """
+    device = numerics.device
     cold = Row(label=HF_COLD, system="hf")
     warm = Row(label=HF_WARM, system="hf")
     for i in range(repeats):
-        began = time.perf_counter()
-        _first_token(loaded, prefix + suffixes.next(), None)
-        cold.samples.append(Sample(seconds=time.perf_counter() - began, cached_tokens=0,
+        began = numerics.clock()
+        _first_token(loaded, prefix + suffixes.next(), None, device)
+        cold.samples.append(Sample(seconds=numerics.clock() - began, cached_tokens=0,
                                    served_from="-"))
         err.write(f"[ttft] {len(prefix)}: HF recipe cold {i + 1}/{repeats}: "
                   f"{cold.samples[-1].seconds * 1e3:.1f} ms\n")
-    _, prefix_cache = _first_token(loaded, prefix, None)
+    _, prefix_cache = _first_token(loaded, prefix, None, device)
     for i in range(repeats):
-        began = time.perf_counter()
+        began = numerics.clock()
         cache = copy.deepcopy(prefix_cache)
         num_cached = int(cache.get_seq_length())
-        _first_token(loaded, suffixes.next(), cache)
-        warm.samples.append(Sample(seconds=time.perf_counter() - began,
+        _first_token(loaded, suffixes.next(), cache, device)
+        warm.samples.append(Sample(seconds=numerics.clock() - began,
                                    cached_tokens=num_cached, served_from="DynamicCache copy"))
         err.write(f"[ttft] {len(prefix)}: HF recipe warm {i + 1}/{repeats}: "
                   f"{warm.samples[-1].seconds * 1e3:.1f} ms\n")

@@ -116,9 +116,15 @@ def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
 
 
 def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
-                 api_key: str, admin_key: str, engine: EngineOptions | None = None) -> str:
-    """The ``kvgate serve`` configuration of a spawned gateway (TOML)."""
+                 api_key: str, admin_key: str, engine: EngineOptions | None = None,
+                 device: str = "auto", dtype: str = "auto") -> str:
+    """The ``kvgate serve`` configuration of a spawned gateway (TOML); ``device`` and ``dtype``
+    as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved)."""
     lines = [
+        "[server]",
+        f'device = "{device}"',
+        f'dtype = "{dtype}"',
+        "",
         "[grpc]",
         "shutdown_grace_s = 5.0",
         "",
@@ -155,10 +161,12 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
 def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_bytes: int,
                   redis_url: str | None, redis_binary: str | None, err: TextIO,
                   start_timeout_s: float = 600.0, engine: EngineOptions | None = None,
-                  label: str = "ttft") -> Iterator[Endpoint]:
+                  label: str = "ttft", device: str = "auto",
+                  dtype: str = "auto") -> Iterator[Endpoint]:
     """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
     directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
-    ``label`` names the benchmark in progress lines and the temporary directory.
+    ``label`` names the benchmark in progress lines and the temporary directory; the server runs
+    its model on ``device`` in ``dtype`` (``[server] device`` and ``dtype``).
     """
     root = Path(tempfile.mkdtemp(prefix=f"kvgate-bench-{label}-"))
     try:
@@ -172,7 +180,7 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
             config = root / "kvgate.toml"
             config.write_text(spawn_config(block_tokens=block_tokens, device_bytes=device_bytes,
                                            redis_url=url, api_key=api_key, admin_key=admin_key,
-                                           engine=engine),
+                                           engine=engine, device=device, dtype=dtype),
                               encoding="utf-8")
             config.chmod(0o600)
             model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())

@@ -13,6 +13,12 @@ and operation, kvgate's time beside the raw limit's.
 The codec table shows what authenticating a block costs: encode and decode per block, the block
 MAC alone (keyed BLAKE3 over header and payload) and its share of each, beside the keyed
 functions it was chosen over (HMAC-SHA256, keyed BLAKE2b) on the same bytes.
+
+The model and the K/V run on ``--device`` in ``--dtype`` (``gateway.bench.numerics``; ``auto``
+as for ``kvgate serve``): the device tier and the request's copy live there, the host tier is
+pinned on a GPU, so host put/get and promotion cross the bus as they do when serving, and every
+timing ends once the device is done. The codec, disk and Redis rows encode the prefix's host
+(CPU) copy, so that they measure storage and the codec, not the bus (the memory rows do).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import TextIO
 
 import torch
 
+from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.plotting import new_figure, save_figure
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import compute_block_kv, load_model
@@ -66,15 +73,16 @@ class Row:
         return self.seconds / self.limit_seconds if self.limit_seconds > 0 else float("nan")
 
 
-def _median_s(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None
-              ) -> float:
+def _median_s(fn: Callable[[], object], repeats: int, setup: Callable[[], object] | None = None,
+              clock: Callable[[], float] = time.perf_counter) -> float:
+    """Median seconds of ``fn``; ``clock`` waits for the device where ``fn`` runs work there."""
     samples = []
     for _ in range(repeats):
         if setup is not None:
             setup()
-        start = time.perf_counter()
+        start = clock()
         fn()
-        samples.append(time.perf_counter() - start)
+        samples.append(clock() - start)
     return statistics.median(samples)
 
 
@@ -95,6 +103,12 @@ def _metas(blocks: Sequence[KVBlock], tokens: torch.Tensor, block_tokens: int) -
         )
         parent = key
     return metas
+
+
+def _on_cpu(block: KVBlock) -> KVBlock:
+    """``block`` in CPU memory (itself when it is there already)."""
+    return KVBlock(keys=tuple(t.cpu() for t in block.keys),
+                   values=tuple(t.cpu() for t in block.values))
 
 
 def _clone(blocks: Sequence[KVBlock]) -> list[KVBlock]:
@@ -161,12 +175,17 @@ def write_codec_table(rows: Sequence[CodecRow], out: TextIO) -> None:
 
 
 def _memory_rows(blocks: list[KVBlock], metas: list[BlockMeta], layout: KVLayout,
-                 block_tokens: int, repeats: int) -> list[Row]:
+                 block_tokens: int, repeats: int, numerics: BenchNumerics) -> list[Row]:
+    """The host and device tiers as ``kvgate serve`` builds them for ``numerics.device``
+    (``blocks`` live there): the host tier pinned on a GPU, serving to the device."""
     total = sum(b.nbytes for b in blocks)
-    clone_s = _median_s(lambda: _clone(blocks), repeats)
+    clock = numerics.clock
+    clone_s = _median_s(lambda: _clone(blocks), repeats, clock=clock)
     rows = []
-    host = HostStore(layout=layout, block_tokens=block_tokens, budget_bytes=2 * total)
-    device = DeviceStore()
+    on_gpu = numerics.device.type == "cuda"
+    host = HostStore(layout=layout, block_tokens=block_tokens, budget_bytes=2 * total,
+                     pin=on_gpu, serve_device=numerics.device)
+    device = DeviceStore(device=numerics.device)
 
     def host_put_all() -> None:
         for meta, block in zip(metas, blocks, strict=True):
@@ -186,11 +205,13 @@ def _memory_rows(blocks: list[KVBlock], metas: list[BlockMeta], layout: KVLayout
         for meta in metas:
             device.delete(meta.key)
 
-    host_put = _median_s(host_put_all, repeats, setup=host_clear)
-    host_get = _median_s(lambda: [host.get(m) for m in metas], repeats)
-    promote = _median_s(promote_all, repeats, setup=device_clear)
+    host_put = _median_s(host_put_all, repeats, setup=host_clear, clock=clock)
+    host_get = _median_s(lambda: [host.get(m) for m in metas], repeats, clock=clock)
+    promote = _median_s(promote_all, repeats, setup=device_clear, clock=clock)
     capacity = len(blocks) * block_tokens + 32
-    sequence_fill = _median_s(lambda: KVSequence.from_blocks(layout, blocks, capacity), repeats)
+    sequence_fill = _median_s(
+        lambda: KVSequence.from_blocks(layout, blocks, capacity, device=numerics.device),
+        repeats, clock=clock)
     rows.append(Row(tier="host", operation="put", seconds=host_put, num_bytes=total,
                     limit_name="tensor clone", limit_seconds=clone_s))
     rows.append(Row(tier="host", operation="get", seconds=host_get, num_bytes=total,
@@ -366,29 +387,34 @@ def plot_tiers(rows: Sequence[Row], path: Path, out: TextIO) -> bool:
 def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextIO,
                         prompt_tokens: int = 2048, block_tokens: int = 256,
                         redis_url: str | None = None, redis_binary: str | None = None,
-                        plot: Path | None = None) -> list[Row]:
+                        plot: Path | None = None,
+                        numerics: BenchNumerics | None = None) -> list[Row]:
     """Measure every tier on one real prefix and print the table (and, with ``plot``, draw it
-    there as a PNG); returns the rows."""
-    out.write(f"kvgate bench tiers: loading {model} ...\n")
+    there as a PNG); returns the rows. The model and the K/V run on ``numerics`` (default:
+    ``auto``, as ``kvgate serve`` resolves it)."""
+    numerics = numerics or resolve_numerics()
+    out.write(f"kvgate bench tiers: loading {model} {numerics.describe()} ...\n")
     out.flush()
-    loaded = load_model(model, cache_dir=cache_dir)
+    loaded = load_model(model, cache_dir=cache_dir, device=numerics.device,
+                        dtype=numerics.dtype)
     text = PROMPT_TEXT
     ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     while len(ids) < prompt_tokens:
         text += PROMPT_TEXT
         ids = loaded.tokenizer.encode(text, add_special_tokens=False)
     tokens = torch.tensor(ids[:prompt_tokens])
-    start = time.perf_counter()
-    kv = compute_block_kv(loaded, tokens, block_tokens)
-    prefill_s = time.perf_counter() - start
+    start = numerics.clock()
+    kv = compute_block_kv(loaded, tokens.to(numerics.device), block_tokens)
+    prefill_s = numerics.clock() - start
     blocks = [KVBlock(keys=k, values=v) for k, v in kv]
     metas = _metas(blocks, tokens, block_tokens)
     total = sum(b.nbytes for b in blocks)
     out.write(
         f"prefix: {prompt_tokens} tokens = {len(blocks)} blocks of {block_tokens}, "
-        f"{total / 1e6:.1f} MB ({loaded.layout.dtype}); cold block-aligned prefill "
+        f"{total / 1e6:.1f} MB, K/V {numerics.describe()}; cold block-aligned prefill "
         f"{prefill_s:.2f} s; median of {repeats} runs per figure\n"
     )
+    device_blocks, blocks = blocks, [_on_cpu(b) for b in blocks]  # what the codec rows encode
     codec = BlockCodec(mac_key=derive_mac_key(SECRET), layout=loaded.layout,
                        block_tokens=block_tokens)
     lz4 = BlockCodec(mac_key=derive_mac_key(SECRET), layout=loaded.layout,
@@ -399,7 +425,7 @@ def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextI
               f"({(1 - lz4_size / raw_size) * 100:.1f}% saved) -> raw storage is the default\n\n")
     write_codec_table(codec_rows(blocks, metas, codec, repeats), out)
     out.flush()
-    rows = _memory_rows(blocks, metas, loaded.layout, block_tokens, repeats)
+    rows = _memory_rows(device_blocks, metas, loaded.layout, block_tokens, repeats, numerics)
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-disk-", dir=cache_dir) as tmp:
         rows += _disk_rows(blocks, metas, codec, Path(tmp), repeats)
     binary = redis_binary or shutil.which("redis-server")
@@ -421,8 +447,10 @@ def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextI
             f"{row.limit_seconds * 1e3:>7.1f}ms {row.ratio:>5.2f}x\n"
         )
     out.write(
-        "\nratio = kvgate time / raw limit time, same bytes, same run. Memory tiers run on the "
-        f"CPU here (device = {torch.device('cuda' if torch.cuda.is_available() else 'cpu')}).\n"
+        "\nratio = kvgate time / raw limit time, same bytes, same run. The device tier and the "
+        f"request's copy are {numerics.describe()}; the host tier is CPU memory"
+        f"{' (pinned)' if numerics.device.type == 'cuda' else ''}; the codec, disk and Redis "
+        "rows encode the prefix's CPU copy.\n"
     )
     if plot is not None:
         plot_tiers(rows, plot, out)

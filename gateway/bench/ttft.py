@@ -25,6 +25,8 @@ the model's tokenizer and cut to exact token counts, sent as ``token_ids``.
 ``--spawn`` starts its own ``kvgate serve`` (and a ``redis-server``, if one is on PATH) on free
 loopback ports with a temporary data directory, configured for the benchmark (its own tenant
 and admin keys, a device tier the size of the longest prefix), and stops them by pid at the end.
+``--device`` and ``--dtype`` (``auto`` by default, as for ``kvgate serve``) put the transformers
+reference and a spawned gateway on the same device in the same dtype (``gateway.bench.numerics``).
 
 Here: the gateway's rows, the run and the report. The references are ``gateway.bench.peers``,
 the spawned gateway ``gateway.bench.spawn``, the prompts ``gateway.bench.prompts``, the records
@@ -39,12 +41,13 @@ import shutil
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 import torch
 
+from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peers import LLAMA_CPP_THREADS, hf_recipe_rows, llama_cpp_rows, peers_python
 from gateway.bench.plotting import plot_ttft
 from gateway.bench.prompts import SuffixSource, make_prefix
@@ -131,6 +134,14 @@ class GatewayBench:
     def client(self) -> KvgateClient:
         assert self._client is not None, "use GatewayBench as a context manager"
         return self._client
+
+    def engine_numerics(self) -> tuple[str, str] | None:
+        """The (device, dtype) the gateway's engine runs on, from Stats (None: no admin key,
+        or a gateway too old to say)."""
+        stats = self._stats()
+        if stats is None or stats.engine is None or not stats.engine.device:
+            return None
+        return stats.engine.device, stats.engine.dtype
 
     def warm_up(self, token_ids: Sequence[int]) -> None:
         """One uncached request, so that one-off costs of a fresh server are not timed."""
@@ -409,6 +420,8 @@ class TtftOptions:
     timeout_s: float = 600.0
     plot: Path | None = None
     """Where to draw the PNG of the tables (None: no PNG)."""
+    numerics: BenchNumerics = field(default_factory=resolve_numerics)
+    """Where the in-process references and a spawned gateway run, and in what dtype."""
 
 
 def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> list[LengthResult]:
@@ -426,8 +439,11 @@ def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> lis
     if busy_before is not None and busy_before > 0.25:
         err.write(f"[ttft] warning: the CPU is {busy_before:.0%} busy before starting: other "
                   "processes are using it, and every figure will be noisy\n")
-    err.write(f"[ttft] loading {options.model} in this process (HF recipe, tokenizer) ...\n")
-    loaded = load_model(options.model, cache_dir=options.data_dir / "models")
+    numerics = options.numerics
+    err.write(f"[ttft] loading {options.model} in this process (HF recipe, tokenizer) "
+              f"{numerics.describe()} ...\n")
+    loaded = load_model(options.model, cache_dir=options.data_dir / "models",
+                        device=numerics.device, dtype=numerics.dtype)
     for n in options.lengths:
         if n % bt:
             err.write(f"[ttft] warning: {n} is not a multiple of the block size {bt}: its last "
@@ -450,11 +466,17 @@ def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> lis
         max_prompt_tokens=loaded.max_context - 1, timeout_s=options.timeout_s, err=err,
     ) as bench:
         bench.warm_up(make_prefix(loaded, min(64, bt), f"Warm-up {nonce}"))
+        served_on = bench.engine_numerics()
+        if served_on is not None and served_on != (numerics.device_text, numerics.dtype_name):
+            err.write(f"[ttft] warning: the gateway runs on {served_on[0]} in {served_on[1]}, "
+                      f"the transformers reference {numerics.describe()}: their rows compare "
+                      "different hardware (give the bench the gateway's --device and --dtype)\n")
         for result in results:
             n = result.prefix_tokens
             result.rows += bench.measure(loaded, prefixes[n], suffixes[n], options.repeats,
                                          filler_tag=f"Filler {nonce}")
-            result.rows += hf_recipe_rows(loaded, prefixes[n], suffixes[n], options.repeats, err)
+            result.rows += hf_recipe_rows(loaded, prefixes[n], suffixes[n], options.repeats, err,
+                                          numerics)
 
     peers_note = "n/a (--no-peers)"
     version = ""
@@ -477,8 +499,8 @@ def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> lis
             result.rows += [Row(label=label, system="llama.cpp", note=peers_note)
                             for label in (LLAMA_COLD, LLAMA_RAM, LLAMA_DISK)]
 
-    _print_report(options, loaded, results, endpoint, version, (busy_before, cpu_busy_fraction()),
-                  out)
+    _print_report(options, loaded, results, endpoint, served_on, version,
+                  (busy_before, cpu_busy_fraction()), out)
     if options.plot is not None:
         plot_ttft(results, options.plot, out)
     return results
@@ -513,7 +535,9 @@ def _endpoint(options: TtftOptions, device_bytes: int, err: TextIO) -> Iterator[
     binary = options.redis_binary or shutil.which("redis-server")
     with spawn_gateway(model=options.model, models_dir=options.data_dir / "models",
                        block_tokens=options.block_tokens, device_bytes=device_bytes,
-                       redis_url=options.redis_url, redis_binary=binary, err=err) as endpoint:
+                       redis_url=options.redis_url, redis_binary=binary, err=err,
+                       device=options.numerics.device_text,
+                       dtype=options.numerics.dtype_name) as endpoint:
         yield endpoint
 
 
@@ -526,14 +550,16 @@ def _gguf_of(model: str) -> Path | None:
 
 
 def _print_report(options: TtftOptions, loaded: LoadedModel, results: Sequence[LengthResult],
-                  endpoint: Endpoint, llama_version: str,
+                  endpoint: Endpoint, served_on: tuple[str, str] | None, llama_version: str,
                   busy: tuple[float | None, float | None], out: TextIO) -> None:
     where = ("spawned gateway" if options.spawn
-             else f"gateway at {endpoint.host}:{endpoint.port}")
+             else f"gateway at {endpoint.host}:{endpoint.port}") + (
+        f" on {served_on[0]} in {served_on[1]}" if served_on is not None
+        else " (device and dtype unknown: no admin key)")
     out.write(
         f"kvgate bench ttft: model {loaded.name} ({loaded.layout.num_layers} layers, "
-        f"{loaded.layout.kv_heads} KV heads x {loaded.layout.head_dim}, "
-        f"{loaded.layout.dtype}), {where}, blocks of {options.block_tokens} tokens; "
+        f"{loaded.layout.kv_heads} KV heads x {loaded.layout.head_dim}) "
+        f"{options.numerics.describe()}, {where}, blocks of {options.block_tokens} tokens; "
         f"{os.cpu_count()} CPU cores, torch {torch.__version__} with "
         f"{torch.get_num_threads()} threads"
         + (f"; llama-cpp-python {llama_version} with {LLAMA_CPP_THREADS} threads"

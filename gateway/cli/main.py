@@ -16,6 +16,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
+from gateway.cli.numerics_args import add_numerics_arguments, resolve_bench_numerics
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     chunks.add_argument("--sizes", default="64,128,256,512,1024")
     chunks.add_argument("--prompt-tokens", type=int, default=2048)
     chunks.add_argument("--repeats", type=int, default=3)
+    add_numerics_arguments(chunks, what="the model and its K/V")
     fairness = bench_sub.add_parser("fairness", help="one tenant's TTFT alone and while another "
                                     "tenant floods the engine (in process)")
     fairness.add_argument("--model", default="bundled")
@@ -57,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--plot", type=Path, default=None,
                        help="PNG of the table (default: DATA_DIR/bench-tiers.png)")
     tiers.add_argument("--no-plot", action="store_true", help="write no PNG")
+    add_numerics_arguments(tiers, what="the model, its K/V and the device tier")
     _add_bench_ttft(bench_sub)
     _add_bench_load(bench_sub)
     _add_serve(sub)
@@ -137,6 +140,8 @@ def _add_bench_ttft(bench_sub: Any) -> None:
                       help="PNG of the tables, TTFT per row and prefix length (default: "
                            "DATA_DIR/bench-ttft.png)")
     ttft.add_argument("--no-plot", action="store_true", help="write no PNG")
+    add_numerics_arguments(ttft, what="the transformers reference and, with --spawn, the "
+                           "gateway")
 
 
 def _add_bench_load(bench_sub: Any) -> None:
@@ -187,6 +192,7 @@ def _add_bench_load(bench_sub: Any) -> None:
                       help="skip the transformers serve rows")
     load.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each request in seconds")
+    add_numerics_arguments(load, what="every spawned server (kvgate and transformers serve)")
 
 
 def _add_serve(sub: Any) -> None:
@@ -272,10 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "chunks":
         from gateway.bench.chunks import run_chunks_benchmark
 
+        numerics = resolve_bench_numerics(args, command="kvgate bench chunks", err=sys.stderr)
+        if isinstance(numerics, int):
+            return numerics
         run_chunks_benchmark(model=args.model, cache_dir=args.data_dir / "models",
                              sizes=[int(s) for s in args.sizes.split(",")],
                              prompt_tokens=args.prompt_tokens, repeats=args.repeats,
-                             out=sys.stdout)
+                             out=sys.stdout, numerics=numerics)
         return 0
     if args.command == "bench" and args.bench == "fairness":
         from gateway.bench.fairness import FairnessOptions, run_fairness_benchmark
@@ -287,11 +296,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench" and args.bench == "tiers":
         from gateway.bench.tiers import run_tiers_benchmark
 
+        numerics = resolve_bench_numerics(args, command="kvgate bench tiers", err=sys.stderr)
+        if isinstance(numerics, int):
+            return numerics
         args.data_dir.mkdir(parents=True, exist_ok=True)
         run_tiers_benchmark(model=args.model, cache_dir=args.data_dir / "models",
                             repeats=args.repeats, out=sys.stdout, redis_url=args.redis_url,
                             plot=None if args.no_plot else (
-                                args.plot or args.data_dir / "bench-tiers.png"))
+                                args.plot or args.data_dir / "bench-tiers.png"),
+                            numerics=numerics)
         return 0
     if args.command == "bench" and args.bench == "ttft":
         return _bench_ttft(args, env=os.environ)
@@ -328,6 +341,9 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
     except ValueError:
         sys.stderr.write(f"kvgate bench ttft: --lengths {args.lengths!r}: expected integers\n")
         return EXIT_USAGE
+    numerics = resolve_bench_numerics(args, command="kvgate bench ttft", err=sys.stderr)
+    if isinstance(numerics, int):
+        return numerics
     api_key = api_key_of(args.api_key, env, host=args.host,
                          data_dir=None if args.spawn else args.data_dir)
     options = TtftOptions(
@@ -338,6 +354,7 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
         redis_url=args.redis_url, peers_python=args.peers_python,
         with_peers=not args.no_peers, timeout_s=args.timeout,
         plot=None if args.no_plot else (args.plot or args.data_dir / "bench-ttft.png"),
+        numerics=numerics,
     )
     try:
         run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)
@@ -358,6 +375,9 @@ def _bench_load(args: argparse.Namespace) -> int:
     except ValueError:
         sys.stderr.write(f"kvgate bench load: --users {args.users!r}: expected integers\n")
         return EXIT_USAGE
+    numerics = resolve_bench_numerics(args, command="kvgate bench load", err=sys.stderr)
+    if isinstance(numerics, int):
+        return numerics
     plot = None if args.no_plot else (args.plot or args.data_dir / "bench-load.png")
     options = LoadOptions(
         users=users, rounds=args.rounds,
@@ -365,7 +385,7 @@ def _bench_load(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, num_rules=args.rules,
         block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
         peers_python=args.peers_python, with_peers=not args.no_peers, plot=plot,
-        timeout_s=args.timeout,
+        timeout_s=args.timeout, numerics=numerics,
     )
     try:
         run_load_benchmark(options, out=sys.stdout, err=sys.stderr)

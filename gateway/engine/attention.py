@@ -34,16 +34,16 @@ from typing import Protocol
 
 import torch
 
+from gateway.engine.row_padding import CPU_ROW_PADDING
+
 TILE = 64
 """Key positions per tile: the fixed length of every reduction over keys."""
 
-_ROWS_ALONE = (4, 4, 4, 4, 4, 8, 8, 8, 8, 12, 12, 12)
-"""``padded_row_count`` below 12 rows: the next of 4, 8, 12."""
-
 
 def padded_row_count(num_rows: int) -> int:
-    """The row count to pad a product of ``num_rows`` rows to (4, 8, or any count from 12)."""
-    return _ROWS_ALONE[num_rows] if num_rows < len(_ROWS_ALONE) else num_rows
+    """The row count to pad a product of ``num_rows`` (>= 1) rows to on the CPU (4, 8, or any
+    count from 12): ``gateway.engine.row_padding.CPU_ROW_PADDING``."""
+    return CPU_ROW_PADDING.rows_for(num_rows)
 
 EXP_FLOOR = -80.0
 """Scores more than this below a row's maximum weigh exp(-80) ~ 2e-35 instead of less: a change

@@ -51,6 +51,7 @@ from gateway.engine.forward import (
     SequenceRows,
     StepForward,
     architecture_problem,
+    projection_weights,
 )
 from gateway.engine.jobs import Job, RequestHandle, WarmHandle
 from gateway.engine.kv_sequence import KVSequence
@@ -58,12 +59,21 @@ from gateway.engine.loop import LoopCounters, LoopSettings, StepLoop
 from gateway.engine.model import LoadedModel, SerialForward
 from gateway.engine.observer import EngineMetrics
 from gateway.engine.probe import probe_invariance
+from gateway.engine.row_padding import MINIMUM_CANDIDATES, RowPadding, row_padding_for
 from gateway.engine.scheduler import ScheduleLimits, Scheduler
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
 
 ROUTES = ("auto", "batched", "serial")
+
+
+def _padding_note(padding: RowPadding) -> str:
+    """What the route's reason says of a row padding other than the CPU's table."""
+    if not padding.label:
+        return ""
+    return (f"; shared products padded to at least {padding.minimum} rows, in steps of "
+            f"{padding.multiple}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -176,7 +186,7 @@ class Engine:
         self._worker: threading.Thread | None = None
         self._route = EngineRoute(name="serial", reason="not started")
         self._started_at = clock()
-        device = next(loaded.model.parameters()).device
+        device = loaded.device
         self._device = device
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
@@ -256,24 +266,36 @@ class Engine:
             return serial, EngineRoute(name="serial", reason=f"the batched forward cannot run "
                                        f"this model: {problem}")
         attention = attention_for(self._device)
-        batched = BatchedForward(self._loaded.model, attention)
+        started = time.perf_counter()
+        padding = row_padding_for(
+            self._device, projection_weights(self._loaded.model),
+            max_rows=max(self._config.step_tokens, self._config.prefill_step_tokens))
+        if padding is None:
+            reason = (f"no padding of up to {max(MINIMUM_CANDIDATES):,} rows keeps a projection "
+                      "row's bits whatever the row count on this device")
+            logger.warning("the batched forward is not invariant here (%s): serving one request "
+                           "at a time on the serial exact route", reason)
+            return serial, EngineRoute(name="serial", probe_s=time.perf_counter() - started,
+                                       reason=f"start-up probe failed: {reason}")
+        batched = BatchedForward(self._loaded.model, attention, padding)
+        numerics = "-".join(part for part in (attention.numerics, padding.label) if part)
         probe = probe_invariance(batched, self._loaded.layout,
                                  int(self._loaded.model.config.vocab_size))
         if probe.is_invariant:
             return batched, EngineRoute(
-                name="batched", probe_s=probe.seconds, attention=attention.numerics,
+                name="batched", probe_s=time.perf_counter() - started, attention=numerics,
                 decode_kv_is_prefill_kv=probe.decode_kv_is_prefill_kv,
                 reason=f"start-up probe: {probe.num_checks} chunked/batched variants equal "
-                       "one-shot bit for bit")
+                       f"one-shot bit for bit{_padding_note(padding)}")
         if self._config.route == "batched":
             logger.warning("route = batched although the probe failed (%s): warm may differ "
                            "from cold", probe.failure)
-            return batched, EngineRoute(name="batched", probe_s=probe.seconds,
-                                        attention=attention.numerics,
+            return batched, EngineRoute(name="batched", probe_s=time.perf_counter() - started,
+                                        attention=numerics,
                                         reason=f"configured, probe FAILED: {probe.failure}")
         logger.warning("the batched forward is not invariant here (%s): serving one request at "
                        "a time on the serial exact route", probe.failure)
-        return serial, EngineRoute(name="serial", probe_s=probe.seconds,
+        return serial, EngineRoute(name="serial", probe_s=time.perf_counter() - started,
                                    reason=f"start-up probe failed: {probe.failure}")
 
     @property

@@ -6,17 +6,18 @@ same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary
 q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
 row-wise parts (norms, projections, MLP) and ``SequenceAttention`` for each sequence over its
 own KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
-are enough rows (``padded_row_count``), so the prefill rows of each forward are padded to that
-(DESIGN.md, "Parity").
+are enough rows (``gateway.engine.row_padding``: a count that depends on the device), so the
+prefill rows of each forward are padded to that (DESIGN.md, "Parity").
 
 Decode rows (a sampled token fed back) are the exception: each is its own matrix-vector product.
-Padding one decode row to four costs 2.5x a matrix-vector product on this CPU (the four-row
-product packs the whole weight matrix; measured for every SmolLM2 projection), and a step of one
-user's decoding is nothing but that. A row alone keeps its bits whatever runs beside it, so a
-decode row's numbers stay independent of the batch; they are not the numbers a prefill of the
-same token gives, so an answer's blocks are recomputed as prefill before they are stored
-(``gateway.engine.probe`` reports whether they happen to match). Logits rows are their own
-products too, for the same reason: a step wants few of them.
+Padding one decode row to four costs more than a matrix-vector product on this CPU (SmolLM2's
+210 projections, quiet machine, 2026-11-23: 45.4 ms for a 4-row product, 34.9 ms as matrix-vector
+products; a whole one-user decode step 77-85 ms against 62 ms; an earlier, busy-machine figure
+said 2.5x), and a step of one user's decoding is nothing but that. A row alone keeps its bits
+whatever runs beside it, so a decode row's numbers stay independent of the batch; they are not
+the numbers a prefill of the same token gives, so an answer's blocks are recomputed as prefill
+before they are stored (``gateway.engine.probe`` reports whether they happen to match). Logits
+rows are their own products too, for the same reason: a step wants few of them.
 
 It only touches the modules' weights and forward methods, never transformers' APIs
 (``gateway.engine.model`` stays the only importer of ``transformers``).
@@ -31,8 +32,9 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from gateway.engine.attention import AttentionItem, SequenceAttention, padded_row_count
+from gateway.engine.attention import AttentionItem, SequenceAttention
 from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.row_padding import CPU_ROW_PADDING, RowPadding
 
 ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
@@ -92,13 +94,15 @@ class BatchedForward:
         UnsupportedModel: ``architecture_problem(model)`` says why.
     """
 
-    def __init__(self, model: Any, attention: SequenceAttention) -> None:
+    def __init__(self, model: Any, attention: SequenceAttention,
+                 row_padding: RowPadding = CPU_ROW_PADDING) -> None:
         problem = architecture_problem(model)
         if problem is not None:
             raise UnsupportedModel(problem)
         config = model.config
         self._model = model
         self._attention = attention
+        self._row_padding = row_padding
         self._num_heads = int(config.num_attention_heads)
         self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._num_heads)
         self._head_dim = int(getattr(config, "head_dim", None)
@@ -147,7 +151,7 @@ class BatchedForward:
         offset = num_shared = 0
         for decoding in (False, True):
             if decoding:
-                num_pad = padded_row_count(offset) - offset if offset else 0
+                num_pad = self._row_padding.rows_for(offset) - offset
                 id_parts.append(torch.zeros(num_pad, dtype=torch.long))
                 position_parts.append(torch.zeros(num_pad, dtype=torch.long))
                 offset += num_pad
@@ -156,7 +160,7 @@ class BatchedForward:
                 if rows.is_decode == decoding:
                     spans[i] = (offset, offset + n)
                     offset += n
-                    id_parts.append(rows.tokens.reshape(-1).to(torch.long))
+                    id_parts.append(rows.tokens.reshape(-1).to(device="cpu", dtype=torch.long))
                     position_parts.append(torch.arange(rows.sequence.length,
                                                        rows.sequence.length + n))
         ids = torch.cat(id_parts).to(device)
@@ -238,10 +242,20 @@ class BatchedForward:
         return self._cos[positions], self._sin[positions]
 
 
+def projection_weights(model: Any) -> list[torch.Tensor]:
+    """The weights of one layer's projections: every shape the shared products multiply by
+    (all layers of a Llama have the same shapes)."""
+    layer = model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    return [module.weight for module in (attention.q_proj, attention.k_proj, attention.v_proj,
+                                         attention.o_proj, mlp.gate_proj, mlp.up_proj,
+                                         mlp.down_proj)]
+
+
 def _project(linear: Any, rows: torch.Tensor, num_shared: int) -> torch.Tensor:
     """``linear`` of ``rows``: the first ``num_shared`` in one product, each other row alone.
 
-    ``num_shared`` is zero or a ``padded_row_count``, so the shared rows keep their bits; a row
+    ``num_shared`` is zero or a padded row count, so the shared rows keep their bits; a row
     alone is a matrix-vector product, which no other row can change."""
     weight: torch.Tensor = linear.weight
     bias: torch.Tensor | None = linear.bias

@@ -143,7 +143,7 @@ class StepLoop:
         self._namespace_of = namespace_of
         self._clock = clock
         self._metrics = metrics
-        self._device = next(loaded.model.parameters()).device
+        self._device = loaded.device
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting: dict[int, Job] = {}

@@ -92,6 +92,12 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     name: str
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live: token ids go there, and the K/V are computed there."""
+        device: torch.device = self.model.get_input_embeddings().weight.device
+        return device
+
 
 def resolve_source(model: str) -> ModelSource:
     """Turn a ``--model`` value (``bundled`` or a directory) into a ``ModelSource``.
@@ -310,7 +316,7 @@ def compute_block_kv(
     num_blocks = int(tokens.numel()) // block_tokens
     cache: Any = DynamicCache(config=loaded.model.config)
     out: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
-    ids = tokens.reshape(1, -1).to(torch.long)
+    ids = tokens.reshape(1, -1).to(device=loaded.device, dtype=torch.long)
     with torch.inference_mode():
         for i in range(num_blocks):
             chunk = ids[:, i * block_tokens : (i + 1) * block_tokens]
@@ -384,7 +390,8 @@ class SequenceLayer(DynamicLayer):
 def forward_logits(loaded: LoadedModel, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
     """Run one chunk through the model on top of ``cache``; the last position's logits."""
     with torch.inference_mode():
-        out = loaded.model(input_ids=input_ids.reshape(1, -1).to(torch.long),
+        out = loaded.model(input_ids=input_ids.reshape(1, -1).to(device=loaded.device,
+                                                                 dtype=torch.long),
                            past_key_values=cache, use_cache=True, logits_to_keep=1)
     logits: torch.Tensor = out.logits[0, -1].float()
     return logits

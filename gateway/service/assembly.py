@@ -93,8 +93,11 @@ def build_authenticator(
     return Authenticator([dev_key_entry(key)])
 
 
-def start_metrics(config: ServeConfig, cache: PrefixCache) -> GatewayMetrics:
-    """The metrics of ``cache`` and the requests, served on ``config.metrics``' address.
+def start_metrics(config: ServeConfig, cache: PrefixCache, *, device: str,
+                  dtype: str) -> GatewayMetrics:
+    """The metrics of ``cache`` and the requests, served on ``config.metrics``' address;
+    ``device`` and ``dtype`` (resolved, e.g. ``cuda:0``, ``bfloat16``) name what the engine
+    runs on.
 
     Raises:
         ServeError: the address cannot be bound.
@@ -102,7 +105,7 @@ def start_metrics(config: ServeConfig, cache: PrefixCache) -> GatewayMetrics:
     from gateway.service.metrics import GatewayMetrics
 
     settings = config.metrics
-    metrics = GatewayMetrics(cache_stats=cache.stats)
+    metrics = GatewayMetrics(cache_stats=cache.stats, device=device, dtype=dtype)
     try:
         port = metrics.start(settings.host, settings.port)
     except OSError as exc:
@@ -199,7 +202,8 @@ def serve(
         opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
                             device=device)
         if config.metrics.enabled:
-            metrics = start_metrics(config, opened.cache)
+            metrics = start_metrics(config, opened.cache, device=str(device),
+                                    dtype=str(dtype).removeprefix("torch."))
         engine = Engine(
             loaded=loaded,
             cache=opened.cache,

@@ -1,9 +1,12 @@
 """Prometheus metrics of one gateway, served on their own HTTP port for operators.
 
 ``GatewayMetrics`` owns a private ``CollectorRegistry`` (never prometheus-client's global
-default one, so two gateways in one process, or two tests, never share counters). Two kinds of
+default one, so two gateways in one process, or two tests, never share counters). Three kinds of
 series live in it:
 
+* what the engine runs on, set once at start: ``kvgate_engine_info{device, dtype} 1`` -- a
+  dashboard comparing latencies across replicas must know which ran on a GPU in bfloat16 and
+  which on the CPU in float32 (their figures differ by orders of magnitude);
 * request series, updated by the engine as each request ends: prompt tokens cached vs computed
   per tenant and tier, finish reasons, TTFT and total latency, queue depth;
 * cache series, read from ``PrefixCache.stats()`` at scrape time by ``_CacheCollector``: bytes
@@ -23,7 +26,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
@@ -48,10 +51,18 @@ class GatewayMetrics:
 
     Args:
         cache_stats: returns the cache's stats at scrape time (None: no cache series).
+        device: where the model runs, as ``--device`` spells it resolved (``cpu``,
+            ``cuda:0``); with ``dtype``, the ``kvgate_engine_info`` series (None: none).
+        dtype: what it computes and the cache stores K/V in (``float32``, ``bfloat16``).
     """
 
-    def __init__(self, *, cache_stats: Callable[[], CacheStats] | None = None) -> None:
+    def __init__(self, *, cache_stats: Callable[[], CacheStats] | None = None,
+                 device: str | None = None, dtype: str | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        if device is not None and dtype is not None:
+            Info(f"{PREFIX}_engine", "What the engine runs on: the model's device and the "
+                 "dtype of its weights and K/V.", registry=self.registry).info(
+                {"device": device, "dtype": dtype})
         self._lock = threading.Lock()
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0

@@ -15,8 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from gateway.bench.numerics import resolve_numerics
+from gateway.bench.peers import hf_recipe_rows
 from gateway.bench.plotting import plot_ttft
-from gateway.bench.rows import COLD, DEVICE, HF_WARM, LLAMA_RAM, LengthResult, Row, Sample
+from gateway.bench.prompts import SuffixSource, make_prefix
+from gateway.bench.rows import (
+    COLD,
+    DEVICE,
+    HF_COLD,
+    HF_WARM,
+    LLAMA_RAM,
+    LengthResult,
+    Row,
+    Sample,
+)
+from gateway.engine.model import load_model
 from tests.gateway.bench.cli_run import run_bench
 from tests.tiny_llama import save_tiny_llama
 
@@ -31,6 +44,8 @@ KVGATE_ROWS = {
 }
 HF_ROWS = ("HF recipe cold", "HF recipe warm (deepcopy)")
 LLAMA_ROWS = ("llama.cpp cold", "llama.cpp RAM-cache warm", "llama.cpp disk-cache warm")
+ON_EACH_DEVICE = pytest.mark.parametrize(("device", "dtype"), [
+    ("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
 _NUMBER = r"(-|[\d,]+\.\d)"
 _ROW = re.compile(rf"^(?P<label>.+?)\s+{_NUMBER}\s+(?P<ratio>-|\d+\.\d+)\s+{_NUMBER}\s+"
                   r"(?P<cached>[\d/-]+)\s+(?P<served>.+)$")
@@ -93,6 +108,9 @@ def test_bench_ttft_spawn_prints_every_row_with_positive_figures(tmp_path: Path)
             fields = rows[label][len(label):].split()
             assert float(fields[0].replace(",", "")) > 0, rows[label]
         assert rows["HF recipe warm (deepcopy)"].split()[-3] == str(length)
+    # the reference and the spawned gateway (as its Stats say) on one device, in one dtype
+    assert re.search(r"2 layers, 2 KV heads x \d+\) on (cpu in float32|cuda:0 in bfloat16), "
+                     r"spawned gateway on \1, blocks of", proc.stdout), proc.stdout[:600]
     assert "targets at 2,048 tokens" in proc.stdout
     assert "not measured: add 2048 to --lengths" in proc.stdout
     assert "spawned kvgate serve (pid" in proc.stderr
@@ -119,3 +137,19 @@ def test_the_ttft_chart_has_a_panel_per_length_and_leaves_out_rows_without_sampl
     out = io.StringIO()
     assert plot_ttft(results, tmp_path / "ttft.png", out)
     assert (tmp_path / "ttft.png").read_bytes().startswith(b"\x89PNG")
+
+
+@ON_EACH_DEVICE
+def test_the_transformers_reference_runs_on_the_device_and_dtype_given(
+    tmp_path: Path, device: str, dtype: str,
+) -> None:
+    numerics = resolve_numerics(device, dtype)
+    loaded = load_model(str(save_tiny_llama(tmp_path / "tiny")), device=numerics.device,
+                        dtype=numerics.dtype)
+    assert loaded.model.get_input_embeddings().weight.dtype == numerics.dtype
+    prefix = make_prefix(loaded, 32, "Reference")
+    cold, warm = hf_recipe_rows(loaded, prefix, SuffixSource(loaded, 8), 2, io.StringIO(),
+                                numerics)
+    assert (cold.label, warm.label) == (HF_COLD, HF_WARM)
+    assert all(s.seconds > 0 for s in (*cold.samples, *warm.samples))
+    assert [s.cached_tokens for s in warm.samples] == [32, 32]

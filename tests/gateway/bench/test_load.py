@@ -52,6 +52,7 @@ def test_bench_load_prints_every_configuration_and_user_count(tmp_path: Path) ->
         timeout_s=300, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"every server on (cpu in float32|cuda:0 in bfloat16);", proc.stdout)
     rows = [m for m in map(_ROW.match, proc.stdout.splitlines()) if m is not None]
     assert [(m["label"], int(m["users"])) for m in rows] == [
         (label, n) for label in KVGATE_CONFIGS for n in USERS], proc.stdout

@@ -1,10 +1,13 @@
 """The gateway ``kvgate bench ttft --spawn`` starts (``gateway.bench.spawn``): its generated
-configuration is one that ``kvgate serve`` accepts, with the bench's own tenant and admin."""
+configuration is one that ``kvgate serve`` accepts, with the bench's own tenant and admin, on
+the bench's device in its dtype -- as is the ``transformers serve`` reference of ``bench load``
+(``gateway.bench.peer_serve``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from gateway.bench.peer_serve import serve_command
 from gateway.bench.spawn import SPAWN_TENANT, spawn_config
 from gateway.config.loader import load_serve_config
 
@@ -32,3 +35,34 @@ def test_without_redis_the_configuration_names_none(tmp_path: Path) -> None:
     path.write_text(spawn_config(block_tokens=256, device_bytes=1 << 20, redis_url=None,
                                  api_key=API_KEY, admin_key=ADMIN_KEY))
     assert load_serve_config(path, env={}).cache.redis_url is None
+
+
+def test_the_spawned_server_runs_on_the_benchmarks_device_in_its_dtype(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
+                                 api_key=API_KEY, admin_key=ADMIN_KEY, device="cuda:1",
+                                 dtype="bfloat16"))
+    config = load_serve_config(path, env={})
+    assert (config.device, config.dtype) == ("cuda:1", "bfloat16")
+
+
+def test_left_unsaid_the_spawned_server_resolves_device_and_dtype_as_serve_does(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
+                                 api_key=API_KEY, admin_key=ADMIN_KEY))
+    config = load_serve_config(path, env={})
+    assert (config.device, config.dtype) == ("auto", "auto")
+
+
+def test_the_transformers_serve_reference_runs_on_the_benchmarks_device_in_its_dtype(
+    tmp_path: Path,
+) -> None:
+    command = serve_command(tmp_path / "peers" / "bin" / "python", tmp_path / "model",
+                            port=8123, device="cuda:0", dtype="bfloat16")
+    assert command[:3] == [str(tmp_path / "peers" / "bin" / "transformers"), "serve",
+                           str((tmp_path / "model").resolve())]
+    assert command[command.index("--device") + 1] == "cuda:0"
+    assert command[command.index("--dtype") + 1] == "bfloat16"
+    assert command[command.index("--port") + 1] == "8123"

@@ -20,6 +20,7 @@ import torch
 
 from gateway.cache.factory import CacheConfig, OpenedCache
 from gateway.cache.prefix_cache import Lease, PrefixCache
+from gateway.config.dtype import resolve_dtype
 from gateway.core.canonical import PromptInput, canonicalize
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
@@ -27,7 +28,7 @@ from gateway.engine.attention_choice import attention_for
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, compute_block_kv
+from gateway.engine.model import LoadedModel, compute_block_kv, load_model
 from tiers.payload import KVBlock
 
 BLOCK = 16
@@ -116,6 +117,14 @@ def num_servable_tokens(num_prompt_tokens: int) -> int:
     """Tokens a warm request is served from the cache: every full block before the one holding
     the last prompt token (that block is recomputed for its logits)."""
     return (num_prompt_tokens - 1) // BLOCK * BLOCK
+
+
+def load_tiny_as_served(model_dir: str, device: str) -> LoadedModel:
+    """The tiny Llama on ``device`` in the dtype ``kvgate serve`` computes in there by default
+    (``--dtype auto``: float32 on the CPU, bfloat16 on CUDA, where float32 products of a row
+    change with the row count and the probe sends float32 to the serial route)."""
+    return load_model(model_dir, device=device,
+                      dtype=resolve_dtype("auto", torch.device(device)))
 
 
 def model_device(loaded: LoadedModel) -> torch.device:

@@ -27,7 +27,7 @@ import pytest
 from gateway.cache.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.engine.engine import Engine
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.model import LoadedModel
 from tests.gateway.engine.parity import (
     BLOCK,
     PARITY_PROMPTS,
@@ -38,6 +38,7 @@ from tests.gateway.engine.parity import (
     assert_blocks_equal,
     cache_config,
     cold_blocks,
+    load_tiny_as_served,
     make_engine,
     model_device,
     num_servable_tokens,
@@ -70,7 +71,7 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny(tiny_dir: Path, request: pytest.FixtureRequest) -> LoadedModel:
     """The tiny Llama on each device: the whole suite runs on the CPU, and on CUDA where
     there is a GPU (``make test-gpu``), with the device tier beside the model."""
-    return load_model(str(tiny_dir), device=request.param)
+    return load_tiny_as_served(str(tiny_dir), request.param)
 
 
 def open_tiers(tiny: LoadedModel, root: Path, **overrides: object) -> OpenedCache:
@@ -78,26 +79,27 @@ def open_tiers(tiny: LoadedModel, root: Path, **overrides: object) -> OpenedCach
                       deployment_secret=SECRET, device=model_device(tiny))
 
 
-@pytest.fixture(scope="module")
-def device_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[SharedEngine]:
-    """Device and host tiers, no disk: one engine for every device-tier test."""
+def shared_without_disk(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory,
+                        name: str) -> Iterator[SharedEngine]:
+    """Device and host tiers, no disk: one engine (restarted when needed) for a module's tests
+    of one tier."""
     shared = SharedEngine(
-        lambda: start_shared(tiny, tmp_path_factory.mktemp("device"), disk_bytes=0),
+        lambda: start_shared(tiny, tmp_path_factory.mktemp(name), disk_bytes=0),
         block_tokens=BLOCK)
     yield shared
     shared.close()
+
+
+@pytest.fixture(scope="module")
+def device_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+                   ) -> Iterator[SharedEngine]:
+    yield from shared_without_disk(tiny, tmp_path_factory, "device")
 
 
 @pytest.fixture(scope="module")
 def host_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[SharedEngine]:
-    """Device and host tiers, no disk: one engine for every host-tier test."""
-    shared = SharedEngine(
-        lambda: start_shared(tiny, tmp_path_factory.mktemp("host"), disk_bytes=0),
-        block_tokens=BLOCK)
-    yield shared
-    shared.close()
+    yield from shared_without_disk(tiny, tmp_path_factory, "host")
 
 
 def start_shared(tiny: LoadedModel, root: Path, **overrides: object

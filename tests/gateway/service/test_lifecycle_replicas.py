@@ -89,6 +89,22 @@ def block_files(replica: Replica) -> set[Path]:
     return set((replica.root / "data" / "kv").rglob("*.kvb"))
 
 
+def settled_block_files(replica: Replica, quiet_s: float = 1.0,
+                        timeout_s: float = 30.0) -> set[Path]:
+    """``replica``'s block files once its disk writes have stopped (the set unchanged for
+    ``quiet_s``): writes are queued, so a file list taken right after an earlier request may
+    still grow by that request's blocks."""
+    deadline = time.monotonic() + timeout_s
+    files, since = block_files(replica), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        assert time.monotonic() < deadline, "the disk writes never settled"
+        time.sleep(0.1)
+        now_files = block_files(replica)
+        if now_files != files:
+            files, since = now_files, time.monotonic()
+    return files
+
+
 def wait_for(what: str, predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -106,7 +122,7 @@ def test_a_ttl_reaches_redis_and_the_other_replica_and_the_block_goes_everywhere
 ) -> None:
     a, b = pair
     prompt = _prompt("ttl")
-    keys_before, files_before = redis_keys(module_redis_server), block_files(a)
+    keys_before, files_before = redis_keys(module_redis_server), settled_block_files(a)
     with a.client() as client:
         warmed = client.warm(prompt, ttl_s=TTL_S)
     began = time.monotonic()
@@ -188,13 +204,14 @@ def test_a_replica_that_was_down_drops_what_expired_or_was_evicted_meanwhile(
     applied before B serves -- while a block that did neither is a disk hit after it."""
     a, b = pair
     short, kept, evicted = _prompt("short-lived"), _prompt("long-lived"), system_prompt("down")
-    files_before = block_files(b)
+    files_before = settled_block_files(b)  # the previous test's writes may still be queued
     with b.client() as client:
         warmed = client.warm(short, ttl_s=TTL_S)
         expires = time.monotonic() + TTL_S
         wait_for("the disk writes",
                  lambda: len(block_files(b) - files_before) >= warmed.num_blocks)
         short_files = block_files(b) - files_before
+        assert len(short_files) == warmed.num_blocks, "files other than the short prompt's"
         client.warm(kept)  # the default TTL: an hour
     warm_as_prewarm(b, evicted)
     b.stop()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cache.admin import CacheAdmin
@@ -168,7 +169,22 @@ def test_two_gateways_do_not_share_counters() -> None:
                                             {"finish_reason": "eos"}) is None
 
 
+def test_the_engine_info_names_its_device_and_dtype() -> None:
+    metrics = GatewayMetrics(device="cuda:0", dtype="bfloat16")
+    assert metrics.registry.get_sample_value(
+        "kvgate_engine_info", {"device": "cuda:0", "dtype": "bfloat16"}) == 1
+    samples = parse(generate_latest(metrics.registry).decode("utf-8"))
+    assert [labels for name, labels in samples if name == "kvgate_engine_info"] == [
+        (("device", "cuda:0"), ("dtype", "bfloat16"))]
+
+
+def test_without_a_device_there_is_no_engine_info() -> None:
+    samples = parse(generate_latest(GatewayMetrics().registry).decode("utf-8"))
+    assert not any(name == "kvgate_engine_info" for name, _ in samples)
+
+
 _METRICS_LINE = re.compile(r"metrics on http://127\.0\.0\.1:(\d+)/metrics")
+_START_LINE = re.compile(r"model \S+ on (\S+) in (\w+), tiers")
 
 
 def test_kvgate_serve_serves_metrics_from_its_config_and_stops_on_sigterm(
@@ -192,6 +208,10 @@ def test_kvgate_serve_serves_metrics_from_its_config_and_stops_on_sigterm(
                          source="computed", tier="none")
         assert computed is not None and computed > 0
         assert value(samples, "kvgate_tier_blocks", tier="disk") is not None
+        started = _START_LINE.search(process.stderr)
+        assert started, process.stderr
+        assert value(samples, "kvgate_engine_info", device=started.group(1),
+                      dtype=started.group(2)) == 1  # what the start line says it runs on
         assert "careful assistant" not in text
         code, _ = process.sigterm()
         assert code == 0

@@ -1,0 +1,95 @@
+"""The row padding of shared products: the CPU table, the CUDA-style padding and its search.
+
+The search is driven through its ``product`` seam with projections whose rows change with the
+row count where real kernels would (split reductions below some count), so that what it finds
+is known; on CUDA itself the ``gpu``-marked parity suite runs it on real weights.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gateway.engine.attention_choice import attention_for
+from gateway.engine.forward import BatchedForward, projection_weights
+from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.probe import probe_invariance
+from gateway.engine.row_padding import (
+    CPU_ROW_PADDING,
+    RowPadding,
+    checked_counts,
+    find_row_padding,
+    row_padding_for,
+)
+from tests.tiny_llama import VOCAB, save_tiny_llama
+
+WEIGHTS = [torch.randn(48, 32, generator=torch.Generator().manual_seed(1)),
+           torch.randn(32, 80, generator=torch.Generator().manual_seed(2))]
+
+
+def _split_below(count: int):
+    """A projection whose rows come out rounded differently below ``count`` rows."""
+    def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = F.linear(rows, weight)
+        return out.to(torch.bfloat16).to(out.dtype) if rows.shape[0] < count else out
+    return product
+
+
+@pytest.mark.parametrize(("rows", "padded"), [(0, 0), (1, 256), (255, 256), (256, 256),
+                                               (257, 320), (1000, 1024)])
+def test_a_device_padding_rounds_up_to_its_multiple_from_its_minimum(rows, padded) -> None:
+    assert RowPadding(minimum=256, multiple=64).rows_for(rows) == padded
+
+
+def test_the_cpu_padding_is_the_measured_four_eight_twelve_table() -> None:
+    assert [CPU_ROW_PADDING.rows_for(n) for n in (1, 4, 5, 9, 12, 13, 700)] == \
+        [4, 4, 8, 12, 12, 13, 700]
+    assert CPU_ROW_PADDING.label == ""
+    assert RowPadding(minimum=256, multiple=64).label == "r256x64"
+
+
+def test_the_checked_counts_are_every_count_the_padding_can_produce() -> None:
+    assert checked_counts(256, 600) == [256, 320, 384, 448, 512, 576, 640]
+
+
+def test_the_search_finds_the_smallest_minimum_from_which_rows_keep_their_bits() -> None:
+    found = find_row_padding(WEIGHTS, max_rows=1024, product=_split_below(256))
+    assert found == RowPadding(minimum=256, multiple=64)
+
+
+def test_a_count_that_changes_rows_above_a_minimum_rules_that_minimum_out() -> None:
+    def odd_at_640(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = F.linear(rows, weight)
+        return out.to(torch.bfloat16).to(out.dtype) if rows.shape[0] == 640 else out
+    assert find_row_padding(WEIGHTS, max_rows=1024, product=odd_at_640) == \
+        RowPadding(minimum=1024, multiple=64)
+
+
+def test_no_padding_is_found_when_every_candidate_changes_rows() -> None:
+    assert find_row_padding(WEIGHTS, max_rows=1024, candidates=(64, 128),
+                            product=_split_below(1024)) is None
+
+
+def test_the_cpu_keeps_its_measured_table() -> None:
+    assert row_padding_for(torch.device("cpu"), WEIGHTS, max_rows=1024) is CPU_ROW_PADDING
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
+
+
+def test_projection_weights_are_one_layers_seven_projections(tiny) -> None:
+    layer = tiny.model.model.layers[0]
+    weights = projection_weights(tiny.model)
+    assert len(weights) == 7
+    assert weights[0] is layer.self_attn.q_proj.weight
+    assert weights[-1] is layer.mlp.down_proj.weight
+
+
+def test_the_forward_padded_as_on_a_gpu_passes_the_probe(tiny) -> None:
+    padded = BatchedForward(tiny.model, attention_for(torch.device("cpu")),
+                            RowPadding(minimum=64, multiple=64))
+    result = probe_invariance(padded, tiny.layout, VOCAB)
+    assert result.is_invariant, result.failure
