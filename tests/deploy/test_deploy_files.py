@@ -287,7 +287,7 @@ def test_systemd_unit_passes_config_and_secret_as_credentials() -> None:
 def test_readme_cites_the_measured_ttft_numbers() -> None:
     readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
     top = (DEPLOY.parent / "README.md").read_text(encoding="utf-8")
-    for device, redis in (("129.6", "172.7"), ("183.2", "269.5")):
+    for device, redis in (("290.9", "703.7"), ("346.8", "1,108.6")):
         assert device in readme and redis in readme
         assert re.search(rf"warm: device\s+{re.escape(device)}", top)
         assert re.search(rf"warm: redis\s+{re.escape(redis)}", top)
