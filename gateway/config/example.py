@@ -49,6 +49,7 @@ max_queue = 64                  # requests waiting for the model; more are refus
 default_ttl_s = 3600.0          # TTL of blocks whose request names none
 # max_prompt_tokens = 8191      # default: the model's context minus 1
 route = "auto"                  # "auto": batched if the start-up probe finds it exact, else serial
+linear_kernel = "auto"          # "auto": oneDNN on a CPU where it keeps rows' bits, else "blas"
 step_tokens = 256               # tokens one step computes (decode rows + prefill chunks)
 prefill_step_tokens = 1024      # ... while no request is decoding (bigger chunks prefill faster)
 max_running = 16                # requests running at once

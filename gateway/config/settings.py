@@ -149,6 +149,9 @@ class EngineSettings:
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
         kv_budget_bytes: memory the running requests' KV buffers may take together.
+        linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
+            (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
+            "onednn" or "blas". Part of the cache namespace.
     """
 
     max_queue: int = 64
@@ -161,6 +164,7 @@ class EngineSettings:
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
+    linear_kernel: str = "auto"
 
     def problems(self) -> list[str]:
         errors = []
@@ -172,6 +176,9 @@ class EngineSettings:
         if self.route not in ("auto", "batched", "serial"):
             errors.append(f"engine.route must be \"auto\", \"batched\" or \"serial\", got "
                           f"{self.route!r}")
+        if self.linear_kernel not in ("auto", "onednn", "blas"):
+            errors.append(f"engine.linear_kernel must be \"auto\", \"onednn\" or \"blas\", "
+                          f"got {self.linear_kernel!r}")
         if self.default_ttl_s is not None and not is_positive(self.default_ttl_s):
             errors.append(f"engine.default_ttl_s must be > 0, got {self.default_ttl_s!r}")
         if self.max_prompt_tokens is not None and (

@@ -59,7 +59,13 @@ from gateway.engine.loop import LoopCounters, LoopSettings, StepLoop
 from gateway.engine.model import LoadedModel, SerialForward
 from gateway.engine.observer import EngineMetrics
 from gateway.engine.probe import probe_invariance
-from gateway.engine.row_padding import MINIMUM_CANDIDATES, RowPadding, row_padding_for
+from gateway.engine.row_padding import CPU_ROW_PADDING, MINIMUM_CANDIDATES
+from gateway.engine.row_products import (
+    LINEAR_KERNELS,
+    LinearKernel,
+    RowProducts,
+    candidate_row_products,
+)
 from gateway.engine.scheduler import ScheduleLimits, Scheduler
 from tiers.payload import KVBlock
 
@@ -68,12 +74,15 @@ logger = logging.getLogger(__name__)
 ROUTES = ("auto", "batched", "serial")
 
 
-def _padding_note(padding: RowPadding) -> str:
-    """What the route's reason says of a row padding other than the CPU's table."""
-    if not padding.label:
-        return ""
-    return (f"; shared products padded to at least {padding.minimum} rows, in steps of "
-            f"{padding.multiple}")
+def _products_note(products: RowProducts) -> str:
+    """What the route's reason says of the forward's projections."""
+    padding = products.padding
+    if products.kernel == "onednn":
+        return (f"projections through oneDNN, every row of a step in one product of at least "
+                f"{padding.minimum} rows (decode rows too)")
+    rows = ("4, 8 or 12+ rows" if padding == CPU_ROW_PADDING else
+            f"at least {padding.minimum} rows, in steps of {padding.multiple}")
+    return f"projections through BLAS, prefill rows padded to {rows}, decode rows alone"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -98,6 +107,9 @@ class EngineConfig:
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting.
         kv_budget_bytes: KV buffer bytes the running requests may hold together.
+        linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
+            (oneDNN where it keeps a row's bits, else BLAS), "onednn" or "blas"
+            (``gateway.engine.row_products``).
     """
 
     block_tokens: int = 64
@@ -113,10 +125,14 @@ class EngineConfig:
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
+    linear_kernel: LinearKernel = "auto"
 
     def __post_init__(self) -> None:
         if self.route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {self.route!r}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got "
+                             f"{self.linear_kernel!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -265,38 +281,49 @@ class Engine:
         if problem is not None:
             return serial, EngineRoute(name="serial", reason=f"the batched forward cannot run "
                                        f"this model: {problem}")
-        attention = attention_for(self._device)
         started = time.perf_counter()
-        padding = row_padding_for(
-            self._device, projection_weights(self._loaded.model),
-            max_rows=max(self._config.step_tokens, self._config.prefill_step_tokens))
-        if padding is None:
+        model = self._loaded.model
+        candidates = candidate_row_products(
+            self._device, projection_weights(model), model.lm_head.weight,
+            max_rows=max(self._config.step_tokens, self._config.prefill_step_tokens),
+            max_logit_rows=self._config.max_running, kernel=self._config.linear_kernel)
+        if not candidates:
             reason = (f"no padding of up to {max(MINIMUM_CANDIDATES):,} rows keeps a projection "
                       "row's bits whatever the row count on this device")
             logger.warning("the batched forward is not invariant here (%s): serving one request "
                            "at a time on the serial exact route", reason)
             return serial, EngineRoute(name="serial", probe_s=time.perf_counter() - started,
                                        reason=f"start-up probe failed: {reason}")
-        batched = BatchedForward(self._loaded.model, attention, padding)
-        numerics = "-".join(part for part in (attention.numerics, padding.label) if part)
-        probe = probe_invariance(batched, self._loaded.layout,
-                                 int(self._loaded.model.config.vocab_size))
-        if probe.is_invariant:
-            return batched, EngineRoute(
-                name="batched", probe_s=time.perf_counter() - started, attention=numerics,
-                decode_kv_is_prefill_kv=probe.decode_kv_is_prefill_kv,
-                reason=f"start-up probe: {probe.num_checks} chunked/batched variants equal "
-                       f"one-shot bit for bit{_padding_note(padding)}")
+        failed: tuple[BatchedForward, str, str] | None = None
+        for products in candidates:
+            attention = attention_for(self._device,
+                                      decode_as_prefill=products.shares_decode_rows)
+            batched = BatchedForward(model, attention, products)
+            numerics = "-".join(part for part in (attention.numerics, products.label) if part)
+            probe = probe_invariance(batched, self._loaded.layout,
+                                     int(model.config.vocab_size))
+            if probe.is_invariant:
+                return batched, EngineRoute(
+                    name="batched", probe_s=time.perf_counter() - started, attention=numerics,
+                    decode_kv_is_prefill_kv=probe.decode_kv_is_prefill_kv,
+                    reason=f"start-up probe: {probe.num_checks} chunked/batched variants equal "
+                           f"one-shot bit for bit; {_products_note(products)}")
+            logger.info("the batched forward with %s is not invariant here: %s",
+                        _products_note(products), probe.failure)
+            if failed is None:
+                failed = (batched, numerics, str(probe.failure))
+        assert failed is not None
+        batched, numerics, failure = failed
         if self._config.route == "batched":
             logger.warning("route = batched although the probe failed (%s): warm may differ "
-                           "from cold", probe.failure)
+                           "from cold", failure)
             return batched, EngineRoute(name="batched", probe_s=time.perf_counter() - started,
                                         attention=numerics,
-                                        reason=f"configured, probe FAILED: {probe.failure}")
+                                        reason=f"configured, probe FAILED: {failure}")
         logger.warning("the batched forward is not invariant here (%s): serving one request at "
-                       "a time on the serial exact route", probe.failure)
+                       "a time on the serial exact route", failure)
         return serial, EngineRoute(name="serial", probe_s=time.perf_counter() - started,
-                                   reason=f"start-up probe failed: {probe.failure}")
+                                   reason=f"start-up probe failed: {failure}")
 
     @property
     def counters(self) -> LoopCounters:

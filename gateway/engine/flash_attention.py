@@ -22,9 +22,13 @@ are fixed:
 
 So a prefill row's numbers are the same however its prompt was chunked, and whatever else is in
 the step (each sequence is its own call). A decode row (``AttentionItem.is_decode``) is called
-alone, unpadded: its numbers are its own, not a prefill's (as for its projections,
-``gateway.engine.forward``). The start-up probe (``gateway.engine.probe``) checks all of this on
-the real weights; if a torch build computes otherwise, the engine serves on the serial route.
+alone: unpadded, its numbers are its own, not a prefill's; with ``decode_as_prefill`` it is
+padded with zero queries to ``DECODE_QUERIES`` (4), the fewest rows whose block gives a row the
+bits a block of 32 gives, so that its numbers are a prefill's -- what the forward wants when its
+projections treat decode rows as prefill rows too (``gateway.engine.row_products``). One decode
+row over 1,800 keys of SmolLM2 costs ~0.42 ms per layer padded, ~0.21 ms unpadded. The start-up
+probe (``gateway.engine.probe``) checks all of this on the real weights; if a torch build
+computes otherwise, the engine serves on the serial route.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ KEY_BLOCK = 512
 QUERY_BLOCK = 32
 """Queries per block of the kernel's split below 192 queries; calls are padded to a multiple."""
 
+DECODE_QUERIES = 4
+"""Queries a decode call is padded to with ``decode_as_prefill`` (blocks of 1-3 rows give a row
+other bits than blocks of 32; 4 does not)."""
+
 QUERY_CALL = 128
 """Prefill queries per call at most: below 192, so the kernel keeps blocks of ``QUERY_BLOCK``."""
 
@@ -51,12 +59,18 @@ NUMERICS = f"f{KEY_BLOCK}q{QUERY_BLOCK}"
 class FlashBlockAttention:
     """Each sequence's attention through the CPU flash kernel, in fixed-shape calls.
 
+    Args:
+        decode_as_prefill: pad each decode row's call so that its numbers are a prefill's.
+
     Raises (from ``attend``):
         ValueError: a sequence's buffers hold fewer key positions than its calls need (capacity
             must be a multiple of ``KEY_BLOCK``; ``KVSequence`` allocates so).
     """
 
     numerics = NUMERICS
+
+    def __init__(self, *, decode_as_prefill: bool = False) -> None:
+        self._decode_queries = DECODE_QUERIES if decode_as_prefill else 1
 
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         return [self._decode(item) if item.is_decode else self._prefill(item)
@@ -80,9 +94,13 @@ class FlashBlockAttention:
             out[start:end] = _call(call_queries, item.keys, item.values, call_positions)[:count]
         return out
 
-    @staticmethod
-    def _decode(item: AttentionItem) -> torch.Tensor:
-        return _call(item.queries, item.keys, item.values, item.positions)
+    def _decode(self, item: AttentionItem) -> torch.Tensor:
+        queries, positions = item.queries, item.positions
+        num_pad = self._decode_queries - queries.shape[0]
+        if num_pad > 0:
+            queries = torch.cat([queries, queries.new_zeros(num_pad, *queries.shape[1:])])
+            positions = positions[-1:].expand(self._decode_queries)
+        return _call(queries, item.keys, item.values, positions)[:item.queries.shape[0]]
 
 
 def _call(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -6,18 +6,15 @@ same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary
 q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
 row-wise parts (norms, projections, MLP) and ``SequenceAttention`` for each sequence over its
 own KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
-are enough rows (``gateway.engine.row_padding``: a count that depends on the device), so the
-prefill rows of each forward are padded to that (DESIGN.md, "Parity").
+are enough rows, so each forward's rows are padded to such a count (DESIGN.md, "Parity").
 
-Decode rows (a sampled token fed back) are the exception: each is its own matrix-vector product.
-Padding one decode row to four costs more than a matrix-vector product on this CPU (SmolLM2's
-210 projections, quiet machine, 2026-11-23: 45.4 ms for a 4-row product, 34.9 ms as matrix-vector
-products; a whole one-user decode step 77-85 ms against 62 ms; an earlier, busy-machine figure
-said 2.5x), and a step of one user's decoding is nothing but that. A row alone keeps its bits
-whatever runs beside it, so a decode row's numbers stay independent of the batch; they are not
-the numbers a prefill of the same token gives, so an answer's blocks are recomputed as prefill
-before they are stored (``gateway.engine.probe`` reports whether they happen to match). Logits
-rows are their own products too, for the same reason: a step wants few of them.
+Which kernel multiplies the rows, how many rows it needs, and whether decode rows (a sampled
+token fed back) join the shared product is ``gateway.engine.row_products``' choice, made once at
+start-up: on a CPU with oneDNN every row of the step is in one product of at least 2 rows, so a
+decode row's numbers are a prefill's and an answer's blocks are stored as decoded; with BLAS
+each decode row is a matrix-vector product of its own (a lone row padded to MKL's 4 costs more),
+whose numbers are not a prefill's (``gateway.engine.probe`` reports which holds). Logits rows
+follow decode rows.
 
 It only touches the modules' weights and forward methods, never transformers' APIs
 (``gateway.engine.model`` stays the only importer of ``transformers``).
@@ -30,11 +27,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 
 from gateway.engine.attention import AttentionItem, SequenceAttention
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.row_padding import CPU_ROW_PADDING, RowPadding
+from gateway.engine.row_products import BLAS_CPU_PRODUCTS, RowProducts
 
 ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
@@ -95,14 +91,14 @@ class BatchedForward:
     """
 
     def __init__(self, model: Any, attention: SequenceAttention,
-                 row_padding: RowPadding = CPU_ROW_PADDING) -> None:
+                 products: RowProducts = BLAS_CPU_PRODUCTS) -> None:
         problem = architecture_problem(model)
         if problem is not None:
             raise UnsupportedModel(problem)
         config = model.config
         self._model = model
         self._attention = attention
-        self._row_padding = row_padding
+        self._products = products
         self._num_heads = int(config.num_attention_heads)
         self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._num_heads)
         self._head_dim = int(getattr(config, "head_dim", None)
@@ -143,26 +139,29 @@ class BatchedForward:
                                  f"{rows.sequence.capacity}")
         model = self._model.model
         device = model.embed_tokens.weight.device
-        # Rows: every prefill entry's tokens, padding up to a row count that keeps their bits,
-        # then one row per decode entry.
+        # Rows: every prefill entry's tokens, then (when decode rows share the product) every
+        # decode entry's, padding up to a row count that keeps their bits, then (otherwise) one
+        # row per decode entry, each a product of its own.
+        products = self._products
         spans: list[tuple[int, int]] = [(0, 0)] * len(batch)
         id_parts: list[torch.Tensor] = []
         position_parts: list[torch.Tensor] = []
         offset = num_shared = 0
-        for decoding in (False, True):
-            if decoding:
-                num_pad = self._row_padding.rows_for(offset) - offset
-                id_parts.append(torch.zeros(num_pad, dtype=torch.long))
-                position_parts.append(torch.zeros(num_pad, dtype=torch.long))
-                offset += num_pad
-                num_shared = offset
+        groups = ((False, True),) if products.shares_decode_rows else ((False,), (True,))
+        for index, group in enumerate(groups):
             for i, (rows, n) in enumerate(zip(batch, lengths, strict=True)):
-                if rows.is_decode == decoding:
+                if rows.is_decode in group:
                     spans[i] = (offset, offset + n)
                     offset += n
                     id_parts.append(rows.tokens.reshape(-1).to(device="cpu", dtype=torch.long))
                     position_parts.append(torch.arange(rows.sequence.length,
                                                        rows.sequence.length + n))
+            if index == 0:
+                num_pad = products.padding.rows_for(offset) - offset
+                id_parts.append(torch.zeros(num_pad, dtype=torch.long))
+                position_parts.append(torch.zeros(num_pad, dtype=torch.long))
+                offset += num_pad
+                num_shared = offset
         ids = torch.cat(id_parts).to(device)
         positions = torch.cat(position_parts)
         cos, sin = self._rope(positions)
@@ -180,7 +179,12 @@ class BatchedForward:
             if not wanted:
                 return [None] * len(batch)
             picked = model.norm(hidden[torch.tensor(wanted, device=device)])
-            logits = _project(self._model.lm_head, picked, 0).float()
+            num_logit_rows = 0
+            if products.shares_decode_rows:
+                num_logit_rows = products.padding.rows_for(len(wanted))
+                picked = torch.cat([picked, picked.new_zeros(num_logit_rows - len(wanted),
+                                                             picked.shape[1])])
+            logits = products.project(self._model.lm_head, picked, num_logit_rows).float()
         out: list[torch.Tensor | None] = []
         row = 0
         for rows in batch:
@@ -198,12 +202,13 @@ class BatchedForward:
         attn = layer.self_attn
         normed = layer.input_layernorm(hidden)
         num_rows = hidden.shape[0]
-        q = _project(attn.q_proj, normed, num_shared).view(num_rows, self._num_heads,
-                                                            self._head_dim)
-        k = _project(attn.k_proj, normed, num_shared).view(num_rows, self._kv_heads,
-                                                            self._head_dim)
-        v = _project(attn.v_proj, normed, num_shared).view(num_rows, self._kv_heads,
-                                                            self._head_dim)
+        project = self._products.project
+        q = project(attn.q_proj, normed, num_shared).view(num_rows, self._num_heads,
+                                                          self._head_dim)
+        k = project(attn.k_proj, normed, num_shared).view(num_rows, self._kv_heads,
+                                                          self._head_dim)
+        v = project(attn.v_proj, normed, num_shared).view(num_rows, self._kv_heads,
+                                                          self._head_dim)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         items = []
@@ -216,12 +221,12 @@ class BatchedForward:
         attended = torch.zeros_like(q)
         for (start, end), rows_attended in zip(spans, self._attention.attend(items), strict=True):
             attended[start:end] = rows_attended
-        hidden = hidden + _project(attn.o_proj, attended.view(num_rows, -1), num_shared)
+        hidden = hidden + project(attn.o_proj, attended.view(num_rows, -1), num_shared)
         mlp = layer.mlp
         normed = layer.post_attention_layernorm(hidden)
-        gated = (mlp.act_fn(_project(mlp.gate_proj, normed, num_shared))
-                 * _project(mlp.up_proj, normed, num_shared))
-        out: torch.Tensor = hidden + _project(mlp.down_proj, gated, num_shared)
+        gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
+                 * project(mlp.up_proj, normed, num_shared))
+        out: torch.Tensor = hidden + project(mlp.down_proj, gated, num_shared)
         return out
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,25 +255,6 @@ def projection_weights(model: Any) -> list[torch.Tensor]:
     return [module.weight for module in (attention.q_proj, attention.k_proj, attention.v_proj,
                                          attention.o_proj, mlp.gate_proj, mlp.up_proj,
                                          mlp.down_proj)]
-
-
-def _project(linear: Any, rows: torch.Tensor, num_shared: int) -> torch.Tensor:
-    """``linear`` of ``rows``: the first ``num_shared`` in one product, each other row alone.
-
-    ``num_shared`` is zero or a padded row count, so the shared rows keep their bits; a row
-    alone is a matrix-vector product, which no other row can change."""
-    weight: torch.Tensor = linear.weight
-    bias: torch.Tensor | None = linear.bias
-    if num_shared == rows.shape[0]:
-        return F.linear(rows, weight, bias)
-    out = rows.new_empty(rows.shape[0], weight.shape[0])
-    if num_shared:
-        out[:num_shared] = F.linear(rows[:num_shared], weight, bias)
-    for row in range(num_shared, rows.shape[0]):
-        torch.mv(weight, rows[row], out=out[row])
-    if bias is not None:
-        out[num_shared:] += bias
-    return out
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

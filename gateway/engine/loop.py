@@ -490,6 +490,12 @@ class StepLoop:
             total_ms=(self._clock() - job.submitted) * 1e3,
             finish_reason=finish,
         )
+        settings = self._settings
+        stores = settings.store_generated_blocks and bool(active.generated)
+        if stores and settings.decode_kv_is_prefill_kv:
+            # Stored as decoded (no compute): before the final message, so that a client holding
+            # it finds the answer's blocks.
+            self._store_generated(active)
         job.events.put(usage)
         job.usage_sent = True
         if self._metrics is not None:
@@ -498,10 +504,8 @@ class StepLoop:
                 cached_tokens_by_tier=usage.cached_tokens_by_tier,
                 finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
                 total_s=usage.total_ms / 1e3)
-        settings = self._settings
-        if settings.store_generated_blocks and active.generated and (
-                settings.decode_kv_is_prefill_kv or settings.recompute_generated_blocks):
-            self._store_generated(active)
+        if stores and not settings.decode_kv_is_prefill_kv and settings.recompute_generated_blocks:
+            self._store_generated(active)  # recomputed first: after the answer is out
         self._end(active, None)
 
     def _finish_warm(self, active: _Active) -> None:

@@ -4,10 +4,11 @@ Why at start-up and on the real weights: invariance is a property of the kernels
 these shapes on this machine (DESIGN.md, "Parity": other builds and devices behave otherwise).
 The probe runs the same random prompt one-shot, in odd chunks, token by token, and side by side
 with other sequences, and compares every layer's K/V and the logits bit for bit. If any differ,
-the engine serves through the serial exact route and says why. It then decodes, alone and beside
-other decoding sequences (decode rows are products of their own, ``gateway.engine.forward``),
-which must match too; and it reports whether decode-time K/V happen to equal the prefill's, which
-decides whether an answer's blocks are stored as decoded or recomputed first.
+the engine serves through the serial exact route and says why. It then decodes, alone, beside
+other decoding sequences and beside prefilling ones (decode rows share the step's product or
+are products of their own, ``gateway.engine.row_products``), which must match too; and it
+reports whether decode-time K/V equal the prefill's, which decides whether an answer's blocks
+are stored as decoded.
 """
 
 from __future__ import annotations
@@ -96,8 +97,10 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
             made.append(seq)
         return made
 
-    def run(chunks: Sequence[int], beside: int = 0, decoding: bool = False) -> _Run:
-        """``decoding``: the last NUM_DECODE one-token chunks, and the others', are decode rows."""
+    def run(chunks: Sequence[int], beside: int = 0, decoding: bool = False,
+            company_prefills: bool = False) -> _Run:
+        """``decoding``: the last NUM_DECODE one-token chunks, and the others', are decode rows
+        (the others' are prefill rows with ``company_prefills``)."""
         seq = KVSequence.from_blocks(layout, prefix_kv, PROBE_PREFIX + total,
                                      device=forward.device)
         company = others(beside)
@@ -105,7 +108,8 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
         at = 0
         for size in chunks:
             is_decode = decoding and at >= num_tokens
-            batch = [SequenceRows(sequence=other, wants_logits=True, is_decode=is_decode,
+            batch = [SequenceRows(sequence=other, wants_logits=True,
+                                  is_decode=is_decode and not company_prefills,
                                   tokens=torch.randint(0, vocab_size, (1,), generator=generator))
                      for other in company]
             batch.append(SequenceRows(sequence=seq, tokens=tokens[at:at + size],
@@ -139,9 +143,14 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
         failure = _compare(decoded_alone, run([num_tokens, *decode], beside=3, decoding=True),
                            "decoding beside other decoding sequences", layout,
                            logits_steps=every_decode_step)
+    if failure is None:
+        failure = _compare(decoded_alone, run([num_tokens, *decode], beside=2, decoding=True,
+                                              company_prefills=True),
+                           "decoding beside prefilling sequences", layout,
+                           logits_steps=every_decode_step)
     same_kv = _compare(reference, decoded_alone, "", layout, logits_steps=()) is None
     return ProbeResult(is_invariant=failure is None, failure=failure,
-                       num_checks=2 + len(variants), seconds=clock() - started,
+                       num_checks=3 + len(variants), seconds=clock() - started,
                        decode_kv_is_prefill_kv=same_kv)
 
 

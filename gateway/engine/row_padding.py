@@ -39,14 +39,17 @@ MINIMUM_CANDIDATES = (64, 128, 256, 512, 1024)
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``product(rows, weight)``: what a projection computes (``F.linear`` without bias)."""
 
+CountsToCheck = Callable[[int, int, int], list[int]]
+"""``counts(minimum, max_rows, multiple)``: the row counts a search checks for a minimum."""
+
 
 @dataclass(frozen=True, slots=True)
 class RowPadding:
     """The row count a shared product of ``n`` rows is padded to.
 
     Attributes:
-        minimum: no shared product has fewer rows.
-        multiple: counts are rounded up to a multiple of this.
+        minimum: no shared product has fewer rows (any count up to it becomes it).
+        multiple: counts above the minimum are rounded up to a multiple of this.
         exact_from: counts from this one run unpadded (None: always rounded).
     """
 
@@ -58,9 +61,11 @@ class RowPadding:
         """The padded count for ``num_rows`` shared rows (0 stays 0: nothing to compute)."""
         if num_rows <= 0:
             return 0
+        if num_rows <= self.minimum:
+            return self.minimum
         if self.exact_from is not None and num_rows >= self.exact_from:
             return num_rows
-        return max(self.minimum, -(-num_rows // self.multiple) * self.multiple)
+        return -(-num_rows // self.multiple) * self.multiple
 
     @property
     def label(self) -> str:
@@ -86,9 +91,22 @@ def checked_counts(minimum: int, max_rows: int, multiple: int = ROW_STEP) -> lis
     return [minimum, *range(minimum // multiple * multiple + multiple, top + 1, multiple)]
 
 
+def sampled_counts(minimum: int, max_rows: int, multiple: int = ROW_STEP) -> list[int]:
+    """Some of ``checked_counts``, for a device where checking every one costs seconds (a CPU):
+    the minimum, every multiple up to 16 multiples, then about 1.5x apart, and the largest."""
+    every = checked_counts(minimum, max_rows, multiple)
+    dense = [count for count in every if count <= 16 * multiple]
+    sparse, count = [], 16 * multiple
+    while count < every[-1]:
+        count = -(-(count * 3 // 2) // multiple) * multiple
+        sparse.append(min(count, every[-1]))
+    return sorted({*dense, *sparse, every[-1]})
+
+
 def find_row_padding(weights: Iterable[torch.Tensor], *, max_rows: int,
                      candidates: Sequence[int] = MINIMUM_CANDIDATES,
                      multiple: int = ROW_STEP, product: Product = _linear,
+                     counts: CountsToCheck = checked_counts,
                      seed: int = 0) -> RowPadding | None:
     """The smallest padding under which each weight's product rows do not depend on the count.
 
@@ -103,6 +121,7 @@ def find_row_padding(weights: Iterable[torch.Tensor], *, max_rows: int,
         candidates: minimums to try, smallest first.
         multiple: counts are rounded up to a multiple of this.
         product: the projection (``F.linear`` of rows and weight).
+        counts: which counts up to ``max_rows`` to check (``checked_counts``: all of them).
         seed: of the random rows.
 
     Returns:
@@ -121,9 +140,9 @@ def find_row_padding(weights: Iterable[torch.Tensor], *, max_rows: int,
         for minimum in candidates:
             if minimum > largest:
                 break
-            counts = checked_counts(minimum, largest, multiple)
             if all(torch.equal(product(rows[:count], weight), expected[:count])
-                   for weight, rows, expected in references for count in counts):
+                   for weight, rows, expected in references
+                   for count in counts(minimum, largest, multiple)):
                 return RowPadding(minimum=minimum, multiple=multiple)
     return None
 

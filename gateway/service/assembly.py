@@ -28,7 +28,7 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from gateway.config.secrets import (
     DEV_TENANT,
@@ -184,6 +184,7 @@ def serve(
     from gateway.config.dtype import DtypeError, resolve_dtype
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.model import load_model
+    from gateway.engine.row_products import LinearKernel
 
     logger.info("listening on %s:%d; loading the model %s", config.host, server.port,
                 config.model)
@@ -220,6 +221,7 @@ def serve(
                 max_running_per_tenant=config.engine.max_running_per_tenant,
                 max_queued_per_tenant=config.engine.max_queued_per_tenant,
                 kv_budget_bytes=config.engine.kv_budget_bytes,
+                linear_kernel=cast(LinearKernel, config.engine.linear_kernel),
             ),
             deployment_secret=secret,
             metrics=metrics,

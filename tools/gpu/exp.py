@@ -10,6 +10,7 @@ from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import load_model
 from gateway.engine.probe import probe_invariance
 from gateway.engine.row_padding import row_padding_for
+from gateway.engine.row_products import RowProducts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 QC, KB = 128, 512
@@ -63,7 +64,8 @@ for kind, dt in kinds:
             loaded.model(input_ids=ids[None].to(DEV), logits_to_keep=1)
     row = {"padding": str(padding), "hf_oneshot_ms": timed(hf)}
     for aname, att in (("tiled", TiledAttention()), ("eff", EffAttention())):
-        fw = BatchedForward(loaded.model, att, padding)
+        fw = BatchedForward(loaded.model, att, RowProducts(kernel="blas", padding=padding,
+                                                           shares_decode_rows=False))
         try:
             probe = probe_invariance(fw, loaded.layout, vocab)
             row[f"{aname}_probe"] = [probe.is_invariant, probe.failure, round(probe.seconds, 2), probe.decode_kv_is_prefill_kv]

@@ -60,6 +60,7 @@ max_calls_per_key = 8
 [engine]
 max_queue = 4
 default_ttl_s = 60
+linear_kernel = "blas"
 
 [cache]
 block_tokens = 64
@@ -87,6 +88,7 @@ key = "{ADMIN}"
     assert config.grpc.body_timeout_s == 2.5 and config.grpc.max_deadline_s == 30
     assert config.limits.max_calls_per_key == 8 and config.limits.max_calls == 64
     assert config.engine.max_queue == 4 and config.engine.default_ttl_s == 60
+    assert config.engine.linear_kernel == "blas"
     assert config.cache.block_tokens == 64 and config.cache.host_bytes == 512 << 20
     assert dict(config.cache.quotas) == {"tenant-a": GiB}
     auth = Authenticator(config.keys)
@@ -118,6 +120,7 @@ max_deadline_s = 900
 [engine]
 max_queue = 0
 block_tokens = 16
+linear_kernel = "mkl"
 
 [cache]
 host_bytes = "lots"
@@ -138,7 +141,8 @@ key = "short"
     for hint in ("unknown sections ['extras']", "server.port", "['colour']",
                  "tls_cert and server.tls_key go together", "missing.crt",
                  "grpc.max_receive_bytes must be > 0", "[engine] has unknown keys ['block_tokens']",
-                 "engine.max_queue", "cache.host_bytes", "reserved", "characters long"):
+                 "engine.max_queue", "engine.linear_kernel", "cache.host_bytes", "reserved",
+                 "characters long"):
         assert hint in message, hint
     assert KEY_A not in message and "short" not in message.replace("shorter", "")
 

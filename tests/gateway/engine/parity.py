@@ -26,9 +26,10 @@ from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
 from gateway.engine.attention_choice import attention_for
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.forward import BatchedForward, SequenceRows
+from gateway.engine.forward import BatchedForward, SequenceRows, projection_weights
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, compute_block_kv, load_model
+from gateway.engine.row_products import candidate_row_products
 from tiers.payload import KVBlock
 
 BLOCK = 16
@@ -132,6 +133,18 @@ def model_device(loaded: LoadedModel) -> torch.device:
     return next(loaded.model.parameters()).device
 
 
+def engine_forward(loaded: LoadedModel, device: torch.device) -> BatchedForward:
+    """The batched forward an engine with the default configuration builds on ``device`` (its
+    first choice of products, which passes the start-up probe on the models tested here)."""
+    config = EngineConfig()
+    products = candidate_row_products(
+        device, projection_weights(loaded.model), loaded.model.lm_head.weight,
+        max_rows=max(config.step_tokens, config.prefill_step_tokens),
+        max_logit_rows=config.max_running)[0]
+    attention = attention_for(device, decode_as_prefill=products.shares_decode_rows)
+    return BatchedForward(loaded.model, attention, products)
+
+
 def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
                 block_tokens: int = BLOCK, route: str = "batched") -> list[KVBlock]:
     """K/V of the first ``num_blocks`` blocks computed cold, with no cache: the oracle.
@@ -146,7 +159,7 @@ def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
         computed = compute_block_kv(loaded, torch.tensor(tokens[:n], device=device), block_tokens)
         return [KVBlock(keys=keys, values=values) for keys, values in computed]
     seq = KVSequence(loaded.layout, max(1, n), device=device)
-    forward = BatchedForward(loaded.model, attention_for(torch.device(device)))
+    forward = engine_forward(loaded, torch.device(device))
     if n:
         forward.forward([SequenceRows(sequence=seq, tokens=torch.tensor(tokens[:n]),
                                       wants_logits=False)])

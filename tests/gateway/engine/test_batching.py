@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -159,9 +159,10 @@ def test_every_block_stored_under_batching_equals_the_cold_computation(stack) ->
                 assert torch.equal(a, b)
 
 
-def test_an_answers_blocks_come_from_the_next_turns_prefill_and_equal_a_cold_one(stack) -> None:
-    engine, opened = stack
-    assert not engine.route.decode_kv_is_prefill_kv  # decode rows are products of their own
+def _answer_turn(engine: Engine, opened: OpenedCache
+                 ) -> tuple[list[int], list[int], Callable[[], list[KVBlock]]]:
+    """Generate an answer to a 40-token prompt; the prompt, the next turn (prompt, answer and
+    10 more tokens), and what the cache holds of that next turn."""
     prompt = SYSTEM[:40]
     ids, _ = collect(engine, request(prompt, max_tokens=40))
     turn = prompt + ids + SYSTEM[40:50]
@@ -171,14 +172,41 @@ def test_an_answers_blocks_come_from_the_next_turns_prefill_and_equal_a_cold_one
         with opened.cache.acquire(engine._namespace(ALICE), everything) as lease:
             return opened.cache.load(lease)
 
-    assert len(stored_blocks()) == len(prompt) // 16  # the answer's own blocks: not stored
-    collect(engine, request(turn, max_tokens=1))  # the next turn sends the answer back
-    cold = engine.cold_blocks(everything)
-    stored = stored_blocks()
-    assert len(stored) == (len(turn) - 1) // 16 >= 5
+    return prompt, turn, stored_blocks
+
+
+def _assert_equal_to_cold(engine: Engine, turn: list[int], stored: list[KVBlock]) -> None:
+    cold = engine.cold_blocks(engine._canonical(PromptInput(token_ids=turn)).token_ids)
     for got, want in zip(stored, cold[:len(stored)], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(got.keys, want.keys, strict=True))
         assert all(torch.equal(a, b) for a, b in zip(got.values, want.values, strict=True))
+
+
+def test_an_answers_blocks_are_stored_as_decoded_and_equal_a_cold_prefills(stack) -> None:
+    engine, opened = stack
+    # oneDNN's products put decode rows beside prefill rows: decoding writes a prefill's K/V.
+    assert engine.route.decode_kv_is_prefill_kv, engine.route.reason
+    prompt, turn, stored_blocks = _answer_turn(engine, opened)
+    stored = stored_blocks()
+    # the prompt's 2 blocks and the 2 full blocks after it that the answer filled (the last
+    # answer token is sampled, never fed back: 40 + 39 positions hold K/V)
+    assert len(stored) == (len(prompt) + 40 - 1) // 16 == 4
+    _assert_equal_to_cold(engine, turn, stored)
+
+
+def test_with_blas_an_answers_blocks_come_from_the_next_turns_prefill(tiny, tmp_path) -> None:
+    engine, opened = start(tiny, tmp_path, 16, linear_kernel="blas")
+    try:
+        assert not engine.route.decode_kv_is_prefill_kv  # decode rows are products of their own
+        prompt, turn, stored_blocks = _answer_turn(engine, opened)
+        assert len(stored_blocks()) == len(prompt) // 16  # the answer's own blocks: not stored
+        collect(engine, request(turn, max_tokens=1))  # the next turn sends the answer back
+        stored = stored_blocks()
+        assert len(stored) == (len(turn) - 1) // 16 >= 5
+        _assert_equal_to_cold(engine, turn, stored)
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
 
 
 def test_cancelling_one_request_mid_batch_frees_its_blocks_and_changes_no_other(stack) -> None:

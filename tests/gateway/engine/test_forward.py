@@ -243,7 +243,7 @@ def test_tiled_attention_keeps_a_decode_row_whatever_is_attended_beside_it() -> 
 def test_the_probe_finds_the_tiny_llama_invariant(forward, tiny) -> None:
     result = probe_invariance(forward, tiny.layout, VOCAB)
     assert result.is_invariant, result.failure
-    assert result.failure is None and result.num_checks == 7
+    assert result.failure is None and result.num_checks == 8
 
 
 def test_the_probe_reports_whether_decoding_writes_the_prefills_kv(forward, tiny) -> None:

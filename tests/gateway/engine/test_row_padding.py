@@ -22,6 +22,7 @@ from gateway.engine.row_padding import (
     find_row_padding,
     row_padding_for,
 )
+from gateway.engine.row_products import RowProducts
 from tests.tiny_llama import VOCAB, save_tiny_llama
 
 WEIGHTS = [torch.randn(48, 32, generator=torch.Generator().manual_seed(1)),
@@ -90,6 +91,7 @@ def test_projection_weights_are_one_layers_seven_projections(tiny) -> None:
 
 def test_the_forward_padded_as_on_a_gpu_passes_the_probe(tiny) -> None:
     padded = BatchedForward(tiny.model, attention_for(torch.device("cpu")),
-                            RowPadding(minimum=64, multiple=64))
+                            RowProducts(kernel="blas", padding=RowPadding(minimum=64, multiple=64),
+                                        shares_decode_rows=False))
     result = probe_invariance(padded, tiny.layout, VOCAB)
     assert result.is_invariant, result.failure
