@@ -55,7 +55,8 @@ from gateway.engine.forward import (
 )
 from gateway.engine.jobs import Job, RequestHandle, WarmHandle
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.loop import LoopCounters, LoopSettings, StepLoop
+from gateway.engine.loop import StepLoop
+from gateway.engine.loop_records import LoopCounters, LoopSettings
 from gateway.engine.model import LoadedModel, SerialForward
 from gateway.engine.observer import EngineMetrics
 from gateway.engine.probe import probe_invariance

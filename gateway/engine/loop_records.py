@@ -1,0 +1,51 @@
+"""What the step loop is told (``LoopSettings``) and what it reports (``LoopCounters``).
+
+Records of their own so the engine builds and reads them without the loop's internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopSettings:
+    """What the loop needs besides the model, cache and scheduler.
+
+    Attributes:
+        block_tokens: the cache block size.
+        default_ttl_s: TTL of stored blocks when a request names none.
+        store_generated_blocks: store the blocks an answer fills.
+        decode_kv_is_prefill_kv: decoding writes the K/V a prefill writes: an answer's blocks
+            are stored as decoded.
+        recompute_generated_blocks: otherwise, recompute them block-aligned and store them
+            (the serial route); when False they are not stored (the batched route: the next
+            turn of a conversation sends the answer back in its prompt, whose prefill stores
+            it, cheaper than recomputing every answer in the loop when it ends).
+    """
+
+    block_tokens: int
+    default_ttl_s: float | None
+    store_generated_blocks: bool
+    decode_kv_is_prefill_kv: bool
+    recompute_generated_blocks: bool = True
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LoopCounters:
+    """What the loop has done since start (for Stats and tests).
+
+    Attributes:
+        num_steps: forwards run.
+        num_prefill_tokens: prompt tokens computed (not loaded from the cache).
+        num_decode_tokens: decode rows computed.
+        max_sequences_in_step: the most requests one forward carried.
+        num_dedup_waits: requests that waited for another's prefill of the same blocks
+            instead of computing them too.
+    """
+
+    num_steps: int = 0
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    max_sequences_in_step: int = 0
+    num_dedup_waits: int = 0
