@@ -176,6 +176,9 @@ class EngineReport:
     dedup_waits: int
     dtype: str = ""
     device: str = ""
+    tail_hits: int = 0
+    tail_tokens: int = 0
+    tail_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -441,7 +444,9 @@ class KvgateClient:
                 route=r.engine.route, route_reason=r.engine.route_reason, steps=r.engine.steps,
                 prefill_tokens=r.engine.prefill_tokens, decode_tokens=r.engine.decode_tokens,
                 max_requests_in_step=r.engine.max_requests_in_step,
-                dedup_waits=r.engine.dedup_waits, dtype=r.engine.dtype,
+                dedup_waits=r.engine.dedup_waits, tail_hits=r.engine.tail_hits,
+                tail_tokens=r.engine.tail_tokens, tail_bytes=r.engine.tail_bytes,
+                dtype=r.engine.dtype,
                 device=r.engine.device,
             ) if r.HasField("engine") else None,
         )

@@ -142,7 +142,8 @@ def _stats(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: Tex
         out.write(f"engine route {e.route} ({e.route_reason}){where}; {e.steps} steps, "
                   f"{e.prefill_tokens} prefill + {e.decode_tokens} decode tokens computed, "
                   f"up to {e.max_requests_in_step} requests per step, {e.dedup_waits} dedup "
-                  "waits\n")
+                  f"waits, {e.tail_hits} conversation tails ({e.tail_tokens} tokens, "
+                  f"{format_bytes(e.tail_bytes)} kept)\n")
     out.write(render_table(
         ["tier", "blocks", "used", "budget", "hits", "inserts", "promoted", "demoted",
          "evictions"],

@@ -167,12 +167,13 @@ def load_serve_config(
     limits = _build(LimitSettings, "limits", _table(raw, "limits", errors), errors)
     errors.extend(limits.problems())
     engine_table = dict(_table(raw, "engine", errors))
-    if "kv_budget_bytes" in engine_table:
-        try:
-            engine_table["kv_budget_bytes"] = parse_size(engine_table["kv_budget_bytes"])
-        except ValueError as exc:
-            errors.append(f"engine.kv_budget_bytes: {exc}")
-            del engine_table["kv_budget_bytes"]
+    for sized in ("kv_budget_bytes", "tail_cache_bytes"):
+        if sized in engine_table:
+            try:
+                engine_table[sized] = parse_size(engine_table[sized])
+            except ValueError as exc:
+                errors.append(f"engine.{sized}: {exc}")
+                del engine_table[sized]
     engine = _build(EngineSettings, "engine", engine_table, errors)
     metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
     if "max_body_bytes" in http_table:

@@ -152,6 +152,8 @@ class EngineSettings:
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
             (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
             "onednn" or "blas". Part of the cache namespace.
+        tail_cache_bytes: memory for conversation tails (the K/V after a conversation's last
+            full block, kept for its next turn); 0 keeps none.
     """
 
     max_queue: int = 64
@@ -165,6 +167,7 @@ class EngineSettings:
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
     linear_kernel: str = "auto"
+    tail_cache_bytes: int = 64 << 20
 
     def problems(self) -> list[str]:
         errors = []
@@ -179,6 +182,9 @@ class EngineSettings:
         if self.linear_kernel not in ("auto", "onednn", "blas"):
             errors.append(f"engine.linear_kernel must be \"auto\", \"onednn\" or \"blas\", "
                           f"got {self.linear_kernel!r}")
+        if not is_int(self.tail_cache_bytes) or self.tail_cache_bytes < 0:
+            errors.append(f"engine.tail_cache_bytes must be an integer >= 0, got "
+                          f"{self.tail_cache_bytes!r}")
         if self.default_ttl_s is not None and not is_positive(self.default_ttl_s):
             errors.append(f"engine.default_ttl_s must be > 0, got {self.default_ttl_s!r}")
         if self.max_prompt_tokens is not None and (

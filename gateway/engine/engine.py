@@ -68,6 +68,7 @@ from gateway.engine.row_products import (
     candidate_row_products,
 )
 from gateway.engine.scheduler import ScheduleLimits, Scheduler
+from gateway.engine.tail_cache import TailCache, TailCounters
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,9 @@ class EngineConfig:
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
             (oneDNN where it keeps a row's bits, else BLAS), "onednn" or "blas"
             (``gateway.engine.row_products``).
+        tail_cache_bytes: memory for conversation tails, the K/V after a conversation's last
+            full block kept for its next turn (``gateway.engine.tail_cache``; only where
+            decoding writes the K/V a prefill writes); 0 keeps none.
     """
 
     block_tokens: int = 64
@@ -127,8 +131,11 @@ class EngineConfig:
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
     linear_kernel: LinearKernel = "auto"
+    tail_cache_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
+        if self.tail_cache_bytes < 0:
+            raise ValueError(f"tail_cache_bytes must be >= 0, got {self.tail_cache_bytes}")
         if self.route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {self.route!r}")
         if self.linear_kernel not in LINEAR_KERNELS:
@@ -202,6 +209,7 @@ class Engine:
         self._loop: StepLoop | None = None
         self._worker: threading.Thread | None = None
         self._route = EngineRoute(name="serial", reason="not started")
+        self._tails: TailCache | None = None
         self._started_at = clock()
         device = loaded.device
         self._device = device
@@ -234,6 +242,9 @@ class Engine:
             try:
                 forward, self._route = self._choose_route()
                 logger.info("engine route: %s (%s)", self._route.name, self._route.reason)
+                if (self._route.decode_kv_is_prefill_kv and self._config.tail_cache_bytes
+                        and self._config.store_generated_blocks):
+                    self._tails = TailCache(self._config.tail_cache_bytes)
                 loop = self._build_loop(forward)
                 self._loop = loop
             except BaseException as exc:  # handed to start()'s caller
@@ -272,7 +283,8 @@ class Engine:
                 store_generated_blocks=self._config.store_generated_blocks,
                 decode_kv_is_prefill_kv=self._route.decode_kv_is_prefill_kv,
                 recompute_generated_blocks=self._route.name == "serial"),
-            namespace_of=self._namespace, clock=self._clock, metrics=self._metrics)
+            namespace_of=self._namespace, clock=self._clock, metrics=self._metrics,
+            tails=self._tails)
 
     def _choose_route(self) -> tuple[StepForward, EngineRoute]:
         serial = SerialForward(self._loaded)
@@ -330,6 +342,11 @@ class Engine:
     def counters(self) -> LoopCounters:
         """What the step loop has computed since start."""
         return self._loop.counters if self._loop is not None else LoopCounters()
+
+    @property
+    def tail_counters(self) -> TailCounters:
+        """What the conversation tails spared since start (zeros where none are kept)."""
+        return self._tails.counters if self._tails is not None else TailCounters()
 
     @property
     def route(self) -> EngineRoute:

@@ -130,6 +130,12 @@ class KVSequence:
         start, end = index * block_tokens, (index + 1) * block_tokens
         if end > self._length:
             raise ValueError(f"block {index} is not complete ({self._length} tokens held)")
+        return self.span(start, end)
+
+    def span(self, start: int, end: int) -> KVBlock:
+        """A fresh, contiguous copy of the K/V of positions ``start`` to ``end`` (held ones)."""
+        if not 0 <= start < end <= self._length:
+            raise ValueError(f"positions {start}..{end} are not held ({self._length} tokens)")
         return KVBlock(
             keys=tuple(k[:, start:end].clone() for k in self._keys),
             values=tuple(v[:, start:end].clone() for v in self._values),

@@ -20,16 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
 
-from gateway.cache.prefix_cache import Lease, PrefixCache
+from gateway.cache.prefix_cache import PrefixCache
 from gateway.core.errors import DeadlineExceeded, EngineDraining, GatewayError, RequestCancelled
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import (
-    SHARED_SCOPE_TIER,
     FinishReason,
     GenerateRequest,
     TokenDelta,
@@ -37,41 +36,20 @@ from gateway.core.requests import (
     WarmRequest,
     WarmResult,
 )
-from gateway.core.tokens import as_token_ids
 from gateway.engine.detokenizer import Detokenizer
 from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.jobs import Job
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.loop_records import LoopCounters, LoopSettings
+from gateway.engine.loop_records import ActiveRequest, LoopCounters, LoopSettings
 from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
+from gateway.engine.request_blocks import RequestBlocks
 from gateway.engine.sampling import Sampler
 from gateway.engine.scheduler import Scheduler, StepPlan
+from gateway.engine.tail_cache import TailCache
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(slots=True, kw_only=True)
-class _Active:
-    """A request the loop has admitted (its state across steps)."""
-
-    job: Job
-    seq: KVSequence
-    ids: torch.Tensor
-    target: int
-    stack: ExitStack
-    lease: Lease | None = None
-    namespace: Namespace | None = None
-    loaded_blocks: list[KVBlock] = field(default_factory=list)
-    stored_new: int = 0
-    ttl_s: float | None = None
-    cached_by_tier: dict[str, int] = field(default_factory=dict)
-    sampler: Sampler | None = None
-    detok: Detokenizer | None = None
-    generated: list[int] = field(default_factory=list)
-    next_token: int | None = None
-    ttft_ms: float | None = None
 
 
 class StepLoop:
@@ -86,17 +64,22 @@ class StepLoop:
         namespace_of: the namespace of a scope.
         clock: monotonic time (deadlines, TTFT).
         metrics: where generations are recorded.
+        tails: where conversation tails are kept (None: none are; only where decoding writes
+            the K/V a prefill writes).
     """
 
     def __init__(self, *, loaded: LoadedModel, forward: StepForward, scheduler: Scheduler,
                  cache: PrefixCache | None, settings: LoopSettings,
                  namespace_of: Callable[[Scope], Namespace],
                  clock: Callable[[], float] = time.monotonic,
-                 metrics: EngineMetrics | None = None) -> None:
+                 metrics: EngineMetrics | None = None, tails: TailCache | None = None) -> None:
         self._loaded = loaded
         self._forward = forward
         self._scheduler = scheduler
         self._cache = cache
+        self._blocks = None if cache is None else RequestBlocks(
+            cache=cache, forward=forward, settings=settings, namespace_of=namespace_of,
+            tails=tails)
         self._settings = settings
         self._namespace_of = namespace_of
         self._clock = clock
@@ -105,7 +88,7 @@ class StepLoop:
         self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._waiting: dict[int, Job] = {}
-        self._active: dict[int, _Active] = {}
+        self._active: dict[int, ActiveRequest] = {}
         self._prefill_s_per_token: float | None = None
         self._thread: threading.Thread | None = None
         self._is_stopping = False
@@ -273,13 +256,15 @@ class StepLoop:
                 max_blocks = None
                 use_cache = True
                 ttl = request.ttl_s
-            active = _Active(job=job, seq=KVSequence(self._loaded.layout, 1), ids=ids,
+            active = ActiveRequest(job=job, seq=KVSequence(self._loaded.layout, 1), ids=ids,
                              target=target, stack=stack,
                              ttl_s=ttl if ttl is not None else self._settings.default_ttl_s)
             blocks: list[KVBlock] = []
-            if use_cache and self._cache is not None:
-                blocks = self._lease(active, max_blocks)
-            active.seq = KVSequence.from_blocks(self._loaded.layout, blocks, capacity,
+            tail: list[KVBlock] = []
+            if use_cache and self._blocks is not None:
+                blocks = self._blocks.lease(active, max_blocks, self._prefill_s_per_token)
+                tail = self._blocks.find_tail(active, blocks)
+            active.seq = KVSequence.from_blocks(self._loaded.layout, blocks + tail, capacity,
                                                 device=self._device)
             active.loaded_blocks = blocks
             if isinstance(request, GenerateRequest):
@@ -336,30 +321,6 @@ class StepLoop:
                 continue
             self._admit(job)
 
-    def _lease(self, active: _Active, max_blocks: int | None) -> list[KVBlock]:
-        assert self._cache is not None
-        request = active.job.request
-        namespace = self._namespace_of(request.scope)
-        tokens = active.job.tokens
-        lease = active.stack.enter_context(self._cache.acquire(namespace, tokens))
-        source = lease
-        if request.scope.kind == "tenant":
-            # Prompts an admin published in the shared scope are read by every tenant; what the
-            # tenant then stores goes to its own namespace, never to the shared one.
-            shared = active.stack.enter_context(
-                self._cache.acquire(self._namespace_of(Scope.shared()), tokens))
-            if shared.match.num_blocks > lease.match.num_blocks:
-                source = shared
-        active.lease, active.namespace = lease, namespace
-        blocks = self._cache.load(source, recompute_s_per_token=self._prefill_s_per_token,
-                                  max_blocks=max_blocks)
-        bt = self._settings.block_tokens
-        for tier in source.match.tiers[:len(blocks)]:
-            if source is not lease:  # the shared scope: its tier would tell of other tenants
-                tier = SHARED_SCOPE_TIER
-            active.cached_by_tier[tier] = active.cached_by_tier.get(tier, 0) + bt
-        return blocks
-
     def _step(self, plan: StepPlan) -> None:
         batch: list[SequenceRows] = []
         for chunk in plan.chunks:
@@ -395,9 +356,10 @@ class StepLoop:
             elif active.seq.length >= active.target:
                 self._prompt_done(active, logits)
 
-    def _prompt_done(self, active: _Active, logits: torch.Tensor | None) -> None:
+    def _prompt_done(self, active: ActiveRequest, logits: torch.Tensor | None) -> None:
         """Store the prompt's new blocks; a warm ends here, a generation samples its first token."""
-        self._store_prompt_blocks(active)
+        if self._blocks is not None:
+            self._blocks.store_prompt_blocks(active)
         self._wake_parked(active.job.id)
         job = active.job
         if isinstance(job.request, WarmRequest):
@@ -408,7 +370,7 @@ class StepLoop:
             self._scheduler.start_decoding(job.id)
         self._next_token(active, logits)
 
-    def _next_token(self, active: _Active, logits: torch.Tensor) -> None:
+    def _next_token(self, active: ActiveRequest, logits: torch.Tensor) -> None:
         job = active.job
         request = job.request
         assert isinstance(request, GenerateRequest)
@@ -432,7 +394,7 @@ class StepLoop:
             return
         self._finish_generate(active, finish)
 
-    def _finish_generate(self, active: _Active, finish: FinishReason) -> None:
+    def _finish_generate(self, active: ActiveRequest, finish: FinishReason) -> None:
         job = active.job
         request = job.request
         assert isinstance(request, GenerateRequest) and active.detok is not None
@@ -449,11 +411,14 @@ class StepLoop:
             finish_reason=finish,
         )
         settings = self._settings
-        stores = settings.store_generated_blocks and bool(active.generated)
+        stores = (self._blocks is not None and settings.store_generated_blocks
+                  and bool(active.generated))
         if stores and settings.decode_kv_is_prefill_kv:
             # Stored as decoded (no compute): before the final message, so that a client holding
             # it finds the answer's blocks.
-            self._store_generated(active)
+            assert self._blocks is not None
+            self._blocks.store_generated(active)
+            self._blocks.keep_tail(active)
         job.events.put(usage)
         job.usage_sent = True
         if self._metrics is not None:
@@ -463,10 +428,11 @@ class StepLoop:
                 finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
                 total_s=usage.total_ms / 1e3)
         if stores and not settings.decode_kv_is_prefill_kv and settings.recompute_generated_blocks:
-            self._store_generated(active)  # recomputed first: after the answer is out
+            assert self._blocks is not None
+            self._blocks.store_generated(active)  # recomputed first: after the answer is out
         self._end(active, None)
 
-    def _finish_warm(self, active: _Active) -> None:
+    def _finish_warm(self, active: ActiveRequest) -> None:
         job = active.job
         request = job.request
         assert isinstance(request, WarmRequest) and self._cache is not None
@@ -482,50 +448,7 @@ class StepLoop:
             stored_bytes=fresh_bytes, elapsed_ms=(self._clock() - job.submitted) * 1e3)
         self._end(active, None)
 
-    def _store_prompt_blocks(self, active: _Active) -> None:
-        if self._cache is None or active.lease is None:
-            return
-        bt = self._settings.block_tokens
-        num_full = len(active.job.tokens) // bt
-        own = active.lease.match.num_blocks
-        blocks = active.loaded_blocks
-        fresh = [blocks[i] if i < len(blocks) else active.seq.block(i, bt)
-                 for i in range(own, min(num_full, active.seq.length // bt))]
-        result = self._cache.insert(active.lease, tier=self._cache.tier_names[0], blocks=fresh,
-                                    ttl_s=active.ttl_s)
-        active.stored_new = result.num_new_blocks
-
-    def _store_generated(self, active: _Active) -> None:
-        """Store the full blocks the answer filled (recomputed first on the serial route)."""
-        if self._cache is None or active.namespace is None:
-            return
-        bt = self._settings.block_tokens
-        job = active.job
-        everything = as_token_ids(np.concatenate(
-            [job.tokens, np.asarray(active.generated, np.uint32)]))
-        first = len(job.tokens) // bt
-        num_full = min(len(everything), active.seq.length) // bt
-        if num_full <= first:
-            return
-        with self._cache.acquire(active.namespace, everything) as lease:
-            if lease.match.num_blocks != first:
-                return  # the prompt's blocks are not all stored: nothing to continue
-            if not self._settings.decode_kv_is_prefill_kv:
-                self._recompute(active.seq, everything, first * bt, num_full * bt)
-            fresh = [active.seq.block(i, bt) for i in range(first, num_full)]
-            self._cache.insert(lease, tier=self._cache.tier_names[0], blocks=fresh,
-                               ttl_s=active.ttl_s)
-
-    def _recompute(self, seq: KVSequence, tokens: np.ndarray, start: int, end: int) -> None:
-        """Recompute tokens[start:end] block-aligned (the serial route's decode K/V differ)."""
-        bt = self._settings.block_tokens
-        ids = torch.from_numpy(tokens.astype(np.int64))
-        seq.truncate(start)
-        for at in range(start, end, bt):
-            self._forward.forward([SequenceRows(sequence=seq, tokens=ids[at:at + bt],
-                                                wants_logits=False)])
-
-    def _end(self, active: _Active, error: BaseException | None) -> None:
+    def _end(self, active: ActiveRequest, error: BaseException | None) -> None:
         self._active.pop(active.job.id, None)
         self._wake_parked(active.job.id)
         try:

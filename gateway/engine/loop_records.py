@@ -1,11 +1,23 @@
-"""What the step loop is told (``LoopSettings``) and what it reports (``LoopCounters``).
+"""What the step loop is told (``LoopSettings``), keeps per request (``ActiveRequest``) and
+reports (``LoopCounters``).
 
 Records of their own so the engine builds and reads them without the loop's internals.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+
+import torch
+
+from gateway.cache.prefix_cache import Lease
+from gateway.core.fingerprint import Namespace
+from gateway.engine.detokenizer import Detokenizer
+from gateway.engine.jobs import Job
+from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.sampling import Sampler
+from tiers.payload import KVBlock
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,3 +61,26 @@ class LoopCounters:
     num_decode_tokens: int = 0
     max_sequences_in_step: int = 0
     num_dedup_waits: int = 0
+
+
+@dataclass(slots=True, kw_only=True)
+class ActiveRequest:
+    """A request the step loop has admitted: its state across steps."""
+
+    job: Job
+    seq: KVSequence
+    ids: torch.Tensor
+    target: int
+    stack: ExitStack
+    lease: Lease | None = None
+    namespace: Namespace | None = None
+    reads_own_namespace: bool = False
+    loaded_blocks: list[KVBlock] = field(default_factory=list)
+    stored_new: int = 0
+    ttl_s: float | None = None
+    cached_by_tier: dict[str, int] = field(default_factory=dict)
+    sampler: Sampler | None = None
+    detok: Detokenizer | None = None
+    generated: list[int] = field(default_factory=list)
+    next_token: int | None = None
+    ttft_ms: float | None = None

@@ -222,6 +222,7 @@ def serve(
                 max_queued_per_tenant=config.engine.max_queued_per_tenant,
                 kv_budget_bytes=config.engine.kv_budget_bytes,
                 linear_kernel=cast(LinearKernel, config.engine.linear_kernel),
+                tail_cache_bytes=config.engine.tail_cache_bytes,
             ),
             deployment_secret=secret,
             metrics=metrics,

@@ -243,11 +243,14 @@ def lookup_response(result: LookupResult) -> pb.LookupResponse:
 
 def engine_stats(engine: Engine) -> pb.EngineStats:
     counters = engine.counters
+    tails = engine.tail_counters
     return pb.EngineStats(
         route=engine.route.name, route_reason=engine.route.reason, steps=counters.num_steps,
         prefill_tokens=counters.num_prefill_tokens, decode_tokens=counters.num_decode_tokens,
         max_requests_in_step=counters.max_sequences_in_step,
-        dedup_waits=counters.num_dedup_waits, dtype=engine.dtype, device=engine.device)
+        dedup_waits=counters.num_dedup_waits, dtype=engine.dtype, device=engine.device,
+        tail_hits=tails.num_hits, tail_tokens=tails.num_tokens_served,
+        tail_bytes=tails.num_bytes)
 
 
 def stats_response(stats: CacheStats, engine: pb.EngineStats | None = None) -> pb.StatsResponse:

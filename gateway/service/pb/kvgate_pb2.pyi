@@ -272,7 +272,7 @@ class StoreStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., deletes: _Optional[int] = ..., errors: _Optional[int] = ..., verification_failures: _Optional[_Mapping[str, int]] = ..., is_available: _Optional[bool] = ..., notes: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("route", "route_reason", "steps", "prefill_tokens", "decode_tokens", "max_requests_in_step", "dedup_waits", "dtype", "device")
+    __slots__ = ("route", "route_reason", "steps", "prefill_tokens", "decode_tokens", "max_requests_in_step", "dedup_waits", "dtype", "device", "tail_hits", "tail_tokens", "tail_bytes")
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     ROUTE_REASON_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -282,6 +282,9 @@ class EngineStats(_message.Message):
     DEDUP_WAITS_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    TAIL_HITS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
     route: str
     route_reason: str
     steps: int
@@ -291,7 +294,10 @@ class EngineStats(_message.Message):
     dedup_waits: int
     dtype: str
     device: str
-    def __init__(self, route: _Optional[str] = ..., route_reason: _Optional[str] = ..., steps: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., max_requests_in_step: _Optional[int] = ..., dedup_waits: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ...) -> None: ...
+    tail_hits: int
+    tail_tokens: int
+    tail_bytes: int
+    def __init__(self, route: _Optional[str] = ..., route_reason: _Optional[str] = ..., steps: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., max_requests_in_step: _Optional[int] = ..., dedup_waits: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., tail_hits: _Optional[int] = ..., tail_tokens: _Optional[int] = ..., tail_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("num_blocks", "num_namespaces", "num_token_mismatches", "num_remote_hits", "tiers", "stores", "engine")

@@ -103,7 +103,10 @@ def test_the_next_chat_turn_hits_the_blocks_the_previous_answer_filled(
     cold = run(engine, continued, no_cache=True)[:2]
     warm, text, usage2 = run(engine, continued)
     assert (warm, text) == cold
-    assert usage2.cached_tokens_by_tier == {"device": answered}
+    # the answer's full blocks, and after them the tail the engine kept (the K/V up to the
+    # answer's last token, which the turn computes with its new ones)
+    assert engine.lookup(LookupRequest(prompt=continued, scope=ALICE)).cached_tokens >= answered
+    assert usage2.cached_tokens_by_tier == {"device": len(history) + len(ids) - 1}
 
 
 def test_tenants_never_hit_each_others_blocks(engine: Engine, tiny: LoadedModel) -> None:
@@ -261,14 +264,15 @@ def test_cancelling_after_the_answer_keeps_the_blocks_the_answer_filled(
 def _cancel_after_the_answer(engine: Engine, tiny: LoadedModel,
                              monkeypatch: pytest.MonkeyPatch) -> None:
     cancelled = threading.Event()
-    assert engine._loop is not None
-    store_generated = engine._loop._store_generated  # runs on the step loop's thread
+    assert engine._loop is not None and engine._loop._blocks is not None
+    blocks = engine._loop._blocks
+    store_generated = blocks.store_generated  # runs on the step loop's thread
 
     def after_the_cancel(*args: Any, **kwargs: Any) -> None:
         assert cancelled.wait(timeout=30)
         store_generated(*args, **kwargs)
 
-    monkeypatch.setattr(engine._loop, "_store_generated", after_the_cancel)
+    monkeypatch.setattr(blocks, "store_generated", after_the_cancel)
     prompt = PROMPTS[3]
     handle = engine.generate(GenerateRequest(prompt=prompt, scope=ALICE,
                                              sampling=SamplingParams(max_tokens=40)))

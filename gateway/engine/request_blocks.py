@@ -1,0 +1,153 @@
+"""A request's blocks: the cached prefix it leases and loads, and what it stores as it runs.
+
+The step loop decides when (admission, the end of a prefill, the end of an answer); this decides
+what: which namespace a request reads (its own, or the shared scope where an admin published a
+longer prefix), which tail of its conversation it continues, and which blocks are new. Storing
+an answer's blocks needs no recomputation where decoding writes the K/V a prefill writes
+(``gateway.engine.probe``); on the serial route they are recomputed block-aligned first
+(DESIGN.md, "Parity").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from gateway.cache.prefix_cache import PrefixCache
+from gateway.core.fingerprint import Namespace, Scope
+from gateway.core.requests import SHARED_SCOPE_TIER, GenerateRequest
+from gateway.core.tokens import as_token_ids
+from gateway.engine.forward import SequenceRows, StepForward
+from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.loop_records import ActiveRequest, LoopSettings
+from gateway.engine.tail_cache import TAIL_TIER, TailCache
+from tiers.payload import KVBlock
+
+
+class RequestBlocks:
+    """Reads and writes the prefix cache for the step loop's requests.
+
+    Args:
+        cache: the prefix cache.
+        forward: recomputes an answer's blocks on the serial route.
+        settings: the loop's settings (block size, what to store).
+        namespace_of: the namespace of a scope.
+        tails: where conversation tails are kept (None: none are).
+    """
+
+    def __init__(self, *, cache: PrefixCache, forward: StepForward, settings: LoopSettings,
+                 namespace_of: Callable[[Scope], Namespace], tails: TailCache | None) -> None:
+        self._cache = cache
+        self._forward = forward
+        self._settings = settings
+        self._namespace_of = namespace_of
+        self._tails = tails
+
+    def lease(self, active: ActiveRequest, max_blocks: int | None,
+              recompute_s_per_token: float | None) -> list[KVBlock]:
+        """Lease the request's cached prefix (its own namespace's, or the shared scope's where
+        longer) and load it; ``recompute_s_per_token`` decides which tiers are worth reading."""
+        request = active.job.request
+        namespace = self._namespace_of(request.scope)
+        tokens = active.job.tokens
+        lease = active.stack.enter_context(self._cache.acquire(namespace, tokens))
+        source = lease
+        if request.scope.kind == "tenant":
+            # Prompts an admin published in the shared scope are read by every tenant; what the
+            # tenant then stores goes to its own namespace, never to the shared one.
+            shared = active.stack.enter_context(
+                self._cache.acquire(self._namespace_of(Scope.shared()), tokens))
+            if shared.match.num_blocks > lease.match.num_blocks:
+                source = shared
+        active.lease, active.namespace = lease, namespace
+        active.reads_own_namespace = source is lease
+        blocks = self._cache.load(source, recompute_s_per_token=recompute_s_per_token,
+                                  max_blocks=max_blocks)
+        bt = self._settings.block_tokens
+        for tier in source.match.tiers[:len(blocks)]:
+            if source is not lease:  # the shared scope: its tier would tell of other tenants
+                tier = SHARED_SCOPE_TIER
+            active.cached_by_tier[tier] = active.cached_by_tier.get(tier, 0) + bt
+        return blocks
+
+    def find_tail(self, active: ActiveRequest, blocks: list[KVBlock]) -> list[KVBlock]:
+        """The kept tail a generation continues after its loaded blocks ([] if none), leaving
+        at least its last prompt token to compute (its logits are needed)."""
+        lease = active.lease
+        if (self._tails is None or not blocks or lease is None or active.namespace is None
+                or not active.reads_own_namespace or len(lease.records) != len(blocks)
+                or not isinstance(active.job.request, GenerateRequest)):
+            return []
+        start = len(blocks) * self._settings.block_tokens
+        following = active.job.tokens[start:]
+        kv = self._tails.find(active.namespace, lease.records[-1], following,
+                              max_tokens=len(following) - 1)
+        if kv is None:
+            return []
+        # Kept in the engine's memory, where the model runs: reported as the device's.
+        active.cached_by_tier[TAIL_TIER] = active.cached_by_tier.get(TAIL_TIER, 0) + kv.num_tokens
+        return [kv]
+
+    def store_prompt_blocks(self, active: ActiveRequest) -> None:
+        """Store the prompt's full blocks not yet cached, once its prefill has reached them."""
+        if active.lease is None:
+            return
+        bt = self._settings.block_tokens
+        num_full = len(active.job.tokens) // bt
+        own = active.lease.match.num_blocks
+        blocks = active.loaded_blocks
+        fresh = [blocks[i] if i < len(blocks) else active.seq.block(i, bt)
+                 for i in range(own, min(num_full, active.seq.length // bt))]
+        result = self._cache.insert(active.lease, tier=self._cache.tier_names[0], blocks=fresh,
+                                    ttl_s=active.ttl_s)
+        active.stored_new = result.num_new_blocks
+
+    def store_generated(self, active: ActiveRequest) -> None:
+        """Store the full blocks the answer filled (recomputed first on the serial route)."""
+        if active.namespace is None:
+            return
+        bt = self._settings.block_tokens
+        job = active.job
+        everything = as_token_ids(np.concatenate(
+            [job.tokens, np.asarray(active.generated, np.uint32)]))
+        first = len(job.tokens) // bt
+        num_full = min(len(everything), active.seq.length) // bt
+        if num_full <= first:
+            return
+        with self._cache.acquire(active.namespace, everything) as lease:
+            if lease.match.num_blocks != first:
+                return  # the prompt's blocks are not all stored: nothing to continue
+            if not self._settings.decode_kv_is_prefill_kv:
+                self.recompute(active.seq, everything, first * bt, num_full * bt)
+            fresh = [active.seq.block(i, bt) for i in range(first, num_full)]
+            self._cache.insert(lease, tier=self._cache.tier_names[0], blocks=fresh,
+                               ttl_s=active.ttl_s)
+
+    def keep_tail(self, active: ActiveRequest) -> None:
+        """Keep the K/V after the last full block of prompt + answer for the next turn."""
+        if self._tails is None or active.namespace is None:
+            return
+        bt = self._settings.block_tokens
+        length = active.seq.length  # the last generated token was never fed back
+        num_full = length // bt
+        if num_full == 0 or length == num_full * bt:
+            return
+        everything = np.concatenate([active.job.tokens, np.asarray(active.generated, np.uint32)])
+        with self._cache.acquire(active.namespace,
+                                 as_token_ids(everything[:num_full * bt])) as lease:
+            if lease.match.num_blocks != num_full:
+                return  # the blocks it continues are not all stored
+            parent = lease.records[-1]
+        self._tails.keep(active.namespace, parent, everything[num_full * bt:length],
+                         active.seq.span(num_full * bt, length))
+
+    def recompute(self, seq: KVSequence, tokens: np.ndarray, start: int, end: int) -> None:
+        """Recompute tokens[start:end] block-aligned (the serial route's decode K/V differ)."""
+        bt = self._settings.block_tokens
+        ids = torch.from_numpy(tokens.astype(np.int64))
+        seq.truncate(start)
+        for at in range(start, end, bt):
+            self._forward.forward([SequenceRows(sequence=seq, tokens=ids[at:at + bt],
+                                                wants_logits=False)])
