@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 from gateway.bench.rows import LengthResult
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
 SYSTEM_COLOURS = {"kvgate": "tab:blue", "hf": "tab:orange", "llama.cpp": "tab:green"}
@@ -66,5 +67,26 @@ def plot_ttft(results: Sequence[LengthResult], path: Path, out: TextIO) -> bool:
         ax.set_xlabel("time to first token, ms (median, log scale)")
         ax.grid(True, axis="x", alpha=0.3)
         ax.margins(x=0.25)
+        _label_log_axis(ax)
     save_figure(figure, path, out)
     return True
+
+
+def _label_log_axis(ax: Axes) -> None:
+    """Ticks at the powers of ten (and 2 and 5 times them on an axis of under two decades),
+    labelled as plain milliseconds ("500", "2k"), minor ticks unlabelled: matplotlib's default
+    labels minor ticks of a short log axis in overlapping scientific notation."""
+    import math
+
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    low, high = ax.get_xlim()
+    decades = math.log10(high / low) if low > 0 and high > low else 0.0
+    subs = (1.0, 2.0, 5.0) if decades < 2.0 else (1.0,)
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=subs))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: _milliseconds(value)))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _milliseconds(value: float) -> str:
+    return f"{value / 1e3:,.0f}k" if value >= 1e3 else f"{value:,.0f}"

@@ -56,7 +56,7 @@ max_running = 16                # requests running at once
 max_running_per_tenant = 8      # one tenant cannot take the engine
 max_queued_per_tenant = 32      # nor the queue: more are refused (RESOURCE_EXHAUSTED)
 kv_budget_bytes = "2GiB"        # KV buffers of the running requests, all together
-tail_cache_bytes = "64MiB"      # K/V after a conversation's last full block, for its next turn
+tail_cache_bytes = "256MiB"     # K/V after a conversation's last full block, for its next turn
 
 [limits]                        # per API key, checked on the call's headers, before any work
 max_calls = 64                  # calls in flight, all keys (one worker thread each)

@@ -167,7 +167,7 @@ class EngineSettings:
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
     linear_kernel: str = "auto"
-    tail_cache_bytes: int = 64 << 20
+    tail_cache_bytes: int = 256 << 20
 
     def problems(self) -> list[str]:
         errors = []

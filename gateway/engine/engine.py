@@ -131,7 +131,7 @@ class EngineConfig:
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
     linear_kernel: LinearKernel = "auto"
-    tail_cache_bytes: int = 64 << 20
+    tail_cache_bytes: int = 256 << 20
 
     def __post_init__(self) -> None:
         if self.tail_cache_bytes < 0:
