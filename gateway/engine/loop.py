@@ -26,7 +26,13 @@ import numpy as np
 import torch
 
 from gateway.cache.prefix_cache import PrefixCache
-from gateway.core.errors import DeadlineExceeded, EngineDraining, GatewayError, RequestCancelled
+from gateway.core.errors import (
+    DeadlineExceeded,
+    EngineDraining,
+    GatewayError,
+    QueueFull,
+    RequestCancelled,
+)
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import (
     FinishReason,
@@ -192,10 +198,18 @@ class StepLoop:
                     break
             try:
                 self._turn()
-            except Exception:  # a bug: fail what runs, keep serving
-                logger.exception("engine step failed")
+            except Exception as exc:  # fail what runs, keep serving
+                error: BaseException
+                if is_out_of_memory(exc):
+                    logger.warning("a step of %d requests ran out of memory on %s: they are "
+                                   "refused, the engine goes on", len(self._active), self._device)
+                    error = self._out_of_memory(f"a step of {len(self._active)} requests")
+                else:  # a bug
+                    logger.exception("engine step failed")
+                    error = RuntimeError("internal error in the engine step")
                 for active in list(self._active.values()):
-                    self._end(active, RuntimeError("internal error in the engine step"))
+                    self._end(active, error)
+                self._release_memory()
 
     def _turn(self) -> None:
         self._expire()
@@ -272,7 +286,11 @@ class StepLoop:
                                          vocab_size=self._loaded.tokenizer.vocab_size)
                 active.detok = Detokenizer(self._loaded.tokenizer, request.sampling.stop)
         except Exception as exc:
-            if not isinstance(exc, GatewayError):
+            if is_out_of_memory(exc):
+                logger.warning("admitting a request ran out of memory on %s", self._device)
+                exc = self._out_of_memory("this request's KV buffers")
+                self._release_memory()
+            elif not isinstance(exc, GatewayError):
                 logger.exception("admitting a request failed")
             stack.close()
             with self._lock:
@@ -468,6 +486,17 @@ class StepLoop:
         job.events.put(exc)
         job.done.set()
 
+    def _out_of_memory(self, what: str) -> QueueFull:
+        return QueueFull(
+            f"the model's device ({self._device}) ran out of memory for {what}; retry later, "
+            "with a shorter prompt or fewer max_tokens (an operator lowers [engine] "
+            "kv_budget_bytes or max_running to fit the device)")
+
+    def _release_memory(self) -> None:
+        """Give the allocator's cached blocks back after an out-of-memory (CUDA keeps them)."""
+        if self._device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def _note_prefill_speed(self, num_tokens: int, seconds: float) -> None:
         sample = seconds / max(1, num_tokens)
         previous = self._prefill_s_per_token
@@ -483,3 +512,9 @@ def _why_stopped(job: Job, now: float) -> GatewayError:
     if job.cancelled.is_set():
         return RequestCancelled("the request was cancelled")
     return DeadlineExceeded("the request ran past its deadline")
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failed: CUDA's out-of-memory, or the CPU allocator's refusal."""
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
