@@ -78,6 +78,21 @@ class KVSequence:
             seq._length += n
         return seq
 
+    @classmethod
+    def unallocated(cls, layout: KVLayout) -> KVSequence:
+        """A sequence with no buffers and no room: a request's until its own are allocated."""
+        seq = cls.__new__(cls)
+        seq.layout, seq.capacity, seq._length = layout, 0, 0
+        seq._keys, seq._values = [], []
+        return seq
+
+    def release(self) -> None:
+        """Let go of the buffers (the request has ended): the sequence is empty and has no room
+        afterwards, so a late write fails loudly instead of landing in freed memory's place."""
+        self._keys, self._values = [], []
+        self._length = 0
+        self.capacity = 0
+
     @property
     def length(self) -> int:
         """Tokens whose K/V are complete in every layer."""

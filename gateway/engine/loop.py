@@ -270,7 +270,8 @@ class StepLoop:
                 max_blocks = None
                 use_cache = True
                 ttl = request.ttl_s
-            active = ActiveRequest(job=job, seq=KVSequence(self._loaded.layout, 1), ids=ids,
+            active = ActiveRequest(job=job, seq=KVSequence.unallocated(self._loaded.layout),
+                                   ids=ids,
                              target=target, stack=stack,
                              ttl_s=ttl if ttl is not None else self._settings.default_ttl_s)
             blocks: list[KVBlock] = []
@@ -469,6 +470,7 @@ class StepLoop:
     def _end(self, active: ActiveRequest, error: BaseException | None) -> None:
         self._active.pop(active.job.id, None)
         self._wake_parked(active.job.id)
+        active.seq.release()  # its buffers go now, whatever still holds the request
         try:
             active.stack.close()
         finally:

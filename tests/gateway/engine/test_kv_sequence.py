@@ -132,3 +132,19 @@ def test_a_sequence_from_blocks_holds_them_and_zeros_after_them() -> None:
         assert torch.equal(buffer[:, BLOCK:2 * BLOCK], blocks[1].keys[layer])
         assert not buffer[:, 2 * BLOCK:].any()  # attention reads whole key blocks: finite
         assert not seq.value_buffer(layer)[:, 2 * BLOCK:].any()
+
+
+def test_an_ended_requests_sequence_lets_go_of_its_buffers_and_refuses_writes() -> None:
+    seq = KVSequence(LAYOUT, 10)
+    fill(seq, 3, 1.0)
+    seq.release()
+    assert seq.length == 0
+    with pytest.raises(ValueError, match="do not fit"):
+        seq.advance(1)
+
+
+def test_an_unallocated_sequence_holds_nothing_and_has_no_room() -> None:
+    seq = KVSequence.unallocated(LAYOUT)
+    assert (seq.length, seq.capacity) == (0, 0)
+    with pytest.raises(ValueError, match="do not fit"):
+        seq.advance(1)
