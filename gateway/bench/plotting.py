@@ -10,6 +10,7 @@ state, no display). ``kvgate bench load`` draws its own panels (``gateway.bench.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -76,8 +77,6 @@ def _label_log_axis(ax: Axes) -> None:
     """Ticks at the powers of ten (and 2 and 5 times them on an axis of under two decades),
     labelled as plain milliseconds ("500", "2k"), minor ticks unlabelled: matplotlib's default
     labels minor ticks of a short log axis in overlapping scientific notation."""
-    import math
-
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     low, high = ax.get_xlim()

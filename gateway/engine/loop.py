@@ -430,14 +430,12 @@ class StepLoop:
             finish_reason=finish,
         )
         settings = self._settings
-        stores = (self._blocks is not None and settings.store_generated_blocks
-                  and bool(active.generated))
-        if stores and settings.decode_kv_is_prefill_kv:
+        storing = (self._blocks if settings.store_generated_blocks and active.generated
+                   else None)
+        if storing is not None and settings.decode_kv_is_prefill_kv:
             # Stored as decoded (no compute): before the final message, so that a client holding
             # it finds the answer's blocks.
-            assert self._blocks is not None
-            self._blocks.store_generated(active)
-            self._blocks.keep_tail(active)
+            storing.store_answer(active)
         job.events.put(usage)
         job.usage_sent = True
         if self._metrics is not None:
@@ -446,9 +444,9 @@ class StepLoop:
                 cached_tokens_by_tier=usage.cached_tokens_by_tier,
                 finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
                 total_s=usage.total_ms / 1e3)
-        if stores and not settings.decode_kv_is_prefill_kv and settings.recompute_generated_blocks:
-            assert self._blocks is not None
-            self._blocks.store_generated(active)  # recomputed first: after the answer is out
+        if (storing is not None and not settings.decode_kv_is_prefill_kv
+                and settings.recompute_generated_blocks):
+            storing.store_answer(active)  # recomputed first: after the answer is out
         self._end(active, None)
 
     def _finish_warm(self, active: ActiveRequest) -> None:

@@ -18,7 +18,7 @@ import torch
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import SHARED_SCOPE_TIER, GenerateRequest
-from gateway.core.tokens import as_token_ids
+from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.loop_records import ActiveRequest, LoopSettings
@@ -104,46 +104,49 @@ class RequestBlocks:
                                     ttl_s=active.ttl_s)
         active.stored_new = result.num_new_blocks
 
-    def store_generated(self, active: ActiveRequest) -> None:
-        """Store the full blocks the answer filled (recomputed first on the serial route)."""
+    def store_answer(self, active: ActiveRequest) -> None:
+        """Store the full blocks the answer filled (recomputed first on the serial route), then
+        keep the conversation's tail (where tails are kept) for its next turn."""
         if active.namespace is None:
             return
-        bt = self._settings.block_tokens
-        job = active.job
         everything = as_token_ids(np.concatenate(
-            [job.tokens, np.asarray(active.generated, np.uint32)]))
-        first = len(job.tokens) // bt
+            [active.job.tokens, np.asarray(active.generated, np.uint32)]))
+        self._store_generated(active, active.namespace, everything)
+        if self._tails is not None:
+            self._keep_tail(active, active.namespace, everything, self._tails)
+
+    def _store_generated(self, active: ActiveRequest, namespace: Namespace,
+                         everything: TokenIds) -> None:
+        bt = self._settings.block_tokens
+        first = len(active.job.tokens) // bt
         num_full = min(len(everything), active.seq.length) // bt
         if num_full <= first:
             return
-        with self._cache.acquire(active.namespace, everything) as lease:
+        with self._cache.acquire(namespace, everything) as lease:
             if lease.match.num_blocks != first:
                 return  # the prompt's blocks are not all stored: nothing to continue
             if not self._settings.decode_kv_is_prefill_kv:
-                self.recompute(active.seq, everything, first * bt, num_full * bt)
+                self._recompute(active.seq, everything, first * bt, num_full * bt)
             fresh = [active.seq.block(i, bt) for i in range(first, num_full)]
             self._cache.insert(lease, tier=self._cache.tier_names[0], blocks=fresh,
                                ttl_s=active.ttl_s)
 
-    def keep_tail(self, active: ActiveRequest) -> None:
-        """Keep the K/V after the last full block of prompt + answer for the next turn."""
-        if self._tails is None or active.namespace is None:
-            return
+    def _keep_tail(self, active: ActiveRequest, namespace: Namespace, everything: TokenIds,
+                   tails: TailCache) -> None:
         bt = self._settings.block_tokens
         length = active.seq.length  # the last generated token was never fed back
         num_full = length // bt
         if num_full == 0 or length == num_full * bt:
             return
-        everything = np.concatenate([active.job.tokens, np.asarray(active.generated, np.uint32)])
-        with self._cache.acquire(active.namespace,
-                                 as_token_ids(everything[:num_full * bt])) as lease:
+        # The record of the block the tail continues (just stored): insert hands back no records.
+        with self._cache.acquire(namespace, everything[:num_full * bt]) as lease:
             if lease.match.num_blocks != num_full:
                 return  # the blocks it continues are not all stored
             parent = lease.records[-1]
-        self._tails.keep(active.namespace, parent, everything[num_full * bt:length],
-                         active.seq.span(num_full * bt, length))
+        tails.keep(namespace, parent, everything[num_full * bt:length],
+                   active.seq.span(num_full * bt, length))
 
-    def recompute(self, seq: KVSequence, tokens: np.ndarray, start: int, end: int) -> None:
+    def _recompute(self, seq: KVSequence, tokens: np.ndarray, start: int, end: int) -> None:
         """Recompute tokens[start:end] block-aligned (the serial route's decode K/V differ)."""
         bt = self._settings.block_tokens
         ids = torch.from_numpy(tokens.astype(np.int64))

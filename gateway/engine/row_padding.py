@@ -17,8 +17,8 @@ kernel may reduce in another order. Where that count lies depends on the device:
   against the same rows of the largest product. Padding rows on a GPU costs little: a product of
   a few hundred rows is bound by reading the weights, as one of four rows is.
 
-Decode and logits rows are matrix-vector products of their own (``gateway.engine.forward``), so
-none of this applies to them.
+With BLAS, decode and logits rows are matrix-vector products of their own; with oneDNN they join
+the shared product, padded by ``ONEDNN_ROW_PADDING`` (``gateway.engine.row_products``).
 """
 
 from __future__ import annotations

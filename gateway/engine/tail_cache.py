@@ -74,17 +74,16 @@ class TailCache:
         self._tails: OrderedDict[_TailId, _Tail] = OrderedDict()
         self._by_parent: dict[tuple[Namespace, BlockKey], set[_TailId]] = {}
         self._num_bytes = 0
-        self._counters = TailCounters()
-        self._lock = threading.Lock()  # the loop writes, Stats and admin flushes read or clear
+        self._num_hits = self._num_tokens_served = self._num_kept = self._num_dropped = 0
+        self._lock = threading.Lock()  # the loop writes, Stats reads
 
     @property
     def counters(self) -> TailCounters:
         with self._lock:
-            return TailCounters(
-                num_hits=self._counters.num_hits,
-                num_tokens_served=self._counters.num_tokens_served,
-                num_kept=self._counters.num_kept, num_dropped=self._counters.num_dropped,
-                num_bytes=self._num_bytes)
+            return TailCounters(num_hits=self._num_hits,
+                                num_tokens_served=self._num_tokens_served,
+                                num_kept=self._num_kept, num_dropped=self._num_dropped,
+                                num_bytes=self._num_bytes)
 
     def keep(self, namespace: Namespace, parent: BlockRecord, tokens: np.ndarray,
              kv: KVBlock) -> None:
@@ -106,7 +105,7 @@ class TailCache:
                                          kv=kv, nbytes=nbytes)
             self._by_parent.setdefault(tail_id[:2], set()).add(tail_id)
             self._num_bytes += nbytes
-            self._counters = _bump(self._counters, num_kept=1)
+            self._num_kept += 1
 
     def find(self, namespace: Namespace, parent: BlockRecord, following: np.ndarray,
              max_tokens: int) -> KVBlock | None:
@@ -127,15 +126,9 @@ class TailCache:
             if best is None:
                 return None
             self._tails.move_to_end((namespace, parent.key, best.tokens.tobytes()))
-            self._counters = _bump(self._counters, num_hits=1,
-                                   num_tokens_served=len(best.tokens))
+            self._num_hits += 1
+            self._num_tokens_served += len(best.tokens)
             return best.kv
-
-    def clear(self) -> None:
-        """Drop every tail (an admin flush)."""
-        with self._lock:
-            for tail_id in list(self._tails):
-                self._drop(tail_id)
 
     def _drop(self, tail_id: _TailId) -> None:
         tail = self._tails.pop(tail_id, None)
@@ -146,10 +139,5 @@ class TailCache:
         siblings.discard(tail_id)
         if not siblings:
             del self._by_parent[tail_id[:2]]
-        self._counters = _bump(self._counters, num_dropped=1)
+        self._num_dropped += 1
 
-
-def _bump(counters: TailCounters, **deltas: int) -> TailCounters:
-    values = {name: getattr(counters, name) + deltas.get(name, 0)
-              for name in ("num_hits", "num_tokens_served", "num_kept", "num_dropped")}
-    return TailCounters(**values, num_bytes=counters.num_bytes)

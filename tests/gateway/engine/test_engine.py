@@ -266,13 +266,13 @@ def _cancel_after_the_answer(engine: Engine, tiny: LoadedModel,
     cancelled = threading.Event()
     assert engine._loop is not None and engine._loop._blocks is not None
     blocks = engine._loop._blocks
-    store_generated = blocks.store_generated  # runs on the step loop's thread
+    store_answer = blocks.store_answer  # runs on the step loop's thread
 
     def after_the_cancel(*args: Any, **kwargs: Any) -> None:
         assert cancelled.wait(timeout=30)
-        store_generated(*args, **kwargs)
+        store_answer(*args, **kwargs)
 
-    monkeypatch.setattr(blocks, "store_generated", after_the_cancel)
+    monkeypatch.setattr(blocks, "store_answer", after_the_cancel)
     prompt = PROMPTS[3]
     handle = engine.generate(GenerateRequest(prompt=prompt, scope=ALICE,
                                              sampling=SamplingParams(max_tokens=40)))
