@@ -27,15 +27,30 @@ FinishReason = Literal["stop", "length", "eos", "cancelled", "deadline"]
 MAX_NEW_TOKENS_LIMIT = 8192
 """The most tokens one request may ask to generate (the model's context bounds it further)."""
 
+MIN_SAMPLING_TEMPERATURE = 1e-5
+"""The smallest temperature that samples; a smaller positive one is greedy, as 0 is.
+
+NOTE: dividing float32 logits by a temperature near float32's smallest numbers (1e-38 and
+below, denormals, values that round to 0) gives infinities, and softmax then NaN: the review of
+issue 22 sent ``temperature = 1e-45``. Far above that, at 1e-5, two logits must lie within 1e-4
+of each other for the second to keep even 1e-4 of the first's probability, so sampling there is
+greedy in all but name; vLLM draws the same line (``_SAMPLING_EPS``). Refusing such values
+instead would break OpenAI clients that send a tiny temperature to mean "deterministic"."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingParams:
     """How to pick each next token. ``temperature == 0`` is greedy (the default).
 
+    Every value ``problems()`` accepts can be computed: a temperature below
+    ``MIN_SAMPLING_TEMPERATURE`` is greedy (``is_greedy``), and top-p keeps at least the most
+    likely token however small it is.
+
     Attributes:
         max_tokens: most tokens to generate (1..MAX_NEW_TOKENS_LIMIT).
-        temperature: 0 for greedy, else in (0, 10].
-        top_p: nucleus sampling mass in (0, 1].
+        temperature: 0 for greedy, else in (0, 10]; below ``MIN_SAMPLING_TEMPERATURE`` (1e-5)
+            it is greedy too (seed, top_p and top_k then change nothing).
+        top_p: nucleus sampling mass in (0, 1]; the most likely token is always kept.
         top_k: keep the k most likely tokens; 0 keeps all.
         seed: seed of this request's own random generator (None: a fresh random seed).
         stop: strings that end generation when they appear in the output (not included).
@@ -47,6 +62,11 @@ class SamplingParams:
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether the next token is the argmax of the logits (no sampling, no generator)."""
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
 
     def problems(self) -> list[str]:
         """Every out-of-range field, as messages a person can act on (empty if valid)."""

@@ -7,6 +7,10 @@ ends, so nothing it reads is evicted under it; its prompt blocks are stored the 
 prefill completes (before its first token is sampled, they are what the next request needs),
 and the blocks its answer filled when it ends.
 
+A failure of the forward (or of the loop's own bookkeeping) fails every request the step
+carried; a failure after it, in turning one request's output into tokens, text and stored
+blocks, fails that request alone, and the others go on as if it had never run.
+
 Storing the answer's blocks needs no recomputation when the forward is invariant (decode-time
 K/V then equal prefill K/V bit for bit, ``gateway.engine.probe`` checks it); on the serial
 route they are recomputed block-aligned as before (DESIGN.md, "Parity").
@@ -302,7 +306,10 @@ class StepLoop:
         with self._lock:
             self._scheduler.skip_prefill(job.id, active.seq.length)
         if active.seq.length >= active.target:
-            self._prompt_done(active, None)
+            try:
+                self._prompt_done(active, None)
+            except Exception as exc:
+                self._fail_alone(active, exc)
 
     def _computing_shared_blocks(self, job: Job) -> int | None:
         """The id of a running request now prefilling full blocks ``job`` needs, or None."""
@@ -369,11 +376,14 @@ class StepLoop:
             self._note_prefill_speed(plan.num_tokens, time.perf_counter() - began)
         for chunk, logits in zip(plan.chunks, outputs, strict=True):
             active = self._active[chunk.request_id]
-            if chunk.is_decode:
-                assert logits is not None
-                self._next_token(active, logits)
-            elif active.seq.length >= active.target:
-                self._prompt_done(active, logits)
+            try:
+                if chunk.is_decode:
+                    assert logits is not None
+                    self._next_token(active, logits)
+                elif active.seq.length >= active.target:
+                    self._prompt_done(active, logits)
+            except Exception as exc:  # this request's own fault: the step goes on
+                self._fail_alone(active, exc)
 
     def _prompt_done(self, active: ActiveRequest, logits: torch.Tensor | None) -> None:
         """Store the prompt's new blocks; a warm ends here, a generation samples its first token."""
@@ -478,6 +488,31 @@ class StepLoop:
                 self._fail(active.job, error)
             else:
                 active.job.done.set()
+
+    def _fail_alone(self, active: ActiveRequest, exc: Exception) -> None:
+        """End ``active`` alone with ``exc``, raised by what the loop does with its own output
+        (sampling, detokenizing, stop matching, storing its blocks).
+
+        Only the shared forward fails a whole step: anything after it belongs to one request,
+        so its failure is that request's (issue 22: one request's temperature of 1e-45 ended
+        every request in flight). The others' rows were computed without it (the forward is
+        invariant), so what they are served does not change.
+        """
+        job = active.job
+        error: BaseException
+        if is_out_of_memory(exc):
+            logger.warning("request %d ran out of memory on %s after its forward: it is "
+                           "refused, the engine goes on", job.id, self._device)
+            error = self._out_of_memory("this request's output")
+            self._release_memory()
+        else:  # a bug, or a value nothing checked
+            logger.error("request %d failed after its forward; the others in the step go on",
+                         job.id, exc_info=exc)
+            error = RuntimeError(f"internal error handling this request's output "
+                                 f"({type(exc).__name__})")
+            error.__cause__ = exc
+        # Ended already (its own end raised): its caller has its outcome; only release again.
+        self._end(active, None if job.done.is_set() else error)
 
     def _fail(self, job: Job, exc: BaseException) -> None:
         if self._metrics is not None and job.kind == "generate" and not job.usage_sent:
