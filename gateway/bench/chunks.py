@@ -20,10 +20,10 @@ from typing import TextIO
 import torch
 
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
-from gateway.engine.attention_choice import attention_for
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, forward_logits, load_model, make_sequence_cache
+from gateway.engine.route_search import SearchSettings, build_forward, search_route
 
 SERIAL_CHUNK = 256
 
@@ -39,8 +39,10 @@ def run_chunks_benchmark(*, model: str, cache_dir: Path, sizes: list[int], promp
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, loaded.tokenizer.vocab_size, (prompt_tokens,),
                         generator=generator).to(device)
-    forward = BatchedForward(loaded.model,
-                             attention_for(loaded.model.model.embed_tokens.weight.device))
+    verdict = search_route(loaded, SearchSettings())
+    forward = build_forward(loaded, verdict)
+    if not isinstance(forward, BatchedForward):
+        raise SystemExit(f"the batched forward is not invariant here: {verdict.reason}")
     variants: dict[str, Callable[[], None]] = {
         f"batched, chunks of {size}": _batched(loaded, forward, ids, size, device)
         for size in sizes}

@@ -20,7 +20,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -45,46 +45,29 @@ from gateway.core.requests import (
     WarmResult,
 )
 from gateway.core.tokens import TokenIds
-from gateway.engine.attention_choice import attention_for
-from gateway.engine.forward import (
-    BatchedForward,
-    SequenceRows,
-    StepForward,
-    architecture_problem,
-    projection_weights,
-)
+from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.jobs import Job, RequestHandle, WarmHandle
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.loop import StepLoop
 from gateway.engine.loop_records import LoopCounters, LoopSettings
-from gateway.engine.model import LoadedModel, SerialForward
+from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
-from gateway.engine.probe import probe_invariance
-from gateway.engine.row_padding import CPU_ROW_PADDING, MINIMUM_CANDIDATES
-from gateway.engine.row_products import (
-    LINEAR_KERNELS,
-    LinearKernel,
-    RowProducts,
-    candidate_row_products,
+from gateway.engine.route_search import (
+    EngineRoute,
+    SearchSettings,
+    build_forward,
+    route_of,
+    search_route,
 )
+from gateway.engine.row_products import KERNELS, LINEAR_KERNELS, LinearKernel, Product
 from gateway.engine.scheduler import ScheduleLimits, Scheduler
 from gateway.engine.tail_cache import TailCache, TailCounters
+from gateway.engine.verdicts import VerdictStore, verdict_key
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
 
 ROUTES = ("auto", "batched", "serial")
-
-
-def _products_note(products: RowProducts) -> str:
-    """What the route's reason says of the forward's projections."""
-    padding = products.padding
-    if products.kernel == "onednn":
-        return (f"projections through oneDNN, every row of a step in one product of at least "
-                f"{padding.minimum} rows (decode rows too)")
-    rows = ("4, 8 or 12+ rows" if padding == CPU_ROW_PADDING else
-            f"at least {padding.minimum} rows, in steps of {padding.multiple}")
-    return f"projections through BLAS, prefill rows padded to {rows}, decode rows alone"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,6 +92,8 @@ class EngineConfig:
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting.
         kv_budget_bytes: KV buffer bytes the running requests may hold together.
+        max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
+            requests may hold (its first request excepted; ``gateway.engine.scheduler``).
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
             (oneDNN where it keeps a row's bits, else BLAS), "onednn" or "blas"
             (``gateway.engine.row_products``).
@@ -130,6 +115,7 @@ class EngineConfig:
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
+    max_kv_share_per_tenant: float = 0.5
     linear_kernel: LinearKernel = "auto"
     tail_cache_bytes: int = 256 << 20
 
@@ -143,34 +129,6 @@ class EngineConfig:
                              f"{self.linear_kernel!r}")
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineRoute:
-    """How this engine computes, and why.
-
-    Attributes:
-        name: "batched" (the invariant batched forward) or "serial" (transformers, one
-            request at a time, block-aligned chunks).
-        reason: why this route (the probe's finding, the configuration, the architecture).
-        probe_s: seconds the start-up probe took (0 when it did not run).
-        decode_kv_is_prefill_kv: decoding writes the K/V a prefill writes (the probe found), so
-            an answer's blocks are stored as decoded; otherwise they are recomputed first.
-        attention: the batched forward's attention (its ``numerics``); empty on the serial route.
-    """
-
-    name: str
-    reason: str
-    probe_s: float = 0.0
-    decode_kv_is_prefill_kv: bool = False
-    attention: str = ""
-
-    @property
-    def numerics(self) -> str:
-        """The route's part of the block namespace (its K/V differ from the other's)."""
-        return f"{self.name}-{self.attention}" if self.name == "batched" else self.name
-
-
-
-
 class Engine:
     """Queue, worker thread, model and prefix cache: the request path below the servicer.
 
@@ -181,6 +139,10 @@ class Engine:
         deployment_secret: keys every block namespace (16..64 bytes).
         clock: monotonic time source (deadlines, TTFT).
         metrics: where each generation is recorded (None: nowhere).
+        verdicts: where the route search's verdicts are remembered (None: search every start).
+        kernels: the linear kernels the search tries (a seam for tests).
+        cancelled: polled while the route is searched; True ends ``start`` with
+            ``SearchCancelled`` (the process is shutting down).
     """
 
     def __init__(
@@ -192,6 +154,9 @@ class Engine:
         deployment_secret: bytes,
         clock: Callable[[], float] = time.monotonic,
         metrics: EngineMetrics | None = None,
+        verdicts: VerdictStore | None = None,
+        kernels: Mapping[str, Product] = KERNELS,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         if cache is not None and cache.block_tokens != config.block_tokens:
             raise ValueError(
@@ -202,6 +167,9 @@ class Engine:
         self._secret = deployment_secret
         self._clock = clock
         self._metrics = metrics
+        self._verdicts = verdicts
+        self._kernels = kernels
+        self._cancelled = cancelled
         self._lock = threading.Lock()
         self._is_draining = False
         self._namespaces: dict[Scope, Namespace] = {}
@@ -274,6 +242,7 @@ class Engine:
             max_running_per_tenant=self._config.max_running_per_tenant,
             max_queued_per_tenant=self._config.max_queued_per_tenant,
             max_queued=self._config.max_queue, kv_budget_bytes=self._config.kv_budget_bytes,
+            max_kv_share_per_tenant=self._config.max_kv_share_per_tenant,
             is_serial=self._route.name == "serial", block_tokens=self._config.block_tokens)
         return StepLoop(
             loaded=self._loaded, forward=forward, scheduler=Scheduler(limits), cache=self._cache,
@@ -287,56 +256,29 @@ class Engine:
             tails=self._tails)
 
     def _choose_route(self) -> tuple[StepForward, EngineRoute]:
-        serial = SerialForward(self._loaded)
-        if self._config.route == "serial":
-            return serial, EngineRoute(name="serial", reason="configured (route = serial)")
-        problem = architecture_problem(self._loaded.model)
-        if problem is not None:
-            return serial, EngineRoute(name="serial", reason=f"the batched forward cannot run "
-                                       f"this model: {problem}")
-        started = time.perf_counter()
-        model = self._loaded.model
-        candidates = candidate_row_products(
-            self._device, projection_weights(model), model.lm_head.weight,
+        """The route remembered for this model, machine and settings, else the one the search
+        finds (then remembered)."""
+        loaded = self._loaded
+        settings = SearchSettings(
+            route=self._config.route, linear_kernel=self._config.linear_kernel,
             max_rows=max(self._config.step_tokens, self._config.prefill_step_tokens),
-            max_logit_rows=self._config.max_running, kernel=self._config.linear_kernel)
-        if not candidates:
-            reason = (f"no padding of up to {max(MINIMUM_CANDIDATES):,} rows keeps a projection "
-                      "row's bits whatever the row count on this device")
-            logger.warning("the batched forward is not invariant here (%s): serving one request "
-                           "at a time on the serial exact route", reason)
-            return serial, EngineRoute(name="serial", probe_s=time.perf_counter() - started,
-                                       reason=f"start-up probe failed: {reason}")
-        failed: tuple[BatchedForward, str, str] | None = None
-        for products in candidates:
-            attention = attention_for(self._device,
-                                      decode_as_prefill=products.shares_decode_rows)
-            batched = BatchedForward(model, attention, products)
-            numerics = "-".join(part for part in (attention.numerics, products.label) if part)
-            probe = probe_invariance(batched, self._loaded.layout,
-                                     int(model.config.vocab_size))
-            if probe.is_invariant:
-                return batched, EngineRoute(
-                    name="batched", probe_s=time.perf_counter() - started, attention=numerics,
-                    decode_kv_is_prefill_kv=probe.decode_kv_is_prefill_kv,
-                    reason=f"start-up probe: {probe.num_checks} chunked/batched variants equal "
-                           f"one-shot bit for bit; {_products_note(products)}")
-            logger.info("the batched forward with %s is not invariant here: %s",
-                        _products_note(products), probe.failure)
-            if failed is None:
-                failed = (batched, numerics, str(probe.failure))
-        assert failed is not None
-        batched, numerics, failure = failed
-        if self._config.route == "batched":
-            logger.warning("route = batched although the probe failed (%s): warm may differ "
-                           "from cold", failure)
-            return batched, EngineRoute(name="batched", probe_s=time.perf_counter() - started,
-                                        attention=numerics,
-                                        reason=f"configured, probe FAILED: {failure}")
-        logger.warning("the batched forward is not invariant here (%s): serving one request at "
-                       "a time on the serial exact route", failure)
-        return serial, EngineRoute(name="serial", probe_s=time.perf_counter() - started,
-                                   reason=f"start-up probe failed: {failure}")
+            max_logit_rows=self._config.max_running)
+        key = None
+        if self._verdicts is not None:
+            key = verdict_key(fingerprint=loaded.fingerprint, dtype=loaded.layout.dtype,
+                              device=self._device, settings=settings)
+            remembered = self._verdicts.load(key)
+            if remembered is not None:
+                logger.info("engine route remembered from an earlier start on this machine "
+                            "(%s); delete %s to probe again", remembered.name,
+                            self._verdicts.path_for(key))
+                return (build_forward(loaded, remembered, self._kernels),
+                        route_of(remembered, self._kernels))
+        verdict = search_route(loaded, settings, kernels=self._kernels,
+                               cancelled=self._cancelled)
+        if self._verdicts is not None and key is not None:
+            self._verdicts.save(key, verdict)
+        return build_forward(loaded, verdict, self._kernels), route_of(verdict, self._kernels)
 
     @property
     def counters(self) -> LoopCounters:

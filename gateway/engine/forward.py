@@ -30,7 +30,7 @@ import torch
 
 from gateway.engine.attention import AttentionItem, SequenceAttention
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.row_products import BLAS_CPU_PRODUCTS, RowProducts
+from gateway.engine.row_products import RowProducts
 
 ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
@@ -85,13 +85,15 @@ class BatchedForward:
     Args:
         model: a loaded ``LlamaForCausalLM`` (eval mode).
         attention: the per-sequence attention (one implementation per device kind).
+        products: how rows are multiplied by the weights (found on the machine at start-up:
+            ``gateway.engine.route_search``).
 
     Raises:
         UnsupportedModel: ``architecture_problem(model)`` says why.
     """
 
     def __init__(self, model: Any, attention: SequenceAttention,
-                 products: RowProducts = BLAS_CPU_PRODUCTS) -> None:
+                 products: RowProducts) -> None:
         problem = architecture_problem(model)
         if problem is not None:
             raise UnsupportedModel(problem)

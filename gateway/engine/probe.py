@@ -37,6 +37,13 @@ cost of one prefill of the prefix."""
 
 NUM_DECODE = 3
 
+NUM_CHECKS = 8
+"""Variants the probe compares (the one-shot run, five chunked/batched ones, two decoding)."""
+
+
+class ProbeCancelled(Exception):
+    """The probe was asked to stop (the process is shutting down) before it had a verdict."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProbeResult:
@@ -65,7 +72,9 @@ class _Run:
 
 def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int, *,
                      seed: int = 0, num_tokens: int = PROBE_TOKENS,
-                     clock: Callable[[], float] = time.perf_counter) -> ProbeResult:
+                     clock: Callable[[], float] = time.perf_counter,
+                     cancelled: Callable[[], bool] = lambda: False,
+                     on_check: Callable[[int, int], None] | None = None) -> ProbeResult:
     """Compare one-shot, chunked, token-by-token and batched runs of one random prompt.
 
     Args:
@@ -75,6 +84,11 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
         seed: seed of the random prompt and of the other sequences.
         num_tokens: prompt length.
         clock: time source for ``seconds``.
+        cancelled: polled before every forward; True raises ``ProbeCancelled``.
+        on_check: called with (checks done, ``NUM_CHECKS``) after each comparison (progress).
+
+    Raises:
+        ProbeCancelled: ``cancelled()`` said so.
     """
     started = clock()
     generator = torch.Generator().manual_seed(seed)
@@ -90,6 +104,7 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
         """``count`` other sequences with histories of different lengths, decoding beside."""
         made = []
         for i in range(count):
+            _check_cancelled(cancelled)
             n = 5 + 37 * i
             seq = KVSequence(layout, n + 2 * TILE, device=forward.device)
             history = torch.randint(0, vocab_size, (n,), generator=generator)
@@ -107,6 +122,7 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
         logits: list[torch.Tensor] = []
         at = 0
         for size in chunks:
+            _check_cancelled(cancelled)
             is_decode = decoding and at >= num_tokens
             batch = [SequenceRows(sequence=other, wants_logits=True,
                                   is_decode=is_decode and not company_prefills,
@@ -130,28 +146,42 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
         ("batched with other sequences", [num_tokens, *decode], 3),
         ("chunked and batched", [TILE + 1, num_tokens - TILE - 1, *decode], 2),
     ]
-    failure = _compare(reference, one_shot, "decode vs one-shot prefill", layout,
-                       logits_steps=[(-1, -1)])
+    done = 0
+
+    def checked(found: str | None) -> str | None:
+        nonlocal done
+        done += 1
+        if on_check is not None:
+            on_check(done, NUM_CHECKS)
+        return found
+
+    failure = checked(_compare(reference, one_shot, "decode vs one-shot prefill", layout,
+                               logits_steps=[(-1, -1)]))
     every_decode_step = [(-1 - i, -1 - i) for i in range(NUM_DECODE)]
     for name, chunks, beside in variants:
         if failure is not None:
             break
-        failure = _compare(reference, run(chunks, beside), name, layout,
-                           logits_steps=every_decode_step)
+        failure = checked(_compare(reference, run(chunks, beside), name, layout,
+                                   logits_steps=every_decode_step))
     decoded_alone = run([num_tokens, *decode], decoding=True)
     if failure is None:
-        failure = _compare(decoded_alone, run([num_tokens, *decode], beside=3, decoding=True),
-                           "decoding beside other decoding sequences", layout,
-                           logits_steps=every_decode_step)
+        failure = checked(_compare(
+            decoded_alone, run([num_tokens, *decode], beside=3, decoding=True),
+            "decoding beside other decoding sequences", layout, logits_steps=every_decode_step))
     if failure is None:
-        failure = _compare(decoded_alone, run([num_tokens, *decode], beside=2, decoding=True,
-                                              company_prefills=True),
-                           "decoding beside prefilling sequences", layout,
-                           logits_steps=every_decode_step)
+        failure = checked(_compare(
+            decoded_alone, run([num_tokens, *decode], beside=2, decoding=True,
+                               company_prefills=True),
+            "decoding beside prefilling sequences", layout, logits_steps=every_decode_step))
     same_kv = _compare(reference, decoded_alone, "", layout, logits_steps=()) is None
     return ProbeResult(is_invariant=failure is None, failure=failure,
-                       num_checks=3 + len(variants), seconds=clock() - started,
+                       num_checks=NUM_CHECKS, seconds=clock() - started,
                        decode_kv_is_prefill_kv=same_kv)
+
+
+def _check_cancelled(cancelled: Callable[[], bool]) -> None:
+    if cancelled():
+        raise ProbeCancelled("the start-up probe was stopped before its verdict")
 
 
 def _compare(expected: _Run, got: _Run, name: str, layout: KVLayout,

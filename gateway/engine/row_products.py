@@ -2,23 +2,21 @@
 many rows each product is padded to, and whether decode rows share the product.
 
 Why a seam of its own: a row's bits depend on the kernel and on the row count it is called
-with, and both differ between libraries and devices (DESIGN.md, "Parity"):
+with, and both differ between libraries, CPUs, dtypes and devices (DESIGN.md, "Parity"). So
+nothing here is assumed of the machine: each kernel of ``KERNELS`` is a candidate, tried in the
+model's own dtype, whose padding is searched at start-up on the model's weight shapes
+(``gateway.engine.row_padding``); a kernel the machine cannot run at all (oneDNN without a
+bfloat16 inner product on an AVX2 CPU, say) is dropped with one log line saying why. The engine
+then probes each candidate on the real weights, best first (``gateway.engine.route_search``).
 
-- **oneDNN** (``torch.ops.mkldnn._linear_pointwise``, the fp32 inner product behind inductor's
-  CPU linears) gives a row the same bits for every row count from 2: checked for every count
-  from 2 to 1,100 on SmolLM2's five weight shapes (a lone row differs). On this project's AMD
-  CPU it is also about twice as fast as ``F.linear`` (MKL's sgemm, whose AVX-512 paths are
-  Intel's): SmolLM2's 210 projections took 59 ms for 96 rows against 112 ms, 17.6 ms for 2 rows
-  against 23.8 ms for one matrix-vector product per row. So every row of a step, prefill and
-  decode alike, goes into one product padded to at least 2 rows (``ONEDNN_ROW_PADDING``): a
-  decode row's numbers are then a prefill's, so the blocks an answer fills are stored as decoded
-  (the start-up probe checks it), and the decode rows of many users cost one product instead of
-  one each.
-- **BLAS** (``F.linear``): on this CPU, MKL keeps a row's bits for 4, 8 and 12+ rows only, and a
-  lone decode row padded to 4 costs more than a matrix-vector product; on CUDA, cuBLAS needs the
-  searched padding of ``gateway.engine.row_padding``. There, prefill rows share a padded product
-  and each decode row is a matrix-vector product of its own (its numbers are then not a
-  prefill's, and an answer's blocks are left for the next turn's prefill to store).
+- **oneDNN** (``torch.ops.mkldnn._linear_pointwise``, the inner product behind inductor's CPU
+  linears): on this project's AMD CPUs a row kept its bits for every count from 2 (float32), and
+  it ran about twice as fast as MKL's sgemm there. Every row of a step, prefill and decode
+  alike, goes into one product (decode rows share it): a decode row's numbers are then a
+  prefill's, so the blocks an answer fills are stored as decoded (the probe checks it).
+- **BLAS** (``F.linear``): prefill rows share a padded product and each decode row is a
+  matrix-vector product of its own (its numbers are then not a prefill's, and an answer's blocks
+  are left for the next turn's prefill to store). On CUDA this is cuBLAS.
 
 Logits rows follow the same rule as decode rows.
 """
@@ -26,8 +24,8 @@ Logits rows follow the same rule as decode rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -46,13 +44,17 @@ logger = logging.getLogger(__name__)
 LinearKernel = Literal["auto", "onednn", "blas"]
 LINEAR_KERNELS: tuple[LinearKernel, ...] = ("auto", "onednn", "blas")
 
-ONEDNN_ROW_PADDING = RowPadding(minimum=2, multiple=8)
-"""At least 2 rows (every count from 2 keeps a row's bits); larger counts rounded up to a
-multiple of 8, so that oneDNN builds (and caches) one primitive per 8 counts, not one per
-count (a new shape costs ~0.5 ms to build)."""
-
 Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``product(rows, weight, bias)``: ``rows @ weight.T (+ bias)``."""
+
+ONEDNN_PADDINGS = (RowPadding(minimum=2, multiple=8), RowPadding(minimum=16, multiple=16),
+                   RowPadding(minimum=64, multiple=64))
+"""The paddings oneDNN products may use, cheapest first: at least 2 rows, larger counts rounded
+up to a multiple of 8 (oneDNN builds and caches one primitive per shape, ~0.5 ms each), then
+coarser ones for a CPU where small counts take other paths."""
+
+ONEDNN_ROW_PADDING = ONEDNN_PADDINGS[0]
+"""The oneDNN padding this project's CPUs use (its namespaces' label: dnnl-r2x8)."""
 
 
 def _blas(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -65,20 +67,30 @@ def _onednn(rows: torch.Tensor, weight: torch.Tensor,
     return out
 
 
+KERNELS: Mapping[str, Product] = {"onednn": _onednn, "blas": _blas}
+"""The kernels by name, best first where the machine can run them."""
+
+SHARES_DECODE_ROWS = {"onednn": True, "blas": False}
+"""Whether a kernel's decode rows join the shared product (module docstring)."""
+
+
 @dataclass(frozen=True, slots=True)
 class RowProducts:
     """The forward's projections: one kernel, one padding, decode rows shared or alone.
 
     Attributes:
-        kernel: "onednn" or "blas".
+        kernel: "onednn" or "blas" (a key of ``KERNELS``).
         padding: the row count a shared product of n rows is padded to.
         shares_decode_rows: decode (and logits) rows go into the shared product; otherwise each
             is a matrix-vector product of its own.
+        product_override: the kernel's function where it is not ``KERNELS[kernel]`` (a seam:
+            tests pass products that vary with the row count).
     """
 
-    kernel: Literal["onednn", "blas"]
+    kernel: str
     padding: RowPadding
     shares_decode_rows: bool
+    product_override: Product | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -89,15 +101,16 @@ class RowProducts:
 
     @property
     def product(self) -> Product:
-        return _onednn if self.kernel == "onednn" else _blas
+        return self.product_override or KERNELS[self.kernel]
 
-    def project(self, linear: Any, rows: torch.Tensor, num_shared: int) -> torch.Tensor:
+    def project(self, linear: Any, rows: torch.Tensor,
+                num_shared: int) -> torch.Tensor:
         """``linear`` of ``rows``: the first ``num_shared`` in one product, each other row alone.
 
         ``num_shared`` is zero or a padded row count, so the shared rows keep their bits; a row
         alone is a matrix-vector product, which no other row can change."""
         weight: torch.Tensor = linear.weight
-        bias: torch.Tensor | None = linear.bias
+        bias: torch.Tensor | None = getattr(linear, "bias", None)
         if num_shared == rows.shape[0]:
             return self.product(rows, weight, bias)
         out = rows.new_empty(rows.shape[0], weight.shape[0])
@@ -111,41 +124,64 @@ class RowProducts:
 
 
 BLAS_CPU_PRODUCTS = RowProducts(kernel="blas", padding=CPU_ROW_PADDING, shares_decode_rows=False)
-"""``F.linear`` on the CPU: prefill rows padded to 4, 8 or 12+, decode rows alone."""
+"""``F.linear`` on the CPU padded as on this project's first AMD EPYC (the forward's default
+when nothing was searched; the engine always searches)."""
 
 
-def onednn_problem(device: torch.device) -> str | None:
-    """Why oneDNN's inner product cannot run on ``device`` here, or None."""
-    if device.type != "cpu":
+def kernel_problem(kernel: str, device: torch.device, dtype: torch.dtype,
+                   kernels: Mapping[str, Product] = KERNELS) -> str | None:
+    """Why ``kernel`` cannot multiply ``dtype`` rows on ``device`` here, or None."""
+    if kernel == "onednn" and device.type != "cpu":
         return f"oneDNN's inner product serves the CPU, not {device.type}"
     try:
-        _onednn(torch.ones(2, 8), torch.ones(4, 8), None)
-    except (AttributeError, RuntimeError) as exc:
-        return f"oneDNN's inner product is unavailable: {exc}"
+        kernels[kernel](torch.ones(2, 8, dtype=dtype, device=device),
+                        torch.ones(4, 8, dtype=dtype, device=device), None)
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError) as exc:
+        return f"it cannot compute {str(dtype).removeprefix('torch.')} here: {_first_line(exc)}"
     return None
 
 
-def _onednn_products(weights: Sequence[torch.Tensor], head: torch.Tensor, *, max_rows: int,
-                     max_logit_rows: int) -> RowProducts | None:
-    """oneDNN products, if every count they use keeps a row's bits for these weights."""
-    def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return _onednn(rows, weight, None)
+def onednn_problem(device: torch.device, dtype: torch.dtype = torch.float32) -> str | None:
+    """Why oneDNN's inner product cannot run on ``device`` in ``dtype`` here, or None."""
+    return kernel_problem("onednn", device, dtype)
 
-    padding = ONEDNN_ROW_PADDING
-    for group, most in ((weights, max_rows), ([head], max_logit_rows)):
-        found = find_row_padding(group, max_rows=most, candidates=(padding.minimum,),
-                                 multiple=padding.multiple, product=product,
-                                 counts=sampled_counts)
-        if found != padding:
-            return None
-    return RowProducts(kernel="onednn", padding=padding, shares_decode_rows=True)
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _search(kernel: str, product: Product, device: torch.device,
+            weights: Sequence[torch.Tensor], head: torch.Tensor, *, max_rows: int,
+            max_logit_rows: int, cancelled: Callable[[], bool]) -> RowPadding | None:
+    """The padding ``kernel``'s shared products need on these weights (None: none holds)."""
+    def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return product(rows, weight, None)
+
+    if kernel == "onednn":
+        # The logits head shares the padding: its rows join the product too.
+        for padding in ONEDNN_PADDINGS:
+            if all(find_row_padding(group, max_rows=most, candidates=(padding,),
+                                    product=unbiased, counts=sampled_counts,
+                                    cancelled=cancelled) == padding
+                   for group, most in ((weights, max_rows), ([head], max_logit_rows))):
+                return padding
+            if cancelled():
+                return None
+        return None
+    return row_padding_for(device, weights, max_rows=max_rows, product=unbiased,
+                           cancelled=cancelled)
 
 
 def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor],
                            head: torch.Tensor, *, max_rows: int, max_logit_rows: int,
-                           kernel: LinearKernel = "auto") -> list[RowProducts]:
-    """The products the batched forward may use on ``device``, best first; the engine probes
-    each on the real weights and takes the first that passes (none: the serial route runs).
+                           kernel: LinearKernel = "auto",
+                           kernels: Mapping[str, Product] = KERNELS,
+                           cancelled: Callable[[], bool] = lambda: False) -> list[RowProducts]:
+    """The products the batched forward may use on ``device`` for these weights (their dtype),
+    best first; the engine probes each on the real weights and takes the first that passes
+    (none: the serial route runs). Each kernel the machine cannot run, or whose rows change
+    with the row count under every padding tried, is dropped with one log line naming why.
 
     Args:
         device: where the model runs.
@@ -153,22 +189,37 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
         head: the output projection (``lm_head``) weight.
         max_rows: the most rows one step's shared product can have.
         max_logit_rows: the most logits rows one step wants (one per running request).
-        kernel: "auto" (oneDNN where it keeps a row's bits, then BLAS), "onednn" (BLAS only
-            where oneDNN cannot, with a warning) or "blas".
+        kernel: "auto" (every kernel, best first), "onednn" (BLAS only where oneDNN cannot, with
+            a warning) or "blas".
+        kernels: the kernels by name (a seam: tests pass products that vary with the row count
+            or raise, as some machines' kernels do).
+        cancelled: polled during the search; True ends it early (fewer or no candidates).
     """
+    names = ["blas"] if kernel == "blas" else list(kernels)
+    dtype = weights[0].dtype
     candidates: list[RowProducts] = []
-    if kernel != "blas":
-        problem = onednn_problem(device)
+    for name in names:
+        if cancelled():
+            break
+        problem = kernel_problem(name, device, dtype, kernels)
+        padding: RowPadding | None = None
         if problem is None:
-            products = _onednn_products(weights, head, max_rows=max_rows,
-                                        max_logit_rows=max(2, max_logit_rows))
-            if products is not None:
-                candidates.append(products)
+            try:
+                padding = _search(name, kernels[name], device, weights, head,
+                                  max_rows=max_rows, max_logit_rows=max(2, max_logit_rows),
+                                  cancelled=cancelled)
+            except (RuntimeError, NotImplementedError, TypeError) as exc:
+                problem = f"it failed on these weights: {_first_line(exc)}"
             else:
-                problem = "a row's bits change with the row count on these weights"
-        if problem is not None and kernel == "onednn":
-            logger.warning("linear_kernel = onednn, but %s: using BLAS (F.linear)", problem)
-    padding = row_padding_for(device, weights, max_rows=max_rows)
-    if padding is not None:
-        candidates.append(RowProducts(kernel="blas", padding=padding, shares_decode_rows=False))
+                if padding is None and not cancelled():
+                    problem = ("a row's bits change with the row count under every padding "
+                               "tried")
+        if padding is not None:
+            candidates.append(RowProducts(
+                kernel=name, padding=padding, shares_decode_rows=SHARES_DECODE_ROWS.get(
+                    name, False), product_override=None if kernels is KERNELS
+                else kernels[name]))
+        elif problem is not None:
+            level = logging.WARNING if kernel == name else logging.INFO
+            logger.log(level, "linear kernel %s dropped: %s", name, problem)
     return candidates

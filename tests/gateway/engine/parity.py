@@ -24,12 +24,12 @@ from gateway.config.dtype import resolve_dtype
 from gateway.core.canonical import PromptInput, canonicalize
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
-from gateway.engine.attention_choice import attention_for
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.forward import BatchedForward, SequenceRows, projection_weights
+from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, compute_block_kv, load_model
-from gateway.engine.row_products import candidate_row_products
+from gateway.engine.route_search import build_forward, search_route
+from tests.gateway.engine.kernels import settings as kernels_settings
 from tiers.payload import KVBlock
 
 BLOCK = 16
@@ -134,15 +134,13 @@ def model_device(loaded: LoadedModel) -> torch.device:
 
 
 def engine_forward(loaded: LoadedModel, device: torch.device) -> BatchedForward:
-    """The batched forward an engine with the default configuration builds on ``device`` (its
-    first choice of products, which passes the start-up probe on the models tested here)."""
-    config = EngineConfig()
-    products = candidate_row_products(
-        device, projection_weights(loaded.model), loaded.model.lm_head.weight,
-        max_rows=max(config.step_tokens, config.prefill_step_tokens),
-        max_logit_rows=config.max_running)[0]
-    attention = attention_for(device, decode_as_prefill=products.shares_decode_rows)
-    return BatchedForward(loaded.model, attention, products)
+    """The batched forward an engine with the default configuration chooses on ``device``: the
+    first candidate of this machine's search that the start-up probe passes."""
+    del device  # the model's own
+    verdict = search_route(loaded, kernels_settings())
+    forward = build_forward(loaded, verdict)
+    assert isinstance(forward, BatchedForward), verdict.reason
+    return forward
 
 
 def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,

@@ -30,6 +30,7 @@ from gateway.core.requests import (
 )
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel, load_model
+from tests.gateway.engine.kernels import batched_kernels
 from tests.gateway.engine.parity import SECRET, cache_config
 from tests.tiny_llama import save_tiny_llama
 from tiers.payload import KVBlock
@@ -46,11 +47,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 def start(tiny: LoadedModel, root: Path, block: int, **config: object
           ) -> tuple[Engine, OpenedCache]:
+    """An engine on the batched route: this machine's kernels where its search finds one that
+    holds, else kernels that keep every row by construction (``ROWWISE_KERNELS``), so that the
+    step loop's batching is tested on every machine."""
     opened = open_cache(cache_config(root, block_tokens=block), layout=tiny.layout,
                         deployment_secret=SECRET)
+    kernel = str(config.get("linear_kernel", "auto"))
     engine = Engine(loaded=tiny, cache=opened.cache,
                     config=EngineConfig(block_tokens=block, **config),  # type: ignore[arg-type]
-                    deployment_secret=SECRET)
+                    deployment_secret=SECRET,
+                    kernels=batched_kernels(tiny, kernel))  # type: ignore[arg-type]
     engine.start()
     assert engine.route.name == "batched", engine.route.reason
     return engine, opened

@@ -19,6 +19,7 @@ from gateway.engine.flash_attention import KEY_BLOCK, FlashBlockAttention
 from gateway.engine.forward import BatchedForward
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.probe import probe_invariance
+from tests.gateway.engine.kernels import ROWWISE
 from tests.tiny_llama import VOCAB, save_tiny_llama
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
@@ -101,6 +102,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 
 def test_the_probe_finds_the_tiny_llama_invariant_with_flash_attention(tiny) -> None:
-    result = probe_invariance(BatchedForward(tiny.model, FlashBlockAttention()), tiny.layout,
-                              VOCAB)
+    """With products that keep every row (``ROWWISE``), what the probe checks is the
+    attention's fixed-shape calls on this machine."""
+    result = probe_invariance(BatchedForward(tiny.model, FlashBlockAttention(), ROWWISE),
+                              tiny.layout, VOCAB)
     assert result.is_invariant, result.failure

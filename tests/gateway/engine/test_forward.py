@@ -17,6 +17,7 @@ from gateway.engine.forward import BatchedForward, SequenceRows, UnsupportedMode
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.probe import probe_invariance
+from tests.gateway.engine.kernels import ROWWISE, machine_products
 from tests.tiny_llama import VOCAB, save_tiny_llama
 
 PROMPT = 300
@@ -29,7 +30,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def forward(tiny: LoadedModel) -> BatchedForward:
-    return BatchedForward(tiny.model, TiledAttention())
+    """The tiled attention with the products this machine's search found and the probe passed
+    (``ROWWISE``, invariant by construction, where none did)."""
+    return BatchedForward(tiny.model, TiledAttention(), machine_products(tiny, TiledAttention()))
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:
@@ -193,7 +196,7 @@ def test_a_model_of_another_architecture_is_refused(tiny) -> None:
         config = type("Config", (), {"architectures": ["GPT2LMHeadModel"]})()
 
     with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
-        BatchedForward(Other(), TiledAttention())
+        BatchedForward(Other(), TiledAttention(), ROWWISE)
 
 
 def test_tiled_attention_equals_softmax_attention_within_float_rounding() -> None:
@@ -240,8 +243,10 @@ def test_tiled_attention_keeps_a_decode_row_whatever_is_attended_beside_it() -> 
         assert torch.equal(by_itself[0], expected)
 
 
-def test_the_probe_finds_the_tiny_llama_invariant(forward, tiny) -> None:
-    result = probe_invariance(forward, tiny.layout, VOCAB)
+def test_the_probe_finds_the_tiny_llama_invariant_with_products_that_keep_every_row(
+        tiny) -> None:
+    result = probe_invariance(BatchedForward(tiny.model, TiledAttention(), ROWWISE),
+                              tiny.layout, VOCAB)
     assert result.is_invariant, result.failure
     assert result.failure is None and result.num_checks == 8
 
@@ -278,7 +283,7 @@ class _ChunkDependentAttention:
 
 
 def test_the_probe_reports_an_attention_that_depends_on_the_chunking(tiny) -> None:
-    result = probe_invariance(BatchedForward(tiny.model, _ChunkDependentAttention()),
+    result = probe_invariance(BatchedForward(tiny.model, _ChunkDependentAttention(), ROWWISE),
                               tiny.layout, VOCAB)
     assert not result.is_invariant
     assert result.failure is not None and "differ" in result.failure

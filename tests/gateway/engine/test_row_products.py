@@ -1,11 +1,15 @@
 """The forward's row products: oneDNN with every row of a step in one product (decode rows too),
-BLAS with decode rows alone, and the choice between them.
+BLAS with decode rows alone, each kernel's padding searched on the machine, and the choice.
 
-The oneDNN tests run the real kernel on this CPU; where this torch has none they skip (the
-engine then takes BLAS, which the rest of the suite also covers with ``linear_kernel="blas"``).
+What a kernel does on this machine is never assumed: the choices are driven through the
+``kernels`` seam (``tests.gateway.engine.kernels``: a kernel that keeps every row, one whose
+rows change below some count, one that raises), and the machine's own kernels are only checked
+to keep the rows the search said they keep.
 """
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -15,20 +19,25 @@ from gateway.engine.engine import EngineConfig
 from gateway.engine.forward import BatchedForward, SequenceRows, projection_weights
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.row_padding import sampled_counts
+from gateway.engine.row_padding import CPU_ROW_PADDING, RowPadding
 from gateway.engine.row_products import (
     BLAS_CPU_PRODUCTS,
+    KERNELS,
     ONEDNN_ROW_PADDING,
     RowProducts,
     candidate_row_products,
-    onednn_problem,
+    kernel_problem,
+)
+from tests.gateway.engine.kernels import (
+    ROWWISE_KERNELS,
+    raising,
+    rowwise,
+    varies_below,
+    varies_with_count,
 )
 from tests.tiny_llama import VOCAB, save_tiny_llama
 
 CPU = torch.device("cpu")
-needs_onednn = pytest.mark.skipif(onednn_problem(CPU) is not None,
-                                  reason=f"no oneDNN here: {onednn_problem(CPU)}")
-ONEDNN = RowProducts(kernel="onednn", padding=ONEDNN_ROW_PADDING, shares_decode_rows=True)
 
 
 @pytest.fixture(scope="module")
@@ -36,41 +45,85 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
 
 
-def _candidates(tiny: LoadedModel, kernel: str = "auto") -> list[RowProducts]:
+def _candidates(tiny: LoadedModel, kernel: str = "auto",
+                kernels=ROWWISE_KERNELS) -> list[RowProducts]:
     return candidate_row_products(CPU, projection_weights(tiny.model),
                                   tiny.model.lm_head.weight, max_rows=1024, max_logit_rows=16,
-                                  kernel=kernel)  # type: ignore[arg-type]
+                                  kernel=kernel, kernels=kernels)  # type: ignore[arg-type]
+
+
+def _shape(products: RowProducts) -> tuple[str, RowPadding, bool]:
+    return products.kernel, products.padding, products.shares_decode_rows
 
 
 def test_onednn_pads_one_or_two_rows_to_two_and_more_to_a_multiple_of_eight() -> None:
     assert [ONEDNN_ROW_PADDING.rows_for(n) for n in (0, 1, 2, 3, 8, 9, 1000)] == \
         [0, 2, 2, 8, 8, 16, 1000]
-    assert ONEDNN.label == "dnnl-r2x8"
+    onednn = RowProducts(kernel="onednn", padding=ONEDNN_ROW_PADDING, shares_decode_rows=True)
+    assert onednn.label == "dnnl-r2x8"
     assert BLAS_CPU_PRODUCTS.label == ""  # the CPU namespaces made before oneDNN
 
 
-@needs_onednn
-@pytest.mark.parametrize("shape", [(576, 576), (192, 576), (1536, 576), (576, 1536)])
-def test_a_onednn_row_keeps_its_bits_for_every_row_count_from_two(shape) -> None:
+def test_with_kernels_that_keep_every_row_onednn_comes_first_then_blas(tiny) -> None:
+    assert [_shape(p) for p in _candidates(tiny)] == [
+        ("onednn", ONEDNN_ROW_PADDING, True), ("blas", CPU_ROW_PADDING, False)]
+
+
+def test_linear_kernel_blas_offers_blas_only(tiny) -> None:
+    assert [_shape(p) for p in _candidates(tiny, "blas")] == [("blas", CPU_ROW_PADDING, False)]
+
+
+def test_a_kernel_the_machine_cannot_run_is_dropped_with_one_line_naming_why(
+        tiny, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="gateway.engine.row_products"):
+        found = _candidates(tiny, kernels={"onednn": raising, "blas": rowwise})
+    assert [p.kernel for p in found] == ["blas"]
+    lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
+    assert len(lines) == 1 and "onednn" in lines[0] and "primitive descriptor" in lines[0]
+
+
+def test_asking_for_onednn_where_it_cannot_run_warns_and_offers_blas(
+        tiny, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="gateway.engine.row_products"):
+        found = _candidates(tiny, "onednn", kernels={"onednn": raising, "blas": rowwise})
+    assert [p.kernel for p in found] == ["blas"]
+    assert any(r.levelno == logging.WARNING and "onednn" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_kernel_whose_small_products_differ_gets_a_coarser_padding(tiny) -> None:
+    found = _candidates(tiny, kernels={"onednn": varies_below(12), "blas": varies_below(12)})
+    assert [_shape(p) for p in found] == [
+        ("onednn", RowPadding(minimum=16, multiple=16), True),
+        ("blas", RowPadding(minimum=16, multiple=16), False)]
+
+
+def test_a_kernel_whose_rows_change_under_every_padding_is_dropped(
+        tiny, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="gateway.engine.row_products"):
+        found = _candidates(tiny, kernels={"onednn": rowwise, "blas": varies_with_count})
+    assert [p.kernel for p in found] == ["onednn"]
+    assert any("blas dropped" in r.getMessage() and "every padding" in r.getMessage()
+               for r in caplog.records)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_padding_found_for_this_machines_kernels_keeps_a_rows_bits_at_every_count(
+        tiny, dtype) -> None:
+    weights = [w.to(dtype) for w in projection_weights(tiny.model)]
+    head = tiny.model.lm_head.weight.to(dtype)
+    found = candidate_row_products(CPU, weights, head, max_rows=200, max_logit_rows=16)
+    runnable = [name for name in KERNELS if kernel_problem(name, CPU, dtype) is None]
+    assert {p.kernel for p in found} <= set(runnable)
     generator = torch.Generator().manual_seed(3)
-    weight = torch.randn(*shape, generator=generator)
-    rows = torch.randn(200, shape[1], generator=generator)
-    every = ONEDNN.product(rows, weight, None)
-    for count in range(2, 200):
-        assert torch.equal(ONEDNN.product(rows[:count], weight, None), every[:count]), count
-
-
-def test_sampled_counts_keep_the_small_ones_and_the_largest() -> None:
-    counts = sampled_counts(2, 1024, 8)
-    assert counts[:3] == [2, 8, 16] and counts[-1] == 1024
-    assert all(c % 8 == 0 for c in counts[1:]) and counts == sorted(set(counts))
-    assert len(counts) < 40  # not all 129
-
-
-@needs_onednn
-def test_on_a_cpu_onednn_comes_first_and_blas_after(tiny: LoadedModel) -> None:
-    assert _candidates(tiny) == [ONEDNN, BLAS_CPU_PRODUCTS]
-    assert _candidates(tiny, "blas") == [BLAS_CPU_PRODUCTS]
+    for products in found:
+        for weight in weights:
+            rows = torch.randn(products.padding.rows_for(200), weight.shape[1],
+                               generator=generator).to(dtype)
+            every = products.product(rows, weight, None)
+            for count in products.padding.counts(200):
+                assert torch.equal(products.product(rows[:count], weight, None),
+                                   every[:count]), (products.kernel, count)
 
 
 def test_an_unknown_linear_kernel_is_refused() -> None:
@@ -78,9 +131,13 @@ def test_an_unknown_linear_kernel_is_refused() -> None:
         EngineConfig(linear_kernel="mkl")  # type: ignore[arg-type]
 
 
-@needs_onednn
-def test_with_onednn_a_decoded_token_writes_the_k_v_a_prefill_writes(tiny: LoadedModel) -> None:
-    forward = BatchedForward(tiny.model, attention_for(CPU, decode_as_prefill=True), ONEDNN)
+def test_with_decode_rows_in_the_shared_product_a_decoded_token_writes_a_prefills_k_v(
+        tiny: LoadedModel) -> None:
+    """Decode rows share the product (oneDNN's way) and the attention pads them as prefill
+    rows: their K/V are a prefill's (the products keep every row, so any machine runs this)."""
+    shared = RowProducts(kernel="onednn", padding=ONEDNN_ROW_PADDING, shares_decode_rows=True,
+                         product_override=rowwise)
+    forward = BatchedForward(tiny.model, attention_for(CPU, decode_as_prefill=True), shared)
     tokens = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(5))
     prefilled = KVSequence(tiny.layout, 80)
     forward.forward([SequenceRows(sequence=prefilled, tokens=tokens, wants_logits=False)])
@@ -95,4 +152,3 @@ def test_with_onednn_a_decoded_token_writes_the_k_v_a_prefill_writes(tiny: Loade
     for layer in range(tiny.layout.num_layers):
         assert torch.equal(decoded.keys(layer), prefilled.keys(layer))
         assert torch.equal(decoded.values(layer), prefilled.values(layer))
-
