@@ -56,6 +56,7 @@ max_running = 16                # requests running at once
 max_running_per_tenant = 8      # one tenant cannot take the engine
 max_queued_per_tenant = 32      # nor the queue: more are refused (RESOURCE_EXHAUSTED)
 kv_budget_bytes = "2GiB"        # KV buffers of the running requests, all together
+max_kv_share_per_tenant = 0.5   # of it, one tenant's (1.0 when serving one tenant only)
 tail_cache_bytes = "256MiB"     # K/V after a conversation's last full block, for its next turn
 
 [limits]                        # per API key, checked on the call's headers, before any work
@@ -93,7 +94,11 @@ enabled = true                  # same engine, keys, limits and metrics as gRPC;
 host = "127.0.0.1"              # a non-loopback host needs TLS (or allow_insecure_remote)
 port = 8000
 max_body_bytes = "4MiB"         # bigger request bodies: 413 before they are read
-max_connections = 1024          # more at once: 503 (the engine's per-tenant limits come first)
+max_connections = 1024          # one more closes the longest-waiting idle one, never a 503;
+                                #   at most half the open-file limit (ulimit -n)
+max_waiting_connections = 256   # connections without a whole request yet (new or kept alive)
+header_timeout_s = 5.0          # a connection must send a request head this soon, or is closed
+body_timeout_s = 5.0            # ... and then its whole body (408); no call slot until it has
 retry_after_s = 1               # Retry-After of a 429 or 503 answer
 
 [metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics

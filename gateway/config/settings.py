@@ -149,6 +149,10 @@ class EngineSettings:
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
         kv_budget_bytes: memory the running requests' KV buffers may take together.
+        max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
+            requests may hold, in (0, 1]; a tenant with nothing running may still start one
+            request of any size. Not lent to a tenant alone (no preemption: another tenant
+            arriving would wait for its requests to end); one tenant only: set 1.0.
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
             (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
             "onednn" or "blas". Part of the cache namespace.
@@ -166,6 +170,7 @@ class EngineSettings:
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
     kv_budget_bytes: int = 2 << 30
+    max_kv_share_per_tenant: float = 0.5
     linear_kernel: str = "auto"
     tail_cache_bytes: int = 256 << 20
 
@@ -176,6 +181,10 @@ class EngineSettings:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 errors.append(f"engine.{name} must be an integer >= 1, got {value!r}")
+        share = self.max_kv_share_per_tenant
+        if not is_positive(share) or share > 1:
+            errors.append(f"engine.max_kv_share_per_tenant must be a fraction in (0, 1], got "
+                          f"{share!r}")
         if self.route not in ("auto", "batched", "serial"):
             errors.append(f"engine.route must be \"auto\", \"batched\" or \"serial\", got "
                           f"{self.route!r}")
@@ -237,9 +246,21 @@ class HttpSettings:
         port: the port (0 picks a free one, logged at start).
         max_body_bytes: largest request body; a bigger one gets 413 before it is read whole
             (the Content-Length is checked first, a chunked body as it arrives).
-        max_connections: connections (and requests in flight) at once; more get 503. A
-            backstop against descriptor exhaustion, set far above what the engine admits:
-            the engine's per-tenant limits, checked after the key, are the real admission.
+        max_connections: connections at once, set far above what the engine admits (the
+            per-key limits, checked after the key, are the real admission). One more closes
+            the connection that has waited longest for a request, or itself when every
+            connection has a request in flight; never a 503 to a request. Lowered at start
+            to half the process's open-file limit, so that the gRPC front, the tiers and
+            Redis keep descriptors whatever the HTTP clients do.
+        max_waiting_connections: connections at once that have not sent a whole request
+            head (new ones, and kept-alive ones between requests): nothing is known about
+            them yet, not even a key, so they get a small share; one more closes the one
+            that has waited longest. At most ``max_connections``.
+        header_timeout_s: a connection must send a whole request head within this long of
+            connecting or of its previous answer (an idle keep-alive), or it is closed.
+        body_timeout_s: a request must send its whole body within this long of its head
+            (as ``[grpc] body_timeout_s``): 408 and the connection closed. A request holds
+            no call slot until its body is in.
         retry_after_s: the ``Retry-After`` seconds of a 429 or 503 answer.
     """
 
@@ -248,6 +269,9 @@ class HttpSettings:
     port: int = DEFAULT_HTTP_PORT
     max_body_bytes: int = 4 * MiB
     max_connections: int = 1024
+    max_waiting_connections: int = 256
+    header_timeout_s: float = 5.0
+    body_timeout_s: float = 5.0
     retry_after_s: int = 1
 
     @property
@@ -263,10 +287,17 @@ class HttpSettings:
             errors.append(f"http.host must be a host name or address, got {self.host!r}")
         if not is_int(self.port) or not 0 <= self.port <= 65535:
             errors.append(f"http.port must be 0 to 65535, got {self.port!r}")
-        for name in ("max_body_bytes", "max_connections", "retry_after_s"):
+        for name in ("max_body_bytes", "max_connections", "max_waiting_connections",
+                     "retry_after_s"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 errors.append(f"http.{name} must be an integer >= 1, got {value!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            value = getattr(self, name)
+            if not is_positive(value):
+                errors.append(f"http.{name} must be a number of seconds > 0, got {value!r}")
+        if not errors and self.max_waiting_connections > self.max_connections:
+            errors.append("http.max_waiting_connections must be <= http.max_connections")
         return errors
 
 

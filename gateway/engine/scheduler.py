@@ -8,6 +8,32 @@ tenant that received the fewest tokens so far goes first — so one tenant's lon
 starve another's. Admission is bounded per tenant (running and queued) and in total, and by the
 KV memory the running requests need.
 
+Fair shares of what is scarce (issue 22): the KV budget and the running slots.
+
+- **A hard share per tenant.** One tenant's running requests reserve at most
+  ``max_kv_share_per_tenant`` of ``kv_budget_bytes`` and run at most ``max_running_per_tenant``
+  at once; a request beyond its tenant's share queues behind that tenant's own. A tenant with
+  nothing running may always start one request, however large (up to the whole budget), so a
+  request larger than a share is served, alone if need be, and never deadlocks.
+  NOTE: a tenant alone does not borrow the rest. The engine cannot preempt a running request,
+  so bytes lent to a lone tenant come back only when its requests end — minutes, for long
+  generations — and a tenant arriving meanwhile waits that long (what the review saw: one
+  tenant's six long completions held the whole budget, another's small chat waited past 90 s).
+  The share left free is what lets a newcomer start at once. A single-tenant deployment sets the
+  share to 1.0, as it raises ``max_running_per_tenant`` to ``max_running``.
+- **Who goes next: the tenant holding least** (dominant resource fairness, Ghodsi et al. 2011):
+  among tenants whose head request is within their share, the one whose larger fraction —
+  of the KV budget or of the running slots — is smallest, ties to the one served least
+  recently. If that
+  request does not fit what is free now, admission stops: the next bytes freed are its, and no
+  other tenant's queued request overtakes it. So a tenant that waits is admitted as soon as
+  enough running requests end, before a flooding tenant's queued ones, and a large request is
+  not starved by a stream of small ones; the cost is that nothing slips past it meanwhile.
+- **Prefill steps while others wait.** ``prefill_step_tokens`` (large steps while nothing
+  decodes) applies only while one tenant alone has requests in the engine; with two or more,
+  steps keep to ``step_tokens``, so a newcomer's first chunk waits at most one step of the
+  flood's, and the deficit order gives it the next step.
+
 In serial mode (``ScheduleLimits.is_serial``: the start-up probe found the batched forward not
 invariant) one request runs at a time and its prefill chunks end at block boundaries, which
 keeps warm equal to cold on the transformers route (DESIGN.md, "Parity": today's route).
@@ -28,15 +54,19 @@ class ScheduleLimits:
 
     Attributes:
         step_tokens: tokens computed per step at most (decode rows and prefill chunks).
-        prefill_step_tokens: tokens computed per step at most while no request is decoding:
-            then no one waits for a next token, and a larger chunk prefills faster (measured:
-            2,048 tokens in chunks of 1,024 took 1.05x transformers' one shot, in chunks of 256
-            1.22x). Never less than ``step_tokens``.
+        prefill_step_tokens: tokens computed per step at most while no request is decoding
+            and one tenant alone has requests in the engine: then no one waits for a next
+            token, and a larger chunk prefills faster (measured: 2,048 tokens in chunks of
+            1,024 took 1.05x transformers' one shot, in chunks of 256 1.22x). Never less than
+            ``step_tokens``.
         max_running: requests running at once, all tenants together.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more are refused.
         max_queued: requests waiting, all tenants together; more are refused.
         kv_budget_bytes: KV buffer bytes the running requests may hold together.
+        max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
+            requests may hold, in (0, 1]; a tenant with nothing running may still start one
+            request of any size.
         is_serial: one request at a time, prefill chunks ending at ``block_tokens`` boundaries.
         block_tokens: the cache block size (the chunk boundary in serial mode).
     """
@@ -48,6 +78,7 @@ class ScheduleLimits:
     max_queued_per_tenant: int = 32
     max_queued: int = 64
     kv_budget_bytes: int = 2 << 30
+    max_kv_share_per_tenant: float = 0.5
     is_serial: bool = False
     block_tokens: int = 64
 
@@ -57,6 +88,14 @@ class ScheduleLimits:
                      "max_queued_per_tenant", "max_queued", "kv_budget_bytes", "block_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.max_kv_share_per_tenant <= 1:
+            raise ValueError("max_kv_share_per_tenant must be in (0, 1], got "
+                             f"{self.max_kv_share_per_tenant}")
+
+    @property
+    def kv_bytes_per_tenant(self) -> int:
+        """KV bytes one tenant's running requests may hold (beyond its first request)."""
+        return int(self.kv_budget_bytes * self.max_kv_share_per_tenant)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,7 +139,9 @@ class _Entry:
 class _TenantQueue:
     waiting: deque[_Entry] = field(default_factory=deque)
     num_running: int = 0
+    kv_bytes: int = 0
     tokens_given: int = 0
+    last_admitted: int = -1
 
 
 class Scheduler:
@@ -116,7 +157,7 @@ class Scheduler:
         self._running: dict[int, _Entry] = {}
         self._num_waiting = 0
         self._kv_bytes = 0
-        self._admit_turn: deque[str] = deque()
+        self._num_admitted = 0
 
     @property
     def limits(self) -> ScheduleLimits:
@@ -145,21 +186,22 @@ class Scheduler:
         if kv_bytes > limits.kv_budget_bytes:
             raise ValueError(f"the request needs {kv_bytes} bytes of KV buffers, more than the "
                              f"engine's whole KV budget of {limits.kv_budget_bytes} bytes")
-        state = self._tenants.setdefault(tenant, _TenantQueue())
-        if len(state.waiting) >= limits.max_queued_per_tenant:
+        known = self._tenants.get(tenant)
+        if known is not None and len(known.waiting) >= limits.max_queued_per_tenant:
             raise QueueFull(f"this tenant already has {limits.max_queued_per_tenant} requests "
                             "waiting (max_queued_per_tenant); retry when some have finished")
         if self._num_waiting >= limits.max_queued:
             raise QueueFull(f"{limits.max_queued} requests are already waiting (max_queued); "
                             "retry shortly")
+        # NOTE: a tenant is known only once a request of its is queued: a refused newcomer left
+        # behind would count as a second tenant in the engine (``plan``'s step size) forever.
+        state = self._tenants.setdefault(tenant, _TenantQueue())
         state.waiting.append(_Entry(request_id=request_id, tenant=tenant, kv_bytes=kv_bytes,
                                     prefill_left=prompt_tokens))
-        if tenant not in self._admit_turn:
-            self._admit_turn.append(tenant)
         self._num_waiting += 1
 
     def admit(self) -> list[int]:
-        """Move waiting requests to running, round-robin over tenants, within every bound.
+        """Move waiting requests to running, the tenant holding least first, within every bound.
 
         Returns:
             The ids admitted, in order.
@@ -167,30 +209,45 @@ class Scheduler:
         limits = self._limits
         admitted: list[int] = []
         max_running = 1 if limits.is_serial else limits.max_running
-        stalled = 0
-        while self._admit_turn and len(self._running) < max_running:
-            if stalled == len(self._admit_turn):
+        while len(self._running) < max_running:
+            tenant = self._next_tenant(max_running)
+            if tenant is None:
                 break
-            tenant = self._admit_turn[0]
-            self._admit_turn.rotate(-1)
             state = self._tenants[tenant]
-            if not state.waiting:
-                self._admit_turn.remove(tenant)
-                stalled = 0
-                continue
             entry = state.waiting[0]
-            if (state.num_running >= limits.max_running_per_tenant
-                    or self._kv_bytes + entry.kv_bytes > limits.kv_budget_bytes):
-                stalled += 1
-                continue
-            stalled = 0
+            if self._kv_bytes + entry.kv_bytes > limits.kv_budget_bytes:
+                break  # the bytes freed next are this tenant's: no one overtakes it
             state.waiting.popleft()
             self._num_waiting -= 1
             state.num_running += 1
+            state.kv_bytes += entry.kv_bytes
             self._kv_bytes += entry.kv_bytes
             self._running[entry.request_id] = entry
             admitted.append(entry.request_id)
+            state.last_admitted = self._num_admitted
+            self._num_admitted += 1
         return admitted
+
+    def _next_tenant(self, max_running: int) -> str | None:
+        """The tenant whose head request goes next: within its own share, holding least.
+
+        Ties go to the tenant served least recently (one never served first, in arrival order):
+        round-robin among equals, and a tenant that waited through another's admission is not
+        passed over again when both hold nothing.
+        """
+        limits = self._limits
+        chosen: str | None = None
+        least = (0.0, 0)
+        for tenant, state in self._tenants.items():
+            if not state.waiting or state.num_running >= limits.max_running_per_tenant:
+                continue
+            if (state.num_running
+                    and state.kv_bytes + state.waiting[0].kv_bytes > limits.kv_bytes_per_tenant):
+                continue  # beyond its share: it queues behind its own running requests
+            held = max(state.kv_bytes / limits.kv_budget_bytes, state.num_running / max_running)
+            if chosen is None or (held, state.last_admitted) < least:
+                chosen, least = tenant, (held, state.last_admitted)
+        return chosen
 
     def cancel_waiting(self, request_id: int) -> bool:
         """Drop a request that has not started; whether it was waiting."""
@@ -199,6 +256,7 @@ class Scheduler:
                 if entry.request_id == request_id:
                     state.waiting.remove(entry)
                     self._num_waiting -= 1
+                    self._forget_if_idle(entry.tenant, state)
                     return True
         return False
 
@@ -219,8 +277,9 @@ class Scheduler:
             if entry.is_decoding:
                 chunks.append(ScheduledChunk(request_id=entry.request_id, num_tokens=1,
                                              is_decode=True))
-        budget = (limits.step_tokens if chunks
-                  else max(limits.step_tokens, limits.prefill_step_tokens)) - len(chunks)
+        is_alone = len(self._tenants) <= 1  # one tenant alone: no one else waits for a step
+        budget = (max(limits.step_tokens, limits.prefill_step_tokens) if is_alone and not chunks
+                  else limits.step_tokens) - len(chunks)
         prefilling = [e for e in self._running.values()
                       if not e.is_decoding and not e.is_held and e.prefill_left]
         by_need = sorted(prefilling, key=lambda e: (self._tenants[e.tenant].tokens_given,
@@ -266,13 +325,15 @@ class Scheduler:
             return
         state = self._tenants[entry.tenant]
         state.num_running -= 1
+        state.kv_bytes -= entry.kv_bytes
         self._kv_bytes -= entry.kv_bytes
+        self._forget_if_idle(entry.tenant, state)
+
+    def _forget_if_idle(self, tenant: str, state: _TenantQueue) -> None:
+        """Forget a tenant with nothing running or waiting: its prefill deficit starts afresh
+        when it comes back, and it is first among equals at its next admission."""
         if not state.waiting and state.num_running == 0:
-            del self._tenants[entry.tenant]
-            if entry.tenant in self._admit_turn:
-                self._admit_turn.remove(entry.tenant)
-        elif state.waiting and entry.tenant not in self._admit_turn:
-            self._admit_turn.append(entry.tenant)
+            del self._tenants[tenant]
 
     def tenants_running(self) -> Iterable[str]:
         return {e.tenant for e in self._running.values()}

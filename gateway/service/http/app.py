@@ -7,11 +7,15 @@ One request, in this order (the gRPC servicer's order, so the surfaces refuse al
    anything;
 2. the engine (503 while the model loads or the server drains);
 3. read the body, at most ``max_body_bytes`` (413: the Content-Length is checked before reading,
-   a chunked body as it arrives), parse JSON (400) and validate every field
-   (``openai_requests``; 400 naming the field, 404 for a model not served);
-4. submit to the engine on a worker thread (canonicalisation is tokenisation: not on the event
+   a chunked body as it arrives) within ``body_timeout_s`` (408, and the connection closed),
+   parse JSON (400) and validate every field (``openai_requests``; 400 naming the field, 404
+   for a model not served). A body over ``INLINE_PARSE_BYTES`` is parsed and validated on a
+   worker thread, so that megabytes of JSON do not stall the event loop for other requests;
+4. take the key's call slot (``Admission``, 429 naming the limit) -- only now, so that a body
+   that trickles in holds no slot;
+5. submit to the engine on a worker thread (canonicalisation is tokenisation: not on the event
    loop); its refusals are the gRPC ones (429 with Retry-After for a full queue, 400...);
-5. wait for the first event while watching the connection: a client that goes away cancels the
+6. wait for the first event while watching the connection: a client that goes away cancels the
    request and frees its blocks (``edge.Generation``). An error before the first token is still
    an HTTP status; after it, an error is an ``error`` event in the stream.
 
@@ -35,7 +39,7 @@ import anyio
 import anyio.to_thread
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -57,6 +61,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Event = TokenDelta | Usage
+
+INLINE_PARSE_BYTES = 64 << 10
+"""Bodies up to this size are parsed on the event loop (well under a millisecond); bigger ones
+on a worker thread."""
 
 
 class ClientGone(Exception):
@@ -80,12 +88,13 @@ class OpenAIFront:
         max_body_bytes: largest request body.
         max_threads: worker threads waiting on engine events at once.
         retry_after_s: ``Retry-After`` of a 429 or 503.
+        body_timeout_s: the longest a body may take to arrive once the front reads it (408).
         admission: the per-key call limits shared with the gRPC service (None: none here).
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
                  *, max_body_bytes: int, max_threads: int, retry_after_s: int,
-                 admission: Admission | None = None) -> None:
+                 body_timeout_s: float, admission: Admission | None = None) -> None:
         self._engines = engines
         self._auth = authenticator
         self._admission = admission
@@ -93,6 +102,7 @@ class OpenAIFront:
         self._max_body_bytes = max_body_bytes
         self._max_threads = max_threads
         self._retry_after_s = retry_after_s
+        self._body_timeout_s = body_timeout_s
         self._limiter: anyio.CapacityLimiter | None = None
         self._is_draining = False
         self._started = int(time.time())
@@ -156,29 +166,31 @@ class OpenAIFront:
         streaming = False
         try:
             principal = self._auth.authenticate(request.headers.items())
+            engine = self._engine()
+            call = await self._call(kind, request, principal)
+            check_model(call, served_model_names(engine.model_name))
             if self._admission is not None:  # the same per-key limits as over gRPC
                 lease = self._admission.admit(principal, CallKind.GENERATE)
-            response = await self._generate_admitted(kind, request, principal, lease)
+            response = await self._generate_admitted(engine, call, request, lease)
             streaming = isinstance(response, StreamingResponse)
             return response
+        except ClientGone:
+            logger.debug("%s: the client went away while sending its body", request.url.path)
+            return Response(status_code=499)
         except Exception as exc:
             return self._error(exc, request)
         finally:
             if lease is not None and not streaming:  # a stream releases it when it ends
                 lease.release()
 
-    async def _generate_admitted(self, kind: Kind, request: Request, principal: Principal,
+    async def _generate_admitted(self, engine: Engine, call: OpenAICall, request: Request,
                                  lease: Lease | None) -> Response:
         try:
-            engine = self._engine()
-            body = await self._json_body(request)
-            call = parse_call(kind, body, principal, limits=self._limits)
-            check_model(call, served_model_names(engine.model_name))
             handle = await self._in_thread(engine.generate, call.request)
         except Exception as exc:
             return self._error(exc, request)
         generation = Generation(handle)
-        rendering = Rendering(kind=kind, model=call.model, include_usage=call.include_usage)
+        rendering = Rendering(kind=call.kind, model=call.model, include_usage=call.include_usage)
         try:
             first = await self._until_gone(request, generation.next_item)
             if not call.stream:
@@ -235,7 +247,21 @@ class OpenAIFront:
             raise EngineDraining("the server is shutting down; retry on another replica")
         return self._engines.get()
 
-    async def _json_body(self, request: Request) -> dict[str, Any]:
+    async def _call(self, kind: Kind, request: Request, principal: Principal) -> OpenAICall:
+        """The request's body read, parsed and validated: off the event loop if it is big."""
+        raw = await self._body(request)
+        if len(raw) <= INLINE_PARSE_BYTES:
+            return _parsed_call(kind, raw, principal, self._limits)
+        return await self._in_thread(
+            partial(_parsed_call, kind, raw, principal, self._limits, is_off_loop=True))
+
+    async def _body(self, request: Request) -> bytes:
+        """The whole body, at most ``max_body_bytes``, within ``body_timeout_s``.
+
+        Raises:
+            HttpFailure: over the limit (413), a bad Content-Length (400), too slow (408).
+            ClientGone: the client closed the connection first.
+        """
         limit = self._max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
@@ -244,22 +270,21 @@ class OpenAIFront:
                 message="the Content-Length header is not a number")
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(chunk)
         try:
-            body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
-        except (ValueError, RecursionError) as exc:
-            detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
-            raise HttpFailure(status=400, type="invalid_request_error", code="invalid_argument",
-                              message=f"the request body is not valid JSON ({detail}); send "
-                                      "one JSON object") from None
-        if not isinstance(body, dict):
-            raise HttpFailure(status=400, type="invalid_request_error", code="invalid_argument",
-                              message="the request body must be one JSON object")
-        return body
+            with anyio.fail_after(self._body_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise _too_large(limit)
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise HttpFailure(status=408, type="invalid_request_error", code="request_timeout",
+                              message=f"the request body did not arrive within "
+                                      f"{self._body_timeout_s:g} s ([http] body_timeout_s); "
+                                      "send it whole, right after the headers") from None
+        except ClientDisconnect:
+            raise ClientGone() from None
+        return b"".join(chunks)
 
     async def _in_thread(self, func: Callable[..., T], *args: Any) -> T:
         if self._limiter is None:  # NOTE: made here, inside the event loop that uses it
@@ -320,6 +345,42 @@ def _too_large(limit: int) -> HttpFailure:
                                "bytes ([http] max_body_bytes); send a shorter prompt")
 
 
+def _parsed_call(kind: Kind, raw: bytes, principal: Principal, limits: EdgeLimits, *,
+                 is_off_loop: bool = False) -> OpenAICall:
+    """The call a body asks for.
+
+    NOTE: off the event loop, numbers are parsed by Python functions rather than by the
+    decoder's C code: a JSON array of a million numbers then takes about twice as long, but the
+    worker thread gives up the GIL every switch interval instead of holding it throughout, so
+    the event loop (other requests, ``/health``) goes on meanwhile.
+
+    Raises:
+        HttpFailure: not one JSON object (400).
+        InvalidParam: what ``parse_call`` refuses.
+    """
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant,
+                          parse_int=_int if is_off_loop else None,
+                          parse_float=_float if is_off_loop else None)
+    except (ValueError, RecursionError) as exc:
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc)
+        raise HttpFailure(status=400, type="invalid_request_error", code="invalid_argument",
+                          message=f"the request body is not valid JSON ({detail}); send "
+                                  "one JSON object") from None
+    if not isinstance(body, dict):
+        raise HttpFailure(status=400, type="invalid_request_error", code="invalid_argument",
+                          message="the request body must be one JSON object")
+    return parse_call(kind, body, principal, limits=limits)
+
+
 def _reject_constant(name: str) -> object:
     raise ValueError(f"{name} is not a JSON number")
+
+
+def _int(text: str) -> int:
+    return int(text)
+
+
+def _float(text: str) -> float:
+    return float(text)
 

@@ -18,6 +18,10 @@ are ``HttpFailure``\\ s raised by the front itself.
 
 The ``code`` of every error is the gRPC status name in lower case (``invalid_argument``,
 ``resource_exhausted``...), so a log line from either surface reads the same.
+
+A message may quote what the client sent (an unknown field's name), and JSON lets a client send
+a lone surrogate (``{"\\ud800": 1}``), which UTF-8 cannot carry: such characters are written as
+their escape, so that the answer is the 400 it should be and not a failure to encode it.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ HTTP_OF_CODE: dict[grpc.StatusCode, tuple[int, str]] = {
 """HTTP status and OpenAI error type of each gRPC code ``status_of`` can return."""
 
 RETRY_AFTER_STATUSES = frozenset({429, 503})
+CLOSE_STATUSES = frozenset({408})
+"""Answers after which the connection is closed: the rest of the request never came."""
 
 
 class InvalidParam(InvalidRequest):
@@ -116,6 +122,14 @@ def error_answer(exc: BaseException, *, where: str, retry_after_s: int) -> Error
     if status < 500:
         logger.debug("%s ended with %d %s", where, status, code)
     headers = {"Retry-After": str(retry_after_s)} if status in RETRY_AFTER_STATUSES else {}
-    body: dict[str, object] = {"error": {"message": message, "type": kind, "param": param,
-                                         "code": code}}
+    if status in CLOSE_STATUSES:
+        headers["Connection"] = "close"
+    body: dict[str, object] = {"error": {
+        "message": _encodable(message), "type": kind,
+        "param": None if param is None else _encodable(param), "code": code}}
     return ErrorAnswer(status=status, body=body, headers=headers)
+
+
+def _encodable(text: str) -> str:
+    """``text`` with what UTF-8 cannot carry (lone surrogates) written as escapes."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

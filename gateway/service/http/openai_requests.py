@@ -36,7 +36,7 @@ from typing import Any, Literal
 from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
-from gateway.core.prompt_limits import check_prompt_size, measure
+from gateway.core.prompt_limits import PromptLimits, check_prompt_size, measure
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
 from gateway.service.edge import (
     EdgeLimits,
@@ -128,12 +128,12 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
     include_usage = _stream_options(fields, bool(stream))
     extension = _extension(fields)
     if kind == "chat":
-        prompt = PromptInput(messages=_messages(fields.get("messages")),
+        prompt = PromptInput(messages=_messages(fields.get("messages"), limits.prompt),
                              tools=_tools(fields.get("tools")))
         _tool_choice(fields)
         max_tokens = _chat_max_tokens(fields)
     else:
-        prompt = _completion_prompt(fields.get("prompt"))
+        prompt = _completion_prompt(fields.get("prompt"), limits.prompt)
         max_tokens = _optional(fields, "max_tokens", int, "an integer")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     try:  # bounded before the chat template renders or anything is tokenised
@@ -189,13 +189,16 @@ def _refuse_unsupported(kind: Kind, fields: Mapping[str, Any]) -> None:
                                  + "; leave it out")
 
 
-def _messages(value: object) -> list[dict[str, str]]:
+def _messages(value: object, limits: PromptLimits) -> list[dict[str, str]]:
     if value is None:
         raise InvalidParam("messages", "`messages` is required: a list of {role, content}")
     if not isinstance(value, list):
         raise InvalidParam("messages", f"`messages` must be a list, got {_type(value)}")
     if not value:
         raise InvalidParam("messages", "`messages` is empty; send at least one message")
+    if len(value) > limits.max_messages:  # before each one is read
+        raise InvalidParam("messages", f"the prompt has {len(value)} messages; send at most "
+                                       f"{limits.max_messages} (limits.max_messages)")
     return [_message(i, message) for i, message in enumerate(value)]
 
 
@@ -292,15 +295,24 @@ def _chat_max_tokens(fields: Mapping[str, Any]) -> int:
     return DEFAULT_CHAT_MAX_TOKENS if chosen is None else chosen
 
 
-def _completion_prompt(value: object) -> PromptInput:
+def _completion_prompt(value: object, limits: PromptLimits) -> PromptInput:
+    """A raw prompt: text, token ids, or a batch of one of them.
+
+    Token ids count as one character each against ``limits.max_chars``, checked before any of
+    them is read (a body of a million ids is refused at its length).
+    """
     if value is None:
         raise InvalidParam("prompt", "`prompt` is required: the text to complete")
     if isinstance(value, str):
         return PromptInput(prompt=value)
+    if isinstance(value, list) and len(value) > limits.max_chars:
+        raise InvalidParam("prompt", f"`prompt` holds {len(value)} items; send at most "
+                                     f"{limits.max_chars} token ids (limits.max_prompt_chars: "
+                                     "a token id counts as one character)")
     if isinstance(value, list) and value and all(_is_int(t) for t in value):
         return PromptInput(token_ids=[int(t) for t in value])
     if isinstance(value, list) and len(value) == 1:
-        return _completion_prompt(value[0])
+        return _completion_prompt(value[0], limits)
     if isinstance(value, list) and len(value) > 1:
         raise InvalidParam("prompt", f"`prompt` holds {len(value)} prompts; send one per request "
                            "(batches are not supported)")

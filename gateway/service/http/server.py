@@ -9,17 +9,20 @@ event loop. Like the gRPC server it listens before the model is loaded: ``/healt
 uvicorn is configured on purpose: no logging configuration of its own and no access log (the
 gateway's logging stays the operator's, and a request line could carry nothing useful that the
 engine's metrics do not), no lifespan, no WebSockets, no ``Server`` header, the same TLS
-certificate as gRPC, ``limit_concurrency`` as a backstop (503 beyond it), and a graceful
-shutdown that lets requests in flight finish within the gRPC grace period. Headers are bounded
-by h11 (16 KiB); bodies by the front (``[http] max_body_bytes``).
+certificate as gRPC, and a graceful shutdown that lets requests in flight finish within the
+gRPC grace period. Its h11 protocol is ``GuardedH11Protocol`` (``connections``): deadlines for a
+request head and body, and caps on connections sized under the process's open-file limit.
+Headers are bounded by h11 (16 KiB); bodies by the front (``[http] max_body_bytes``).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
+from functools import partial
 
 import uvicorn
 
@@ -30,6 +33,12 @@ from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.app import OpenAIFront
+from gateway.service.http.connections import (
+    ConnectionGuard,
+    GuardedH11Protocol,
+    limits_within,
+    open_file_limit,
+)
 from gateway.service.server import ServeError, check_plaintext_listener
 
 logger = logging.getLogger(__name__)
@@ -45,6 +54,9 @@ class HttpFront:
             bounds (``config.grpc``), which both surfaces enforce alike.
         authenticator: the keys (the gRPC server's).
         engines: the slot the gRPC server shares.
+
+    Attributes:
+        guard: the connections' states and counts, once started (for tests and stats).
     """
 
     def __init__(self, config: ServeConfig, authenticator: Authenticator,
@@ -58,8 +70,10 @@ class HttpFront:
                        prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
                                            max_messages=config.limits.max_messages)),
             max_body_bytes=settings.max_body_bytes, max_threads=settings.max_connections,
-            retry_after_s=settings.retry_after_s, admission=admission,
+            retry_after_s=settings.retry_after_s, body_timeout_s=settings.body_timeout_s,
+            admission=admission,
         )
+        self.guard: ConnectionGuard | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -83,10 +97,16 @@ class HttpFront:
         check_plaintext_listener(self.config, settings.host, settings.address)
         sock = _bind(settings.host, settings.port)
         cert, key = self.config.tls_cert, self.config.tls_key
+        guard = ConnectionGuard(limits_within(settings, open_file_limit()))
         uv_config = uvicorn.Config(
             self._front.app(), log_config=None, access_log=False, lifespan="off", ws="none",
-            http="h11", loop="asyncio", server_header=False,
-            limit_concurrency=settings.max_connections,
+            # NOTE: uvicorn calls ``http`` with keyword arguments: any callable will do.
+            http=partial(GuardedH11Protocol, guard=guard),  # type: ignore[arg-type]
+            loop="asyncio", server_header=False,
+            # The guard keeps connections under max_connections without refusing requests;
+            # this only bounds request tasks that outlive their connections.
+            limit_concurrency=2 * guard.limits.max_connections,
+            timeout_keep_alive=math.ceil(settings.header_timeout_s),
             timeout_graceful_shutdown=int(self.config.grpc.shutdown_grace_s) + 1,
             ssl_certfile=str(cert) if cert is not None else None,
             ssl_keyfile=str(key) if key is not None else None,
@@ -102,7 +122,7 @@ class HttpFront:
                 sock.close()
                 raise ServeError(f"the HTTP front did not start on {settings.address}")
             time.sleep(0.01)
-        self._server, self._thread = server, thread
+        self._server, self._thread, self.guard = server, thread, guard
         self.port = int(sock.getsockname()[1])
         return self.port
 

@@ -312,6 +312,29 @@ def test_bad_http_settings_are_reported_with_the_others(tmp_path: Path) -> None:
         assert part in message, message
 
 
+def test_http_deadlines_and_the_waiting_cap_are_read_and_checked(tmp_path: Path) -> None:
+    default = load_serve_config(None, env={}).http
+    assert (default.header_timeout_s, default.body_timeout_s,
+            default.max_waiting_connections) == (5.0, 5.0, 256)
+    path = write(tmp_path / "http.toml", "[http]\nheader_timeout_s = 0.5\nbody_timeout_s = 2\n"
+                                         "max_waiting_connections = 16\n")
+    loaded = load_serve_config(path, env={}).http
+    assert (loaded.header_timeout_s, loaded.body_timeout_s,
+            loaded.max_waiting_connections) == (0.5, 2, 16)
+    bad = write(tmp_path / "bad.toml", '[http]\nheader_timeout_s = 0\nbody_timeout_s = "soon"\n'
+                                       "max_waiting_connections = 0\n")
+    with pytest.raises(ConfigError) as excinfo:
+        load_serve_config(bad, env={})
+    for part in ("http.header_timeout_s must be a number of seconds > 0, got 0",
+                 "http.body_timeout_s must be a number of seconds > 0, got 'soon'",
+                 "http.max_waiting_connections must be an integer >= 1, got 0"):
+        assert part in str(excinfo.value)
+    over = write(tmp_path / "over.toml", "[http]\nmax_connections = 8\n"
+                                         "max_waiting_connections = 9\n")
+    with pytest.raises(ConfigError, match="max_waiting_connections must be <= http.max_conn"):
+        load_serve_config(over, env={})
+
+
 def test_a_default_tenant_quota_per_tier_and_a_redis_write_budget(tmp_path: Path) -> None:
     path = write(tmp_path / "quota.toml", """
 [cache]

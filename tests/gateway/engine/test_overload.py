@@ -32,7 +32,8 @@ def flood(tiny: LoadedModel, tmp_path: Path, **config: object
     """NUM_USERS long prompts at once; their answers, their errors, and one request's answer
     after the flood."""
     one_request = KVSequence.nbytes_for(tiny.layout, PROMPT_TOKENS + MAX_TOKENS)
-    engine, opened = start(tiny, tmp_path, 16, kv_budget_bytes=3 * one_request, **config)
+    engine, opened = start(tiny, tmp_path, 16, kv_budget_bytes=3 * one_request,
+                           max_kv_share_per_tenant=1.0, **config)  # one tenant: the whole budget
     rng = random.Random(5)
     prompts = [random_prompt(rng, PROMPT_TOKENS, PROMPT_TOKENS) for _ in range(NUM_USERS)]
     answers: list[list[int]] = []

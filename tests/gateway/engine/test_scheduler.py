@@ -31,14 +31,25 @@ def test_decode_rows_come_first_then_prefill_chunks_up_to_the_step_budget() -> N
     assert second.num_tokens == 100
 
 
-def test_while_no_request_decodes_a_step_prefills_up_to_the_prefill_step_budget() -> None:
+def test_while_no_request_decodes_a_lone_tenant_prefills_up_to_the_prefill_step_budget(
+        ) -> None:
+    s = scheduler(step_tokens=100, prefill_step_tokens=400)
+    s.submit(1, tenant="a", prompt_tokens=700, kv_bytes=KV)
+    s.submit(2, tenant="a", prompt_tokens=30, kv_bytes=KV)
+    s.admit()
+    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=400, is_decode=False),)
+    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=300, is_decode=False),
+                               ScheduledChunk(request_id=2, num_tokens=30, is_decode=False))
+
+
+def test_with_two_tenants_in_the_engine_prefill_steps_keep_to_the_step_budget() -> None:
     s = scheduler(step_tokens=100, prefill_step_tokens=400)
     s.submit(1, tenant="a", prompt_tokens=1_000, kv_bytes=KV)
     s.submit(2, tenant="b", prompt_tokens=30, kv_bytes=KV)
     s.admit()
-    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=400, is_decode=False),)
+    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=100, is_decode=False),)
     assert s.plan().chunks == (ScheduledChunk(request_id=2, num_tokens=30, is_decode=False),
-                               ScheduledChunk(request_id=1, num_tokens=370, is_decode=False))
+                               ScheduledChunk(request_id=1, num_tokens=70, is_decode=False))
 
 
 def test_once_a_request_decodes_steps_keep_to_the_step_budget() -> None:
@@ -88,7 +99,7 @@ def test_one_tenant_runs_at_most_its_share_and_others_are_admitted_beside_it() -
 
 
 def test_admission_waits_for_kv_budget_and_resumes_when_a_request_finishes() -> None:
-    s = scheduler(kv_budget_bytes=2 * KV)
+    s = scheduler(kv_budget_bytes=2 * KV, max_kv_share_per_tenant=1.0)
     for i in range(3):
         s.submit(i, tenant="a", prompt_tokens=1, kv_bytes=KV)
     assert s.admit() == [0, 1]
@@ -115,6 +126,88 @@ def test_a_newly_arrived_tenant_gets_the_prefill_budget_before_a_flooding_one() 
     assert s.admit() == [100]
     plan = s.plan()
     assert plan.chunks[0] == ScheduledChunk(request_id=100, num_tokens=64, is_decode=False)
+
+
+def test_a_newcomers_prefill_does_not_wait_behind_a_floods_large_steps() -> None:
+    s = scheduler(step_tokens=64, prefill_step_tokens=1_024)
+    for i in range(8):
+        s.submit(i, tenant="flood", prompt_tokens=4_000, kv_bytes=KV)
+    s.admit()
+    assert s.plan().num_tokens == 1_024  # alone, the flood prefills in large steps
+    s.submit(100, tenant="quiet", prompt_tokens=100, kv_bytes=KV)
+    assert s.admit() == [100]
+    assert s.plan().chunks == (ScheduledChunk(request_id=100, num_tokens=64, is_decode=False),)
+    assert s.plan().chunks[0] == ScheduledChunk(request_id=100, num_tokens=36, is_decode=False)
+    s.finish(100)
+    assert s.plan().num_tokens == 1_024  # alone again
+
+
+def test_a_tenant_holds_at_most_its_kv_share_and_another_tenant_starts_at_once() -> None:
+    s = scheduler(kv_budget_bytes=4 * KV)  # the default share: half the budget
+    for i in range(6):
+        s.submit(i, tenant="flood", prompt_tokens=100, kv_bytes=KV)
+    assert s.admit() == [0, 1]
+    s.submit(100, tenant="quiet", prompt_tokens=10, kv_bytes=KV)
+    assert s.admit() == [100]
+
+
+def test_a_waiting_tenant_is_admitted_at_the_first_request_end_before_the_floods_queue() -> None:
+    s = scheduler(kv_budget_bytes=4 * KV)
+    for i in range(4):
+        s.submit(i, tenant="flood", prompt_tokens=100, kv_bytes=KV)
+    for i in range(10, 14):
+        s.submit(i, tenant="other", prompt_tokens=100, kv_bytes=KV)
+    assert s.admit() == [0, 10, 1, 11]  # the budget is full, both queue behind their own
+    s.submit(100, tenant="quiet", prompt_tokens=10, kv_bytes=KV)
+    assert s.admit() == []
+    s.finish(0)
+    assert s.admit() == [100]
+    s.finish(1)
+    assert s.admit() == [2]
+    assert s.waiting_ids() == [3, 12, 13]
+
+
+def test_a_large_waiting_request_is_not_overtaken_by_anothers_small_ones() -> None:
+    s = scheduler(kv_budget_bytes=4 * KV)
+    for i in range(6):
+        s.submit(i, tenant="flood", prompt_tokens=100, kv_bytes=KV)
+    s.submit(10, tenant="other", prompt_tokens=100, kv_bytes=2 * KV)
+    assert s.admit() == [0, 10, 1]
+    s.submit(100, tenant="quiet", prompt_tokens=100, kv_bytes=2 * KV)
+    s.finish(0)
+    assert s.admit() == []  # one unit free: quiet waits for it, the flood's next does not take it
+    s.finish(1)
+    assert s.admit() == [100]
+    s.finish(10)
+    assert s.admit() == [2, 3]
+
+
+def test_a_request_larger_than_a_share_is_admitted_when_its_tenant_runs_nothing() -> None:
+    s = scheduler(kv_budget_bytes=4 * KV, max_kv_share_per_tenant=0.25)
+    s.submit(1, tenant="big", prompt_tokens=100, kv_bytes=4 * KV)
+    s.submit(2, tenant="big", prompt_tokens=100, kv_bytes=KV)
+    assert s.admit() == [1]  # the whole budget, alone
+    s.submit(3, tenant="small", prompt_tokens=10, kv_bytes=KV)
+    assert s.admit() == []
+    s.finish(1)
+    assert s.admit() == [3, 2]  # small was never served: first among equals
+
+
+def test_a_tenant_beyond_its_share_never_goes_before_one_within_it() -> None:
+    s = scheduler(kv_budget_bytes=8 * KV, max_kv_share_per_tenant=1.0)
+    for i in range(8):
+        s.submit(i, tenant="flood", prompt_tokens=100, kv_bytes=KV)
+    assert s.admit() == list(range(8))
+    s.submit(8, tenant="flood", prompt_tokens=100, kv_bytes=KV)
+    s.submit(100, tenant="quiet", prompt_tokens=10, kv_bytes=KV)
+    s.finish(0)
+    assert s.admit() == [100]  # holding least goes first, even with borrowing allowed
+
+
+def test_the_kv_share_must_be_a_fraction_of_the_budget() -> None:
+    for share in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="max_kv_share_per_tenant"):
+            ScheduleLimits(max_kv_share_per_tenant=share)
 
 
 def test_serial_mode_runs_one_request_with_chunks_ending_at_block_boundaries() -> None:
@@ -161,3 +254,74 @@ def test_every_prompt_token_is_planned_exactly_once_and_steps_stay_in_budget(
             if planned[chunk.request_id] == requests[chunk.request_id][1]:
                 s.finish(chunk.request_id)
     assert planned == {i: n for i, (_, n) in enumerate(requests)}
+
+
+UNITS = 8  # the KV budget of the property test, in KV-sized units
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.one_of(st.tuples(st.sampled_from("abc"), st.integers(1, UNITS)),
+                          st.integers(0, 20)), max_size=60),
+       st.sampled_from([0.25, 0.5, 1.0]))
+def test_no_tenant_exceeds_its_share_and_the_tenant_holding_least_goes_first(
+        ops: list[tuple[str, int] | int], share: float) -> None:
+    """Against a reference model: a submit is (tenant, units), a bare int finishes the n-th
+    running request. Every admission is the tenant's oldest waiting request, keeps the tenant
+    within its share (or alone in its first request), and goes to a tenant holding no more than
+    any other whose head is within its share; admission stops only when the next in line does
+    not fit; and once submissions stop, everything runs (no deadlock)."""
+    max_running, per_tenant = 4, 3
+    s = scheduler(kv_budget_bytes=UNITS * KV, max_kv_share_per_tenant=share,
+                  max_running=max_running, max_running_per_tenant=per_tenant, max_queued=100,
+                  max_queued_per_tenant=100)
+    waiting: dict[str, list[tuple[int, int]]] = {t: [] for t in "abc"}
+    running: dict[int, tuple[str, int]] = {}
+
+    def held(tenant: str) -> float:
+        mine = [units for t, units in running.values() if t == tenant]
+        return max(sum(mine) / UNITS, len(mine) / max_running)
+
+    def within_share(tenant: str) -> bool:
+        mine = [units for t, units in running.values() if t == tenant]
+        return bool(waiting[tenant]) and len(mine) < per_tenant and (
+            not mine or (sum(mine) + waiting[tenant][0][1]) * KV <= share * UNITS * KV)
+
+    def admit() -> None:
+        for request_id in s.admit():
+            tenant = next(t for t, queue in waiting.items() if queue and queue[0][0] == request_id)
+            assert all(held(tenant) <= held(u) for u in "abc" if within_share(u))
+            running[request_id] = (tenant, waiting[tenant].pop(0)[1])
+            mine = [units for t, units in running.values() if t == tenant]
+            assert len(mine) == 1 or sum(mine) <= share * UNITS
+            assert sum(units for _, units in running.values()) <= UNITS
+        in_line = [u for u in "abc" if within_share(u)]
+        if in_line and len(running) < max_running:
+            least = min(held(u) for u in in_line)
+            free = UNITS - sum(units for _, units in running.values())
+            assert any(waiting[u][0][1] > free for u in in_line if held(u) == least)
+
+    for i, op in enumerate(ops):
+        if isinstance(op, tuple):
+            s.submit(i, tenant=op[0], prompt_tokens=1, kv_bytes=op[1] * KV)
+            waiting[op[0]].append((i, op[1]))
+        elif running:
+            request_id = sorted(running)[op % len(running)]
+            s.finish(request_id)
+            del running[request_id]
+        admit()
+    for _ in range(len(ops) + 1):
+        for request_id in list(running):
+            s.finish(request_id)
+            del running[request_id]
+        admit()
+    assert not running and s.num_waiting == 0 and not any(waiting.values())
+
+
+def test_a_refused_newcomer_leaves_a_lone_tenant_its_large_prefill_steps() -> None:
+    s = scheduler(step_tokens=100, prefill_step_tokens=400, max_queued=1, max_running=1)
+    s.submit(1, tenant="a", prompt_tokens=1_000, kv_bytes=KV)
+    assert s.admit() == [1]
+    s.submit(2, tenant="a", prompt_tokens=1_000, kv_bytes=KV)
+    with pytest.raises(QueueFull, match="max_queued"):
+        s.submit(3, tenant="b", prompt_tokens=10, kv_bytes=KV)
+    assert s.plan().num_tokens == 400
