@@ -6,13 +6,10 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import textwrap
-import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from types import FrameType
 from typing import Any, TextIO
 
 from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
@@ -401,6 +398,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.core.errors import GatewayError
     from gateway.service.assembly import serve
     from gateway.service.server import ServeError
+    from gateway.service.startup import StartInterrupted, StopSignals
 
     logging.basicConfig(level=args.log_level, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -421,21 +419,19 @@ def _serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")
         return EXIT_USAGE
-    stop_requested = threading.Event()
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop_requested.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    signals = StopSignals()
+    signals.install()
 
     def announce(line: str) -> None:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
     try:
-        serve(config, env=os.environ, stop_requested=stop_requested, announce=announce,
-              announces_to_terminal=sys.stdout.isatty())
+        serve(config, env=os.environ, stop_requested=signals.stop_requested, announce=announce,
+              announces_to_terminal=sys.stdout.isatty(), serving=signals.serving)
+    except StartInterrupted as exc:
+        sys.stderr.write(f"kvgate serve: stopped before serving ({exc})\n")
+        return 0
     except (ConfigError, ServeError, GatewayError) as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")
         return EXIT_FAILED

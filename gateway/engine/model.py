@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -271,15 +272,29 @@ def stored_float_dtypes(weights: Path) -> set[str]:
 def _convert_gguf(source: ModelSource, out: Path) -> None:
     """Dequantise a GGUF once and write a plain float32 checkpoint (safetensors) for fast
     restarts."""
-    from safetensors.torch import save_file
-
     logger.info("converting %s (first start only; later starts load the converted copy)",
                 source.gguf_file)
+    started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
     hf_model = AutoModelForCausalLM.from_pretrained(
         source.directory, gguf_file=source.gguf_file, dtype=CONVERTED_DTYPE
     )
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    try:
+        _write_converted(hf_model, tokenizer, source, tmp)
+    except BaseException:  # interrupted (StartInterrupted) or failed: no half-written copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():  # another process converted it meanwhile: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    logger.info("converted %s in %.1f s", source.gguf_file, time.perf_counter() - started)
+
+
+def _write_converted(hf_model: Any, tokenizer: Any, source: ModelSource, tmp: Path) -> None:
+    from safetensors.torch import save_file
+
     tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
     config = copy.deepcopy(hf_model.config)
     if hasattr(config, "quantization_config"):
@@ -297,10 +312,6 @@ def _convert_gguf(source: ModelSource, out: Path) -> None:
     (tmp / "kvgate-source.json").write_text(
         json.dumps({"gguf": str(source.directory / (source.gguf_file or ""))})
     )
-    if out.exists():  # another process converted it meanwhile: keep theirs
-        shutil.rmtree(tmp, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
 
 
 def compute_block_kv(

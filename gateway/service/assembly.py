@@ -42,6 +42,7 @@ from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.server import GatewayServer, ServeError, check_plaintext_listener
+from gateway.service.startup import stage
 
 if TYPE_CHECKING:
     from gateway.cache.prefix_cache import PrefixCache
@@ -142,8 +143,13 @@ def serve(
     stop_requested: threading.Event,
     announce: Callable[[str], None],
     announces_to_terminal: bool = False,
+    serving: threading.Event | None = None,
 ) -> None:
     """Run the gateway until ``stop_requested`` is set, then shut down gracefully.
+
+    Each start-up stage is logged with its duration (``gateway.service.startup.stage``); a
+    signal before serving raises ``StartInterrupted`` out of whichever is running, and the
+    engine's route search polls ``stop_requested`` itself.
 
     Args:
         config: the validated configuration.
@@ -152,6 +158,7 @@ def serve(
         announce: writes a line for the operator's console (the development key).
         announces_to_terminal: ``announce`` writes to a terminal (else the development key is
             not written, only the path of its file).
+        serving: set once the gateway serves (the signal handler stops interrupting then).
 
     Raises:
         ServeError, gateway.config.settings.ConfigError, gateway.engine.model.ModelLoadError:
@@ -185,6 +192,7 @@ def serve(
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.model import load_model
     from gateway.engine.row_products import LinearKernel
+    from gateway.engine.verdicts import VerdictStore
 
     logger.info("listening on %s:%d; loading the model %s", config.host, server.port,
                 config.model)
@@ -198,10 +206,13 @@ def serve(
             dtype = resolve_dtype(config.dtype, device)
         except (DeviceError, DtypeError) as exc:
             raise ServeError(str(exc)) from None
-        loaded = load_model(config.model, cache_dir=config.data_dir / "models", device=device,
-                            dtype=dtype)
-        opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
-                            device=device)
+        with stage(f"loading the model {config.model} ({device}, "
+                   f"{str(dtype).removeprefix('torch.')})"):
+            loaded = load_model(config.model, cache_dir=config.data_dir / "models",
+                                device=device, dtype=dtype)
+        with stage("opening the cache tiers (recovering the disk tier's index)"):
+            opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
+                                device=device)
         if config.metrics.enabled:
             metrics = start_metrics(config, opened.cache, device=str(device),
                                     dtype=str(dtype).removeprefix("torch."))
@@ -221,13 +232,17 @@ def serve(
                 max_running_per_tenant=config.engine.max_running_per_tenant,
                 max_queued_per_tenant=config.engine.max_queued_per_tenant,
                 kv_budget_bytes=config.engine.kv_budget_bytes,
+                max_kv_share_per_tenant=config.engine.max_kv_share_per_tenant,
                 linear_kernel=cast(LinearKernel, config.engine.linear_kernel),
                 tail_cache_bytes=config.engine.tail_cache_bytes,
             ),
             deployment_secret=secret,
             metrics=metrics,
+            verdicts=VerdictStore(config.data_dir / "routes", secret),
+            cancelled=stop_requested.is_set,
         )
-        engine.start()
+        with stage("choosing the engine route (remembered, or searched and probed)"):
+            engine.start()
         admin: CacheAdmin
         if opened.events is not None:
             # Evictions through other replicas reach this one's tiers (and those it missed
@@ -238,11 +253,14 @@ def serve(
         admin = CacheAdmin(opened.cache, keys=engine, feed=feed)
         if feed is not None:
             feed.start()
-            feed.settled.wait(_CATCH_UP_S)
+            with stage("reading the evictions of other replicas"):
+                feed.settled.wait(_CATCH_UP_S)
             if not feed.caught_up.is_set():
                 logger.warning("serving before the evictions of other replicas were read: "
                                "Redis is slow or unreachable (they are applied once it is back)")
         if not stop_requested.is_set():
+            if serving is not None:
+                serving.set()
             server.attach(engine, admin)
             logger.info(
                 "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s in %s, tiers %s, %d API "
