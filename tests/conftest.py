@@ -143,3 +143,28 @@ def redis_cluster(_redis_cluster_of_module: RedisCluster) -> RedisCluster:
     """A 3-master Redis Cluster shared by a module's tests, emptied before each test."""
     _redis_cluster_of_module.flushall()
     return _redis_cluster_of_module
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """Which machine the suite runs on, and the route the engine finds here for the tiny Llama
+    in each dtype (issue 21: a red run names its machine)."""
+    import tempfile
+
+    import torch
+
+    from gateway.engine.model import load_model
+    from gateway.engine.route_search import SearchSettings, search_route
+    from gateway.engine.verdicts import cpu_identity
+    from tests.tiny_llama import save_tiny_llama
+
+    lines = [f"kvgate machine: {cpu_identity()}", f"kvgate torch: {torch.__version__}, "
+             f"{torch.get_num_threads()} threads"]
+    with tempfile.TemporaryDirectory() as directory:
+        model_dir = save_tiny_llama(Path(directory) / "tiny")
+        for dtype in (torch.float32, torch.bfloat16):
+            verdict = search_route(load_model(str(model_dir), dtype=dtype), SearchSettings())
+            detail = (f"{verdict.kernel} padded {verdict.padding}, {verdict.attention} "
+                      "attention" if verdict.name == "batched" else verdict.reason)
+            lines.append(f"kvgate route (tiny Llama, {str(dtype).removeprefix('torch.')}): "
+                         f"{verdict.name}: {detail}")
+    return lines
