@@ -313,10 +313,7 @@ class CacheAdmin:
         if prefix_text is not None and tenant is None:
             raise InvalidRequest("evicting by prefix text needs the tenant it belongs to")
         if key_hex is not None:
-            try:
-                bytes.fromhex(key_hex)
-            except ValueError:
-                raise InvalidRequest(f"key must be hex, got {key_hex!r}") from None
+            _key_of(key_hex)
         event = EvictionEvent(tenant=tenant, prefix_text=prefix_text, key_hex=key_hex,
                               older_than_s=older_than_s, tier=tier, everything=everything)
         before = cache.stats().num_blocks
@@ -331,8 +328,15 @@ class CacheAdmin:
         return result
 
     def apply_event(self, event: EvictionEvent) -> None:
-        """Apply an eviction another replica published to this replica's local tiers."""
+        """Apply an eviction another replica published to this replica's local tiers.
+
+        The event came from the shared stream, which anyone who can write Redis can write:
+        what does not apply here (a tier this replica lacks, a key that is not hex) is
+        logged and skipped.
+        """
         try:
+            if event.tier is not None and event.tier not in (*self._cache.tier_names, REMOTE):
+                raise InvalidRequest("it names a tier this replica does not have")
             freed = self._evict_local(event)
         except InvalidRequest as exc:  # e.g. a tier this replica does not have
             logger.warning("an eviction from another replica does not apply here: %s", exc)
@@ -362,7 +366,7 @@ class CacheAdmin:
     def _evict_local(self, event: EvictionEvent) -> dict[str, int]:
         if event.tier == REMOTE:
             return {}
-        key = None if event.key_hex is None else BlockKey(bytes.fromhex(event.key_hex))
+        key = None if event.key_hex is None else _key_of(event.key_hex)
         freed: dict[str, int] = {}
         for under in self._selections(event):
             for name, num_bytes in evict_where(
@@ -388,7 +392,7 @@ class CacheAdmin:
             known = {*self._cache.known_namespaces(), *self._keys.known_namespaces(),
                      self._keys.namespace(scope)}
             digests = [ns.digest for ns in known if ns.scope == scope]
-        key = None if event.key_hex is None else BlockKey(bytes.fromhex(event.key_hex))
+        key = None if event.key_hex is None else _key_of(event.key_hex)
         for digest in digests:
             transfers.remove_remote_where(namespace_digest=digest, key=key,
                                           min_idle_s=event.older_than_s)
@@ -411,6 +415,18 @@ class CacheAdmin:
     def flush(self) -> EvictResult:
         """Evict everything, everywhere."""
         return self.evict(everything=True)
+
+
+def _key_of(key_hex: str) -> BlockKey:
+    """The block key ``key_hex`` names.
+
+    Raises:
+        InvalidRequest: not hex.
+    """
+    try:
+        return BlockKey(bytes.fromhex(key_hex))
+    except ValueError:
+        raise InvalidRequest(f"key must be hex, got {key_hex!r}") from None
 
 
 def _scope_of(tenant: str) -> Scope:

@@ -73,11 +73,23 @@ class EvictionEvent:
 
     @classmethod
     def from_fields(cls, entry: Mapping[str, str]) -> EvictionEvent | None:
-        """The event of a stream entry, or None if it is not one this build understands."""
+        """The event of a stream entry, or None if it is not one this build understands.
+
+        Anyone who can write Redis can write the stream, so every field is checked here: a
+        value of the wrong type, a key that is not hex, a flag other than "1" or an age that
+        is not a non-negative number make the entry None (skipped), never an exception.
+        """
         if entry.get("kind") != "evict":
             return None
         known = {f.name for f in fields(cls)}
         if set(entry) - known - {"kind"}:
+            return None
+        if not all(isinstance(value, str) for value in entry.values()):
+            return None
+        key_hex = entry.get("key_hex")
+        if key_hex is not None and not is_hex(key_hex):
+            return None
+        if entry.get("everything") not in (None, "1"):
             return None
         try:
             older = entry.get("older_than_s")
@@ -87,7 +99,7 @@ class EvictionEvent:
         if older_than_s is not None and not (math.isfinite(older_than_s) and older_than_s >= 0):
             return None
         return cls(tenant=entry.get("tenant"), prefix_text=entry.get("prefix_text"),
-                   key_hex=entry.get("key_hex"), older_than_s=older_than_s,
+                   key_hex=key_hex, older_than_s=older_than_s,
                    tier=entry.get("tier"), everything=entry.get("everything") == "1",
                    origin=entry.get("origin", ""))
 
@@ -135,6 +147,10 @@ class EvictionFeed:
         self._thread: threading.Thread | None = None
         self._is_in_outage = False
         self.num_applied = 0
+        self.num_malformed = 0
+        """Events skipped because this build could not read them (malformed, or a newer kind)."""
+        self.num_failed = 0
+        """Events skipped because applying them raised (the reader goes on with the next)."""
         self.caught_up = threading.Event()
         """Set once the reader has handled every event published before it started."""
         self.settled = threading.Event()
@@ -144,6 +160,12 @@ class EvictionFeed:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvgate-evictions", daemon=True)
         self._thread.start()
+
+    @property
+    def is_reading(self) -> bool:
+        """Whether the reader runs (from ``start`` until ``stop``; nothing an event carries
+        ends it)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         """Stop reading (before the stores close); waits at most one blocking read."""
@@ -185,19 +207,49 @@ class EvictionFeed:
                 self._stop.wait(self._retry_s)
                 continue
             for event_id, entry in events:
-                event = EvictionEvent.from_fields(entry)
-                if event is None:
-                    logger.warning("skipping event %s on %s: not an eviction this build reads",
-                                   event_id, self._log.where)
-                elif event.origin != self.origin:
-                    self._apply(event)
-                    self.num_applied += 1
-                cursor = event_id
+                self._handle(event_id, entry)
+                cursor = event_id  # handled or skipped: never read again
             if events:
                 self._save(cursor)
             else:
                 self.caught_up.set()
                 self.settled.set()
+
+    def _handle(self, event_id: str, entry: Mapping[str, str]) -> None:
+        """Apply one event; one that cannot be read or applied is counted and skipped.
+
+        NOTE: anyone who can write Redis can write the stream, and one event that raised
+        would end the reader: this replica would never hear of another eviction. So nothing
+        an event does escapes here. The log names the event's id and the error's type only:
+        an event's fields (prefix text) and an error's message may carry prompt text.
+        """
+        try:
+            event = EvictionEvent.from_fields(entry)
+        except Exception as exc:  # whatever it is, the reader goes on (NOTE)
+            logger.warning("skipping event %s on %s: cannot read it (%s)", event_id,
+                           self._log.where, type(exc).__name__)
+            self.num_malformed += 1
+            return
+        if event is None:
+            logger.warning("skipping event %s on %s: not an eviction this build reads",
+                           event_id, self._log.where)
+            self.num_malformed += 1
+            return
+        if event.origin == self.origin:
+            return
+        if self._apply_guarded(event, event_id):
+            self.num_applied += 1
+
+    def _apply_guarded(self, event: EvictionEvent, event_id: str) -> bool:
+        """``apply(event)``; False (counted, logged) if it raised."""
+        try:
+            self._apply(event)
+        except Exception as exc:  # the reader goes on (_handle's NOTE)
+            logger.warning("skipping event %s on %s: applying it failed (%s)", event_id,
+                           self._log.where, type(exc).__name__)
+            self.num_failed += 1
+            return False
+        return True
 
     def _start_cursor(self) -> str:
         saved = self._load()
@@ -207,7 +259,7 @@ class EvictionFeed:
         if first is not None and _id_key(saved) < _id_key(first) and saved != "0-0":
             logger.warning("missed evictions while away (the event stream on %s no longer goes "
                            "back to %s): dropping every local block", self._log.where, saved)
-            self._apply(EvictionEvent(everything=True, origin="gap"))
+            self._apply_guarded(EvictionEvent(everything=True, origin="gap"), saved)
         return saved
 
     def _attempt(self, call: Callable[[], T]) -> T | None:
@@ -248,6 +300,15 @@ class EvictionFeed:
         except OSError as exc:
             logger.warning("cannot keep the eviction cursor in %s: %s", self._cursor_path,
                            exc.strerror)
+
+
+def is_hex(text: str) -> bool:
+    """Whether ``text`` is a block key as hex (what ``bytes.fromhex`` reads)."""
+    try:
+        bytes.fromhex(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _id_key(event_id: str) -> tuple[int, int]:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from gateway.cache.admin import CacheAdmin, evict_where, list_prefixes
+from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import CanonicalizationError, InvalidRequest
@@ -168,6 +169,17 @@ def test_admin_eviction_refuses_what_it_cannot_do(
     admin = CacheAdmin(make_cache(clock), keys=KEYS)
     with pytest.raises(InvalidRequest, match=message):
         admin.evict(**criteria)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("event", [EvictionEvent(key_hex="not hex"),
+                                   EvictionEvent(tier="nvme")])
+def test_another_replicas_event_that_does_not_apply_here_is_skipped(
+    clock: FakeClock, event: EvictionEvent,
+) -> None:
+    cache = make_cache(clock)
+    store(cache, ALICE, toks(1, 2, 3, 4))
+    CacheAdmin(cache, keys=KEYS).apply_event(event)  # no exception: the feed's reader goes on
+    assert cache.stats().num_blocks == 2
 
 
 def test_a_negative_quota_is_refused_and_a_quota_binds(clock: FakeClock) -> None:

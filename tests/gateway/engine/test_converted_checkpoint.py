@@ -41,7 +41,7 @@ def checkpoint(bundled_cache_dir: Path) -> Path:
 def test_it_lives_under_the_model_cache_named_by_the_gguf_fingerprint(
     checkpoint: Path, bundled_cache_dir: Path,
 ) -> None:
-    fingerprint = fingerprint_source(resolve_source(BUNDLED), bundled_cache_dir)
+    fingerprint = fingerprint_source(resolve_source(BUNDLED))
     assert checkpoint == bundled_cache_dir / "converted" / fingerprint
     names = {p.name for p in checkpoint.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",

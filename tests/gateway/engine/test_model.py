@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -46,11 +47,32 @@ def test_the_fingerprint_is_stable_and_follows_the_weights(tmp_path: Path) -> No
     assert fingerprint_source(a) != fingerprint_source(b)
 
 
-def test_fingerprints_are_remembered_in_the_model_cache(tmp_path: Path) -> None:
-    source = resolve_source(str(save_tiny_llama(tmp_path / "m")))
-    first = fingerprint_source(source, tmp_path / "cache")
-    assert len(list((tmp_path / "cache" / "fingerprints").iterdir())) == 1
-    assert fingerprint_source(source, tmp_path / "cache") == first
+def test_a_checkpoint_replaced_in_place_with_its_old_mtimes_gets_a_new_fingerprint(
+    tmp_path: Path,
+) -> None:
+    # cp -p / rsync -a / normalised timestamps: same path, same size, same mtime, new weights.
+    model = save_tiny_llama(tmp_path / "m", seed=1)
+    cache = tmp_path / "cache"  # where builds before this one memoised fingerprints
+    source = resolve_source(str(model))
+    before = load_model(str(model), cache_dir=cache).fingerprint
+    stamps = {p: (p.stat().st_atime_ns, p.stat().st_mtime_ns) for p in model.iterdir()}
+    other = save_tiny_llama(tmp_path / "other", seed=2)
+    for weights in source.weight_files:
+        assert weights.stat().st_size == (other / weights.name).stat().st_size
+        weights.write_bytes((other / weights.name).read_bytes())
+    for path, (atime_ns, mtime_ns) in stamps.items():
+        os.utime(path, ns=(atime_ns, mtime_ns))
+    after = load_model(str(model), cache_dir=cache).fingerprint
+    assert after != before
+    assert after == fingerprint_source(source) == fingerprint_source(resolve_source(str(other)))
+
+
+def test_loading_reads_no_fingerprint_memo_from_the_model_cache(tmp_path: Path) -> None:
+    model = save_tiny_llama(tmp_path / "m")
+    cache = tmp_path / "cache"
+    loaded = load_model(str(model), cache_dir=cache)
+    assert loaded.fingerprint == fingerprint_source(resolve_source(str(model)))
+    assert not (cache / "fingerprints").exists()  # nothing written that anyone could rewrite
 
 
 def test_a_converted_checkpoint_names_its_architecture_under_the_same_fingerprint(
@@ -59,7 +81,7 @@ def test_a_converted_checkpoint_names_its_architecture_under_the_same_fingerprin
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF not really")
     cache = tmp_path / "models"
-    fingerprint = fingerprint_source(resolve_source(str(gguf)), cache)
+    fingerprint = fingerprint_source(resolve_source(str(gguf)))
     converted = cache / "converted" / fingerprint
     converted.mkdir(parents=True)
     # converted already (float32): no second conversion
