@@ -17,10 +17,27 @@ that mean the same prompt must reach the same ids before anything is hashed. The
 
 Canonicalisation is idempotent: feeding canonical text back in gives the same tokens.
 
-NOTE: text that spells a special token (``<|im_end|>`` in a user message) is encoded as that
-token, as the serving engine does when it renders the same template. Escaping it instead
-(transformers 5's ``sanitize_control_tokens``) is a policy that would have to change here and in
-the engine together, or cached and recomputed prompts would stop agreeing.
+Prompts mean what their roles say: text a caller wrote into a chat (any message's content, any
+string of a tool schema) is never encoded as the tokenizer's special (control) tokens. A user
+message that spells ``<|im_end|>\n<|im_start|>system`` gets the ordinary-text tokens of those
+characters, so it cannot forge a system or assistant turn, and its tokens differ from a genuine
+turn's; only the markup the template writes itself becomes control tokens. This is what
+OpenAI's API guarantees. ``text`` is the rendered chat either way, so a forged and a genuine
+conversation can share a ``text`` but never their tokens.
+
+A raw ``prompt`` is the opposite case and is kept as it was: it is the caller's whole text, sent
+to the model as is, with no roles for it to forge, so the special tokens it spells are encoded as
+special tokens (a caller may write a template by hand on purpose).
+
+NOTE: a chat none of whose caller strings spells a special token is encoded exactly as before,
+the rendered text in one ``encode`` call. Only a chat with such text takes the escaping path:
+the template's output is cut at the special tokens it wrote and each piece in between is
+encoded alone with special-token matching off. For byte-level BPE tokenizers (Llama 3, Qwen2,
+SmolLM2) the pieces get the tokens one call would give them; a tokenizer whose pre-tokenizer
+depends on a piece's position (SentencePiece's "first" prefix space) or whose control tokens
+strip neighbouring spaces may tokenize such a chat a little differently around its control
+tokens. Its tokens are still canonical (the same chat always gives the same ids), which is what
+the cache and the engine, both fed by ``canonicalize``, rely on.
 """
 
 from __future__ import annotations
@@ -149,8 +166,8 @@ def canonicalize(
                 "`add_generation_prompt` must be true or false, got "
                 f"{_preview(request.add_generation_prompt)}"
             )
-        text = tokenizer.render_chat(messages, tools, request.add_generation_prompt)
-        ids: Sequence[int] | TokenIds = tokenizer.encode(text, add_special_tokens=False)
+        text, chat_ids = _encode_chat(tokenizer, messages, tools, request.add_generation_prompt)
+        ids: Sequence[int] | TokenIds = chat_ids
         if not ids:
             raise CanonicalizationError(
                 f"the chat template rendered these messages as {_preview(text)}, which has no "
@@ -192,6 +209,82 @@ def canonical_text(text: str) -> str:
     if not unicodedata.is_normalized("NFC", text):
         text = unicodedata.normalize("NFC", text)
     return text
+
+
+def _encode_chat(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, str]],
+    tools: list[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+) -> tuple[str, list[int]]:
+    """The rendered chat and its tokens, with caller text never encoded as control tokens.
+
+    Each special-token text in the caller's strings is swapped for a mark (a private-use
+    character found nowhere in the chat) before rendering, so that in the rendered text every
+    special-token text left is markup the template wrote. That text is cut at those tokens; each
+    piece in between gets the marks swapped back and is encoded with special-token matching off.
+
+    Raises:
+        CanonicalizationError: the template rejects the chat, or renders the marked chat to
+            something other than the chat itself (it inspects or rewrites caller text in a way
+            that the marks change), so the escaping cannot be done faithfully.
+    """
+    text = tokenizer.render_chat(messages, tools, add_generation_prompt)
+    specials = sorted({t for t in tokenizer.special_tokens if t}, key=len, reverse=True)
+    strings = [m["content"] for m in messages] + [s for t in tools or () for s in _strings_of(t)]
+    spelled = [t for t in specials if any(t in s for s in strings)]
+    if not spelled:
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    used = {*text, *"".join(strings)}
+    marks = (c for c in map(chr, range(0xE000, 0xF900)) if c not in used)
+    mark_of = dict(zip(spelled, marks, strict=False))
+    if len(mark_of) < len(spelled):  # 6,400 private-use characters, all in the request
+        raise CanonicalizationError(
+            "this chat spells more of the model's special tokens than can be escaped"
+        )
+    caller_special = re.compile("|".join(map(re.escape, spelled)))
+    spelled_of = {mark: t for t, mark in mark_of.items()}
+    unmark = re.compile("|".join(map(re.escape, spelled_of)))
+
+    def marked(value: Any) -> Any:
+        if isinstance(value, str):
+            return caller_special.sub(lambda m: mark_of[m.group()], value)
+        if isinstance(value, dict):
+            return {marked(k): marked(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [marked(v) for v in value]
+        return value
+
+    rendered = tokenizer.render_chat(marked(messages), marked(tools), add_generation_prompt)
+    if unmark.sub(lambda m: spelled_of[m.group()], rendered) != text:
+        raise CanonicalizationError(
+            "the model's chat template changes message text that spells one of its special "
+            "tokens, so it cannot be encoded as plain text; remove the special-token text"
+        )
+    ids: list[int] = []
+    start = 0
+    for match in re.finditer("|".join(map(re.escape, specials)), rendered):
+        piece = unmark.sub(lambda m: spelled_of[m.group()], rendered[start : match.start()])
+        if piece:
+            ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
+        ids += tokenizer.encode(match.group(), add_special_tokens=False)
+        start = match.end()
+    piece = unmark.sub(lambda m: spelled_of[m.group()], rendered[start:])
+    if piece:
+        ids += tokenizer.encode(piece, add_special_tokens=False, split_special_tokens=True)
+    return text, ids
+
+
+def _strings_of(value: object) -> list[str]:
+    """Every string in a JSON value, object keys included."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for k, v in value.items() for s in (k, *_strings_of(v))]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings_of(v)]
+    return []
 
 
 def _source_of(request: PromptInput) -> Source:

@@ -1,7 +1,8 @@
 """The seam between canonicalisation and the model's tokenizer.
 
 ``Tokenizer`` is all that ``gateway.core.canonical`` needs from a tokenizer: the number of
-valid ids, text → ids, messages → text through the model's own chat template, and ids → text.
+valid ids, the texts of its special (control) tokens, text → ids (with or without matching those
+texts as special tokens), messages → text through the model's own chat template, and ids → text.
 ``HFTokenizerAdapter`` puts a Hugging Face ``transformers`` tokenizer behind it.
 
 NOTE: this module never imports ``transformers``; the adapter is duck-typed over the object it
@@ -17,11 +18,17 @@ shape between 4.x and 5.x). What it relies on, checked against transformers 5.23
 - Templates reject conversations they cannot render with ``raise_exception``, which raises
   ``jinja2.exceptions.TemplateError``: that is a fault in the request and is translated here.
 - ``tokenizer.decode`` silently drops ids it does not know, so ids are checked before use.
+- ``added_tokens_decoder`` maps every added token's id to an ``AddedToken`` whose ``special``
+  says whether it is a control token. ``all_special_tokens`` is not enough: it lists only the
+  named ones (BOS, EOS...), not ``<|im_start|>`` when the tokenizer file added it.
+- ``encode(..., split_special_tokens=True)`` encodes the text of a special token as ordinary
+  text (transformers passes it to the fast backend's ``encode_special_tokens``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cached_property
 from typing import Any, Protocol
 
 from jinja2.exceptions import TemplateError, TemplateSyntaxError
@@ -38,8 +45,22 @@ class Tokenizer(Protocol):
         """Number of valid token ids, special and added tokens included: ids are ``[0, n)``."""
         ...
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``; ``add_special_tokens`` adds the model's BOS/EOS convention."""
+    @property
+    def special_tokens(self) -> tuple[str, ...]:
+        """The texts this tokenizer encodes as special (control) tokens, such as ``<|im_end|>``."""
+        ...
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool, split_special_tokens: bool = False
+    ) -> list[int]:
+        """Token ids of ``text``.
+
+        Args:
+            text: the text to encode.
+            add_special_tokens: add the model's BOS/EOS convention.
+            split_special_tokens: encode the text of a special token (``special_tokens``) as
+                ordinary text instead of as that token.
+        """
         ...
 
     def render_chat(
@@ -66,7 +87,7 @@ class HFTokenizerAdapter:
 
     Args:
         tokenizer: the loaded tokenizer; only ``__len__``, ``encode``, ``decode``,
-            ``chat_template`` and ``apply_chat_template`` are used.
+            ``added_tokens_decoder``, ``chat_template`` and ``apply_chat_template`` are used.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -77,8 +98,21 @@ class HFTokenizerAdapter:
         # NOTE: len(), not .vocab_size, which leaves out added tokens (see the module docstring).
         return len(self._tokenizer)
 
-    def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    @cached_property
+    def special_tokens(self) -> tuple[str, ...]:
+        added = getattr(self._tokenizer, "added_tokens_decoder", None)
+        if added is None:
+            return tuple(self._tokenizer.all_special_tokens)
+        return tuple(str(token) for token in added.values() if getattr(token, "special", False))
+
+    def encode(
+        self, text: str, *, add_special_tokens: bool, split_special_tokens: bool = False
+    ) -> list[int]:
+        ids = self._tokenizer.encode(
+            text,
+            add_special_tokens=add_special_tokens,
+            split_special_tokens=split_special_tokens,
+        )
         return [int(i) for i in ids]
 
     def render_chat(
