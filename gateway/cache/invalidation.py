@@ -24,6 +24,7 @@ import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -156,6 +157,9 @@ class EvictionFeed:
         self.settled = threading.Event()
         """Set once it caught up, or found the stream unreachable (the replica then serves
         from its local tiers and catches up when Redis is back)."""
+        self._clock = time.monotonic
+        self.last_read_at: float | None = None
+        """When the reader last read the stream (``time.monotonic``; None: never yet)."""
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="kvgate-evictions", daemon=True)
@@ -166,6 +170,20 @@ class EvictionFeed:
         """Whether the reader runs (from ``start`` until ``stop``; nothing an event carries
         ends it)."""
         return self._thread is not None and self._thread.is_alive()
+
+    def behind_reason(self, max_quiet_s: float) -> str | None:
+        """Why this replica may be missing other replicas' evictions, or None: the reader is
+        not running, or has not read the stream for ``max_quiet_s`` (Redis unreachable)."""
+        if not self.is_reading:
+            return "the eviction reader is not running"
+        if self.last_read_at is None:
+            # Reached at start (a cursor was read): not behind until it goes quiet.
+            return None if self.caught_up.is_set() else "the eviction stream has not been " \
+                "read yet"
+        quiet = self._clock() - self.last_read_at
+        if quiet > max_quiet_s:
+            return f"the eviction stream has not been read for {quiet:.0f} s"
+        return None
 
     def stop(self) -> None:
         """Stop reading (before the stores close); waits at most one blocking read."""
@@ -202,6 +220,8 @@ class EvictionFeed:
         while cursor is not None and not self._stop.is_set():
             after: str = cursor
             events = self._attempt(lambda: self._log.read_after(after))  # noqa: B023
+            if events is not None:
+                self.last_read_at = self._clock()
             if events is None:
                 self.settled.set()
                 self._stop.wait(self._retry_s)

@@ -158,6 +158,9 @@ class EngineSettings:
             "onednn" or "blas". Part of the cache namespace.
         tail_cache_bytes: memory for conversation tails (the K/V after a conversation's last
             full block, kept for its next turn); 0 keeps none.
+        shadow_fraction: the fraction of cache hits recomputed cold while the engine is idle
+            and compared bit for bit, in [0, 1]; a block that differs is logged, evicted
+            everywhere and counted (``kvgate_shadow_divergences_total``); 0 turns it off.
     """
 
     max_queue: int = 64
@@ -173,6 +176,7 @@ class EngineSettings:
     max_kv_share_per_tenant: float = 0.5
     linear_kernel: str = "auto"
     tail_cache_bytes: int = 256 << 20
+    shadow_fraction: float = 0.01
 
     def problems(self) -> list[str]:
         errors = []
@@ -194,6 +198,10 @@ class EngineSettings:
         if not is_int(self.tail_cache_bytes) or self.tail_cache_bytes < 0:
             errors.append(f"engine.tail_cache_bytes must be an integer >= 0, got "
                           f"{self.tail_cache_bytes!r}")
+        shadow = self.shadow_fraction
+        if (isinstance(shadow, bool) or not isinstance(shadow, int | float)
+                or not 0 <= shadow <= 1):
+            errors.append(f"engine.shadow_fraction must be a fraction in [0, 1], got {shadow!r}")
         if self.default_ttl_s is not None and not is_positive(self.default_ttl_s):
             errors.append(f"engine.default_ttl_s must be > 0, got {self.default_ttl_s!r}")
         if self.max_prompt_tokens is not None and (

@@ -27,6 +27,7 @@ from typing import Literal
 import numpy as np
 import torch
 
+from gateway.cache.admin import evict_where
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.core.canonical import CanonicalPrompt, PromptInput, canonicalize
 from gateway.core.errors import (
@@ -61,8 +62,10 @@ from gateway.engine.route_search import (
 )
 from gateway.engine.row_products import KERNELS, LINEAR_KERNELS, LinearKernel, Product
 from gateway.engine.scheduler import ScheduleLimits, Scheduler
+from gateway.engine.shadow import EvictBlocks, ShadowCounters, ShadowVerifier
 from gateway.engine.tail_cache import TailCache, TailCounters
 from gateway.engine.verdicts import VerdictStore, verdict_key
+from policies.base import BlockKey
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
@@ -100,6 +103,10 @@ class EngineConfig:
         tail_cache_bytes: memory for conversation tails, the K/V after a conversation's last
             full block kept for its next turn (``gateway.engine.tail_cache``; only where
             decoding writes the K/V a prefill writes); 0 keeps none.
+        shadow_fraction: the fraction of cache hits recomputed cold while the engine is idle
+            and compared bit for bit (``gateway.engine.shadow``); 0 verifies none. 0 here (the
+            tests' engines compute nothing they did not ask for); ``kvgate serve`` defaults to
+            ``[engine] shadow_fraction`` = 0.01.
     """
 
     block_tokens: int = 64
@@ -118,8 +125,11 @@ class EngineConfig:
     max_kv_share_per_tenant: float = 0.5
     linear_kernel: LinearKernel = "auto"
     tail_cache_bytes: int = 256 << 20
+    shadow_fraction: float = 0.0
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.shadow_fraction <= 1.0:
+            raise ValueError(f"shadow_fraction must be in [0, 1], got {self.shadow_fraction}")
         if self.tail_cache_bytes < 0:
             raise ValueError(f"tail_cache_bytes must be >= 0, got {self.tail_cache_bytes}")
         if self.route not in ROUTES:
@@ -143,6 +153,9 @@ class Engine:
         kernels: the linear kernels the search tries (a seam for tests).
         cancelled: polled while the route is searched; True ends ``start`` with
             ``SearchCancelled`` (the process is shutting down).
+        shadow_evict: evicts blocks a shadow verification found divergent, by key, everywhere
+            (the cache admin's eviction: Redis and the other replicas too); None evicts them from
+            this replica's tiers only.
     """
 
     def __init__(
@@ -157,6 +170,7 @@ class Engine:
         verdicts: VerdictStore | None = None,
         kernels: Mapping[str, Product] = KERNELS,
         cancelled: Callable[[], bool] = lambda: False,
+        shadow_evict: EvictBlocks | None = None,
     ) -> None:
         if cache is not None and cache.block_tokens != config.block_tokens:
             raise ValueError(
@@ -178,6 +192,8 @@ class Engine:
         self._worker: threading.Thread | None = None
         self._route = EngineRoute(name="serial", reason="not started")
         self._tails: TailCache | None = None
+        self._shadow_evict = shadow_evict
+        self._shadow: ShadowVerifier | None = None
         self._started_at = clock()
         device = loaded.device
         self._device = device
@@ -244,6 +260,7 @@ class Engine:
             max_queued=self._config.max_queue, kv_budget_bytes=self._config.kv_budget_bytes,
             max_kv_share_per_tenant=self._config.max_kv_share_per_tenant,
             is_serial=self._route.name == "serial", block_tokens=self._config.block_tokens)
+        self._shadow = self._build_shadow(forward)
         return StepLoop(
             loaded=self._loaded, forward=forward, scheduler=Scheduler(limits), cache=self._cache,
             settings=LoopSettings(
@@ -253,7 +270,25 @@ class Engine:
                 decode_kv_is_prefill_kv=self._route.decode_kv_is_prefill_kv,
                 recompute_generated_blocks=self._route.name == "serial"),
             namespace_of=self._namespace, clock=self._clock, metrics=self._metrics,
-            tails=self._tails)
+            tails=self._tails, shadow=self._shadow)
+
+    def _build_shadow(self, forward: StepForward) -> ShadowVerifier | None:
+        cache, bt = self._cache, self._config.block_tokens
+        if cache is None or self._config.shadow_fraction <= 0.0:
+            return None
+        evict = self._shadow_evict
+        if evict is None:
+            def evict(keys: Sequence[BlockKey]) -> None:
+                for key in keys:
+                    evict_where(cache, key=key)
+        # The serial route's oracle is block-aligned; the batched forward is chunk-invariant.
+        # A step's tokens (not a prefill step's): a request that arrives waits one such chunk.
+        chunk = bt if self._route.name == "serial" else max(
+            bt, self._config.step_tokens // bt * bt)
+        return ShadowVerifier(
+            fraction=self._config.shadow_fraction, forward=forward, layout=self._loaded.layout,
+            device=self._device, block_tokens=bt, chunk_tokens=chunk, evict=evict,
+            metrics=self._metrics)
 
     def _choose_route(self) -> tuple[StepForward, EngineRoute]:
         """The route remembered for this model, machine and settings, else the one the search
@@ -289,6 +324,11 @@ class Engine:
     def tail_counters(self) -> TailCounters:
         """What the conversation tails spared since start (zeros where none are kept)."""
         return self._tails.counters if self._tails is not None else TailCounters()
+
+    @property
+    def shadow_counters(self) -> ShadowCounters:
+        """What shadow verification has done since start (zeros where it is off)."""
+        return self._shadow.counters if self._shadow is not None else ShadowCounters()
 
     @property
     def route(self) -> EngineRoute:

@@ -56,6 +56,7 @@ from gateway.engine.observer import EngineMetrics
 from gateway.engine.request_blocks import RequestBlocks
 from gateway.engine.sampling import Sampler
 from gateway.engine.scheduler import Scheduler, StepPlan
+from gateway.engine.shadow import ShadowVerifier
 from gateway.engine.tail_cache import TailCache
 from tiers.payload import KVBlock
 
@@ -76,20 +77,23 @@ class StepLoop:
         metrics: where generations are recorded.
         tails: where conversation tails are kept (None: none are; only where decoding writes
             the K/V a prefill writes).
+        shadow: verifies sampled cache hits cold while the loop is idle (None: none).
     """
 
     def __init__(self, *, loaded: LoadedModel, forward: StepForward, scheduler: Scheduler,
                  cache: PrefixCache | None, settings: LoopSettings,
                  namespace_of: Callable[[Scope], Namespace],
                  clock: Callable[[], float] = time.monotonic,
-                 metrics: EngineMetrics | None = None, tails: TailCache | None = None) -> None:
+                 metrics: EngineMetrics | None = None, tails: TailCache | None = None,
+                 shadow: ShadowVerifier | None = None) -> None:
         self._loaded = loaded
         self._forward = forward
         self._scheduler = scheduler
         self._cache = cache
+        self._shadow = shadow
         self._blocks = None if cache is None else RequestBlocks(
             cache=cache, forward=forward, settings=settings, namespace_of=namespace_of,
-            tails=tails)
+            tails=tails, shadow=shadow)
         self._settings = settings
         self._namespace_of = namespace_of
         self._clock = clock
@@ -193,6 +197,9 @@ class StepLoop:
                 is_idle = not self._active and not self._waiting
             if is_idle and self._is_stopping:
                 break
+            if is_idle and self._shadow is not None and self._shadow.has_work:
+                self._shadow.advance()  # one chunk of idle capacity, then look again
+                continue
             if is_idle:
                 self._inbox.get()  # sleep until a submission (or stop) arrives
             while True:  # the inbox only wakes the loop: jobs are in _waiting already

@@ -6,11 +6,12 @@ metrics; it reports through this Protocol and the composition root hands it the 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 
 class EngineMetrics(Protocol):
-    """Receives the outcome of every generation and the queue depth."""
+    """Receives the outcome of every generation, the queue depth and shadow verifications."""
 
     def record_generation(self, *, tenant: str, prompt_tokens: int,
                           cached_tokens_by_tier: dict[str, int], finish_reason: str,
@@ -22,3 +23,7 @@ class EngineMetrics(Protocol):
 
     def set_queue_depth(self, depth: int) -> None:
         """The number of requests waiting for the engine."""
+
+    def record_shadow_check(self, *, num_blocks: int, divergent_tiers: Sequence[str]) -> None:
+        """One shadow verification (``gateway.engine.shadow``) of ``num_blocks`` served blocks;
+        ``divergent_tiers`` names the tier of each that differed from cold ([] if none)."""

@@ -22,6 +22,7 @@ from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.loop_records import ActiveRequest, LoopSettings
+from gateway.engine.shadow import ShadowVerifier
 from gateway.engine.tail_cache import TAIL_TIER, TailCache
 from tiers.payload import KVBlock
 
@@ -35,11 +36,14 @@ class RequestBlocks:
         settings: the loop's settings (block size, what to store).
         namespace_of: the namespace of a scope.
         tails: where conversation tails are kept (None: none are).
+        shadow: offered every cache hit, to verify some cold when idle (None: none are).
     """
 
     def __init__(self, *, cache: PrefixCache, forward: StepForward, settings: LoopSettings,
-                 namespace_of: Callable[[Scope], Namespace], tails: TailCache | None) -> None:
+                 namespace_of: Callable[[Scope], Namespace], tails: TailCache | None,
+                 shadow: ShadowVerifier | None = None) -> None:
         self._cache = cache
+        self._shadow = shadow
         self._forward = forward
         self._settings = settings
         self._namespace_of = namespace_of
@@ -70,6 +74,10 @@ class RequestBlocks:
             if source is not lease:  # the shared scope: its tier would tell of other tenants
                 tier = SHARED_SCOPE_TIER
             active.cached_by_tier[tier] = active.cached_by_tier.get(tier, 0) + bt
+        if self._shadow is not None and blocks:
+            match = source.match  # what was loaded: its keys and the tier each came from
+            self._shadow.offer(namespace=source.namespace, tokens=tokens, keys=match.keys,
+                               tiers=match.tiers, blocks=blocks)
         return blocks
 
     def find_tail(self, active: ActiveRequest, blocks: list[KVBlock]) -> list[KVBlock]:

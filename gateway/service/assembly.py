@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import secrets
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 from gateway.config.secrets import (
@@ -45,11 +45,13 @@ from gateway.service.server import GatewayServer, ServeError, check_plaintext_li
 from gateway.service.startup import stage
 
 if TYPE_CHECKING:
+    from gateway.cache.invalidation import EvictionFeed
     from gateway.cache.prefix_cache import PrefixCache
     from gateway.engine.engine import Engine
     from gateway.service.admission import Admission
     from gateway.service.http.server import HttpFront
     from gateway.service.metrics import GatewayMetrics
+    from policies.base import BlockKey
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,12 @@ _WATCH_INTERVAL_S = 0.25
 """How often ``serve`` looks whether it must stop (a signal, or a dead engine worker)."""
 _CATCH_UP_S = 10.0
 """The longest a starting replica waits to apply the evictions it missed before it serves."""
+EVICTIONS_HEALTH = "kvgate.evictions"
+"""The gRPC health service that says whether this replica hears other replicas' evictions
+(NOT_SERVING while it is behind; the gateway's own health stays SERVING: it serves correctly
+from what it holds, an operator is told that evictions may not reach it)."""
+FEED_QUIET_S = 30.0
+"""A feed that has not read the stream for this long is behind (its reads block ~1 s)."""
 
 
 def build_authenticator(
@@ -92,6 +100,20 @@ def build_authenticator(
             "`kvgate generate` on this machine uses it)"
         )
     return Authenticator([dev_key_entry(key)])
+
+
+def _watch_feed(feed: EvictionFeed, server: GatewayServer, was_behind: str | None) -> str | None:
+    """Set the ``EVICTIONS_HEALTH`` service from the feed's state; log each change."""
+    behind = feed.behind_reason(FEED_QUIET_S)
+    if (behind is None) != (was_behind is None):
+        server.set_health(EVICTIONS_HEALTH, serving=behind is None)
+        if behind is None:
+            logger.info("the eviction stream is read again: other replicas' evictions reach "
+                        "this one")
+        else:
+            logger.warning("%s: other replicas' evictions may not reach this one (gRPC health "
+                           "%s: NOT_SERVING)", behind, EVICTIONS_HEALTH)
+    return behind
 
 
 def start_metrics(config: ServeConfig, cache: PrefixCache, *, device: str,
@@ -216,6 +238,13 @@ def serve(
         if config.metrics.enabled:
             metrics = start_metrics(config, opened.cache, device=str(device),
                                     dtype=str(dtype).removeprefix("torch."))
+
+        def evict_everywhere(keys: Sequence[BlockKey]) -> None:
+            # A block shadow verification found divergent leaves every tier and every replica
+            # (``admin`` exists before the engine serves anything that could be verified).
+            for key in keys:
+                admin.evict(key_hex=key.hex())
+
         engine = Engine(
             loaded=loaded,
             cache=opened.cache,
@@ -235,11 +264,13 @@ def serve(
                 max_kv_share_per_tenant=config.engine.max_kv_share_per_tenant,
                 linear_kernel=cast(LinearKernel, config.engine.linear_kernel),
                 tail_cache_bytes=config.engine.tail_cache_bytes,
+                shadow_fraction=config.engine.shadow_fraction,
             ),
             deployment_secret=secret,
             metrics=metrics,
             verdicts=VerdictStore(config.data_dir / "routes", secret),
             cancelled=stop_requested.is_set,
+            shadow_evict=evict_everywhere,
         )
         with stage("choosing the engine route (remembered, or searched and probed)"):
             engine.start()
@@ -253,6 +284,8 @@ def serve(
         admin = CacheAdmin(opened.cache, keys=engine, feed=feed)
         if feed is not None:
             feed.start()
+            if metrics is not None:
+                metrics.watch_feed(feed)
             with stage("reading the evictions of other replicas"):
                 feed.settled.wait(_CATCH_UP_S)
             if not feed.caught_up.is_set():
@@ -262,6 +295,10 @@ def serve(
             if serving is not None:
                 serving.set()
             server.attach(engine, admin)
+            feed_behind: str | None = None
+            if feed is not None:
+                feed_behind = feed.behind_reason(FEED_QUIET_S)
+                server.set_health(EVICTIONS_HEALTH, serving=feed_behind is None)
             logger.info(
                 "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s in %s, tiers %s, %d API "
                 "key(s), engine route %s: %s)",
@@ -275,6 +312,8 @@ def serve(
                      + (f"; OpenAI-compatible HTTP on {http.url}" if http is not None else
                         " (the HTTP front is off: [http] enabled = false)"))
             while not stop_requested.wait(_WATCH_INTERVAL_S):
+                if feed is not None:
+                    feed_behind = _watch_feed(feed, server, feed_behind)
                 if server.engine_died.is_set():
                     raise ServeError("the engine's worker thread died (see the error logged "
                                      "above); exiting so that a supervisor restarts the gateway")

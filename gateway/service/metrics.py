@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -82,6 +83,16 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self._queue_depth = Gauge(
             f"{PREFIX}_queue_depth", "Requests waiting for the model.", registry=self.registry)
+        self._shadow_checks = Counter(
+            f"{PREFIX}_shadow_checks", "Cache hits recomputed cold while idle and compared bit "
+            "for bit (shadow verification, [engine] shadow_fraction).", registry=self.registry)
+        self._shadow_blocks = Counter(
+            f"{PREFIX}_shadow_checked_blocks", "Served blocks compared with their cold "
+            "recompute by shadow verification.", registry=self.registry)
+        self._shadow_divergences = Counter(
+            f"{PREFIX}_shadow_divergences", "Served blocks that differed from their cold "
+            "recompute (warm != cold), by the tier that served them; each was evicted.",
+            ("tier",), registry=self.registry)
         self.registry.register(_RatioCollector(self))
         if cache_stats is not None:
             self.registry.register(_CacheCollector(cache_stats))
@@ -114,6 +125,13 @@ class GatewayMetrics:
     def set_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
 
+    def record_shadow_check(self, *, num_blocks: int, divergent_tiers: Sequence[str]) -> None:
+        """One shadow verification of ``num_blocks`` served blocks (``gateway.engine.shadow``)."""
+        self._shadow_checks.inc()
+        self._shadow_blocks.inc(num_blocks)
+        for tier in divergent_tiers:
+            self._shadow_divergences.labels(tier).inc()
+
     def hit_ratio(self) -> float:
         """Cached / prompt tokens of every generation since start (0 before the first)."""
         with self._lock:
@@ -122,6 +140,11 @@ class GatewayMetrics:
             return self._num_cached_tokens / self._num_prompt_tokens
 
     # ---- the HTTP endpoint -----------------------------------------------------------
+
+    def watch_feed(self, feed: FeedState) -> None:
+        """Series of the eviction feed (the events other replicas publish), read at scrape
+        time: events by outcome, whether its reader runs, seconds since it last read."""
+        self.registry.register(_FeedCollector(feed))
 
     def start(self, host: str, port: int) -> int:
         """Serve ``/metrics`` over HTTP on ``host:port`` (0 picks a free port).
@@ -173,6 +196,46 @@ class _RatioCollector(Collector):
             f"{PREFIX}_cache_hit_ratio",
             "Cached / prompt tokens of all generations since start.",
             value=self._metrics.hit_ratio())
+
+
+class FeedState(Protocol):
+    """What the metrics read of ``gateway.cache.invalidation.EvictionFeed``."""
+
+    num_applied: int
+    num_malformed: int
+    num_failed: int
+    last_read_at: float | None
+
+    @property
+    def is_reading(self) -> bool: ...
+
+
+class _FeedCollector(Collector):
+    """The eviction feed's series (``GatewayMetrics.watch_feed``)."""
+
+    def __init__(self, feed: FeedState, clock: Callable[[], float] = time.monotonic) -> None:
+        self._feed = feed
+        self._clock = clock
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        feed = self._feed
+        events = CounterMetricFamily(
+            f"{PREFIX}_eviction_events", "Eviction events read from other replicas, by outcome "
+            "(applied; malformed: unreadable, skipped; failed: applying raised, skipped).",
+            labels=("outcome",))
+        for outcome, count in (("applied", feed.num_applied), ("malformed", feed.num_malformed),
+                               ("failed", feed.num_failed)):
+            events.add_metric((outcome,), count)
+        yield events
+        yield GaugeMetricFamily(f"{PREFIX}_eviction_reader_up", "1 while the eviction reader "
+                                "runs.", value=1.0 if feed.is_reading else 0.0)
+        since = (self._clock() - feed.last_read_at if feed.last_read_at is not None
+                 else float("nan"))
+        yield GaugeMetricFamily(f"{PREFIX}_eviction_stream_read_age_seconds", "Seconds since "
+                                "the reader last read the stream (NaN: never).", value=since)
 
 
 class _CacheCollector(Collector):

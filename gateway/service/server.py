@@ -206,6 +206,11 @@ class GatewayServer:
                                                self._on_engine_death)
         self._engine_watchdog.start()
 
+    def set_health(self, service: str, serving: bool) -> None:
+        """Health of one more named service (e.g. ``EVICTIONS_HEALTH``), beside the gateway's."""
+        self._health.set(service, health_pb2.HealthCheckResponse.SERVING if serving
+                         else health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def _on_engine_death(self) -> None:
         for service in HEALTH_SERVICES:
             self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)

@@ -293,3 +293,20 @@ def test_readme_cites_the_measured_ttft_numbers() -> None:
         assert re.search(rf"warm: redis\s+{re.escape(redis)}", top)
     for word in ("ACL", "rediss://", "requirepass", "deployment secret", "NetworkPolicy"):
         assert word in readme or word in (DEPLOY / "compose.yaml").read_text(encoding="utf-8")
+
+
+# ---- Prometheus alert rules -----------------------------------------------------------------
+
+
+def test_the_shadow_divergence_alert_fires_on_the_metric_the_gateway_exports() -> None:
+    from gateway.service.metrics import GatewayMetrics
+
+    [doc] = _docs(DEPLOY / "prometheus" / "kvgate-alerts.yaml")
+    rules = {r["alert"]: r for group in doc["groups"] for r in group["rules"]}
+    rule = rules["KvgateShadowDivergence"]
+    assert "kvgate_shadow_divergences_total" in rule["expr"]
+    assert rule["labels"]["severity"] == "critical"
+    metrics = GatewayMetrics()
+    metrics.record_shadow_check(num_blocks=3, divergent_tiers=["device"])
+    assert metrics.registry.get_sample_value(
+        "kvgate_shadow_divergences_total", {"tier": "device"}) == 1.0

@@ -175,3 +175,25 @@ def test_a_replica_away_longer_than_the_stream_remembers_empties_its_tiers(
     assert again.feed.caught_up.wait(5.0)
     assert again.applied[0].everything and again.applied[0].origin == "gap"
     assert [e.tenant for e in again.applied[1:]] == ["missed-2"]
+
+
+def test_a_reading_feed_is_not_behind_and_a_stopped_one_says_why(replicas) -> None:
+    replica = replicas("b")
+    wait_for(lambda: replica.feed.last_read_at is not None)
+    assert replica.feed.behind_reason(max_quiet_s=5.0) is None
+    replica.feed.stop()
+    assert replica.feed.behind_reason(max_quiet_s=5.0) == "the eviction reader is not running"
+
+
+def test_a_feed_that_cannot_reach_the_stream_is_behind_after_the_quiet_bound(
+        redis_server: RedisServer) -> None:
+    replica = Replica(redis_server.url, "b", None)
+    try:
+        replica.start()
+        wait_for(lambda: replica.feed.last_read_at is not None)
+        redis_server.stop()
+        time.sleep(0.6)
+        reason = replica.feed.behind_reason(max_quiet_s=0.5)
+        assert reason is not None and "has not been read for" in reason
+    finally:
+        replica.feed.stop()

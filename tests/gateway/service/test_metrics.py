@@ -8,6 +8,7 @@ to see the endpoint come up from the configuration and go away on SIGTERM.
 from __future__ import annotations
 
 import re
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -219,3 +220,40 @@ def test_kvgate_serve_serves_metrics_from_its_config_and_stops_on_sigterm(
             scrape(port)
     finally:
         process.kill()
+
+
+def test_the_eviction_feed_series_say_what_its_reader_did(redis_server) -> None:
+    from gateway.cache.invalidation import EvictionEvent, EvictionFeed
+    from tiers.redis_events import RedisEventLog
+
+    applied: list[EvictionEvent] = []
+    feed = EvictionFeed(RedisEventLog(redis_server.url, name="kvgate:evictions", block_s=0.2),
+                        applied.append, origin="b")
+    metrics = GatewayMetrics()
+    metrics.watch_feed(feed)
+
+    def series() -> dict[str, float]:
+        text = generate_latest(metrics.registry).decode()
+        return {f"{s.name}{s.labels.get('outcome', '')}": s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = series()
+    assert before["kvgate_eviction_reader_up"] == 0.0
+    assert before["kvgate_eviction_stream_read_age_seconds"] != \
+        before["kvgate_eviction_stream_read_age_seconds"]  # NaN: never read
+    feed.start()
+    try:
+        assert feed.settled.wait(5)
+        redis_server.client().xadd("kvgate:evictions", {"kind": "evict", "key_hex": "zz"})
+        EvictionFeed(RedisEventLog(redis_server.url, name="kvgate:evictions"), print,
+                     origin="a").publish(EvictionEvent(tenant="alice"))
+        deadline = time.monotonic() + 5
+        while not applied and time.monotonic() < deadline:
+            time.sleep(0.02)
+        after = series()
+        assert after["kvgate_eviction_reader_up"] == 1.0
+        assert after["kvgate_eviction_events_totalapplied"] == 1.0
+        assert after["kvgate_eviction_events_totalmalformed"] == 1.0
+        assert 0 <= after["kvgate_eviction_stream_read_age_seconds"] < 5
+    finally:
+        feed.stop()

@@ -345,3 +345,13 @@ def test_killing_redis_leaves_both_replicas_serving_and_they_use_it_again_after_
         time.sleep(0.5)
     cold_last, _ = b.generate(last, no_cache=True)
     assert last_text == cold_last
+
+
+def test_each_replica_says_through_grpc_health_that_it_hears_the_others_evictions(
+    shared_pair: tuple[Replica, Replica],
+) -> None:
+    for replica in shared_pair:
+        with grpc.insecure_channel(f"127.0.0.1:{replica.port}") as channel:
+            status = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="kvgate.evictions"), timeout=5).status
+        assert status == health_pb2.HealthCheckResponse.SERVING, replica.stderr[-2000:]
