@@ -426,6 +426,7 @@ def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextI
     write_codec_table(codec_rows(blocks, metas, codec, repeats), out)
     out.flush()
     rows = _memory_rows(device_blocks, metas, loaded.layout, block_tokens, repeats, numerics)
+    cache_dir.mkdir(parents=True, exist_ok=True)  # a checkpoint directory's load writes nothing
     with tempfile.TemporaryDirectory(prefix="kvgate-bench-disk-", dir=cache_dir) as tmp:
         rows += _disk_rows(blocks, metas, codec, Path(tmp), repeats)
     binary = redis_binary or shutil.which("redis-server")
