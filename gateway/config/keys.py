@@ -10,8 +10,9 @@ keys (``key_digest(key).hex()``), so the file itself need not be secret. The ser
 from __future__ import annotations
 
 import hashlib
+import math
 import unicodedata
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from gateway.core.errors import PermissionDenied
@@ -27,6 +28,24 @@ MIN_DISTINCT_KEY_CHARS = 10
 PLACEHOLDER_WORDS = ("replace", "changeme", "change-me", "change_me", "placeholder",
                      "example", "your-key", "your_key", "xxxxxxxx", "<", ">")
 """Words of placeholders left from examples (the deploy files use ``REPLACE-...``)."""
+MIN_KEY_BITS = 80
+"""Refused below this estimate (``key_guess_bits``); a random 16-character URL-safe key has ~95."""
+
+GUESSABLE_WORDS = (
+    "password", "passwd", "passw0rd", "secret", "admin", "administrator", "root", "guest",
+    "user", "login", "access", "letmein", "welcome", "master", "default", "token", "apikey",
+    "api", "key", "keys", "kvgate", "kvg", "gateway", "tenant", "replica", "client", "server",
+    "service", "test", "testing", "demo", "dev", "prod", "production", "staging", "local",
+    "localhost", "bench", "hello", "world", "qwerty", "qwertz", "azerty", "asdf", "zxcv",
+    "monkey", "dragon", "shadow", "sunshine", "iloveyou", "football", "baseball", "princess",
+    "alpha", "beta", "gamma", "delta", "company", "acme", "team", "openai", "llm",
+)
+"""Words a person makes a key of; a key that is mostly these (and digits) is refused."""
+_WORDS_LONGEST_FIRST = tuple(sorted(set(GUESSABLE_WORDS), key=len, reverse=True))
+_CHAR_CLASSES: tuple[tuple[Callable[[str], bool], int], ...] = (
+    (str.islower, 26), (str.isupper, 26), (str.isdigit, 10),
+    (lambda c: not c.isalnum(), 32),
+)
 MAX_TENANT_CHARS = 128
 RESERVED_TENANTS = frozenset({"shared"})
 """Tenant ids that would be confused with the shared scope (its owner is called "shared")."""
@@ -110,9 +129,11 @@ def key_problem(key: str) -> str | None:
 
     Besides length and characters, a key that is a placeholder left from an example
     (``REPLACE-...``, ``changeme``) or has little entropy (few distinct characters, one
-    character making up much of it) is refused: such a key would be guessed.
+    character making up much of it, or under ``MIN_KEY_BITS`` by ``key_guess_bits``: words,
+    runs such as ``1234``) is refused: such a key would be guessed.
     """
-    make_one = "(e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+    make_one = ("(generate one with: python3 -c 'import secrets; "
+                "print(\"kvg-\" + secrets.token_urlsafe(24))')")
     if len(key) < MIN_KEY_CHARS:
         return (f"is {len(key)} characters long; use at least {MIN_KEY_CHARS} random characters "
                 + make_one)
@@ -129,7 +150,58 @@ def key_problem(key: str) -> str | None:
     if len(set(key)) < MIN_DISTINCT_KEY_CHARS or most_common * 4 > len(key):
         return (f"has too little entropy ({len(set(key))} distinct characters, one of them "
                 f"{most_common} times); use a random key " + make_one)
+    bits = key_guess_bits(key)
+    if bits < MIN_KEY_BITS:
+        return (f"has too little entropy (about {bits:.0f} bits where {MIN_KEY_BITS} are "
+                "needed: it is made of words, runs such as 1234 or abcd, or too few random "
+                "characters); use a random key " + make_one)
     return None
+
+
+def key_guess_bits(key: str) -> float:
+    """A rough estimate of the bits an attacker must guess to find ``key``.
+
+    In the manner of zxcvbn, but small: the key is read left to right as the cheapest of a
+    known word (``GUESSABLE_WORDS``, any case, costing the bits to pick it from that list and
+    one for capitals), a run of three or more characters each one above, below or equal to the
+    one before (``1234``, ``cba``, ``aaa``: the bits of its first character, its length and
+    direction), or one character (the bits of the character classes the key uses: lower case,
+    upper case, digits, symbols). A random URL-safe key of 16 characters scores about 95 bits;
+    ``Password1234567!`` about 24.
+    """
+    pool = sum(size for is_in, size in _CHAR_CLASSES if any(is_in(c) for c in key))
+    char_bits = math.log2(max(pool, 2))
+    word_bits = math.log2(len(GUESSABLE_WORDS))
+    lowered = key.lower()
+    bits = 0.0
+    i = 0
+    while i < len(key):
+        word = next((w for w in _WORDS_LONGEST_FIRST if lowered.startswith(w, i)), None)
+        run = _run_length(key, i)
+        if word is not None and len(word) >= run:
+            is_capitalised = key[i : i + len(word)] != word
+            bits += word_bits + (1.0 if is_capitalised else 0.0)
+            i += len(word)
+        elif run >= 3:
+            bits += char_bits + math.log2(run) + 1.0
+            i += run
+        else:
+            bits += char_bits
+            i += 1
+    return bits
+
+
+def _run_length(key: str, start: int) -> int:
+    """Length of the run at ``start`` whose characters step by the same -1, 0 or +1."""
+    if start + 1 >= len(key):
+        return 1
+    step = ord(key[start + 1]) - ord(key[start])
+    if abs(step) > 1:
+        return 1
+    end = start + 1
+    while end + 1 < len(key) and ord(key[end + 1]) - ord(key[end]) == step:
+        end += 1
+    return end - start + 1
 
 
 def tenant_id_problem(tenant: str) -> str | None:

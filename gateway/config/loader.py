@@ -294,9 +294,14 @@ def read_config_file(path: Path) -> dict[str, Any]:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read the configuration {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"the configuration {path} is not UTF-8 text (byte {exc.start}): "
+                          "save it as UTF-8") from exc
     if path.suffix == ".json":
         try:
             data = json.loads(text)
+        except RecursionError as exc:
+            raise ConfigError(_too_deep(path)) from exc
         except ValueError as exc:
             raise ConfigError(f"{path} is not valid JSON: {exc}") from exc
     elif path.suffix == ".toml":
@@ -316,8 +321,17 @@ def _parse_toml(text: str, path: Path) -> Any:
                           "as JSON instead") from exc
     try:
         return tomllib.loads(text)
+    except RecursionError as exc:
+        raise ConfigError(_too_deep(path)) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path} is not valid TOML: {exc}") from exc
+
+
+def _too_deep(path: Path) -> str:
+    # NOTE: the parsers recurse once per level of nesting; no setting of kvgate nests more
+    # than a few levels, so a file that exhausts the stack is malformed, not large.
+    return (f"{path} nests arrays or tables too deeply to parse; no kvgate setting nests more "
+            "than a few levels: check the file for a run of '[' or '{'")
 
 
 def _table(raw: Mapping[str, Any], name: str, errors: list[str]) -> Mapping[str, Any]:

@@ -35,8 +35,19 @@ ENV_SECRET = "KVGATE_DEPLOYMENT_SECRET"
 
 
 def ensure_private_dir(path: Path) -> None:
-    """Create ``path`` (0700) if it is missing."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    """Create ``path`` (0700) if it is missing.
+
+    Raises:
+        ConfigError: ``path`` (or a directory above it) is a file, or cannot be created.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except FileExistsError as exc:
+        raise ConfigError(f"the data directory {path} exists but is not a directory: move the "
+                          "file away or choose another ([server] data_dir, --data-dir)") from exc
+    except OSError as exc:
+        raise ConfigError(f"cannot create the data directory {path}: {exc.strerror}; choose "
+                          "one this user can write ([server] data_dir, --data-dir)") from exc
 
 
 def deployment_secret(config: ServeConfig, env: Mapping[str, str]) -> bytes:

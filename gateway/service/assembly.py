@@ -72,21 +72,28 @@ def build_authenticator(
 ) -> Authenticator:
     """The configured keys; with none, the development key of tenant ``default``.
 
-    Development mode (no key configured) is for one machine: it is refused on a listener that is
-    not loopback. The development key itself is announced only to a terminal; anywhere else
-    (a log collector, a file) only the path of the file that holds it.
+    Development mode (no key configured) is for one machine: it is refused when a listener that
+    takes the key (gRPC, or the HTTP front when enabled) is not loopback. The development key
+    itself is announced only to a terminal; anywhere else (a log collector, a file) only the
+    path of the file that holds it.
 
     Raises:
-        ServeError: no key is configured and the listener is not loopback.
+        ServeError: no key is configured and a listener is not loopback.
         ConfigError: the development key file is unusable or open to other users.
     """
     if config.keys:
         return Authenticator(config.keys)
-    if not is_loopback(config.host):
+    remote = [(name, host) for name, host, is_on in (
+        ("gRPC", config.host, True),
+        ("the HTTP front ([http] host)", config.http.host, config.http.enabled),
+    ) if is_on and not is_loopback(host)]
+    if remote:
+        name, host = remote[0]
         raise ServeError(
             f"no API keys are configured, and development mode (one generated key) listens "
-            f"on loopback only, not on {config.host}: configure keys ([[api_keys]] in the "
-            "config, or KVGATE_API_KEYS) or listen on 127.0.0.1")
+            f"on loopback only, not on {host} ({name}): configure keys ([[api_keys]] in the "
+            "config, or KVGATE_API_KEYS) or listen on 127.0.0.1"
+            + ("" if name == "gRPC" else ", or set [http] enabled = false"))
     key = dev_api_key(config)
     if announces_to_terminal:
         announce(

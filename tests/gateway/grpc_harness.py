@@ -35,9 +35,9 @@ from tests.tiny_llama import save_tiny_llama
 
 BLOCK = 16
 SECRET = b"grpc-test-secret-000000000000001"
-KEY_A = "tenant-a-key-0123456789abcdef"
-KEY_B = "tenant-b-key-0123456789abcdef"
-ADMIN_KEY = "admin-key-0123456789abcdefgh"
+KEY_A = "tenant-a-key-Rw4Tx9Lq2Zm7Kc5V"
+KEY_B = "tenant-b-key-Hn3Pj8Wd6Ys1Fg4B"
+ADMIN_KEY = "admin-key-Qe7Mz2Vk9Tr4Xa6Nu3"
 KEYS = (
     KeyEntry.of_key(KEY_A, "tenant-a"),
     KeyEntry.of_key(KEY_B, "tenant-b"),

@@ -278,7 +278,7 @@ def test_serve_starts_the_openai_front_beside_grpc_and_prints_both_addresses(
 
 
 def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Path) -> None:
-    env = {**_clean_env(), "KVGATE_API_KEYS": "tenant-a-key-0123456789abcdef=tenant-a"}
+    env = {**_clean_env(), "KVGATE_API_KEYS": "tenant-a-key-Rw4Tx9Lq2Zm7Kc5V=tenant-a"}
     result = subprocess.run(
         [KVGATE, "serve", "--host", "0.0.0.0", "--port", "0", "--data-dir",
          str(tmp_path / "data"), "--model", str(model_dir)],

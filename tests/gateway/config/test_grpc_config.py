@@ -14,15 +14,15 @@ from gateway.cache.factory import GiB
 from gateway.config.keys import KeyEntry, Principal, key_digest
 from gateway.config.loader import DEFAULT_DISK_BYTES, load_serve_config, parse_size
 from gateway.config.secrets import dev_api_key
-from gateway.config.settings import ConfigError, GrpcSettings, ServeConfig
+from gateway.config.settings import ConfigError, GrpcSettings, HttpSettings, ServeConfig
 from gateway.service.assembly import build_authenticator
 from gateway.service.auth import Authenticator
 from gateway.service.server import ServeError
 
 ROOT = Path(__file__).resolve().parents[3]
 
-KEY_A = "tenant-a-key-0123456789abcdef"
-ADMIN = "admin-key-0123456789abcdefgh"
+KEY_A = "tenant-a-key-Rw4Tx9Lq2Zm7Kc5V"
+ADMIN = "admin-key-Qe7Mz2Vk9Tr4Xa6Nu3"
 
 
 def write(path: Path, text: str) -> Path:
@@ -79,7 +79,7 @@ key_blake2b = "{key_digest('tenant-c-key-0123456789abc').hex()}"
 name = "ops"
 key = "{ADMIN}"
 """)
-    env = {"KVGATE_API_KEYS": "tenant-b-key-0123456789abcdef=tenant-b", "HOME": "/x"}
+    env = {"KVGATE_API_KEYS": "tenant-b-key-Hn3Pj8Wd6Ys1Fg4B=tenant-b", "HOME": "/x"}
     config = load_serve_config(path, env=env,
                                overrides={"port": 7000, "model": "/models/m", "host": None})
     assert (config.host, config.port, config.model) == ("127.0.0.1", 7000, "/models/m")
@@ -93,7 +93,7 @@ key = "{ADMIN}"
     assert dict(config.cache.quotas) == {"tenant-a": GiB}
     auth = Authenticator(config.keys)
     assert auth.find(KEY_A) == Principal(tenant="tenant-a")
-    assert auth.find("tenant-b-key-0123456789abcdef") == Principal(tenant="tenant-b")
+    assert auth.find("tenant-b-key-Hn3Pj8Wd6Ys1Fg4B") == Principal(tenant="tenant-b")
     assert auth.find("tenant-c-key-0123456789abc") == Principal(tenant="tenant-c")
     assert auth.find(ADMIN) == Principal(tenant="ops", is_admin=True)
     assert KEY_A not in repr(config)
@@ -244,6 +244,18 @@ def test_keyless_development_mode_is_refused_off_loopback(tmp_path: Path, host: 
     assert not config.dev_key_path.exists()
 
 
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "::"])
+def test_keyless_development_mode_is_refused_when_the_http_front_is_off_loopback(
+        tmp_path: Path, host: str) -> None:
+    config = ServeConfig(data_dir=tmp_path / "data", allow_insecure_remote=True,
+                         http=HttpSettings(host=host))
+    with pytest.raises(ServeError, match=r"loopback only, not on .*\(the HTTP front"):
+        build_authenticator(config, print, announces_to_terminal=True)
+    assert not config.dev_key_path.exists()
+    off = ServeConfig(data_dir=tmp_path / "data", http=HttpSettings(host=host, enabled=False))
+    assert build_authenticator(off, lambda line: None).find(dev_api_key(off)) is not None
+
+
 @pytest.mark.parametrize("key", [
     "REPLACE-tenant-a-key", "replace-me-with-a-random-key", "changeme-0123456789",
     "your-key-goes-here-123", "kvg-dev-xxxxxxxxxxxxxxxxxxxx", "aaaaaaaaaaaaaaaaaaaaaaaa",
@@ -354,7 +366,7 @@ def test_a_tenant_quota_for_an_unknown_tier_is_refused(tmp_path: Path) -> None:
 
 def test_keys_and_the_redis_url_can_come_from_secret_files(tmp_path: Path) -> None:
     keys = tmp_path / "api-keys"
-    keys.write_text(f"{KEY_A}=tenant-a\ntenant-b-key-0123456789abcdef=tenant-b\n")
+    keys.write_text(f"{KEY_A}=tenant-a\ntenant-b-key-Hn3Pj8Wd6Ys1Fg4B=tenant-b\n")
     admins = tmp_path / "admin-keys"
     admins.write_text(f"{ADMIN}=ops\n")
     url = tmp_path / "redis-url"
@@ -366,7 +378,7 @@ def test_keys_and_the_redis_url_can_come_from_secret_files(tmp_path: Path) -> No
                                           "KVGATE_REDIS_URL_FILE": str(url)})
     auth = Authenticator(config.keys)
     assert auth.find(KEY_A) == Principal(tenant="tenant-a")
-    assert auth.find("tenant-b-key-0123456789abcdef") == Principal(tenant="tenant-b")
+    assert auth.find("tenant-b-key-Hn3Pj8Wd6Ys1Fg4B") == Principal(tenant="tenant-b")
     assert auth.find(ADMIN) == Principal(tenant="ops", is_admin=True)
     assert config.cache.redis_url == "rediss://kvgate:pw@redis.internal:6380/0"
 

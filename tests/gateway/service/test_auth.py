@@ -18,9 +18,9 @@ from gateway.core.addresses import is_loopback
 from gateway.core.errors import PermissionDenied, Unauthenticated
 from gateway.service.auth import Authenticator
 
-KEY_A = "key-of-tenant-a-0123456789"
-KEY_B = "key-of-tenant-b-0123456789"
-ADMIN = "key-of-the-admin-0123456789"
+KEY_A = "key-of-tenant-a-Gp5Wc8Lv2Hs7Dk"
+KEY_B = "key-of-tenant-b-Jt6Nd3Rx9Ky4Mw"
+ADMIN = "key-of-the-admin-Bf2Ym8Qw5Zn1Cx"
 
 
 @pytest.fixture
