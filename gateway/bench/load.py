@@ -11,6 +11,8 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 * ``kvgate``: the default engine route (``auto``: batched when the start-up probe passes);
 * ``kvgate serial``: ``[engine] route = "serial"``, one request at a time;
 * ``kvgate no_cache``: the default route, every request ``no_cache`` (nothing read or stored);
+* ``kvgate no_shadow``: as ``kvgate`` with shadow verification off (``shadow_fraction = 0``):
+  beside ``kvgate`` (0.01, the default) it measures what the verification costs;
 * ``transformers serve CB``: ``transformers serve --continuous-batching`` on the same weights
   (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a).
 
@@ -58,6 +60,7 @@ from gateway.engine.model import converted_checkpoint, resolve_source
 KVGATE = "kvgate"
 KVGATE_SERIAL = "kvgate serial"
 KVGATE_NO_CACHE = "kvgate no_cache"
+KVGATE_NO_SHADOW = "kvgate no_shadow"
 PEER = "transformers serve CB"
 
 
@@ -71,10 +74,13 @@ class Configuration:
     is_peer: bool = False
     route: str | None = None
     no_cache: bool = False
+    shadow_fraction: float | None = None
+    """``[engine] shadow_fraction`` (None: the server's default, 0.01)."""
 
 
 CONFIGURATIONS = (
     Configuration(name="kvgate", label=KVGATE),
+    Configuration(name="no_shadow", label=KVGATE_NO_SHADOW, shadow_fraction=0.0),
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),
@@ -297,7 +303,8 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
     """Measure one kvgate row; returns the engine route its server named, with why."""
     n = result.num_users
     engine = EngineOptions(route=config.route, max_running=max(16, n),
-                           max_running_per_tenant=max(8, n), max_queued_per_tenant=max(32, n))
+                           max_running_per_tenant=max(8, n), max_queued_per_tenant=max(32, n),
+                           shadow_fraction=config.shadow_fraction)
     with spawn_gateway(model=options.model, models_dir=models_dir,
                        block_tokens=options.block_tokens, device_bytes=2 << 30, redis_url=None,
                        redis_binary=None, err=err, engine=engine, label="load",

@@ -56,13 +56,15 @@ class EngineOptions:
     max_running: int | None = None
     max_running_per_tenant: int | None = None
     max_queued_per_tenant: int | None = None
+    shadow_fraction: float | None = None
 
     def toml_lines(self) -> list[str]:
         values = {"route": self.route, "max_running": self.max_running,
                   "max_running_per_tenant": self.max_running_per_tenant,
-                  "max_queued_per_tenant": self.max_queued_per_tenant}
-        lines = [f"{name} = {value!r}" if isinstance(value, int) else f'{name} = "{value}"'
-                 for name, value in values.items() if value is not None]
+                  "max_queued_per_tenant": self.max_queued_per_tenant,
+                  "shadow_fraction": self.shadow_fraction}
+        lines = [f"{name} = {value!r}" if isinstance(value, int | float) else
+                 f'{name} = "{value}"' for name, value in values.items() if value is not None]
         return ["", "[engine]", *lines] if lines else []
 
 
