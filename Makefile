@@ -39,7 +39,7 @@ GPU_TORCH_SPEC ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: venv lint test test-gpu redis-server serve bench-index bench-ttft bench-load bench-peers \
+.PHONY: venv lint test test-gpu redis-server promtool serve bench-index bench-ttft bench-load bench-peers \
 	clean
 
 venv: $(STAMP)
@@ -70,10 +70,25 @@ redis-server:
 	  echo "$$bin is still missing: install Debian's redis-server and redis-tools" >&2; exit 1; }; \
 	done
 
+# tests/deploy/test_observability.py checks deploy/observability/ with promtool; install Debian's
+# prometheus (which ships it) if it is missing. --no-install-recommends: without it apt also pulls
+# node-exporter, smartmontools and their collectors. NOTE: on a host run by systemd the package
+# enables and starts a prometheus service on :9090 (`systemctl disable --now prometheus` if
+# unwanted); in a container without init, policy-rc.d keeps it from starting.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "installing prometheus (Debian package, for promtool)"; \
+	  SUDO=$$(command -v sudo >/dev/null 2>&1 && [ "$$(id -u)" != 0 ] && echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends prometheus >/dev/null; }
+	@command -v promtool >/dev/null 2>&1 || { \
+	  echo "promtool is still missing: install Debian's prometheus" >&2; exit 1; }
+
 # KVGATE_REQUIRE_REDIS=1: a missing redis-server or redis-cli fails the run instead of
-# skipping the Redis tests (outside `make test`, they skip).
-test: lint redis-server
-	KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+# skipping the Redis tests (outside `make test`, they skip); KVGATE_REQUIRE_PROMTOOL=1 the same
+# for promtool and the checks of deploy/observability/.
+test: lint redis-server promtool
+	KVGATE_REQUIRE_PROMTOOL=1 KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The tests marked `gpu` on CUDA: the whole parity suite with the model and the device tier on
 # the GPU, the pinned host tier's fenced copies, device placement. KVGATE_REQUIRE_GPU=1 makes a

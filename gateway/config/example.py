@@ -101,11 +101,17 @@ max_waiting_connections = 256   # connections without a whole request yet (new o
 header_timeout_s = 5.0          # a connection must send a request head this soon, or is closed
 body_timeout_s = 5.0            # ... and then its whole body (408); no call slot until it has
 retry_after_s = 1               # Retry-After of a 429 or 503 answer
+metrics = true                  # GET /metrics here: no authentication, no per-tenant series
 
-[metrics]                       # Prometheus endpoint: http://HOST:PORT/metrics
+[metrics]                       # every series, per tenant too: http://HOST:PORT/metrics
 enabled = false                 # no authentication, per-tenant series: operators only
 host = "127.0.0.1"
 port = 9464
+
+[logging]                       # docs/operations.md, "Logs"
+access_log = true               # one line per request (logger kvgate.access); never prompts
+stats_interval_s = 10.0         # throughput, hit ratio, queue, KV (kvgate.stats); 0: off
+json = false                    # both as one JSON object per line
 
 # API keys: a tenant's key sees only that tenant's cache. Give `key` (the key itself) or
 # `key_blake2b` (hex of gateway.config.keys.key_digest(key)) so that the file holds no secret.

@@ -36,6 +36,9 @@ once, before anything starts, with the file's own names::
     [http]                        # HttpSettings: the OpenAI-compatible front, on by default
     port = 8000
 
+    [logging]                     # LoggingSettings: access log, periodic stats line
+    stats_interval_s = 10.0
+
     [[api_keys]]                  # key = "..." or key_blake2b = "<hex of auth.key_digest(key)>"
     tenant = "tenant-a"
     key_blake2b = "3f1c..."
@@ -88,6 +91,7 @@ from gateway.config.settings import (
     GrpcSettings,
     HttpSettings,
     KiB,
+    LoggingSettings,
     MetricsSettings,
     MiB,
     ServeConfig,
@@ -116,7 +120,7 @@ _SERVER_KEYS = frozenset(
      "secret_file", "admin_host", "admin_port", "device", "dtype"}
 )
 _SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
-                       "api_keys", "admin_keys"})
+                       "logging", "api_keys", "admin_keys"})
 _HTTP_OVERRIDES = {"http_host": "host", "http_port": "port", "http_enabled": "enabled"}
 """Command-line overrides of ``[http]``: the override's name -> the key it sets."""
 _REPLACED = {
@@ -176,6 +180,8 @@ def load_serve_config(
                 del engine_table[sized]
     engine = _build(EngineSettings, "engine", engine_table, errors)
     metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
+    logging_settings = _build(LoggingSettings, "logging", _table(raw, "logging", errors), errors)
+    errors.extend(logging_settings.problems())
     if "max_body_bytes" in http_table:
         try:
             http_table["max_body_bytes"] = parse_size(http_table["max_body_bytes"])
@@ -263,6 +269,7 @@ def load_serve_config(
         keys=tuple(keys), grpc=grpc_settings, engine=engine, cache=cache, metrics=metrics,
         http=http,
         limits=limits,
+        logging=logging_settings,
         device=str(device),
         dtype=str(dtype),
     )

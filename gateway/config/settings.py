@@ -213,11 +213,42 @@ class EngineSettings:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class LoggingSettings:
+    """What the gateway logs besides its own events (docs/operations.md, "Logs").
+
+    Attributes:
+        access_log: one line per finished request on the ``kvgate.access`` logger (tenant, API,
+            tokens, TTFT, total, status; never prompt text or keys).
+        stats_interval_s: every this many seconds, one line of throughput, hit ratio, queue and
+            KV memory on the ``kvgate.stats`` logger, when anything happened; 0 turns it off.
+        json: write both as one JSON object per line instead of ``key=value`` pairs.
+    """
+
+    access_log: bool = True
+    stats_interval_s: float = 10.0
+    json: bool = False
+
+    def problems(self) -> list[str]:
+        errors = []
+        for name in ("access_log", "json"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"logging.{name} must be true or false, got "
+                              f"{getattr(self, name)!r}")
+        interval = self.stats_interval_s
+        if isinstance(interval, bool) or (interval != 0 and not is_positive(interval)):
+            errors.append(f"logging.stats_interval_s must be a number of seconds > 0, or 0 "
+                          f"(no stats line), got {interval!r}")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsSettings:
-    """The Prometheus endpoint (``gateway.service.metrics``), on a port of its own.
+    """The Prometheus endpoint with every series (``gateway.service.metrics``), on a port of
+    its own.
 
     Off by default: it has no authentication and shows per-tenant counters, so an operator
-    turns it on and decides who can reach it.
+    turns it on and decides who can reach it. The API port's ``GET /metrics`` (``[http]
+    metrics``, on by default) serves the same series without the per-tenant ones.
 
     Attributes:
         enabled: serve ``/metrics`` over HTTP.
@@ -270,6 +301,8 @@ class HttpSettings:
             (as ``[grpc] body_timeout_s``): 408 and the connection closed. A request holds
             no call slot until its body is in.
         retry_after_s: the ``Retry-After`` seconds of a 429 or 503 answer.
+        metrics: serve ``GET /metrics`` here, without authentication and without per-tenant
+            series (``[metrics]`` serves every series on a port of its own).
     """
 
     enabled: bool = True
@@ -281,6 +314,7 @@ class HttpSettings:
     header_timeout_s: float = 5.0
     body_timeout_s: float = 5.0
     retry_after_s: int = 1
+    metrics: bool = True
 
     @property
     def address(self) -> str:
@@ -289,8 +323,9 @@ class HttpSettings:
 
     def problems(self) -> list[str]:
         errors = []
-        if not isinstance(self.enabled, bool):
-            errors.append(f"http.enabled must be true or false, got {self.enabled!r}")
+        for name in ("enabled", "metrics"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"http.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.host, str) or not self.host:
             errors.append(f"http.host must be a host name or address, got {self.host!r}")
         if not is_int(self.port) or not 0 <= self.port <= 65535:
@@ -325,7 +360,7 @@ class ServeConfig:
             policy can keep it from the apps that reach the Gateway service); None: the Admin
             service is served on the main listener.
         keys: every configured API key (tenant and admin).
-        grpc, engine, cache, metrics, http, limits: the sections of the same names.
+        grpc, engine, cache, metrics, http, limits, logging: the sections of the same names.
         device: where the model and the device tier live: "auto", "cpu", "cuda", "cuda:N"
             (``gateway.config.device``).
         dtype: what the model computes and the cache stores K/V in: "auto" (bfloat16 on a GPU,
@@ -350,6 +385,7 @@ class ServeConfig:
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     http: HttpSettings = field(default_factory=HttpSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
+    logging: LoggingSettings = field(default_factory=LoggingSettings)
     # -- lifecycle and reach (issue 11) --
     device: str = "auto"
     # -- numerics for a GPU (issue 14) --

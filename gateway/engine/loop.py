@@ -229,6 +229,8 @@ class StepLoop:
             jobs = [self._waiting.pop(i) for i in admitted]
             self._note_queue_depth()
         for job in jobs:
+            if self._metrics is not None:
+                self._metrics.record_queue_wait(self._clock() - job.submitted)
             self._admit(job)
         with self._lock:
             plan = self._scheduler.plan()
@@ -371,6 +373,8 @@ class StepLoop:
                                       is_decode=chunk.is_decode))
         began = time.perf_counter()
         outputs = self._forward.forward(batch)
+        if self._metrics is not None:
+            self._metrics.record_step(num_requests=len(plan.chunks), num_tokens=plan.num_tokens)
         num_decode = sum(1 for c in plan.chunks if c.is_decode)
         counters = self._counters
         self._counters = LoopCounters(
@@ -413,8 +417,12 @@ class StepLoop:
         assert active.sampler is not None and active.detok is not None
         token = active.sampler.pick(logits)
         active.generated.append(token)
+        now = self._clock()
         if active.ttft_ms is None:
-            active.ttft_ms = (self._clock() - job.submitted) * 1e3
+            active.ttft_ms = (now - job.submitted) * 1e3
+        elif self._metrics is not None and active.last_token_at is not None:
+            self._metrics.record_inter_token(now - active.last_token_at)
+        active.last_token_at = now
         finish: FinishReason | None = None
         if token in self._loaded.eos_token_ids:
             finish = "eos"
@@ -460,7 +468,7 @@ class StepLoop:
                 tenant=request.scope.owner, prompt_tokens=usage.prompt_tokens,
                 cached_tokens_by_tier=usage.cached_tokens_by_tier,
                 finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
-                total_s=usage.total_ms / 1e3)
+                total_s=usage.total_ms / 1e3, completion_tokens=usage.completion_tokens)
         if (storing is not None and not settings.decode_kv_is_prefill_kv
                 and settings.recompute_generated_blocks):
             storing.store_answer(active)  # recomputed first: after the answer is out
@@ -491,6 +499,7 @@ class StepLoop:
         finally:
             with self._lock:
                 self._scheduler.finish(active.job.id)
+                self._note_queue_depth()
             if error is not None:
                 self._fail(active.job, error)
             else:
@@ -545,9 +554,10 @@ class StepLoop:
         self._prefill_s_per_token = sample if previous is None else previous + 0.2 * (
             sample - previous)
 
-    def _note_queue_depth(self) -> None:
+    def _note_queue_depth(self) -> None:  # and the KV bytes the running requests reserve
         if self._metrics is not None:
             self._metrics.set_queue_depth(self._scheduler.num_waiting)
+            self._metrics.set_kv_bytes_in_use(self._scheduler.kv_bytes_in_use)
 
 
 def _why_stopped(job: Job, now: float) -> GatewayError:

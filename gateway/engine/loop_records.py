@@ -84,3 +84,4 @@ class ActiveRequest:
     generated: list[int] = field(default_factory=list)
     next_token: int | None = None
     ttft_ms: float | None = None
+    last_token_at: float | None = None  # the loop's clock, for the inter-token gap

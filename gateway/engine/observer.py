@@ -11,11 +11,16 @@ from typing import Protocol
 
 
 class EngineMetrics(Protocol):
-    """Receives the outcome of every generation, the queue depth and shadow verifications."""
+    """Receives the outcome of every generation, each step, the queue depth and wait, the KV
+    bytes in use, inter-token gaps and shadow verifications.
+
+    NOTE: the step loop calls these on its one thread, once per step or token: each must be
+    cheap (a counter or histogram update), never I/O.
+    """
 
     def record_generation(self, *, tenant: str, prompt_tokens: int,
                           cached_tokens_by_tier: dict[str, int], finish_reason: str,
-                          ttft_s: float, total_s: float) -> None:
+                          ttft_s: float, total_s: float, completion_tokens: int = 0) -> None:
         """One generation that produced its answer (its ``Usage`` was sent)."""
 
     def record_failure(self, exc: BaseException) -> None:
@@ -23,6 +28,18 @@ class EngineMetrics(Protocol):
 
     def set_queue_depth(self, depth: int) -> None:
         """The number of requests waiting for the engine."""
+
+    def set_kv_bytes_in_use(self, num_bytes: int) -> None:
+        """The KV buffer bytes the running requests reserve now (set as that changes)."""
+
+    def record_step(self, *, num_requests: int, num_tokens: int) -> None:
+        """One step (one forward) of ``num_requests`` requests computing ``num_tokens``."""
+
+    def record_queue_wait(self, wait_s: float) -> None:
+        """A request admitted by the scheduler ``wait_s`` after it was submitted."""
+
+    def record_inter_token(self, gap_s: float) -> None:
+        """A generated token, ``gap_s`` after the previous token of the same request."""
 
     def record_shadow_check(self, *, num_blocks: int, divergent_tiers: Sequence[str]) -> None:
         """One shadow verification (``gateway.engine.shadow``) of ``num_blocks`` served blocks;

@@ -172,6 +172,11 @@ class Scheduler:
         return len(self._running)
 
     @property
+    def kv_bytes_in_use(self) -> int:
+        """KV buffer bytes the running requests reserve (at most ``kv_budget_bytes``)."""
+        return self._kv_bytes
+
+    @property
     def running_ids(self) -> list[int]:
         return list(self._running)
 

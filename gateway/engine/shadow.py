@@ -10,7 +10,7 @@ bit in memory, a store that returns another block's bytes, a forward that stoppe
 invariant): it is counted, logged with its key and the tier that served it, and evicted
 everywhere (the callback given at construction: the cache admin's eviction by key, which reaches
 Redis and the other replicas, and takes every block built on it), and the metric behind the
-alert rule in ``deploy/prometheus/kvgate-alerts.yaml`` goes up.
+alert rule in ``deploy/observability/alerts.yaml`` goes up.
 
 Why here, on the engine's worker thread: the forward is not thread-safe, and the worker is the
 only thread that runs it. Why only when idle: a verification never delays a request by more than

@@ -11,7 +11,8 @@ metrics: a prefix warmed over gRPC is a hit over HTTP.
 
 Start order: the servers listen first (gRPC health NOT_SERVING, HTTP ``/health`` 503, so an
 orchestrator sees the process come up), then the model loads, the cache opens (the Prometheus
-endpoint, ``[metrics]``, comes up with it) and the engine starts; then the engine is attached and
+endpoint, ``[metrics]``, comes up with it; the API port's ``GET /metrics`` serves from the
+start) and the engine starts; then the engine is attached and
 both say SERVING. Shutdown order (SIGTERM): health NOT_SERVING; both servers stop taking calls
 (new ones fail UNAVAILABLE / 503, so clients retry elsewhere) while calls in flight go on; the
 engine finishes or cancels them within the grace period; the metrics endpoint stops; the cache
@@ -123,19 +124,20 @@ def _watch_feed(feed: EvictionFeed, server: GatewayServer, was_behind: str | Non
     return behind
 
 
-def start_metrics(config: ServeConfig, cache: PrefixCache, *, device: str,
-                  dtype: str) -> GatewayMetrics:
-    """The metrics of ``cache`` and the requests, served on ``config.metrics``' address;
-    ``device`` and ``dtype`` (resolved, e.g. ``cuda:0``, ``bfloat16``) name what the engine
-    runs on.
+def start_metrics(config: ServeConfig, metrics: GatewayMetrics, cache: PrefixCache, *,
+                  device: str, dtype: str) -> None:
+    """Add the series of ``cache`` and of what the engine runs on (``device`` and ``dtype``,
+    resolved: ``cuda:0``, ``bfloat16``) to ``metrics``, and serve every series on
+    ``config.metrics``' address if ``[metrics]`` is enabled.
 
     Raises:
         ServeError: the address cannot be bound.
     """
-    from gateway.service.metrics import GatewayMetrics
-
+    metrics.watch_cache(cache.stats)
+    metrics.set_engine_info(device=device, dtype=dtype)
     settings = config.metrics
-    metrics = GatewayMetrics(cache_stats=cache.stats, device=device, dtype=dtype)
+    if not settings.enabled:
+        return
     try:
         port = metrics.start(settings.host, settings.port)
     except OSError as exc:
@@ -145,11 +147,11 @@ def start_metrics(config: ServeConfig, cache: PrefixCache, *, device: str,
         logger.warning("the metrics endpoint on %s has no authentication and shows per-tenant "
                        "counters: let only your scraper reach it", settings.host)
     logger.info("metrics on http://%s:%d/metrics", settings.host, port)
-    return metrics
 
 
 def start_http(config: ServeConfig, authenticator: Authenticator,
-               engines: EngineSlot, admission: Admission | None = None) -> HttpFront | None:
+               engines: EngineSlot, admission: Admission | None = None,
+               metrics: GatewayMetrics | None = None) -> HttpFront | None:
     """The OpenAI-compatible HTTP front, listening (None when ``[http]`` is off).
 
     Raises:
@@ -159,7 +161,8 @@ def start_http(config: ServeConfig, authenticator: Authenticator,
         return None
     from gateway.service.http.server import HttpFront
 
-    http = HttpFront(config, authenticator, engines, admission)
+    http = HttpFront(config, authenticator, engines, admission,
+                     metrics=metrics.public_registry if metrics is not None else None)
     http.start()
     logger.info("OpenAI-compatible HTTP on %s (503 until the model has loaded)", http.url)
     return http
@@ -206,9 +209,16 @@ def serve(
     if server.admin_port is not None:
         logger.info("the Admin service listens on its own, on %s:%d", config.admin_host,
                     server.admin_port)
+    from gateway.service.metrics import GatewayMetrics
+    from gateway.service.stats_log import StatsLine
+
+    # NOTE: before the HTTP front, whose GET /metrics serves it from the start.
+    metrics = GatewayMetrics(kv_budget_bytes=config.engine.kv_budget_bytes)
+    stats = (StatsLine(metrics.totals, interval_s=config.logging.stats_interval_s,
+                       is_json=config.logging.json) if config.logging.stats_interval_s else None)
     http: HttpFront | None = None
     try:
-        http = start_http(config, authenticator, engines, server.admission)
+        http = start_http(config, authenticator, engines, server.admission, metrics)
     except BaseException:
         server.stop(0)
         raise
@@ -227,7 +237,6 @@ def serve(
                 config.model)
     opened = None
     engine: Engine | None = None
-    metrics: GatewayMetrics | None = None
     feed: EvictionFeed | None = None
     try:
         try:
@@ -242,9 +251,8 @@ def serve(
         with stage("opening the cache tiers (recovering the disk tier's index)"):
             opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
                                 device=device)
-        if config.metrics.enabled:
-            metrics = start_metrics(config, opened.cache, device=str(device),
-                                    dtype=str(dtype).removeprefix("torch."))
+        start_metrics(config, metrics, opened.cache, device=str(device),
+                      dtype=str(dtype).removeprefix("torch."))
 
         def evict_everywhere(keys: Sequence[BlockKey]) -> None:
             # A block shadow verification found divergent leaves every tier and every replica
@@ -291,8 +299,7 @@ def serve(
         admin = CacheAdmin(opened.cache, keys=engine, feed=feed)
         if feed is not None:
             feed.start()
-            if metrics is not None:
-                metrics.watch_feed(feed)
+            metrics.watch_feed(feed)
             with stage("reading the evictions of other replicas"):
                 feed.settled.wait(_CATCH_UP_S)
             if not feed.caught_up.is_set():
@@ -321,6 +328,8 @@ def serve(
             while not stop_requested.wait(_WATCH_INTERVAL_S):
                 if feed is not None:
                     feed_behind = _watch_feed(feed, server, feed_behind)
+                if stats is not None:
+                    stats.tick()
                 if server.engine_died.is_set():
                     raise ServeError("the engine's worker thread died (see the error logged "
                                      "above); exiting so that a supervisor restarts the gateway")
@@ -335,8 +344,7 @@ def serve(
         server.stop(0)
         if http is not None:
             http.stop(config.grpc.shutdown_grace_s + 1.0)
-        if metrics is not None:
-            metrics.stop()
+        metrics.stop()  # its own port's, if served
         if feed is not None:
             feed.stop()
         if opened is not None:

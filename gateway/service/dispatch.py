@@ -11,7 +11,9 @@
    default INTERNAL for a deserialisation failure);
 4. ends with the status of any exception raised inside
    (``gateway.service.status_mapping.status_of``); faults are logged with their traceback and an
-   incident id. Prompts and keys are never logged.
+   incident id. Prompts and keys are never logged;
+5. leaves one access-log line when it ends, for Generate, Warm and Lookup
+   (``gateway.service.access_log``; a generator closed early, the client gone, is CANCELLED).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from google.protobuf.message import DecodeError
 
 from gateway.config.keys import Principal
 from gateway.core.errors import InvalidRequest
+from gateway.service.access_log import AccessCall, AccessLog
 from gateway.service.admission import CallKind
 from gateway.service.call_gate import CallGate, KeyedMethod, KeyedService
 from gateway.service.edge import EdgeLimits
@@ -72,11 +75,14 @@ class ServicerSet:
     Args:
         engines: where the engine will be once the model is loaded.
         limits: bounds on deadlines and TTLs.
+        access: where Generate, Warm and Lookup leave their line (None: nowhere).
     """
 
-    def __init__(self, engines: EngineSlot, limits: EdgeLimits) -> None:
+    def __init__(self, engines: EngineSlot, limits: EdgeLimits,
+                 access: AccessLog | None = None) -> None:
         self.gateway = GatewayServicer(engines, limits)
         self.admin = AdminServicer(engines, limits)
+        self._access = access
 
     def keyed_services(self, gate: CallGate) -> tuple[KeyedService, KeyedService]:
         """One handler per service, every method behind ``gate``.
@@ -98,8 +104,10 @@ class ServicerSet:
             if implementation is None:
                 raise RuntimeError(f"{type(servicer).__name__} does not implement {method.name}")
             full_name = f"/{service}/{method.name}"
-            behavior = (_streaming(full_name, implementation) if method.server_streaming
-                        else _unary(full_name, implementation))
+            access = (self._access if not is_admin_only and method.name in KIND_OF_METHOD
+                      else None)
+            behavior = (_streaming(full_name, implementation, access) if method.server_streaming
+                        else _unary(full_name, implementation, access))
             methods[method.name] = KeyedMethod(
                 behavior=behavior,
                 request_deserializer=_deserializer(getattr(pb, method.input_type.name)),
@@ -111,22 +119,30 @@ class ServicerSet:
         return KeyedService(service, methods, gate, is_admin_only=is_admin_only)
 
 
-def _unary(name: str, implementation: Callable[..., M]) -> Callable[[object, Principal, Any], M]:
+def _unary(name: str, implementation: Callable[..., M], access: AccessLog | None = None
+           ) -> Callable[[object, Principal, Any], M]:
     def behavior(request: object, principal: Principal, context: Any) -> M:
-        with _statuses(context, name):
+        call = AccessCall(access, "grpc." + name.rsplit("/", 1)[-1], tenant=principal.tenant)
+        with _statuses(context, name, call):
             _check_parsed(request, name)
-            return implementation(request, principal, context)
+            response = implementation(request, principal, context)
+            _note_response(call, response)
+            return response
         raise AssertionError("unreachable: _statuses aborts or re-raises")
 
     return behavior
 
 
-def _streaming(name: str, implementation: Callable[..., Iterator[M]]
+def _streaming(name: str, implementation: Callable[..., Iterator[M]],
+               access: AccessLog | None = None
                ) -> Callable[[object, Principal, Any], Iterator[M]]:
     def behavior(request: object, principal: Principal, context: Any) -> Iterator[M]:
-        with _statuses(context, name):
+        call = AccessCall(access, "grpc." + name.rsplit("/", 1)[-1], tenant=principal.tenant)
+        with _statuses(context, name, call):
             _check_parsed(request, name)
-            yield from implementation(request, principal, context)
+            for message in implementation(request, principal, context):
+                _note_response(call, message)
+                yield message
 
     return behavior
 
@@ -139,15 +155,39 @@ def _check_parsed(request: object, name: str) -> None:
         )
 
 
+def _note_response(call: AccessCall, message: object) -> None:
+    """Keep the counts of a response (a Generate's usage, a Warm's or a Lookup's answer)."""
+    if isinstance(message, pb.GenerateResponse):
+        if message.HasField("usage"):
+            usage = message.usage
+            call.note(prompt_tokens=usage.prompt_tokens,
+                      cached_tokens_by_tier=dict(usage.cached_tokens_by_tier),
+                      completion_tokens=usage.completion_tokens, ttft_ms=usage.ttft_ms,
+                      finish=pb.FinishReason.Name(usage.finish_reason).removeprefix(
+                          "FINISH_REASON_").lower())
+    elif isinstance(message, pb.LookupResponse):
+        call.note(prompt_tokens=message.prompt_tokens,
+                  cached_tokens_by_tier=dict(message.cached_tokens_by_tier))
+    elif isinstance(message, pb.WarmResponse):
+        call.note(prompt_tokens=message.prompt_tokens)
+
+
 @contextlib.contextmanager
-def _statuses(context: Any, name: str) -> Iterator[None]:
-    """End the call with the status of any exception raised inside (``status_of``)."""
+def _statuses(context: Any, name: str, call: AccessCall | None = None) -> Iterator[None]:
+    """End the call with the status of any exception raised inside (``status_of``), and
+    leave ``call``'s access-log line."""
+    ended = "CANCELLED"  # unless set below: a stream closed early, its client gone
     try:
         yield
+        ended = "OK"
     except Exception as exc:
         status = status_of(exc)
+        ended = status.code.name
         if status.is_fault:
             logger.error("%s failed (incident %s)", name, status.incident, exc_info=exc)
         else:
             logger.debug("%s from %s ended with %s", name, context.peer(), status.code.name)
         context.abort(status.code, status.message)
+    finally:
+        if call is not None:
+            call.end(ended)

@@ -1,22 +1,32 @@
-"""Prometheus metrics of one gateway, served on their own HTTP port for operators.
+"""Prometheus metrics of one gateway: ``/metrics`` on the HTTP API port, and on a port of its own.
 
-``GatewayMetrics`` owns a private ``CollectorRegistry`` (never prometheus-client's global
-default one, so two gateways in one process, or two tests, never share counters). Three kinds of
-series live in it:
+``GatewayMetrics`` owns two private ``CollectorRegistry``s (never prometheus-client's global
+default one, so two gateways in one process, or two tests, never share counters): ``registry``,
+everything, for the operators' own port (``[metrics]``), and ``public_registry``, the same
+series without any tenant label, for ``GET /metrics`` on the API port (``[http] metrics``),
+which has no authentication there, as routers and Prometheus expect. A collector without a
+tenant label is registered in both; the per-tenant prompt-token counter has a tenant-free twin
+of the same name in the public one. Series:
 
 * what the engine runs on, set once at start: ``kvgate_engine_info{device, dtype} 1`` -- a
   dashboard comparing latencies across replicas must know which ran on a GPU in bfloat16 and
   which on the CPU in float32 (their figures differ by orders of magnitude);
 * request series, updated by the engine as each request ends: prompt tokens cached vs computed
   per tenant and tier, finish reasons, TTFT and total latency, queue depth;
+* engine step series: requests and tokens per step, queue wait (submit to admission),
+  inter-token latency, completion tokens, KV bytes the running requests reserve against the
+  budget;
+* the process (``process_*``: CPU, resident and virtual memory, open files) and the interpreter
+  (``python_info``, ``python_gc_*``);
 * cache series, read from ``PrefixCache.stats()`` at scrape time by ``_CacheCollector``: bytes
   and blocks per tier, evictions by reason, promotions, demotions, load and verification
   failures, Redis errors and breaker state. Nothing is copied between scrapes, so the numbers
   are those of the cache at that moment.
 
-NOTE: the endpoint is for operators only (RELIABILITY.md, threat 1). Series carry tenant ids,
-tier names, reasons and counts -- never prompt text, API keys, namespaces or block keys -- and
-the endpoint has no authentication, so it listens on loopback unless configured otherwise.
+NOTE: the operators' port is for operators only (RELIABILITY.md, threat 1). Its series carry
+tenant ids, tier names, reasons and counts -- never prompt text, API keys, namespaces or block
+keys -- and it has no authentication, so it listens on loopback unless configured otherwise.
+The API port's ``/metrics`` carries no tenant id either (docs/security.md, "Surfaces").
 """
 
 from __future__ import annotations
@@ -25,9 +35,19 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import start_http_server
 from prometheus_client.registry import Collector
@@ -37,6 +57,8 @@ from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, Req
 
 logger = logging.getLogger(__name__)
 
+C = TypeVar("C", bound=Collector)
+
 PREFIX = "kvgate"
 COMPUTED_TIER = "none"
 """The ``tier`` label of computed (uncached) prompt tokens."""
@@ -45,85 +67,201 @@ REDIS_STORE = "redis"
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
                      120.0, 300.0)
 """From a warm hit on a small model (milliseconds) to a cold 8k-token prefill on CPU (minutes)."""
+STEP_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""Requests in one engine step (``[engine] max_running`` is 16 by default)."""
+STEP_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+"""Tokens one step computes (``[engine] step_tokens`` 256, ``prefill_step_tokens`` 1024)."""
+INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
+                         0.3, 0.5, 1.0, 2.5, 5.0)
+"""One decode step: about a millisecond on a GPU to a few hundred on a loaded CPU."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class MetricsTotals:
+    """Running totals since start, for the periodic stats line (``gateway.service.stats_log``).
+
+    Attributes:
+        num_requests: generations ended (answered or failed).
+        num_prompt_tokens: prompt tokens of answered generations.
+        num_completion_tokens: tokens they generated.
+        cached_tokens_by_tier: of the prompt tokens, those served by each tier.
+        queue_depth: requests waiting for the model now.
+        kv_bytes_in_use: KV bytes the running requests reserve now.
+        kv_budget_bytes: the engine's KV budget (0: not known).
+    """
+
+    num_requests: int
+    num_prompt_tokens: int
+    num_completion_tokens: int
+    cached_tokens_by_tier: dict[str, int]
+    queue_depth: int
+    kv_bytes_in_use: int
+    kv_budget_bytes: int
 
 
 class GatewayMetrics:
     """Every metric of one gateway, in a registry of its own.
 
     Args:
-        cache_stats: returns the cache's stats at scrape time (None: no cache series).
+        cache_stats: returns the cache's stats at scrape time (None: no cache series until
+            ``watch_cache``).
         device: where the model runs, as ``--device`` spells it resolved (``cpu``,
-            ``cuda:0``); with ``dtype``, the ``kvgate_engine_info`` series (None: none).
+            ``cuda:0``); with ``dtype``, the ``kvgate_engine_info`` series (None: none until
+            ``set_engine_info``).
         dtype: what it computes and the cache stores K/V in (``float32``, ``bfloat16``).
+        kv_budget_bytes: the engine's KV budget (``[engine] kv_budget_bytes``; None: 0).
+
+    Attributes:
+        registry: every series (the operators' port).
+        public_registry: the series without tenant labels (``/metrics`` on the API port).
     """
 
     def __init__(self, *, cache_stats: Callable[[], CacheStats] | None = None,
-                 device: str | None = None, dtype: str | None = None) -> None:
+                 device: str | None = None, dtype: str | None = None,
+                 kv_budget_bytes: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.public_registry = CollectorRegistry(auto_describe=True)
         if device is not None and dtype is not None:
-            Info(f"{PREFIX}_engine", "What the engine runs on: the model's device and the "
-                 "dtype of its weights and K/V.", registry=self.registry).info(
-                {"device": device, "dtype": dtype})
+            self.set_engine_info(device=device, dtype=dtype)
         self._lock = threading.Lock()
         self._num_prompt_tokens = 0
         self._num_cached_tokens = 0
+        self._num_requests = 0
+        self._num_completion_tokens = 0
+        self._cached_by_tier: dict[str, int] = {}
+        self._queue_depth_now = 0
+        self._kv_bytes_now = 0
+        self._kv_budget = kv_budget_bytes or 0
         self._prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens of finished generations, served from a "
             "cache tier (source=cache) or computed (source=computed, tier=none).",
             ("tenant", "source", "tier"), registry=self.registry)
-        self._requests = Counter(
+        self._public_prompt_tokens = Counter(
+            f"{PREFIX}_prompt_tokens", "Prompt tokens of finished generations, served from a "
+            "cache tier (source=cache) or computed (source=computed, tier=none); all tenants.",
+            ("source", "tier"), registry=self.public_registry)
+        self._requests = self._shared(Counter(
             f"{PREFIX}_requests", "Generations by how they ended (eos, stop, length, cancelled, "
-            "deadline, draining, queue_full, error).", ("finish_reason",),
-            registry=self.registry)
-        self._ttft = Histogram(
+            "deadline, draining, queue_full, error).", ("finish_reason",), registry=None))
+        self._ttft = self._shared(Histogram(
             f"{PREFIX}_ttft_seconds", "Time from enqueue to the first generated token.",
-            buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self._request_s = Histogram(
+            buckets=LATENCY_BUCKETS_S, registry=None))
+        self._request_s = self._shared(Histogram(
             f"{PREFIX}_request_seconds", "Time from enqueue to the end of the answer.",
-            buckets=LATENCY_BUCKETS_S, registry=self.registry)
-        self._queue_depth = Gauge(
-            f"{PREFIX}_queue_depth", "Requests waiting for the model.", registry=self.registry)
-        self._shadow_checks = Counter(
+            buckets=LATENCY_BUCKETS_S, registry=None))
+        self._queue_depth = self._shared(Gauge(
+            f"{PREFIX}_queue_depth", "Requests waiting for the model.", registry=None))
+        self._shadow_checks = self._shared(Counter(
             f"{PREFIX}_shadow_checks", "Cache hits recomputed cold while idle and compared bit "
-            "for bit (shadow verification, [engine] shadow_fraction).", registry=self.registry)
-        self._shadow_blocks = Counter(
+            "for bit (shadow verification, [engine] shadow_fraction).", registry=None))
+        self._shadow_blocks = self._shared(Counter(
             f"{PREFIX}_shadow_checked_blocks", "Served blocks compared with their cold "
-            "recompute by shadow verification.", registry=self.registry)
-        self._shadow_divergences = Counter(
+            "recompute by shadow verification.", registry=None))
+        self._shadow_divergences = self._shared(Counter(
             f"{PREFIX}_shadow_divergences", "Served blocks that differed from their cold "
             "recompute (warm != cold), by the tier that served them; each was evicted.",
-            ("tier",), registry=self.registry)
-        self.registry.register(_RatioCollector(self))
+            ("tier",), registry=None))
+        self._step_requests = self._shared(Histogram(
+            f"{PREFIX}_step_requests", "Requests in one engine step (the batch size).",
+            buckets=STEP_REQUEST_BUCKETS, registry=None))
+        self._step_tokens = self._shared(Histogram(
+            f"{PREFIX}_step_tokens", "Tokens computed in one engine step (decode rows and "
+            "prefill chunks).", buckets=STEP_TOKEN_BUCKETS, registry=None))
+        self._queue_wait = self._shared(Histogram(
+            f"{PREFIX}_queue_wait_seconds", "Time from submission to admission by the "
+            "scheduler (generations and warms).", buckets=LATENCY_BUCKETS_S, registry=None))
+        self._kv_in_use = self._shared(Gauge(
+            f"{PREFIX}_kv_bytes_in_use", "KV buffer bytes reserved by the running requests.",
+            registry=None))
+        self._kv_budget_gauge = self._shared(Gauge(
+            f"{PREFIX}_kv_budget_bytes", "The KV buffer bytes the running requests may reserve "
+            "together ([engine] kv_budget_bytes).", registry=None))
+        self._kv_budget_gauge.set(self._kv_budget)
+        self._completion_tokens = self._shared(Counter(
+            f"{PREFIX}_completion_tokens", "Tokens generated by finished generations.",
+            registry=None))
+        self._inter_token = self._shared(Histogram(
+            f"{PREFIX}_inter_token_latency_seconds", "Time between two consecutive generated "
+            "tokens of one request.", buckets=INTER_TOKEN_BUCKETS_S, registry=None))
+        self._shared(_RatioCollector(self))
+        self._shared(ProcessCollector(registry=None))
+        self._shared(PlatformCollector(registry=None))
+        # NOTE: GCCollector registers itself (it takes no None), in one registry of the two.
+        self.public_registry.register(GCCollector(registry=self.registry))
         if cache_stats is not None:
-            self.registry.register(_CacheCollector(cache_stats))
+            self.watch_cache(cache_stats)
         self._server: Any = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
+
+    def _shared(self, collector: C) -> C:
+        """Register ``collector`` (no tenant label) in both registries."""
+        self.registry.register(collector)
+        self.public_registry.register(collector)
+        return collector
+
+    def set_engine_info(self, *, device: str, dtype: str) -> None:
+        """The ``kvgate_engine_info{device, dtype} 1`` series, once the model is loaded."""
+        self._shared(Info(f"{PREFIX}_engine", "What the engine runs on: the model's device and "
+                          "the dtype of its weights and K/V.", registry=None)).info(
+            {"device": device, "dtype": dtype})
+
+    def watch_cache(self, cache_stats: Callable[[], CacheStats]) -> None:
+        """Series of the cache's tiers and stores, read from ``cache_stats()`` at scrape time."""
+        self._shared(_CacheCollector(cache_stats))
 
     # ---- hooks the engine calls ------------------------------------------------------
 
     def record_generation(self, *, tenant: str, prompt_tokens: int,
                           cached_tokens_by_tier: dict[str, int], finish_reason: str,
-                          ttft_s: float, total_s: float) -> None:
+                          ttft_s: float, total_s: float, completion_tokens: int = 0) -> None:
         """One generation that produced its answer (its ``Usage`` was sent)."""
         num_cached = sum(cached_tokens_by_tier.values())
+        num_computed = max(0, prompt_tokens - num_cached)
         for tier, num in cached_tokens_by_tier.items():
             self._prompt_tokens.labels(tenant, "cache", tier).inc(num)
-        self._prompt_tokens.labels(tenant, "computed", COMPUTED_TIER).inc(
-            max(0, prompt_tokens - num_cached))
+            self._public_prompt_tokens.labels("cache", tier).inc(num)
+        self._prompt_tokens.labels(tenant, "computed", COMPUTED_TIER).inc(num_computed)
+        self._public_prompt_tokens.labels("computed", COMPUTED_TIER).inc(num_computed)
         self._requests.labels(finish_reason).inc()
         self._ttft.observe(ttft_s)
         self._request_s.observe(total_s)
+        self._completion_tokens.inc(completion_tokens)
         with self._lock:
+            self._num_requests += 1
             self._num_prompt_tokens += prompt_tokens
             self._num_cached_tokens += num_cached
+            self._num_completion_tokens += completion_tokens
+            for tier, num in cached_tokens_by_tier.items():
+                self._cached_by_tier[tier] = self._cached_by_tier.get(tier, 0) + num
 
     def record_failure(self, exc: BaseException) -> None:
         """A generation that ended without an answer (cancelled, deadline, refused, error)."""
         self._requests.labels(failure_reason(exc)).inc()
+        with self._lock:
+            self._num_requests += 1
 
     def set_queue_depth(self, depth: int) -> None:
         self._queue_depth.set(depth)
+        self._queue_depth_now = depth
+
+    def set_kv_bytes_in_use(self, num_bytes: int) -> None:
+        """KV bytes the running requests reserve now."""
+        self._kv_in_use.set(num_bytes)
+        self._kv_bytes_now = num_bytes
+
+    def record_step(self, *, num_requests: int, num_tokens: int) -> None:
+        """One engine step (forward) of ``num_requests`` requests computing ``num_tokens``."""
+        self._step_requests.observe(num_requests)
+        self._step_tokens.observe(num_tokens)
+
+    def record_queue_wait(self, wait_s: float) -> None:
+        """A request admitted ``wait_s`` after its submission."""
+        self._queue_wait.observe(wait_s)
+
+    def record_inter_token(self, gap_s: float) -> None:
+        """A generated token ``gap_s`` after its request's previous one."""
+        self._inter_token.observe(gap_s)
 
     def record_shadow_check(self, *, num_blocks: int, divergent_tiers: Sequence[str]) -> None:
         """One shadow verification of ``num_blocks`` served blocks (``gateway.engine.shadow``)."""
@@ -139,15 +277,25 @@ class GatewayMetrics:
                 return 0.0
             return self._num_cached_tokens / self._num_prompt_tokens
 
+    def totals(self) -> MetricsTotals:
+        """The running totals since start (cheap: no registry is read)."""
+        with self._lock:
+            return MetricsTotals(
+                num_requests=self._num_requests, num_prompt_tokens=self._num_prompt_tokens,
+                num_completion_tokens=self._num_completion_tokens,
+                cached_tokens_by_tier=dict(self._cached_by_tier),
+                queue_depth=self._queue_depth_now, kv_bytes_in_use=self._kv_bytes_now,
+                kv_budget_bytes=self._kv_budget)
+
     # ---- the HTTP endpoint -----------------------------------------------------------
 
     def watch_feed(self, feed: FeedState) -> None:
         """Series of the eviction feed (the events other replicas publish), read at scrape
         time: events by outcome, whether its reader runs, seconds since it last read."""
-        self.registry.register(_FeedCollector(feed))
+        self._shared(_FeedCollector(feed))
 
     def start(self, host: str, port: int) -> int:
-        """Serve ``/metrics`` over HTTP on ``host:port`` (0 picks a free port).
+        """Serve ``/metrics`` (every series) over HTTP on ``host:port`` (0 picks a free port).
 
         Returns:
             The bound port.

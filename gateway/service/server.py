@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.core.prompt_limits import PromptLimits
+from gateway.service.access_log import AccessLog
 from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
 from gateway.service.call_gate import BodyWatchdog, CallGate, PublicServicesGate
@@ -109,6 +110,7 @@ class GatewayServer:
                        max_ttl_s=config.grpc.max_ttl_s,
                        prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
                                            max_messages=config.limits.max_messages)),
+            access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
         )
         self._health = health.HealthServicer()
         self._servers: list[Any] = []

@@ -301,7 +301,7 @@ def test_readme_cites_the_measured_ttft_numbers() -> None:
 def test_the_shadow_divergence_alert_fires_on_the_metric_the_gateway_exports() -> None:
     from gateway.service.metrics import GatewayMetrics
 
-    [doc] = _docs(DEPLOY / "prometheus" / "kvgate-alerts.yaml")
+    [doc] = _docs(DEPLOY / "observability" / "alerts.yaml")
     rules = {r["alert"]: r for group in doc["groups"] for r in group["rules"]}
     rule = rules["KvgateShadowDivergence"]
     assert "kvgate_shadow_divergences_total" in rule["expr"]

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -46,6 +48,7 @@ from starlette.routing import Route
 from gateway.config.keys import Principal
 from gateway.core.errors import EngineDraining
 from gateway.core.requests import TokenDelta, Usage
+from gateway.service.access_log import AccessCall, AccessLog
 from gateway.service.admission import Admission, CallKind, Lease
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits, Generation
@@ -90,12 +93,19 @@ class OpenAIFront:
         retry_after_s: ``Retry-After`` of a 429 or 503.
         body_timeout_s: the longest a body may take to arrive once the front reads it (408).
         admission: the per-key call limits shared with the gRPC service (None: none here).
+        access: where each chat and completion leaves its line (None: nowhere).
+        metrics: the registry ``GET /metrics`` renders, unauthenticated: it must hold no
+            per-tenant series (None: no such route).
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
                  *, max_body_bytes: int, max_threads: int, retry_after_s: int,
-                 body_timeout_s: float, admission: Admission | None = None) -> None:
+                 body_timeout_s: float, admission: Admission | None = None,
+                 access: AccessLog | None = None,
+                 metrics: CollectorRegistry | None = None) -> None:
         self._engines = engines
+        self._access = access
+        self._metrics = metrics
         self._auth = authenticator
         self._admission = admission
         self._limits = limits
@@ -118,6 +128,8 @@ class OpenAIFront:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
+                *([Route("/metrics", self._render_metrics, methods=["GET"])]
+                  if self._metrics is not None else []),
             ],
             exception_handlers={HTTPException: self._http_exception},  # type: ignore[dict-item]
         )
@@ -139,6 +151,16 @@ class OpenAIFront:
             return JSONResponse({"status": "draining"}, status_code=503,
                                 headers={"Retry-After": str(self._retry_after_s)})
         return JSONResponse({"status": "ok", "model": served_model_names(engine.model_name)[0]})
+
+    async def _render_metrics(self, request: Request) -> Response:
+        """Prometheus' text format (or OpenMetrics, if the scraper asks for it).
+
+        NOTE: rendered on the event loop: a millisecond or two with the registry populated
+        (docs/operations.md, "Metrics"), less than a thread hop would add.
+        """
+        assert self._metrics is not None
+        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
+        return Response(encoder(self._metrics), headers={"Content-Type": content_type})
 
     async def _models(self, request: Request) -> Response:
         try:
@@ -164,27 +186,34 @@ class OpenAIFront:
     async def _generate(self, kind: Kind, request: Request) -> Response:
         lease: Lease | None = None
         streaming = False
+        access = AccessCall(self._access, f"http.{kind}")
+        response: Response | None = None
         try:
             principal = self._auth.authenticate(request.headers.items())
+            access.tenant = principal.tenant
             engine = self._engine()
             call = await self._call(kind, request, principal)
             check_model(call, served_model_names(engine.model_name))
             if self._admission is not None:  # the same per-key limits as over gRPC
                 lease = self._admission.admit(principal, CallKind.GENERATE)
-            response = await self._generate_admitted(engine, call, request, lease)
+            response = await self._generate_admitted(engine, call, request, lease, access)
             streaming = isinstance(response, StreamingResponse)
             return response
         except ClientGone:
             logger.debug("%s: the client went away while sending its body", request.url.path)
-            return Response(status_code=499)
+            response = Response(status_code=499)
+            return response
         except Exception as exc:
-            return self._error(exc, request)
+            response = self._error(exc, request)
+            return response
         finally:
             if lease is not None and not streaming:  # a stream releases it when it ends
                 lease.release()
+            if not streaming:  # a stream writes its line when it ends
+                access.end(str(response.status_code) if response is not None else "499")
 
     async def _generate_admitted(self, engine: Engine, call: OpenAICall, request: Request,
-                                 lease: Lease | None) -> Response:
+                                 lease: Lease | None, access: AccessCall) -> Response:
         try:
             handle = await self._in_thread(engine.generate, call.request)
         except Exception as exc:
@@ -195,6 +224,9 @@ class OpenAIFront:
             first = await self._until_gone(request, generation.next_item)
             if not call.stream:
                 rest: list[Event] = await self._until_gone(request, partial(list, generation))
+                for item in rest:
+                    if isinstance(item, Usage):
+                        access.saw_usage(item)
                 return self._answer(rendering, [first, *rest])
         except ClientGone:
             generation.cancel_unless_delivered()
@@ -203,7 +235,7 @@ class OpenAIFront:
         except Exception as exc:
             generation.cancel_unless_delivered()
             return self._error(exc, request)
-        events = self._events(call, rendering, generation, first, lease)
+        events = self._events(call, rendering, generation, first, lease, access)
         if lease is not None:  # also when the stream never starts (the client left first)
             weakref.finalize(events, lease.release)
         return StreamingResponse(events,
@@ -213,32 +245,39 @@ class OpenAIFront:
     # ---- the stream -------------------------------------------------------------------
 
     async def _events(self, call: OpenAICall, rendering: Rendering, generation: Generation,
-                      first: Event | None,
-                      lease: Lease | None = None) -> AsyncIterator[str]:
+                      first: Event | None, lease: Lease | None = None,
+                      access: AccessCall | None = None) -> AsyncIterator[str]:
         """The SSE events of a stream whose first event has arrived.
 
         NOTE: Starlette cancels this generator when the client disconnects; ``finally`` then
         cancels the generation, and the engine frees its blocks at its next step.
         """
+        status = "499"  # unless set below: the client went away mid-stream
         try:
             for event in rendering.opening():
                 yield event
             item = first
             while item is not None:
                 if isinstance(item, Usage):
+                    if access is not None:
+                        access.saw_usage(item)
                     for event in rendering.closing(item):
                         yield event
                 elif item.text:
                     yield rendering.delta(item.text)
                 item = await self._in_thread(generation.next_item)
+            status = "200"
         except Exception as exc:  # after the headers: an error event ends the stream
             answer = error_answer(exc, where=f"{call.kind} stream",
                                   retry_after_s=self._retry_after_s)
+            status = f"200+{answer.status}"  # the error event's status, inside a 200 stream
             yield f"data: {json.dumps(answer.body, ensure_ascii=False)}\n\n"
         finally:
             generation.cancel_unless_delivered()
             if lease is not None:
                 lease.release()
+            if access is not None:
+                access.end(status)
 
     # ---- helpers ----------------------------------------------------------------------
 

@@ -6,13 +6,14 @@ event loop. Like the gRPC server it listens before the model is loaded: ``/healt
 (loading) and every API call 503 until the composition root attaches the engine to the shared
 ``EngineSlot``.
 
-uvicorn is configured on purpose: no logging configuration of its own and no access log (the
-gateway's logging stays the operator's, and a request line could carry nothing useful that the
-engine's metrics do not), no lifespan, no WebSockets, no ``Server`` header, the same TLS
-certificate as gRPC, and a graceful shutdown that lets requests in flight finish within the
-gRPC grace period. Its h11 protocol is ``GuardedH11Protocol`` (``connections``): deadlines for a
-request head and body, and caps on connections sized under the process's open-file limit.
-Headers are bounded by h11 (16 KiB); bodies by the front (``[http] max_body_bytes``).
+uvicorn is configured on purpose: no logging configuration of its own and no access log of its
+own (the gateway's logging stays the operator's; the front writes its own access line, with the
+tenant and token counts uvicorn's cannot know, on ``kvgate.access``), no lifespan, no
+WebSockets, no ``Server`` header, the same TLS certificate as gRPC, and a graceful shutdown that
+lets requests in flight finish within the gRPC grace period. Its h11 protocol is
+``GuardedH11Protocol`` (``connections``): deadlines for a request head and body, and caps on
+connections sized under the process's open-file limit. Headers are bounded by h11 (16 KiB);
+bodies by the front (``[http] max_body_bytes``).
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import time
 from functools import partial
 
 import uvicorn
+from prometheus_client.registry import CollectorRegistry
 
 from gateway.config.settings import ServeConfig
 from gateway.core.prompt_limits import PromptLimits
+from gateway.service.access_log import AccessLog
 from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits
@@ -54,13 +57,17 @@ class HttpFront:
             bounds (``config.grpc``), which both surfaces enforce alike.
         authenticator: the keys (the gRPC server's).
         engines: the slot the gRPC server shares.
+        admission: the per-key call limits shared with the gRPC server.
+        metrics: the registry ``GET /metrics`` serves when ``[http] metrics`` is on; it must
+            hold no per-tenant series (``GatewayMetrics.public_registry``).
 
     Attributes:
         guard: the connections' states and counts, once started (for tests and stats).
     """
 
     def __init__(self, config: ServeConfig, authenticator: Authenticator,
-                 engines: EngineSlot, admission: Admission | None = None) -> None:
+                 engines: EngineSlot, admission: Admission | None = None,
+                 metrics: CollectorRegistry | None = None) -> None:
         self.config = config
         settings = config.http
         self._front = OpenAIFront(
@@ -72,6 +79,8 @@ class HttpFront:
             max_body_bytes=settings.max_body_bytes, max_threads=settings.max_connections,
             retry_after_s=settings.retry_after_s, body_timeout_s=settings.body_timeout_s,
             admission=admission,
+            access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
+            metrics=metrics if settings.metrics else None,
         )
         self.guard: ConnectionGuard | None = None
         self._server: uvicorn.Server | None = None
