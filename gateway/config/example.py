@@ -98,6 +98,7 @@ max_body_bytes = "4MiB"         # bigger request bodies: 413 before they are rea
 max_connections = 1024          # one more closes the longest-waiting idle one, never a 503;
                                 #   at most half the open-file limit (ulimit -n)
 max_waiting_connections = 256   # connections without a whole request yet (new or kept alive)
+max_pending_bodies_per_tenant = 16   # bodies one tenant may be sending at once (429 past it)
 header_timeout_s = 5.0          # a connection must send a request head this soon, or is closed
 body_timeout_s = 5.0            # ... and then its whole body (408); no call slot until it has
 retry_after_s = 1               # Retry-After of a 429 or 503 answer

@@ -300,6 +300,9 @@ class HttpSettings:
         body_timeout_s: a request must send its whole body within this long of its head
             (as ``[grpc] body_timeout_s``): 408 and the connection closed. A request holds
             no call slot until its body is in.
+        max_pending_bodies_per_tenant: request bodies one tenant may be sending at once (its
+            keys together); one more gets 429 before its body is read, so that one tenant's
+            slow or stalled bodies cannot hold the connections other tenants need.
         retry_after_s: the ``Retry-After`` seconds of a 429 or 503 answer.
         metrics: serve ``GET /metrics`` here, without authentication and without per-tenant
             series (``[metrics]`` serves every series on a port of its own).
@@ -313,6 +316,7 @@ class HttpSettings:
     max_waiting_connections: int = 256
     header_timeout_s: float = 5.0
     body_timeout_s: float = 5.0
+    max_pending_bodies_per_tenant: int = 16
     retry_after_s: int = 1
     metrics: bool = True
 
@@ -331,7 +335,7 @@ class HttpSettings:
         if not is_int(self.port) or not 0 <= self.port <= 65535:
             errors.append(f"http.port must be 0 to 65535, got {self.port!r}")
         for name in ("max_body_bytes", "max_connections", "max_waiting_connections",
-                     "retry_after_s"):
+                     "max_pending_bodies_per_tenant", "retry_after_s"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 errors.append(f"http.{name} must be an integer >= 1, got {value!r}")

@@ -56,6 +56,7 @@ from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.errors import HttpFailure, error_answer
 from gateway.service.http.openai_requests import Kind, OpenAICall, check_model, parse_call
 from gateway.service.http.openai_responses import Rendering
+from gateway.service.http.pending_bodies import PendingBodies
 
 if TYPE_CHECKING:
     from gateway.engine.engine import Engine
@@ -93,6 +94,8 @@ class OpenAIFront:
         retry_after_s: ``Retry-After`` of a 429 or 503.
         body_timeout_s: the longest a body may take to arrive once the front reads it (408).
         admission: the per-key call limits shared with the gRPC service (None: none here).
+        max_pending_bodies_per_tenant: bodies one tenant may be sending at once
+            (``gateway.service.http.pending_bodies``).
         access: where each chat and completion leaves its line (None: nowhere).
         metrics: the registry ``GET /metrics`` renders, unauthenticated: it must hold no
             per-tenant series (None: no such route).
@@ -101,6 +104,7 @@ class OpenAIFront:
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
                  *, max_body_bytes: int, max_threads: int, retry_after_s: int,
                  body_timeout_s: float, admission: Admission | None = None,
+                 max_pending_bodies_per_tenant: int = 16,
                  access: AccessLog | None = None,
                  metrics: CollectorRegistry | None = None) -> None:
         self._engines = engines
@@ -113,6 +117,7 @@ class OpenAIFront:
         self._max_threads = max_threads
         self._retry_after_s = retry_after_s
         self._body_timeout_s = body_timeout_s
+        self._pending = PendingBodies(max_pending_bodies_per_tenant)
         self._limiter: anyio.CapacityLimiter | None = None
         self._is_draining = False
         self._started = int(time.time())
@@ -192,7 +197,8 @@ class OpenAIFront:
             principal = self._auth.authenticate(request.headers.items())
             access.tenant = principal.tenant
             engine = self._engine()
-            call = await self._call(kind, request, principal)
+            with self._pending.hold(principal.tenant):
+                call = await self._call(kind, request, principal)
             check_model(call, served_model_names(engine.model_name))
             if self._admission is not None:  # the same per-key limits as over gRPC
                 lease = self._admission.admit(principal, CallKind.GENERATE)

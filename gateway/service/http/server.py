@@ -78,6 +78,7 @@ class HttpFront:
                                            max_messages=config.limits.max_messages)),
             max_body_bytes=settings.max_body_bytes, max_threads=settings.max_connections,
             retry_after_s=settings.retry_after_s, body_timeout_s=settings.body_timeout_s,
+            max_pending_bodies_per_tenant=settings.max_pending_bodies_per_tenant,
             admission=admission,
             access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
             metrics=metrics if settings.metrics else None,

@@ -38,7 +38,7 @@ from gateway.service.http.connections import (
 )
 from gateway.service.http.openai_requests import parse_call as real_parse_call
 from gateway.service.http.server import HttpFront
-from tests.gateway.grpc_harness import KEY_A, KEYS, start_gateway, tiny_model, wait_until
+from tests.gateway.grpc_harness import KEY_A, KEY_B, KEYS, start_gateway, tiny_model, wait_until
 
 MODEL = "model"
 CHAT = json.dumps({"model": MODEL, "max_tokens": 1,
@@ -257,6 +257,25 @@ def test_a_stalled_body_holds_no_call_slot(engines: EngineSlot) -> None:
         status, body = ask(front, "POST", "/v1/chat/completions", CHAT)
         assert status == 200, body
         assert admission.snapshot().calls == 0
+
+
+def test_a_tenant_past_its_pending_bodies_gets_429_and_another_tenant_is_served(
+        engines: EngineSlot) -> None:
+    with serving(engines, max_pending_bodies_per_tenant=2) as front, \
+            connect(front) as first, connect(front) as second:
+        for sock in (first, second):  # tenant A's two bodies, stalled half way
+            sock.sendall(head("/v1/chat/completions", length=len(CHAT),
+                              extra=b"Expect: 100-continue\r\n"))
+            assert sock.recv(64).startswith(b"HTTP/1.1 100 ")
+            sock.sendall(CHAT[:10])
+        status, body = ask(front, "POST", "/v1/chat/completions", CHAT)
+        assert status == 429, body
+        error = json.loads(body)["error"]
+        assert "max_pending_bodies_per_tenant" in error["message"]
+        assert ask(front, "POST", "/v1/chat/completions", CHAT, key=KEY_B)[0] == 200
+    with serving(engines, max_pending_bodies_per_tenant=2) as front:  # bodies that end free it
+        assert [ask(front, "POST", "/v1/chat/completions", CHAT)[0] for _ in range(3)] == \
+            [200] * 3
 
 
 def test_a_stalled_body_is_cut_with_408_and_the_connection_closed(engines: EngineSlot) -> None:
