@@ -136,10 +136,21 @@ def test_a_newcomers_prefill_does_not_wait_behind_a_floods_large_steps() -> None
     assert s.plan().num_tokens == 1_024  # alone, the flood prefills in large steps
     s.submit(100, tenant="quiet", prompt_tokens=100, kv_bytes=KV)
     assert s.admit() == [100]
-    assert s.plan().chunks == (ScheduledChunk(request_id=100, num_tokens=64, is_decode=False),)
-    assert s.plan().chunks[0] == ScheduledChunk(request_id=100, num_tokens=36, is_decode=False)
+    # its whole prompt in one step (it fits a large one), nothing of the flood's beside it
+    assert s.plan().chunks == (ScheduledChunk(request_id=100, num_tokens=100, is_decode=False),)
+    assert s.plan().num_tokens == 64  # the flood, in small steps while another tenant is in
     s.finish(100)
     assert s.plan().num_tokens == 1_024  # alone again
+
+
+def test_a_newcomer_whose_prompt_does_not_fit_a_large_step_gets_the_small_steps() -> None:
+    s = scheduler(step_tokens=64, prefill_step_tokens=256)
+    s.submit(1, tenant="flood", prompt_tokens=4_000, kv_bytes=KV)
+    s.admit()
+    s.plan()
+    s.submit(100, tenant="quiet", prompt_tokens=300, kv_bytes=KV)
+    s.admit()
+    assert s.plan().chunks == (ScheduledChunk(request_id=100, num_tokens=64, is_decode=False),)
 
 
 def test_a_tenant_holds_at_most_its_kv_share_and_another_tenant_starts_at_once() -> None:
