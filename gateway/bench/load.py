@@ -13,6 +13,7 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 * ``kvgate no_cache``: the default route, every request ``no_cache`` (nothing read or stored);
 * ``kvgate no_shadow``: as ``kvgate`` with shadow verification off (``shadow_fraction = 0``):
   beside ``kvgate`` (0.01, the default) it measures what the verification costs;
+* ``kvgate shadow_all``: every cache hit verified (``shadow_fraction = 1``): its upper bound;
 * ``transformers serve CB``: ``transformers serve --continuous-batching`` on the same weights
   (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a).
 
@@ -61,6 +62,7 @@ KVGATE = "kvgate"
 KVGATE_SERIAL = "kvgate serial"
 KVGATE_NO_CACHE = "kvgate no_cache"
 KVGATE_NO_SHADOW = "kvgate no_shadow"
+KVGATE_SHADOW_ALL = "kvgate shadow_all"
 PEER = "transformers serve CB"
 
 
@@ -81,6 +83,7 @@ class Configuration:
 CONFIGURATIONS = (
     Configuration(name="kvgate", label=KVGATE),
     Configuration(name="no_shadow", label=KVGATE_NO_SHADOW, shadow_fraction=0.0),
+    Configuration(name="shadow_all", label=KVGATE_SHADOW_ALL, shadow_fraction=1.0),
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),

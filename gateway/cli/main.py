@@ -154,7 +154,8 @@ def _add_bench_load(bench_sub: Any) -> None:
               - kvgate (engine route auto: batched when the start-up probe passes),
               - kvgate serial ([engine] route = "serial"),
               - kvgate no_cache (every request no_cache),
-              - kvgate no_shadow (shadow verification off; only when named in --configs),
+              - kvgate no_shadow, kvgate shadow_all (shadow verification off / of every hit;
+                only when named in --configs),
               - transformers serve --continuous-batching on the same weights, over its
                 OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a).
             Each configuration x U runs against a fresh server that this command spawns on a
