@@ -90,6 +90,10 @@ class InvalidArgument(KvgateError):
     """The request can never succeed as sent; the message says what to change."""
 
 
+class NotFound(KvgateError):
+    """An admin call named a tenant or a block the gateway does not have; nothing changed."""
+
+
 class ResourceExhausted(KvgateError):
     """Too many requests waiting, or a message too large; retry later or send less."""
 
@@ -114,6 +118,7 @@ _ERROR_OF_CODE: dict[Any, type[KvgateError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhausted,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
     grpc.StatusCode.UNAVAILABLE: Unavailable,

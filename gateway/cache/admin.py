@@ -22,10 +22,10 @@ from typing import Protocol
 
 from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache
-from gateway.cache.radix_index import BlockRecord
+from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import CacheStats
 from gateway.core.canonical import PromptInput
-from gateway.core.errors import EvictionNotPublished, InvalidRequest
+from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.tokens import TokenIds, tokens_from_bytes
 from policies.base import BlockKey
@@ -162,6 +162,50 @@ def _path_to(record: BlockRecord) -> list[BlockRecord]:
     return path
 
 
+def chain_of(index: RadixIndex, record: BlockRecord) -> list[BlockRecord]:
+    """The blocks that exist only for ``record``'s prompt and what follows it: ``record``,
+    everything after it, and its ancestors up to (not including) the nearest one that another
+    prompt continues from. Ancestors first.
+
+    NOTE: ``kvgate admin ls`` shows a prompt by its last block's key; evicting only that
+    block (and its descendants) would leave the rest of the prompt cached, which is not what
+    an operator who names the listed prompt means.
+    """
+    ancestors: list[BlockRecord] = []
+    node = record.parent
+    while node is not None and len(index.children(node)) == 1:
+        ancestors.append(node)
+        node = node.parent
+    ancestors.reverse()
+    return ancestors + list(index.subtree(record.namespace, record))
+
+
+def resolve_key(cache: PrefixCache, key_hex: str) -> BlockKey:
+    """The cached block whose key begins with ``key_hex`` (any case; ``kvgate admin ls`` shows
+    16 hex digits of a key, and any unique prefix names it).
+
+    Raises:
+        InvalidRequest: not hex, or the key of more than one cached block begins with it.
+        NotFound: no cached block's key begins with it (on this replica).
+    """
+    prefix = key_hex.strip().lower()
+    if not prefix or any(c not in "0123456789abcdef" for c in prefix):
+        raise InvalidRequest(f"key_hex must be hex digits (a block key or its beginning, as "
+                             f"ListPrefixes and `kvgate admin ls` show it), got {key_hex!r}")
+    placement = cache.placement
+    with placement.locked():
+        matches = [r.key for r in placement.index.records() if r.key.hex().startswith(prefix)]
+    if not matches:
+        raise NotFound(f"no cached block's key begins with {key_hex!r}: it was evicted, or it "
+                       "is not a key of this replica (`kvgate admin ls` lists the keys)")
+    if len(matches) > 1:
+        shown = ", ".join(sorted(k.hex()[: len(prefix) + 4] for k in matches)[:5])
+        raise InvalidRequest(f"key {key_hex!r} is ambiguous: {len(matches)} cached blocks' "
+                             f"keys begin with it ({shown}{', ...' if len(matches) > 5 else ''}"
+                             "); give more of it")
+    return matches[0]
+
+
 def evict_where(
     cache: PrefixCache,
     *,
@@ -181,7 +225,8 @@ def evict_where(
         cache: the cache to evict from.
         owner: blocks of this tenant (or "shared").
         under: blocks of the prompt ``tokens`` in ``namespace`` and everything after it.
-        key: one block and everything after it.
+        key: one block, everything after it, and the ancestors only it continues from
+            (``chain_of``).
         idle_s: blocks not used for at least this many seconds.
         tier: drop only the copies in this tier (default: every tier).
 
@@ -209,7 +254,7 @@ def evict_where(
                 selected = records[:-1] + list(index.subtree(namespace, records[-1]))
         elif key is not None:
             start = index.get(key)
-            selected = [] if start is None else list(index.subtree(start.namespace, start))
+            selected = [] if start is None else chain_of(index, start)
         else:
             selected = list(index.records())
         selected = [
@@ -288,6 +333,9 @@ class CacheAdmin:
         shared Redis tier (every selector reaches it, unless ``tier`` names a local tier), and
         on every other replica (published, see ``gateway.cache.invalidation``).
 
+        ``key_hex`` may be any unique beginning of a cached block's key; it selects that
+        block's whole chain (``chain_of``), and the full key is what is published.
+
         ``prefix_text`` selects the prompts that begin with it *as warmed*: the text as a
         system message rendered by the model's chat template without a generation prompt
         (how ``kvgate prewarm`` warms a text file, and how a chat under that system prompt
@@ -295,8 +343,10 @@ class CacheAdmin:
         for it to select anything; its blocks and everything built on them go.
 
         Raises:
-            InvalidRequest: no selector, an unknown tier, a bad age or key, or prefix text
-                without the tenant it belongs to.
+            InvalidRequest: no selector, an unknown tier, a bad age or key, a key prefix
+                that more than one cached block's key begins with, or prefix text without the
+                tenant it belongs to.
+            NotFound: ``key_hex`` begins no cached block's key (``resolve_key``).
             EvictionNotPublished: done here and in Redis, but the other replicas could not be
                 told (retry: an eviction is idempotent).
         """
@@ -313,7 +363,7 @@ class CacheAdmin:
         if prefix_text is not None and tenant is None:
             raise InvalidRequest("evicting by prefix text needs the tenant it belongs to")
         if key_hex is not None:
-            _key_of(key_hex)
+            key_hex = resolve_key(cache, key_hex).hex()
         event = EvictionEvent(tenant=tenant, prefix_text=prefix_text, key_hex=key_hex,
                               older_than_s=older_than_s, tier=tier, everything=everything)
         before = cache.stats().num_blocks
@@ -392,10 +442,22 @@ class CacheAdmin:
             known = {*self._cache.known_namespaces(), *self._keys.known_namespaces(),
                      self._keys.namespace(scope)}
             digests = [ns.digest for ns in known if ns.scope == scope]
-        key = None if event.key_hex is None else _key_of(event.key_hex)
+        keys: list[BlockKey | None] = [None]
+        if event.key_hex is not None:
+            keys = list(self._chain_keys(_key_of(event.key_hex)))
         for digest in digests:
-            transfers.remove_remote_where(namespace_digest=digest, key=key,
-                                          min_idle_s=event.older_than_s)
+            for key in keys:
+                transfers.remove_remote_where(namespace_digest=digest, key=key,
+                                              min_idle_s=event.older_than_s)
+
+    def _chain_keys(self, key: BlockKey) -> list[BlockKey]:
+        """The keys of ``key``'s chain as this replica knows it (just ``key`` if unknown)."""
+        placement = self._cache.placement
+        with placement.locked():
+            start = placement.index.get(key)
+            if start is None:
+                return [key]
+            return [r.key for r in chain_of(placement.index, start)]
 
     def set_pinned(self, prompt: PromptInput, scope: Scope, is_pinned: bool) -> int:
         """Pin (or unpin) the cached full blocks of ``prompt`` in ``scope``; how many changed."""

@@ -4,11 +4,17 @@
 
 The admin key comes from ``--admin-key``, else ``$KVGATE_ADMIN_KEY``, else the first
 ``[[admin_keys]]`` entry of ``--config FILE`` that holds the key itself (``key = "..."``; an
-entry stored only as ``key_blake2b`` cannot be sent). Human tables by default; ``--json``
+entry stored only as ``key_blake2b`` cannot be sent), else -- for a gateway on this machine --
+the development admin key that ``kvgate serve`` writes with no keys configured
+(``--data-dir``/dev-admin-key). Human tables by default; ``--json``
 prints the records for scripts. ``evict`` and ``flush`` ask for confirmation on a terminal
 unless ``--yes``; without a terminal and without ``--yes`` they refuse (exit 2) rather than
 guess. A refused call (no admin key, a tenant key) prints the server's message and exits 1
 with nothing changed.
+
+A command that changes nothing -- an eviction or flush that frees no block, a pin or unpin
+that flips none, a key that begins no cached block's key, a quota for a tenant the gateway has
+no key for -- says why and exits 3, so that a script never mistakes it for success.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any, TextIO
 
 from gateway.cli.common import (
     EXIT_FAILED,
+    EXIT_UNCHANGED,
     EXIT_USAGE,
     UsageError,
     add_connection_args,
@@ -33,8 +40,12 @@ from gateway.cli.common import (
     format_bytes,
     render_table,
 )
-from gateway.client import Evicted, KvgateClient, KvgateError
+from gateway.client import Evicted, KvgateClient, KvgateError, NotFound
 
+_EXIT_CODES = (f"exit status: 0 done; {EXIT_FAILED} refused or failed (the server's message "
+               f"says why); {EXIT_USAGE} a usage error or not confirmed; {EXIT_UNCHANGED} "
+               "nothing to change (nothing matched, already so, or no such tenant), "
+               "with the reason on stderr")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _SECONDS_OF_UNIT = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
 
@@ -60,13 +71,18 @@ def parse_duration(text: str) -> float:
 def add_admin_parser(sub: Any) -> None:
     """The ``kvgate admin`` subcommands."""
     admin = sub.add_parser("admin", help="operate a running gateway (admin key)",
-                           description=__doc__.split("\n\n")[1] if __doc__ else None)
+                           description=__doc__.split("\n\n")[1] if __doc__ else None,
+                           epilog=_EXIT_CODES)
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        parser: argparse.ArgumentParser = admin_sub.add_parser(name, help=help_text)
+        parser: argparse.ArgumentParser = admin_sub.add_parser(name, help=help_text,
+                                                               epilog=_EXIT_CODES)
         add_connection_args(parser)
         parser.add_argument("--json", action="store_true", help="print JSON for scripts")
+        parser.add_argument("--data-dir", type=Path, default=Path("data"),
+                            help="where a local `kvgate serve` keeps its development admin "
+                                 "key (dev-admin-key), used when no other key is given")
         return parser
 
     command("stats", "blocks, bytes and counters per tier and store")
@@ -79,7 +95,10 @@ def add_admin_parser(sub: Any) -> None:
                        help="prompts that begin with TEXT as warmed (needs --tenant): TEXT as "
                             "a system message -- how prewarm warms a text file and how a chat "
                             "under it begins -- or as a raw prompt")
-    evict.add_argument("--key", default=None, metavar="HEX", help="a block key, as ls shows")
+    evict.add_argument("--key", default=None, metavar="HEX",
+                       help="a cached prompt by its key as ls shows it, or any unique "
+                            "beginning of a block's key: that block, everything after it, and "
+                            "the blocks before it that no other prompt continues from")
     evict.add_argument("--older-than", default=None, metavar="AGE",
                        help="blocks idle longer than AGE (90s, 15m, 1h, 2d)")
     evict.add_argument("--tier", default=None, help="only from this tier")
@@ -111,13 +130,16 @@ def run_admin(args: argparse.Namespace, *, out: TextIO, err: TextIO, env: Mappin
     """``kvgate admin ...``; returns the exit code."""
     name = f"kvgate admin {args.admin_command}"
     try:
-        key = admin_key_of(args, env, required=True)
+        key = admin_key_of(args, env, required=True, data_dir=args.data_dir)
         run = _COMMANDS[args.admin_command]
         with connector(args)(key) as client:
             return run(client, args, out, err, stdin if stdin is not None else sys.stdin)
     except UsageError as exc:
         err.write(f"{name}: {exc}\n")
         return EXIT_USAGE
+    except NotFound as exc:
+        err.write(f"{name}: nothing changed: {exc.details}\n")
+        return EXIT_UNCHANGED
     except KvgateError as exc:
         hint = ""
         if exc.code.name == "UNIMPLEMENTED":
@@ -200,13 +222,43 @@ def _evict(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: Tex
     evicted = client.evict(tenant=args.tenant, prefix_text=args.prefix, key_hex=args.key,
                            older_than_s=older_than_s, tier=args.tier, everything=args.all)
     _write_evicted(evicted, args.json, out)
+    if _freed_nothing(evicted) and args.tier != "remote":
+        err.write(f"kvgate admin evict: nothing changed: {_why_nothing_evicted(args)}\n")
+        return EXIT_UNCHANGED
     return 0
+
+
+def _freed_nothing(evicted: Evicted) -> bool:
+    return evicted.num_blocks == 0 and not any(evicted.bytes_by_tier.values())
+
+
+def _why_nothing_evicted(args: argparse.Namespace) -> str:
+    """Why an eviction that the server accepted matched no block (the likely reasons)."""
+    if args.all:
+        return "the cache holds no block"
+    reasons = ["no cached block matched every selector given, or the blocks that did are "
+               "in use by running requests"]
+    if args.prefix is not None:
+        reasons.append(f"--prefix selects only a text whose every full block is cached in "
+                       f"{args.tenant!r}'s scope, warmed as a system message or as a raw "
+                       "prompt; part of a prompt selects nothing (use --key with a key from "
+                       "`kvgate admin ls`)")
+    if args.tenant is not None:
+        reasons.append(f"`kvgate admin ls --tenant {args.tenant}` lists what that tenant holds")
+    if args.tier is not None:
+        reasons.append(f"--tier {args.tier} drops only the copies in that tier")
+    return "; ".join(reasons)
 
 
 def _flush(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO,
            stdin: TextIO) -> int:
     _confirm("Flush every block of every tier, pinned ones too?", args.yes, stdin, err)
-    _write_evicted(client.flush(), args.json, out)
+    evicted = client.flush()
+    _write_evicted(evicted, args.json, out)
+    if _freed_nothing(evicted):
+        err.write("kvgate admin flush: nothing changed: the cache holds no block (blocks in "
+                  "use by running requests stay)\n")
+        return EXIT_UNCHANGED
     return 0
 
 
@@ -235,6 +287,16 @@ def _pin(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextI
         out.write(json.dumps({"num_blocks": num_blocks}) + "\n")
     else:
         out.write(f"{args.admin_command}ned {num_blocks} blocks\n")
+    if num_blocks == 0:
+        scope = ("the shared scope" if args.shared else
+                 f"tenant {args.tenant!r}'s scope" if args.tenant else
+                 "the admin key's own scope (give --tenant NAME or --shared)")
+        state = "pinned" if unpin else "unpinned"
+        taken = "as a raw prompt" if args.raw else "as a system message (--raw: as a raw prompt)"
+        err.write(f"kvgate admin {args.admin_command}: nothing changed: no {state} full block "
+                  f"of the text is cached in {scope}; a pin keeps only what is cached (warm "
+                  f"it first, e.g. `kvgate prewarm`), and the text is taken {taken}\n")
+        return EXIT_UNCHANGED
     return 0
 
 

@@ -17,6 +17,8 @@ from gateway.core.addresses import is_loopback
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
+EXIT_UNCHANGED = 3
+"""A command that would change the gateway found nothing to change (``kvgate admin``)."""
 
 DEV_KEY_FILE = "dev-api-key"
 """Where ``kvgate serve`` keeps its development key under its data directory.
@@ -24,6 +26,8 @@ DEV_KEY_FILE = "dev-api-key"
 NOTE: the same name as ``gateway.config.settings.DEV_KEY_FILE``, not imported from there:
 loading the configuration layer loads the cache and torch (seconds) for one string.
 """
+DEV_ADMIN_KEY_FILE = "dev-admin-key"
+"""The development admin key's file (``gateway.config.settings.DEV_ADMIN_KEY_FILE``; as above)."""
 
 
 class UsageError(Exception):
@@ -73,8 +77,16 @@ def connector(args: argparse.Namespace) -> Callable[[str | None], KvgateClient]:
 
 
 def admin_key_of(args: argparse.Namespace, env: Mapping[str, str], *,
-                 required: bool) -> str | None:
-    """The admin key: ``--admin-key``, ``$KVGATE_ADMIN_KEY``, then ``--config``'s first key.
+                 required: bool, data_dir: Path | None = None) -> str | None:
+    """The admin key: ``--admin-key``, ``$KVGATE_ADMIN_KEY``, ``--config``'s first key, then
+    the development admin key.
+
+    The development admin key (``DATA_DIR/dev-admin-key``, written by ``kvgate serve`` when no
+    key is configured) is read only for a gateway on a loopback address, as ``api_key_of``
+    reads the development tenant key.
+
+    Args:
+        data_dir: where ``kvgate serve`` keeps the development keys; None never reads them.
 
     Raises:
         UsageError: the configuration cannot be read, or ``required`` and none was found.
@@ -96,9 +108,15 @@ def admin_key_of(args: argparse.Namespace, env: Mapping[str, str], *,
         else:
             raise UsageError(f"{args.config} has no [[admin_keys]] entry with a plain `key` "
                              "(digests cannot be sent): use --admin-key or $KVGATE_ADMIN_KEY")
+    if key is None and data_dir is not None and is_loopback(args.host):
+        dev_key = data_dir / DEV_ADMIN_KEY_FILE
+        if dev_key.is_file():
+            key = dev_key.read_text(encoding="ascii").strip()
     if key is None and required:
         raise UsageError("no admin key: give --admin-key, set $KVGATE_ADMIN_KEY, or --config "
-                         "a file with [[admin_keys]]")
+                         "a file with [[admin_keys]] (a `kvgate serve` with no keys configured "
+                         "writes one to DATA_DIR/dev-admin-key, read for a gateway on this "
+                         "machine: --data-dir)")
     return key
 
 

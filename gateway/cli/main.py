@@ -9,6 +9,7 @@ import os
 import sys
 import textwrap
 from collections.abc import Mapping, Sequence
+from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -16,8 +17,18 @@ from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
 from gateway.cli.numerics_args import add_numerics_arguments, resolve_bench_numerics
 
 
+def _version() -> str:
+    """The installed package's version (pyproject.toml's, through the package metadata)."""
+    try:
+        return metadata.version("kvgate")
+    except metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install -e .)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvgate", description="Prefix-caching gateway for LLMs.")
+    parser.add_argument("--version", action="version", version=f"kvgate {_version()}",
+                        help="print the installed kvgate's version and exit")
     sub = parser.add_subparsers(dest="command", required=True)
     bench = sub.add_parser("bench", help="run a benchmark and print its figures")
     bench_sub = bench.add_subparsers(dest="bench", required=True)

@@ -3,8 +3,10 @@
 The deployment secret (``secret``, 0600) keys every block hash and MAC, so disk blocks stay
 valid only with the same secret; replicas sharing a Redis tier must all use the same one
 (``KVGATE_DEPLOYMENT_SECRET``). When no API key is configured, ``kvgate serve`` creates a
-development key for tenant ``default`` (``dev-api-key``). Both files are created atomically and
-reused after, so two processes starting at once agree on one value.
+development key for tenant ``default`` (``dev-api-key``) and one for the admin ``dev-admin``
+(``dev-admin-key``), so that ``kvgate admin`` works on the same machine out of the box. The
+files are created atomically and reused after, so two processes starting at once agree on one
+value.
 """
 
 from __future__ import annotations
@@ -25,6 +27,9 @@ from gateway.config.settings import ConfigError, ServeConfig
 logger = logging.getLogger(__name__)
 
 DEV_TENANT = "default"
+DEV_ADMIN = "dev-admin"
+"""The development admin's name: not a tenant's (``admin_tenant_clashes``), and not
+``DEV_TENANT``, whose cache scope an admin key would otherwise share."""
 SECRET_BYTES = 32
 
 MIN_DISTINCT_SECRET_BYTES = 8
@@ -88,19 +93,34 @@ def dev_api_key(config: ServeConfig) -> str:
         ConfigError: the file holds something that is not a usable key, or is open to other
             users.
     """
-    ensure_private_dir(config.data_dir)
-    key = read_or_create_private(
-        config.dev_key_path, lambda: "kvg-dev-" + secrets.token_urlsafe(32)
-    ).strip()
+    return _dev_key(config.data_dir, config.dev_key_path, "kvg-dev-")
+
+
+def dev_admin_key(config: ServeConfig) -> str:
+    """The development admin key (``data_dir/dev-admin-key``, 0600), made and checked as
+    ``dev_api_key`` makes the tenant's. Only for a server with no configured keys.
+
+    Raises:
+        ConfigError: as ``dev_api_key``.
+    """
+    return _dev_key(config.data_dir, config.dev_admin_key_path, "kvg-dev-admin-")
+
+
+def _dev_key(data_dir: Path, path: Path, prefix: str) -> str:
+    ensure_private_dir(data_dir)
+    key = read_or_create_private(path, lambda: prefix + secrets.token_urlsafe(32)).strip()
     problem = key_problem(key)
     if problem is not None:
-        raise ConfigError(f"the key in {config.dev_key_path} {problem}; delete the file to "
-                          "get a new one")
+        raise ConfigError(f"the key in {path} {problem}; delete the file to get a new one")
     return key
 
 
 def dev_key_entry(key: str) -> KeyEntry:
     return KeyEntry.of_key(key, DEV_TENANT)
+
+
+def dev_admin_entry(key: str) -> KeyEntry:
+    return KeyEntry.of_key(key, DEV_ADMIN, is_admin=True)
 
 
 def read_or_create_private(path: Path, make: Any) -> str:

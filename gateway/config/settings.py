@@ -30,6 +30,7 @@ DEFAULT_HTTP_PORT = 8000
 """The port OpenAI-compatible servers (vLLM, ``transformers serve``) listen on by default, so
 an SDK client's ``base_url`` of ``http://127.0.0.1:8000/v1`` finds kvgate there unchanged."""
 DEV_KEY_FILE = "dev-api-key"
+DEV_ADMIN_KEY_FILE = "dev-admin-key"
 SECRET_FILE = "secret"
 
 
@@ -419,6 +420,10 @@ class ServeConfig:
     @property
     def dev_key_path(self) -> Path:
         return self.data_dir / DEV_KEY_FILE
+
+    @property
+    def dev_admin_key_path(self) -> Path:
+        return self.data_dir / DEV_ADMIN_KEY_FILE
 
 
 

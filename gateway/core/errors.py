@@ -4,7 +4,9 @@ Hierarchy::
 
     GatewayError                 root: anything the gateway raises on purpose
      ├── InvalidRequest          the client sent something unusable (gRPC INVALID_ARGUMENT)
-     │    └── CanonicalizationError   messages / prompt / token ids cannot be canonicalised
+     │    ├── CanonicalizationError   messages / prompt / token ids cannot be canonicalised
+     │    └── NotFound            an admin request names a tenant or block that is not there
+     │                            (gRPC NOT_FOUND)
      ├── QueueFull               too many requests waiting (RESOURCE_EXHAUSTED)
      ├── RequestCancelled        the client cancelled or went away (CANCELLED)
      ├── DeadlineExceeded        the request's deadline passed (DEADLINE_EXCEEDED)
@@ -32,6 +34,11 @@ class InvalidRequest(GatewayError):
 
 class CanonicalizationError(InvalidRequest):
     """Messages, prompt text or token ids that cannot be turned into canonical tokens."""
+
+
+class NotFound(InvalidRequest):
+    """An admin request names what this gateway does not have (a tenant, a cached block):
+    acting on it would change nothing, so it is refused, saying where to look."""
 
 
 class QueueFull(GatewayError):

@@ -32,8 +32,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 from gateway.config.secrets import (
+    DEV_ADMIN,
     DEV_TENANT,
     deployment_secret,
+    dev_admin_entry,
+    dev_admin_key,
     dev_api_key,
     dev_key_entry,
     ensure_private_dir,
@@ -71,7 +74,8 @@ FEED_QUIET_S = 30.0
 def build_authenticator(
     config: ServeConfig, announce: Callable[[str], None], *, announces_to_terminal: bool = False
 ) -> Authenticator:
-    """The configured keys; with none, the development key of tenant ``default``.
+    """The configured keys; with none, the development key of tenant ``default`` and the
+    development admin key (their paths announced).
 
     Development mode (no key configured) is for one machine: it is refused when a listener that
     takes the key (gRPC, or the HTTP front when enabled) is not loopback. The development key
@@ -96,18 +100,22 @@ def build_authenticator(
             "config, or KVGATE_API_KEYS) or listen on 127.0.0.1"
             + ("" if name == "gRPC" else ", or set [http] enabled = false"))
     key = dev_api_key(config)
+    admin_key = dev_admin_key(config)
+    admin_line = (f"development admin key ({DEV_ADMIN!r}) in {config.dev_admin_key_path} "
+                  "(`kvgate admin` on this machine uses it)")
     if announces_to_terminal:
         announce(
             f"no API keys configured: development key for tenant {DEV_TENANT!r}: {key}\n"
-            f"(saved in {config.dev_key_path}; `kvgate generate` on this machine uses it)"
+            f"(saved in {config.dev_key_path}; `kvgate generate` on this machine uses it); "
+            f"{admin_line}"
         )
     else:
         announce(
             f"no API keys configured: the development key for tenant {DEV_TENANT!r} is in "
             f"{config.dev_key_path} (not printed: the output is not a terminal; "
-            "`kvgate generate` on this machine uses it)"
+            f"`kvgate generate` on this machine uses it); {admin_line}"
         )
-    return Authenticator([dev_key_entry(key)])
+    return Authenticator([dev_key_entry(key), dev_admin_entry(admin_key)])
 
 
 def _watch_feed(feed: EvictionFeed, server: GatewayServer, was_behind: str | None) -> str | None:

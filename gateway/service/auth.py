@@ -30,7 +30,7 @@ AUTHORIZATION = "authorization"
 
 
 class Authenticator:
-    """Finds the principal of a call's ``authorization`` metadata.
+    """Finds the principal of a call's ``authorization`` metadata (or HTTP header).
 
     Args:
         entries: every configured key; a key may appear only once.
@@ -61,15 +61,24 @@ class Authenticator:
     def tenants(self) -> frozenset[str]:
         return frozenset(e.principal.tenant for e in self._entries if not e.principal.is_admin)
 
-    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Principal:
-        """The principal of a call, from its invocation metadata.
+    def authenticate(self, metadata: Iterable[tuple[str, str | bytes]] | None, *,
+                     is_http: bool = False) -> Principal:
+        """The principal of a call, from its invocation metadata (gRPC) or headers (HTTP).
+
+        Args:
+            metadata: the call's metadata or the request's headers, as name-value pairs.
+            is_http: the caller speaks HTTP: the messages say "header", and how an HTTP client
+                sends one, instead of gRPC "metadata".
 
         Raises:
             Unauthenticated: no ``authorization`` header, not a bearer token, or an unknown key.
         """
         values = [value for name, value in metadata or () if name.lower() == AUTHORIZATION]
+        carrier = "header" if is_http else "metadata"
         if not values:
             raise Unauthenticated(
+                "no API key: send the HTTP header `Authorization: Bearer <key>` (an OpenAI "
+                "SDK sends its api_key so)" if is_http else
                 "no API key: send the metadata `authorization: Bearer <key>` "
                 "(kvgate generate takes --api-key or KVGATE_API_KEY)"
             )
@@ -82,7 +91,7 @@ class Authenticator:
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise Unauthenticated(
-                "the `authorization` metadata must be `Bearer <key>` (the bearer scheme)"
+                f"the `authorization` {carrier} must be `Bearer <key>` (the bearer scheme)"
             )
         principal = self.find(key)
         if principal is None:

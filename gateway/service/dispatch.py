@@ -76,12 +76,14 @@ class ServicerSet:
         engines: where the engine will be once the model is loaded.
         limits: bounds on deadlines and TTLs.
         access: where Generate, Warm and Lookup leave their line (None: nowhere).
+        tenants: the tenants with keys (``AdminServicer``; None: not checked).
     """
 
     def __init__(self, engines: EngineSlot, limits: EdgeLimits,
-                 access: AccessLog | None = None) -> None:
+                 access: AccessLog | None = None, *,
+                 tenants: frozenset[str] | None = None) -> None:
         self.gateway = GatewayServicer(engines, limits)
-        self.admin = AdminServicer(engines, limits)
+        self.admin = AdminServicer(engines, limits, tenants=tenants)
         self._access = access
 
     def keyed_services(self, gate: CallGate) -> tuple[KeyedService, KeyedService]:

@@ -111,6 +111,7 @@ class GatewayServer:
                        prompt=PromptLimits(max_chars=config.limits.max_prompt_chars,
                                            max_messages=config.limits.max_messages)),
             access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
+            tenants=authenticator.tenants,
         )
         self._health = health.HealthServicer()
         self._servers: list[Any] = []

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from gateway.cache.stats import CacheStats
 from gateway.config.keys import Principal, tenant_id_problem
 from gateway.core.canonical import PromptInput
-from gateway.core.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest, NotFound
 from gateway.core.fingerprint import Scope
 from gateway.core.prompt_limits import PromptLimits, PromptSize, check_prompt_size
 from gateway.core.requests import (
@@ -354,11 +354,20 @@ class GatewayServicer:
 
 
 class AdminServicer:
-    """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only): ``CacheAdmin``."""
+    """``kvgate.v1.Admin``: operators' view of every tenant (admin keys only): ``CacheAdmin``.
 
-    def __init__(self, engines: EngineSlot, limits: EdgeLimits | None = None) -> None:
+    Args:
+        engines: where the engine is.
+        limits: bounds on what a request may send.
+        tenants: the tenants this gateway has keys for; a quota for any other name would never
+            apply, so it is refused (None: not checked).
+    """
+
+    def __init__(self, engines: EngineSlot, limits: EdgeLimits | None = None, *,
+                 tenants: frozenset[str] | None = None) -> None:
         self._engines = engines
         self._limits = limits or EdgeLimits()
+        self._tenants = tenants
 
     def Stats(
         self, request: pb.StatsRequest, principal: Principal, context: Any
@@ -396,14 +405,6 @@ class AdminServicer:
         older = criteria.get("older_than_s")
         if older is not None and not (math.isfinite(older) and older >= 0):
             raise InvalidRequest(f"older_than_s must be a number of seconds >= 0, got {older}")
-        key_hex = criteria.get("key_hex")
-        if key_hex is not None:
-            try:
-                bytes.fromhex(key_hex)
-            except ValueError:
-                raise InvalidRequest(
-                    "key_hex must be a block key in hex, as ListPrefixes shows it"
-                ) from None
         result = self._engines.admin().evict(everything=request.everything, **criteria)
         return evict_response(result)
 
@@ -442,7 +443,12 @@ class AdminServicer:
         if num_bytes is not None and num_bytes < 0:
             raise InvalidRequest(f"num_bytes must be >= 0 (unset removes the quota), "
                                  f"got {num_bytes}")
-        self._engines.admin().set_quota(admin_tenant(request.tenant, "tenant"), num_bytes)
+        tenant = admin_tenant(request.tenant, "tenant")
+        if self._tenants is not None and tenant not in self._tenants:
+            raise NotFound(f"no tenant {tenant!r}: this gateway has keys for "
+                           f"{sorted(self._tenants)}; a quota for another name would never "
+                           "apply")
+        self._engines.admin().set_quota(tenant, num_bytes)
         return pb.SetQuotaResponse()
 
     def Flush(

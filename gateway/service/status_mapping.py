@@ -19,6 +19,7 @@ from gateway.core.errors import (
     DeadlineExceeded,
     EngineDraining,
     InvalidRequest,
+    NotFound,
     PermissionDenied,
     QueueFull,
     RequestCancelled,
@@ -27,6 +28,7 @@ from gateway.core.errors import (
 
 STATUS_OF_ERROR: dict[type, grpc.StatusCode] = {
     InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,  # CanonicalizationError included
+    NotFound: grpc.StatusCode.NOT_FOUND,
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,

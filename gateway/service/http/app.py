@@ -169,7 +169,7 @@ class OpenAIFront:
 
     async def _models(self, request: Request) -> Response:
         try:
-            self._auth.authenticate(request.headers.items())
+            self._auth.authenticate(request.headers.items(), is_http=True)
             names = served_model_names(self._engine().model_name)
         except Exception as exc:
             return self._error(exc, request)
@@ -177,7 +177,7 @@ class OpenAIFront:
 
     async def _model(self, request: Request) -> Response:
         try:
-            self._auth.authenticate(request.headers.items())
+            self._auth.authenticate(request.headers.items(), is_http=True)
             names = served_model_names(self._engine().model_name)
             if request.path_params["model"] not in names:
                 raise HttpFailure(status=404, type="invalid_request_error",
@@ -194,7 +194,7 @@ class OpenAIFront:
         access = AccessCall(self._access, f"http.{kind}")
         response: Response | None = None
         try:
-            principal = self._auth.authenticate(request.headers.items())
+            principal = self._auth.authenticate(request.headers.items(), is_http=True)
             access.tenant = principal.tenant
             engine = self._engine()
             with self._pending.hold(principal.tenant):

@@ -94,12 +94,17 @@ def test_evicting_by_key_removes_the_block_from_redis_too(
     replica: Replica, redis_server: RedisServer,
 ) -> None:
     metas = replica.store("alice", "abcdef")  # three blocks
+    branch = replica.store("alice", "abcxyz")  # the first block shared, then its own
     assert in_redis(redis_server, replica, metas) == [True, True, True]
-    replica.admin.evict(key_hex=metas[1].key.hex())  # the second block and what follows
-    assert in_redis(redis_server, replica, metas) == [True, False, True]
-    # The third is unreachable without its parent: a fetch stops at the missing block.
+    # The second block's chain: it, what follows it, and no block another prompt continues
+    # from (the first), here and in Redis; and a unique beginning of the key names it.
+    replica.admin.evict(key_hex=metas[1].key.hex()[:12])
+    assert in_redis(redis_server, replica, metas) == [True, False, False]
+    assert in_redis(redis_server, replica, branch) == [True, True, True]
     assert replica.cache.lookup(replica.keys.namespace(Scope.of_tenant("alice")),
                                 replica.tokens("abcdef")).num_blocks == 1
+    replica.admin.evict(key_hex=branch[-1].key.hex())  # now alone: the whole prompt goes
+    assert in_redis(redis_server, replica, branch) == [False, False, False]
 
 
 def test_evicting_by_age_reaches_the_blocks_idle_in_redis(
@@ -118,7 +123,7 @@ def test_tier_redis_with_a_key_removes_only_the_redis_copy(
 ) -> None:
     alice, bob = replica.store("alice", "abcd"), replica.store("bob", "abcd")
     replica.admin.evict(key_hex=alice[0].key.hex(), tier="redis")
-    assert in_redis(redis_server, replica, alice) == [False, True]  # the rest: unreachable
+    assert in_redis(redis_server, replica, alice) == [False, False]  # the key's chain
     assert in_redis(redis_server, replica, bob) == [True, True]
     assert replica.cache.stats().num_blocks == 4  # the local copies stay
 

@@ -40,9 +40,10 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway
 
 
 @pytest.fixture(autouse=True)
-def _no_kvgate_env(monkeypatch: pytest.MonkeyPatch) -> None:
+def _no_kvgate_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     for name in ("KVGATE_API_KEY", "KVGATE_API_KEYS", "KVGATE_ADMIN_KEY"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(tmp_path)  # no data/dev-admin-key of a `make serve` in the checkout
 
 
 def _admin(gateway: RunningGateway, command: str, *args: str, key: str | None = ADMIN_KEY,
@@ -215,3 +216,137 @@ def test_the_main_port_alone_says_where_the_admin_service_is(
     argv = ["admin", "stats", "--port", str(gateway.port), "--admin-key", ADMIN_KEY]
     assert main(argv) == 1
     assert "--admin-port" in capsys.readouterr().err
+
+
+TAIL_ONE = " First question: how many blocks does a long prompt about caches fill up today?"
+TAIL_TWO = " Second question: which tier holds the blocks that were evicted from the device?"
+
+
+def _all_keys(gateway: RunningGateway) -> list[str]:
+    assert gateway.opened is not None
+    placement = gateway.opened.cache.placement
+    with placement.locked():
+        return [r.key.hex() for r in placement.index.records()]
+
+
+def test_evict_key_as_ls_shows_it_evicts_the_prompts_whole_chain_and_no_more(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(_admin(gateway, "flush", "--yes")) in (0, 3)
+    client = gateway.client(KEY_A)
+    client.warm(LONG_PROMPT + TAIL_ONE)
+    client.warm(LONG_PROMPT + TAIL_TWO)
+    shared = client.lookup(LONG_PROMPT).cached_tokens
+    two = client.lookup(LONG_PROMPT + TAIL_TWO).cached_tokens
+    assert 0 < shared < two == client.lookup(LONG_PROMPT + TAIL_ONE).cached_tokens
+    capsys.readouterr()
+    assert main(_admin(gateway, "ls", "--json")) == 0
+    listed = _json(capsys)
+    assert isinstance(listed, list) and len(listed) == 2
+    one = listed[0]
+    assert main(_admin(gateway, "ls")) == 0
+    shown = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert one["key_hex"][:16] in shown
+
+    num_blocks_before = len(_all_keys(gateway))
+    assert main(_admin(gateway, "evict", "--key", one["key_hex"][:16].upper(), "--yes",
+                       "--json")) == 0
+    evicted = _json(capsys)
+    # The prompt's own blocks went (those after the part both prompts share), nothing else.
+    own_blocks = one["num_blocks"] - shared // 16
+    assert isinstance(evicted, dict) and evicted["num_blocks"] == own_blocks > 1
+    assert len(_all_keys(gateway)) == num_blocks_before - own_blocks
+    assert sorted(client.lookup(LONG_PROMPT + tail).cached_tokens
+                  for tail in (TAIL_ONE, TAIL_TWO)) == [shared, two]
+
+    # The other prompt alone: its whole chain goes, shared blocks included.
+    assert main(_admin(gateway, "ls", "--json")) == 0
+    remaining = _json(capsys)
+    assert isinstance(remaining, list) and len(remaining) == 1
+    other = remaining[0]
+    assert main(_admin(gateway, "evict", "--key", other["key_hex"][:7], "--yes")) == 0
+    assert capsys.readouterr().out.startswith(f"freed {other['num_blocks']} blocks\n")
+    assert _all_keys(gateway) == []
+    assert client.lookup(LONG_PROMPT).cached_tokens == 0
+
+
+def test_an_unknown_ambiguous_or_bad_key_is_an_error_that_says_why(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+) -> None:
+    gateway.client(KEY_A).warm(LONG_PROMPT + TAIL_ONE)
+    gateway.client(KEY_B).warm(OTHER)
+    for n in range(1, 10):  # 17 keys: two of them begin with the same hex digit
+        if len(_all_keys(gateway)) > 16:
+            break
+        gateway.client(KEY_B).warm(f"{n} " + OTHER)
+    keys = _all_keys(gateway)
+    unknown = next(c + d for c in "0123456789abcdef" for d in "0123456789abcdef"
+                   if not any(k.startswith(c + d) for k in keys))
+    assert main(_admin(gateway, "evict", "--key", unknown, "--yes")) == 3
+    err = capsys.readouterr().err
+    assert f"nothing changed: no cached block's key begins with '{unknown}'" in err
+    assert "kvgate admin ls" in err
+    # Two keys that begin alike: their common beginning names neither.
+    pairs = sorted(keys)
+    common = max((os.path.commonprefix([a, b]) for a, b in zip(pairs, pairs[1:], strict=False)),
+                 key=len)
+    assert common
+    assert main(_admin(gateway, "evict", "--key", common, "--yes")) == 1
+    assert f"key '{common}' is ambiguous: " in capsys.readouterr().err
+    assert main(_admin(gateway, "evict", "--key", "xyz", "--yes")) == 1
+    assert "key_hex must be hex digits" in capsys.readouterr().err
+    assert sorted(_all_keys(gateway)) == sorted(keys)
+
+
+def test_admin_commands_that_change_nothing_say_why_and_exit_3(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+) -> None:
+    gateway.client(KEY_A).warm(LONG_PROMPT)
+    capsys.readouterr()
+    part = LONG_PROMPT.split(".")[0]
+    assert main(_admin(gateway, "evict", "--tenant", "tenant-a", "--prefix", part,
+                       "--yes")) == 3
+    captured = capsys.readouterr()
+    assert captured.out == "freed 0 blocks\n"
+    assert "nothing changed:" in captured.err and "part of a prompt selects nothing" in captured.err
+    assert main(_admin(gateway, "pin", LONG_PROMPT, "--raw")) == 3
+    assert "the admin key's own scope (give --tenant NAME or --shared)" in \
+        capsys.readouterr().err
+    assert main(_admin(gateway, "unpin", LONG_PROMPT, "--raw", "--tenant", "tenant-a")) == 3
+    assert "no pinned full block" in capsys.readouterr().err
+    assert main(_admin(gateway, "quota", "nobody", "1GiB")) == 3
+    err = capsys.readouterr().err
+    assert "no tenant 'nobody'" in err and "tenant-a" in err
+    assert gateway.client(KEY_A).lookup(LONG_PROMPT).cached_tokens > 0
+    assert main(_admin(gateway, "flush", "--yes")) == 0
+    capsys.readouterr()
+    assert main(_admin(gateway, "flush", "--yes")) == 3
+    assert "the cache holds no block" in capsys.readouterr().err
+    assert main(_admin(gateway, "evict", "--all", "--yes")) == 3
+
+
+def test_the_help_of_every_admin_command_documents_the_exit_codes(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for command in ("evict", "pin", "quota", "flush"):
+        with pytest.raises(SystemExit):
+            main(["admin", command, "--help"])
+        assert "3 nothing to change" in " ".join(capsys.readouterr().out.split())
+
+
+def test_admin_on_this_machine_uses_the_dev_admin_key_of_the_data_dir(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "dev-admin-key").write_text(ADMIN_KEY + "\n", encoding="ascii")
+    assert main(_admin(gateway, "stats", "--json", key=None)) == 0  # ./data, the default
+    stats = _json(capsys)
+    assert isinstance(stats, dict) and "tiers" in stats
+    elsewhere = tmp_path / "elsewhere"
+    assert main([*_admin(gateway, "stats", key=None), "--data-dir", str(elsewhere)]) == 2
+    assert "DATA_DIR/dev-admin-key" in capsys.readouterr().err
+    # Never sent to a gateway on another machine.
+    assert main(["admin", "stats", "--host", "192.0.2.1", "--timeout", "1",
+                 "--data-dir", str(data)]) == 2
+    assert "no admin key" in capsys.readouterr().err

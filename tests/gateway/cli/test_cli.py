@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,23 @@ def test_the_console_script_is_installed_beside_python() -> None:
     result = subprocess.run([str(script), "--help"], capture_output=True, text=True, check=False)
     assert result.returncode == 0
     assert "bench" in result.stdout
+
+
+def test_version_prints_the_installed_packages_version() -> None:
+    script = Path(sys.executable).parent / "kvgate"
+    result = subprocess.run([str(script), "--version"], capture_output=True, text=True,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"kvgate {metadata.version('kvgate')}\n"
+
+
+def test_the_license_pyproject_names_is_at_the_root_in_full() -> None:
+    root = Path(__file__).resolve().parents[3]
+    pyproject = (root / "pyproject.toml").read_text(encoding="utf-8")
+    assert 'license = { text = "Apache-2.0" }' in pyproject
+    text = (root / "LICENSE").read_text(encoding="utf-8")
+    assert "Apache License\n                           Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text and len(text.splitlines()) == 202
 
 
 def test_an_unknown_command_exits_with_usage() -> None:

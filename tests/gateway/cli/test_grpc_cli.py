@@ -210,6 +210,31 @@ def test_serve_then_generate_twice_shows_the_cache_and_survives_a_restart(
     assert int(restarted["cached_tokens"]) > 0 and "disk:" in restarted["cached_by_tier"]
     assert third.stdout == first.stdout
 
+    # The admin commands work out of the box: the dev admin key lies beside the dev key.
+    admin_key_file = gateway_proc.data_dir / "dev-admin-key"
+    assert stat.S_IMODE(admin_key_file.stat().st_mode) == 0o600
+    assert str(admin_key_file) in gateway_proc.stdout
+    assert admin_key_file.read_text().strip() not in gateway_proc.stdout
+
+    def admin(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [KVGATE, "admin", *args, "--port", str(gateway_proc.port), "--data-dir",
+             str(gateway_proc.data_dir)],
+            capture_output=True, text=True, timeout=60, env=_clean_env(), check=False)
+
+    listed = admin("ls")
+    assert listed.returncode == 0, listed.stderr
+    key = listed.stdout.splitlines()[2].split()[0]
+    num_blocks = int(listed.stdout.splitlines()[2].split()[2])
+    evicted = admin("evict", "--key", key, "--yes")
+    assert evicted.returncode == 0, evicted.stderr
+    assert evicted.stdout.startswith(f"freed {num_blocks} blocks\n")
+    again = admin("evict", "--key", key, "--yes")
+    assert again.returncode == 3 and "nothing changed" in again.stderr
+    fourth = gateway_proc.generate("--max-tokens", "8", LONG_PROMPT)
+    assert fourth.returncode == 0, fourth.stderr
+    assert _usage_fields(fourth.stderr)["cached_tokens"] == "0"
+
 
 def test_generate_reports_errors_on_stderr_with_a_failing_status(
     serving: GatewayProcess, tmp_path: Path,

@@ -13,7 +13,7 @@ import pytest
 from gateway.cache.factory import GiB
 from gateway.config.keys import KeyEntry, Principal, key_digest
 from gateway.config.loader import DEFAULT_DISK_BYTES, load_serve_config, parse_size
-from gateway.config.secrets import dev_api_key
+from gateway.config.secrets import DEV_ADMIN, dev_admin_key, dev_api_key
 from gateway.config.settings import ConfigError, GrpcSettings, HttpSettings, ServeConfig
 from gateway.service.assembly import build_authenticator
 from gateway.service.auth import Authenticator
@@ -225,6 +225,23 @@ def test_without_keys_a_dev_key_is_created_announced_and_reused(tmp_path: Path) 
     assert len(lines) == 1 and key in lines[0] and "default" in lines[0]
     assert dev_api_key(config) == key
     assert build_authenticator(config, lines.append).find(key) is not None
+
+
+def test_without_keys_a_dev_admin_key_is_created_beside_it_and_named_not_printed(
+    tmp_path: Path,
+) -> None:
+    config = ServeConfig(data_dir=tmp_path / "data")
+    for to_terminal in (True, False):
+        lines: list[str] = []
+        auth = build_authenticator(config, lines.append, announces_to_terminal=to_terminal)
+        admin_key = config.dev_admin_key_path.read_text().strip()
+        assert config.dev_admin_key_path.parent == config.dev_key_path.parent
+        assert mode_of(config.dev_admin_key_path) == 0o600
+        assert auth.find(admin_key) == Principal(tenant=DEV_ADMIN, is_admin=True)
+        assert DEV_ADMIN not in auth.tenants and auth.tenants == {"default"}
+        assert len(lines) == 1 and str(config.dev_admin_key_path) in lines[0]
+        assert admin_key not in lines[0]
+    assert dev_admin_key(config) == admin_key != dev_api_key(config)
 
 
 def test_the_dev_key_is_printed_only_to_a_terminal_else_only_its_path(tmp_path: Path) -> None:

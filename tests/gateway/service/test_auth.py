@@ -72,6 +72,18 @@ def test_missing_malformed_and_unknown_keys_are_unauthenticated(
     assert KEY_A not in str(excinfo.value) and KEY_B not in str(excinfo.value)
 
 
+def test_http_callers_are_told_of_headers_grpc_callers_of_metadata(
+    auth: Authenticator,
+) -> None:
+    for metadata in ([], [("authorization", KEY_A)]):
+        with pytest.raises(Unauthenticated) as over_grpc:
+            auth.authenticate(metadata)
+        with pytest.raises(Unauthenticated) as over_http:
+            auth.authenticate(metadata, is_http=True)
+        assert "metadata" in str(over_grpc.value)
+        assert "header" in str(over_http.value) and "metadata" not in str(over_http.value)
+
+
 def test_admin_only_operations_name_the_tenant_but_not_the_key(auth: Authenticator) -> None:
     principal = auth.authenticate(bearer(KEY_A))
     with pytest.raises(PermissionDenied, match="admin key.*tenant-a"):

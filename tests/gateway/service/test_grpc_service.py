@@ -28,6 +28,7 @@ from gateway.client import (
     DeadlineExceeded,
     InvalidArgument,
     KvgateClient,
+    NotFound,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
@@ -423,6 +424,8 @@ def test_admin_lists_pins_evicts_and_flushes(
     assert admin.pin(prompt_a, tenant="tenant-a", unpin=True) == warmed.num_blocks
     admin.set_quota("tenant-b", 1 << 30)
     admin.set_quota("tenant-b", None)
+    with pytest.raises(NotFound, match="no tenant 'tenant-z': this gateway has keys for "):
+        admin.set_quota("tenant-z", 1 << 30)
 
     evicted = admin.evict(tenant="tenant-b")
     assert evicted.num_blocks >= warmed.num_blocks

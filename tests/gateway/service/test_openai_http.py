@@ -295,6 +295,13 @@ def test_a_missing_or_unknown_key_is_401_in_openai_shape(stack: Stack) -> None:
     error = json.loads(body)["error"]
     assert status == 401 and error["type"] == "authentication_error"
     assert "Bearer" in error["message"]
+    # HTTP speaks of headers, never of gRPC metadata.
+    assert "HTTP header `Authorization: Bearer <key>`" in error["message"]
+    status, _, body = stack.raw("POST", "/v1/chat/completions", b"{}",
+                                headers={"Authorization": "Basic abc"})
+    message = json.loads(body)["error"]["message"]
+    assert status == 401 and "`authorization` header must be `Bearer <key>`" in message
+    assert "metadata" not in error["message"] + message
 
 
 def test_the_shared_scope_with_a_tenant_key_is_403(stack: Stack) -> None:
