@@ -9,7 +9,8 @@ V with ``torch.equal``. A block that differs is a fault somewhere below the prom
 bit in memory, a store that returns another block's bytes, a forward that stopped being
 invariant): it is counted, logged with its key and the tier that served it, and evicted
 everywhere (the callback given at construction: the cache admin's eviction by key, which reaches
-Redis and the other replicas, and takes every block built on it), and the metric behind the
+Redis and the other replicas, and takes the block's chain: every block built on it and the
+blocks before it that only it continues from), and the metric behind the
 alert rule in ``deploy/observability/alerts.yaml`` goes up.
 
 Why here, on the engine's worker thread: the forward is not thread-safe, and the worker is the
@@ -50,7 +51,8 @@ MAX_PENDING = 4
 """Samples waiting for idle capacity; more are dropped (counted)."""
 
 EvictBlocks = Callable[[Sequence[BlockKey]], None]
-"""Evicts blocks (and every block built on them) by key, everywhere the deployment keeps them."""
+"""Evicts blocks (with their chains: ``gateway.cache.admin.chain_of``) by key, everywhere the
+deployment keeps them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
