@@ -152,8 +152,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
     import torch
 
+    from gateway.engine.engine import EngineConfig
     from gateway.engine.model import load_model
-    from gateway.engine.route_search import SearchSettings, search_route
+    from gateway.engine.route_search import search_route
     from gateway.engine.verdicts import cpu_identity
     from tests.tiny_llama import save_tiny_llama
 
@@ -162,7 +163,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     with tempfile.TemporaryDirectory() as directory:
         model_dir = save_tiny_llama(Path(directory) / "tiny")
         for dtype in (torch.float32, torch.bfloat16):
-            verdict = search_route(load_model(str(model_dir), dtype=dtype), SearchSettings())
+            verdict = search_route(load_model(str(model_dir), dtype=dtype),
+                                   EngineConfig().search_settings())
             detail = (f"{verdict.kernel} padded {verdict.padding}, {verdict.attention} "
                       "attention" if verdict.name == "batched" else verdict.reason)
             lines.append(f"kvgate route (tiny Llama, {str(dtype).removeprefix('torch.')}): "

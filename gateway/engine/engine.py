@@ -138,6 +138,12 @@ class EngineConfig:
             raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got "
                              f"{self.linear_kernel!r}")
 
+    def search_settings(self) -> SearchSettings:
+        """What the route search depends on in this configuration (and the verdict's key)."""
+        return SearchSettings(route=self.route, linear_kernel=self.linear_kernel,
+                              max_rows=max(self.step_tokens, self.prefill_step_tokens),
+                              max_logit_rows=self.max_running)
+
 
 class Engine:
     """Queue, worker thread, model and prefix cache: the request path below the servicer.
@@ -294,10 +300,7 @@ class Engine:
         """The route remembered for this model, machine and settings, else the one the search
         finds (then remembered)."""
         loaded = self._loaded
-        settings = SearchSettings(
-            route=self._config.route, linear_kernel=self._config.linear_kernel,
-            max_rows=max(self._config.step_tokens, self._config.prefill_step_tokens),
-            max_logit_rows=self._config.max_running)
+        settings = self._config.search_settings()
         key = None
         if self._verdicts is not None:
             key = verdict_key(fingerprint=loaded.fingerprint, dtype=loaded.layout.dtype,

@@ -34,7 +34,6 @@ from gateway.engine.probe import ProbeCancelled, ProbeResult, probe_invariance
 from gateway.engine.row_padding import CPU_ROW_PADDING, RowPadding
 from gateway.engine.row_products import (
     KERNELS,
-    SHARES_DECODE_ROWS,
     LinearKernel,
     Product,
     RowProducts,
@@ -146,30 +145,28 @@ def attention_names(device: torch.device) -> list[str]:
     return names
 
 
+def _parts(verdict: RouteVerdict,
+           kernels: Mapping[str, Product]) -> tuple[RowProducts, SequenceAttention]:
+    """The products and attention a batched verdict names."""
+    assert verdict.padding is not None
+    products = RowProducts.of(verdict.kernel, verdict.padding, kernels)
+    return products, ATTENTIONS[verdict.attention](products.shares_decode_rows)
+
+
 def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
                   kernels: Mapping[str, Product] = KERNELS) -> StepForward:
     """The forward ``verdict`` names, on ``loaded``'s weights."""
     if verdict.name != "batched":
         return SerialForward(loaded)
-    assert verdict.padding is not None
-    products = _products(verdict.kernel, verdict.padding, kernels)
-    attention = ATTENTIONS[verdict.attention](products.shares_decode_rows)
+    products, attention = _parts(verdict, kernels)
     return BatchedForward(loaded.model, attention, products)
-
-
-def _products(kernel: str, padding: RowPadding, kernels: Mapping[str, Product]) -> RowProducts:
-    return RowProducts(kernel=kernel, padding=padding,
-                       shares_decode_rows=SHARES_DECODE_ROWS.get(kernel, False),
-                       product_override=None if kernels is KERNELS else kernels[kernel])
 
 
 def route_of(verdict: RouteVerdict, kernels: Mapping[str, Product] = KERNELS) -> EngineRoute:
     """The ``EngineRoute`` a verdict serves as (its namespace part included)."""
     numerics = ""
     if verdict.name == "batched":
-        assert verdict.padding is not None
-        products = _products(verdict.kernel, verdict.padding, kernels)
-        attention = ATTENTIONS[verdict.attention](products.shares_decode_rows)
+        products, attention = _parts(verdict, kernels)
         numerics = "-".join(part for part in (attention.numerics, products.label) if part)
     return EngineRoute(name=verdict.name, reason=verdict.reason, probe_s=verdict.seconds,
                        decode_kv_is_prefill_kv=verdict.decode_kv_is_prefill_kv,

@@ -92,6 +92,15 @@ class RowProducts:
     shares_decode_rows: bool
     product_override: Product | None = field(default=None, compare=False, repr=False)
 
+    @classmethod
+    def of(cls, kernel: str, padding: RowPadding,
+           kernels: Mapping[str, Product] = KERNELS) -> RowProducts:
+        """``kernel``'s products under ``padding``, decode rows shared as
+        ``SHARES_DECODE_ROWS`` says, computed by ``kernels[kernel]``."""
+        return cls(kernel=kernel, padding=padding,
+                   shares_decode_rows=SHARES_DECODE_ROWS.get(kernel, False),
+                   product_override=None if kernels is KERNELS else kernels[kernel])
+
     @property
     def label(self) -> str:
         """Its part of the block namespace (empty for the CPU's BLAS, the earliest numerics)."""
@@ -215,10 +224,7 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
                     problem = ("a row's bits change with the row count under every padding "
                                "tried")
         if padding is not None:
-            candidates.append(RowProducts(
-                kernel=name, padding=padding, shares_decode_rows=SHARES_DECODE_ROWS.get(
-                    name, False), product_override=None if kernels is KERNELS
-                else kernels[name]))
+            candidates.append(RowProducts.of(name, padding, kernels))
         elif problem is not None:
             level = logging.WARNING if kernel == name else logging.INFO
             logger.log(level, "linear kernel %s dropped: %s", name, problem)

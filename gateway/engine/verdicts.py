@@ -43,22 +43,19 @@ FORMAT = "kvgate-route-verdict/1"
 
 
 def cpu_identity() -> str:
-    """The CPU's model name and instruction-set flags (what decides the kernels' paths)."""
-    model, flags = platform.processor() or platform.machine(), ""
+    """The CPU's model name and instruction-set flags (what decides the kernels' paths): the
+    first processor's entry of ``/proc/cpuinfo``; where there is none (not Linux), the
+    platform's own name and no flags."""
     try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "model name" and model in ("", platform.machine(),
-                                                     platform.processor()):
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = " ".join(sorted(value.split()))
-                if model and flags and key == "":
-                    break
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
     except OSError:
-        pass
+        text = ""
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n", 1)[0].splitlines():
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    flags = " ".join(sorted((fields.get("flags") or fields.get("Features") or "").split()))
     return f"{model} [{flags}]"
 
 

@@ -20,7 +20,7 @@ from gateway.engine.engine import EngineConfig
 from gateway.engine.forward import BatchedForward, projection_weights
 from gateway.engine.model import LoadedModel
 from gateway.engine.probe import probe_invariance
-from gateway.engine.route_search import SearchSettings, search_route
+from gateway.engine.route_search import search_route
 from gateway.engine.row_padding import RowPadding
 from gateway.engine.row_products import (
     KERNELS,
@@ -68,13 +68,6 @@ ROWWISE = RowProducts(kernel="blas", padding=RowPadding(minimum=1, multiple=1),
                       shares_decode_rows=False, product_override=rowwise)
 
 
-def settings(config: EngineConfig | None = None) -> SearchSettings:
-    config = config or EngineConfig()
-    return SearchSettings(route=config.route, linear_kernel=config.linear_kernel,
-                          max_rows=max(config.step_tokens, config.prefill_step_tokens),
-                          max_logit_rows=config.max_running)
-
-
 _FOUND: dict[tuple[int, str], bool] = {}
 """Whether the machine's search found the batched route, per (model object, linear kernel)."""
 
@@ -82,7 +75,8 @@ _FOUND: dict[tuple[int, str], bool] = {}
 def _machine_batched(loaded: LoadedModel, linear_kernel: LinearKernel) -> bool:
     key = (id(loaded), linear_kernel)
     if key not in _FOUND:
-        verdict = search_route(loaded, SearchSettings(linear_kernel=linear_kernel))
+        verdict = search_route(loaded,
+                               EngineConfig(linear_kernel=linear_kernel).search_settings())
         _FOUND[key] = verdict.name == "batched"
     return _FOUND[key]
 
@@ -99,12 +93,11 @@ def batched_kernels(loaded: LoadedModel,
 def machine_products(loaded: LoadedModel, attention: SequenceAttention) -> RowProducts:
     """The first products this machine's search finds whose forward with ``attention`` the
     probe finds invariant on ``loaded``; ``ROWWISE`` where none is."""
-    config = EngineConfig()
+    settings = EngineConfig().search_settings()
     model = loaded.model
     for products in candidate_row_products(
             loaded.device, projection_weights(model), model.lm_head.weight,
-            max_rows=max(config.step_tokens, config.prefill_step_tokens),
-            max_logit_rows=config.max_running):
+            max_rows=settings.max_rows, max_logit_rows=settings.max_logit_rows):
         forward = BatchedForward(model, attention, products)
         if probe_invariance(forward, loaded.layout, int(model.config.vocab_size)).is_invariant:
             return products

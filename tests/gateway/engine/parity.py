@@ -29,7 +29,6 @@ from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, compute_block_kv, load_model
 from gateway.engine.route_search import build_forward, search_route
-from tests.gateway.engine.kernels import settings as kernels_settings
 from tiers.payload import KVBlock
 
 BLOCK = 16
@@ -137,7 +136,7 @@ def engine_forward(loaded: LoadedModel, device: torch.device) -> BatchedForward:
     """The batched forward an engine with the default configuration chooses on ``device``: the
     first candidate of this machine's search that the start-up probe passes."""
     del device  # the model's own
-    verdict = search_route(loaded, kernels_settings())
+    verdict = search_route(loaded, EngineConfig().search_settings())
     forward = build_forward(loaded, verdict)
     assert isinstance(forward, BatchedForward), verdict.reason
     return forward

@@ -8,15 +8,13 @@ Parity from every tier, per prompt, is ``test_parity.py``; the prompts and helpe
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from gateway.cache.admin import CacheAdmin, list_prefixes
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest, QueueFull, RequestCancelled
 from gateway.core.fingerprint import Scope
@@ -31,40 +29,18 @@ from gateway.core.requests import (
 )
 from gateway.engine.engine import Engine
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, forward_logits, load_model
+from gateway.engine.model import LoadedModel, forward_logits
 from gateway.engine.model import make_sequence_cache as sequence_cache
 from tests.gateway.engine.parity import (
     ALICE,
     BLOCK,
     PROMPTS,
-    SECRET,
-    cache_config,
     make_engine,
     prompt_tokens,
     run,
 )
-from tests.tiny_llama import save_tiny_llama
 
 BOB = Scope.of_tenant("bob")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
-
-
-@pytest.fixture
-def opened(tiny: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
-    cache = open_cache(cache_config(tmp_path), layout=tiny.layout, deployment_secret=SECRET)
-    yield cache
-    cache.close()
-
-
-@pytest.fixture
-def engine(tiny: LoadedModel, opened: OpenedCache) -> Iterator[Engine]:
-    e = make_engine(tiny, opened)
-    yield e
-    e.stop(grace_s=5)
 
 
 def test_the_sequence_cache_computes_what_transformers_dynamic_cache_computes(

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 import gateway.engine.loop as loop_module
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import (
@@ -33,11 +32,8 @@ from gateway.engine.detokenizer import Detokenizer
 from gateway.engine.engine import Engine
 from gateway.engine.jobs import RequestHandle
 from gateway.engine.loop_records import ActiveRequest
-from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.request_blocks import RequestBlocks
 from gateway.engine.sampling import Sampler
-from tests.gateway.engine.parity import SECRET, cache_config, make_engine
-from tests.tiny_llama import save_tiny_llama
 
 ALICE = Scope.of_tenant("alice")
 OTHERS = [Scope.of_tenant("bob"), Scope.of_tenant("carol"), Scope.of_tenant("dave")]
@@ -60,25 +56,6 @@ EDGE_SAMPLING: list[dict[str, Any]] = [
     {"stop": tuple(chr(0x41 + i) * 256 for i in range(16))},
     {"stop": ("\ufffd", "\ud800")},
 ]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
-
-
-@pytest.fixture
-def opened(tiny: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
-    cache = open_cache(cache_config(tmp_path), layout=tiny.layout, deployment_secret=SECRET)
-    yield cache
-    cache.close()
-
-
-@pytest.fixture
-def engine(tiny: LoadedModel, opened: OpenedCache) -> Iterator[Engine]:
-    e = make_engine(tiny, opened)
-    yield e
-    e.stop(grace_s=5)
 
 
 def _request(tokens: list[int], scope: Scope, *, max_tokens: int,

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
-from pathlib import Path
+from collections.abc import Sequence
 
 import pytest
 import torch
 
 from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.factory import OpenedCache
 from gateway.core.fingerprint import NamespaceSpec, derive_namespace
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.model import LoadedModel
 from gateway.engine.shadow import ShadowCounters, ShadowVerifier
 from gateway.service.metrics import GatewayMetrics
 from policies.base import BlockKey
@@ -30,11 +29,9 @@ from tests.gateway.engine.parity import (
     BLOCK,
     PROMPT_BY_ID,
     SECRET,
-    cache_config,
     prompt_tokens,
     run,
 )
-from tests.tiny_llama import save_tiny_llama
 from tiers.payload import KVBlock
 
 ALICE_NAMESPACE = derive_namespace(NamespaceSpec(
@@ -42,18 +39,6 @@ ALICE_NAMESPACE = derive_namespace(NamespaceSpec(
     scope=ALICE))
 CHECKED_PROMPTS = ("repeated-sentence", "shared-system-prompt-1", "shared-system-prompt-2",
                    "exactly-3-blocks", "over-4-blocks", "multi-turn-chat")
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
-
-
-@pytest.fixture
-def opened(tiny: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
-    cache = open_cache(cache_config(tmp_path), layout=tiny.layout, deployment_secret=SECRET)
-    yield cache
-    cache.close()
 
 
 def start(tiny: LoadedModel, opened: OpenedCache, fraction: float,
