@@ -7,7 +7,7 @@
 #                                   tier, device placement) in .venv-gpu with a CUDA torch build
 #   make serve                      the gateway: gRPC on 127.0.0.1:50051, the OpenAI-compatible
 #                                   HTTP API on http://127.0.0.1:8000/v1 (prints a dev API key)
-#   make bench-index                the index benchmark (printed figures, see README)
+#   make bench-index                the index benchmark (printed figures, docs/benchmarks.md)
 #   make bench-ttft                 cold vs warm time to first token per tier, beside peers;
 #                                   table + data/bench-ttft.png
 #   make bench-load                 U users x R chat rounds under one system prompt: kvgate

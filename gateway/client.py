@@ -22,6 +22,7 @@ code and the server's message::
      ├── ResourceExhausted    RESOURCE_EXHAUSTED: queue full / message too large
      ├── DeadlineExceeded     DEADLINE_EXCEEDED
      ├── Unavailable          UNAVAILABLE (after the retries)
+     │    └── NotGrpc         the address answered in HTTP/1.x: not a gRPC port (not retried)
      ├── Cancelled            CANCELLED
      └── InternalError        INTERNAL and anything else
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
@@ -106,6 +108,11 @@ class Unavailable(KvgateError):
     """The gateway is loading or draining; retried automatically, then raised."""
 
 
+class NotGrpc(Unavailable):
+    """The address answered, but in HTTP/1.x rather than gRPC's HTTP/2: an HTTP port, such as
+    kvgate's OpenAI-compatible API (8000) or its metrics port, instead of the gRPC one."""
+
+
 class Cancelled(KvgateError):
     """The call was cancelled."""
 
@@ -126,10 +133,21 @@ _ERROR_OF_CODE: dict[Any, type[KvgateError]] = {
 }
 
 
-def error_of(exc: grpc.RpcError) -> KvgateError:
-    """The ``KvgateError`` for a failed call."""
+_NOT_HTTP2 = re.compile(r"Failed parsing HTTP/2|http1\.x server")
+"""What gRPC core says of a server that answered a connection in something other than HTTP/2
+("... (Expected SETTINGS frame as the first frame, got frame type 79)": the ``O`` of
+``HTTP/1.1 400``, read as a frame header)."""
+
+
+def error_of(exc: grpc.RpcError, target: str | None = None) -> KvgateError:
+    """The ``KvgateError`` for a failed call to ``target`` (``host:port``, for the message)."""
     code = exc.code()
     details = exc.details() or ""
+    if code == grpc.StatusCode.UNAVAILABLE and _NOT_HTTP2.search(details):
+        where = target or "the address"
+        return NotGrpc(code, f"{where} answered HTTP/1.x, not gRPC: is that kvgate's HTTP API "
+                             "port (or its metrics port)? kvgate's gRPC service listens on "
+                             "[server] port (kvgate --port; 50051 by default)")
     return _ERROR_OF_CODE.get(code, InternalError)(code, details)
 
 
@@ -296,6 +314,8 @@ class KvgateClient:
         self._channel = channel(port)
         self._admin_channel = (channel(admin_port) if admin_port not in (None, port)
                                else self._channel)
+        self._target = target(port)
+        self._admin_target = target(admin_port) if admin_port is not None else self._target
         self._gateway = pb_grpc.GatewayStub(self._channel)
         self._admin = pb_grpc.AdminStub(self._admin_channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
@@ -422,7 +442,7 @@ class KvgateClient:
     # ---- Admin -----------------------------------------------------------------------------
 
     def stats(self, *, timeout_s: float | None = None) -> StatsReport:
-        r = self._unary(self._admin.Stats, pb.StatsRequest(), timeout_s)
+        r = self._admin_call(self._admin.Stats, pb.StatsRequest(), timeout_s)
         return StatsReport(
             num_blocks=r.num_blocks, num_namespaces=r.num_namespaces,
             num_token_mismatches=r.num_token_mismatches, num_remote_hits=r.num_remote_hits,
@@ -459,7 +479,7 @@ class KvgateClient:
     def list_prefixes(self, *, tenant: str | None = None, limit: int = 0,
                       timeout_s: float | None = None) -> list[PrefixInfo]:
         request = pb.ListPrefixesRequest(tenant=tenant, limit=limit)
-        r = self._unary(self._admin.ListPrefixes, request, timeout_s)
+        r = self._admin_call(self._admin.ListPrefixes, request, timeout_s)
         return [
             PrefixInfo(
                 tenant=p.tenant, key_hex=p.key_hex, num_blocks=p.num_blocks,
@@ -476,7 +496,7 @@ class KvgateClient:
               timeout_s: float | None = None) -> Evicted:
         request = pb.EvictRequest(tenant=tenant, prefix_text=prefix_text, key_hex=key_hex,
                                   older_than_s=older_than_s, tier=tier, everything=everything)
-        return _evicted(self._unary(self._admin.Evict, request, timeout_s))
+        return _evicted(self._admin_call(self._admin.Evict, request, timeout_s))
 
     def pin(self, prompt: str | None = None, *, unpin: bool = False,
             messages: Sequence[Mapping[str, str]] | None = None,
@@ -491,19 +511,24 @@ class KvgateClient:
             scope=_scope(shared), tenant=tenant,
         )
         method = self._admin.Unpin if unpin else self._admin.Pin
-        return int(self._unary(method, request, timeout_s).num_blocks)
+        return int(self._admin_call(method, request, timeout_s).num_blocks)
 
     def set_quota(self, tenant: str, num_bytes: int | None, *,
                   timeout_s: float | None = None) -> None:
         request = pb.SetQuotaRequest(tenant=tenant, num_bytes=num_bytes)
-        self._unary(self._admin.SetQuota, request, timeout_s)
+        self._admin_call(self._admin.SetQuota, request, timeout_s)
 
     def flush(self, *, timeout_s: float | None = None) -> Evicted:
-        return _evicted(self._unary(self._admin.Flush, pb.FlushRequest(), timeout_s))
+        return _evicted(self._admin_call(self._admin.Flush, pb.FlushRequest(), timeout_s))
 
     # ---- calls -----------------------------------------------------------------------------
 
-    def _unary(self, method: Callable[..., T], request: object, timeout_s: float | None) -> T:
+    def _admin_call(self, method: Callable[..., T], request: object,
+                    timeout_s: float | None) -> T:
+        return self._unary(method, request, timeout_s, target=self._admin_target)
+
+    def _unary(self, method: Callable[..., T], request: object, timeout_s: float | None, *,
+               target: str | None = None) -> T:
         deadline = time.monotonic() + (timeout_s if timeout_s is not None else self._timeout_s)
         attempt = 0
         while True:
@@ -513,7 +538,7 @@ class KvgateClient:
                               metadata=self._metadata)
             except grpc.RpcError as exc:
                 if not self._should_retry(exc, attempt, deadline):
-                    raise error_of(exc) from None
+                    raise error_of(exc, target or self._target) from None
 
     def _stream(self, request: pb.GenerateRequest,
                 timeout_s: float | None) -> Generator[TokenDelta | Usage, None, None]:
@@ -532,13 +557,15 @@ class KvgateClient:
                 return
             except grpc.RpcError as exc:
                 if received or not self._should_retry(exc, attempt, deadline):
-                    raise error_of(exc) from None
+                    raise error_of(exc, self._target) from None
             finally:
                 call.cancel()  # a no-op after the end; stops the server if we stop early
 
     def _should_retry(self, exc: grpc.RpcError, attempt: int, deadline: float) -> bool:
         if exc.code() != grpc.StatusCode.UNAVAILABLE or attempt >= self._retry.max_attempts:
             return False
+        if _NOT_HTTP2.search(exc.details() or ""):
+            return False  # an HTTP/1.x server: asking again gets the same answer
         pause = self._retry.backoff_s(attempt)
         if time.monotonic() + pause >= deadline:
             return False

@@ -1,4 +1,5 @@
-"""The two-sample Kolmogorov–Smirnov test, exact, for the timing audits (RELIABILITY.md group D).
+"""The two-sample Kolmogorov–Smirnov test, exact, for the timing audits
+(docs/reliability.md, group D).
 
 scipy is not a dependency of kvgate; the exact two-sided p-value for samples without ties is a
 count of lattice paths (Hodges 1958), a few lines with Python's integers: of the C(n+m, n)

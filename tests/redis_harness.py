@@ -1,4 +1,4 @@
-"""Real Redis servers and a fault-injecting TCP proxy for tests (RELIABILITY.md, group C).
+"""Real Redis servers and a fault-injecting TCP proxy for tests (docs/reliability.md, group C).
 
 * ``RedisServer``: Debian's ``redis-server`` on a free loopback port in its own directory,
   started and stopped by pid (SIGTERM, then SIGKILL), killable and restartable on the same

@@ -1,8 +1,9 @@
 """The ``tiny_llama`` harness piece: a seeded random Llama saved and loaded like a real one.
 
-Vocabulary 512, hidden 64, 2 layers, 4 heads, 2 KV heads (RELIABILITY.md), saved with
-``save_pretrained`` beside the offline test tokenizer and loaded back through
-``gateway.engine.model.load_model``, so tests exercise the real loading path in well under a second.
+Vocabulary 512, hidden 64, 2 layers, 4 heads, 2 KV heads (docs/reliability.md, "Harness"), saved
+with ``save_pretrained`` beside the offline test tokenizer and loaded back through
+``gateway.engine.model.load_model``, so tests exercise the real loading path in well under a
+second.
 Its outputs are meaningless; its arithmetic is a real transformer's, which is what parity tests
 need.
 """

@@ -1,13 +1,16 @@
 """Memory tiers: the device tier (where the model runs) and the host tier (CPU memory).
 
-Device tier: payloads as torch tensors on the model's device (CUDA when present, else CPU),
-ready to be copied into a request's buffers. It stores the tensors it is given when they are
-already on its device (blocks handed to a store are never written again, see ``BlockStore``),
-so inserting a freshly computed block costs no copy. One exception: a payload whose memory
-the tier already holds under another key (a tenant re-storing, under its own key, a block it
-was served from the shared scope) is copied, so that every key the tier's budget charges is
-memory of its own -- a budget charged twice for one copy would let the tier hold less than it
-says while it reports more.
+Device tier: payloads on the model's device (CUDA when present, else CPU). With a page pool
+(``tiers.page_pool``, the engine's), every block it holds is a page of that pool: a page a
+request hands over is kept as it is (no copy), a block from elsewhere (a promotion from a slower
+tier) is copied into a new page, and a request that hits the block reads the page in place.
+Without a pool it keeps tensors of its own (a pool page handed to it is copied out, so that the
+pool never holds memory a budget does not count). Either way, blocks handed to a store are never
+written again (``BlockStore``). One exception to "no copy": a payload whose memory the tier
+already holds under another key (a tenant re-storing, under its own key, a block it was served
+from the shared scope) is copied, so that every key the tier's budget charges is memory of its
+own -- a budget charged twice for one copy would let the tier hold less than it says while it
+reports more.
 
 Host tier: CPU memory, carved out of a slab pool. With CUDA present the slabs are pinned (page-
 locked) so device <-> host copies run asynchronously at full bandwidth; pinning is expensive per
@@ -40,6 +43,7 @@ import torch
 from policies.base import BlockKey
 from tiers.base import BatchDefaults, BlockMeta, StoreStats, TierConfigError
 from tiers.copy_fence import CopyFence, FenceFactory, record_fence
+from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout
 
 
@@ -51,23 +55,35 @@ def default_device() -> torch.device:
 class DeviceStore(BatchDefaults):
     """Block payloads as tensors on one device."""
 
-    def __init__(self, *, device: torch.device | str | None = None, name: str = "device") -> None:
+    def __init__(self, *, device: torch.device | str | None = None, name: str = "device",
+                 pool: PagePool | None = None) -> None:
         self.name = name
+        self.pool = pool
+        if pool is not None:
+            device = pool.device
         self.device = torch.device(device) if device is not None else default_device()
         self._blocks: dict[BlockKey, KVBlock] = {}
-        self._storage_refs: dict[int, int] = {}  # storage address -> keys holding it
+        self._storage_refs: dict[object, int] = {}  # page or storage address -> keys holding it
         self._lock = threading.Lock()
         self._stats = StoreStats(name=name)
 
     def put(self, meta: BlockMeta, block: KVBlock) -> None:
-        on_device = block if _is_on(block, self.device) else _copy_to(block, self.device)
+        try:
+            on_device = self._own_copy(block)
+        except PoolExhausted:
+            with self._lock:
+                self._stats.errors += 1
+                dropped = int(self._stats.notes.get("dropped_pool_full", 0))
+                self._stats.notes["dropped_pool_full"] = dropped + 1
+            return
         with self._lock:
             previous = self._blocks.get(meta.key)
             if previous is not None and _storage_of(previous) == _storage_of(on_device):
                 self._stats.puts += 1
                 return
             if _storage_of(on_device) in self._storage_refs:
-                on_device = _copy_to(on_device, self.device)  # held under another key already
+                # Held under another key already: a copy of its own.
+                on_device = self._copy(on_device)
             self._blocks[meta.key] = on_device
             self._hold_storage(on_device)
             if previous is None:
@@ -76,6 +92,22 @@ class DeviceStore(BatchDefaults):
             else:
                 self._release_storage(previous)
             self._stats.puts += 1
+
+    def _own_copy(self, block: KVBlock) -> KVBlock:
+        """``block`` as this tier keeps it: the pool's page itself, or a copy."""
+        if self.pool is not None:
+            return block if self.pool.page_of(block) is not None else self._copy(block)
+        if isinstance(block, PagedBlock) or not _is_on(block, self.device):
+            return _copy_to(block, self.device)
+        return block
+
+    def _copy(self, block: KVBlock) -> KVBlock:
+        """A copy of ``block`` in memory of this tier's own (a new page, with a pool)."""
+        if self.pool is None:
+            return _copy_to(block, self.device)
+        page = self.pool.allocate()
+        self.pool.fill(page, block)
+        return self.pool.block(page)
 
     def _hold_storage(self, block: KVBlock) -> None:
         storage = _storage_of(block)
@@ -335,9 +367,12 @@ class HostStore(BatchDefaults):
             self._stats.num_blocks = self._stats.num_bytes = 0
 
 
-def _storage_of(block: KVBlock) -> int:
-    """The address of the memory behind a block's first tensor: blocks that share it are one
-    copy (a block's tensors are views of one buffer, or of buffers owned by that block)."""
+def _storage_of(block: KVBlock) -> object:
+    """What identifies the memory behind a block: its page (every page is a view of one pool
+    tensor), else the address of its first tensor's storage. Blocks that share it are one copy
+    (a block's tensors are views of one buffer, or of buffers owned by that block)."""
+    if isinstance(block, PagedBlock) and block.page is not None:
+        return block.page
     return int(block.keys[0].untyped_storage().data_ptr())
 
 

@@ -1,7 +1,7 @@
 """A log of events shared by every replica, kept in one Redis stream.
 
 An admin eviction through one replica must reach the local tiers of every other replica, or they
-keep serving the evicted prefix (DESIGN.md, "Scaling past one machine"). Pub/sub would lose what
+keep serving the evicted prefix (docs/design.md "Scaling past one machine"). Pub/sub would lose what
 a replica misses while it is disconnected or restarting; a Redis *stream* keeps the last
 ``max_len`` events with increasing ids, so a replica that reads from the id it last saw misses
 nothing, and one whose id is older than the oldest kept knows it missed something.

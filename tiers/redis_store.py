@@ -1,7 +1,7 @@
 """The Redis tier: block payloads in a Redis server or Redis Cluster shared by every replica.
 
 Redis is the tier that makes a prefix computed by one replica a hit on all the others
-(DESIGN.md "Scaling past one machine"). It is also the tier that anyone with access to the
+(docs/design.md "Scaling past one machine"). It is also the tier that anyone with access to the
 Redis can write to, that can disappear, stall or evict at any moment; so this store is built
 around three rules:
 

@@ -71,7 +71,7 @@ def run_chunks_benchmark(*, model: str, cache_dir: Path, sizes: list[int], promp
 def _batched(loaded: LoadedModel, forward: BatchedForward, ids: torch.Tensor,
              size: int, device: torch.device) -> Callable[[], None]:
     def run() -> None:
-        seq = KVSequence(loaded.layout, int(ids.numel()), device=device)
+        seq = KVSequence.alone(loaded.layout, int(ids.numel()), device=device)
         for begin in range(0, int(ids.numel()), size):
             chunk = ids[begin:begin + size]
             forward.forward([SequenceRows(sequence=seq, tokens=chunk,
@@ -81,13 +81,13 @@ def _batched(loaded: LoadedModel, forward: BatchedForward, ids: torch.Tensor,
 
 def _one_shot(loaded: LoadedModel, ids: torch.Tensor) -> None:
     with torch.inference_mode():
-        loaded.model(input_ids=ids.reshape(1, -1), logits_to_keep=1)
+        loaded.transformers_model()(input_ids=ids.reshape(1, -1), logits_to_keep=1)
 
 
 def _serial(loaded: LoadedModel, ids: torch.Tensor, size: int,
             device: torch.device) -> Callable[[], None]:
     def run() -> None:
-        seq = KVSequence(loaded.layout, int(ids.numel()), device=device)
+        seq = KVSequence.alone(loaded.layout, int(ids.numel()), device=device)
         for begin in range(0, int(ids.numel()), size):
             end = min(int(ids.numel()), begin + size)
             forward_logits(loaded, ids[begin:end], make_sequence_cache(seq))

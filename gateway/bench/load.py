@@ -9,6 +9,8 @@ loopback port with a temporary data directory, one per configuration and user co
 neither cached blocks nor peak memory carry over), and stops by pid:
 
 * ``kvgate``: the default engine route (``auto``: batched when the start-up probe passes);
+* ``kvgate baseline``: the default route, served by another commit's checkout
+  (``--baseline PATH``, e.g. a ``git worktree`` of the commit before a change), side by side;
 * ``kvgate serial``: ``[engine] route = "serial"``, one request at a time;
 * ``kvgate no_cache``: the default route, every request ``no_cache`` (nothing read or stored);
 * ``kvgate no_shadow``: as ``kvgate`` with shadow verification off (``shadow_fraction = 0``):
@@ -20,8 +22,10 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 Per configuration and U: TTFT p50/p99 (client side: request sent -> first streamed token),
 latency p50/p99 (-> last item), requests/s and completion tokens/s over the wall time from the
 users' start to the last answer, the cached fraction (cached_tokens / prompt_tokens from the
-responses' usage; n/a where a server reports none), and the server process tree's peak RSS
-(``VmHWM`` from /proc, read before it is stopped). A table goes to stdout and, with matplotlib
+responses' usage; n/a where a server reports none), the server process tree's peak RSS
+(``VmHWM`` from /proc, read before it is stopped) and the peak KV bytes its running requests
+held (``gateway.bench.kv_held``); under the table, what admitting a warm turn with 1.7k cached
+tokens costs (``gateway.bench.admission``). A table goes to stdout and, with matplotlib
 installed (the ``plot`` extra), a PNG of TTFT p50/p99 and req/s against users.
 
 Every server, kvgate's and the peer, runs the model on ``--device`` in ``--dtype``
@@ -42,7 +46,9 @@ from typing import Protocol, TextIO
 
 import torch
 
+from gateway.bench.admission import measure_admission
 from gateway.bench.chat_workload import DEFAULT_RULES, Conversation, system_prompt
+from gateway.bench.kv_held import KVHeldPoller
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peer_serve import (
     PEER_BLOCK_TOKENS,
@@ -60,6 +66,7 @@ from gateway.engine.model import converted_checkpoint, resolve_source
 
 KVGATE = "kvgate"
 KVGATE_SERIAL = "kvgate serial"
+KVGATE_BASELINE = "kvgate baseline"
 KVGATE_NO_CACHE = "kvgate no_cache"
 KVGATE_NO_SHADOW = "kvgate no_shadow"
 KVGATE_SHADOW_ALL = "kvgate shadow_all"
@@ -78,10 +85,13 @@ class Configuration:
     no_cache: bool = False
     shadow_fraction: float | None = None
     """``[engine] shadow_fraction`` (None: the server's default, 0.01)."""
+    is_baseline: bool = False
+    """The server of ``--baseline PATH`` (another commit's checkout) instead of this one."""
 
 
 CONFIGURATIONS = (
     Configuration(name="kvgate", label=KVGATE),
+    Configuration(name="baseline", label=KVGATE_BASELINE, is_baseline=True),
     Configuration(name="no_shadow", label=KVGATE_NO_SHADOW, shadow_fraction=0.0),
     Configuration(name="shadow_all", label=KVGATE_SHADOW_ALL, shadow_fraction=1.0),
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
@@ -100,6 +110,8 @@ class LoadResult:
     replies: list[StreamedReply] = field(default_factory=list)
     wall_s: float = 0.0
     peak_rss_bytes: int | None = None
+    peak_kv_bytes: int | None = None
+    """The most KV bytes its running requests held at once (``gateway.bench.kv_held``)."""
     note: str | None = None
     server: str = ""
 
@@ -258,6 +270,8 @@ class LoadOptions:
     timeout_s: float = 600.0
     numerics: BenchNumerics = field(default_factory=resolve_numerics)
     """Where every server runs the model, and in what dtype."""
+    baseline: Path | None = None
+    """A checkout of another commit (``git worktree add``) the ``baseline`` rows run."""
 
 
 def run_load_benchmark(options: LoadOptions, *, out: TextIO,
@@ -288,6 +302,8 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
             results.append(result)
             if config.is_peer:
                 _measure_peer(options, result, system, models_dir, err)
+            elif config.is_baseline and options.baseline is None:
+                result.note = "n/a (give --baseline PATH, a checkout of the commit to compare)"
             else:
                 routes[config.label] = _measure_kvgate(options, config, result, system,
                                                        models_dir, err)
@@ -296,6 +312,7 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
                           f"{len(result.replies)} requests in {result.wall_s:.1f} s\n")
             err.flush()
     print_table(options, results, routes, out)
+    print_admission(options, out)
     if options.plot is not None:
         plot_results(results, options.plot, out)
     return results
@@ -312,7 +329,8 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
                        block_tokens=options.block_tokens, device_bytes=2 << 30, redis_url=None,
                        redis_binary=None, err=err, engine=engine, label="load",
                        device=options.numerics.device_text,
-                       dtype=options.numerics.dtype_name) as endpoint:
+                       dtype=options.numerics.dtype_name,
+                       source=options.baseline if config.is_baseline else None) as endpoint:
         route = endpoint.route or "? (the start line names none)"
         result.server = "route " + route.split(" ", 1)[0]
 
@@ -322,9 +340,11 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
                                  timeout_s=options.timeout_s)
 
         _warm_up(session)
-        result.replies, result.wall_s = run_users(
-            session, num_users=n, rounds=options.rounds, system=system,
-            num_rules=options.num_rules)
+        with KVHeldPoller(endpoint.host, endpoint.http_port) as poller:
+            result.replies, result.wall_s = run_users(
+                session, num_users=n, rounds=options.rounds, system=system,
+                num_rules=options.num_rules)
+        result.peak_kv_bytes = poller.peak_bytes
         result.peak_rss_bytes = (process_tree_peak_rss(endpoint.pid)
                                  if endpoint.pid is not None else None)
     return route
@@ -385,7 +405,7 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         f"torch {torch.__version__}; one fresh server per row\n\n")
     header = (f"{'configuration':<24} {'users':>5} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'lat p50':>8} {'lat p99':>8} {'req/s':>6} {'tok/s':>6} {'cached':>6} "
-              f"{'peak RSS':>9}  server\n")
+              f"{'peak RSS':>9} {'KV held':>9}  server\n")
     out.write(header)
     out.write("-" * (len(header) + 10) + "\n")
     for r in results:
@@ -396,20 +416,38 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         latency = [x.latency_s for x in r.replies]
         cached = r.cached_fraction
         rss = f"{r.peak_rss_bytes / (1 << 20):,.0f} MiB" if r.peak_rss_bytes else "?"
+        held = "?" if r.peak_kv_bytes is None else f"{r.peak_kv_bytes / (1 << 20):,.0f} MiB"
         out.write(
             f"{r.label:<24} {r.num_users:>5} {len(r.replies):>5} "
             f"{_ms(percentile(ttft, 0.5)):>9} {_ms(percentile(ttft, 0.99)):>9} "
             f"{_ms(percentile(latency, 0.5)):>8} {_ms(percentile(latency, 0.99)):>8} "
             f"{r.requests_per_s:>6.2f} {r.tokens_per_s:>6.1f} "
-            f"{'n/a' if cached is None else f'{cached:.3f}':>6} {rss:>9}  {r.server}\n")
+            f"{'n/a' if cached is None else f'{cached:.3f}':>6} {rss:>9} {held:>9}  "
+            f"{r.server}\n")
     out.write(
         "\nTTFT and latency in ms, client side (request sent -> first streamed token / end of "
         "the stream; gRPC for kvgate, HTTP server-sent events for the peer). req/s and tok/s: "
         "requests and completion tokens over the wall time from the users' start to the last "
         "answer. cached: cached_tokens / prompt_tokens from the responses' usage. peak RSS: "
-        "VmHWM of the server process and its children.\n")
+        "VmHWM of the server process and its children. KV held: the peak of "
+        "kvgate_kv_bytes_in_use polled every 50 ms (the running requests' pages, a shared "
+        "prefix counted once).\n")
     for label, route in routes.items():
         out.write(f"{label}: engine route {route}\n")
+
+
+def print_admission(options: LoadOptions, out: TextIO) -> None:
+    """The admission micro-benchmark (``gateway.bench.admission``) on the model's KV layout."""
+    from gateway.engine.model import load_model  # imports transformers: only here
+
+    layout = load_model(options.model, cache_dir=options.data_dir / "models",
+                        device=options.numerics.device, dtype=options.numerics.dtype).layout
+    result = measure_admission(layout, block_tokens=options.block_tokens,
+                               device=options.numerics.device)
+    out.write(f"\nadmitting a warm turn with {result.cached_tokens:,} cached tokens "
+              f"(median of 30, side by side): pages listed {result.listed_s * 1e3:.2f} ms, "
+              f"copied into the request's own {result.copied_s * 1e3:.2f} ms "
+              f"({result.speedup:.0f}x)\n")
 
 
 def plot_results(results: Sequence[LoadResult], path: Path, out: TextIO) -> bool:

@@ -51,9 +51,9 @@ def _first_token(loaded: LoadedModel, token_ids: Sequence[int], cache: Any,
                  device: torch.device) -> tuple[int, Any]:
     """The greedy first token (``int`` waits for the device) and the cache after the forward."""
     with torch.inference_mode():
-        out = loaded.model(input_ids=torch.tensor([list(token_ids)], dtype=torch.long,
-                                                  device=device),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = loaded.transformers_model()(
+            input_ids=torch.tensor([list(token_ids)], dtype=torch.long, device=device),
+            past_key_values=cache, use_cache=True, logits_to_keep=1)
     return int(out.logits[0, -1].argmax()), out.past_key_values
 
 

@@ -30,6 +30,7 @@ SPAWN_TENANT = "bench"
 
 _SERVING = re.compile(r"SERVING kvgate\.v1 on 127\.0\.0\.1:(\d+)")
 _ROUTE = re.compile(r"engine route (\w+): (.*)\)$", re.MULTILINE)
+_HTTP = re.compile(r"SERVING kvgate\.v1 on \S+ and the OpenAI API on https?://\S+:(\d+)/v1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +47,9 @@ class Endpoint:
     """The spawned server's process id (None for a gateway the benchmark did not start)."""
     route: str | None = None
     """The engine route the spawned server's start line names (``batched``/``serial``)."""
+    http_port: int | None = None
+    """The spawned server's OpenAI-compatible HTTP port (``/metrics`` too), from its start
+    line."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,11 +168,13 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                   redis_url: str | None, redis_binary: str | None, err: TextIO,
                   start_timeout_s: float = 600.0, engine: EngineOptions | None = None,
                   label: str = "ttft", device: str = "auto",
-                  dtype: str = "auto") -> Iterator[Endpoint]:
+                  dtype: str = "auto", source: Path | None = None) -> Iterator[Endpoint]:
     """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
     directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
     ``label`` names the benchmark in progress lines and the temporary directory; the server runs
-    its model on ``device`` in ``dtype`` (``[server] device`` and ``dtype``).
+    its model on ``device`` in ``dtype`` (``[server] device`` and ``dtype``). ``source``: a
+    checkout of another kvgate commit whose ``gateway`` package the server runs instead of this
+    one (first on its ``PYTHONPATH``), to measure two versions side by side.
     """
     root = Path(tempfile.mkdtemp(prefix=f"kvgate-bench-{label}-"))
     try:
@@ -187,6 +193,9 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
             config.chmod(0o600)
             model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())
             env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+            if source is not None:
+                env["PYTHONPATH"] = os.pathsep.join(
+                    p for p in (str(source.resolve()), env.get("PYTHONPATH")) if p)
             log = root / "serve.log"
             with log.open("wb") as log_fh:
                 proc = subprocess.Popen(
@@ -196,12 +205,13 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                     stdout=subprocess.DEVNULL, stderr=log_fh, env=env,
                 )
             try:
-                port, route = _wait_serving(proc, log, start_timeout_s)
+                port, route, http_port = _wait_serving(proc, log, start_timeout_s)
                 err.write(f"[{label}] spawned kvgate serve (pid {proc.pid}) on 127.0.0.1:{port}"
                           f"{', redis ' + url if url else ''}\n")
                 yield Endpoint(host="127.0.0.1", port=port, api_key=api_key,
                                admin_key=admin_key, tenant=SPAWN_TENANT,
-                               why_no_redis=why_no_redis, pid=proc.pid, route=route)
+                               why_no_redis=why_no_redis, pid=proc.pid, route=route,
+                               http_port=http_port)
             finally:
                 stop_process(proc, grace_s=30)
     finally:
@@ -222,16 +232,19 @@ def _maybe_redis(url: str | None, binary: str | None,
 
 
 def _wait_serving(proc: subprocess.Popen[bytes], log: Path,
-                  timeout_s: float) -> tuple[int, str | None]:
-    """The port the start line names, and the engine route with why (None if unnamed)."""
+                  timeout_s: float) -> tuple[int, str | None, int | None]:
+    """The port the start line names, the engine route with why (None if unnamed), and the
+    HTTP API's port (None if it names none)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = log.read_text(encoding="utf-8", errors="replace")
         match = _SERVING.search(text)
         if match:
             route = _ROUTE.search(text)
-            return int(match.group(1)), (f"{route.group(1)} ({route.group(2)})" if route
-                                         else None)
+            http = _HTTP.search(text)
+            return (int(match.group(1)),
+                    f"{route.group(1)} ({route.group(2)})" if route else None,
+                    int(http.group(1)) if http else None)
         if proc.poll() is not None:
             raise BenchError(f"kvgate serve exited with status {proc.returncode}:\n"
                              + text[-2000:])

@@ -49,6 +49,7 @@ from tiers.base import BlockMeta
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
 from tiers.memory import DeviceStore, HostStore
+from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
 
 SECRET = b"kvgate-bench-secret-000000000000"
@@ -209,9 +210,10 @@ def _memory_rows(blocks: list[KVBlock], metas: list[BlockMeta], layout: KVLayout
     host_get = _median_s(lambda: [host.get(m) for m in metas], repeats, clock=clock)
     promote = _median_s(promote_all, repeats, setup=device_clear, clock=clock)
     capacity = len(blocks) * block_tokens + 32
-    sequence_fill = _median_s(
-        lambda: KVSequence.from_blocks(layout, blocks, capacity, device=numerics.device),
-        repeats, clock=clock)
+    pool = PagePool(layout, page_tokens=block_tokens, device=numerics.device,
+                    num_pages=-(-capacity // block_tokens))
+    sequence_fill = _median_s(lambda: KVSequence.from_blocks(pool, blocks, capacity), repeats,
+                              clock=clock)
     rows.append(Row(tier="host", operation="put", seconds=host_put, num_bytes=total,
                     limit_name="tensor clone", limit_seconds=clone_s))
     rows.append(Row(tier="host", operation="get", seconds=host_get, num_bytes=total,

@@ -31,6 +31,7 @@ from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
 from tiers.hierarchy import TierHierarchy, TierLevel
 from tiers.memory import DeviceStore, HostStore
+from tiers.page_pool import PagePool
 from tiers.payload import KVLayout
 from tiers.redis_events import RedisEventLog
 from tiers.redis_store import RedisStore
@@ -39,6 +40,10 @@ logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
 LOCAL_TIERS = ("device", "host", "disk")
+
+RUNNING_BYTES = (2 << 30) + (2 << 30) // 16 + (256 << 20)
+"""The pool's room for running requests when the caller names none: the engine's defaults
+(2 GiB of KV with its 1/16 margin, 256 MiB of tails)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -160,6 +165,8 @@ class OpenedCache:
     sweeper: ExpirySweeper | None = None
     events: RedisEventLog | None = None
     """The stream replicas tell each other their evictions on (with Redis only)."""
+    pool: PagePool | None = None
+    """The device tier's pages, for the engine's requests too (``Engine(pool=...)``)."""
 
     def close(self) -> None:
         """Stop the sweeper, then flush and close the stores (stop the engine first)."""
@@ -176,10 +183,15 @@ def open_cache(
     deployment_secret: bytes,
     clock: Callable[[], float] = time.monotonic,
     device: torch.device | str = "cpu",
+    running_bytes: int = RUNNING_BYTES,
 ) -> OpenedCache:
     """Build and start every tier of ``config`` for a model with ``layout`` running on
     ``device``: the device tier lives there, and the host tier is pinned (and serves there)
     exactly when it is a GPU.
+
+    The device tier's blocks are pages of one pool (``tiers.page_pool``) that also holds the
+    running requests' own pages: ``device_bytes`` plus ``running_bytes`` (the engine's KV
+    budget and tails, with its margin: ``gateway.engine.engine.pool_bytes_for``).
 
     The disk tier's files from an earlier run are re-indexed (headers only) and served again.
     """
@@ -190,7 +202,9 @@ def open_cache(
         block_tokens=config.block_tokens,
         compression=config.compression,
     )
-    levels = [TierLevel(name="device", store=DeviceStore(device=device))]
+    pool = PagePool.for_budget(layout, page_tokens=config.block_tokens, device=device,
+                               budget_bytes=config.device_bytes + running_bytes)
+    levels = [TierLevel(name="device", store=DeviceStore(pool=pool))]
     budgets = {"device": config.device_bytes}
     if config.host_bytes:
         levels.append(TierLevel(name="host", store=HostStore(
@@ -258,7 +272,8 @@ def open_cache(
         events = RedisEventLog(config.redis_url, name=f"{config.redis_key_prefix}:events",
                                cluster=config.redis_cluster, timeout_s=config.redis_timeout_s)
     return OpenedCache(cache=cache, hierarchy=hierarchy, codec=codec,
-                       num_recovered_blocks=num_recovered, sweeper=sweeper, events=events)
+                       num_recovered_blocks=num_recovered, sweeper=sweeper, events=events,
+                       pool=pool)
 
 
 def eviction_cursor_path(config: CacheConfig) -> Path | None:

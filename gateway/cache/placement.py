@@ -2,7 +2,7 @@
 
 ``TierPlacement`` keeps the radix index, each tier's eviction policy and counters, and the one
 lock they share, and it is the only code that changes what a tier holds. Its rules are the
-cache's invariants (DESIGN.md, "The radix index" and "Blocks"): a block with references or a
+cache's invariants (docs/design.md, "The radix index" and "Blocks"): a block with references or a
 pin is never a victim; a block leaves a tier only after its children there, and leaves its last
 tier only when it has no children (or can move down); a record held by no tier and used by no
 one leaves the index. Eviction demotes through ``TierTransfers``, which in turn asks ``place``

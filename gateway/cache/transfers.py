@@ -223,17 +223,22 @@ class TierTransfers:
                     placement.counters(tier).load_failures += 1
                     placement.forget_copy(record, tier)
                     continue  # try the next tier that holds it
-                self._promote(record, meta, block, tier)
-            return block, tier
+                served = self._promote(record, meta, block, tier)
+            return served, tier
 
-    def _promote(self, record: BlockRecord, meta: BlockMeta, block: KVBlock, tier: str) -> None:
+    def _promote(self, record: BlockRecord, meta: BlockMeta, block: KVBlock,
+                 tier: str) -> KVBlock:
+        """Copy a block read from a slower ``tier`` into the fastest one; what to serve: the
+        fastest tier's copy where it kept one (a page of the pool requests read in place)."""
         placement = self._placement
         top = placement.tier_names[0]
         if not self._promote_on_hit or tier == top or placement.holds(record, top):
-            return
+            return block
         if placement.place(record, top):
             self._hierarchy.write(top, meta, block)
             placement.counters(top).promotions += 1  # counted where the copy went
+            return self._hierarchy.store(top).get(meta) or block
+        return block
 
     # ---- the remote tier ----------------------------------------------------------------
 
@@ -293,7 +298,9 @@ class TierTransfers:
                 if not placement.holds(record, top):
                     if not placement.place(record, top):
                         break
-                    self._hierarchy.write(top, placement.meta(record), block)
+                    meta = placement.meta(record)
+                    self._hierarchy.write(top, meta, block)
+                    block = self._hierarchy.store(top).get(meta) or block
                 used.append((record, block))
             placement.unhold(chain[len(used):])
             placement.note_remote_hits(len(used))

@@ -90,7 +90,9 @@ def add_admin_parser(sub: Any) -> None:
     ls.add_argument("--tenant", default=None, help="only this tenant's ('' for shared)")
     ls.add_argument("--limit", type=int, default=0, help="at most this many (server default)")
     evict = command("evict", "drop the blocks a selector names")
-    evict.add_argument("--tenant", default=None)
+    evict.add_argument("--tenant", default=None,
+                       help="this tenant's blocks ('' for the shared scope); with --prefix: "
+                            "the scope the prefix was warmed in")
     evict.add_argument("--prefix", default=None, metavar="TEXT",
                        help="prompts that begin with TEXT as warmed (needs --tenant): TEXT as "
                             "a system message -- how prewarm warms a text file and how a chat "
@@ -115,7 +117,7 @@ def add_admin_parser(sub: Any) -> None:
                                                       "admin's own)")
         pin.add_argument("--shared", action="store_true", help="the shared scope")
     quota = command("quota", "set (or remove) a tenant's byte quota")
-    quota.add_argument("tenant")
+    quota.add_argument("tenant", help="the tenant whose quota to set")
     quota.add_argument("size", help="bytes, e.g. 2GiB or 500MB, or 'none' to remove it")
     flush = command("flush", "drop every block of every tier (pinned ones too; blocks "
                               "in use by a running request stay)")

@@ -39,8 +39,11 @@ class UsageError(Exception):
 
 def add_connection_args(parser: argparse.ArgumentParser) -> None:
     """Where the gateway is and the admin key (``kvgate admin`` and ``kvgate prewarm``)."""
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="the gateway's address (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="its gRPC port, [server] port (default: %(default)s; not the HTTP "
+                             "API's)")
     parser.add_argument("--admin-port", type=int, default=None,
                         help="the Admin service's own port, when the gateway serves it on a "
                              "listener of its own ([server] admin_port); default: --port")

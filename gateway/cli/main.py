@@ -35,21 +35,31 @@ def build_parser() -> argparse.ArgumentParser:
     index = bench_sub.add_parser("index", help="fingerprint, radix index and eviction figures")
     index.add_argument("--sizes", default="10000,100000,1000000",
                        help="comma-separated index sizes in blocks (default: %(default)s)")
-    index.add_argument("--block-tokens", type=int, default=64)
+    index.add_argument("--block-tokens", type=int, default=64,
+                       help="tokens per block (default: %(default)s)")
     index.add_argument("--repeats", type=int, default=2000,
                        help="timed lookups per prompt length (default: %(default)s)")
     chunks = bench_sub.add_parser("chunks", help="cold prefill time by chunk size on the "
                                   "batched forward, beside transformers (to choose step_tokens)")
-    chunks.add_argument("--model", default="bundled")
-    chunks.add_argument("--data-dir", type=Path, default=Path("data"))
-    chunks.add_argument("--sizes", default="64,128,256,512,1024")
-    chunks.add_argument("--prompt-tokens", type=int, default=2048)
-    chunks.add_argument("--repeats", type=int, default=3)
+    chunks.add_argument("--model", default="bundled",
+                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
+    chunks.add_argument("--data-dir", type=Path, default=Path("data"),
+                        help="model conversion cache (DATA_DIR/models) (default: %(default)s)")
+    chunks.add_argument("--sizes", default="64,128,256,512,1024",
+                        help="comma-separated chunk sizes in tokens (default: %(default)s)")
+    chunks.add_argument("--prompt-tokens", type=int, default=2048,
+                        help="tokens of the prompt prefilled (default: %(default)s)")
+    chunks.add_argument("--repeats", type=int, default=3,
+                        help="timed prefills per size; the table shows medians (default: "
+                             "%(default)s)")
     add_numerics_arguments(chunks, what="the model and its K/V")
     fairness = bench_sub.add_parser("fairness", help="one tenant's TTFT alone and while another "
                                     "tenant floods the engine (in process)")
-    fairness.add_argument("--model", default="bundled")
-    fairness.add_argument("--data-dir", type=Path, default=Path("data"))
+    fairness.add_argument("--model", default="bundled",
+                          help="'bundled' (SmolLM2-135M) or a checkpoint directory")
+    fairness.add_argument("--data-dir", type=Path, default=Path("data"),
+                          help="model conversion cache (DATA_DIR/models) (default: "
+                               "%(default)s)")
     fairness.add_argument("--requests", type=int, default=12,
                           help="the quiet tenant's requests per phase (default: %(default)s)")
     fairness.add_argument("--flood", type=int, default=8,
@@ -61,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
     tiers.add_argument("--data-dir", type=Path, default=Path("data"),
                        help="model conversion cache and scratch files (default: %(default)s)")
-    tiers.add_argument("--repeats", type=int, default=5)
+    tiers.add_argument("--repeats", type=int, default=5,
+                       help="timed puts and gets per tier; the table shows medians (default: "
+                            "%(default)s)")
     tiers.add_argument("--redis-url", default=None,
                        help="use this Redis instead of starting a redis-server on loopback")
     tiers.add_argument("--plot", type=Path, default=None,
@@ -70,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_numerics_arguments(tiers, what="the model, its K/V and the device tier")
     _add_bench_ttft(bench_sub)
     _add_bench_load(bench_sub)
+    _add_bench_metrics(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
     config = sub.add_parser("config", help="the configuration file of `kvgate serve`")
@@ -202,7 +215,44 @@ def _add_bench_load(bench_sub: Any) -> None:
                       help="skip the transformers serve rows")
     load.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each request in seconds")
+    load.add_argument("--baseline", type=Path, default=None,
+                      help="a checkout of another kvgate commit (git worktree add PATH COMMIT) "
+                           "whose server the 'baseline' configuration runs, side by side")
     add_numerics_arguments(load, what="every spawned server (kvgate and transformers serve)")
+
+
+def _add_bench_metrics(bench_sub: Any) -> None:
+    metrics = bench_sub.add_parser(
+        "metrics", help="GET /metrics latency on the HTTP API port, idle and while users chat "
+                        "(a router polls it every 50 ms)",
+        description="Spawns one kvgate serve (free loopback ports, temporary data directory, "
+                    "stopped by pid) and scrapes its HTTP API port's /metrics every "
+                    "--interval-ms, on a kept-alive connection and on a new one (as curl "
+                    "does): for --idle-s seconds, then while --users users chat as in `kvgate "
+                    "bench load`. Prints p50/p99/max per phase and connection.")
+    metrics.add_argument("--users", type=int, default=8,
+                         help="concurrent users of the load (default: %(default)s)")
+    metrics.add_argument("--rounds", type=int, default=4,
+                         help="rounds per user (default: %(default)s)")
+    metrics.add_argument("--max-tokens", type=int, default=32,
+                         help="tokens per answer (default: %(default)s)")
+    metrics.add_argument("--rules", type=int, default=60,
+                         help="numbered rules in the system prompt (default: %(default)s)")
+    metrics.add_argument("--interval-ms", type=float, default=50.0,
+                         help="time between scrapes (default: %(default)s, the endpoint "
+                              "picker's poll)")
+    metrics.add_argument("--idle-s", type=float, default=3.0,
+                         help="seconds of scraping before the load starts (default: "
+                              "%(default)s)")
+    metrics.add_argument("--model", default="bundled",
+                         help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory")
+    metrics.add_argument("--data-dir", type=Path, default=Path("data"),
+                         help="model conversion cache (DATA_DIR/models) (default: %(default)s)")
+    metrics.add_argument("--block-tokens", type=int, default=64,
+                         help="the spawned gateway's block size (default: %(default)s)")
+    metrics.add_argument("--timeout", type=float, default=600.0,
+                         help="deadline of each request in seconds")
+    add_numerics_arguments(metrics, what="the spawned kvgate's model and K/V")
 
 
 def _add_serve(sub: Any) -> None:
@@ -234,11 +284,18 @@ def _add_serve(sub: Any) -> None:
                        help="its port (default: 8000; 0 picks a free one)")
     serve.add_argument("--no-http", action="store_const", const=False, default=None,
                        dest="http_enabled", help="serve gRPC only")
+    serve.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="the model id the OpenAI-compatible API reports (/v1/models, "
+                            "responses) and accepts in requests; more names are aliases a "
+                            "request may use (default: the --model directory's name, or "
+                            "'bundled'; [http] served_model_name)")
     serve.add_argument("--allow-insecure-remote", action="store_true", default=None,
                        help="listen on a non-loopback address without TLS (API keys travel "
                             "in the clear: only behind a TLS-terminating proxy)")
     serve.add_argument("--log-level", default="INFO",
-                       choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                       choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                       help="the least severe log records written to stderr (default: "
+                            "%(default)s)")
 
 
 def _add_generate(sub: Any) -> None:
@@ -252,8 +309,11 @@ def _add_generate(sub: Any) -> None:
                           "with --raw: sent as raw text)")
     gen.add_argument("--raw", action="store_true",
                      help="send PROMPT as raw text (completion) instead of a user message")
-    gen.add_argument("--host", default="127.0.0.1")
-    gen.add_argument("--port", type=int, default=50051)
+    gen.add_argument("--host", default="127.0.0.1",
+                     help="the gateway's address (default: %(default)s)")
+    gen.add_argument("--port", type=int, default=50051,
+                     help="its gRPC port, [server] port (default: %(default)s; not the HTTP "
+                          "API's)")
     gen.add_argument("--api-key", default=None,
                      help="API key (default: $KVGATE_API_KEY, else DATA_DIR/dev-api-key for a "
                           "gateway on this machine); other users can see it in `ps`, so "
@@ -262,11 +322,17 @@ def _add_generate(sub: Any) -> None:
                      help="where `kvgate serve` keeps dev-api-key (default: %(default)s)")
     gen.add_argument("--messages", type=Path, default=None,
                      help="a JSON file: a list of {role, content}, or {messages, tools}")
-    gen.add_argument("--max-tokens", type=int, default=None)
-    gen.add_argument("--temperature", type=float, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help="the most tokens to generate (default: the server's, 256)")
+    gen.add_argument("--temperature", type=float, default=None,
+                     help="sampling temperature; 0 is greedy (default: the server's, greedy)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="nucleus sampling: keep the most likely tokens up to this "
+                          "probability mass")
+    gen.add_argument("--top-k", type=int, default=None,
+                     help="sample among the K most likely tokens only")
+    gen.add_argument("--seed", type=int, default=None,
+                     help="seed of the sampler, for a repeatable sampled answer")
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--no-cache", action="store_true",
                      help="nothing of this request is read from or stored in any tier")
@@ -320,6 +386,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_ttft(args, env=os.environ)
     if args.command == "bench" and args.bench == "load":
         return _bench_load(args)
+    if args.command == "bench" and args.bench == "metrics":
+        return _bench_metrics(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
@@ -395,12 +463,33 @@ def _bench_load(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, num_rules=args.rules,
         block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
         peers_python=args.peers_python, with_peers=not args.no_peers, plot=plot,
-        timeout_s=args.timeout, numerics=numerics,
+        timeout_s=args.timeout, numerics=numerics, baseline=args.baseline,
     )
     try:
         run_load_benchmark(options, out=sys.stdout, err=sys.stderr)
     except (BenchError, KvgateError, ModelLoadError, ValueError) as exc:
         sys.stderr.write(f"kvgate bench load: {exc}\n")
+        return EXIT_FAILED
+    return 0
+
+
+def _bench_metrics(args: argparse.Namespace) -> int:
+    from gateway.bench.metrics_scrape import MetricsBenchOptions, run_metrics_benchmark
+    from gateway.bench.rows import BenchError
+    from gateway.client import KvgateError
+    from gateway.engine.model import ModelLoadError
+
+    numerics = resolve_bench_numerics(args, command="kvgate bench metrics", err=sys.stderr)
+    if isinstance(numerics, int):
+        return numerics
+    options = MetricsBenchOptions(
+        users=args.users, rounds=args.rounds, max_tokens=args.max_tokens, num_rules=args.rules,
+        interval_s=args.interval_ms / 1e3, idle_s=args.idle_s, block_tokens=args.block_tokens,
+        model=args.model, data_dir=args.data_dir, timeout_s=args.timeout, numerics=numerics)
+    try:
+        run_metrics_benchmark(options, out=sys.stdout, err=sys.stderr)
+    except (BenchError, KvgateError, ModelLoadError, ValueError) as exc:
+        sys.stderr.write(f"kvgate bench metrics: {exc}\n")
         return EXIT_FAILED
     return 0
 
@@ -427,7 +516,8 @@ def _serve(args: argparse.Namespace) -> int:
                        "model": args.model, "allow_insecure_remote": args.allow_insecure_remote,
                        "device": args.device, "dtype": args.dtype,
                        "http_host": args.http_host, "http_port": args.http_port,
-                       "http_enabled": args.http_enabled},
+                       "http_enabled": args.http_enabled,
+                       "served_model_name": args.served_model_name},
         )
     except ConfigError as exc:
         sys.stderr.write(f"kvgate serve: {exc}\n")

@@ -14,8 +14,8 @@ EXAMPLE_CONFIG = """\
 # add keys (KVGATE_API_KEYS, KVGATE_ADMIN_KEYS, or files: KVGATE_API_KEYS_FILE, ...) and set
 # the deployment secret (KVGATE_DEPLOYMENT_SECRET, hex) and the Redis URL (KVGATE_REDIS_URL or
 # KVGATE_REDIS_URL_FILE); --host, --port, --data-dir, --model, --device and --dtype override
-# [server], --http-host, --http-port and --no-http override [http]. Keep keys out of this file
-# (key_blake2b digests are fine): from a secret store, as files or env.
+# [server], --http-host, --http-port, --no-http and --served-model-name override [http]. Keep
+# keys out of this file (key_blake2b digests are fine): from a secret store, as files or env.
 # Sizes are bytes or strings such as "512MiB" or "2GB". Every problem is reported at once.
 
 [server]
@@ -103,6 +103,8 @@ header_timeout_s = 5.0          # a connection must send a request head this soo
 body_timeout_s = 5.0            # ... and then its whole body (408); no call slot until it has
 retry_after_s = 1               # Retry-After of a 429 or 503 answer
 metrics = true                  # GET /metrics here: no authentication, no per-tenant series
+# served_model_name = "my-model"  # the model id of /v1/models and responses (a list: aliases
+                                #   requests may use too); default: --model's directory name
 
 [metrics]                       # every series, per tenant too: http://HOST:PORT/metrics
 enabled = false                 # no authentication, per-tenant series: operators only

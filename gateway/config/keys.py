@@ -1,7 +1,7 @@
 """API keys as configured: digests, whom each authenticates, and the checks on keys and tenant ids.
 
 A key maps to a ``Principal``: a tenant id, and whether it is an admin key. The tenant is the
-cache scope of everything the caller sends (DESIGN.md, "Identity of a prefix"). Keys are never
+cache scope of everything the caller sends (docs/design.md, "Identity of a prefix"). Keys are never
 kept in the clear: entries hold BLAKE2b digests, and a configuration may hold digests instead of
 keys (``key_digest(key).hex()``), so the file itself need not be secret. The service's
 ``Authenticator`` (``gateway.service.auth``) matches presented keys against these entries.

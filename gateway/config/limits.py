@@ -1,6 +1,6 @@
 """``[limits]``: what one API key may hold of the gateway, checked after its key and before work.
 
-RELIABILITY.md, threat 5: a call that is admitted before its key is checked lets anyone without
+docs/reliability.md, threat 5: a call that is admitted before its key is checked lets anyone without
 a key take the server's slots (64 header-only calls locked keyed calls and health checks out of
 an earlier kvgate). So admission is per key, after authentication, and these are its bounds
 (``gateway.service.admission`` enforces them, for the gRPC front and any other front alike):

@@ -3,8 +3,8 @@
 Sources, later ones winning: the defaults here, a TOML or JSON file (``--config``), the
 environment (``KVGATE_API_KEYS``, ``KVGATE_ADMIN_KEYS``: keys are added to the file's), and the
 command line (``--host``, ``--port``, ``--data-dir``, ``--model``, ``--device``, ``--dtype``;
-``--http-host``, ``--http-port``, ``--no-http`` for ``[http]``). Every problem is reported at
-once, before anything starts, with the file's own names::
+``--http-host``, ``--http-port``, ``--no-http``, ``--served-model-name`` for ``[http]``). Every
+problem is reported at once, before anything starts, with the file's own names::
 
     [server]
     host = "127.0.0.1"            # a non-loopback host needs TLS (or allow_insecure_remote)
@@ -121,7 +121,8 @@ _SERVER_KEYS = frozenset(
 )
 _SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
                        "logging", "api_keys", "admin_keys"})
-_HTTP_OVERRIDES = {"http_host": "host", "http_port": "port", "http_enabled": "enabled"}
+_HTTP_OVERRIDES = {"http_host": "host", "http_port": "port", "http_enabled": "enabled",
+                   "served_model_name": "served_model_name"}
 """Command-line overrides of ``[http]``: the override's name -> the key it sets."""
 _REPLACED = {
     ("grpc", "max_concurrent_rpcs"): "[grpc] max_concurrent_rpcs is gone: it counted calls before "
@@ -144,7 +145,8 @@ def load_serve_config(
         path: a ``.toml`` or ``.json`` file, or None for the defaults.
         env: the environment (``os.environ``); only ``KVGATE_*`` keys are read.
         overrides: ``[server]`` values from the command line, and ``http_host``,
-            ``http_port``, ``http_enabled`` for ``[http]`` (``None`` values are ignored).
+            ``http_port``, ``http_enabled``, ``served_model_name`` for ``[http]`` (``None``
+            values are ignored).
 
     Raises:
         ConfigError: every problem found, in one message. Keys never appear in it.
@@ -188,6 +190,8 @@ def load_serve_config(
         except ValueError as exc:
             errors.append(f"http.max_body_bytes: {exc}")
             del http_table["max_body_bytes"]
+    if "served_model_name" in http_table:
+        http_table["served_model_name"] = _names(http_table["served_model_name"])
     http = _build(HttpSettings, "http", http_table, errors)
     if grpc_settings is not None:
         errors.extend(grpc_settings.problems())
@@ -356,6 +360,16 @@ def _unknown_keys(section: str, table: Mapping[str, Any], known: frozenset[str],
     unknown = sorted(set(table) - known - set(replaced))
     if unknown:
         errors.append(f"[{section}] has unknown keys {unknown}; known: {sorted(known)}")
+
+
+def _names(value: object) -> object:
+    """``served_model_name`` as a tuple: one id (a string) or a list of them (TOML, JSON, the
+    command line); anything else is left for ``HttpSettings.problems`` to name."""
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
 
 
 def _build(cls: Any, section: str, table: Mapping[str, Any], errors: list[str]) -> Any:

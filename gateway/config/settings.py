@@ -40,7 +40,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GrpcSettings:
-    """The gRPC server's limits, set on purpose (RELIABILITY.md, "gRPC server settings").
+    """The gRPC server's limits, set on purpose (docs/reliability.md, "gRPC server settings").
 
     Attributes:
         max_receive_bytes: largest request message; bigger ones get RESOURCE_EXHAUSTED before
@@ -307,6 +307,11 @@ class HttpSettings:
         retry_after_s: the ``Retry-After`` seconds of a 429 or 503 answer.
         metrics: serve ``GET /metrics`` here, without authentication and without per-tenant
             series (``[metrics]`` serves every series on a port of its own).
+        served_model_name: the model ids the API answers to, as vLLM's
+            ``--served-model-name``: the first is the one ``/v1/models``, ``/health`` and every
+            response report (and the ``model_name`` label of the ``vllm:*`` series); a request
+            may name any of them. Empty (the default): the ``--model`` directory's name (or
+            ``bundled``), and the ``--model`` value itself.
     """
 
     enabled: bool = True
@@ -320,6 +325,7 @@ class HttpSettings:
     max_pending_bodies_per_tenant: int = 16
     retry_after_s: int = 1
     metrics: bool = True
+    served_model_name: tuple[str, ...] = ()
 
     @property
     def address(self) -> str:
@@ -346,6 +352,13 @@ class HttpSettings:
                 errors.append(f"http.{name} must be a number of seconds > 0, got {value!r}")
         if not errors and self.max_waiting_connections > self.max_connections:
             errors.append("http.max_waiting_connections must be <= http.max_connections")
+        names = self.served_model_name
+        if not isinstance(names, tuple) or not all(
+                isinstance(name, str) and name.strip() == name and name for name in names):
+            errors.append("http.served_model_name must be a model id or a list of them, each "
+                          f"non-empty and without surrounding spaces, got {names!r}")
+        elif len(set(names)) != len(names):
+            errors.append(f"http.served_model_name names a model id twice: {list(names)}")
         return errors
 
 

@@ -1,7 +1,8 @@
 """Canonical prompts: one token sequence for every way of writing the same prompt.
 
-A prefix is identified by its token ids (see DESIGN.md, "Identity of a prefix"), so two requests
-that mean the same prompt must reach the same ids before anything is hashed. The canonical form:
+A prefix is identified by its token ids (see docs/design.md, "Identity of a prefix"), so two
+requests that mean the same prompt must reach the same ids before anything is hashed. The canonical
+form:
 
 - ``messages`` are rendered with the model's own chat template, then encoded without special
   tokens: the template writes its own BOS and control tokens, and adding the model's BOS again

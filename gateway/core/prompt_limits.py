@@ -1,6 +1,6 @@
 """Bounds on a prompt's size, checked before the chat template is rendered or anything tokenised.
 
-RELIABILITY.md threat 5 (oversized requests): the token limit (``max_prompt_tokens``) can only
+docs/reliability.md threat 5 (oversized requests): the token limit (``max_prompt_tokens``) can only
 be checked after tokenising, and rendering a chat template over thousands of messages or
 tokenising megabytes of text is the expensive part. So every front counts what a request
 carries -- characters of message contents and roles, of a raw prompt and of tool schemas, and

@@ -121,7 +121,7 @@ class TokenDelta:
 SHARED_SCOPE_TIER = "shared"
 """What ``cached_tokens_by_tier`` says, instead of a tier, for tokens a tenant's request got
 from the shared scope: which tier holds a shared block depends on what *other* tenants used
-recently, so naming it would tell one tenant about the others (RELIABILITY.md, threat 1)."""
+recently, so naming it would tell one tenant about the others (docs/reliability.md, threat 1)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -3,7 +3,10 @@
 ``Tokenizer`` is all that ``gateway.core.canonical`` needs from a tokenizer: the number of
 valid ids, the texts of its special (control) tokens, text → ids (with or without matching those
 texts as special tokens), messages → text through the model's own chat template, and ids → text.
-``HFTokenizerAdapter`` puts a Hugging Face ``transformers`` tokenizer behind it.
+``HFTokenizerAdapter`` puts a Hugging Face ``transformers`` tokenizer behind it;
+``gateway.core.file_tokenizer.FileTokenizer`` reads the same files without importing transformers
+(the usual case: it spares every start ~2 s) and must behave exactly like the adapter, in every
+point listed below (tests/gateway/core/test_file_tokenizer.py compares the two).
 
 NOTE: this module never imports ``transformers``; the adapter is duck-typed over the object it
 is handed, so only the module that loads the model depends on that library's API (which changed

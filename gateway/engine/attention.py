@@ -1,6 +1,6 @@
 """Attention whose numbers for a token depend only on that token's own sequence.
 
-Why own the attention (DESIGN.md, "Parity"): torch's SDPA and a plain matmul-softmax give a
+Why own the attention (docs/design.md, "Parity"): torch's SDPA and a plain matmul-softmax give a
 query row different bits depending on how many other rows share the call and how long the key
 range is, so a block prefilled in one chunk would differ from the same block prefilled in
 pieces, and a request's answer would change with what runs beside it. Here every reduction has

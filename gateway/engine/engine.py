@@ -6,7 +6,7 @@ rows of every running request with prefill chunks of the admitted ones (``Schedu
 across tenants, bounded per tenant). The gRPC threads only validate, submit and stream.
 
 Warm equals cold bit for bit because every forward is invariant (``BatchedForward``: a token's
-numbers depend only on its own sequence, DESIGN.md "Parity"). That is checked at start-up on the
+numbers depend only on its own sequence, docs/design.md "Parity"). It is checked at start-up on the
 real weights (``probe_invariance``); where it does not hold, or the architecture is not one the
 batched forward walks, the engine runs the serial exact route instead -- one request at a time,
 block-aligned chunks through transformers -- and ``route`` says so and why. The route is part of
@@ -66,11 +66,18 @@ from gateway.engine.shadow import EvictBlocks, ShadowCounters, ShadowVerifier
 from gateway.engine.tail_cache import TailCache, TailCounters
 from gateway.engine.verdicts import VerdictStore, verdict_key
 from policies.base import BlockKey
+from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
 
 ROUTES = ("auto", "batched", "serial")
+
+
+def pool_bytes_for(running_bytes: int) -> int:
+    """A pool's bytes for ``running_bytes`` of running requests' pages, with room on top for
+    pages held past a request's end for a moment (a queued disk write, a shadow sample)."""
+    return running_bytes + running_bytes // 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,7 +101,8 @@ class EngineConfig:
         max_running: requests running at once.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting.
-        kv_budget_bytes: KV buffer bytes the running requests may hold together.
+        kv_budget_bytes: KV bytes the running requests' own pages may hold together (the
+            pages of a cached prefix they share are the device tier's).
         max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
             requests may hold (its first request excepted; ``gateway.engine.scheduler``).
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
@@ -162,6 +170,9 @@ class Engine:
         shadow_evict: evicts blocks a shadow verification found divergent, by key, everywhere
             (the cache admin's eviction: Redis and the other replicas too); None evicts them from
             this replica's tiers only.
+        pool: the KV pages requests run in: the device tier's (``OpenedCache.pool``), so that a
+            hit shares its pages; None makes one of the engine's own, sized for
+            ``kv_budget_bytes`` and the tails.
     """
 
     def __init__(
@@ -177,6 +188,7 @@ class Engine:
         kernels: Mapping[str, Product] = KERNELS,
         cancelled: Callable[[], bool] = lambda: False,
         shadow_evict: EvictBlocks | None = None,
+        pool: PagePool | None = None,
     ) -> None:
         if cache is not None and cache.block_tokens != config.block_tokens:
             raise ValueError(
@@ -203,6 +215,14 @@ class Engine:
         self._started_at = clock()
         device = loaded.device
         self._device = device
+        if pool is None:
+            pool = PagePool.for_budget(
+                loaded.layout, page_tokens=config.block_tokens, device=device,
+                budget_bytes=pool_bytes_for(config.kv_budget_bytes + config.tail_cache_bytes))
+        elif pool.page_tokens != config.block_tokens:
+            raise ValueError(f"pages of {pool.page_tokens} tokens, engine blocks of "
+                             f"{config.block_tokens}")
+        self._pool = pool
         if device.type == "cuda":
             major, minor = torch.cuda.get_device_capability(device)
             self._device_kind = f"cuda:sm{major}{minor}"
@@ -269,6 +289,7 @@ class Engine:
         self._shadow = self._build_shadow(forward)
         return StepLoop(
             loaded=self._loaded, forward=forward, scheduler=Scheduler(limits), cache=self._cache,
+            pool=self._pool,
             settings=LoopSettings(
                 block_tokens=self._config.block_tokens,
                 default_ttl_s=self._config.default_ttl_s,
@@ -292,8 +313,8 @@ class Engine:
         chunk = bt if self._route.name == "serial" else max(
             bt, self._config.step_tokens // bt * bt)
         return ShadowVerifier(
-            fraction=self._config.shadow_fraction, forward=forward, layout=self._loaded.layout,
-            device=self._device, block_tokens=bt, chunk_tokens=chunk, evict=evict,
+            fraction=self._config.shadow_fraction, forward=forward, pool=self._pool,
+            block_tokens=bt, chunk_tokens=chunk, evict=evict,
             metrics=self._metrics)
 
     def _choose_route(self) -> tuple[StepForward, EngineRoute]:
@@ -332,6 +353,14 @@ class Engine:
     def shadow_counters(self) -> ShadowCounters:
         """What shadow verification has done since start (zeros where it is off)."""
         return self._shadow.counters if self._shadow is not None else ShadowCounters()
+
+    @property
+    def num_running(self) -> int:
+        """Requests the scheduler has admitted and not yet finished (vLLM's
+        ``num_requests_running``, read by ``/metrics``); 0 before the engine starts."""
+        # NOTE: read through the loop's scheduler (a len() of its dict, safe from any thread);
+        # a ``StepLoop.num_running`` property would say the same without reaching in.
+        return self._loop._scheduler.num_running if self._loop is not None else 0
 
     @property
     def route(self) -> EngineRoute:
@@ -480,13 +509,13 @@ class Engine:
         """K/V of every full block of ``tokens`` computed cold, with no cache: the oracle.
 
         One prefill of the whole prompt on the batched route, block-aligned chunks on the
-        serial route; a cached block must equal this bit for bit (DESIGN.md, "Parity").
+        serial route; a cached block must equal this bit for bit (docs/design.md, "Parity").
         """
         if self._loop is None:
             raise EngineDraining("the engine is not running")
         bt = self._config.block_tokens
         num_full = len(tokens) // bt
-        seq = KVSequence(self._loaded.layout, max(1, num_full * bt), device=self._device)
+        seq = KVSequence(self._pool, max(1, num_full * bt))
         ids = torch.from_numpy(tokens.astype(np.int64))
         forward = self._loop.forward
         chunk = num_full * bt if self._route.name == "batched" else bt
@@ -519,7 +548,7 @@ class Engine:
         else:  # a warm computes the prompt's full blocks only
             to_compute = capacity = len(tokens) // self._config.block_tokens * (
                 self._config.block_tokens)
-        kv_bytes = KVSequence.nbytes_for(self._loaded.layout, max(1, capacity))
+        kv_bytes = KVSequence.nbytes_for(self._pool.layout, capacity, self._pool.page_tokens)
         try:
             loop.submit(job, prompt_tokens=to_compute, kv_bytes=kv_bytes)
         except QueueFull as exc:

@@ -6,7 +6,7 @@ same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary
 q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
 row-wise parts (norms, projections, MLP) and ``SequenceAttention`` for each sequence over its
 own KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
-are enough rows, so each forward's rows are padded to such a count (DESIGN.md, "Parity").
+are enough rows, so each forward's rows are padded to such a count (docs/design.md, "Parity").
 
 Which kernel multiplies the rows, how many rows it needs, and whether decode rows (a sampled
 token fed back) join the shared product is ``gateway.engine.row_products``' choice, made once at
@@ -17,7 +17,8 @@ whose numbers are not a prefill's (``gateway.engine.probe`` reports which holds)
 follow decode rows.
 
 It only touches the modules' weights and forward methods, never transformers' APIs
-(``gateway.engine.model`` stays the only importer of ``transformers``).
+(``gateway.engine.transformers_api`` stays the only importer of ``transformers``; the modules
+are ``gateway.engine.llama_modules``' where the checkpoint is read without it).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ blocks, fails that request alone, and the others go on as if it had never run.
 
 Storing the answer's blocks needs no recomputation when the forward is invariant (decode-time
 K/V then equal prefill K/V bit for bit, ``gateway.engine.probe`` checks it); on the serial
-route they are recomputed block-aligned as before (DESIGN.md, "Parity").
+route they are recomputed block-aligned as before (docs/design.md, "Parity").
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ from gateway.engine.sampling import Sampler
 from gateway.engine.scheduler import Scheduler, StepPlan
 from gateway.engine.shadow import ShadowVerifier
 from gateway.engine.tail_cache import TailCache
+from tiers.page_pool import PagePool, PoolExhausted
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
@@ -78,16 +79,18 @@ class StepLoop:
         tails: where conversation tails are kept (None: none are; only where decoding writes
             the K/V a prefill writes).
         shadow: verifies sampled cache hits cold while the loop is idle (None: none).
+        pool: the pages requests' KV lives in (the device tier's, where it has them).
     """
 
     def __init__(self, *, loaded: LoadedModel, forward: StepForward, scheduler: Scheduler,
-                 cache: PrefixCache | None, settings: LoopSettings,
+                 cache: PrefixCache | None, settings: LoopSettings, pool: PagePool,
                  namespace_of: Callable[[Scope], Namespace],
                  clock: Callable[[], float] = time.monotonic,
                  metrics: EngineMetrics | None = None, tails: TailCache | None = None,
                  shadow: ShadowVerifier | None = None) -> None:
         self._loaded = loaded
         self._forward = forward
+        self._pool = pool
         self._scheduler = scheduler
         self._cache = cache
         self._shadow = shadow
@@ -214,7 +217,7 @@ class StepLoop:
                 if is_out_of_memory(exc):
                     logger.warning("a step of %d requests ran out of memory on %s: they are "
                                    "refused, the engine goes on", len(self._active), self._device)
-                    error = self._out_of_memory(f"a step of {len(self._active)} requests")
+                    error = self._out_of_memory(f"a step of {len(self._active)} requests", exc)
                 else:  # a bug
                     logger.exception("engine step failed")
                     error = RuntimeError("internal error in the engine step")
@@ -283,7 +286,7 @@ class StepLoop:
                 max_blocks = None
                 use_cache = True
                 ttl = request.ttl_s
-            active = ActiveRequest(job=job, seq=KVSequence.unallocated(self._loaded.layout),
+            active = ActiveRequest(job=job, seq=KVSequence.unallocated(self._pool),
                                    ids=ids,
                              target=target, stack=stack,
                              ttl_s=ttl if ttl is not None else self._settings.default_ttl_s)
@@ -292,8 +295,7 @@ class StepLoop:
             if use_cache and self._blocks is not None:
                 blocks = self._blocks.lease(active, max_blocks, self._prefill_s_per_token)
                 tail = self._blocks.find_tail(active, blocks)
-            active.seq = KVSequence.from_blocks(self._loaded.layout, blocks + tail, capacity,
-                                                device=self._device)
+            active.seq = KVSequence.from_blocks(self._pool, blocks + tail, capacity)
             active.loaded_blocks = blocks
             if isinstance(request, GenerateRequest):
                 active.sampler = Sampler(request.sampling,
@@ -302,7 +304,7 @@ class StepLoop:
         except Exception as exc:
             if is_out_of_memory(exc):
                 logger.warning("admitting a request ran out of memory on %s", self._device)
-                exc = self._out_of_memory("this request's KV buffers")
+                exc = self._out_of_memory("this request's KV", exc)
                 self._release_memory()
             elif not isinstance(exc, GatewayError):
                 logger.exception("admitting a request failed")
@@ -312,8 +314,11 @@ class StepLoop:
             self._fail(job, exc)
             return
         self._active[job.id] = active
+        seq = active.seq  # it writes its own pages only: the shared ones are the cache's
         with self._lock:
-            self._scheduler.skip_prefill(job.id, active.seq.length)
+            self._scheduler.skip_prefill(job.id, seq.length)
+            self._scheduler.shrink_kv(job.id, self._pool.page_nbytes * (
+                seq.pages_for(self._pool, capacity) - seq.num_pages + seq.num_own_pages))
         if active.seq.length >= active.target:
             try:
                 self._prompt_done(active, None)
@@ -358,8 +363,15 @@ class StepLoop:
 
     def _step(self, plan: StepPlan) -> None:
         batch: list[SequenceRows] = []
+        chunks = []
         for chunk in plan.chunks:
             active = self._active[chunk.request_id]
+            try:  # its pages for the step, before the shared forward
+                active.seq.prepare(chunk.num_tokens)
+            except PoolExhausted as exc:
+                self._fail_alone(active, exc)
+                continue
+            chunks.append(chunk)
             if chunk.is_decode:
                 assert active.next_token is not None
                 tokens = torch.tensor([active.next_token])
@@ -385,7 +397,7 @@ class StepLoop:
             num_dedup_waits=counters.num_dedup_waits)
         if not any(c.is_decode for c in plan.chunks):
             self._note_prefill_speed(plan.num_tokens, time.perf_counter() - began)
-        for chunk, logits in zip(plan.chunks, outputs, strict=True):
+        for chunk, logits in zip(chunks, outputs, strict=True):
             active = self._active[chunk.request_id]
             try:
                 if chunk.is_decode:
@@ -519,7 +531,7 @@ class StepLoop:
         if is_out_of_memory(exc):
             logger.warning("request %d ran out of memory on %s after its forward: it is "
                            "refused, the engine goes on", job.id, self._device)
-            error = self._out_of_memory("this request's output")
+            error = self._out_of_memory("this request", exc)
             self._release_memory()
         else:  # a bug, or a value nothing checked
             logger.error("request %d failed after its forward; the others in the step go on",
@@ -537,7 +549,10 @@ class StepLoop:
         job.events.put(exc)
         job.done.set()
 
-    def _out_of_memory(self, what: str) -> QueueFull:
+    def _out_of_memory(self, what: str, exc: BaseException) -> QueueFull:
+        if isinstance(exc, PoolExhausted):
+            return QueueFull(f"no KV page was free for {what} ({exc}); retry later, with a "
+                             "shorter prompt or fewer max_tokens")
         return QueueFull(
             f"the model's device ({self._device}) ran out of memory for {what}; retry later, "
             "with a shorter prompt or fewer max_tokens (an operator lowers [engine] "
@@ -554,10 +569,16 @@ class StepLoop:
         self._prefill_s_per_token = sample if previous is None else previous + 0.2 * (
             sample - previous)
 
-    def _note_queue_depth(self) -> None:  # and the KV bytes the running requests reserve
+    def _note_queue_depth(self) -> None:  # and the KV bytes the running requests hold
         if self._metrics is not None:
             self._metrics.set_queue_depth(self._scheduler.num_waiting)
-            self._metrics.set_kv_bytes_in_use(self._scheduler.kv_bytes_in_use)
+            self._metrics.set_kv_bytes_in_use(self.kv_bytes_held())
+
+    def kv_bytes_held(self) -> int:
+        """Bytes of the pages the running requests' tables list, a page shared by several
+        (a cached prefix) counted once."""
+        pages = {page for active in list(self._active.values()) for page in active.seq.page_ids}
+        return len(pages) * self._pool.page_nbytes
 
 
 def _why_stopped(job: Job, now: float) -> GatewayError:
@@ -568,5 +589,5 @@ def _why_stopped(job: Job, now: float) -> GatewayError:
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """An allocation failed: CUDA's out-of-memory, or the CPU allocator's refusal."""
-    return isinstance(exc, torch.OutOfMemoryError) or (
+    return isinstance(exc, torch.OutOfMemoryError | PoolExhausted) or (
         isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

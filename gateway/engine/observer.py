@@ -1,6 +1,6 @@
 """What the engine reports about each generation, as a seam the service's metrics implement.
 
-The engine sits below the service (DESIGN.md, "Layout"), so it cannot import the Prometheus
+The engine sits below the service (docs/design.md, "Layout"), so it cannot import the Prometheus
 metrics; it reports through this Protocol and the composition root hands it the real thing.
 """
 

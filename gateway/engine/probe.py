@@ -1,7 +1,7 @@
 """The start-up check that the batched forward really is invariant on these weights, here.
 
 Why at start-up and on the real weights: invariance is a property of the kernels torch picks for
-these shapes on this machine (DESIGN.md, "Parity": other builds and devices behave otherwise).
+these shapes on this machine (docs/design.md, "Parity": other builds and devices behave otherwise).
 The probe runs the same random prompt one-shot, in odd chunks, token by token, and side by side
 with other sequences, and compares every layer's K/V and the logits bit for bit. If any differ,
 the engine serves through the serial exact route and says why. It then decodes, alone, beside
@@ -23,6 +23,7 @@ import torch
 from gateway.engine.attention import TILE
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
+from tiers.page_pool import PagePool
 from tiers.payload import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,10 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
     generator = torch.Generator().manual_seed(seed)
     total = num_tokens + NUM_DECODE
     tokens = torch.randint(0, vocab_size, (total,), generator=generator)
-    prefix = KVSequence(layout, PROBE_PREFIX, device=forward.device)
+    # A pool of its own, for the sequences alive at once (five runs, three others, the prefix).
+    pool = PagePool(layout, page_tokens=TILE, device=forward.device,
+                    num_pages=16 * -(-(PROBE_PREFIX + total) // TILE))
+    prefix = KVSequence(pool, PROBE_PREFIX)
     forward.forward([SequenceRows(wants_logits=False, sequence=prefix,
                                   tokens=torch.randint(0, vocab_size, (PROBE_PREFIX,),
                                                        generator=generator))])
@@ -106,7 +110,7 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
         for i in range(count):
             _check_cancelled(cancelled)
             n = 5 + 37 * i
-            seq = KVSequence(layout, n + 2 * TILE, device=forward.device)
+            seq = KVSequence(pool, n + 2 * TILE)
             history = torch.randint(0, vocab_size, (n,), generator=generator)
             forward.forward([SequenceRows(sequence=seq, tokens=history, wants_logits=False)])
             made.append(seq)
@@ -116,8 +120,7 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
             company_prefills: bool = False) -> _Run:
         """``decoding``: the last NUM_DECODE one-token chunks, and the others', are decode rows
         (the others' are prefill rows with ``company_prefills``)."""
-        seq = KVSequence.from_blocks(layout, prefix_kv, PROBE_PREFIX + total,
-                                     device=forward.device)
+        seq = KVSequence.from_blocks(pool, prefix_kv, PROBE_PREFIX + total)
         company = others(beside)
         logits: list[torch.Tensor] = []
         at = 0

@@ -5,7 +5,7 @@ what: which namespace a request reads (its own, or the shared scope where an adm
 longer prefix), which tail of its conversation it continues, and which blocks are new. Storing
 an answer's blocks needs no recomputation where decoding writes the K/V a prefill writes
 (``gateway.engine.probe``); on the serial route they are recomputed block-aligned first
-(DESIGN.md, "Parity").
+(docs/design.md, "Parity").
 """
 
 from __future__ import annotations

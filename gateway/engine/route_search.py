@@ -2,7 +2,7 @@
 on the real weights, best first, and the first the start-up probe finds invariant serves.
 
 Why a search and not a table: whether a row's bits survive batching depends on the kernels
-torch picks for these shapes, in this dtype, on this CPU or GPU (DESIGN.md, "Parity"); a table
+torch picks for these shapes, in this dtype, on this CPU or GPU (docs/design.md, "Parity"); a table
 measured on one machine was wrong on the next (an Intel Xeon with AMX needed other row counts
 than the AMD EPYC it was measured on; an AVX2 CPU has no bfloat16 inner product in oneDNN).
 The candidates are the linear kernels with the padding their search found

@@ -2,7 +2,7 @@
 many rows each product is padded to, and whether decode rows share the product.
 
 Why a seam of its own: a row's bits depend on the kernel and on the row count it is called
-with, and both differ between libraries, CPUs, dtypes and devices (DESIGN.md, "Parity"). So
+with, and both differ between libraries, CPUs, dtypes and devices (docs/design.md, "Parity"). So
 nothing here is assumed of the machine: each kernel of ``KERNELS`` is a candidate, tried in the
 model's own dtype, whose padding is searched at start-up on the model's weight shapes
 (``gateway.engine.row_padding``); a kernel the machine cannot run at all (oneDNN without a

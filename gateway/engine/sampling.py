@@ -1,7 +1,7 @@
 """Choosing the next token from logits: greedy, or temperature / top-k / top-p with a seed.
 
 Greedy is ``argmax`` of the float32 logits and nothing else, so that a warm request, whose
-logits are bit-identical to a cold one's (DESIGN.md, "Parity"), picks the same token. Sampling
+logits are bit-identical to a cold one's (docs/design.md, "Parity"), picks the same token. Sampling
 uses a generator owned by the request, seeded from the request, so the same seed gives the same
 tokens whatever else the server is doing.
 

@@ -2,7 +2,7 @@
 
 The scheduler is pure bookkeeping: it sees request ids, tenants and how many prompt tokens each
 still has to prefill, never tensors or the model. Each ``plan`` returns a ``StepPlan`` (a record,
-DESIGN.md "The engine"): one decode row for every running request that is decoding, then
+docs/design.md "The engine"): one decode row for every running request that is decoding, then
 prefill chunks from the step's remaining token budget, shared across tenants by deficit — the
 tenant that received the fewest tokens so far goes first — so one tenant's long prompts cannot
 starve another's. Admission is bounded per tenant (running and queued) and in total, and by the
@@ -40,7 +40,7 @@ Fair shares of what is scarce (issue 22): the KV budget and the running slots.
 
 In serial mode (``ScheduleLimits.is_serial``: the start-up probe found the batched forward not
 invariant) one request runs at a time and its prefill chunks end at block boundaries, which
-keeps warm equal to cold on the transformers route (DESIGN.md, "Parity": today's route).
+keeps warm equal to cold on the transformers route (docs/design.md, "Parity": today's route).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class ScheduleLimits:
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more are refused.
         max_queued: requests waiting, all tenants together; more are refused.
-        kv_budget_bytes: KV buffer bytes the running requests may hold together.
+        kv_budget_bytes: KV bytes the running requests' own pages may hold together (pages
+            they share with the cache are the cache's).
         max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
             requests may hold, in (0, 1]; a tenant with nothing running may still start one
             request of any size.
@@ -322,6 +323,17 @@ class Scheduler:
                 entry.prefill_left -= chunk.num_tokens
                 entry.prefilled += chunk.num_tokens
         return StepPlan(chunks=tuple(chunks))
+
+    def shrink_kv(self, request_id: int, kv_bytes: int) -> None:
+        """A running request needs only ``kv_bytes`` of its reservation (admitted on a hit, it
+        shares the cached prefix's pages instead of writing them): the rest is free again."""
+        entry = self._running[request_id]
+        freed = entry.kv_bytes - max(0, kv_bytes)
+        if freed <= 0:
+            return
+        entry.kv_bytes -= freed
+        self._tenants[entry.tenant].kv_bytes -= freed
+        self._kv_bytes -= freed
 
     def hold(self, request_id: int) -> None:
         """Plan nothing for a running request until ``unhold`` (it waits for others' blocks)."""

@@ -43,7 +43,8 @@ from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.observer import EngineMetrics
 from policies.base import BlockKey
-from tiers.payload import KVBlock, KVLayout
+from tiers.page_pool import PagePool
+from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
 
@@ -129,8 +130,7 @@ class ShadowVerifier:
     Args:
         fraction: the fraction of cache hits verified, in [0, 1] (0: none).
         forward: the engine's forward (the one that computed the served blocks).
-        layout: the model's KV layout.
-        device: where the model runs.
+        pool: where the cold recompute's pages come from (the engine's pool).
         block_tokens: tokens per block.
         chunk_tokens: tokens one idle turn recomputes at most (a multiple of ``block_tokens``;
             ``block_tokens`` on the serial route, whose oracle is block-aligned).
@@ -140,8 +140,8 @@ class ShadowVerifier:
         max_pending: samples waiting for idle capacity at most.
     """
 
-    def __init__(self, *, fraction: float, forward: StepForward, layout: KVLayout,
-                 device: torch.device, block_tokens: int, chunk_tokens: int, evict: EvictBlocks,
+    def __init__(self, *, fraction: float, forward: StepForward, pool: PagePool,
+                 block_tokens: int, chunk_tokens: int, evict: EvictBlocks,
                  metrics: EngineMetrics | None = None, seed: int = 0,
                  max_pending: int = MAX_PENDING) -> None:
         if not 0.0 <= fraction <= 1.0:
@@ -151,8 +151,7 @@ class ShadowVerifier:
                              f"block_tokens ({block_tokens})")
         self._fraction = fraction
         self._forward = forward
-        self._layout = layout
-        self._device = device
+        self._pool = pool
         self._block_tokens = block_tokens
         self._chunk_tokens = chunk_tokens
         self._evict = evict
@@ -234,7 +233,7 @@ class ShadowVerifier:
 
     def _start(self, sample: ShadowSample) -> _Running:
         ids = torch.from_numpy(np.asarray(sample.tokens).astype(np.int64))
-        seq = KVSequence(self._layout, len(ids), device=self._device)
+        seq = KVSequence(self._pool, len(ids))
         return _Running(sample, seq, ids)
 
     def _compare(self, running: _Running) -> list[Divergence]:

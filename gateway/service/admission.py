@@ -1,6 +1,6 @@
 """Per-key admission: how much of the gateway one authenticated caller may hold at once.
 
-RELIABILITY.md, threat 5. A front (the gRPC server today, an HTTP front tomorrow) calls
+docs/reliability.md, threat 5. A front (the gRPC server today, an HTTP front tomorrow) calls
 ``Admission.admit(principal, kind)`` *after* it has authenticated the call and *before* it
 spends anything on it (a worker thread, tokenising, the engine's queue). Admission either
 returns a ``Lease`` -- released exactly once when the call ends, however it ends -- or raises

@@ -1,13 +1,13 @@
 """The composition root: ``kvgate serve`` built from one ``ServeConfig``, and run.
 
-Everything the gateway is made of is wired here and nowhere else (STYLE.md, "One composition
-root"): the deployment secret and API keys, the gRPC server, the OpenAI-compatible HTTP front
-(``[http]``), the model, the cache layer (stores, policies and prefix cache, through
-``gateway.cache.factory.open_cache``), the metrics endpoint, the engine, and the cache's admin
-operations that the Admin service calls. Each gets what it needs through its constructor;
-nothing below reaches for a global. The two servers share one ``EngineSlot``, one
-``Authenticator`` and the same limits, so they serve one engine, one cache and one set of
-metrics: a prefix warmed over gRPC is a hit over HTTP.
+Everything the gateway is made of is wired here and nowhere else (the one composition root,
+docs/contributing.md, "Conventions"): the deployment secret and API keys, the gRPC server, the
+OpenAI-compatible HTTP front (``[http]``), the model, the cache layer (stores, policies and prefix
+cache, through ``gateway.cache.factory.open_cache``), the metrics endpoint, the engine, and the
+cache's admin operations that the Admin service calls. Each gets what it needs through its
+constructor; nothing below reaches for a global. The two servers share one ``EngineSlot``, one
+``Authenticator`` and the same limits, so they serve one engine, one cache and one set of metrics: a
+prefix warmed over gRPC is a hit over HTTP.
 
 Start order: the servers listen first (gRPC health NOT_SERVING, HTTP ``/health`` 503, so an
 orchestrator sees the process come up), then the model loads, the cache opens (the Prometheus
@@ -157,6 +157,20 @@ def start_metrics(config: ServeConfig, metrics: GatewayMetrics, cache: PrefixCac
     logger.info("metrics on http://%s:%d/metrics", settings.host, port)
 
 
+def watch_router(config: ServeConfig, metrics: GatewayMetrics, engine: Engine,
+                 cache: PrefixCache, *, block_nbytes: int) -> None:
+    """Add the series routers read under vLLM's names (``gateway.service.router_metrics``) for
+    a started ``engine`` over ``cache``, whose blocks are ``block_nbytes`` each."""
+    from gateway.service.http.app import served_model_names
+    from gateway.service.router_metrics import CacheConfigInfo
+
+    metrics.watch_router(
+        model_name=served_model_names(engine.model_name, config.http.served_model_name)[0],
+        num_running=lambda: engine.num_running,
+        info=CacheConfigInfo.of(cache.stats(), block_tokens=config.cache.block_tokens,
+                                block_nbytes=block_nbytes, dtype=engine.dtype))
+
+
 def start_http(config: ServeConfig, authenticator: Authenticator,
                engines: EngineSlot, admission: Admission | None = None,
                metrics: GatewayMetrics | None = None) -> HttpFront | None:
@@ -236,7 +250,7 @@ def serve(
     from gateway.cache.invalidation import EvictionFeed
     from gateway.config.device import DeviceError, resolve_device
     from gateway.config.dtype import DtypeError, resolve_dtype
-    from gateway.engine.engine import Engine, EngineConfig
+    from gateway.engine.engine import Engine, EngineConfig, pool_bytes_for
     from gateway.engine.model import load_model
     from gateway.engine.row_products import LinearKernel
     from gateway.engine.verdicts import VerdictStore
@@ -258,7 +272,9 @@ def serve(
                                 device=device, dtype=dtype)
         with stage("opening the cache tiers (recovering the disk tier's index)"):
             opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
-                                device=device)
+                                device=device, running_bytes=pool_bytes_for(
+                                    config.engine.kv_budget_bytes
+                                    + config.engine.tail_cache_bytes))
         start_metrics(config, metrics, opened.cache, device=str(device),
                       dtype=str(dtype).removeprefix("torch."))
 
@@ -294,9 +310,12 @@ def serve(
             verdicts=VerdictStore(config.data_dir / "routes", secret),
             cancelled=stop_requested.is_set,
             shadow_evict=evict_everywhere,
+            pool=opened.pool,
         )
         with stage("choosing the engine route (remembered, or searched and probed)"):
             engine.start()
+        watch_router(config, metrics, engine, opened.cache,
+                     block_nbytes=loaded.layout.block_nbytes(config.cache.block_tokens))
         admin: CacheAdmin
         if opened.events is not None:
             # Evictions through other replicas reach this one's tiers (and those it missed

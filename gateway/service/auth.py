@@ -1,10 +1,10 @@
 """API keys: who is calling, and which cache scope that gives them.
 
-Every RPC carries ``authorization: Bearer <key>``. A key maps to a ``Principal``: a tenant id,
-and whether it is an admin key. The tenant is the cache scope of everything the caller sends
-(DESIGN.md, "Identity of a prefix"): no request field can name another tenant, so one tenant can
-never read, time or count another's prefixes (RELIABILITY.md, threat 1). Admin keys are separate
-keys; they may call the Admin service, use the shared scope and pin prefixes.
+Every RPC carries ``authorization: Bearer <key>``. A key maps to a ``Principal``: a tenant id, and
+whether it is an admin key. The tenant is the cache scope of everything the caller sends
+(docs/design.md, "Identity of a prefix"): no request field can name another tenant, so one tenant
+can never read, time or count another's prefixes (docs/reliability.md, threat 1). Admin keys are
+separate keys; they may call the Admin service, use the shared scope and pin prefixes.
 
 Keys are never kept, compared or logged in the clear: the table holds BLAKE2b digests, and a
 presented key is hashed and compared against every entry with ``hmac.compare_digest`` (no early

@@ -7,7 +7,7 @@ over gRPC does (the same canonical tokens, hence the same cache blocks):
 
 - ``EdgeLimits``: the server's bounds on deadlines, TTLs and prompt size;
 - ``checked_ttl``, ``deadline_within``: a request's TTL and deadline checked against them;
-- ``scope_of``: the cache scope of a call, from the authenticated key only (RELIABILITY.md,
+- ``scope_of``: the cache scope of a call, from the authenticated key only (docs/reliability.md,
   threat 1): the tenant's own, or ``shared`` for admin keys;
 - ``check_num_tools``: the bound on tool schemas a prompt may carry;
 - ``Generation``: one generation's handle with the cancellation rule both surfaces follow (a

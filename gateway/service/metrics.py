@@ -16,14 +16,18 @@ of the same name in the public one. Series:
 * engine step series: requests and tokens per step, queue wait (submit to admission),
   inter-token latency, completion tokens, KV bytes the running requests reserve against the
   budget;
-* the process (``process_*``: CPU, resident and virtual memory, open files) and the interpreter
-  (``python_info``, ``python_gc_*``);
+* the process (``process_*``: CPU, resident and virtual memory, open files; read from /proc at
+  most once per ``PROCESS_MAX_AGE_S``) and the interpreter (``python_info``, ``python_gc_*``);
 * cache series, read from ``PrefixCache.stats()`` at scrape time by ``_CacheCollector``: bytes
   and blocks per tier, evictions by reason, promotions, demotions, load and verification
   failures, Redis errors and breaker state. Nothing is copied between scrapes, so the numbers
-  are those of the cache at that moment.
+  are those of the cache at that moment (one ``stats()`` per scrape: the collectors that read it
+  share a snapshot at most ``CACHE_STATS_MAX_AGE_S`` old);
+* what routers read, under vLLM's names (``vllm:num_requests_waiting``, ``..._running``,
+  ``vllm:kv_cache_usage_perc``, the prefix-cache counters, ``vllm:cache_config_info``), once the
+  engine runs (``watch_router``; ``gateway.service.router_metrics``).
 
-NOTE: the operators' port is for operators only (RELIABILITY.md, threat 1). Its series carry
+NOTE: the operators' port is for operators only (docs/reliability.md, threat 1). Its series carry
 tenant ids, tier names, reasons and counts -- never prompt text, API keys, namespaces or block
 keys -- and it has no authentication, so it listens on loopback unless configured otherwise.
 The API port's ``/metrics`` carries no tenant id either (docs/security.md, "Surfaces").
@@ -36,7 +40,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -54,10 +58,17 @@ from prometheus_client.registry import Collector
 
 from gateway.cache.stats import CacheStats
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
+from gateway.service.router_metrics import (
+    CacheConfigInfo,
+    RouterCounts,
+    VllmCollector,
+    device_kv_usage,
+)
 
 logger = logging.getLogger(__name__)
 
 C = TypeVar("C", bound=Collector)
+T = TypeVar("T")
 
 PREFIX = "kvgate"
 COMPUTED_TIER = "none"
@@ -71,6 +82,13 @@ STEP_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Requests in one engine step (``[engine] max_running`` is 16 by default)."""
 STEP_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 """Tokens one step computes (``[engine] step_tokens`` 256, ``prefill_step_tokens`` 1024)."""
+PROCESS_MAX_AGE_S = 1.0
+"""``process_*`` are read from /proc (three files and the fd directory) at most this often: a
+router polling every 50 ms needs none of them fresher, and they change slowly."""
+CACHE_STATS_MAX_AGE_S = 0.005
+"""The cache's stats are read (under the cache's lock) once per scrape, not once per collector:
+a snapshot this young is reused. Far below any poll interval (a router's 50 ms)."""
+
 INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2,
                          0.3, 0.5, 1.0, 2.5, 5.0)
 """One decode step: about a millisecond on a GPU to a few hundred on a loaded CPU."""
@@ -86,7 +104,7 @@ class MetricsTotals:
         num_completion_tokens: tokens they generated.
         cached_tokens_by_tier: of the prompt tokens, those served by each tier.
         queue_depth: requests waiting for the model now.
-        kv_bytes_in_use: KV bytes the running requests reserve now.
+        kv_bytes_in_use: KV bytes the running requests hold now (their pages).
         kv_budget_bytes: the engine's KV budget (0: not known).
     """
 
@@ -132,6 +150,7 @@ class GatewayMetrics:
         self._queue_depth_now = 0
         self._kv_bytes_now = 0
         self._kv_budget = kv_budget_bytes or 0
+        self._cache_stats: Callable[[], CacheStats] | None = None
         self._prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens of finished generations, served from a "
             "cache tier (source=cache) or computed (source=computed, tier=none).",
@@ -171,11 +190,11 @@ class GatewayMetrics:
             f"{PREFIX}_queue_wait_seconds", "Time from submission to admission by the "
             "scheduler (generations and warms).", buckets=LATENCY_BUCKETS_S, registry=None))
         self._kv_in_use = self._shared(Gauge(
-            f"{PREFIX}_kv_bytes_in_use", "KV buffer bytes reserved by the running requests.",
-            registry=None))
+            f"{PREFIX}_kv_bytes_in_use", "KV bytes the running requests hold: the pages of "
+            "their block tables, a cached prefix they share counted once.", registry=None))
         self._kv_budget_gauge = self._shared(Gauge(
-            f"{PREFIX}_kv_budget_bytes", "The KV buffer bytes the running requests may reserve "
-            "together ([engine] kv_budget_bytes).", registry=None))
+            f"{PREFIX}_kv_budget_bytes", "The KV bytes the running requests' own pages may "
+            "reserve together ([engine] kv_budget_bytes).", registry=None))
         self._kv_budget_gauge.set(self._kv_budget)
         self._completion_tokens = self._shared(Counter(
             f"{PREFIX}_completion_tokens", "Tokens generated by finished generations.",
@@ -184,7 +203,7 @@ class GatewayMetrics:
             f"{PREFIX}_inter_token_latency_seconds", "Time between two consecutive generated "
             "tokens of one request.", buckets=INTER_TOKEN_BUCKETS_S, registry=None))
         self._shared(_RatioCollector(self))
-        self._shared(ProcessCollector(registry=None))
+        self._shared(_Recent(ProcessCollector(registry=None), max_age_s=PROCESS_MAX_AGE_S))
         self._shared(PlatformCollector(registry=None))
         # NOTE: GCCollector registers itself (it takes no None), in one registry of the two.
         self.public_registry.register(GCCollector(registry=self.registry))
@@ -208,7 +227,28 @@ class GatewayMetrics:
 
     def watch_cache(self, cache_stats: Callable[[], CacheStats]) -> None:
         """Series of the cache's tiers and stores, read from ``cache_stats()`` at scrape time."""
-        self._shared(_CacheCollector(cache_stats))
+        self._cache_stats = _Snapshot(cache_stats, max_age_s=CACHE_STATS_MAX_AGE_S)
+        self._shared(_CacheCollector(self._cache_stats))
+
+    def watch_router(self, *, model_name: str, num_running: Callable[[], int],
+                     info: CacheConfigInfo) -> None:
+        """vLLM's series for routers (``gateway.service.router_metrics``), once the engine runs.
+
+        Args:
+            model_name: their ``model_name`` label: the first served model name.
+            num_running: the requests the engine's scheduler has admitted and not finished.
+            info: the cache's configuration (``vllm:cache_config_info``).
+        """
+        def counts() -> RouterCounts:
+            stats = self._cache_stats() if self._cache_stats is not None else None
+            with self._lock:
+                num_prompt, num_cached = self._num_prompt_tokens, self._num_cached_tokens
+            return RouterCounts(
+                num_waiting=self._queue_depth_now, num_running=num_running(),
+                num_prompt_tokens=num_prompt, num_cached_tokens=num_cached,
+                kv_usage=device_kv_usage(stats) if stats is not None else 0.0)
+
+        self._shared(VllmCollector(model_name=model_name, counts=counts, info=info))
 
     # ---- hooks the engine calls ------------------------------------------------------
 
@@ -333,6 +373,45 @@ def failure_reason(exc: BaseException) -> str:
         if isinstance(exc, kind):
             return reason
     return "error"
+
+
+class _Snapshot(Generic[T]):
+    """``read()``'s value, read again only once ``max_age_s`` have passed since the last read.
+
+    NOTE: two threads that both find it stale both read; each gets a value no older than
+    ``max_age_s`` all the same.
+    """
+
+    def __init__(self, read: Callable[[], T], *, max_age_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._read = read
+        self._max_age_s = max_age_s
+        self._clock = clock
+        self._value: tuple[float, T] | None = None
+
+    def __call__(self) -> T:
+        now = self._clock()
+        value = self._value
+        if value is not None and now - value[0] < self._max_age_s:
+            return value[1]
+        fresh = self._read()
+        self._value = (now, fresh)
+        return fresh
+
+
+class _Recent(Collector):
+    """A collector's families, collected at most once per ``max_age_s`` (``_Snapshot``)."""
+
+    def __init__(self, collector: Collector, *, max_age_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._families = _Snapshot(lambda: list(collector.collect()), max_age_s=max_age_s,
+                                   clock=clock)
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        yield from self._families()
 
 
 class _RatioCollector(Collector):

@@ -6,10 +6,10 @@ of date fail ``make test``.
 
 protoc names its outputs after the proto's path (``kvgate/v1/kvgate_pb2.py``) and imports the
 message module as ``from kvgate.v1 import kvgate_pb2``: a top-level package that does not exist here
-(and a top-level ``proto`` package would collide with proto-plus; DESIGN.md, "Layout"). The stubs
-are therefore generated in a scratch directory, the import is rewritten to a package-relative one,
-and the three files are written flat into ``gateway/service/pb/``. The proto keeps its own path as
-its name, so reflection shows ``kvgate/v1/kvgate.proto``.
+(and a top-level ``proto`` package would collide with proto-plus; docs/design.md, "Layout"). The
+stubs are therefore generated in a scratch directory, the import is rewritten to a package-relative
+one, and the three files are written flat into ``gateway/service/pb/``. The proto keeps its own path
+as its name, so reflection shows ``kvgate/v1/kvgate.proto``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The tree shows the architecture: imports point down the layers of DESIGN.md, "Layout".
+"""The tree shows the architecture: imports point down the layers of docs/design.md, "Layout".
 
     cli → bench → service → config → engine → cache → core      (gateway/)
     gateway.client → core and the generated stubs only (it imports nothing of the server)

@@ -107,6 +107,7 @@ def test_compose_runs_two_replicas_on_one_password_protected_tls_redis(tmp_path:
 def test_k8s_manifests_parse_and_have_the_expected_objects() -> None:
     objects = _k8s_objects()
     assert {("Deployment", "kvgate"), ("Service", "kvgate"), ("Service", "kvgate-admin"),
+            ("Service", "kvgate-metrics"),
             ("ConfigMap", "kvgate-config"), ("Secret", "kvgate-secrets"),
             ("StatefulSet", "kvgate-redis"), ("Service", "kvgate-redis"),
             ("NetworkPolicy", "kvgate"), ("NetworkPolicy", "kvgate-redis")} <= set(objects)
@@ -138,7 +139,7 @@ def test_k8s_deployment_probes_ask_grpc_health_and_runs_non_root() -> None:
     assert pod["securityContext"]["runAsUser"] != 0
     (container,) = pod["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": 50051, "http": 8000, "admin": 50052}
+    assert ports == {"grpc": 50051, "http": 8000, "admin": 50052, "metrics": 9464}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["admin"], probe
     assert container["readinessProbe"]["grpc"]["service"] == "kvgate.v1.Gateway"
@@ -199,6 +200,43 @@ def test_k8s_configmap_and_secret_load_as_a_kvgate_config_with_tls_redis(tmp_pat
     assert Path(ca).parent == Path(mounts["redis-tls"])
 
 
+def test_k8s_serves_metrics_where_the_annotations_the_servicemonitor_and_prometheus_look(
+        tmp_path: Path) -> None:
+    objects = _k8s_objects()
+    path = tmp_path / "kvgate.toml"
+    path.write_text(objects[("ConfigMap", "kvgate-config")]["data"]["kvgate.toml"],
+                    encoding="utf-8")
+    config = load_serve_config(path, env={})
+    assert config.metrics.enabled and config.metrics.host == "0.0.0.0"
+    assert config.http.metrics  # the API port's /metrics, for routers
+    template = objects[("Deployment", "kvgate")]["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["metrics"] == config.metrics.port and ports["http"] == config.http.port
+    annotations = template["metadata"]["annotations"]
+    assert annotations == {"prometheus.io/scrape": "true",
+                           "prometheus.io/port": str(config.metrics.port),
+                           "prometheus.io/path": "/metrics"}
+    service = objects[("Service", "kvgate-metrics")]
+    assert [(p["name"], p["targetPort"]) for p in service["spec"]["ports"]] == [
+        ("metrics", "metrics")]
+    assert service["spec"]["selector"] == template["metadata"]["labels"]
+    (monitor,) = _docs(K8S / "monitoring" / "servicemonitor.yaml")
+    assert monitor["kind"] == "ServiceMonitor"
+    selected = monitor["spec"]["selector"]["matchLabels"]
+    assert selected.items() <= service["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "kvgate"
+    scrape = yaml.safe_load((DEPLOY / "observability" / "prometheus.yml").read_text(
+        encoding="utf-8"))
+    (job,) = [job for job in scrape["scrape_configs"] if job["job_name"] == "kvgate"]
+    assert {target.rsplit(":", 1)[1] for static in job["static_configs"]
+            for target in static["targets"]} == {str(config.metrics.port)}
+    assert (endpoint["interval"], endpoint["scrapeTimeout"]) == (
+        scrape["global"]["scrape_interval"], scrape["global"]["scrape_timeout"])
+
+
 def test_k8s_redis_requires_auth_and_tls() -> None:
     objects = _k8s_objects()
     redis = objects[("StatefulSet", "kvgate-redis")]
@@ -218,13 +256,14 @@ def test_k8s_network_policies_let_only_the_apps_reach_kvgate_and_only_kvgate_rea
     assert kvgate["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kvgate"}
     assert set(kvgate["policyTypes"]) == {"Ingress", "Egress"}
     by_port = {rule["ports"][0]["port"]: rule["from"] for rule in kvgate["ingress"]}
-    assert set(by_port) == {50051, 50052}
-    apps, ops = by_port[50051], by_port[50052]
+    assert set(by_port) == {50051, 50052, 9464}
+    apps, ops, monitoring = by_port[50051], by_port[50052], by_port[9464]
     ports_of = {rule["ports"][0]["port"]: {p["port"] for p in rule["ports"]}
                 for rule in kvgate["ingress"]}
-    assert ports_of == {50051: {50051, 8000}, 50052: {50052}}  # gRPC and HTTP; Admin alone
+    # gRPC and HTTP; Admin alone; the operators' metrics port alone
+    assert ports_of == {50051: {50051, 8000}, 50052: {50052}, 9464: {9464}}
     assert [list(peer) for peer in apps] == [["namespaceSelector"]]
-    assert apps != ops
+    assert apps != ops and monitoring not in (apps, ops)
     egress_ports = {p["port"] for rule in kvgate["egress"] for p in rule["ports"]}
     assert egress_ports == {6380, 53}
     redis = objects[("NetworkPolicy", "kvgate-redis")]["spec"]
@@ -286,7 +325,7 @@ def test_systemd_unit_passes_config_and_secret_as_credentials() -> None:
 
 def test_readme_cites_the_measured_ttft_numbers() -> None:
     readme = (DEPLOY / "README.md").read_text(encoding="utf-8")
-    top = (DEPLOY.parent / "README.md").read_text(encoding="utf-8")
+    top = (DEPLOY.parent / "docs" / "benchmarks.md").read_text(encoding="utf-8")
     for device, redis in (("290.9", "703.7"), ("346.8", "1,108.6")):
         assert device in readme and redis in readme
         assert re.search(rf"warm: device\s+{re.escape(device)}", top)

@@ -149,7 +149,8 @@ def attach_engine(
     )
     running.engine = Engine(loaded=loaded, cache=running.opened.cache,
                             config=engine_config or EngineConfig(block_tokens=BLOCK),
-                            deployment_secret=SECRET, metrics=metrics)
+                            deployment_secret=SECRET, metrics=metrics,
+                            pool=running.opened.pool)
     running.engine.start()
     admin = CacheAdmin(running.opened.cache, keys=running.engine)
     running.server.attach(running.engine, admin)

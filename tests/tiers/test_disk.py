@@ -2,7 +2,7 @@
 
 Everything runs on real files in ``tmp_path``; faults come through the file-ops seam
 (``faulty_fs.FaultyFileOps``) or from a real ``kill -9``. Races are frozen with the seam's
-pauses, never with sleeps. The rule under test throughout (RELIABILITY.md, threat 3): a block
+pauses, never with sleeps. The rule under test throughout (docs/reliability.md, threat 3): a block
 that does not verify is never served -- it is a counted miss, and its file is removed.
 """
 

@@ -8,6 +8,7 @@ import torch
 from policies.base import BlockKey
 from tiers.base import BlockMeta, BlockStore
 from tiers.memory import DeviceStore, HostStore, SlabPool
+from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
 
 LAYOUT = KVLayout(num_layers=3, kv_heads=2, head_dim=8, dtype=torch.float32)
@@ -50,10 +51,16 @@ def host_store(budget_blocks: int = 8, layout: KVLayout = LAYOUT) -> HostStore:
     )
 
 
-@pytest.fixture(params=["device", "host"])
+def page_pool(num_pages: int = 8) -> PagePool:
+    return PagePool(LAYOUT, page_tokens=BLOCK_TOKENS, num_pages=num_pages)
+
+
+@pytest.fixture(params=["device", "paged device", "host"])
 def store(request: pytest.FixtureRequest) -> BlockStore:
     if request.param == "device":
         return DeviceStore(device="cpu")
+    if request.param == "paged device":
+        return DeviceStore(pool=page_pool())
     return host_store()
 
 
@@ -105,6 +112,58 @@ def test_device_store_keeps_blocks_already_on_its_device_without_copying() -> No
     store.put(make_meta(3), block)
     got = store.get(make_meta(3))
     assert got is not None and got.keys[0].data_ptr() == block.keys[0].data_ptr()
+
+
+def test_a_paged_device_store_keeps_a_page_handed_to_it_as_it_is() -> None:
+    pool = page_pool()
+    store = DeviceStore(pool=pool)
+    page = pool.allocate()
+    pool.fill(page, make_block(3))
+    store.put(make_meta(3), pool.block(page))
+    got = store.get(make_meta(3))
+    assert got is not None and pool.page_of(got) is page
+    assert pool.num_in_use == 1
+
+
+def test_a_paged_device_store_copies_other_blocks_into_pages_of_its_pool() -> None:
+    pool = page_pool()
+    store = DeviceStore(pool=pool)
+    block = make_block(5)
+    store.put(make_meta(5), block)
+    got = store.get(make_meta(5))
+    assert got is not None and pool.page_of(got) is not None and identical(got, block)
+    store.delete(make_meta(5).key)
+    del got
+    assert pool.num_in_use == 0  # the page went back with the block
+
+
+def test_one_page_stored_under_two_keys_is_two_pages() -> None:
+    pool = page_pool()
+    store = DeviceStore(pool=pool)
+    page = pool.allocate()
+    pool.fill(page, make_block(6))
+    store.put(make_meta(1), pool.block(page))
+    store.put(make_meta(2), pool.block(page))  # a tenant re-storing a shared block
+    assert pool.num_in_use == 2  # the budget charges each key for memory of its own
+
+
+def test_a_paged_device_store_drops_a_put_when_the_pool_is_full_and_counts_it() -> None:
+    store = DeviceStore(pool=page_pool(num_pages=1))
+    store.put(make_meta(1), make_block(1))
+    store.put(make_meta(2), make_block(2))
+    assert store.get(make_meta(2)) is None
+    assert store.stats().notes["dropped_pool_full"] == 1
+
+
+def test_a_device_store_without_a_pool_copies_a_page_out() -> None:
+    pool = page_pool()
+    page = pool.allocate()
+    pool.fill(page, make_block(7))
+    store = DeviceStore(device="cpu")
+    store.put(make_meta(7), pool.block(page))
+    del page
+    got = store.get(make_meta(7))
+    assert got is not None and pool.page_of(got) is None and pool.num_in_use == 0
 
 
 def test_host_store_copies_blocks_into_its_own_slots() -> None:

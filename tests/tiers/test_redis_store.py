@@ -1,4 +1,4 @@
-"""RedisStore against real redis-server processes (RELIABILITY.md group C).
+"""RedisStore against real redis-server processes (docs/reliability.md group C).
 
 Every test starts its own server (or uses the module's cluster) through the fixtures in
 ``tests/conftest.py``; faults come from killing processes, from ``FaultProxy`` and from values

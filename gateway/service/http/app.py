@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
-from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -54,6 +53,7 @@ from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits, Generation
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.errors import HttpFailure, error_answer
+from gateway.service.http.metrics_page import MetricsPage
 from gateway.service.http.openai_requests import Kind, OpenAICall, check_model, parse_call
 from gateway.service.http.openai_responses import Rendering
 from gateway.service.http.pending_bodies import PendingBodies
@@ -75,9 +75,17 @@ class ClientGone(Exception):
     """The client closed the connection while its request was waiting or running."""
 
 
-def served_model_names(model_name: str) -> tuple[str, ...]:
-    """The ``model`` values this gateway answers to: the short id ``/v1/models`` lists first
-    (a checkpoint directory's name, or ``bundled``), then the ``--model`` value itself."""
+def served_model_names(model_name: str, served: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The ``model`` values this gateway answers to, the one it reports first.
+
+    Args:
+        model_name: the engine's model (``--model``: ``bundled`` or a checkpoint directory).
+        served: ``[http] served_model_name`` (``--served-model-name``): when given, exactly
+            these, as vLLM does. Otherwise the short id (a checkpoint directory's name, or
+            ``bundled``), then the ``--model`` value itself.
+    """
+    if served:
+        return served
     short = Path(model_name).name or model_name
     return (short,) if short == model_name else (short, model_name)
 
@@ -99,6 +107,8 @@ class OpenAIFront:
         access: where each chat and completion leaves its line (None: nowhere).
         metrics: the registry ``GET /metrics`` renders, unauthenticated: it must hold no
             per-tenant series (None: no such route).
+        served_model_name: the model ids to answer to (``served_model_names``; empty: the
+            engine's model).
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
@@ -106,10 +116,12 @@ class OpenAIFront:
                  body_timeout_s: float, admission: Admission | None = None,
                  max_pending_bodies_per_tenant: int = 16,
                  access: AccessLog | None = None,
-                 metrics: CollectorRegistry | None = None) -> None:
+                 metrics: CollectorRegistry | None = None,
+                 served_model_name: tuple[str, ...] = ()) -> None:
         self._engines = engines
+        self._served = served_model_name
         self._access = access
-        self._metrics = metrics
+        self._metrics = MetricsPage(metrics) if metrics is not None else None
         self._auth = authenticator
         self._admission = admission
         self._limits = limits
@@ -155,22 +167,23 @@ class OpenAIFront:
         if not engine.is_ready:
             return JSONResponse({"status": "draining"}, status_code=503,
                                 headers={"Retry-After": str(self._retry_after_s)})
-        return JSONResponse({"status": "ok", "model": served_model_names(engine.model_name)[0]})
+        return JSONResponse({"status": "ok", "model": self._names(engine)[0]})
 
     async def _render_metrics(self, request: Request) -> Response:
         """Prometheus' text format (or OpenMetrics, if the scraper asks for it).
 
-        NOTE: rendered on the event loop: a millisecond or two with the registry populated
-        (docs/operations.md, "Metrics"), less than a thread hop would add.
+        NOTE: rendered on the event loop: well under a millisecond with the registry populated
+        (docs/operations.md, "Cost of a scrape"), less than a thread hop would add; and at most
+        once per 20 ms for all scrapers together (``MetricsPage``).
         """
         assert self._metrics is not None
-        encoder, content_type = choose_encoder(request.headers.get("accept", ""))
-        return Response(encoder(self._metrics), headers={"Content-Type": content_type})
+        body, content_type = self._metrics.render(request.headers.get("accept", ""))
+        return Response(body, headers={"Content-Type": content_type})
 
     async def _models(self, request: Request) -> Response:
         try:
             self._auth.authenticate(request.headers.items(), is_http=True)
-            names = served_model_names(self._engine().model_name)
+            names = self._names(self._engine())
         except Exception as exc:
             return self._error(exc, request)
         return JSONResponse({"object": "list", "data": [self._model_object(names[0])]})
@@ -178,7 +191,7 @@ class OpenAIFront:
     async def _model(self, request: Request) -> Response:
         try:
             self._auth.authenticate(request.headers.items(), is_http=True)
-            names = served_model_names(self._engine().model_name)
+            names = self._names(self._engine())
             if request.path_params["model"] not in names:
                 raise HttpFailure(status=404, type="invalid_request_error",
                                   code="model_not_found", param="model",
@@ -199,7 +212,7 @@ class OpenAIFront:
             engine = self._engine()
             with self._pending.hold(principal.tenant):
                 call = await self._call(kind, request, principal)
-            check_model(call, served_model_names(engine.model_name))
+            check_model(call, self._names(engine))
             if self._admission is not None:  # the same per-key limits as over gRPC
                 lease = self._admission.admit(principal, CallKind.GENERATE)
             response = await self._generate_admitted(engine, call, request, lease, access)
@@ -225,7 +238,9 @@ class OpenAIFront:
         except Exception as exc:
             return self._error(exc, request)
         generation = Generation(handle)
-        rendering = Rendering(kind=call.kind, model=call.model, include_usage=call.include_usage)
+        # NOTE: the first served name, whichever alias the request used (as vLLM answers).
+        rendering = Rendering(kind=call.kind, model=self._names(engine)[0],
+                              include_usage=call.include_usage)
         try:
             first = await self._until_gone(request, generation.next_item)
             if not call.stream:
@@ -286,6 +301,9 @@ class OpenAIFront:
                 access.end(status)
 
     # ---- helpers ----------------------------------------------------------------------
+
+    def _names(self, engine: Engine) -> tuple[str, ...]:
+        return served_model_names(engine.model_name, self._served)
 
     def _engine(self) -> Engine:
         if self._is_draining:

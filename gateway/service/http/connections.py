@@ -23,6 +23,9 @@ itself when every connection has a request in flight. No request is ever refused
 number of connections, so idle clients cannot lock keyed ones out; and ``limits_within`` keeps
 ``max_connections`` under half the process's open-file limit, so they cannot exhaust it either.
 
+A connection whose first bytes are HTTP/2's preface is a gRPC client on the wrong port: it is
+answered by ``grpc_refusal`` (a gRPC status naming the right port) instead of h11, and closed.
+
 NOTE: with TLS, the event loop calls ``connection_made`` after the handshake; until then a
 connection is asyncio's (its own handshake timeout, 60 s) and not counted here.
 """
@@ -40,6 +43,12 @@ from uvicorn.protocols.http.h11_impl import H11Protocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
 from gateway.config.settings import HttpSettings
+from gateway.service.http.grpc_refusal import (
+    PREFACE,
+    GrpcRefusal,
+    might_be_preface,
+    refusal_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -171,15 +180,20 @@ class GuardedH11Protocol(H11Protocol):
     Args:
         config, server_state, app_state, _loop: what uvicorn passes to a protocol class.
         guard: the front's guard.
+        grpc_port: the gRPC service's port, named to a gRPC client that reached this one
+            (None: not known).
     """
 
     def __init__(self, config: Config, server_state: ServerState, app_state: dict[str, Any],
                  _loop: asyncio.AbstractEventLoop | None = None, *,
-                 guard: ConnectionGuard) -> None:
+                 guard: ConnectionGuard, grpc_port: int | None = None) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._guard = guard
         self._state: State = "waiting"
         self._timer: asyncio.TimerHandle | None = None
+        self._grpc_port = grpc_port
+        self._first_bytes: bytes | None = b""  # None once the protocol is known
+        self._refusal: GrpcRefusal | None = None
 
     # ---- asyncio.Protocol and uvicorn's hooks --------------------------------------------
 
@@ -195,6 +209,20 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._first_bytes is not None:  # a new connection: HTTP/1.1, or a gRPC client?
+            data = self._first_bytes + data
+            if might_be_preface(data):
+                if len(data) < len(PREFACE):
+                    self._first_bytes = data  # not enough to tell yet
+                    return
+                self._refusal = GrpcRefusal(refusal_message(self.server, self._grpc_port))
+                logger.debug("a gRPC client reached the HTTP front from %s: refused",
+                             self.client)
+                self.transport.write(self._refusal.opening())
+            self._first_bytes = None
+        if self._refusal is not None:
+            self._answer_grpc(data)
+            return
         cycle = self.cycle
         super().data_received(data)
         self._after_events(cycle)
@@ -205,6 +233,15 @@ class GuardedH11Protocol(H11Protocol):
             self._begin_waiting()
         super().on_response_complete()  # may start a pipelined request
         self._after_events(cycle)
+
+    def _answer_grpc(self, data: bytes) -> None:
+        assert self._refusal is not None
+        if self.transport.is_closing():
+            return
+        self.transport.write(self._refusal.feed(data))
+        if self._refusal.is_done:
+            self._disarm()
+            self.transport.close()  # after what was written
 
     def drop(self) -> None:
         """Close now, dropping what is still buffered for a client that does not read."""

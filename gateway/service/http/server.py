@@ -82,6 +82,7 @@ class HttpFront:
             admission=admission,
             access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
             metrics=metrics if settings.metrics else None,
+            served_model_name=settings.served_model_name,
         )
         self.guard: ConnectionGuard | None = None
         self._server: uvicorn.Server | None = None
@@ -111,7 +112,8 @@ class HttpFront:
         uv_config = uvicorn.Config(
             self._front.app(), log_config=None, access_log=False, lifespan="off", ws="none",
             # NOTE: uvicorn calls ``http`` with keyword arguments: any callable will do.
-            http=partial(GuardedH11Protocol, guard=guard),  # type: ignore[arg-type]
+            http=partial(GuardedH11Protocol, guard=guard,  # type: ignore[arg-type]
+                         grpc_port=self.config.port or None),
             loop="asyncio", server_header=False,
             # The guard keeps connections under max_connections without refusing requests;
             # this only bounds request tasks that outlive their connections.

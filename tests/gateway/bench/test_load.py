@@ -15,14 +15,18 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from gateway.bench.admission import measure_admission
 from gateway.bench.chat_workload import Conversation, question, system_prompt
+from gateway.bench.kv_held import read_gauge
 from gateway.bench.load import LoadResult, percentile, plot_results
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_config
 from gateway.config.loader import load_serve_config
 from tests.gateway.bench.cli_run import run_bench
 from tests.tiny_llama import save_tiny_llama
+from tiers.payload import KVLayout
 
 USERS = (1, 2)
 ROUNDS = 1
@@ -32,7 +36,7 @@ _ROW = re.compile(
     r"^(?P<label>kvgate(?: serial| no_cache)?)\s+(?P<users>\d+)\s+(?P<reqs>\d+)\s+"
     r"(?P<t50>[\d,]+)\s+(?P<t99>[\d,]+)\s+(?P<l50>[\d,]+)\s+(?P<l99>[\d,]+)\s+"
     r"(?P<rps>[\d.]+)\s+(?P<tps>[\d.]+)\s+(?P<cached>[\d.]+)\s+(?P<rss>[\d,]+) MiB\s+"
-    r"route (?P<route>\w+)")
+    r"(?P<held>[\d,]+) MiB\s+route (?P<route>\w+)")
 
 
 def _number(text: str) -> float:
@@ -72,6 +76,9 @@ def test_bench_load_prints_every_configuration_and_user_count(tmp_path: Path) ->
     assert len(peer_rows) == len(USERS), proc.stdout
     assert all("n/a (run make bench-peers)" in line for line in peer_rows), proc.stdout
     assert plot.is_file() and plot.read_bytes().startswith(b"\x89PNG")
+    admission = re.search(r"admitting a warm turn with ([\d,]+) cached tokens .*: pages listed "
+                          r"([\d.]+) ms, copied into the request's own ([\d.]+) ms", proc.stdout)
+    assert admission is not None and _number(admission[1]) > 0, proc.stdout
     assert proc.stderr.count("spawned kvgate serve (pid") == len(KVGATE_CONFIGS) * len(USERS)
 
 
@@ -126,3 +133,18 @@ def test_plot_is_a_png_with_one_line_per_configuration(tmp_path: Path) -> None:
     assert plot_results(results, tmp_path / "p.png", out)
     assert (tmp_path / "p.png").read_bytes().startswith(b"\x89PNG")
     assert results[0].cached_fraction == 0.5
+
+
+def test_the_peak_kv_held_is_read_from_the_servers_gauge() -> None:
+    exposition = ("# HELP kvgate_kv_bytes_in_use KV bytes ...\n"
+                  "# TYPE kvgate_kv_bytes_in_use gauge\n"
+                  "kvgate_kv_bytes_in_use 3.5e+06\nkvgate_kv_budget_bytes 2.0e+09\n")
+    assert read_gauge(exposition) == 3.5e6
+    assert read_gauge("kvgate_kv_budget_bytes 1\n") is None
+
+
+def test_admission_is_measured_both_ways_on_whole_blocks() -> None:
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype=torch.float32)
+    result = measure_admission(layout, cached_tokens=100, block_tokens=16, repeats=3)
+    assert result.cached_tokens == 96  # whole blocks only
+    assert result.listed_s > 0 and result.copied_s > 0

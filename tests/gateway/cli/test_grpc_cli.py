@@ -1,10 +1,10 @@
 """``kvgate serve`` and ``kvgate generate`` as an operator runs them: real processes, real signals.
 
-``gateway_proc`` is the RELIABILITY.md harness piece: the real ``kvgate serve`` as a subprocess
-(tiny Llama, 16-token blocks, device + host + disk tiers under its data dir), listening on a
-port it picks itself (``--port 0``; the port is read from its SERVING log line), health polled
-until SERVING, stopped by pid with SIGTERM. Tests that only send requests share one such
-process (``serving``); tests that restart or signal it start their own.
+``gateway_proc`` is a harness piece (docs/reliability.md, "Harness"): the real ``kvgate serve`` as a
+subprocess (tiny Llama, 16-token blocks, device + host + disk tiers under its data dir), listening
+on a port it picks itself (``--port 0``; the port is read from its SERVING log line), health polled
+until SERVING, stopped by pid with SIGTERM. Tests that only send requests share one such process
+(``serving``); tests that restart or signal it start their own.
 """
 
 from __future__ import annotations

@@ -826,7 +826,8 @@ def test_canonical_text_is_idempotent(text):
 
 
 def reference_canonical_text(text: str) -> str:
-    """The rule as DESIGN.md states it, applied until nothing changes, then NFC."""
+    """The rule of docs/design.md, "Identity of a prefix", applied until nothing changes, then
+    NFC."""
     while "\r\n" in text:
         text = text.replace("\r\n", "\n")
     return unicodedata.normalize("NFC", text)

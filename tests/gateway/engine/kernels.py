@@ -1,7 +1,7 @@
 """Linear kernels for tests: the machine's own where they hold, seams where they do not.
 
 Why seams: whether a kernel keeps a row's bits whatever the row count is a property of the
-machine (DESIGN.md, "Parity"), so a test that needs "the batched route" or "decode rows alone"
+machine (docs/design.md, "Parity"), so a test that needs "the batched route" or "decode rows alone"
 must not assume this machine has it. ``ROWWISE`` computes every row as a matrix-vector product
 of its own: it gives a row the same bits for any row count on any machine, so with it every
 branch of the batched route runs everywhere. ``varies_below`` and ``raising`` play the machines

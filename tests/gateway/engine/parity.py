@@ -29,6 +29,7 @@ from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, compute_block_kv, load_model
 from gateway.engine.route_search import build_forward, search_route
+from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
 
 BLOCK = 16
@@ -36,7 +37,8 @@ SECRET = b"engine-test-secret-0000000000001"
 ALICE = Scope.of_tenant("alice")
 SYSTEM = "You are a careful assistant. Answer briefly and cite the manual. " * 2
 
-# The README's parity prompts: (id, prompt). Ids name the parametrised tests.
+# The parity prompts (docs/parity.md, "What the tests compare"): (id, prompt). Ids name the
+# parametrised tests.
 PARITY_PROMPTS: list[tuple[str, PromptInput]] = [
     ("shorter-than-a-block-text", PromptInput(prompt="short")),
     ("repeated-sentence", PromptInput(prompt="The quick brown fox jumps over the lazy dog. " * 8)),
@@ -77,10 +79,13 @@ def cache_config(root: Path, **overrides: object) -> CacheConfig:
     return CacheConfig(**fields)  # type: ignore[arg-type]
 
 
-def make_engine(tiny: LoadedModel, opened: OpenedCache | None, **overrides: object) -> Engine:
+def make_engine(tiny: LoadedModel, opened: OpenedCache | None, *, pool: PagePool | None = None,
+                **overrides: object) -> Engine:
+    """An engine over ``opened`` (its pool, unless ``pool`` names another), started."""
     config = EngineConfig(block_tokens=BLOCK, **overrides)  # type: ignore[arg-type]
     engine = Engine(loaded=tiny, cache=opened.cache if opened else None, config=config,
-                    deployment_secret=SECRET)
+                    deployment_secret=SECRET,
+                    pool=pool if pool is not None else opened.pool if opened else None)
     engine.start()
     assert engine.route.name == config.route or config.route == "auto", engine.route
     assert engine.route.name == "batched" or config.route == "serial", (
@@ -155,7 +160,7 @@ def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
     if route == "serial":
         computed = compute_block_kv(loaded, torch.tensor(tokens[:n], device=device), block_tokens)
         return [KVBlock(keys=keys, values=values) for keys, values in computed]
-    seq = KVSequence(loaded.layout, max(1, n), device=device)
+    seq = KVSequence.alone(loaded.layout, max(1, n), device=device)
     forward = engine_forward(loaded, torch.device(device))
     if n:
         forward.forward([SequenceRows(sequence=seq, tokens=torch.tensor(tokens[:n]),

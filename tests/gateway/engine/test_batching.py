@@ -53,7 +53,7 @@ def start(tiny: LoadedModel, root: Path, block: int, **config: object
     opened = open_cache(cache_config(root, block_tokens=block), layout=tiny.layout,
                         deployment_secret=SECRET)
     kernel = str(config.get("linear_kernel", "auto"))
-    engine = Engine(loaded=tiny, cache=opened.cache,
+    engine = Engine(loaded=tiny, cache=opened.cache, pool=opened.pool,
                     config=EngineConfig(block_tokens=block, **config),  # type: ignore[arg-type]
                     deployment_secret=SECRET,
                     kernels=batched_kernels(tiny, kernel))  # type: ignore[arg-type]

@@ -69,4 +69,4 @@ def test_from_pretrained_loads_the_same_model_and_chat_template_kvgate_serves(
     assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
     ids = torch.tensor(tokenizer.encode(text, add_special_tokens=False))[None]
     with torch.inference_mode():
-        assert torch.equal(model(ids).logits, ours.model(ids).logits)
+        assert torch.equal(model(ids).logits, ours.transformers_model()(ids).logits)

@@ -70,7 +70,7 @@ def start(stack: list[tuple[Engine, OpenedCache]], loaded: LoadedModel, root: Pa
     engine serves on the serial route, and warm must equal cold on both."""
     opened = open_cache(cache_config(root), layout=loaded.layout, deployment_secret=SECRET,
                         device=model_device(loaded))
-    engine = Engine(loaded=loaded, cache=opened.cache,
+    engine = Engine(loaded=loaded, cache=opened.cache, pool=opened.pool,
                     config=EngineConfig(block_tokens=BLOCK, route=route),
                     deployment_secret=SECRET)
     stack.append((engine, opened))

@@ -49,8 +49,8 @@ def test_the_sequence_cache_computes_what_transformers_dynamic_cache_computes(
     from transformers import DynamicCache
 
     ids = torch.randint(0, 400, (40,))
-    reference: Any = DynamicCache(config=tiny.model.config)
-    seq = KVSequence(tiny.layout, 64)
+    reference: Any = DynamicCache(config=tiny.transformers_model().config)
+    seq = KVSequence.alone(tiny.layout, 64)
     for start in range(0, 40, 8):
         a = forward_logits(tiny, ids[start : start + 8], reference)
         b = forward_logits(tiny, ids[start : start + 8], sequence_cache(seq))

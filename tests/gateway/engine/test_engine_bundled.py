@@ -84,7 +84,8 @@ def cache_config(root: Path) -> CacheConfig:
 
 def start_engine(smol: LoadedModel, root: Path) -> tuple[Engine, OpenedCache]:
     opened = open_cache(cache_config(root), layout=smol.layout, deployment_secret=SECRET)
-    engine = Engine(loaded=smol, cache=opened.cache, config=EngineConfig(block_tokens=BLOCK),
+    engine = Engine(loaded=smol, cache=opened.cache, pool=opened.pool,
+                    config=EngineConfig(block_tokens=BLOCK),
                     deployment_secret=SECRET)
     engine.start()
     return engine, opened

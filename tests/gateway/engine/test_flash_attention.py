@@ -1,5 +1,6 @@
 """The fixed-shape flash attention: a prefill row's bits never depend on its chunk, a decode
-row's never on what is attended beside it (DESIGN.md, "Parity"; gateway.engine.flash_attention).
+row's never on what is attended beside it (docs/design.md, "Parity";
+gateway.engine.flash_attention).
 
 Bit for bit (``torch.equal``), on random queries and keys with SmolLM2's head shape (9 query
 heads over 3 KV heads), across the 512-position key block.

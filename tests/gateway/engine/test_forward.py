@@ -1,7 +1,7 @@
 """The invariant forward: a token's K/V and logits are the same however it is chunked or batched.
 
 Runs the tiny random Llama (tests.tiny_llama) through ``BatchedForward`` and compares bit for
-bit (``torch.equal``), never within a tolerance: that is the promise (DESIGN.md, "Parity").
+bit (``torch.equal``), never within a tolerance: that is the promise (docs/design.md, "Parity").
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _tokens(n: int, seed: int) -> torch.Tensor:
 
 def _run(forward: BatchedForward, tiny: LoadedModel, tokens: torch.Tensor, chunks: list[int],
          beside: list[KVSequence] | None = None) -> tuple[KVSequence, torch.Tensor]:
-    seq = KVSequence(tiny.layout, int(tokens.numel()) + 8)
+    seq = KVSequence.alone(tiny.layout, int(tokens.numel()) + 8)
     at, logits = 0, None
     for size in chunks:
         batch = [SequenceRows(sequence=other, tokens=_tokens(1 + i, at + i), wants_logits=True)
@@ -66,7 +66,7 @@ def test_forward_computes_what_the_transformers_model_computes(forward, tiny) ->
     tokens = _tokens(PROMPT, 1)
     _, logits = _run(forward, tiny, tokens, [PROMPT])
     with torch.inference_mode():
-        expected = tiny.model(input_ids=tokens[None]).logits[0, -1].float()
+        expected = tiny.transformers_model()(input_ids=tokens[None]).logits[0, -1].float()
     assert torch.allclose(logits, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -86,7 +86,7 @@ def test_rows_of_other_sequences_in_the_step_change_nothing(forward, tiny) -> No
     alone, expected = _run(forward, tiny, tokens, [200, 90, 10])
     others = []
     for i, n in enumerate((3, 70, 130)):
-        seq = KVSequence(tiny.layout, n + 64)
+        seq = KVSequence.alone(tiny.layout, n + 64)
         forward.forward([SequenceRows(sequence=seq, tokens=_tokens(n, 10 + i),
                                       wants_logits=False)])
         others.append(seq)
@@ -107,7 +107,7 @@ def _decode(forward: BatchedForward, tiny: LoadedModel, tokens: torch.Tensor, pr
             beside: list[KVSequence]) -> tuple[KVSequence, list[torch.Tensor]]:
     """Prefill ``tokens[:prompt]``, then feed the rest back as decode rows, ``beside`` decoding
     in the same steps; the logits of every decode step."""
-    seq = KVSequence(tiny.layout, int(tokens.numel()) + 8)
+    seq = KVSequence.alone(tiny.layout, int(tokens.numel()) + 8)
     forward.forward([SequenceRows(sequence=seq, tokens=tokens[:prompt], wants_logits=False)])
     logits = []
     for at in range(prompt, int(tokens.numel())):
@@ -124,7 +124,7 @@ def _decode(forward: BatchedForward, tiny: LoadedModel, tokens: torch.Tensor, pr
 def _histories(forward: BatchedForward, tiny: LoadedModel, lengths: list[int]) -> list[KVSequence]:
     made = []
     for i, n in enumerate(lengths):
-        other = KVSequence(tiny.layout, n + 16)
+        other = KVSequence.alone(tiny.layout, n + 16)
         forward.forward([SequenceRows(sequence=other, tokens=_tokens(n, 50 + i),
                                       wants_logits=False)])
         made.append(other)
@@ -145,9 +145,9 @@ def test_a_decode_row_keeps_its_bits_whatever_decodes_beside_it(forward, tiny,
 def test_a_decode_row_keeps_its_bits_beside_a_prefill_chunk(forward, tiny) -> None:
     tokens = _tokens(PROMPT, 10)
     alone, alone_logits = _decode(forward, tiny, tokens, PROMPT - 1, [])
-    seq = KVSequence(tiny.layout, PROMPT + 8)
+    seq = KVSequence.alone(tiny.layout, PROMPT + 8)
     forward.forward([SequenceRows(sequence=seq, tokens=tokens[:PROMPT - 1], wants_logits=False)])
-    other = KVSequence(tiny.layout, 200)
+    other = KVSequence.alone(tiny.layout, 200)
     logits = forward.forward([
         SequenceRows(sequence=other, tokens=_tokens(150, 11), wants_logits=True),
         SequenceRows(sequence=seq, tokens=tokens[PROMPT - 1:], wants_logits=True,
@@ -157,7 +157,7 @@ def test_a_decode_row_keeps_its_bits_beside_a_prefill_chunk(forward, tiny) -> No
 
 
 def test_a_decode_entry_of_more_than_one_token_is_refused(forward, tiny) -> None:
-    seq = KVSequence(tiny.layout, 16)
+    seq = KVSequence.alone(tiny.layout, 16)
     with pytest.raises(ValueError, match="exactly one token"):
         forward.forward([SequenceRows(sequence=seq, tokens=_tokens(2, 1), wants_logits=True,
                                       is_decode=True)])
@@ -171,21 +171,21 @@ def test_products_are_padded_to_row_counts_whose_rows_keep_their_bits(rows, padd
 
 def test_a_step_of_three_rows_writes_three_tokens_and_finite_logits(forward, tiny) -> None:
     tokens = _tokens(3, 5)
-    seq = KVSequence(tiny.layout, 16)
+    seq = KVSequence.alone(tiny.layout, 16)
     logits = forward.forward([SequenceRows(sequence=seq, tokens=tokens, wants_logits=True)])[0]
     assert seq.length == 3
     assert logits is not None and logits.shape == (VOCAB,) and torch.isfinite(logits).all()
 
 
 def test_sequences_that_want_no_logits_get_none(forward, tiny) -> None:
-    a, b = KVSequence(tiny.layout, 16), KVSequence(tiny.layout, 16)
+    a, b = KVSequence.alone(tiny.layout, 16), KVSequence.alone(tiny.layout, 16)
     out = forward.forward([SequenceRows(sequence=a, tokens=_tokens(4, 6), wants_logits=False),
                            SequenceRows(sequence=b, tokens=_tokens(4, 7), wants_logits=True)])
     assert out[0] is None and out[1] is not None
 
 
 def test_tokens_beyond_a_sequences_capacity_are_refused(forward, tiny) -> None:
-    seq = KVSequence(tiny.layout, 4)
+    seq = KVSequence.alone(tiny.layout, 4)
     with pytest.raises(ValueError, match="do not fit"):
         forward.forward([SequenceRows(sequence=seq, tokens=_tokens(5, 8), wants_logits=True)])
     assert seq.length == 0

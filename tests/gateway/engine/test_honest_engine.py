@@ -95,7 +95,7 @@ def charged_and_held_bytes(opened: OpenedCache) -> tuple[int, int]:
             if placement.holds(record, "device"):
                 block = store.get(placement.meta(record))
                 assert block is not None
-                storages[block.keys[0].untyped_storage().data_ptr()] = block.nbytes
+                storages[block.keys[0].data_ptr()] = block.nbytes  # a page, or a copy of its own
     charged = next(t.used_bytes for t in cache.stats().tiers if t.name == "device")
     return charged, sum(storages.values())
 

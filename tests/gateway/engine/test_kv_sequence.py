@@ -1,4 +1,5 @@
-"""Copy-on-write: requests extending a shared cached prefix never see each other's data."""
+"""A request's block table: cached pages shared without a copy, its own written in place,
+copy-on-write wherever a page is shared, pages back to the pool when the last holder lets go."""
 
 from __future__ import annotations
 
@@ -6,21 +7,38 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gateway.engine.kv_sequence import KVSequence
+from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout, PayloadError
 
 LAYOUT = KVLayout(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float32)
 BLOCK = 3
 
 
-def shared_block(seed: int) -> KVBlock:
+def new_pool(num_pages: int = 32) -> PagePool:
+    return PagePool(LAYOUT, page_tokens=BLOCK, num_pages=num_pages)
+
+
+def plain_block(seed: int, tokens: int = BLOCK) -> KVBlock:
     g = torch.Generator().manual_seed(seed)
-    shape = (LAYOUT.kv_heads, BLOCK, LAYOUT.head_dim)
+    shape = (LAYOUT.kv_heads, tokens, LAYOUT.head_dim)
     return KVBlock(
         keys=tuple(torch.randn(shape, generator=g) for _ in range(LAYOUT.num_layers)),
         values=tuple(torch.randn(shape, generator=g) for _ in range(LAYOUT.num_layers)),
     )
+
+
+def cached_pages(pool: PagePool, *seeds: int) -> list[PagedBlock]:
+    """Blocks as the device tier holds them: pages of ``pool``."""
+    blocks = []
+    for seed in seeds:
+        page = pool.allocate()
+        pool.fill(page, plain_block(seed))
+        blocks.append(pool.block(page))
+    return blocks
 
 
 def snapshot(block: KVBlock) -> KVBlock:
@@ -40,18 +58,28 @@ def fill(seq: KVSequence, n: int, value: float) -> None:
     seq.advance(n)
 
 
+def test_a_hit_lists_the_cached_pages_and_copies_nothing() -> None:
+    pool = new_pool()
+    prefix = cached_pages(pool, 1, 2)
+    in_use = pool.num_in_use
+    seq = KVSequence.from_blocks(pool, prefix, capacity=4 * BLOCK)
+    assert seq.page_ids == [b.page.id for b in prefix if b.page is not None]
+    assert (seq.length, seq.num_own_pages, pool.num_in_use) == (2 * BLOCK, 0, in_use)
+
+
 def test_concurrent_extenders_of_one_shared_prefix_never_see_each_other() -> None:
-    prefix = [shared_block(1), shared_block(2)]
+    pool = new_pool()
+    prefix = cached_pages(pool, 1, 2)
     before = [snapshot(b) for b in prefix]
-    both_copied = threading.Barrier(2)
+    both_listed = threading.Barrier(2)
     both_written = threading.Barrier(2)
     results: dict[float, KVSequence] = {}
     errors: list[BaseException] = []
 
     def extend(value: float) -> None:
         try:
-            seq = KVSequence.from_blocks(LAYOUT, prefix, capacity=4 * BLOCK)
-            both_copied.wait(timeout=10)  # both hold the prefix before either writes
+            seq = KVSequence.from_blocks(pool, prefix, capacity=4 * BLOCK)
+            both_listed.wait(timeout=10)  # both hold the prefix before either writes
             fill(seq, BLOCK, value)
             both_written.wait(timeout=10)  # both have written before either is checked
             results[value] = seq
@@ -74,40 +102,94 @@ def test_concurrent_extenders_of_one_shared_prefix_never_see_each_other() -> Non
     assert all(same(a, b) for a, b in zip(prefix, before, strict=True))
 
 
-def test_writing_over_the_copied_prefix_never_changes_the_shared_block() -> None:
-    block = shared_block(3)
-    before = snapshot(block)
-    seq = KVSequence.from_blocks(LAYOUT, [block], capacity=2 * BLOCK)
-    seq.key_buffer(0).fill_(7.0)
-    assert same(block, before)
+def test_writing_into_a_shared_partly_filled_page_copies_that_page_first() -> None:
+    pool = new_pool()
+    seq = KVSequence(pool, capacity=3 * BLOCK)
+    fill(seq, 2 * BLOCK, 5.0)
+    stored = seq.block(1, BLOCK)  # handed to the cache
+    assert isinstance(stored, PagedBlock) and stored.page is not None
+    kept = snapshot(stored)
+    seq.truncate(BLOCK + 1)  # positions of the handed-over page are written again
+    fill(seq, 2, 9.0)
+    assert same(stored, kept)
+    assert seq.page_ids[1] != stored.page.id
+    assert torch.all(seq.keys(0)[:, BLOCK:BLOCK + 1] == 5.0)  # the copy kept what came before
+    assert torch.all(seq.keys(0)[:, BLOCK + 1:BLOCK + 3] == 9.0)
 
 
-def test_a_block_taken_for_storage_does_not_alias_the_buffer() -> None:
-    seq = KVSequence(LAYOUT, capacity=2 * BLOCK)
+def test_a_block_taken_for_storage_is_the_page_itself_not_a_copy() -> None:
+    pool = new_pool()
+    seq = KVSequence(pool, capacity=2 * BLOCK)
     fill(seq, BLOCK, 5.0)
+    in_use = pool.num_in_use
     stored = seq.block(0, BLOCK)
-    seq.key_buffer(0).fill_(0.0)
+    assert isinstance(stored, PagedBlock) and pool.page_of(stored) is not None
+    assert stored.page is not None and stored.page.id == seq.page_ids[0]
+    assert pool.num_in_use == in_use
     assert torch.all(stored.keys[0] == 5.0)
-    assert stored.keys[0].is_contiguous()
     stored.check(LAYOUT, BLOCK)
 
 
+def test_blocks_from_a_slower_tier_are_copied_into_pages_of_the_sequences_own() -> None:
+    pool = new_pool()
+    loaded = plain_block(3)
+    before = snapshot(loaded)
+    seq = KVSequence.from_blocks(pool, [loaded], capacity=2 * BLOCK)
+    assert seq.num_own_pages == 1
+    seq.truncate(0)
+    fill(seq, BLOCK, 7.0)
+    assert same(loaded, before)
+
+
+def test_a_tail_shorter_than_a_page_is_continued_in_a_page_of_its_own() -> None:
+    pool = new_pool()
+    prefix = cached_pages(pool, 1)
+    tail = plain_block(4, tokens=2)
+    seq = KVSequence.from_blocks(pool, [*prefix, tail], capacity=3 * BLOCK)
+    fill(seq, 2, 8.0)
+    keys = seq.keys(1)
+    assert torch.equal(keys[:, :BLOCK], prefix[0].keys[1])
+    assert torch.equal(keys[:, BLOCK:BLOCK + 2], tail.keys[1])
+    assert torch.all(keys[:, BLOCK + 2:] == 8.0)
+
+
+def test_a_page_goes_back_to_the_pool_only_when_its_last_holder_lets_go() -> None:
+    pool = new_pool()
+    seq = KVSequence(pool, capacity=2 * BLOCK)
+    fill(seq, BLOCK + 1, 1.0)
+    assert pool.num_in_use == 2
+    stored = seq.block(0, BLOCK)  # the cache holds page 0 now too
+    seq.release()
+    assert pool.num_in_use == 1
+    del stored
+    assert pool.num_in_use == 0
+
+
+def test_a_full_pool_refuses_a_page_with_a_message_naming_it() -> None:
+    pool = new_pool(num_pages=2)
+    seq = KVSequence(pool, capacity=4 * BLOCK)
+    fill(seq, 2 * BLOCK, 1.0)
+    with pytest.raises(PoolExhausted, match="all 2 KV pages"):
+        seq.prepare(1)
+    assert seq.length == 2 * BLOCK
+
+
 def test_an_incomplete_block_cannot_be_taken() -> None:
-    seq = KVSequence(LAYOUT, capacity=2 * BLOCK)
+    seq = KVSequence(new_pool(), capacity=2 * BLOCK)
     fill(seq, BLOCK - 1, 1.0)
     with pytest.raises(ValueError, match="not complete"):
         seq.block(0, BLOCK)
 
 
 def test_writing_past_capacity_is_refused() -> None:
-    seq = KVSequence(LAYOUT, capacity=BLOCK)
+    seq = KVSequence(new_pool(), capacity=BLOCK)
     fill(seq, BLOCK, 1.0)
     with pytest.raises(ValueError, match="do not fit"):
         fill(seq, 1, 1.0)
 
 
 def test_payload_check_rejects_wrong_shapes_and_dtypes() -> None:
-    block = shared_block(4)
+    block = plain_block(4)
     with pytest.raises(PayloadError, match="expected"):
         block.check(LAYOUT, BLOCK + 1)
     half = KVLayout(num_layers=2, kv_heads=2, head_dim=4, dtype=torch.float16)
@@ -120,31 +202,64 @@ def test_payload_check_rejects_wrong_shapes_and_dtypes() -> None:
 
 def test_layout_sizes() -> None:
     assert LAYOUT.bytes_per_token == 2 * 2 * 2 * 4 * 4
-    assert LAYOUT.block_nbytes(BLOCK) == shared_block(0).nbytes
+    assert LAYOUT.block_nbytes(BLOCK) == plain_block(0).nbytes
+    assert KVSequence.nbytes_for(LAYOUT, BLOCK + 1, BLOCK) == 2 * LAYOUT.block_nbytes(BLOCK)
 
 
-def test_a_sequence_from_blocks_holds_them_and_zeros_after_them() -> None:
-    blocks = [shared_block(1), shared_block(2)]
-    seq = KVSequence.from_blocks(LAYOUT, blocks, capacity=3 * BLOCK)
+def test_the_gathered_buffers_hold_the_blocks_then_zeros_to_whole_tiles() -> None:
+    pool = new_pool()
+    pool.fill(pool.allocate(), plain_block(9))  # a page another request wrote, freed again
+    blocks = [plain_block(1), plain_block(2)]
+    seq = KVSequence.from_blocks(pool, blocks, capacity=3 * BLOCK)
+    fill(seq, 1, 3.0)
     for layer in range(LAYOUT.num_layers):
         buffer = seq.key_buffer(layer)
+        assert buffer.shape[1] >= 512  # attention reads whole key blocks
         assert torch.equal(buffer[:, :BLOCK], blocks[0].keys[layer])
         assert torch.equal(buffer[:, BLOCK:2 * BLOCK], blocks[1].keys[layer])
-        assert not buffer[:, 2 * BLOCK:].any()  # attention reads whole key blocks: finite
-        assert not seq.value_buffer(layer)[:, 2 * BLOCK:].any()
+        assert not buffer[:, 2 * BLOCK + 1:].any()  # finite: never another request's data
+        assert not seq.value_buffer(layer)[:, 2 * BLOCK + 1:].any()
 
 
-def test_an_ended_requests_sequence_lets_go_of_its_buffers_and_refuses_writes() -> None:
-    seq = KVSequence(LAYOUT, 10)
+def test_an_ended_requests_sequence_lets_go_of_its_pages_and_refuses_writes() -> None:
+    pool = new_pool()
+    seq = KVSequence(pool, 10)
     fill(seq, 3, 1.0)
     seq.release()
-    assert seq.length == 0
+    assert (seq.length, pool.num_in_use) == (0, 0)
     with pytest.raises(ValueError, match="do not fit"):
         seq.advance(1)
 
 
 def test_an_unallocated_sequence_holds_nothing_and_has_no_room() -> None:
-    seq = KVSequence.unallocated(LAYOUT)
-    assert (seq.length, seq.capacity) == (0, 0)
+    seq = KVSequence.unallocated(new_pool())
+    assert (seq.length, seq.capacity, seq.num_pages) == (0, 0, 0)
     with pytest.raises(ValueError, match="do not fit"):
         seq.advance(1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["write", "store", "truncate"]),
+                          st.integers(min_value=1, max_value=7)), max_size=14))
+def test_a_table_reads_back_what_a_flat_buffer_would_hold_and_stored_blocks_never_change(
+        ops: list[tuple[str, int]]) -> None:
+    pool = new_pool(num_pages=64)
+    capacity = 40
+    seq = KVSequence(pool, capacity)
+    flat = torch.zeros(LAYOUT.kv_heads, capacity, LAYOUT.head_dim)  # the reference model
+    stored: list[tuple[KVBlock, KVBlock]] = []
+    value = 0.0
+    for op, n in ops:
+        if op == "write" and seq.length + n <= capacity:
+            value += 1.0
+            flat[:, seq.length:seq.length + n] = value
+            fill(seq, n, value)
+        elif op == "store" and seq.length >= BLOCK:
+            index = min(n, seq.length // BLOCK) - 1
+            block = seq.block(index, BLOCK)
+            stored.append((block, snapshot(block)))
+        elif op == "truncate":
+            seq.truncate(max(0, seq.length - n))
+    assert torch.equal(seq.keys(0), flat[:, :seq.length])
+    assert torch.equal(seq.values(1), -flat[:, :seq.length])
+    assert all(same(block, kept) for block, kept in stored)

@@ -175,6 +175,6 @@ def test_the_bundled_model_converts_once_and_reloads_from_the_cache(
     ids = torch.tensor(loaded.tokenizer.encode("The capital of France is",
                                                add_special_tokens=False))
     with torch.inference_mode():
-        first = loaded.model(ids[None]).logits
-        second = again.model(ids[None]).logits
+        first = loaded.transformers_model()(ids[None]).logits
+        second = again.transformers_model()(ids[None]).logits
     assert torch.equal(first, second)

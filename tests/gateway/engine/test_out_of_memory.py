@@ -71,7 +71,7 @@ def test_kv_buffers_the_cpu_cannot_allocate_refuse_that_request_only(
         RuntimeError("[enforce fail at alloc_cpu.cpp:121] DefaultCPUAllocator: can't allocate "
                      "memory: you tried to allocate 40000000000 bytes."),
         KVSequence.from_blocks))
-    with pytest.raises(QueueFull, match=r"ran out of memory for this request's KV buffers"):
+    with pytest.raises(QueueFull, match=r"ran out of memory for this request's KV"):
         run(engine, PROMPT, no_cache=True)
     assert run(engine, PROMPT, no_cache=True)[0] == expected
 

@@ -1,5 +1,5 @@
 """Parity: a warm request equals a cold one, greedy tokens exactly and K/V bit for bit, from
-every tier (DESIGN.md, "Parity").
+every tier (docs/design.md, "Parity").
 
 For every parity prompt (``tests.gateway.engine.parity``) and every tier -- device; host (the
 blocks demoted there, held by host and not by device when served); disk after a restart (a new

@@ -139,11 +139,11 @@ def test_with_decode_rows_in_the_shared_product_a_decoded_token_writes_a_prefill
                          product_override=rowwise)
     forward = BatchedForward(tiny.model, attention_for(CPU, decode_as_prefill=True), shared)
     tokens = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(5))
-    prefilled = KVSequence(tiny.layout, 80)
+    prefilled = KVSequence.alone(tiny.layout, 80)
     forward.forward([SequenceRows(sequence=prefilled, tokens=tokens, wants_logits=False)])
-    decoded = KVSequence(tiny.layout, 80)
+    decoded = KVSequence.alone(tiny.layout, 80)
     forward.forward([SequenceRows(sequence=decoded, tokens=tokens[:66], wants_logits=False)])
-    other = KVSequence(tiny.layout, 80)
+    other = KVSequence.alone(tiny.layout, 80)
     for at in range(66, 70):  # each decode row beside another sequence's prefill chunk
         forward.forward([
             SequenceRows(sequence=other, tokens=tokens[at - 66:at - 63], wants_logits=True),

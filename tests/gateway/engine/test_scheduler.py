@@ -108,6 +108,18 @@ def test_admission_waits_for_kv_budget_and_resumes_when_a_request_finishes() -> 
     assert s.admit() == [2]
 
 
+def test_a_request_that_shares_its_cached_prefix_frees_that_part_of_its_reservation() -> None:
+    s = scheduler(kv_budget_bytes=2 * KV, max_kv_share_per_tenant=1.0)
+    for i in range(3):
+        s.submit(i, tenant="a", prompt_tokens=1, kv_bytes=KV)
+    assert s.admit() == [0, 1]
+    s.shrink_kv(0, KV // 4)  # it lists the device tier's pages: it writes a quarter itself
+    s.shrink_kv(1, KV // 2)
+    s.shrink_kv(1, KV)  # never grows back
+    assert s.kv_bytes_in_use == KV // 4 + KV // 2
+    assert s.admit() == [2]
+
+
 def test_a_request_larger_than_the_whole_kv_budget_is_refused_at_once() -> None:
     s = scheduler(kv_budget_bytes=KV)
     with pytest.raises(ValueError, match="KV budget"):

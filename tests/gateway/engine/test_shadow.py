@@ -32,6 +32,7 @@ from tests.gateway.engine.parity import (
     prompt_tokens,
     run,
 )
+from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
 
 ALICE_NAMESPACE = derive_namespace(NamespaceSpec(
@@ -52,7 +53,8 @@ def start(tiny: LoadedModel, opened: OpenedCache, fraction: float,
             holder[0].evict(key_hex=key.hex())
 
     engine = Engine(
-        loaded=tiny, cache=opened.cache, deployment_secret=SECRET, metrics=metrics,
+        loaded=tiny, cache=opened.cache, pool=opened.pool, deployment_secret=SECRET,
+        metrics=metrics,
         config=EngineConfig(block_tokens=BLOCK, shadow_fraction=fraction),
         shadow_evict=evict_everywhere if admin else None)
     holder.append(CacheAdmin(opened.cache, keys=engine))
@@ -170,8 +172,9 @@ def test_sampling_is_seeded_and_the_queue_bounded(tiny: LoadedModel) -> None:
 
     def sampled(seed: int) -> list[bool]:
         verifier = ShadowVerifier(
-            fraction=0.25, forward=None, layout=tiny.layout,  # type: ignore[arg-type]
-            device=torch.device("cpu"), block_tokens=BLOCK, chunk_tokens=BLOCK,
+            fraction=0.25, forward=None,  # type: ignore[arg-type]
+            pool=PagePool(tiny.layout, page_tokens=BLOCK, num_pages=1), block_tokens=BLOCK,
+            chunk_tokens=BLOCK,
             evict=lambda keys: None, seed=seed, max_pending=1000)
         return [offer(verifier, tiny) for _ in range(400)]
 
@@ -180,9 +183,9 @@ def test_sampling_is_seeded_and_the_queue_bounded(tiny: LoadedModel) -> None:
     assert 60 <= sum(first) <= 140  # about a quarter
 
     verifier = ShadowVerifier(
-        fraction=1.0, forward=None, layout=tiny.layout,  # type: ignore[arg-type]
-        device=torch.device("cpu"), block_tokens=BLOCK, chunk_tokens=BLOCK,
-        evict=lambda keys: None, max_pending=2)
+        fraction=1.0, forward=None,  # type: ignore[arg-type]
+        pool=PagePool(tiny.layout, page_tokens=BLOCK, num_pages=1), block_tokens=BLOCK,
+        chunk_tokens=BLOCK, evict=lambda keys: None, max_pending=2)
     kept = [offer(verifier, tiny) for _ in range(5)]
     assert kept == [True, True, False, False, False]
     assert verifier.counters == ShadowCounters(num_offered=5, num_sampled=5, num_dropped=3)

@@ -1,7 +1,7 @@
 """Auth before resources, over a real channel: calls without a valid key hold nothing, keyed
 calls hold at most their key's share, and health checks are answered whatever the calls do.
 
-RELIABILITY.md threat 5: 64 calls that sent headers and no body, with no key, once locked keyed
+docs/reliability.md threat 5: 64 calls that sent headers and no body, with no key, once locked keyed
 calls and health checks out of kvgate (a global ``maximum_concurrent_rpcs`` counted them before
 their key was checked). Header-only streams are opened here with a request iterator that never
 yields: the client sends the call's headers and then nothing.

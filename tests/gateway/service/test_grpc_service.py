@@ -2,7 +2,7 @@
 
 One real gateway per module (tiny Llama, real cache and engine, 16-token blocks) on a free
 loopback port, stopped when the module ends; tests that need other settings start their own.
-RELIABILITY.md test groups D (tenants, authN/Z on every RPC, nothing secret in logs) and E (API
+docs/reliability.md test groups D (tenants, authN/Z on every RPC, nothing secret in logs) and E (API
 abuse: every numeric field out of range, over-size, malformed protobuf, disconnects, deadlines;
 after each the server is alive and SERVING).
 """

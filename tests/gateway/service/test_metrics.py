@@ -75,7 +75,7 @@ def gateway(loaded: LoadedModel) -> Iterator[tuple[RunningGateway, GatewayMetric
     )
     metrics = GatewayMetrics(cache_stats=running.opened.cache.stats)
     metrics.start("127.0.0.1", 0)
-    running.engine = Engine(loaded=loaded, cache=running.opened.cache,
+    running.engine = Engine(loaded=loaded, cache=running.opened.cache, pool=running.opened.pool,
                             config=EngineConfig(block_tokens=BLOCK), deployment_secret=SECRET,
                             metrics=metrics)
     running.engine.start()

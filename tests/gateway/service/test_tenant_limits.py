@@ -1,4 +1,4 @@
-"""Per-tenant limits under a flood, over a real channel (RELIABILITY.md test group D, eviction
+"""Per-tenant limits under a flood, over a real channel (docs/reliability.md test group D, eviction
 flood; issue 10 item 3).
 
 Tenant A runs 64 long ``no_cache`` Generates and warms 20 random long prompts at once, while

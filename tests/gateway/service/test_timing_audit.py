@@ -1,4 +1,4 @@
-"""No cross-tenant signal in time (RELIABILITY.md threat 1, test group D's timing audit).
+"""No cross-tenant signal in time (docs/reliability.md threat 1, test group D's timing audit).
 
 Tenant A caches prompts; a fresh tenant B then sends them, and prompts nobody has cached, and
 its own cached ones. A two-sample Kolmogorov–Smirnov test (``tests.ks``, exact) must not tell
