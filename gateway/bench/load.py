@@ -294,10 +294,11 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
     resolve_source(options.model)  # fail early, before any server starts
     results: list[LoadResult] = []
     routes: dict[str, str] = {}
-    for config in CONFIGURATIONS:
-        if config.name not in options.configurations:
-            continue
-        for num_users in options.users:
+    chosen = [c for c in CONFIGURATIONS if c.name in options.configurations]
+    # Every configuration at one user count, then the next count: rows compared side by side
+    # run minutes apart at most, not a whole configuration's sweep apart (the machine drifts).
+    for num_users in options.users:
+        for config in chosen:
             result = LoadResult(label=config.label, num_users=num_users)
             results.append(result)
             if config.is_peer:
@@ -311,6 +312,8 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
                 err.write(f"[load] {config.label}, {num_users} user(s): "
                           f"{len(result.replies)} requests in {result.wall_s:.1f} s\n")
             err.flush()
+    order = {c.label: i for i, c in enumerate(chosen)}
+    results.sort(key=lambda r: order[r.label])  # stable: by configuration, then users
     print_table(options, results, routes, out)
     print_admission(options, out)
     if options.plot is not None:

@@ -203,6 +203,8 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                      "--host", "127.0.0.1", "--port", "0", "--data-dir", str(data_dir),
                      "--model", model_arg],
                     stdout=subprocess.DEVNULL, stderr=log_fh, env=env,
+                    # ``-m`` puts the working directory first on sys.path: the source's own.
+                    cwd=None if source is None else str(source.resolve()),
                 )
             try:
                 port, route, http_port = _wait_serving(proc, log, start_timeout_s)

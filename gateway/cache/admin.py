@@ -272,6 +272,8 @@ def evict_where(
                     placement.evict_copy(record, name, "admin")
                     freed[name] = freed.get(name, 0) + record.num_bytes
             placement.drop_unheld([record])
+        if under is None and key is None and owner is None and idle_s is None and tier is None:
+            placement.tell_if_cleared()  # everything was selected
         return freed
 
 

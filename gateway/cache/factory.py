@@ -21,6 +21,7 @@ from typing import Literal
 import torch
 
 from gateway.cache.adoption import adopt
+from gateway.cache.base import TierEvents
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.cache.sweeper import ExpirySweeper
 from gateway.core.fingerprint import Scope
@@ -184,6 +185,7 @@ def open_cache(
     clock: Callable[[], float] = time.monotonic,
     device: torch.device | str = "cpu",
     running_bytes: int = RUNNING_BYTES,
+    tier_events: TierEvents | None = None,
 ) -> OpenedCache:
     """Build and start every tier of ``config`` for a model with ``layout`` running on
     ``device``: the device tier lives there, and the host tier is pinned (and serves there)
@@ -191,9 +193,11 @@ def open_cache(
 
     The device tier's blocks are pages of one pool (``tiers.page_pool``) that also holds the
     running requests' own pages: ``device_bytes`` plus ``running_bytes`` (the engine's KV
-    budget and tails, with its margin: ``gateway.engine.engine.pool_bytes_for``).
+    budget and tails, with its margin: ``gateway.engine.kv_sequence.pool_bytes_for``).
 
     The disk tier's files from an earlier run are re-indexed (headers only) and served again.
+    ``tier_events`` (the KV-events publisher, started by the caller, who also closes it after the
+    cache) is told of every copy a tier gains or loses from then on.
     """
     device = torch.device(device)
     codec = BlockCodec(
@@ -253,6 +257,7 @@ def open_cache(
         hierarchy=hierarchy,
         remote_write=config.remote_write,
         clock=clock,
+        events=tier_events,
     )
     num_recovered = 0
     if disk is not None:

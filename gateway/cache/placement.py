@@ -9,8 +9,11 @@ one leaves the index. Eviction demotes through ``TierTransfers``, which in turn 
 before it adds a copy anywhere.
 
 The prefix cache (leases, matching, inserts), the transfers, admin selection and restart
-adoption all build on the methods here. Every method but ``locked`` expects its caller to hold
-``locked()``; the public ones of ``PrefixCache`` take it themselves.
+adoption all build on the methods here. Because every change of what a tier holds passes through
+``mark_held``, ``forget_copy`` and eviction here, this is also where an observer
+(``gateway.cache.base.TierEvents``: the KV-events publisher routers listen to) is told of them.
+Every method but ``locked`` expects its caller to hold ``locked()``; the public ones of
+``PrefixCache`` take it themselves.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
+from gateway.cache.base import TierEvents
 from gateway.cache.expiry import ExpiryQueue
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, TierStats
@@ -62,6 +66,7 @@ class TierPlacement:
         clock: time source (seconds).
         key_bytes: block key size; only tests shrink it, to force collisions.
         wall_clock: Unix time (seconds): a block's expiry leaves the process in wall time.
+        events: told of every copy a tier gains or loses (None: nobody listens).
 
     Raises:
         ValueError: no tiers, duplicate names, names that differ from the hierarchy's, or
@@ -79,6 +84,7 @@ class TierPlacement:
         clock: Callable[[], float] = time.monotonic,
         key_bytes: int = 16,
         wall_clock: Callable[[], float] = time.time,
+        events: TierEvents | None = None,
     ) -> None:
         if not tiers:
             raise ValueError("a prefix cache needs at least one tier")
@@ -103,6 +109,7 @@ class TierPlacement:
         self._lock = threading.RLock()
         self._fingerprinters: dict[bytes, BlockFingerprinter] = {}
         self._num_remote_hits = 0
+        self._events = events
 
     @property
     def block_tokens(self) -> int:
@@ -251,15 +258,35 @@ class TierPlacement:
 
     def mark_held(self, record: BlockRecord, tier: str) -> None:
         """``tier`` now holds ``record`` (which ``admit`` admitted there)."""
+        bit = self._bit_of[tier]
+        if record.tier_mask & bit:
+            return
         if not record.tier_mask:
             self._expiry.push(record)  # newly cached: the sweeper watches it from now on
-        record.tier_mask |= self._bit_of[tier]
+        record.tier_mask |= bit
+        if self._events is not None:
+            self._events.stored(self.meta(record), tier)
 
     def forget_copy(self, record: BlockRecord, tier: str) -> None:
         """``tier`` no longer holds ``record``: its policy and the record forget the copy.
         The bytes are the caller's business; ``drop_unheld`` removes a record left in no tier."""
         self.slot(tier).policy.discard(record.key)
-        record.tier_mask &= ~self._bit_of[tier]
+        self._unmark(record, tier)
+
+    def _unmark(self, record: BlockRecord, tier: str) -> None:
+        """Clear ``tier``'s bit of ``record`` (and tell the observer, if it was set)."""
+        bit = self._bit_of[tier]
+        if not record.tier_mask & bit:
+            return
+        record.tier_mask &= ~bit
+        if self._events is not None:
+            self._events.removed(record.key, tier)
+
+    def tell_if_cleared(self) -> None:
+        """After an eviction of everything: tell the observer that no tier holds anything,
+        if that is so (a block a running request reads stays, and then nothing is said)."""
+        if self._events is not None and not any(r.tier_mask for r in self._index.records()):
+            self._events.cleared()
 
     def evict_copy(self, record: BlockRecord, tier: str, reason: str) -> None:
         """An operator's eviction: drop ``record``'s copy and bytes from ``tier``. A pin
@@ -412,7 +439,7 @@ class TierPlacement:
         if self._transfers is not None:
             self._transfers.demote(record, slot.name)
             self._transfers.delete(slot.name, key)
-        record.tier_mask &= ~self._bit_of[slot.name]
+        self._unmark(record, slot.name)
         self._counters[slot.name].count_eviction(reason)
         self.drop_unheld([record])
 

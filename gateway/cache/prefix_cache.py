@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from gateway.cache.base import TierEvents
 from gateway.cache.placement import TierPlacement, TierSlot
 from gateway.cache.radix_index import BlockRecord, BlockSpec
 from gateway.cache.stats import CacheStats
@@ -158,6 +159,8 @@ class PrefixCache:
         clock: time source (seconds); injected so that TTL tests need no sleeping.
         key_bytes: block key size; only tests shrink it, to force collisions.
         wall_clock: Unix time (seconds), for the expiry written into a block's header.
+        events: told of every copy a tier gains or loses (the KV-events publisher); None:
+            nobody listens.
     """
 
     def __init__(
@@ -171,11 +174,12 @@ class PrefixCache:
         clock: Callable[[], float] = time.monotonic,
         key_bytes: int = 16,
         wall_clock: Callable[[], float] = time.time,
+        events: TierEvents | None = None,
     ) -> None:
         self._placement = TierPlacement(
             tiers=tiers, block_tokens=block_tokens, hierarchy=hierarchy,
             remote_write=remote_write, promote_on_hit=promote_on_hit, clock=clock,
-            key_bytes=key_bytes, wall_clock=wall_clock,
+            key_bytes=key_bytes, wall_clock=wall_clock, events=events,
         )
         self.block_tokens = block_tokens
         self._block_bytes = block_tokens * BYTES_PER_TOKEN

@@ -7,12 +7,12 @@ import json
 import logging
 import os
 import sys
-import textwrap
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
+from gateway.cli.bench_args import add_bench_load, add_bench_metrics, add_bench_ttft
 from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
 from gateway.cli.numerics_args import add_numerics_arguments, resolve_bench_numerics
 
@@ -80,9 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="PNG of the table (default: DATA_DIR/bench-tiers.png)")
     tiers.add_argument("--no-plot", action="store_true", help="write no PNG")
     add_numerics_arguments(tiers, what="the model, its K/V and the device tier")
-    _add_bench_ttft(bench_sub)
-    _add_bench_load(bench_sub)
-    _add_bench_metrics(bench_sub)
+    add_bench_ttft(bench_sub)
+    add_bench_load(bench_sub)
+    add_bench_metrics(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
     config = sub.add_parser("config", help="the configuration file of `kvgate serve`")
@@ -94,165 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_prewarm_parser(sub)
     add_admin_parser(sub)
     return parser
-
-
-def _add_bench_ttft(bench_sub: Any) -> None:
-    ttft = bench_sub.add_parser(
-        "ttft", help="cold vs warm time to first token per tier, beside transformers and "
-                     "llama.cpp",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=textwrap.dedent("""\
-            Cold vs warm time to first token for a shared prefix of each --lengths tokens plus
-            a unique --suffix-tokens suffix, one table per length (medians of --repeats):
-              - kvgate cold (no_cache), and warm from each tier: device, host, disk, Redis (the
-                tier that served each request is read from its usage);
-              - transformers' prompt-reuse recipe (DynamicCache + deepcopy), in this process;
-              - llama.cpp's LlamaRAMCache / LlamaDiskCache on the same GGUF (2 threads; needs
-                `make bench-peers` once, otherwise those rows say n/a);
-            and PASS/MISS against the targets at 2,048 tokens (information only).
-
-            The easy path:  kvgate bench ttft --spawn
-              starts its own `kvgate serve` (and redis-server, if on PATH) on free loopback
-              ports with a temporary data directory, and stops them at the end.
-            Against a running gateway instead, forcing host/disk/Redis needs an admin key
-            (--admin-key or $KVGATE_ADMIN_KEY) and evicts the whole --tenant's blocks from
-            those tiers: give it a gateway or a tenant of its own.
-
-            Duration on 2 idle CPU cores with the bundled model: about 4.5 minutes for the
-            defaults, llama.cpp included (a cold 4,096-token prefill takes 9-15 s per system
-            and repeat); --lengths 512,2048 --repeats 1 about 1 minute. Other work on the
-            machine skews every figure: the report says how busy the CPU was.
-            """))
-    ttft.add_argument("--spawn", action="store_true",
-                      help="start (and stop) a gateway of its own, and redis-server if on PATH")
-    ttft.add_argument("--lengths", default="512,2048,4096",
-                      help="comma-separated shared-prefix lengths in tokens, multiples of the "
-                           "block size (default: %(default)s)")
-    ttft.add_argument("--suffix-tokens", type=int, default=32,
-                      help="unique suffix per request (default: %(default)s)")
-    ttft.add_argument("--repeats", type=int, default=3,
-                      help="timed requests per row; the table shows medians (default: "
-                           "%(default)s)")
-    ttft.add_argument("--model", default="bundled",
-                      help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory: "
-                           "the same model the gateway serves")
-    ttft.add_argument("--data-dir", type=Path, default=Path("data"),
-                      help="model conversion cache (DATA_DIR/models) and, without --spawn, "
-                           "where the gateway keeps dev-api-key (default: %(default)s)")
-    ttft.add_argument("--block-tokens", type=int, default=64,
-                      help="the gateway's block size (with --spawn: the one it is given)")
-    ttft.add_argument("--host", default="127.0.0.1", help="without --spawn: the gateway")
-    ttft.add_argument("--port", type=int, default=50051, help="without --spawn: the gateway")
-    ttft.add_argument("--api-key", default=None,
-                      help="tenant key (default: $KVGATE_API_KEY, else DATA_DIR/dev-api-key)")
-    ttft.add_argument("--admin-key", default=None,
-                      help="admin key for the tier rows (default: $KVGATE_ADMIN_KEY)")
-    ttft.add_argument("--tenant", default="default",
-                      help="the tenant of --api-key, whose blocks are evicted to force a tier "
-                           "(default: %(default)s)")
-    ttft.add_argument("--redis-url", default=None,
-                      help="with --spawn: use this Redis instead of starting a redis-server")
-    ttft.add_argument("--peers-python", type=Path, default=None,
-                      help="interpreter with llama_cpp (default: .venv-peers/bin/python)")
-    ttft.add_argument("--no-peers", action="store_true", help="skip the llama.cpp rows")
-    ttft.add_argument("--timeout", type=float, default=600.0,
-                      help="deadline of each gateway call in seconds")
-    ttft.add_argument("--plot", type=Path, default=None,
-                      help="PNG of the tables, TTFT per row and prefix length (default: "
-                           "DATA_DIR/bench-ttft.png)")
-    ttft.add_argument("--no-plot", action="store_true", help="write no PNG")
-    add_numerics_arguments(ttft, what="the transformers reference and, with --spawn, the "
-                           "gateway")
-
-
-def _add_bench_load(bench_sub: Any) -> None:
-    load = bench_sub.add_parser(
-        "load", help="many users chatting under one system prompt: kvgate batched, serial and "
-                     "no_cache beside transformers serve --continuous-batching",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=textwrap.dedent("""\
-            U users (--users) each chat --rounds rounds under one shared system prompt of
-            --rules numbered rules (~1.2k tokens for 60): each round appends the previous
-            answer and a short new question, and streams --max-tokens greedy tokens. Users
-            start together; each user's rounds are sequential. Configurations, back to back:
-              - kvgate (engine route auto: batched when the start-up probe passes),
-              - kvgate serial ([engine] route = "serial"),
-              - kvgate no_cache (every request no_cache),
-              - kvgate no_shadow, kvgate shadow_all (shadow verification off / of every hit;
-                only when named in --configs),
-              - transformers serve --continuous-batching on the same weights, over its
-                OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a).
-            Each configuration x U runs against a fresh server that this command spawns on a
-            free loopback port (temporary data directory) and stops by pid. Per row: TTFT and
-            latency p50/p99 (client side), req/s, completion tok/s, cached fraction (from usage)
-            and the server's peak RSS (VmHWM). A table goes to stdout and, with matplotlib, a
-            PNG to --plot.
-            """))
-    load.add_argument("--users", default="1,4,8",
-                      help="comma-separated numbers of concurrent users (default: %(default)s)")
-    load.add_argument("--configs", default="kvgate,serial,no_cache,peer",
-                      help="which configurations to run, comma-separated (default: "
-                           "%(default)s)")
-    load.add_argument("--rounds", type=int, default=4, help="rounds per user (default: 4)")
-    load.add_argument("--max-tokens", type=int, default=32,
-                      help="tokens per answer (default: %(default)s)")
-    load.add_argument("--rules", type=int, default=60,
-                      help="numbered rules in the system prompt (default: %(default)s)")
-    load.add_argument("--model", default="bundled",
-                      help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory")
-    load.add_argument("--data-dir", type=Path, default=Path("data"),
-                      help="model conversion cache (DATA_DIR/models) (default: %(default)s)")
-    load.add_argument("--block-tokens", type=int, default=64,
-                      help="the spawned gateways' block size (default: %(default)s)")
-    load.add_argument("--plot", type=Path, default=None,
-                      help="PNG of TTFT p50/p99 and req/s against users (default: "
-                           "DATA_DIR/bench-load.png)")
-    load.add_argument("--no-plot", action="store_true", help="write no PNG")
-    load.add_argument("--peers-python", type=Path, default=None,
-                      help="interpreter with transformers[serving] (default: "
-                           ".venv-peers/bin/python)")
-    load.add_argument("--no-peers", action="store_true",
-                      help="skip the transformers serve rows")
-    load.add_argument("--timeout", type=float, default=600.0,
-                      help="deadline of each request in seconds")
-    load.add_argument("--baseline", type=Path, default=None,
-                      help="a checkout of another kvgate commit (git worktree add PATH COMMIT) "
-                           "whose server the 'baseline' configuration runs, side by side")
-    add_numerics_arguments(load, what="every spawned server (kvgate and transformers serve)")
-
-
-def _add_bench_metrics(bench_sub: Any) -> None:
-    metrics = bench_sub.add_parser(
-        "metrics", help="GET /metrics latency on the HTTP API port, idle and while users chat "
-                        "(a router polls it every 50 ms)",
-        description="Spawns one kvgate serve (free loopback ports, temporary data directory, "
-                    "stopped by pid) and scrapes its HTTP API port's /metrics every "
-                    "--interval-ms, on a kept-alive connection and on a new one (as curl "
-                    "does): for --idle-s seconds, then while --users users chat as in `kvgate "
-                    "bench load`. Prints p50/p99/max per phase and connection.")
-    metrics.add_argument("--users", type=int, default=8,
-                         help="concurrent users of the load (default: %(default)s)")
-    metrics.add_argument("--rounds", type=int, default=4,
-                         help="rounds per user (default: %(default)s)")
-    metrics.add_argument("--max-tokens", type=int, default=32,
-                         help="tokens per answer (default: %(default)s)")
-    metrics.add_argument("--rules", type=int, default=60,
-                         help="numbered rules in the system prompt (default: %(default)s)")
-    metrics.add_argument("--interval-ms", type=float, default=50.0,
-                         help="time between scrapes (default: %(default)s, the endpoint "
-                              "picker's poll)")
-    metrics.add_argument("--idle-s", type=float, default=3.0,
-                         help="seconds of scraping before the load starts (default: "
-                              "%(default)s)")
-    metrics.add_argument("--model", default="bundled",
-                         help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory")
-    metrics.add_argument("--data-dir", type=Path, default=Path("data"),
-                         help="model conversion cache (DATA_DIR/models) (default: %(default)s)")
-    metrics.add_argument("--block-tokens", type=int, default=64,
-                         help="the spawned gateway's block size (default: %(default)s)")
-    metrics.add_argument("--timeout", type=float, default=600.0,
-                         help="deadline of each request in seconds")
-    add_numerics_arguments(metrics, what="the spawned kvgate's model and K/V")
 
 
 def _add_serve(sub: Any) -> None:

@@ -116,6 +116,13 @@ access_log = true               # one line per request (logger kvgate.access); n
 stats_interval_s = 10.0         # throughput, hit ratio, queue, KV (kvgate.stats); 0: off
 json = false                    # both as one JSON object per line
 
+[events]                        # KV events for routers, in vLLM's format (docs/operations.md)
+# kv_events_endpoint = "tcp://127.0.0.1:5557"         # off unless set; or "ipc:///run/kvgate/ev"
+# kv_events_replay_endpoint = "tcp://127.0.0.1:5558"  # a router that joined late asks here
+kv_events_topic = "kv-events"   # routers subscribe by it (llm-d expects "kv@POD@MODEL")
+kv_events_buffer = 10000        # batches kept for replay
+allow_remote = false            # the events carry prompt token ids: loopback or ipc:// unless true
+
 # API keys: a tenant's key sees only that tenant's cache. Give `key` (the key itself) or
 # `key_blake2b` (hex of gateway.config.keys.key_digest(key)) so that the file holds no secret.
 # Without any key, serve creates a development key for tenant "default".

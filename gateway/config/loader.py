@@ -39,6 +39,9 @@ problem is reported at once, before anything starts, with the file's own names::
     [logging]                     # LoggingSettings: access log, periodic stats line
     stats_interval_s = 10.0
 
+    [events]                      # EventsSettings: KV events for routers, off by default
+    kv_events_endpoint = "tcp://127.0.0.1:5557"
+
     [[api_keys]]                  # key = "..." or key_blake2b = "<hex of auth.key_digest(key)>"
     tenant = "tenant-a"
     key_blake2b = "3f1c..."
@@ -68,6 +71,7 @@ from typing import Any
 from gateway.cache.factory import CacheConfig, GiB
 from gateway.config.device import device_problem
 from gateway.config.dtype import dtype_problem
+from gateway.config.events import EventsSettings
 from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
@@ -120,7 +124,7 @@ _SERVER_KEYS = frozenset(
      "secret_file", "admin_host", "admin_port", "device", "dtype"}
 )
 _SECTIONS = frozenset({"server", "grpc", "engine", "cache", "metrics", "http", "limits",
-                       "logging", "api_keys", "admin_keys"})
+                       "logging", "events", "api_keys", "admin_keys"})
 _HTTP_OVERRIDES = {"http_host": "host", "http_port": "port", "http_enabled": "enabled",
                    "served_model_name": "served_model_name"}
 """Command-line overrides of ``[http]``: the override's name -> the key it sets."""
@@ -184,6 +188,8 @@ def load_serve_config(
     metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
     logging_settings = _build(LoggingSettings, "logging", _table(raw, "logging", errors), errors)
     errors.extend(logging_settings.problems())
+    events = _build(EventsSettings, "events", _table(raw, "events", errors), errors)
+    errors.extend(events.problems())
     if "max_body_bytes" in http_table:
         try:
             http_table["max_body_bytes"] = parse_size(http_table["max_body_bytes"])
@@ -274,6 +280,7 @@ def load_serve_config(
         http=http,
         limits=limits,
         logging=logging_settings,
+        events=events,
         device=str(device),
         dtype=str(dtype),
     )

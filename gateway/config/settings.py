@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from gateway.cache.factory import CacheConfig
+from gateway.config.events import EventsSettings
 from gateway.config.keys import KeyEntry
 from gateway.config.limits import LimitSettings
 
@@ -378,7 +379,8 @@ class ServeConfig:
             policy can keep it from the apps that reach the Gateway service); None: the Admin
             service is served on the main listener.
         keys: every configured API key (tenant and admin).
-        grpc, engine, cache, metrics, http, limits, logging: the sections of the same names.
+        grpc, engine, cache, metrics, http, limits, logging, events: the sections of the same
+            names.
         device: where the model and the device tier live: "auto", "cpu", "cuda", "cuda:N"
             (``gateway.config.device``).
         dtype: what the model computes and the cache stores K/V in: "auto" (bfloat16 on a GPU,
@@ -404,6 +406,7 @@ class ServeConfig:
     http: HttpSettings = field(default_factory=HttpSettings)
     limits: LimitSettings = field(default_factory=LimitSettings)
     logging: LoggingSettings = field(default_factory=LoggingSettings)
+    events: EventsSettings = field(default_factory=EventsSettings)
     # -- lifecycle and reach (issue 11) --
     device: str = "auto"
     # -- numerics for a GPU (issue 14) --

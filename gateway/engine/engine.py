@@ -48,7 +48,7 @@ from gateway.core.requests import (
 from gateway.core.tokens import TokenIds
 from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.jobs import Job, RequestHandle, WarmHandle
-from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.kv_sequence import KVSequence, pool_bytes_for
 from gateway.engine.loop import StepLoop
 from gateway.engine.loop_records import LoopCounters, LoopSettings
 from gateway.engine.model import LoadedModel
@@ -72,12 +72,6 @@ from tiers.payload import KVBlock
 logger = logging.getLogger(__name__)
 
 ROUTES = ("auto", "batched", "serial")
-
-
-def pool_bytes_for(running_bytes: int) -> int:
-    """A pool's bytes for ``running_bytes`` of running requests' pages, with room on top for
-    pages held past a request's end for a moment (a queued disk write, a shadow sample)."""
-    return running_bytes + running_bytes // 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -358,9 +352,15 @@ class Engine:
     def num_running(self) -> int:
         """Requests the scheduler has admitted and not yet finished (vLLM's
         ``num_requests_running``, read by ``/metrics``); 0 before the engine starts."""
-        # NOTE: read through the loop's scheduler (a len() of its dict, safe from any thread);
-        # a ``StepLoop.num_running`` property would say the same without reaching in.
-        return self._loop._scheduler.num_running if self._loop is not None else 0
+        return self._loop.num_running if self._loop is not None else 0
+
+    @property
+    def kv_usage(self) -> float:
+        """The fraction of the KV page pool the running requests hold (vLLM's
+        ``kv_cache_usage_perc``: cached pages no request lists count as free)."""
+        if self._loop is None:
+            return 0.0
+        return self._loop.kv_bytes_held() / (self._pool.num_pages * self._pool.page_nbytes)
 
     @property
     def route(self) -> EngineRoute:

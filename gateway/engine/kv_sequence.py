@@ -28,6 +28,12 @@ from tiers.page_pool import Page, PagedBlock, PagePool
 from tiers.payload import KVBlock, KVLayout
 
 
+def pool_bytes_for(running_bytes: int) -> int:
+    """A pool's bytes for ``running_bytes`` of running requests' pages, with room on top for
+    pages held past a request's end for a moment (a queued disk write, a shadow sample)."""
+    return running_bytes + running_bytes // 16
+
+
 class KVSequence:
     """One request's block table over ``pool``, up to ``capacity`` tokens.
 

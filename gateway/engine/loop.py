@@ -574,6 +574,11 @@ class StepLoop:
             self._metrics.set_queue_depth(self._scheduler.num_waiting)
             self._metrics.set_kv_bytes_in_use(self.kv_bytes_held())
 
+    @property
+    def num_running(self) -> int:
+        """Requests the scheduler has admitted and not finished (a len(): any thread)."""
+        return self._scheduler.num_running
+
     def kv_bytes_held(self) -> int:
         """Bytes of the pages the running requests' tables list, a page shared by several
         (a cached prefix) counted once."""

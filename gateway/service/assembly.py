@@ -18,6 +18,8 @@ both say SERVING. Shutdown order (SIGTERM): health NOT_SERVING; both servers sto
 engine finishes or cancels them within the grace period; the metrics endpoint stops; the cache
 flushes pending disk writes and closes.
 Once the engine's worker has ended (never before: it may still be writing) the cache closes.
+The KV-events publisher for routers (``[events]``, off by default) binds just before the cache
+opens, so that it hears every block the cache holds, and closes after it.
 If the worker thread dies while serving, health turns NOT_SERVING at once
 (``gateway.service.watchdog``) and ``serve`` shuts down and raises ``ServeError``, so that
 ``kvgate serve`` exits non-zero and its supervisor (systemd, Kubernetes) restarts it.
@@ -166,7 +168,7 @@ def watch_router(config: ServeConfig, metrics: GatewayMetrics, engine: Engine,
 
     metrics.watch_router(
         model_name=served_model_names(engine.model_name, config.http.served_model_name)[0],
-        num_running=lambda: engine.num_running,
+        num_running=lambda: engine.num_running, kv_usage=lambda: engine.kv_usage,
         info=CacheConfigInfo.of(cache.stats(), block_tokens=config.cache.block_tokens,
                                 block_nbytes=block_nbytes, dtype=engine.dtype))
 
@@ -250,14 +252,17 @@ def serve(
     from gateway.cache.invalidation import EvictionFeed
     from gateway.config.device import DeviceError, resolve_device
     from gateway.config.dtype import DtypeError, resolve_dtype
-    from gateway.engine.engine import Engine, EngineConfig, pool_bytes_for
+    from gateway.engine.engine import Engine, EngineConfig
+    from gateway.engine.kv_sequence import pool_bytes_for
     from gateway.engine.model import load_model
     from gateway.engine.row_products import LinearKernel
     from gateway.engine.verdicts import VerdictStore
+    from gateway.service.kv_events.publisher import KVEventPublisher, open_kv_events
 
     logger.info("listening on %s:%d; loading the model %s", config.host, server.port,
                 config.model)
     opened = None
+    kv_events: KVEventPublisher | None = None
     engine: Engine | None = None
     feed: EvictionFeed | None = None
     try:
@@ -271,10 +276,11 @@ def serve(
             loaded = load_model(config.model, cache_dir=config.data_dir / "models",
                                 device=device, dtype=dtype)
         with stage("opening the cache tiers (recovering the disk tier's index)"):
+            kv_events = open_kv_events(config.events)  # None unless [events] names an endpoint
             opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
                                 device=device, running_bytes=pool_bytes_for(
                                     config.engine.kv_budget_bytes
-                                    + config.engine.tail_cache_bytes))
+                                    + config.engine.tail_cache_bytes), tier_events=kv_events)
         start_metrics(config, metrics, opened.cache, device=str(device),
                       dtype=str(dtype).removeprefix("torch."))
 
@@ -380,5 +386,7 @@ def serve(
             else:
                 logger.error("the engine's worker did not stop: the stores are left open "
                              "(closing them under it could lose or corrupt a write)")
+        if kv_events is not None:
+            kv_events.close()
         logger.info("stopped")
 

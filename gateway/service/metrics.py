@@ -62,7 +62,6 @@ from gateway.service.router_metrics import (
     CacheConfigInfo,
     RouterCounts,
     VllmCollector,
-    device_kv_usage,
 )
 
 logger = logging.getLogger(__name__)
@@ -231,22 +230,22 @@ class GatewayMetrics:
         self._shared(_CacheCollector(self._cache_stats))
 
     def watch_router(self, *, model_name: str, num_running: Callable[[], int],
-                     info: CacheConfigInfo) -> None:
+                     kv_usage: Callable[[], float], info: CacheConfigInfo) -> None:
         """vLLM's series for routers (``gateway.service.router_metrics``), once the engine runs.
 
         Args:
             model_name: their ``model_name`` label: the first served model name.
             num_running: the requests the engine's scheduler has admitted and not finished.
+            kv_usage: the fraction of the KV page pool the running requests hold.
             info: the cache's configuration (``vllm:cache_config_info``).
         """
         def counts() -> RouterCounts:
-            stats = self._cache_stats() if self._cache_stats is not None else None
             with self._lock:
                 num_prompt, num_cached = self._num_prompt_tokens, self._num_cached_tokens
             return RouterCounts(
                 num_waiting=self._queue_depth_now, num_running=num_running(),
                 num_prompt_tokens=num_prompt, num_cached_tokens=num_cached,
-                kv_usage=device_kv_usage(stats) if stats is not None else 0.0)
+                kv_usage=kv_usage())
 
         self._shared(VllmCollector(model_name=model_name, counts=counts, info=info))
 

@@ -9,8 +9,8 @@ name; ``engine``: ``"0"``, kvgate runs one engine per process):
 * ``vllm:num_requests_waiting``: requests queued in the engine's scheduler, not yet admitted
   (the engine reports it through ``EngineMetrics.set_queue_depth``);
 * ``vllm:num_requests_running``: requests the scheduler has admitted and not finished;
-* ``vllm:kv_cache_usage_perc``: the fraction (0..1) of the device tier's KV capacity in use,
-  from ``device_kv_usage`` -- the one function to repoint when the device tier changes;
+* ``vllm:kv_cache_usage_perc``: the fraction (0..1) of the device's KV page pool that running
+  requests hold (``Engine.kv_usage``: their block tables' pages, a shared prefix once);
 * ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``: prompt tokens of
   answered generations, and of those the tokens served from a cache tier (any tier: the
   ``cached_tokens`` of the response's usage), in tokens as vLLM counts;
@@ -21,12 +21,11 @@ name; ``engine``: ``"0"``, kvgate runs one engine per process):
 They carry no tenant label, so they are served on the API port's unauthenticated ``/metrics``
 as well as on the operators' port.
 
-NOTE: vLLM counts a block that holds cached KV but serves no running request as *free*, so its
-``kv_cache_usage_perc`` rises with load, not with cache warmth. kvgate's device tier keeps
-cached blocks until evicted, so the figure here rises as the cache warms and stays near 1 on a
-warm replica: a router's saturation threshold on it (EPP's default 0.8) reads a warm replica as
-full. ``device_kv_usage`` is the place to count only the KV that running requests hold once the
-device tier can tell (the page pool).
+NOTE: vLLM counts a block that holds cached KV but serves no running request as *free* (it can
+be evicted for one), so its ``kv_cache_usage_perc`` rises with load, not with cache warmth;
+kvgate counts the same way: the device tier's pages that no running request lists are left out,
+so a warm, idle replica reads 0 and a router's saturation threshold on it (EPP's default 0.8)
+means what it means for vLLM.
 """
 
 from __future__ import annotations
@@ -45,20 +44,6 @@ HOST_TIER = "host"
 ENGINE_INDEX = "0"
 """vLLM's ``engine`` label: the data-parallel rank of the engine; kvgate has one engine."""
 LABELS = ("model_name", "engine")
-
-
-def device_kv_usage(stats: CacheStats) -> float:
-    """The fraction (0..1) of the device tier's KV capacity in use: its used bytes over its
-    budget (0 without a device tier, or with a budget of 0).
-
-    NOTE: the one place ``vllm:kv_cache_usage_perc`` is read from (module NOTE).
-    """
-    for tier in stats.tiers:
-        if tier.name == DEVICE_TIER:
-            if tier.budget_bytes <= 0:
-                return 0.0
-            return min(1.0, max(0.0, tier.used_bytes / tier.budget_bytes))
-    return 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -104,7 +89,7 @@ class RouterCounts:
         num_running: requests it has admitted and not finished.
         num_prompt_tokens: prompt tokens of answered generations since start.
         num_cached_tokens: of those, the tokens served from a cache tier.
-        kv_usage: ``device_kv_usage`` of the cache now.
+        kv_usage: the fraction of the KV page pool running requests hold now.
     """
 
     num_waiting: int
@@ -141,7 +126,7 @@ class VllmCollector(Collector):
             ("vllm:num_requests_waiting", "Number of requests waiting to be processed "
              "(queued in kvgate's scheduler).", counts.num_waiting),
             ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage (kvgate: "
-             "the device tier's used bytes over its budget).", counts.kv_usage),
+             "pages of the device's pool that running requests hold).", counts.kv_usage),
         ):
             gauge = GaugeMetricFamily(name, documentation, labels=LABELS)
             gauge.add_metric(labels, value)

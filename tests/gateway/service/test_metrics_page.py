@@ -64,7 +64,7 @@ def test_one_scrape_reads_the_cache_stats_once_for_every_collector() -> None:
 
     metrics = GatewayMetrics()
     metrics.watch_cache(stats)
-    metrics.watch_router(model_name="m", num_running=lambda: 0,
+    metrics.watch_router(model_name="m", num_running=lambda: 0, kv_usage=lambda: 0.5,
                          info=CacheConfigInfo(block_size=16, num_gpu_blocks=2,
                                               num_cpu_blocks=0, cache_dtype="float32"))
     body = MetricsPage(metrics.public_registry, max_age_s=0).render("")[0]

@@ -27,7 +27,7 @@ from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.server import HttpFront
 from gateway.service.metrics import GatewayMetrics
-from gateway.service.router_metrics import CacheConfigInfo, device_kv_usage
+from gateway.service.router_metrics import CacheConfigInfo
 from tests.gateway.grpc_harness import (
     BLOCK,
     KEY_A,
@@ -126,18 +126,18 @@ def test_vllm_series_after_a_cold_and_a_warm_request(served: Served) -> None:
     engine = served.running.engine
     assert engine is not None
     assert wait_until(lambda: engine.num_running == 0)
+    # NOTE: the API port serves a body up to 20 ms old (MetricsPage): the tiny model can answer
+    # both requests within 20 ms of the first scrape, so scrape until the answers show.
+    queries = cold["usage"]["prompt_tokens"] + warm["usage"]["prompt_tokens"]
+    assert wait_until(
+        lambda: _value(served.scrape(), "vllm:prefix_cache_queries_total") == queries)
     samples = served.scrape()
-    assert _value(samples, "vllm:prefix_cache_queries_total") == (
-        cold["usage"]["prompt_tokens"] + warm["usage"]["prompt_tokens"])
+    assert _value(samples, "vllm:prefix_cache_queries_total") == queries
     assert _value(samples, "vllm:prefix_cache_hits_total") == warm_cached
     assert _value(samples, "vllm:num_requests_waiting") == 0
     assert _value(samples, "vllm:num_requests_running") == 0
-    usage = _value(samples, "vllm:kv_cache_usage_perc")
-    assert served.running.opened is not None
-    stats = served.running.opened.cache.stats()
-    assert 0 < usage <= 1 and usage == pytest.approx(device_kv_usage(stats))
-    [device] = [tier for tier in stats.tiers if tier.name == "device"]
-    assert usage == pytest.approx(device.used_bytes / DEVICE_BYTES)
+    # Nothing runs: the device tier's cached pages count as free, as vLLM counts them.
+    assert _value(samples, "vllm:kv_cache_usage_perc") == 0
 
     [info] = samples["vllm:cache_config_info"]
     block_nbytes = served.loaded.layout.block_nbytes(BLOCK)
@@ -160,9 +160,12 @@ def test_num_running_counts_a_request_the_engine_is_decoding(served: Served) -> 
                                  max_tokens=1500)
         next(stream)
         assert wait_until(lambda: engine.counters.num_decode_tokens > decoded)
-        running = _value(served.scrape(), "vllm:num_requests_running")
+        # a body up to 20 ms old may be served first (MetricsPage): the stream runs for longer
+        is_seen = wait_until(
+            lambda: _value(served.scrape(), "vllm:num_requests_running") == 1, timeout_s=5.0)
+        usage = _value(served.scrape(), "vllm:kv_cache_usage_perc")  # its pages, in use
         stream.close()
-    assert running == 1
+    assert is_seen and 0 < usage < 1
 
 
 def test_the_served_model_name_is_listed_reported_and_accepted_with_its_aliases(
@@ -191,6 +194,3 @@ def test_cache_config_info_counts_whole_blocks_of_each_tier_budget() -> None:
                        num_remote_hits=0, tiers=(tier("device", 1000, 250), tier("disk", 10, 0)))
     info = CacheConfigInfo.of(stats, block_tokens=64, block_nbytes=300, dtype="bfloat16")
     assert (info.num_gpu_blocks, info.num_cpu_blocks) == (3, 0)
-    assert device_kv_usage(stats) == 0.25
-    assert device_kv_usage(CacheStats(num_blocks=0, num_namespaces=0, num_token_mismatches=0,
-                                      num_remote_hits=0, tiers=())) == 0.0
