@@ -277,6 +277,7 @@ class KvgateClient:
         ttl_s: float | None = None,
         shared: bool = False,
         no_cache: bool = False,
+        tag: str | None = None,
         timeout_s: float | None = None,
     ) -> Generator[TokenDelta | Usage, None, None]:
         """Stream a generation: ``TokenDelta`` items, then one ``Usage``.
@@ -293,7 +294,8 @@ class KvgateClient:
             input=prompt_message(prompt, messages, token_ids, tools, add_generation_prompt),
             sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                        top_p=top_p, top_k=top_k, seed=seed, stop=list(stop)),
-            cache=pb.CacheOptions(ttl_s=ttl_s, scope=_scope(shared), no_cache=no_cache),
+            cache=pb.CacheOptions(ttl_s=ttl_s, scope=_scope(shared), no_cache=no_cache,
+                                  tag=tag),
         )
         return self._stream(request, timeout_s)
 
@@ -322,12 +324,14 @@ class KvgateClient:
         pin: bool = False,
         ttl_s: float | None = None,
         shared: bool = False,
+        tag: str | None = None,
         timeout_s: float | None = None,
     ) -> WarmResult:
-        """Compute and store the KV of the prompt's full blocks (``pin``: admin keys only)."""
+        """Compute and store the KV of the prompt's full blocks (``pin``: admin keys only);
+        ``tag`` marks them for ``evict(tag=...)``."""
         request = pb.WarmRequest(
             input=prompt_message(prompt, messages, token_ids, tools, add_generation_prompt),
-            pin=pin, ttl_s=ttl_s, scope=_scope(shared),
+            pin=pin, ttl_s=ttl_s, scope=_scope(shared), tag=tag,
         )
         response = self._unary(self._gateway.Warm, request, timeout_s)
         return WarmResult(
@@ -409,17 +413,18 @@ class KvgateClient:
                 tenant=p.tenant, key_hex=p.key_hex, num_blocks=p.num_blocks,
                 num_tokens=p.num_tokens, num_bytes=p.num_bytes, tiers=tuple(p.tiers),
                 age_s=p.age_s, idle_s=p.idle_s, num_hits=p.num_hits, is_pinned=p.is_pinned,
-                preview=p.preview,
+                preview=p.preview, tags=tuple(p.tags),
             )
             for p in r.prefixes
         ]
 
     def evict(self, *, tenant: str | None = None, prefix_text: str | None = None,
               key_hex: str | None = None, older_than_s: float | None = None,
-              tier: str | None = None, everything: bool = False,
+              tier: str | None = None, everything: bool = False, tag: str | None = None,
               timeout_s: float | None = None) -> Evicted:
         request = pb.EvictRequest(tenant=tenant, prefix_text=prefix_text, key_hex=key_hex,
-                                  older_than_s=older_than_s, tier=tier, everything=everything)
+                                  older_than_s=older_than_s, tier=tier, everything=everything,
+                                  tag=tag)
         return _evicted(self._admin_call(self._admin.Evict, request, timeout_s))
 
     def pin(self, prompt: str | None = None, *, unpin: bool = False,

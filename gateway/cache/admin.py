@@ -24,9 +24,11 @@ from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import CacheStats
+from gateway.cache.tags import tag_prompt, tagged_blocks, tags_of
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.fingerprint import Namespace, Scope
+from gateway.core.tags import checked_tag
 from gateway.core.tokens import TokenIds, tokens_from_bytes
 from policies.base import BlockKey
 from tiers.hierarchy import REMOTE
@@ -52,6 +54,7 @@ class PrefixInfo:
     num_hits: int
     is_pinned: bool
     first_block_tokens: bytes
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -69,6 +72,7 @@ class PrefixSummary:
     num_hits: int
     is_pinned: bool
     preview: str
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,6 +151,7 @@ def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
                     num_hits=leaf.num_hits,
                     is_pinned=any(r.is_pinned for r in path),
                     first_block_tokens=path[0].tokens,
+                    tags=tags_of(path),
                 )
             )
         return out
@@ -214,6 +219,7 @@ def evict_where(
     key: BlockKey | None = None,
     idle_s: float | None = None,
     tier: str | None = None,
+    tag: str | None = None,
 ) -> dict[str, int]:
     """Drop every local block matching all the given selectors.
 
@@ -229,6 +235,7 @@ def evict_where(
             (``chain_of``).
         idle_s: blocks not used for at least this many seconds.
         tier: drop only the copies in this tier (default: every tier).
+        tag: blocks carrying this tag and everything after them (``tagged_blocks``).
 
     Returns:
         Bytes freed per tier.
@@ -255,6 +262,8 @@ def evict_where(
         elif key is not None:
             start = index.get(key)
             selected = [] if start is None else chain_of(index, start)
+        elif tag is not None:
+            selected = tagged_blocks(index, tag, owner=owner)
         else:
             selected = list(index.records())
         selected = [
@@ -272,7 +281,8 @@ def evict_where(
                     placement.evict_copy(record, name, "admin")
                     freed[name] = freed.get(name, 0) + record.num_bytes
             placement.drop_unheld([record])
-        if under is None and key is None and owner is None and idle_s is None and tier is None:
+        if (under is None and key is None and owner is None and idle_s is None and tier is None
+                and tag is None):
             placement.tell_if_cleared()  # everything was selected
         return freed
 
@@ -317,6 +327,7 @@ class CacheAdmin:
                     num_hits=info.num_hits,
                     is_pinned=info.is_pinned,
                     preview=self._keys.preview(first),
+                    tags=info.tags,
                 )
             )
         return out
@@ -330,6 +341,7 @@ class CacheAdmin:
         older_than_s: float | None = None,
         tier: str | None = None,
         everything: bool = False,
+        tag: str | None = None,
     ) -> EvictResult:
         """Drop blocks matching every given selector (``everything`` for all): here, in the
         shared Redis tier (every selector reaches it, unless ``tier`` names a local tier), and
@@ -344,6 +356,9 @@ class CacheAdmin:
         begins), and the text as a raw prompt. Every full block of a rendering must be cached
         for it to select anything; its blocks and everything built on them go.
 
+        ``tag`` selects the blocks tagged so on this replica (``gateway.cache.tags``) and
+        everything built on them; with ``tenant``, only that tenant's.
+
         Raises:
             InvalidRequest: no selector, an unknown tier, a bad age or key, a key prefix
                 that more than one cached block's key begins with, or prefix text without the
@@ -354,9 +369,11 @@ class CacheAdmin:
         """
         cache = self._cache
         if not (everything or tenant or prefix_text or key_hex or older_than_s is not None
-                or tier):
+                or tier or tag is not None):
             raise InvalidRequest("say what to evict: a tenant, a prefix, a key, an age, a tier, "
-                                 "or everything")
+                                 "a tag, or everything")
+        if tag is not None:
+            checked_tag(tag)
         if tier is not None and tier not in (*cache.tier_names, REMOTE):
             raise InvalidRequest(f"unknown tier {tier!r}; tiers are "
                                  f"{[*cache.tier_names, REMOTE]}")
@@ -367,7 +384,8 @@ class CacheAdmin:
         if key_hex is not None:
             key_hex = resolve_key(cache, key_hex).hex()
         event = EvictionEvent(tenant=tenant, prefix_text=prefix_text, key_hex=key_hex,
-                              older_than_s=older_than_s, tier=tier, everything=everything)
+                              older_than_s=older_than_s, tier=tier, everything=everything,
+                              tag=tag)
         before = cache.stats().num_blocks
         self._evict_remote(event)
         freed = self._evict_local(event)
@@ -423,7 +441,7 @@ class CacheAdmin:
         for under in self._selections(event):
             for name, num_bytes in evict_where(
                 self._cache, owner=event.tenant, under=under, key=key,
-                idle_s=event.older_than_s, tier=event.tier,
+                idle_s=event.older_than_s, tier=event.tier, tag=event.tag,
             ).items():
                 freed[name] = freed.get(name, 0) + num_bytes
         return freed
@@ -437,6 +455,16 @@ class CacheAdmin:
             for under in self._selections(event):
                 if under is not None:
                     transfers.forget_remote(*under, min_idle_s=event.older_than_s)
+            return
+        if event.tag is not None:
+            # Redis keeps no tags: remove, by key, the copies of the blocks tagged here.
+            placement = self._cache.placement
+            with placement.locked():
+                blocks = [(r.namespace.digest, r.key)
+                          for r in tagged_blocks(placement.index, event.tag, owner=event.tenant)]
+            for block_digest, block_key in blocks:
+                transfers.remove_remote_where(namespace_digest=block_digest, key=block_key,
+                                              min_idle_s=event.older_than_s)
             return
         digests: list[bytes | None] = [None]  # every namespace of this deployment
         if event.tenant is not None:
@@ -465,6 +493,17 @@ class CacheAdmin:
         """Pin (or unpin) the cached full blocks of ``prompt`` in ``scope``; how many changed."""
         tokens = self._keys.prompt_tokens(prompt)
         return self._cache.set_pinned(self._keys.namespace(scope), tokens, is_pinned)
+
+    def tag_prompt(self, prompt: PromptInput, scope: Scope, tag: str) -> int:
+        """Record ``tag`` on the cached full blocks of ``prompt`` in ``scope``; how many gained
+        it (``gateway.cache.tags``).
+
+        Raises:
+            InvalidRequest: not a valid tag, or a prompt that cannot be tokenised.
+        """
+        checked_tag(tag)
+        tokens = self._keys.prompt_tokens(prompt)
+        return tag_prompt(self._cache, self._keys.namespace(scope), tokens, tag)
 
     def set_quota(self, tenant: str, num_bytes: int | None) -> None:
         """Cap what ``tenant`` may hold in every tier (None: no cap).

@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from gateway.core.tags import tag_problem
 from tiers.redis_events import REDIS_FAULTS, Event
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,9 @@ class EvictionEvent:
         older_than_s: blocks idle at least this long (on each replica's own clock).
         tier: only this tier's copies ("redis": no local copies at all).
         everything: every block.
+        tag: blocks each replica tagged so in its own index, and what follows them
+            (``gateway.cache.tags``). A build without tags skips the whole event (an
+            unknown field) rather than evict more than was asked.
         origin: the replica that published it (its own events are skipped).
     """
 
@@ -57,12 +61,13 @@ class EvictionEvent:
     older_than_s: float | None = None
     tier: str | None = None
     everything: bool = False
+    tag: str | None = None
     origin: str = ""
 
     def to_fields(self) -> dict[str, str]:
         """The stream entry: only the selectors that are set."""
         out = {"kind": "evict", "origin": self.origin}
-        for name in ("tenant", "prefix_text", "key_hex", "tier"):
+        for name in ("tenant", "prefix_text", "key_hex", "tier", "tag"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -92,6 +97,9 @@ class EvictionEvent:
             return None
         if entry.get("everything") not in (None, "1"):
             return None
+        tag = entry.get("tag")
+        if tag is not None and tag_problem(tag) is not None:
+            return None
         try:
             older = entry.get("older_than_s")
             older_than_s = None if older is None else float(older)
@@ -102,12 +110,13 @@ class EvictionEvent:
         return cls(tenant=entry.get("tenant"), prefix_text=entry.get("prefix_text"),
                    key_hex=key_hex, older_than_s=older_than_s,
                    tier=entry.get("tier"), everything=entry.get("everything") == "1",
-                   origin=entry.get("origin", ""))
+                   tag=tag, origin=entry.get("origin", ""))
 
     def with_origin(self, origin: str) -> EvictionEvent:
         return EvictionEvent(tenant=self.tenant, prefix_text=self.prefix_text,
                              key_hex=self.key_hex, older_than_s=self.older_than_s,
-                             tier=self.tier, everything=self.everything, origin=origin)
+                             tier=self.tier, everything=self.everything, tag=self.tag,
+                             origin=origin)
 
 
 class EventLog(Protocol):

@@ -47,6 +47,7 @@ class BlockRecord:
         "created_at",
         "ttl_s",
         "num_hits",
+        "tags",
     )
 
     def __init__(
@@ -72,6 +73,10 @@ class BlockRecord:
         self.created_at = now
         self.ttl_s = ttl_s
         self.num_hits = 0
+        # Operators' names for the requests that stored or warmed this block
+        # (``gateway.cache.tags``); the empty frozenset is shared, so untagged blocks cost
+        # nothing beyond the slot.
+        self.tags: frozenset[str] = frozenset()
 
     @property
     def namespace(self) -> Namespace:

@@ -41,6 +41,7 @@ from gateway.cli.common import (
     render_table,
 )
 from gateway.client import Evicted, KvgateClient, KvgateError, NotFound
+from gateway.core.tags import tag_problem
 
 _EXIT_CODES = (f"exit status: 0 done; {EXIT_FAILED} refused or failed (the server's message "
                f"says why); {EXIT_USAGE} a usage error or not confirmed; {EXIT_UNCHANGED} "
@@ -104,6 +105,10 @@ def add_admin_parser(sub: Any) -> None:
     evict.add_argument("--older-than", default=None, metavar="AGE",
                        help="blocks idle longer than AGE (90s, 15m, 1h, 2d)")
     evict.add_argument("--tier", default=None, help="only from this tier")
+    evict.add_argument("--tag", default=None, metavar="NAME",
+                       help="the blocks warmed (or generated) with tag NAME -- `kvgate "
+                            "prewarm --tag NAME` -- and everything built on them; with "
+                            "--tenant: only that tenant's")
     evict.add_argument("--all", action="store_true", help="every block (no other selector)")
     evict.add_argument("--yes", action="store_true", help="do not ask for confirmation")
     for name, what in (("pin", "keep a prefix from eviction"), ("unpin", "undo pin")):
@@ -195,11 +200,11 @@ def _ls(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: TextIO
         return 0
     out.write(render_table(
         ["key", "tenant", "blocks", "tokens", "bytes", "tiers", "age", "idle", "hits",
-         "pinned", "preview"],
+         "pinned", "tags", "preview"],
         [[p.key_hex[:16], p.tenant or "(shared)", str(p.num_blocks), str(p.num_tokens),
           format_bytes(p.num_bytes), ",".join(p.tiers) or "-", f"{p.age_s:.0f}s",
           f"{p.idle_s:.0f}s", str(p.num_hits), "yes" if p.is_pinned else "no",
-          first_words(p.preview, 30)]
+          ",".join(p.tags) or "-", first_words(p.preview, 30)]
          for p in prefixes]))
     return 0
 
@@ -210,19 +215,22 @@ def _evict(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: Tex
         older_than_s = parse_duration(args.older_than) if args.older_than is not None else None
     except ValueError as exc:
         raise UsageError(f"--older-than: {exc}") from exc
+    if args.tag is not None and (problem := tag_problem(args.tag)) is not None:
+        raise UsageError(f"--tag: {problem}")
     selectors = {"tenant": args.tenant, "prefix": args.prefix, "key": args.key,
-                 "older-than": args.older_than, "tier": args.tier}
+                 "older-than": args.older_than, "tier": args.tier, "tag": args.tag}
     named = {k: v for k, v in selectors.items() if v is not None}
     if not named and not args.all:
         raise UsageError("name what to evict: --tenant, --prefix, --key, --older-than, "
-                         "--tier, or --all")
+                         "--tier, --tag, or --all")
     if named and args.all:
         raise UsageError("--all evicts every block; give it without other selectors")
     what = "every block" if args.all else \
         "blocks with " + " ".join(f"--{k} {v!r}" for k, v in named.items())
     _confirm(f"Evict {what}?", args.yes, stdin, err)
     evicted = client.evict(tenant=args.tenant, prefix_text=args.prefix, key_hex=args.key,
-                           older_than_s=older_than_s, tier=args.tier, everything=args.all)
+                           older_than_s=older_than_s, tier=args.tier, everything=args.all,
+                           tag=args.tag)
     _write_evicted(evicted, args.json, out)
     if _freed_nothing(evicted) and args.tier != "remote":
         err.write(f"kvgate admin evict: nothing changed: {_why_nothing_evicted(args)}\n")
@@ -245,6 +253,11 @@ def _why_nothing_evicted(args: argparse.Namespace) -> str:
                        f"{args.tenant!r}'s scope, warmed as a system message or as a raw "
                        "prompt; part of a prompt selects nothing (use --key with a key from "
                        "`kvgate admin ls`)")
+    if args.tag is not None:
+        whose = " for that tenant" if args.tenant is not None else ""
+        reasons.append(f"no block of this replica is tagged {args.tag!r}{whose} (`kvgate "
+                       "admin ls` shows the tags; tags are kept in each replica's own index "
+                       "and do not survive a restart)")
     if args.tenant is not None:
         reasons.append(f"`kvgate admin ls --tenant {args.tenant}` lists what that tenant holds")
     if args.tier is not None:

@@ -20,6 +20,10 @@ default API key. ``pin`` pins through the Admin service (admin key), after the w
 
 Warm is idempotent: a second run finds every block cached (``num_new_blocks == 0``) and
 computes nothing.
+
+``--tag NAME`` records NAME on the blocks of every prompt warmed (those it stores and those
+already cached), so that ``kvgate admin evict --tag NAME`` drops exactly what this run warmed
+(and what was built on it); ``kvgate admin ls`` shows the tags.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from gateway.cli.common import (
     render_table,
 )
 from gateway.client import KvgateClient, KvgateError
+from gateway.core.tags import tag_problem
 
 STRUCTURED_SUFFIXES = frozenset({".yaml", ".yml", ".json"})
 ENTRY_KEYS = frozenset({"prompt", "messages", "tools", "tenant", "scope", "ttl_s", "pin"})
@@ -314,11 +319,13 @@ class Progress:
 
 def warm_entries(entries: Sequence[PrewarmEntry], keys: KeyRing,
                  connect: Callable[[str | None], KvgateClient], *, err: TextIO,
-                 clock: Callable[[], float] = time.monotonic) -> PrewarmReport:
+                 clock: Callable[[], float] = time.monotonic,
+                 tag: str | None = None) -> PrewarmReport:
     """Warm every entry, one at a time (the engine computes one prefill at a time anyway).
 
     Args:
         connect: a client for a key (called once per distinct key; the caller closes them).
+        tag: recorded on every warmed prompt's blocks (``gateway.core.tags``).
     """
     report = PrewarmReport()
     clients: dict[str | None, KvgateClient] = {}
@@ -333,7 +340,7 @@ def warm_entries(entries: Sequence[PrewarmEntry], keys: KeyRing,
     for entry in entries:
         result, problem = None, None
         try:
-            result = _warm_one(entry, keys, client_for, clock)
+            result = _warm_one(entry, keys, client_for, clock, tag)
             report.results.append(result)
         except (PrewarmError, KvgateError) as exc:
             problem = FileProblem(source=entry.source, reason=str(exc))
@@ -344,7 +351,7 @@ def warm_entries(entries: Sequence[PrewarmEntry], keys: KeyRing,
 
 def _warm_one(entry: PrewarmEntry, keys: KeyRing,
               client_for: Callable[[str | None], KvgateClient],
-              clock: Callable[[], float]) -> PrewarmResult:
+              clock: Callable[[], float], tag: str | None) -> PrewarmResult:
     if entry.is_shared:
         key = keys.admin_key
         if key is None:
@@ -370,7 +377,7 @@ def _warm_one(entry: PrewarmEntry, keys: KeyRing,
     warmed = client.warm(entry.prompt, messages=messages, tools=entry.tools,
                          add_generation_prompt=add_generation_prompt,
                          pin=entry.is_pinned and entry.is_shared, ttl_s=entry.ttl_s,
-                         shared=entry.is_shared)
+                         shared=entry.is_shared, tag=tag)
     if entry.is_pinned and not entry.is_shared:
         client_for(keys.admin_key).pin(entry.prompt, messages=messages,
                                        add_generation_prompt=add_generation_prompt,
@@ -448,6 +455,9 @@ def add_prewarm_parser(sub: Any) -> None:
     parser.add_argument("--tenant-key", action="append", default=[], metavar="KEY=TENANT",
                         help="the key for entries naming TENANT (repeatable; also "
                              "$KVGATE_API_KEYS, key1=tenantA,key2=tenantB)")
+    parser.add_argument("--tag", default=None, metavar="NAME",
+                        help="record NAME on the blocks of every prompt warmed, for `kvgate "
+                             "admin evict --tag NAME` (1 to 64 of A-Z a-z 0-9 . _ -)")
     add_connection_args(parser)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
@@ -459,6 +469,9 @@ def run_prewarm(args: Any, *, out: TextIO, err: TextIO, env: Mapping[str, str]) 
         tenant_to_key.update(parse_tenant_keys(args.tenant_key))
         admin_key = admin_key_of(args, env, required=False)
         connect = connector(args)
+        tag_error = tag_problem(args.tag) if args.tag is not None else None
+        if tag_error is not None:
+            raise UsageError(f"--tag: {tag_error}")
     except (UsageError, ValueError) as exc:
         err.write(f"kvgate prewarm: {exc}\n")
         return EXIT_USAGE
@@ -476,7 +489,7 @@ def run_prewarm(args: Any, *, out: TextIO, err: TextIO, env: Mapping[str, str]) 
     try:
         report = warm_entries(entries, KeyRing(api_key=api_key, admin_key=admin_key,
                                                tenant_to_key=tenant_to_key),
-                              open_client, err=err)
+                              open_client, err=err, tag=args.tag)
     except UsageError as exc:
         err.write(f"kvgate prewarm: {exc}\n")
         return EXIT_USAGE

@@ -80,6 +80,7 @@ class PrefixInfo:
     num_hits: int
     is_pinned: bool
     preview: str
+    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

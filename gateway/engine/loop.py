@@ -293,7 +293,9 @@ class StepLoop:
             blocks: list[KVBlock] = []
             tail: list[KVBlock] = []
             if use_cache and self._blocks is not None:
-                blocks = self._blocks.lease(active, max_blocks, self._prefill_s_per_token)
+                prefix = self._blocks.lease(job, stack, max_blocks, self._prefill_s_per_token)
+                active.take_prefix(prefix)
+                blocks = prefix.blocks
                 tail = self._blocks.find_tail(active, blocks)
             active.seq = KVSequence.from_blocks(self._pool, blocks + tail, capacity)
             active.loaded_blocks = blocks

@@ -63,6 +63,25 @@ class LoopCounters:
     num_dedup_waits: int = 0
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LeasedPrefix:
+    """What a request leased from the cache at admission (``RequestBlocks.lease``).
+
+    Attributes:
+        lease: its lease in its own namespace (held until the request ends).
+        namespace: that namespace.
+        reads_own_namespace: the blocks came from it (not from the shared scope's longer match).
+        blocks: the cached prefix's payloads, in order.
+        cached_by_tier: the prefix's tokens by the tier each block came from.
+    """
+
+    lease: Lease
+    namespace: Namespace
+    reads_own_namespace: bool
+    blocks: list[KVBlock]
+    cached_by_tier: dict[str, int]
+
+
 @dataclass(slots=True, kw_only=True)
 class ActiveRequest:
     """A request the step loop has admitted: its state across steps."""
@@ -85,3 +104,10 @@ class ActiveRequest:
     next_token: int | None = None
     ttft_ms: float | None = None
     last_token_at: float | None = None  # the loop's clock, for the inter-token gap
+
+    def take_prefix(self, prefix: LeasedPrefix) -> None:
+        """Record what admission leased (the request's own record; nothing else writes it)."""
+        self.lease, self.namespace = prefix.lease, prefix.namespace
+        self.reads_own_namespace = prefix.reads_own_namespace
+        for tier, num_tokens in prefix.cached_by_tier.items():
+            self.cached_by_tier[tier] = self.cached_by_tier.get(tier, 0) + num_tokens

@@ -11,6 +11,7 @@ an answer's blocks needs no recomputation where decoding writes the K/V a prefil
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -20,8 +21,9 @@ from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import SHARED_SCOPE_TIER, GenerateRequest
 from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.forward import SequenceRows, StepForward
+from gateway.engine.jobs import Job
 from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.loop_records import ActiveRequest, LoopSettings
+from gateway.engine.loop_records import ActiveRequest, LeasedPrefix, LoopSettings
 from gateway.engine.shadow import ShadowVerifier
 from gateway.engine.tail_cache import TAIL_TIER, TailCache
 from tiers.payload import KVBlock
@@ -49,36 +51,38 @@ class RequestBlocks:
         self._namespace_of = namespace_of
         self._tails = tails
 
-    def lease(self, active: ActiveRequest, max_blocks: int | None,
-              recompute_s_per_token: float | None) -> list[KVBlock]:
+    def lease(self, job: Job, stack: ExitStack, max_blocks: int | None,
+              recompute_s_per_token: float | None) -> LeasedPrefix:
         """Lease the request's cached prefix (its own namespace's, or the shared scope's where
-        longer) and load it; ``recompute_s_per_token`` decides which tiers are worth reading."""
-        request = active.job.request
+        longer) until ``stack`` closes, and load it; ``recompute_s_per_token`` decides which
+        tiers are worth reading."""
+        request = job.request
         namespace = self._namespace_of(request.scope)
-        tokens = active.job.tokens
-        lease = active.stack.enter_context(self._cache.acquire(namespace, tokens))
+        tokens = job.tokens
+        lease = stack.enter_context(self._cache.acquire(namespace, tokens))
         source = lease
         if request.scope.kind == "tenant":
             # Prompts an admin published in the shared scope are read by every tenant; what the
             # tenant then stores goes to its own namespace, never to the shared one.
-            shared = active.stack.enter_context(
+            shared = stack.enter_context(
                 self._cache.acquire(self._namespace_of(Scope.shared()), tokens))
             if shared.match.num_blocks > lease.match.num_blocks:
                 source = shared
-        active.lease, active.namespace = lease, namespace
-        active.reads_own_namespace = source is lease
         blocks = self._cache.load(source, recompute_s_per_token=recompute_s_per_token,
                                   max_blocks=max_blocks)
         bt = self._settings.block_tokens
+        by_tier: dict[str, int] = {}
         for tier in source.match.tiers[:len(blocks)]:
             if source is not lease:  # the shared scope: its tier would tell of other tenants
                 tier = SHARED_SCOPE_TIER
-            active.cached_by_tier[tier] = active.cached_by_tier.get(tier, 0) + bt
+            by_tier[tier] = by_tier.get(tier, 0) + bt
         if self._shadow is not None and blocks:
             match = source.match  # what was loaded: its keys and the tier each came from
             self._shadow.offer(namespace=source.namespace, tokens=tokens, keys=match.keys,
                                tiers=match.tiers, blocks=blocks)
-        return blocks
+        return LeasedPrefix(lease=lease, namespace=namespace,
+                            reads_own_namespace=source is lease, blocks=blocks,
+                            cached_by_tier=by_tier)
 
     def find_tail(self, active: ActiveRequest, blocks: list[KVBlock]) -> list[KVBlock]:
         """The kept tail a generation continues after its loaded blocks ([] if none), leaving

@@ -3,7 +3,7 @@
 docs/reliability.md, threat 5. A front (the gRPC server today, an HTTP front tomorrow) calls
 ``Admission.admit(principal, kind)`` *after* it has authenticated the call and *before* it
 spends anything on it (a worker thread, tokenising, the engine's queue). Admission either
-returns a ``Lease`` -- released exactly once when the call ends, however it ends -- or raises
+returns a ``CallSlot`` -- released exactly once when the call ends, however it ends -- or raises
 ``Overloaded`` (RESOURCE_EXHAUSTED) at once, naming the limit; it never waits. The bounds
 (``gateway.config.limits.LimitSettings``):
 
@@ -20,11 +20,11 @@ share its bounds.
 
 Usage from any front::
 
-    lease = admission.admit(principal, CallKind.LOOKUP)   # raises Overloaded
+    slot = admission.admit(principal, CallKind.LOOKUP)   # raises Overloaded
     try:
         ...serve the call...
     finally:
-        lease.release()                                     # idempotent
+        slot.release()                                     # idempotent
 
 or ``with admission.admit(principal, kind): ...``.
 """
@@ -66,7 +66,7 @@ class _Counts:
 
 
 @dataclass(slots=True, kw_only=True)
-class Lease:
+class CallSlot:
     """One admitted call's share; ``release`` gives it back (once, whoever calls it first)."""
 
     principal: Principal
@@ -81,7 +81,7 @@ class Lease:
     def is_released(self) -> bool:
         return self._is_released
 
-    def __enter__(self) -> Lease:
+    def __enter__(self) -> CallSlot:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -121,7 +121,7 @@ class Admission:
     def limits(self) -> LimitSettings:
         return self._limits
 
-    def admit(self, principal: Principal, kind: CallKind) -> Lease:
+    def admit(self, principal: Principal, kind: CallKind) -> CallSlot:
         """Admit one call of ``principal``, or refuse it at once.
 
         Raises:
@@ -164,7 +164,7 @@ class Admission:
                 counts.calls += 1
                 counts.lookups += kind is CallKind.LOOKUP
                 counts.warms += kind is CallKind.WARM
-        return Lease(principal=principal, kind=kind, _admission=self)
+        return CallSlot(principal=principal, kind=kind, _admission=self)
 
     def snapshot(self) -> AdmissionSnapshot:
         with self._lock:
@@ -172,18 +172,18 @@ class Admission:
                 calls=self._total.calls, lookups=self._total.lookups,
                 calls_by_principal={_who(p): c.calls for p, c in self._by_principal.items()})
 
-    def _release(self, lease: Lease) -> None:
+    def _release(self, slot: CallSlot) -> None:
         with self._lock:
-            if lease._is_released:
+            if slot._is_released:
                 return
-            lease._is_released = True
-            mine = self._by_principal[lease.principal]
+            slot._is_released = True
+            mine = self._by_principal[slot.principal]
             for counts in (mine, self._total):
                 counts.calls -= 1
-                counts.lookups -= lease.kind is CallKind.LOOKUP
-                counts.warms -= lease.kind is CallKind.WARM
+                counts.lookups -= slot.kind is CallKind.LOOKUP
+                counts.warms -= slot.kind is CallKind.WARM
             if mine.calls == 0:
-                del self._by_principal[lease.principal]
+                del self._by_principal[slot.principal]
 
 
 def _who(principal: Principal) -> str:

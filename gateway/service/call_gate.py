@@ -41,7 +41,7 @@ import grpc
 
 from gateway.config.keys import Principal
 from gateway.core.errors import GatewayError
-from gateway.service.admission import Admission, CallKind, Lease, Overloaded
+from gateway.service.admission import Admission, CallKind, CallSlot, Overloaded
 from gateway.service.auth import Authenticator
 from gateway.service.status_mapping import status_of
 
@@ -203,35 +203,35 @@ class CallGate:
             principal = self._auth.authenticate(metadata)
             if is_admin_only:
                 principal.require_admin("the Admin service")
-            lease = self._admission.admit(principal, method.kind)
+            slot = self._admission.admit(principal, method.kind)
         except GatewayError as exc:
             return refusal(exc, self._refusals)
-        return self._admitted(method, principal, lease)
+        return self._admitted(method, principal, slot)
 
     def _admitted(self, method: KeyedMethod, principal: Principal,
-                  lease: Lease) -> grpc.RpcMethodHandler:
+                  slot: CallSlot) -> grpc.RpcMethodHandler:
         watchdog = self._watchdog
         behavior = method.behavior
 
         def unary(requests: Iterator[Any], context: Any) -> Any:
-            _release_at_end(context, lease)
+            _release_at_end(context, slot)
             try:
                 request = watchdog.first_message(requests, context)
                 return behavior(request, principal, context)
             finally:
-                lease.release()
+                slot.release()
 
         def streaming(requests: Iterator[Any], context: Any) -> Iterator[Any]:
             # NOTE: a plain function returning a generator: grpc may never start the generator
-            # of a call cancelled early, so the lease is released by the call's end as well.
-            _release_at_end(context, lease)
+            # of a call cancelled early, so the slot is released by the call's end as well.
+            _release_at_end(context, slot)
 
             def responses() -> Iterator[Any]:
                 try:
                     request = watchdog.first_message(requests, context)
                     yield from behavior(request, principal, context)
                 finally:
-                    lease.release()
+                    slot.release()
 
             return responses()
 
@@ -246,9 +246,9 @@ class CallGate:
             response_serializer=method.response_serializer)
 
 
-def _release_at_end(context: Any, lease: Lease) -> None:
-    if not context.add_callback(lease.release):
-        lease.release()  # the call has already ended
+def _release_at_end(context: Any, slot: CallSlot) -> None:
+    if not context.add_callback(slot.release):
+        slot.release()  # the call has already ended
 
 
 class KeyedService(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc is untyped

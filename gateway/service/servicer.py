@@ -41,6 +41,7 @@ from gateway.core.requests import (
     WarmRequest,
     WarmResult,
 )
+from gateway.core.tags import checked_tag
 from gateway.service.edge import (
     DEFAULT_PROMPT_LIMITS,
     EdgeLimits,
@@ -167,6 +168,15 @@ def sampling_params(message: pb.SamplingParams) -> SamplingParams:
     return params
 
 
+def tag_of(message: Any, field_name: str = "tag") -> str | None:
+    """``message.tag`` checked (``gateway.core.tags``; None when unset).
+
+    Raises:
+        InvalidRequest: not a valid tag (the message says what is accepted).
+    """
+    return checked_tag(message.tag, field_name) if message.HasField("tag") else None
+
+
 def ttl_seconds(message: Any, limits: EdgeLimits) -> float | None:
     """``message.ttl_s`` checked against ``limits`` (None when unset)."""
     return checked_ttl(message.ttl_s if message.HasField("ttl_s") else None, limits)
@@ -287,7 +297,7 @@ def prefix_summary(summary: PrefixSummary) -> pb.PrefixSummary:
         tenant=summary.tenant, key_hex=summary.key_hex, num_blocks=summary.num_blocks,
         num_tokens=summary.num_tokens, num_bytes=summary.num_bytes, tiers=summary.tiers,
         age_s=summary.age_s, idle_s=summary.idle_s, num_hits=summary.num_hits,
-        is_pinned=summary.is_pinned, preview=summary.preview,
+        is_pinned=summary.is_pinned, preview=summary.preview, tags=summary.tags,
     )
 
 
@@ -311,6 +321,11 @@ class GatewayServicer:
         engine = self._engines.get()
         record = generate_request(request, principal, deadline=self._deadline(context),
                                   limits=self._limits)
+        tag = tag_of(request.cache, "cache.tag")
+        if tag is not None and record.cache.no_cache:
+            raise InvalidRequest("cache.tag marks the blocks a request stores, and no_cache "
+                                 "stores none: send one of them")
+        admin = self._engines.admin() if tag is not None else None
         generation = Generation(engine.generate(record))
         if not context.add_callback(generation.cancel_unless_delivered):  # the call ended
             generation.cancel_unless_delivered()
@@ -319,6 +334,8 @@ class GatewayServicer:
                 if isinstance(item, TokenDelta):
                     yield delta_message(item)
                 else:
+                    if admin is not None and tag is not None:  # the prompt's blocks are stored
+                        admin.tag_prompt(record.prompt, record.scope, tag)
                     yield usage_message(item)
         finally:
             generation.cancel_unless_delivered()  # stopped early: the engine releases the blocks
@@ -329,6 +346,8 @@ class GatewayServicer:
         engine = self._engines.get()
         if request.pin:
             principal.require_admin("pinning (Warm with pin)")
+        tag = tag_of(request)
+        admin = self._engines.admin() if tag is not None else None
         record = WarmRequest(
             prompt=prompt_input(request.input, self._limits.prompt),
             scope=scope_for(principal, request.scope),
@@ -338,7 +357,10 @@ class GatewayServicer:
         )
         handle = engine.start_warm(record)
         context.add_callback(handle.cancel)  # a client that goes away stops its warm
-        return warm_response(handle.result())
+        result = handle.result()
+        if admin is not None and tag is not None:
+            admin.tag_prompt(record.prompt, record.scope, tag)
+        return warm_response(result)
 
     def Lookup(
         self, request: pb.LookupRequest, principal: Principal, context: Any
@@ -392,14 +414,16 @@ class AdminServicer:
     ) -> pb.EvictResponse:
         criteria = {
             name: getattr(request, name)
-            for name in ("tenant", "prefix_text", "key_hex", "older_than_s", "tier")
+            for name in ("tenant", "prefix_text", "key_hex", "older_than_s", "tier", "tag")
             if request.HasField(name)
         }
         if "tenant" in criteria:
             admin_tenant(criteria["tenant"], "tenant", allow_shared=True)
+        if "tag" in criteria:
+            checked_tag(criteria["tag"])
         if not criteria and not request.everything:
             raise InvalidRequest("name what to evict (tenant, prefix_text, key_hex, "
-                                 "older_than_s, tier) or set everything")
+                                 "older_than_s, tier, tag) or set everything")
         if criteria and request.everything:
             raise InvalidRequest("`everything` evicts every block; send it without criteria")
         older = criteria.get("older_than_s")

@@ -48,7 +48,7 @@ from gateway.config.keys import Principal
 from gateway.core.errors import EngineDraining
 from gateway.core.requests import TokenDelta, Usage
 from gateway.service.access_log import AccessCall, AccessLog
-from gateway.service.admission import Admission, CallKind, Lease
+from gateway.service.admission import Admission, CallKind, CallSlot
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits, Generation
 from gateway.service.engine_slot import EngineSlot
@@ -202,7 +202,7 @@ class OpenAIFront:
         return JSONResponse(self._model_object(names[0]))
 
     async def _generate(self, kind: Kind, request: Request) -> Response:
-        lease: Lease | None = None
+        slot: CallSlot | None = None
         streaming = False
         access = AccessCall(self._access, f"http.{kind}")
         response: Response | None = None
@@ -214,8 +214,8 @@ class OpenAIFront:
                 call = await self._call(kind, request, principal)
             check_model(call, self._names(engine))
             if self._admission is not None:  # the same per-key limits as over gRPC
-                lease = self._admission.admit(principal, CallKind.GENERATE)
-            response = await self._generate_admitted(engine, call, request, lease, access)
+                slot = self._admission.admit(principal, CallKind.GENERATE)
+            response = await self._generate_admitted(engine, call, request, slot, access)
             streaming = isinstance(response, StreamingResponse)
             return response
         except ClientGone:
@@ -226,13 +226,13 @@ class OpenAIFront:
             response = self._error(exc, request)
             return response
         finally:
-            if lease is not None and not streaming:  # a stream releases it when it ends
-                lease.release()
+            if slot is not None and not streaming:  # a stream releases it when it ends
+                slot.release()
             if not streaming:  # a stream writes its line when it ends
                 access.end(str(response.status_code) if response is not None else "499")
 
     async def _generate_admitted(self, engine: Engine, call: OpenAICall, request: Request,
-                                 lease: Lease | None, access: AccessCall) -> Response:
+                                 slot: CallSlot | None, access: AccessCall) -> Response:
         try:
             handle = await self._in_thread(engine.generate, call.request)
         except Exception as exc:
@@ -256,9 +256,9 @@ class OpenAIFront:
         except Exception as exc:
             generation.cancel_unless_delivered()
             return self._error(exc, request)
-        events = self._events(call, rendering, generation, first, lease, access)
-        if lease is not None:  # also when the stream never starts (the client left first)
-            weakref.finalize(events, lease.release)
+        events = self._events(call, rendering, generation, first, slot, access)
+        if slot is not None:  # also when the stream never starts (the client left first)
+            weakref.finalize(events, slot.release)
         return StreamingResponse(events,
                                  media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
@@ -266,7 +266,7 @@ class OpenAIFront:
     # ---- the stream -------------------------------------------------------------------
 
     async def _events(self, call: OpenAICall, rendering: Rendering, generation: Generation,
-                      first: Event | None, lease: Lease | None = None,
+                      first: Event | None, slot: CallSlot | None = None,
                       access: AccessCall | None = None) -> AsyncIterator[str]:
         """The SSE events of a stream whose first event has arrived.
 
@@ -295,8 +295,8 @@ class OpenAIFront:
             yield f"data: {json.dumps(answer.body, ensure_ascii=False)}\n\n"
         finally:
             generation.cancel_unless_delivered()
-            if lease is not None:
-                lease.release()
+            if slot is not None:
+                slot.release()
             if access is not None:
                 access.end(status)
 

@@ -71,14 +71,16 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CacheOptions(_message.Message):
-    __slots__ = ("ttl_s", "scope", "no_cache")
+    __slots__ = ("ttl_s", "scope", "no_cache", "tag")
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     ttl_s: float
     scope: Scope
     no_cache: bool
-    def __init__(self, ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ..., no_cache: _Optional[bool] = ...) -> None: ...
+    tag: str
+    def __init__(self, ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ..., no_cache: _Optional[bool] = ..., tag: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("input", "sampling", "cache")
@@ -132,16 +134,18 @@ class GenerateResponse(_message.Message):
     def __init__(self, delta: _Optional[_Union[TokenDelta, _Mapping]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class WarmRequest(_message.Message):
-    __slots__ = ("input", "pin", "ttl_s", "scope")
+    __slots__ = ("input", "pin", "ttl_s", "scope", "tag")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     input: PromptInput
     pin: bool
     ttl_s: float
     scope: Scope
-    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., pin: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ...) -> None: ...
+    tag: str
+    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., pin: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ..., tag: _Optional[str] = ...) -> None: ...
 
 class WarmResponse(_message.Message):
     __slots__ = ("prompt_tokens", "num_blocks", "num_new_blocks", "num_cached_blocks", "stored_bytes", "elapsed_ms")
@@ -326,7 +330,7 @@ class ListPrefixesRequest(_message.Message):
     def __init__(self, tenant: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class PrefixSummary(_message.Message):
-    __slots__ = ("tenant", "key_hex", "num_blocks", "num_tokens", "num_bytes", "tiers", "age_s", "idle_s", "num_hits", "is_pinned", "preview")
+    __slots__ = ("tenant", "key_hex", "num_blocks", "num_tokens", "num_bytes", "tiers", "age_s", "idle_s", "num_hits", "is_pinned", "preview", "tags")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     KEY_HEX_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -338,6 +342,7 @@ class PrefixSummary(_message.Message):
     NUM_HITS_FIELD_NUMBER: _ClassVar[int]
     IS_PINNED_FIELD_NUMBER: _ClassVar[int]
     PREVIEW_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     key_hex: str
     num_blocks: int
@@ -349,7 +354,8 @@ class PrefixSummary(_message.Message):
     num_hits: int
     is_pinned: bool
     preview: str
-    def __init__(self, tenant: _Optional[str] = ..., key_hex: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., num_hits: _Optional[int] = ..., is_pinned: _Optional[bool] = ..., preview: _Optional[str] = ...) -> None: ...
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tenant: _Optional[str] = ..., key_hex: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_bytes: _Optional[int] = ..., tiers: _Optional[_Iterable[str]] = ..., age_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., num_hits: _Optional[int] = ..., is_pinned: _Optional[bool] = ..., preview: _Optional[str] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListPrefixesResponse(_message.Message):
     __slots__ = ("prefixes",)
@@ -358,20 +364,22 @@ class ListPrefixesResponse(_message.Message):
     def __init__(self, prefixes: _Optional[_Iterable[_Union[PrefixSummary, _Mapping]]] = ...) -> None: ...
 
 class EvictRequest(_message.Message):
-    __slots__ = ("tenant", "prefix_text", "key_hex", "older_than_s", "tier", "everything")
+    __slots__ = ("tenant", "prefix_text", "key_hex", "older_than_s", "tier", "everything", "tag")
     TENANT_FIELD_NUMBER: _ClassVar[int]
     PREFIX_TEXT_FIELD_NUMBER: _ClassVar[int]
     KEY_HEX_FIELD_NUMBER: _ClassVar[int]
     OLDER_THAN_S_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     EVERYTHING_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
     tenant: str
     prefix_text: str
     key_hex: str
     older_than_s: float
     tier: str
     everything: bool
-    def __init__(self, tenant: _Optional[str] = ..., prefix_text: _Optional[str] = ..., key_hex: _Optional[str] = ..., older_than_s: _Optional[float] = ..., tier: _Optional[str] = ..., everything: _Optional[bool] = ...) -> None: ...
+    tag: str
+    def __init__(self, tenant: _Optional[str] = ..., prefix_text: _Optional[str] = ..., key_hex: _Optional[str] = ..., older_than_s: _Optional[float] = ..., tier: _Optional[str] = ..., everything: _Optional[bool] = ..., tag: _Optional[str] = ...) -> None: ...
 
 class EvictResponse(_message.Message):
     __slots__ = ("num_blocks", "bytes_by_tier")
