@@ -107,6 +107,18 @@ def test_evicting_by_key_removes_the_block_from_redis_too(
     assert in_redis(redis_server, replica, branch) == [False, False, False]
 
 
+def test_evicting_by_tag_removes_the_tagged_blocks_from_redis_too(
+    replica: Replica, redis_server: RedisServer,
+) -> None:
+    tagged = replica.store("alice", "abcdef")
+    other = replica.store("alice", "uvwxyz")
+    alice = Scope.of_tenant("alice")
+    assert replica.admin.tag_prompt(PromptInput(prompt="abcdef"), alice, "docs-v3") == 3
+    replica.admin.evict(tag="docs-v3")
+    assert in_redis(redis_server, replica, tagged) == [False, False, False]
+    assert in_redis(redis_server, replica, other) == [True, True, True]
+
+
 def test_evicting_by_age_reaches_the_blocks_idle_in_redis(
     replica: Replica, redis_server: RedisServer,
 ) -> None:
