@@ -1,0 +1,207 @@
+"""Two ``kvgate serve`` replicas on one redis-server behind SMG, the SGLang model gateway, with
+its ``cache_aware`` policy (issue 27, item 3; docs/scaling-out.md).
+
+SMG is not a kvgate dependency: install it into a venv of its own (``pip install smg``) and
+name its binary in ``KVGATE_TEST_SMG`` (or put ``smg`` on PATH); the test skips otherwise.
+Everything runs on loopback and is stopped by pid. What it checks: chat answers through SMG
+equal one replica's answers asked directly (greedy), each system-prompt family sticks to one
+replica (SMG's approximate prefix tree), the tenant's key passes through SMG to kvgate (a
+wrong key is kvgate's 401), and later requests of a family are prefix-cache hits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.redis_harness import RedisServer, free_port
+from tests.tiny_llama import save_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+KVGATE = str(Path(sys.executable).parent / "kvgate")
+SMG = os.environ.get("KVGATE_TEST_SMG") or shutil.which("smg")
+TENANT_KEY = "kvg-smg-tenant-Xw4Pd9Nq2Lc7Bv5Mz1Kh8Ra3"
+ROUTER_KEY = "kvg-smg-router-Jt6Ey0Sg3Fu8Ho2Ci5Wb9Dn4"
+"""SMG's ``--api-key``: it asks each worker's ``/v1/models`` with it at registration, and it
+also admits clients presenting it; each tenant's key is given again as ``--tenant-api-key``."""
+_HTTP = re.compile(r"the OpenAI API on http://127\.0\.0\.1:(\d+)/v1")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+FAMILIES = ("alpha", "beta")
+QUESTIONS = ("one", "two", "three")
+
+CONFIG = """
+[grpc]
+shutdown_grace_s = 2
+
+[http]
+port = 0
+
+[cache]
+block_tokens = 16
+device_bytes = "64MiB"
+host_bytes = 0
+disk_bytes = 0
+redis_url = "{redis_url}"
+redis_timeout_s = 0.25
+remote_write = true
+"""
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM by pid, SIGKILL if it does not exit."""
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def _post(url: str, body: dict[str, object], key: str) -> tuple[int, dict[str, object]]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Authorization": f"Bearer {key}",
+                                              "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _chat(family: str, question: str) -> dict[str, object]:
+    system = (f"[{family}] You are the {family} support assistant of a cloud company; answer "
+              "in one sentence, cite nothing, keep every number exact. This preamble spans "
+              "several sixteen-token blocks so that a shared prefix has something to share.")
+    return {"model": "model", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": f"question {question}"}]}
+
+
+class Replica:
+    """One ``kvgate serve`` process; its HTTP port is read from its start-up line."""
+
+    def __init__(self, root: Path, config: Path, model: Path, env: dict[str, str]) -> None:
+        root.mkdir(parents=True)
+        self.err = root / "serve.err"
+        with self.err.open("wb") as err:
+            self.proc = subprocess.Popen(
+                [KVGATE, "serve", "--config", str(config), "--port", "0",
+                 "--data-dir", str(root / "data"), "--model", str(model)],
+                stdout=subprocess.DEVNULL, stderr=err, env=env)
+        self.url = ""
+
+    def log(self) -> str:
+        return self.err.read_text(encoding="utf-8", errors="replace")
+
+    def wait_serving(self, timeout_s: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            match = _HTTP.search(self.log())
+            if match:
+                self.url = f"http://127.0.0.1:{match.group(1)}"
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"replica did not start:\n{self.log()}")
+
+    def num_chats(self) -> int:
+        return self.log().count("tenant=tenant-a api=http.chat status=200")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Replica], str]]:
+    if SMG is None:
+        pytest.skip("smg not found: `pip install smg` into a venv of its own and set "
+                    "KVGATE_TEST_SMG to its bin/smg")
+    model = save_tiny_llama(tmp_path / "model")
+    config = tmp_path / "kvgate.toml"
+    config.write_text(CONFIG.format(redis_url=redis_server.url), encoding="utf-8")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    env.update({"KVGATE_DEPLOYMENT_SECRET": secrets.token_hex(32),
+                "KVGATE_API_KEYS": f"{TENANT_KEY}=tenant-a,{ROUTER_KEY}=router"})
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        replicas = []
+        for name in ("a", "b"):
+            replica = Replica(tmp_path / name, config, model, env)
+            procs.append(replica.proc)
+            replicas.append(replica)
+        for replica in replicas:
+            replica.wait_serving()
+        port = free_port()
+        smg_log = tmp_path / "smg.log"
+        with smg_log.open("wb") as log:
+            smg = subprocess.Popen(
+                [SMG, "launch", "--host", "127.0.0.1", "--port", str(port),
+                 "--worker-urls", *(replica.url for replica in replicas),
+                 "--policy", "cache_aware", "--api-key", ROUTER_KEY,
+                 "--tenant-api-key", f"tenant-a:{TENANT_KEY}",
+                 "--disable-tokenizer-autoload", "--prometheus-host", "127.0.0.1",
+                 "--prometheus-port", str(free_port())],
+                stdout=log, stderr=subprocess.STDOUT)
+        procs.append(smg)
+        deadline = time.monotonic() + 60
+        while _ANSI.sub("", smg_log.read_text(errors="replace")).count(
+                "Activated 1 of 1 worker") < len(replicas):
+            assert smg.poll() is None and time.monotonic() < deadline, smg_log.read_text()
+            time.sleep(0.2)
+        yield replicas, f"http://127.0.0.1:{port}"
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+
+
+def test_families_stick_to_one_replica_and_answer_as_one_replica_does(
+        cluster: tuple[list[Replica], str]) -> None:
+    replicas, smg = cluster
+    a = replicas[0]
+    expected = {}
+    for family in FAMILIES:
+        for question in QUESTIONS:
+            status, body = _post(f"{a.url}/v1/chat/completions", _chat(family, question),
+                                 TENANT_KEY)
+            assert status == 200, body
+            expected[family, question] = body["choices"][0]["message"]["content"]  # type: ignore[index]
+
+    served_by: dict[str, set[int]] = {family: set() for family in FAMILIES}
+    cached: list[int] = []
+    for family in FAMILIES:
+        for question in QUESTIONS:
+            before = [replica.num_chats() for replica in replicas]
+            status, body = _post(f"{smg}/v1/chat/completions", _chat(family, question),
+                                 TENANT_KEY)
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"] == expected[family, question]  # type: ignore[index]
+            deadline = time.monotonic() + 5  # the access line follows the response
+            while (after := [r.num_chats() for r in replicas]) == before:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            (index,) = [i for i, (x, y) in enumerate(zip(before, after, strict=True)) if y > x]
+            served_by[family].add(index)
+            cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])  # type: ignore[index]
+    assert all(len(indices) == 1 for indices in served_by.values()), served_by
+    # every request after a family's first reuses its system prompt's blocks (from the
+    # replica's device tier, or from Redis: replica A computed them all once already)
+    assert all(tokens >= 16 for tokens in cached), cached
+
+    # the tenant's key passed through SMG as sent (kvgate logged tenant-a, not the router's
+    # tenant); a key SMG does not know is refused there, before any replica
+    assert all("tenant=router api=http.chat" not in r.log() for r in replicas)
+    before = [replica.num_chats() for replica in replicas]
+    status, _ = _post(f"{smg}/v1/chat/completions", _chat("alpha", "one"), "wrong-key")
+    assert status == 401 and [r.num_chats() for r in replicas] == before
