@@ -5,7 +5,8 @@ The request path asks the cache about one prompt in one namespace; an operator a
 for an hour, everything in one tier -- and about every replica at once (an eviction must reach
 the shared Redis tier, or another replica would serve the prefix back). That selection, and the
 checks on what an operator sent, live here, apart from the lease and insert logic they would
-otherwise crowd. ``CacheAdmin`` is what the gRPC Admin service calls.
+otherwise crowd; the removals in Redis that an eviction resolves to are
+``gateway.cache.remote_admin``. ``CacheAdmin`` is what the gRPC Admin service calls.
 
 What an operator names (prefix text, a scope) becomes tokens and namespaces through
 ``PromptKeys``: the engine implements it, since it owns the tokenizer and the model's
@@ -23,6 +24,7 @@ from typing import Protocol
 from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
+from gateway.cache.remote_admin import evict_remote
 from gateway.cache.stats import CacheStats
 from gateway.cache.tags import tag_prompt, tagged_blocks, tags_of
 from gateway.core.canonical import PromptInput
@@ -284,7 +286,9 @@ def evict_where(
         if (under is None and key is None and owner is None and idle_s is None and tier is None
                 and tag is None):
             placement.tell_if_cleared()  # everything was selected
-        return freed
+        moves = placement.take_moves()
+    cache.run_moves(moves)  # the deletions, after the lock
+    return freed
 
 
 # ---- the admin surface --------------------------------------------------------------------
@@ -387,7 +391,8 @@ class CacheAdmin:
                               older_than_s=older_than_s, tier=tier, everything=everything,
                               tag=tag)
         before = cache.stats().num_blocks
-        self._evict_remote(event)
+        if event.tier in (None, REMOTE):
+            self._evict_remote(event)
         freed = self._evict_local(event)
         result = EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
                              bytes_by_tier=freed)
@@ -447,38 +452,20 @@ class CacheAdmin:
         return freed
 
     def _evict_remote(self, event: EvictionEvent) -> None:
-        """The shared tier: what one replica evicts must not come back from Redis."""
-        transfers = self._cache.placement.transfers
-        if event.tier not in (None, REMOTE) or transfers is None or not transfers.has_remote:
+        """The shared tier: what one replica evicts must not come back from Redis. What the
+        event selects is resolved here (namespaces, chains); ``remote_admin`` removes it."""
+        transfers = self._cache.transfers
+        if transfers is None or not transfers.has_remote:
             return
-        if event.prefix_text is not None:
-            for under in self._selections(event):
-                if under is not None:
-                    transfers.forget_remote(*under, min_idle_s=event.older_than_s)
-            return
-        if event.tag is not None:
-            # Redis keeps no tags: remove, by key, the copies of the blocks tagged here.
-            placement = self._cache.placement
-            with placement.locked():
-                blocks = [(r.namespace.digest, r.key)
-                          for r in tagged_blocks(placement.index, event.tag, owner=event.tenant)]
-            for block_digest, block_key in blocks:
-                transfers.remove_remote_where(namespace_digest=block_digest, key=block_key,
-                                              min_idle_s=event.older_than_s)
-            return
-        digests: list[bytes | None] = [None]  # every namespace of this deployment
+        scope_namespaces = None
         if event.tenant is not None:
             scope = _scope_of(event.tenant)
             known = {*self._cache.known_namespaces(), *self._keys.known_namespaces(),
                      self._keys.namespace(scope)}
-            digests = [ns.digest for ns in known if ns.scope == scope]
-        keys: list[BlockKey | None] = [None]
-        if event.key_hex is not None:
-            keys = list(self._chain_keys(_key_of(event.key_hex)))
-        for digest in digests:
-            for key in keys:
-                transfers.remove_remote_where(namespace_digest=digest, key=key,
-                                              min_idle_s=event.older_than_s)
+            scope_namespaces = [ns for ns in known if ns.scope == scope]
+        chain_keys = None if event.key_hex is None else self._chain_keys(_key_of(event.key_hex))
+        evict_remote(self._cache, event, selections=self._selections(event),
+                     scope_namespaces=scope_namespaces, chain_keys=chain_keys)
 
     def _chain_keys(self, key: BlockKey) -> list[BlockKey]:
         """The keys of ``key``'s chain as this replica knows it (just ``key`` if unknown)."""

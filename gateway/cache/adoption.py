@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.cache.placement import TierPlacement
+from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, BlockSpec
 from gateway.core.fingerprint import Namespace, Scope
 from policies.base import BlockKey
@@ -26,7 +27,7 @@ from tiers.base import BlockMeta
 
 
 def adopt(
-    placement: TierPlacement,
+    cache: PrefixCache,
     tier: str,
     found: Sequence[tuple[BlockMeta, int]],
 ) -> int:
@@ -37,7 +38,7 @@ def adopt(
     policy cannot admit, and anything that has expired (see the module docstring).
 
     Args:
-        placement: the cache's placement (``PrefixCache.placement``).
+        cache: the cache (its deletions are carried out after its lock).
         tier: the tier whose store found the blocks.
         found: each block's identity (with the expiry its header carries) and its payload
             size (what the policy charges).
@@ -48,6 +49,7 @@ def adopt(
     Raises:
         ValueError: ``tier`` is not a tier of the cache.
     """
+    placement = cache.placement
     placement.slot(tier)  # an unknown tier fails before anything changes
     sizes = {meta.key: size for meta, size in found}
     metas = [meta for meta, _ in found]
@@ -84,18 +86,19 @@ def adopt(
             adopted += 1
             stack.extend((child, record) for child in children.get(meta.key, []))
         _delete_strays(placement, tier, [m for m in metas if m.key not in placed])
+        moves = placement.take_moves()
+    cache.run_moves(moves)
     return adopted
 
 
 def _delete_strays(placement: TierPlacement, tier: str, strays: Sequence[BlockMeta]) -> None:
     """Forget what was not adopted, and delete its bytes unless the tier holds it anyway."""
-    transfers = placement.transfers
     for meta in strays:
         stray = placement.index.get(meta.key)
         if stray is not None:
             placement.drop_unheld([stray])
-        if transfers is not None and (stray is None or not placement.holds(stray, tier)):
-            transfers.delete(tier, meta.key)
+        if stray is None or not placement.holds(stray, tier):
+            placement.queue_delete(meta.key, tier)
 
 
 def _namespace_for(placement: TierPlacement, meta: BlockMeta) -> Namespace:

@@ -263,7 +263,7 @@ def open_cache(
     if disk is not None:
         disk.start()  # runs recovery
         found = [(h.meta, h.raw_len) for h in disk.take_recovered()]
-        num_recovered = adopt(cache.placement, "disk", found)
+        num_recovered = adopt(cache, "disk", found)
         if found:
             logger.info("disk tier: %d of %d blocks from the last run are served again (the "
                         "others had expired or lost a parent)", num_recovered, len(found))

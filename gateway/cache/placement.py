@@ -5,8 +5,13 @@ lock they share, and it is the only code that changes what a tier holds. Its rul
 cache's invariants (docs/design.md, "The radix index" and "Blocks"): a block with references or a
 pin is never a victim; a block leaves a tier only after its children there, and leaves its last
 tier only when it has no children (or can move down); a record held by no tier and used by no
-one leaves the index. Eviction demotes through ``TierTransfers``, which in turn asks ``place``
-before it adds a copy anywhere.
+one leaves the index. It decides; it never moves a byte. What its decisions mean for the bytes
+-- a victim copied into the tier below (a demotion), a copy deleted, a new block written -- it
+queues as ``ByteMove`` steps (``gateway.cache.moves``); the caller takes them (``take_moves``)
+before it lets go of the lock and has ``TierTransfers`` carry them out after, so that no store
+is read or written under the lock and nothing here calls back into the transfers (they ask;
+this module never does). Until settled (``settle``), a copy or write holds one reference on its
+block, and a copy that is moving is neither read (``readable_tier``) nor placed again.
 
 The prefix cache (leases, matching, inserts), the transfers, admin selection and restart
 adoption all build on the methods here. Because every change of what a tier holds passes through
@@ -27,15 +32,16 @@ from functools import partial
 
 from gateway.cache.base import TierEvents
 from gateway.cache.expiry import ExpiryQueue
+from gateway.cache.moves import ByteMove, MoveQueue
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, TierStats
-from gateway.cache.transfers import TierTransfers
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from policies.base import BlockKey, InsertRefused, PolicyEntry
 from policies.stack import EvictionResult, TierPolicy
 from tiers.base import BlockExpiry, BlockMeta
 from tiers.hierarchy import TierHierarchy
+from tiers.payload import KVBlock
 
 SWEEP_RETRY_S = 1.0
 """An expired block that cannot go yet (in use, or a parent whose children stay) is looked at
@@ -61,8 +67,6 @@ class TierPlacement:
         block_tokens: tokens per block.
         hierarchy: the stores carrying the bytes, with the same tier names in the same order;
             None keeps metadata only (a block that leaves a tier is simply dropped from it).
-        remote_write: write every newly inserted chain through to the remote (Redis) store.
-        promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
         clock: time source (seconds).
         key_bytes: block key size; only tests shrink it, to force collisions.
         wall_clock: Unix time (seconds): a block's expiry leaves the process in wall time.
@@ -79,8 +83,6 @@ class TierPlacement:
         tiers: Sequence[TierSlot],
         block_tokens: int,
         hierarchy: TierHierarchy | None = None,
-        remote_write: bool = False,
-        promote_on_hit: bool = True,
         clock: Callable[[], float] = time.monotonic,
         key_bytes: int = 16,
         wall_clock: Callable[[], float] = time.time,
@@ -99,8 +101,7 @@ class TierPlacement:
         self._bit_of = {t.name: 1 << i for i, t in enumerate(tiers)}
         self._counters = {t.name: TierCounters() for t in tiers}
         self._block_tokens = block_tokens
-        self._transfers = None if hierarchy is None else TierTransfers(
-            hierarchy, self, remote_write=remote_write, promote_on_hit=promote_on_hit)
+        self._carries_bytes = hierarchy is not None
         self._clock = clock
         self._wall_clock = wall_clock
         self._key_bytes = key_bytes
@@ -110,6 +111,7 @@ class TierPlacement:
         self._fingerprinters: dict[bytes, BlockFingerprinter] = {}
         self._num_remote_hits = 0
         self._events = events
+        self._moves = MoveQueue()
 
     @property
     def block_tokens(self) -> int:
@@ -127,9 +129,9 @@ class TierPlacement:
         return tuple(t.name for t in self._tiers if t.write_through)
 
     @property
-    def transfers(self) -> TierTransfers | None:
-        """What moves the bytes; None when the cache keeps metadata only."""
-        return self._transfers
+    def carries_bytes(self) -> bool:
+        """Whether a hierarchy carries the bytes (False: metadata only, nothing moves)."""
+        return self._carries_bytes
 
     @property
     def num_remote_hits(self) -> int:
@@ -210,6 +212,18 @@ class TierPlacement:
                 return tier.name
         raise IndexInvariantError("a block in the index is held by no tier")
 
+    def readable_tier(self, record: BlockRecord) -> str | None:
+        """The fastest tier whose copy of ``record`` can be read now: held, and not moving
+        (its bytes may not have landed yet); None if there is none."""
+        for tier in self._tiers:
+            if record.tier_mask & self._bit_of[tier.name] and not self.is_moving(record, tier.name):
+                return tier.name
+        return None
+
+    def is_moving(self, record: BlockRecord, tier: str) -> bool:
+        """Whether a step decided for ``record``'s bytes in ``tier`` is not settled yet."""
+        return self._moves.is_moving(record.key, tier)
+
     def holds(self, record: BlockRecord, tier: str) -> bool:
         """Whether ``tier`` holds a copy of ``record``."""
         return bool(record.tier_mask & self._bit_of[tier])
@@ -245,7 +259,11 @@ class TierPlacement:
 
     def place(self, record: BlockRecord, tier: str) -> bool:
         """Admit ``record`` into ``tier``, evicting (and so demoting) others to make room;
-        the record itself is never one of the victims. False if the tier refuses it."""
+        the record itself is never one of the victims. False if the tier refuses it, or its
+        bytes there are still moving. The bytes are the caller's: ``queue_write``, or already
+        in the store (adoption)."""
+        if self.is_moving(record, tier):
+            return False
         record.refcount += 1
         try:
             self.admit(record, tier)
@@ -295,9 +313,56 @@ class TierPlacement:
         self.forget_copy(record, tier)
         if record.tier_mask == 0:
             record.is_pinned = False
-        if self._transfers is not None:
-            self._transfers.delete(tier, record.key)
+        self.queue_delete(record.key, tier)
         self._counters[tier].count_eviction(reason)
+
+    # ---- the bytes' steps ----------------------------------------------------------------
+
+    def queue_write(self, record: BlockRecord, tier: str, block: KVBlock, *,
+                    write_through: bool = True) -> BlockMeta:
+        """``tier`` (which ``admit`` or ``place`` admitted ``record`` into) gets ``block``;
+        with ``write_through``, so does every write-through tier that admits it. Returns the
+        block's identity."""
+        meta = self.meta(record)
+        self._queue(ByteMove(key=record.key, tier=tier, record=record, meta=meta, block=block))
+        if write_through:
+            for other in self.write_through_tiers:
+                if other == tier or self.holds(record, other):
+                    continue
+                if self.place(record, other):
+                    self._queue(ByteMove(key=record.key, tier=other, record=record, meta=meta,
+                                         block=block))
+        return meta
+
+    def queue_delete(self, key: BlockKey, tier: str) -> None:
+        """``key``'s bytes leave ``tier``'s store (no-op when the cache carries no bytes)."""
+        self._queue(ByteMove(key=key, tier=tier))
+
+    def _queue(self, move: ByteMove) -> None:
+        if not self._carries_bytes:
+            return
+        if move.record is not None:
+            move.record.refcount += 1
+        self._moves.push(move)
+
+    def take_moves(self) -> list[ByteMove]:
+        """The steps decided since the last call, in order; the caller carries them out after
+        letting go of the lock, then ``settle``s them."""
+        return self._moves.take()
+
+    def settle(self, move: ByteMove, *, is_done: bool) -> None:
+        """``move`` was carried out (``is_done``) or could not be (its source copy was gone):
+        its block is readable there again, or forgotten there; its reference goes."""
+        self._moves.settled(move)
+        record = move.record
+        if record is None:
+            return
+        if is_done:
+            if move.source is not None:
+                self._counters[move.source].demotions += 1
+        elif self.holds(record, move.tier):
+            self.forget_copy(record, move.tier)
+        self.unhold([record])
 
     def counters(self, tier: str) -> TierCounters:
         """``tier``'s counters (for ``stats``)."""
@@ -346,8 +411,11 @@ class TierPlacement:
         follows once its bytes are written); returns how many victims left.
 
         Raises:
-            InsertRefused: the policy cannot make room (budget, quota, pins, references).
+            InsertRefused: the policy cannot make room (budget, quota, pins, references), or
+                the block's bytes in ``tier`` are still moving.
         """
+        if self.is_moving(record, tier):
+            raise InsertRefused("its copy in this tier is still being moved")
         entry = PolicyEntry(
             key=record.key,
             tenant=record.namespace.scope.owner,
@@ -362,11 +430,10 @@ class TierPlacement:
         )
         return len(result.victims)
 
-    def forget_failed_writes(self) -> None:
-        """Drop the tier copies whose queued writes failed (disk full, I/O error)."""
-        if self._transfers is None:
-            return
-        for tier, keys in self._transfers.drain_failed().items():
+    def forget_failed_writes(self, failed: dict[str, list[BlockKey]]) -> None:
+        """Drop the tier copies whose queued writes failed (disk full, I/O error): per tier,
+        the keys ``TierTransfers.drain_failed`` reported."""
+        for tier, keys in failed.items():
             for key in keys:
                 record = self._index.get(key)
                 if record is not None and self.holds(record, tier):
@@ -376,7 +443,8 @@ class TierPlacement:
     # ---- eviction -----------------------------------------------------------------------
 
     def evict(self, tier: str, num_bytes: int, *, tenant: str | None = None) -> EvictionResult:
-        """Free at least ``num_bytes`` in ``tier`` (``tenant``'s blocks only, when given)."""
+        """Free at least ``num_bytes`` in ``tier`` (``tenant``'s blocks only, when given); the
+        byte moves it decides are queued (``take_moves``)."""
         with self._lock:
             slot = self.slot(tier)
             return slot.policy.evict(
@@ -388,7 +456,8 @@ class TierPlacement:
 
     def sweep_expired(self) -> int:
         """Remove every expired block that nothing is using from every tier (no demotion: an
-        expired block is gone, not moved down); returns how many tier copies left.
+        expired block is gone, not moved down); returns how many tier copies left. The
+        deletions are queued (``take_moves``).
 
         A block in use or pinned stays; a parent whose children stay keeps the copies they
         need (it is never served: a lookup stops at an expired block) and is looked at again.
@@ -412,8 +481,7 @@ class TierPlacement:
         for slot in reversed(self._tiers):  # slowest first: the last copy goes last
             if self.holds(record, slot.name) and self.may_leave(record, slot.name):
                 self.forget_copy(record, slot.name)
-                if self._transfers is not None:
-                    self._transfers.delete(slot.name, record.key)
+                self.queue_delete(record.key, slot.name)
                 self._counters[slot.name].count_eviction("ttl")
                 removed += 1
         self.drop_unheld([record])
@@ -428,17 +496,29 @@ class TierPlacement:
             return False
         if record.tier_mask == bit and self._index.has_children(record):
             # Its last copy: only if it can move down, or a child would lose its parent.
-            return self._transfers is not None and self._transfers.can_demote_from(slot.name)
+            return self._below(slot.name) is not None
         return True
 
+    def _below(self, tier: str) -> str | None:
+        """The tier ``tier`` demotes into: the next slower one, when bytes are carried."""
+        if not self._carries_bytes:
+            return None
+        index = self._bit_of[tier].bit_length()
+        return self._tiers[index].name if index < len(self._tiers) else None
+
     def _remove_from_tier(self, key: BlockKey, slot: TierSlot, reason: str) -> None:
-        """A policy chose ``key`` as a victim in ``slot``: demote its bytes, then drop it."""
+        """A policy chose ``key`` as a victim in ``slot``: place it in the tier below (a
+        demotion: its bytes are copied there, then deleted here, once the lock is let go),
+        then drop it here."""
         record = self._index.get(key)
         if record is None:
             raise IndexInvariantError("evicting a block that is not in the index")
-        if self._transfers is not None:
-            self._transfers.demote(record, slot.name)
-            self._transfers.delete(slot.name, key)
+        lower = self._below(slot.name)
+        if lower is not None and not self.holds(record, lower) and self.place(record, lower):
+            # Queued after the steps that made room below, before the delete here.
+            self._queue(ByteMove(key=key, tier=lower, record=record, meta=self.meta(record),
+                                 source=slot.name))
+        self.queue_delete(key, slot.name)
         self._unmark(record, slot.name)
         self._counters[slot.name].count_eviction(reason)
         self.drop_unheld([record])
@@ -453,7 +533,6 @@ class TierPlacement:
 
     def tier_stats(self) -> tuple[TierStats, ...]:
         """Each tier's policy view and counters."""
-        self.forget_failed_writes()
         return tuple(
             TierStats(
                 name=slot.name,
@@ -480,6 +559,9 @@ class TierPlacement:
         """
         with self._lock:
             self._index.check_invariants()
+            if self._moves:
+                raise IndexInvariantError(
+                    f"{len(self._moves)} byte moves decided and never carried out")
             for slot in self._tiers:
                 bit = self._bit_of[slot.name]
                 held = {r.key for r in self._index.records() if r.tier_mask & bit}

@@ -5,9 +5,10 @@ request: which blocks of a prompt are cached and where, which of them a running 
 reading (a lease: nothing evicts them), which new blocks a tier admits, which are pinned. It
 stands on ``gateway.cache.placement`` (the index, the tiers' policies and the reference counts:
 who holds what, and the rules for changing that). What the bytes then do -- loading, promoting,
-demoting, writing through, the remote tier -- is ``gateway.cache.transfers``; operators'
-selections are ``gateway.cache.admin``; indexing what a store kept over a restart is
-``gateway.cache.adoption``. None of them writes another's fields.
+demoting, writing through, the remote tier -- is ``gateway.cache.transfers``, which asks
+placement and carries out the byte moves it decided, after the lock; operators' selections are
+``gateway.cache.admin`` (the shared Redis tier's: ``gateway.cache.remote_admin``); indexing what
+a store kept over a restart is ``gateway.cache.adoption``. None of them writes another's fields.
 
 Rules it keeps with its placement (the invariants the property tests check):
   * a block is in the index exactly while at least one tier holds it;
@@ -18,7 +19,10 @@ Rules it keeps with its placement (the invariants the property tests check):
     held by no tier; lookups stop at it and it leaves with its last descendant.)
   * a load that does not verify is a miss: the copy is dropped and the prefix is cut there;
   * an expired block (sliding TTL) is never returned by a lookup, and sweeping removes it;
-  * all of it under one lock, so request threads, the sweeper and admin calls can mix.
+  * all of it under one lock, so request threads, the sweeper and admin calls can mix; no
+    store is read or written under it (placement queues the byte moves it decides, and they are
+    carried out after: a block being moved is held, and not read where its bytes have not
+    landed).
 
 Every acquire is released by a context manager: ``with cache.acquire(ns, tokens) as lease:``.
 """
@@ -31,15 +35,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from gateway.cache.base import TierEvents
+from gateway.cache.moves import ByteMove
 from gateway.cache.placement import TierPlacement, TierSlot
 from gateway.cache.radix_index import BlockRecord, BlockSpec
 from gateway.cache.stats import CacheStats
+from gateway.cache.transfers import TierTransfers
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view
 from policies.base import BlockKey, InsertRefused
 from policies.stack import EvictionResult
-from tiers.base import BlockMeta
+from tiers.base import BlockMeta, StoreStats
 from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
@@ -177,10 +183,12 @@ class PrefixCache:
         events: TierEvents | None = None,
     ) -> None:
         self._placement = TierPlacement(
-            tiers=tiers, block_tokens=block_tokens, hierarchy=hierarchy,
-            remote_write=remote_write, promote_on_hit=promote_on_hit, clock=clock,
+            tiers=tiers, block_tokens=block_tokens, hierarchy=hierarchy, clock=clock,
             key_bytes=key_bytes, wall_clock=wall_clock, events=events,
         )
+        self._transfers = None if hierarchy is None else TierTransfers(
+            hierarchy, self._placement, remote_write=remote_write,
+            promote_on_hit=promote_on_hit)
         self.block_tokens = block_tokens
         self._block_bytes = block_tokens * BYTES_PER_TOKEN
         self._num_token_mismatches = 0
@@ -194,6 +202,11 @@ class PrefixCache:
     def placement(self) -> TierPlacement:
         """Who holds what: what transfers, admin selection and adoption build on."""
         return self._placement
+
+    @property
+    def transfers(self) -> TierTransfers | None:
+        """What moves the bytes; None when the cache keeps metadata only."""
+        return self._transfers
 
     # ---- reading ------------------------------------------------------------------------
 
@@ -306,7 +319,7 @@ class PrefixCache:
             ValueError: the cache keeps metadata only.
             IndexInvariantError: the lease was released.
         """
-        transfers = self._placement.transfers
+        transfers = self._transfers
         if transfers is None:
             raise ValueError("load needs a cache that carries bytes (a TierHierarchy)")
         if lease.is_released:
@@ -380,7 +393,7 @@ class PrefixCache:
         end = len(lease.keys) if num_blocks is None else min(num_blocks, len(lease.keys))
         if blocks is not None:
             end = min(end, start + len(blocks))
-        elif placement.transfers is not None:
+        elif self._transfers is not None:
             raise ValueError("blocks are required when the cache carries bytes")
         elif block_bytes is None:
             raise ValueError("give either blocks or block_bytes")
@@ -398,8 +411,10 @@ class PrefixCache:
             )
             for i in range(start, end)
         ]
+        transfers = self._transfers
+        failed = {} if transfers is None else transfers.drain_failed()
         with placement.locked():
-            placement.forget_failed_writes()
+            placement.forget_failed_writes(failed)
             held = lease.records
             parent = held[-1] if held else None
             if parent is not None and parent.key not in placement.index:
@@ -412,8 +427,10 @@ class PrefixCache:
                 result, stored = self._admit_chain(chain, len(specs), slot.name, blocks)
             finally:
                 placement.unhold(chain)
-        if placement.transfers is not None:
-            placement.transfers.write_remote(stored)
+            moves = placement.take_moves()
+        if transfers is not None:
+            transfers.run(moves)
+            transfers.write_remote(stored)
         return result
 
     def _admit_chain(
@@ -425,7 +442,6 @@ class PrefixCache:
     ) -> tuple[InsertResult, list[tuple[BlockMeta, KVBlock]]]:
         placement = self._placement
         counters = placement.counters(tier)
-        transfers = placement.transfers
         num_new = num_existing = num_evicted = 0
         refusal: str | None = None
         admitted = 0
@@ -445,8 +461,8 @@ class PrefixCache:
                 refusal = str(exc)
                 break
             placement.mark_held(record, tier)
-            if blocks is not None and transfers is not None:
-                stored.append(transfers.store(record, tier, blocks[i]))
+            if blocks is not None and placement.carries_bytes:
+                stored.append((placement.queue_write(record, tier, blocks[i]), blocks[i]))
             num_new += 1
             admitted += 1
         counters.inserts += num_new
@@ -483,8 +499,8 @@ class PrefixCache:
                         placement.touch(record, now)
                         placement.track_expiry(record)
             metas = [placement.meta(record) for record in changed]
-        if metas and placement.transfers is not None:
-            placement.transfers.refresh_remote_expiry(metas)
+        if metas and self._transfers is not None:
+            self._transfers.refresh_remote_expiry(metas)
         return len(changed)
 
     def set_quota(self, owner: str, num_bytes: int | None) -> None:
@@ -499,12 +515,29 @@ class PrefixCache:
     # ---- eviction -----------------------------------------------------------------------
 
     def evict(self, tier: str, num_bytes: int, *, tenant: str | None = None) -> EvictionResult:
-        """Free at least ``num_bytes`` in ``tier`` (``tenant``'s blocks only, when given)."""
-        return self._placement.evict(tier, num_bytes, tenant=tenant)
+        """Free at least ``num_bytes`` in ``tier`` (``tenant``'s blocks only, when given);
+        what it demotes is copied down after the lock."""
+        placement = self._placement
+        with placement.locked():
+            result = placement.evict(tier, num_bytes, tenant=tenant)
+            moves = placement.take_moves()
+        self.run_moves(moves)
+        return result
 
     def sweep_expired(self) -> int:
         """Remove every expired block that nothing is using; returns how many left a tier."""
-        return self._placement.sweep_expired()
+        placement = self._placement
+        with placement.locked():
+            removed = placement.sweep_expired()
+            moves = placement.take_moves()
+        self.run_moves(moves)
+        return removed
+
+    def run_moves(self, moves: Sequence[ByteMove]) -> None:
+        """Carry out the byte moves taken from the placement (``TierPlacement.take_moves``,
+        under its lock), without the lock. Call it after letting go of the lock."""
+        if self._transfers is not None:
+            self._transfers.run(moves)
 
     # ---- inspection ---------------------------------------------------------------------
 
@@ -528,15 +561,18 @@ class PrefixCache:
     def stats(self) -> CacheStats:
         """The index, each tier's policy view and counters, and each store's counters."""
         placement = self._placement
+        transfers = self._transfers
+        failed = {} if transfers is None else transfers.drain_failed()
+        stores: tuple[StoreStats, ...] = () if transfers is None else transfers.stats()
         with placement.locked():
-            transfers = placement.transfers
+            placement.forget_failed_writes(failed)
             return CacheStats(
                 tiers=placement.tier_stats(),
                 num_blocks=len(placement.index),
                 num_namespaces=len(placement.index.namespaces()),
                 num_token_mismatches=self._num_token_mismatches,
                 num_remote_hits=placement.num_remote_hits,
-                stores=transfers.stats() if transfers is not None else (),
+                stores=stores,
             )
 
     def check_invariants(self) -> None:

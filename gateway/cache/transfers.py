@@ -7,11 +7,14 @@ promoting what a hit read from a slower tier, copying what a tier evicts into th
 writing new blocks through to the disk and Redis tiers, and extending a local match with the
 blocks another replica left in Redis.
 
-It asks before it places: every copy it adds to a tier goes through ``Placement.place``, the
-prefix cache's admission (which may evict, and so demote, in turn), and every copy it finds
-broken is forgotten through ``Placement.forget_copy``. It never touches a policy, a reference
-count or a lease itself. ``PrefixCache`` satisfies ``Placement``; the protocol lives here so
-that this module needs nothing of the cache above it.
+One direction: it asks, placement decides, and placement never calls back. Every copy it adds
+to a tier goes through ``Placement.place`` (admission, which may evict and so demote in turn),
+and every step that follows for the bytes -- this copy's write, the victims' demotions and
+deletions -- placement queues as ``ByteMove``s under its lock; this module takes them before it
+lets go of the lock and carries them out after (``run``), in order, so that no store is read or
+written under the lock. It never touches a policy, a reference count or a lease itself.
+``TierPlacement`` satisfies ``Placement``; the protocol lives here so that this module needs
+nothing of the cache above it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
+from gateway.cache.moves import ByteMove
 from gateway.cache.radix_index import BlockRecord, BlockSpec, RadixIndex
 from gateway.cache.stats import TierCounters
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
@@ -68,8 +72,8 @@ class Placement(Protocol):
         """The block keys of ``namespace``."""
         ...
 
-    def fastest_tier(self, record: BlockRecord) -> str:
-        """The fastest tier holding ``record``."""
+    def readable_tier(self, record: BlockRecord) -> str | None:
+        """The fastest tier whose copy of ``record`` can be read now."""
         ...
 
     def holds(self, record: BlockRecord, tier: str) -> bool:
@@ -82,6 +86,19 @@ class Placement(Protocol):
 
     def place(self, record: BlockRecord, tier: str) -> bool:
         """Admit ``record`` into ``tier`` (making room by eviction); False if refused."""
+        ...
+
+    def queue_write(self, record: BlockRecord, tier: str, block: KVBlock, *,
+                    write_through: bool = True) -> BlockMeta:
+        """Queue ``block``'s write into ``tier`` (placed there); returns its identity."""
+        ...
+
+    def take_moves(self) -> list[ByteMove]:
+        """The byte moves decided since the last call, in order."""
+        ...
+
+    def settle(self, move: ByteMove, *, is_done: bool) -> None:
+        """``move`` was carried out, or could not be."""
         ...
 
     def forget_copy(self, record: BlockRecord, tier: str) -> None:
@@ -110,7 +127,7 @@ class TierTransfers:
 
     Args:
         hierarchy: the stores, with the same tier names, in the same order, as the cache's.
-        placement: the cache that decides what each tier may hold.
+        placement: what decides what each tier may hold (``TierPlacement``).
         remote_write: write every newly inserted chain through to the remote store.
         promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
     """
@@ -133,56 +150,49 @@ class TierTransfers:
         """Whether a remote (Redis) store is configured."""
         return self._hierarchy.remote is not None
 
-    def can_demote_from(self, tier: str) -> bool:
-        """Whether ``tier`` has a slower tier below it to demote into."""
-        return self._hierarchy.below(tier) is not None
-
     def stats(self) -> tuple[StoreStats, ...]:
         """Each store's own counters."""
         return tuple(self._hierarchy.stats())
 
     # ---- writing ------------------------------------------------------------------------
 
-    def store(self, record: BlockRecord, tier: str, block: KVBlock) -> tuple[BlockMeta, KVBlock]:
-        """Write a block just placed in ``tier``, and through to every write-through tier that
-        admits it. Returns what the remote write-through takes (``write_remote``)."""
-        placement = self._placement
-        meta = placement.meta(record)
-        self._hierarchy.write(tier, meta, block)
-        for other in placement.write_through_tiers:
-            if other == tier or placement.holds(record, other):
-                continue
-            if placement.place(record, other):
-                self._hierarchy.write(other, meta, block)
-        return meta, block
+    def run(self, moves: Sequence[ByteMove]) -> None:
+        """Carry out ``moves`` (``Placement.take_moves``), in order, without the lock, then
+        settle them under it. A copy whose source is gone is not done (placement forgets the
+        copy it made room for); a step an error cut short is settled as not done."""
+        if not moves:
+            return
+        done: list[bool] = []
+        try:
+            for move in moves:
+                done.append(self._carry_out(move))
+        finally:
+            with self._placement.locked():
+                for i, move in enumerate(moves):
+                    self._placement.settle(move, is_done=i < len(done) and done[i])
+
+    def _carry_out(self, move: ByteMove) -> bool:
+        hierarchy = self._hierarchy
+        if move.meta is None:
+            hierarchy.delete(move.tier, move.key)
+            return True
+        block = move.block
+        if block is None:
+            assert move.source is not None
+            block = hierarchy.store(move.source).get(move.meta)
+            if block is None:
+                return False
+        hierarchy.write(move.tier, move.meta, block)
+        return True
 
     def write_remote(self, stored: list[tuple[BlockMeta, KVBlock]]) -> None:
         """Queue newly inserted blocks for the remote store (when writing through to it)."""
         if self._remote_write and stored:
             self._hierarchy.write_remote(stored)
 
-    def delete(self, tier: str, key: BlockKey) -> None:
-        """Remove ``key``'s bytes from ``tier``'s store."""
-        self._hierarchy.delete(tier, key)
-
     def drain_failed(self) -> dict[str, list[BlockKey]]:
         """Per tier, the keys whose queued writes failed since the last call."""
         return self._hierarchy.drain_failed()
-
-    def demote(self, record: BlockRecord, tier: str) -> None:
-        """Copy a block that ``tier`` evicts into the next slower tier, if that admits it."""
-        placement = self._placement
-        lower = self._hierarchy.below(tier)
-        if lower is None or placement.holds(record, lower):
-            return
-        meta = placement.meta(record)
-        block = self._hierarchy.store(tier).get(meta)
-        if block is None:
-            return
-        if not placement.place(record, lower):
-            return
-        self._hierarchy.write(lower, meta, block)
-        placement.counters(tier).demotions += 1
 
     # ---- loading ------------------------------------------------------------------------
 
@@ -206,9 +216,9 @@ class TierTransfers:
         placement = self._placement
         while True:
             with placement.locked():
-                if record.tier_mask == 0:
+                tier = placement.readable_tier(record)
+                if tier is None:
                     return None
-                tier = placement.fastest_tier(record)
                 meta = placement.meta(record)
             recompute_s = (None if recompute_s_per_token is None
                            else recompute_s_per_token * placement.block_tokens)
@@ -218,27 +228,36 @@ class TierTransfers:
                 return None
             # No lock while reading: the lease's reference keeps the block in this tier.
             block = self._hierarchy.read(tier, meta)
+            is_promoted = False
             with placement.locked():
                 if block is None:
                     placement.counters(tier).load_failures += 1
                     placement.forget_copy(record, tier)
-                    continue  # try the next tier that holds it
-                served = self._promote(record, meta, block, tier)
-            return served, tier
+                    moves = placement.take_moves()
+                else:
+                    is_promoted = self._promote(record, block, tier)
+                    moves = placement.take_moves()
+            self.run(moves)
+            if block is None:
+                continue  # try the next tier that holds it
+            if is_promoted:
+                # Serve the fastest tier's copy where it kept one (a page of the pool that
+                # requests read in place).
+                block = self._hierarchy.store(placement.tier_names[0]).get(meta) or block
+            return block, tier
 
-    def _promote(self, record: BlockRecord, meta: BlockMeta, block: KVBlock,
-                 tier: str) -> KVBlock:
-        """Copy a block read from a slower ``tier`` into the fastest one; what to serve: the
-        fastest tier's copy where it kept one (a page of the pool requests read in place)."""
+    def _promote(self, record: BlockRecord, block: KVBlock, tier: str) -> bool:
+        """Place a block read from a slower ``tier`` in the fastest one (its write queued);
+        whether it was."""
         placement = self._placement
         top = placement.tier_names[0]
         if not self._promote_on_hit or tier == top or placement.holds(record, top):
-            return block
-        if placement.place(record, top):
-            self._hierarchy.write(top, meta, block)
-            placement.counters(top).promotions += 1  # counted where the copy went
-            return self._hierarchy.store(top).get(meta) or block
-        return block
+            return False
+        if not placement.place(record, top):
+            return False
+        placement.queue_write(record, top, block, write_through=False)
+        placement.counters(top).promotions += 1  # counted where the copy went
+        return True
 
     # ---- the remote tier ----------------------------------------------------------------
 
@@ -285,6 +304,7 @@ class TierTransfers:
             for m, (b, _) in zip(metas, fetched, strict=False)
         ]
         used: list[tuple[BlockRecord, KVBlock]] = []
+        placed: list[BlockMeta | None] = []
         with placement.locked():
             now = placement.now()
             chain = placement.index.insert(namespace, parent, specs, now=now, ttl_s=None)
@@ -295,16 +315,21 @@ class TierTransfers:
                     # restarted its expiry in Redis too). A pin is not carried: it is local.
                     record.ttl_s = None if expiry is None else expiry.ttl_s
                     record.last_access = now
+                meta = None
                 if not placement.holds(record, top):
                     if not placement.place(record, top):
                         break
-                    meta = placement.meta(record)
-                    self._hierarchy.write(top, meta, block)
-                    block = self._hierarchy.store(top).get(meta) or block
+                    meta = placement.queue_write(record, top, block, write_through=False)
                 used.append((record, block))
+                placed.append(meta)
             placement.unhold(chain[len(used):])
             placement.note_remote_hits(len(used))
-        return used
+            moves = placement.take_moves()
+        self.run(moves)
+        # Serve the fastest tier's copies where it kept them (pages read in place).
+        store = self._hierarchy.store(top)
+        return [(record, block if meta is None else store.get(meta) or block)
+                for (record, block), meta in zip(used, placed, strict=True)]
 
     def forget_remote(self, namespace: Namespace, tokens: TokenIds, *,
                       min_idle_s: float | None = None) -> int:

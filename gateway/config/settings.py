@@ -3,6 +3,8 @@
 These are values only: ``gateway.config.loader`` builds them from a file, the environment and
 the command line, and every layer above receives the one instance it builds. Each section
 lists its own problems (``problems()``) so that the loader can report all of them at once.
+The ``[engine]`` section is the engine's own record (``gateway.engine.settings.EngineSettings``,
+its defaults and messages written there once); ``kvgate serve`` hands it to the engine as it is.
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from gateway.cache.factory import CacheConfig
 from gateway.config.events import EventsSettings
 from gateway.config.keys import KeyEntry
 from gateway.config.limits import LimitSettings
+from gateway.engine.settings import EngineSettings as EngineSettings
+from gateway.engine.settings import is_int as is_int
+from gateway.engine.settings import is_positive as is_positive
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -129,89 +134,6 @@ class GrpcSettings:
             # NOTE: on by default on Linux: a second gateway could silently share the port.
             ("grpc.so_reuseport", 0),
         ]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineSettings:
-    """The engine's settings that are not shared with the cache or the gRPC limits.
-
-    ``block_tokens`` comes from ``[cache]`` and ``max_deadline_s`` from ``[grpc]``, so that the
-    two places that need them cannot disagree.
-
-    Attributes:
-        max_queue: requests waiting for the model, all tenants; more get RESOURCE_EXHAUSTED.
-        default_ttl_s: TTL of blocks whose request sent none (None: no expiry).
-        max_prompt_tokens: longest prompt accepted (None: the model's context minus 1).
-        route: "auto" (the batched invariant forward if the start-up probe passes, else the
-            serial exact route), "batched" or "serial".
-        step_tokens: tokens one engine step computes at most (decode rows + prefill chunks).
-        prefill_step_tokens: tokens a step computes at most while no request is decoding (no
-            one waits for a next token, and larger chunks prefill faster).
-        max_running: requests running at once.
-        max_running_per_tenant: requests one tenant runs at once.
-        max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
-        kv_budget_bytes: memory the running requests' KV buffers may take together.
-        max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
-            requests may hold, in (0, 1]; a tenant with nothing running may still start one
-            request of any size. Not lent to a tenant alone (no preemption: another tenant
-            arriving would wait for its requests to end); one tenant only: set 1.0.
-        linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
-            (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
-            "onednn" or "blas". Part of the cache namespace.
-        tail_cache_bytes: memory for conversation tails (the K/V after a conversation's last
-            full block, kept for its next turn); 0 keeps none.
-        shadow_fraction: the fraction of cache hits recomputed cold while the engine is idle
-            and compared bit for bit, in [0, 1]; a block that differs is logged, evicted
-            everywhere and counted (``kvgate_shadow_divergences_total``); 0 turns it off.
-    """
-
-    max_queue: int = 64
-    default_ttl_s: float | None = 3600.0
-    max_prompt_tokens: int | None = None
-    route: str = "auto"
-    step_tokens: int = 256
-    prefill_step_tokens: int = 1024
-    max_running: int = 16
-    max_running_per_tenant: int = 8
-    max_queued_per_tenant: int = 32
-    kv_budget_bytes: int = 2 << 30
-    max_kv_share_per_tenant: float = 0.5
-    linear_kernel: str = "auto"
-    tail_cache_bytes: int = 256 << 20
-    shadow_fraction: float = 0.01
-
-    def problems(self) -> list[str]:
-        errors = []
-        for name in ("max_queue", "step_tokens", "prefill_step_tokens", "max_running",
-                     "max_running_per_tenant", "max_queued_per_tenant", "kv_budget_bytes"):
-            value = getattr(self, name)
-            if not is_int(value) or value < 1:
-                errors.append(f"engine.{name} must be an integer >= 1, got {value!r}")
-        share = self.max_kv_share_per_tenant
-        if not is_positive(share) or share > 1:
-            errors.append(f"engine.max_kv_share_per_tenant must be a fraction in (0, 1], got "
-                          f"{share!r}")
-        if self.route not in ("auto", "batched", "serial"):
-            errors.append(f"engine.route must be \"auto\", \"batched\" or \"serial\", got "
-                          f"{self.route!r}")
-        if self.linear_kernel not in ("auto", "onednn", "blas"):
-            errors.append(f"engine.linear_kernel must be \"auto\", \"onednn\" or \"blas\", "
-                          f"got {self.linear_kernel!r}")
-        if not is_int(self.tail_cache_bytes) or self.tail_cache_bytes < 0:
-            errors.append(f"engine.tail_cache_bytes must be an integer >= 0, got "
-                          f"{self.tail_cache_bytes!r}")
-        shadow = self.shadow_fraction
-        if (isinstance(shadow, bool) or not isinstance(shadow, int | float)
-                or not 0 <= shadow <= 1):
-            errors.append(f"engine.shadow_fraction must be a fraction in [0, 1], got {shadow!r}")
-        if self.default_ttl_s is not None and not is_positive(self.default_ttl_s):
-            errors.append(f"engine.default_ttl_s must be > 0, got {self.default_ttl_s!r}")
-        if self.max_prompt_tokens is not None and (
-            not is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1
-        ):
-            errors.append("engine.max_prompt_tokens must be an integer >= 1, got "
-                          f"{self.max_prompt_tokens!r}")
-        return errors
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -440,13 +362,3 @@ class ServeConfig:
     @property
     def dev_admin_key_path(self) -> Path:
         return self.data_dir / DEV_ADMIN_KEY_FILE
-
-
-
-def is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def is_positive(value: object) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0)

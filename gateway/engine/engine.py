@@ -21,7 +21,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
@@ -53,15 +52,10 @@ from gateway.engine.loop import StepLoop
 from gateway.engine.loop_records import LoopCounters, LoopSettings
 from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
-from gateway.engine.route_search import (
-    EngineRoute,
-    SearchSettings,
-    build_forward,
-    route_of,
-    search_route,
-)
-from gateway.engine.row_products import KERNELS, LINEAR_KERNELS, LinearKernel, Product
-from gateway.engine.scheduler import ScheduleLimits, Scheduler
+from gateway.engine.route_search import EngineRoute, build_forward, route_of, search_route
+from gateway.engine.row_products import KERNELS, Product
+from gateway.engine.scheduler import Scheduler
+from gateway.engine.settings import EngineConfig as EngineConfig
 from gateway.engine.shadow import EvictBlocks, ShadowCounters, ShadowVerifier
 from gateway.engine.tail_cache import TailCache, TailCounters
 from gateway.engine.verdicts import VerdictStore, verdict_key
@@ -70,82 +64,6 @@ from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
 
 logger = logging.getLogger(__name__)
-
-ROUTES = ("auto", "batched", "serial")
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EngineConfig:
-    """How the engine runs requests.
-
-    Attributes:
-        block_tokens: tokens per block; must equal the cache's.
-        max_queue: requests that may wait, all tenants together; more are refused
-            (RESOURCE_EXHAUSTED).
-        default_ttl_s: sliding TTL of stored blocks when a request names none.
-        max_prompt_tokens: longest prompt accepted (default: the model's context - 1).
-        max_deadline_s: the longest any request may run, whatever its own deadline.
-        store_generated_blocks: store the blocks generated tokens fill (as decoded where
-            decoding writes the prefill's K/V, recomputed on the serial route, and not at all
-            on the batched route otherwise: see ``LoopSettings``).
-        route: "auto" (batched if the start-up probe finds it invariant, else serial),
-            "batched" or "serial".
-        step_tokens: tokens one step computes at most (decode rows + prefill chunks).
-        prefill_step_tokens: tokens a step computes at most while no request is decoding.
-        max_running: requests running at once.
-        max_running_per_tenant: requests one tenant runs at once.
-        max_queued_per_tenant: requests one tenant may have waiting.
-        kv_budget_bytes: KV bytes the running requests' own pages may hold together (the
-            pages of a cached prefix they share are the device tier's).
-        max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
-            requests may hold (its first request excepted; ``gateway.engine.scheduler``).
-        linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
-            (oneDNN where it keeps a row's bits, else BLAS), "onednn" or "blas"
-            (``gateway.engine.row_products``).
-        tail_cache_bytes: memory for conversation tails, the K/V after a conversation's last
-            full block kept for its next turn (``gateway.engine.tail_cache``; only where
-            decoding writes the K/V a prefill writes); 0 keeps none.
-        shadow_fraction: the fraction of cache hits recomputed cold while the engine is idle
-            and compared bit for bit (``gateway.engine.shadow``); 0 verifies none. 0 here (the
-            tests' engines compute nothing they did not ask for); ``kvgate serve`` defaults to
-            ``[engine] shadow_fraction`` = 0.01.
-    """
-
-    block_tokens: int = 64
-    max_queue: int = 64
-    default_ttl_s: float | None = 3600.0
-    max_prompt_tokens: int | None = None
-    max_deadline_s: float = 600.0
-    store_generated_blocks: bool = True
-    route: str = "auto"
-    step_tokens: int = 256
-    prefill_step_tokens: int = 1024
-    max_running: int = 16
-    max_running_per_tenant: int = 8
-    max_queued_per_tenant: int = 32
-    kv_budget_bytes: int = 2 << 30
-    max_kv_share_per_tenant: float = 0.5
-    linear_kernel: LinearKernel = "auto"
-    tail_cache_bytes: int = 256 << 20
-    shadow_fraction: float = 0.0
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.shadow_fraction <= 1.0:
-            raise ValueError(f"shadow_fraction must be in [0, 1], got {self.shadow_fraction}")
-        if self.tail_cache_bytes < 0:
-            raise ValueError(f"tail_cache_bytes must be >= 0, got {self.tail_cache_bytes}")
-        if self.route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}, got {self.route!r}")
-        if self.linear_kernel not in LINEAR_KERNELS:
-            raise ValueError(f"linear_kernel must be one of {LINEAR_KERNELS}, got "
-                             f"{self.linear_kernel!r}")
-
-    def search_settings(self) -> SearchSettings:
-        """What the route search depends on in this configuration (and the verdict's key)."""
-        return SearchSettings(route=self.route, linear_kernel=self.linear_kernel,
-                              max_rows=max(self.step_tokens, self.prefill_step_tokens),
-                              max_logit_rows=self.max_running)
-
 
 class Engine:
     """Queue, worker thread, model and prefix cache: the request path below the servicer.
@@ -266,20 +184,19 @@ class Engine:
 
         self._worker = threading.Thread(target=work, name="kvgate-engine", daemon=True)
         self._worker.start()
-        chosen.wait()
+        try:
+            chosen.wait()
+        except BaseException:
+            # Interrupted (a signal during start-up): give the worker a moment to see
+            # ``cancelled`` and leave its torch op -- a process that exits while another thread
+            # is inside one aborts ("terminate called without an active exception").
+            self._worker.join(timeout=1.0)
+            raise
         if failures:
             raise failures[0]
 
     def _build_loop(self, forward: StepForward) -> StepLoop:
-        limits = ScheduleLimits(
-            step_tokens=self._config.step_tokens,
-            prefill_step_tokens=self._config.prefill_step_tokens,
-            max_running=self._config.max_running,
-            max_running_per_tenant=self._config.max_running_per_tenant,
-            max_queued_per_tenant=self._config.max_queued_per_tenant,
-            max_queued=self._config.max_queue, kv_budget_bytes=self._config.kv_budget_bytes,
-            max_kv_share_per_tenant=self._config.max_kv_share_per_tenant,
-            is_serial=self._route.name == "serial", block_tokens=self._config.block_tokens)
+        limits = self._config.schedule_limits(is_serial=self._route.name == "serial")
         self._shadow = self._build_shadow(forward)
         return StepLoop(
             loaded=self._loaded, forward=forward, scheduler=Scheduler(limits), cache=self._cache,

@@ -31,7 +31,8 @@ import logging
 import secrets
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from gateway.config.secrets import (
     DEV_ADMIN,
@@ -51,12 +52,19 @@ from gateway.service.server import GatewayServer, ServeError, check_plaintext_li
 from gateway.service.startup import stage
 
 if TYPE_CHECKING:
+    import torch
+
+    from gateway.cache.admin import CacheAdmin
+    from gateway.cache.factory import OpenedCache
     from gateway.cache.invalidation import EvictionFeed
     from gateway.cache.prefix_cache import PrefixCache
     from gateway.engine.engine import Engine
+    from gateway.engine.model import LoadedModel
     from gateway.service.admission import Admission
     from gateway.service.http.server import HttpFront
+    from gateway.service.kv_events.publisher import KVEventPublisher
     from gateway.service.metrics import GatewayMetrics
+    from gateway.service.stats_log import StatsLine
     from policies.base import BlockKey
 
 logger = logging.getLogger(__name__)
@@ -192,6 +200,28 @@ def start_http(config: ServeConfig, authenticator: Authenticator,
     return http
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Fronts:
+    """What listens before the model loads, and what the listeners share."""
+
+    authenticator: Authenticator
+    server: GatewayServer
+    http: HttpFront | None
+    metrics: GatewayMetrics
+    stats: StatsLine | None
+
+
+@dataclass(slots=True, kw_only=True)
+class _Opened:
+    """What the start-up stages have opened so far (None: not yet), for ``_shut_down``."""
+
+    kv_events: KVEventPublisher | None = None
+    cache: OpenedCache | None = None
+    engine: Engine | None = None
+    feed: EvictionFeed | None = None
+    admin: CacheAdmin | None = None
+
+
 def serve(
     config: ServeConfig,
     *,
@@ -203,6 +233,11 @@ def serve(
 ) -> None:
     """Run the gateway until ``stop_requested`` is set, then shut down gracefully.
 
+    The stages, in order: the fronts listen (``_start_fronts``), the model loads
+    (``_load_model``), the cache opens (``_open_cache``, then its metrics), the engine chooses
+    its route and starts (``_start_engine``), the cache's admin catches up with the other
+    replicas' evictions (``_open_admin``), the gateway serves until told to stop
+    (``_serve_until_stopped``), and everything opened is closed in order (``_shut_down``).
     Each start-up stage is logged with its duration (``gateway.service.startup.stage``); a
     signal before serving raises ``StartInterrupted`` out of whichever is running, and the
     engine's route search polls ``stop_requested`` itself.
@@ -222,6 +257,37 @@ def serve(
     """
     ensure_private_dir(config.data_dir)
     secret = deployment_secret(config, env)
+    fronts = _start_fronts(config, announce, announces_to_terminal=announces_to_terminal)
+    logger.info("listening on %s:%d; loading the model %s", config.host, fronts.server.port,
+                config.model)
+    opened = _Opened()
+    try:
+        loaded, device, dtype = _load_model(config)
+        cache = _open_cache(config, opened, loaded, device=device, secret=secret)
+        start_metrics(config, fronts.metrics, cache.cache, device=str(device),
+                      dtype=str(dtype).removeprefix("torch."))
+        engine = _start_engine(config, opened, fronts.metrics, loaded, cache, secret=secret,
+                               stop_requested=stop_requested)
+        admin = _open_admin(config, opened, fronts.metrics, cache, engine)
+        if not stop_requested.is_set():
+            _serve_until_stopped(config, fronts, engine, admin, opened.feed,
+                                 tier_names=cache.cache.tier_names, device=str(device),
+                                 stop_requested=stop_requested, serving=serving,
+                                 announce=announce)
+        logger.info("shutting down: finishing requests in flight (grace %.0f s)",
+                    config.grpc.shutdown_grace_s)
+    finally:
+        _shut_down(config, fronts, opened)
+
+
+def _start_fronts(config: ServeConfig, announce: Callable[[str], None], *,
+                  announces_to_terminal: bool) -> _Fronts:
+    """The gRPC server and the HTTP front, listening and answering health (NOT_SERVING, 503)
+    until an engine is attached; the metrics that both serve from the start.
+
+    Raises:
+        ServeError: a listener cannot listen as configured, or has no keys it may use.
+    """
     # NOTE: the listener's transport is judged before its keys, so a remote plaintext
     # listener hears about TLS first (the keys would not help it).
     check_plaintext_listener(config, config.host, config.address)
@@ -240,153 +306,185 @@ def serve(
     metrics = GatewayMetrics(kv_budget_bytes=config.engine.kv_budget_bytes)
     stats = (StatsLine(metrics.totals, interval_s=config.logging.stats_interval_s,
                        is_json=config.logging.json) if config.logging.stats_interval_s else None)
-    http: HttpFront | None = None
     try:
         http = start_http(config, authenticator, engines, server.admission, metrics)
     except BaseException:
         server.stop(0)
         raise
+    return _Fronts(authenticator=authenticator, server=server, http=http, metrics=metrics,
+                   stats=stats)
+
+
+def _load_model(config: ServeConfig) -> tuple[LoadedModel, torch.device, torch.dtype]:
+    """The model, on the device and in the dtype the config resolves to.
+
+    Raises:
+        ServeError: the device or dtype cannot be used here.
+        gateway.engine.model.ModelLoadError: the model cannot be loaded.
+    """
     # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
-    from gateway.cache.admin import CacheAdmin
-    from gateway.cache.factory import eviction_cursor_path, open_cache
-    from gateway.cache.invalidation import EvictionFeed
     from gateway.config.device import DeviceError, resolve_device
     from gateway.config.dtype import DtypeError, resolve_dtype
-    from gateway.engine.engine import Engine, EngineConfig
-    from gateway.engine.kv_sequence import pool_bytes_for
     from gateway.engine.model import load_model
-    from gateway.engine.row_products import LinearKernel
-    from gateway.engine.verdicts import VerdictStore
-    from gateway.service.kv_events.publisher import KVEventPublisher, open_kv_events
 
-    logger.info("listening on %s:%d; loading the model %s", config.host, server.port,
-                config.model)
-    opened = None
-    kv_events: KVEventPublisher | None = None
-    engine: Engine | None = None
-    feed: EvictionFeed | None = None
     try:
-        try:
-            device = resolve_device(config.device)
-            dtype = resolve_dtype(config.dtype, device)
-        except (DeviceError, DtypeError) as exc:
-            raise ServeError(str(exc)) from None
-        with stage(f"loading the model {config.model} ({device}, "
-                   f"{str(dtype).removeprefix('torch.')})"):
-            loaded = load_model(config.model, cache_dir=config.data_dir / "models",
-                                device=device, dtype=dtype)
-        with stage("opening the cache tiers (recovering the disk tier's index)"):
-            kv_events = open_kv_events(config.events)  # None unless [events] names an endpoint
-            opened = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
-                                device=device, running_bytes=pool_bytes_for(
-                                    config.engine.kv_budget_bytes
-                                    + config.engine.tail_cache_bytes), tier_events=kv_events)
-        start_metrics(config, metrics, opened.cache, device=str(device),
-                      dtype=str(dtype).removeprefix("torch."))
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+    except (DeviceError, DtypeError) as exc:
+        raise ServeError(str(exc)) from None
+    with stage(f"loading the model {config.model} ({device}, "
+               f"{str(dtype).removeprefix('torch.')})"):
+        loaded = load_model(config.model, cache_dir=config.data_dir / "models",
+                            device=device, dtype=dtype)
+    return loaded, device, dtype
 
-        def evict_everywhere(keys: Sequence[BlockKey]) -> None:
-            # A block shadow verification found divergent leaves every tier and every replica
-            # (``admin`` exists before the engine serves anything that could be verified).
-            for key in keys:
-                admin.evict(key_hex=key.hex())
 
-        engine = Engine(
-            loaded=loaded,
-            cache=opened.cache,
-            config=EngineConfig(
-                block_tokens=config.cache.block_tokens,
-                max_queue=config.engine.max_queue,
-                default_ttl_s=config.engine.default_ttl_s,
-                max_prompt_tokens=config.engine.max_prompt_tokens,
-                max_deadline_s=config.grpc.max_deadline_s,
-                route=config.engine.route,
-                step_tokens=config.engine.step_tokens,
-                prefill_step_tokens=config.engine.prefill_step_tokens,
-                max_running=config.engine.max_running,
-                max_running_per_tenant=config.engine.max_running_per_tenant,
-                max_queued_per_tenant=config.engine.max_queued_per_tenant,
-                kv_budget_bytes=config.engine.kv_budget_bytes,
-                max_kv_share_per_tenant=config.engine.max_kv_share_per_tenant,
-                linear_kernel=cast(LinearKernel, config.engine.linear_kernel),
-                tail_cache_bytes=config.engine.tail_cache_bytes,
-                shadow_fraction=config.engine.shadow_fraction,
-            ),
-            deployment_secret=secret,
-            metrics=metrics,
-            verdicts=VerdictStore(config.data_dir / "routes", secret),
-            cancelled=stop_requested.is_set,
-            shadow_evict=evict_everywhere,
-            pool=opened.pool,
-        )
-        with stage("choosing the engine route (remembered, or searched and probed)"):
-            engine.start()
-        watch_router(config, metrics, engine, opened.cache,
-                     block_nbytes=loaded.layout.block_nbytes(config.cache.block_tokens))
-        admin: CacheAdmin
-        if opened.events is not None:
-            # Evictions through other replicas reach this one's tiers (and those it missed
-            # while down are applied before it serves).
-            feed = EvictionFeed(opened.events, lambda event: admin.apply_event(event),
-                                origin=secrets.token_hex(8),
-                                cursor_path=eviction_cursor_path(config.cache))
-        admin = CacheAdmin(opened.cache, keys=engine, feed=feed)
+def _open_cache(config: ServeConfig, opened: _Opened, loaded: LoadedModel, *,
+                device: torch.device, secret: bytes) -> OpenedCache:
+    """The cache tiers, open (the disk tier's index recovered), and the KV-events publisher
+    (bound first, so that it hears every block the cache holds); both kept in ``opened``."""
+    from gateway.cache.factory import open_cache
+    from gateway.engine.kv_sequence import pool_bytes_for
+    from gateway.service.kv_events.publisher import open_kv_events
+
+    with stage("opening the cache tiers (recovering the disk tier's index)"):
+        opened.kv_events = open_kv_events(config.events)  # None unless [events] names one
+        opened.cache = open_cache(config.cache, layout=loaded.layout, deployment_secret=secret,
+                                  device=device, running_bytes=pool_bytes_for(
+                                      config.engine.kv_budget_bytes
+                                      + config.engine.tail_cache_bytes),
+                                  tier_events=opened.kv_events)
+    return opened.cache
+
+
+def _start_engine(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
+                  loaded: LoadedModel, cache: OpenedCache, *, secret: bytes,
+                  stop_requested: threading.Event) -> Engine:
+    """The engine over ``cache``, its route chosen and its worker started (kept in ``opened``
+    first, so that a failed start still stops it), and the router series that read it."""
+    from gateway.engine.engine import Engine, EngineConfig
+    from gateway.engine.verdicts import VerdictStore
+
+    def evict_everywhere(keys: Sequence[BlockKey]) -> None:
+        # A block shadow verification found divergent leaves every tier and every replica
+        # (``admin`` exists before the engine serves anything that could be verified).
+        admin = opened.admin
+        assert admin is not None, "shadow verification before the cache's admin exists"
+        for key in keys:
+            admin.evict(key_hex=key.hex())
+
+    opened.engine = engine = Engine(
+        loaded=loaded,
+        cache=cache.cache,
+        # The [engine] section as it is, with the block size and deadline cap of their own
+        # sections ([cache], [grpc]), so that the places that need them cannot disagree.
+        config=EngineConfig.of(config.engine, block_tokens=config.cache.block_tokens,
+                               max_deadline_s=config.grpc.max_deadline_s),
+        deployment_secret=secret,
+        metrics=metrics,
+        verdicts=VerdictStore(config.data_dir / "routes", secret),
+        cancelled=stop_requested.is_set,
+        shadow_evict=evict_everywhere,
+        pool=cache.pool,
+    )
+    with stage("choosing the engine route (remembered, or searched and probed)"):
+        engine.start()
+    watch_router(config, metrics, engine, cache.cache,
+                 block_nbytes=loaded.layout.block_nbytes(config.cache.block_tokens))
+    return engine
+
+
+def _open_admin(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
+                cache: OpenedCache, engine: Engine) -> CacheAdmin:
+    """The cache's admin operations (the Admin service's), and with ``[cache]`` events the feed
+    of other replicas' evictions, read up to now (for ``_CATCH_UP_S`` at most)."""
+    from gateway.cache.admin import CacheAdmin
+    from gateway.cache.factory import eviction_cursor_path
+    from gateway.cache.invalidation import EvictionFeed
+
+    admin: CacheAdmin
+    feed: EvictionFeed | None = None
+    if cache.events is not None:
+        # Evictions through other replicas reach this one's tiers (and those it missed
+        # while down are applied before it serves).
+        opened.feed = feed = EvictionFeed(cache.events, lambda event: admin.apply_event(event),
+                                          origin=secrets.token_hex(8),
+                                          cursor_path=eviction_cursor_path(config.cache))
+    opened.admin = admin = CacheAdmin(cache.cache, keys=engine, feed=feed)
+    if feed is not None:
+        feed.start()
+        metrics.watch_feed(feed)
+        with stage("reading the evictions of other replicas"):
+            feed.settled.wait(_CATCH_UP_S)
+        if not feed.caught_up.is_set():
+            logger.warning("serving before the evictions of other replicas were read: "
+                           "Redis is slow or unreachable (they are applied once it is back)")
+    return admin
+
+
+def _serve_until_stopped(config: ServeConfig, fronts: _Fronts, engine: Engine, admin: CacheAdmin,
+                         feed: EvictionFeed | None, *, tier_names: Sequence[str], device: str,
+                         stop_requested: threading.Event, serving: threading.Event | None,
+                         announce: Callable[[str], None]) -> None:
+    """Attach the engine (health SERVING), say so, and watch until ``stop_requested``: the
+    eviction feed's health, the stats line, and the engine's worker.
+
+    Raises:
+        ServeError: the engine's worker thread died.
+    """
+    server, http = fronts.server, fronts.http
+    if serving is not None:
+        serving.set()
+    server.attach(engine, admin)
+    feed_behind: str | None = None
+    if feed is not None:
+        feed_behind = feed.behind_reason(FEED_QUIET_S)
+        server.set_health(EVICTIONS_HEALTH, serving=feed_behind is None)
+    logger.info(
+        "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s in %s, tiers %s, %d API "
+        "key(s), engine route %s: %s)",
+        config.host, server.port,
+        f" and the OpenAI API on {http.url}" if http is not None else "",
+        "TLS" if config.uses_tls else "plaintext",
+        engine.model_name, device, engine.dtype, "+".join(tier_names),
+        fronts.authenticator.num_keys, engine.route.name, engine.route.reason,
+    )
+    announce(f"gRPC kvgate.v1 on {config.host}:{server.port}"
+             + (f"; OpenAI-compatible HTTP on {http.url}" if http is not None else
+                " (the HTTP front is off: [http] enabled = false)"))
+    while not stop_requested.wait(_WATCH_INTERVAL_S):
         if feed is not None:
-            feed.start()
-            metrics.watch_feed(feed)
-            with stage("reading the evictions of other replicas"):
-                feed.settled.wait(_CATCH_UP_S)
-            if not feed.caught_up.is_set():
-                logger.warning("serving before the evictions of other replicas were read: "
-                               "Redis is slow or unreachable (they are applied once it is back)")
-        if not stop_requested.is_set():
-            if serving is not None:
-                serving.set()
-            server.attach(engine, admin)
-            feed_behind: str | None = None
-            if feed is not None:
-                feed_behind = feed.behind_reason(FEED_QUIET_S)
-                server.set_health(EVICTIONS_HEALTH, serving=feed_behind is None)
-            logger.info(
-                "kvgate SERVING kvgate.v1 on %s:%d%s (%s, model %s on %s in %s, tiers %s, %d API "
-                "key(s), engine route %s: %s)",
-                config.host, server.port,
-                f" and the OpenAI API on {http.url}" if http is not None else "",
-                "TLS" if config.uses_tls else "plaintext",
-                engine.model_name, device, engine.dtype, "+".join(opened.cache.tier_names),
-                authenticator.num_keys, engine.route.name, engine.route.reason,
-            )
-            announce(f"gRPC kvgate.v1 on {config.host}:{server.port}"
-                     + (f"; OpenAI-compatible HTTP on {http.url}" if http is not None else
-                        " (the HTTP front is off: [http] enabled = false)"))
-            while not stop_requested.wait(_WATCH_INTERVAL_S):
-                if feed is not None:
-                    feed_behind = _watch_feed(feed, server, feed_behind)
-                if stats is not None:
-                    stats.tick()
-                if server.engine_died.is_set():
-                    raise ServeError("the engine's worker thread died (see the error logged "
-                                     "above); exiting so that a supervisor restarts the gateway")
-        logger.info("shutting down: finishing requests in flight (grace %.0f s)",
-                    config.grpc.shutdown_grace_s)
-    finally:
-        stopped = server.begin_shutdown()
-        if http is not None:
-            http.begin_shutdown()
-        is_worker_stopped = engine is None or engine.stop(config.grpc.shutdown_grace_s)
-        stopped.wait(config.grpc.shutdown_grace_s + 1.0)
-        server.stop(0)
-        if http is not None:
-            http.stop(config.grpc.shutdown_grace_s + 1.0)
-        metrics.stop()  # its own port's, if served
-        if feed is not None:
-            feed.stop()
-        if opened is not None:
-            if is_worker_stopped:
-                opened.close()
-            else:
-                logger.error("the engine's worker did not stop: the stores are left open "
-                             "(closing them under it could lose or corrupt a write)")
-        if kv_events is not None:
-            kv_events.close()
-        logger.info("stopped")
+            feed_behind = _watch_feed(feed, server, feed_behind)
+        if fronts.stats is not None:
+            fronts.stats.tick()
+        if server.engine_died.is_set():
+            raise ServeError("the engine's worker thread died (see the error logged "
+                             "above); exiting so that a supervisor restarts the gateway")
 
+
+def _shut_down(config: ServeConfig, fronts: _Fronts, opened: _Opened) -> None:
+    """Stop what started, in order: health NOT_SERVING and no new calls; the engine finishes
+    or cancels the calls in flight within the grace period; the listeners and the metrics
+    endpoint stop; the feed stops; the cache closes once the engine's worker has ended (never
+    before: it may still be writing); the KV-events publisher closes last."""
+    server, http, engine = fronts.server, fronts.http, opened.engine
+    stopped = server.begin_shutdown()
+    if http is not None:
+        http.begin_shutdown()
+    is_worker_stopped = engine is None or engine.stop(config.grpc.shutdown_grace_s)
+    stopped.wait(config.grpc.shutdown_grace_s + 1.0)
+    server.stop(0)
+    if http is not None:
+        http.stop(config.grpc.shutdown_grace_s + 1.0)
+    fronts.metrics.stop()  # its own port's, if served
+    if opened.feed is not None:
+        opened.feed.stop()
+    if opened.cache is not None:
+        if is_worker_stopped:
+            opened.cache.close()
+        else:
+            logger.error("the engine's worker did not stop: the stores are left open "
+                         "(closing them under it could lose or corrupt a write)")
+    if opened.kv_events is not None:
+        opened.kv_events.close()
+    logger.info("stopped")

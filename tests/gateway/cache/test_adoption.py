@@ -72,7 +72,7 @@ def test_whole_chains_are_adopted_and_an_orphan_is_deleted() -> None:
     for meta in (*chain, orphan):
         store.put(meta, payload())
     found = [(m, NBYTES) for m in reversed([*chain, orphan])]  # order does not matter
-    assert adopt(cache.placement, "disk", found) == 3
+    assert adopt(cache, "disk", found) == 3
     assert store.deleted == [orphan.key]
     match = cache.lookup(NS, tokens)
     assert (match.num_blocks, match.tiers) == (3, ("disk",) * 3)
@@ -84,7 +84,7 @@ def test_what_the_tier_cannot_admit_is_deleted_with_everything_after_it() -> Non
     chain = chain_metas(cache, as_token_ids([1, 2, 3, 4, 5, 6]))
     for meta in chain:
         store.put(meta, payload())
-    assert adopt(cache.placement, "disk", [(m, NBYTES) for m in chain]) == 2
+    assert adopt(cache, "disk", [(m, NBYTES) for m in chain]) == 2
     assert store.deleted == [chain[2].key]
     assert cache.stats().num_blocks == 2
     cache.check_invariants()
@@ -93,4 +93,4 @@ def test_what_the_tier_cannot_admit_is_deleted_with_everything_after_it() -> Non
 def test_an_unknown_tier_changes_nothing() -> None:
     cache, _ = make_cache(budget_blocks=2)
     with pytest.raises(ValueError, match="unknown tier"):
-        adopt(cache.placement, "tape", [])
+        adopt(cache, "tape", [])

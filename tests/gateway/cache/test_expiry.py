@@ -163,7 +163,7 @@ def test_adopted_blocks_expire_when_their_headers_say(clocks: Clocks) -> None:
     cache = metadata_cache(clocks)
     due = clocks.unix + 30
     found = found_chain([BlockExpiry(ttl_s=60, expires_at=due)] * 2)
-    assert adopt(cache.placement, "disk", found) == 2
+    assert adopt(cache, "disk", found) == 2
     clocks.advance(29)
     assert cache.sweep_expired() == 0
     clocks.advance(1)  # 30 s after the restart, not 60
@@ -173,7 +173,7 @@ def test_adopted_blocks_expire_when_their_headers_say(clocks: Clocks) -> None:
 def test_a_block_that_expired_while_the_process_was_down_is_not_adopted(clocks: Clocks) -> None:
     cache = metadata_cache(clocks)
     found = found_chain([BlockExpiry(ttl_s=2, expires_at=clocks.unix - 1), None])
-    assert adopt(cache.placement, "disk", found) == 0  # nor its child: orphaned
+    assert adopt(cache, "disk", found) == 0  # nor its child: orphaned
     assert cache.stats().tiers[0].evictions == {"ttl": 1}
 
 
@@ -181,7 +181,7 @@ def test_a_block_pinned_when_written_is_adopted_with_its_ttl_running_again(
     clocks: Clocks,
 ) -> None:
     cache = metadata_cache(clocks)
-    assert adopt(cache.placement, "disk", found_chain([BlockExpiry(ttl_s=5, expires_at=None)])) == 1
+    assert adopt(cache, "disk", found_chain([BlockExpiry(ttl_s=5, expires_at=None)])) == 1
     clocks.advance(6)  # pins are not kept over a restart
     assert cache.sweep_expired() == 1
 

@@ -78,7 +78,7 @@ def metadata_cache(clock: FakeClock, names: tuple[str, ...] = ("device",)) -> Pr
 def stored(cache: PrefixCache, tokens: TokenIds, tier: str = "device") -> None:
     with cache.acquire(NS, tokens) as lease:
         start = lease.match.num_blocks
-        if cache.placement.transfers is None:
+        if cache.transfers is None:
             cache.insert(lease, tier=tier, block_bytes=NBYTES)
         else:
             cache.insert(lease, tier=tier,

@@ -14,6 +14,8 @@ from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from policies.base import BlockKey
 from policies.registry import TierPolicyConfig, build_tier_policy
+from tiers.hierarchy import TierHierarchy, TierLevel
+from tiers.memory import DeviceStore
 
 NS = derive_namespace(NamespaceSpec(deployment_secret=b"k" * 32, model_fingerprint="tiny",
                                     kv_dtype="float32", device_kind="cpu",
@@ -24,6 +26,15 @@ def make_placement(budget_blocks: int) -> TierPlacement:
     slot = TierSlot(name="device", policy=build_tier_policy(
         TierPolicyConfig(budget_bytes=budget_blocks * 10)))
     return TierPlacement(tiers=[slot], block_tokens=2)
+
+
+def device_host(device_blocks: int, host_blocks: int) -> tuple[TierPlacement, TierHierarchy]:
+    """Two tiers over real stores, which the placement must never touch itself."""
+    slots = [TierSlot(name=name, policy=build_tier_policy(TierPolicyConfig(budget_bytes=n * 10)))
+             for name, n in (("device", device_blocks), ("host", host_blocks))]
+    hierarchy = TierHierarchy([TierLevel(name=name, store=DeviceStore(device="cpu", name=name))
+                               for name in ("device", "host")])
+    return TierPlacement(tiers=slots, block_tokens=2, hierarchy=hierarchy), hierarchy
 
 
 def chain(placement: TierPlacement, *names: bytes,
@@ -71,3 +82,49 @@ def test_releasing_a_reference_nobody_holds_is_a_bug() -> None:
     (record,) = chain(placement, b"a")
     with placement.locked(), pytest.raises(IndexInvariantError, match="below zero"):
         placement.unhold([record])
+
+
+def test_an_eviction_decides_its_demotion_and_queues_the_byte_moves_in_order() -> None:
+    placement, hierarchy = device_host(device_blocks=1, host_blocks=4)
+    (first,) = chain(placement, b"a")
+    (second,) = chain(placement, b"b")
+    with placement.locked():
+        assert placement.place(first, "device")
+        assert placement.place(second, "device")  # evicts the first: down to host
+        moves = placement.take_moves()
+        # Copy into host, then delete from device: the steps, not the bytes.
+        assert [(m.key, m.source, m.tier, m.is_delete) for m in moves] == [
+            (first.key, "device", "host", False), (first.key, None, "device", True)]
+        assert placement.tiers_in([first]) == ("host",)
+        assert placement.readable_tier(first) is None  # its bytes have not landed in host
+        assert first.refcount == 1  # the copy holds it until settled
+        assert not placement.place(first, "device")  # nor is it placed back meanwhile
+        for move in moves:
+            placement.settle(move, is_done=True)
+        assert placement.readable_tier(first) == "host" and first.refcount == 0
+        assert placement.counters("device").demotions == 1
+    assert [s.num_blocks for s in hierarchy.stats()] == [0, 0]  # no byte was moved here
+    placement.check_invariants()
+
+
+def test_a_demotion_whose_source_is_gone_forgets_the_copy_it_made_room_for() -> None:
+    placement, _ = device_host(device_blocks=1, host_blocks=4)
+    (first,) = chain(placement, b"a")
+    (second,) = chain(placement, b"b")
+    with placement.locked():
+        assert placement.place(first, "device") and placement.place(second, "device")
+        for move in placement.take_moves():
+            placement.settle(move, is_done=False)
+        assert first.key not in placement.index
+        assert placement.counters("device").demotions == 0
+    placement.check_invariants()
+
+
+def test_a_move_never_carried_out_breaks_the_invariants() -> None:
+    placement, _ = device_host(device_blocks=1, host_blocks=4)
+    (first,) = chain(placement, b"a")
+    (second,) = chain(placement, b"b")
+    with placement.locked():
+        assert placement.place(first, "device") and placement.place(second, "device")
+    with pytest.raises(IndexInvariantError, match="never carried out"):
+        placement.check_invariants()

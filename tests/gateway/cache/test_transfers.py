@@ -82,11 +82,45 @@ class FlakyStore(BatchDefaults):
         self.inner.close()
 
 
-def make_cache(device_blocks: int, host_blocks: int) -> tuple[PrefixCache, FlakyStore, FlakyStore]:
-    device = FlakyStore(DeviceStore(device="cpu"))
-    host = FlakyStore(
-        HostStore(layout=LAYOUT, block_tokens=BLOCK, budget_bytes=host_blocks * NBYTES)
-    )
+class LockWatchingStore(FlakyStore):
+    """Records, for every read and write of its store, whether the cache's lock was held then
+    (the cache is set after it is built); a real store underneath."""
+
+    def __init__(self, inner: DeviceStore | HostStore) -> None:
+        super().__init__(inner)
+        self.cache: PrefixCache | None = None
+        self.num_calls = 0
+        self.num_under_lock = 0
+
+    def _watch(self) -> None:
+        if self.cache is None:
+            return
+        self.num_calls += 1
+        got = threading.Event()
+
+        def probe() -> None:  # another thread: it gets the lock at once unless someone has it
+            with self.cache.placement.locked():  # type: ignore[union-attr]
+                got.set()
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        if not got.wait(timeout=0.5):
+            self.num_under_lock += 1
+        prober.join(timeout=5)
+
+    def put(self, meta: BlockMeta, block: KVBlock) -> None:
+        self._watch()
+        super().put(meta, block)
+
+    def get(self, meta: BlockMeta) -> KVBlock | None:
+        self._watch()
+        return super().get(meta)
+
+
+def make_cache(device_blocks: int, host_blocks: int,
+               wrap: type[FlakyStore] = FlakyStore) -> tuple[PrefixCache, FlakyStore, FlakyStore]:
+    device = wrap(DeviceStore(device="cpu"))
+    host = wrap(HostStore(layout=LAYOUT, block_tokens=BLOCK, budget_bytes=host_blocks * NBYTES))
     hierarchy = TierHierarchy(
         [TierLevel(name="device", store=device), TierLevel(name="host", store=host)]
     )
@@ -135,6 +169,63 @@ def test_device_evictions_demote_to_host_and_hits_promote_back() -> None:
     assert stats["device"].demotions >= 2
     assert (stats["device"].promotions, stats["host"].promotions) == (2, 0)  # where they went
     cache.check_invariants()
+
+
+def test_no_byte_is_read_or_written_under_the_cache_lock() -> None:
+    cache, device, host = make_cache(2, 8, wrap=LockWatchingStore)
+    assert isinstance(device, LockWatchingStore) and isinstance(host, LockWatchingStore)
+    device.cache = host.cache = cache
+    first, second = toks(1, 1, 2, 2), toks(3, 3, 4, 4)
+    serve(cache, first)
+    serve(cache, second)  # an insert whose room is made by demoting the first prompt
+    cache.evict("device", 2 * NBYTES)  # an operator's eviction, demoting the second
+    assert {t.name: t.demotions for t in cache.stats().tiers} == {"device": 4, "host": 0}
+    # Their demoted copies serve, bit-identical, and are promoted back.
+    assert serve(cache, first) == (2, ("host", "host"))
+    assert serve(cache, second) == (2, ("host", "host"))
+    assert device.num_calls > 0 and host.num_calls > 0
+    assert (device.num_under_lock, host.num_under_lock) == (0, 0)
+    cache.check_invariants()
+    assert cache.total_refcount() == 0
+
+
+class StallingStore(FlakyStore):
+    """Once armed, its next write waits (``entered`` set) until ``release`` is set."""
+
+    def __init__(self, inner: DeviceStore | HostStore) -> None:
+        super().__init__(inner)
+        self.is_armed = False
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def put(self, meta: BlockMeta, block: KVBlock) -> None:
+        if self.is_armed:
+            self.is_armed = False
+            self.entered.set()
+            assert self.release.wait(timeout=10)
+        super().put(meta, block)
+
+
+def test_a_block_whose_demotion_has_not_landed_is_a_clean_miss() -> None:
+    cache, _, host = make_cache(2, 8, wrap=StallingStore)
+    assert isinstance(host, StallingStore)
+    first, second = toks(1, 1, 2, 2), toks(3, 3, 4, 4)
+    serve(cache, first)
+    host.is_armed = True  # the first prompt's demotion will stall in host's write
+    inserting = threading.Thread(target=serve, args=(cache, second))
+    inserting.start()
+    try:
+        assert host.entered.wait(timeout=10)
+        # The lock is free while bytes move; the copies not landed yet are not read.
+        with cache.acquire(NS, first) as lease:
+            assert cache.load(lease) == []
+    finally:
+        host.release.set()
+        inserting.join(timeout=10)
+    assert {t.name: t.load_failures for t in cache.stats().tiers} == {"device": 0, "host": 0}
+    assert serve(cache, first) == (2, ("host", "host"))  # landed: served from there
+    cache.check_invariants()
+    assert cache.total_refcount() == 0
 
 
 def test_a_block_that_fails_verification_cuts_the_prefix_there() -> None:

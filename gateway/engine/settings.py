@@ -1,0 +1,181 @@
+"""The engine's settings, written once: ``EngineSettings`` is the ``[engine]`` section of the
+config file as it is, ``EngineConfig`` is what an ``Engine`` runs with (those settings plus the
+three it takes from elsewhere).
+
+``gateway.config`` builds ``EngineSettings`` from the file (its field names are the TOML keys, its
+``problems()`` the messages an operator reads) and ``kvgate serve`` turns it into the engine's
+``EngineConfig`` with ``EngineConfig.of``, filling in ``block_tokens`` from ``[cache]`` and
+``max_deadline_s`` from ``[grpc]`` so that the two places that need them cannot disagree. The
+config layer imports this module, never the other way round (tests/architecture).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+from gateway.engine.route_search import SearchSettings
+from gateway.engine.row_products import LinearKernel
+from gateway.engine.scheduler import ScheduleLimits
+
+ROUTES = ("auto", "batched", "serial")
+
+
+def is_int(value: object) -> bool:
+    """An ``int`` and not a ``bool`` (TOML's ``true`` is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive(value: object) -> bool:
+    """A finite number > 0 (not a ``bool``)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineSettings:
+    """The engine's settings that are not shared with the cache or the gRPC limits: the
+    ``[engine]`` section, one field per key.
+
+    ``block_tokens`` comes from ``[cache]`` and ``max_deadline_s`` from ``[grpc]``, so that the
+    two places that need them cannot disagree (``EngineConfig.of``).
+
+    Attributes:
+        max_queue: requests waiting for the model, all tenants; more get RESOURCE_EXHAUSTED.
+        default_ttl_s: TTL of blocks whose request sent none (None: no expiry).
+        max_prompt_tokens: longest prompt accepted (None: the model's context minus 1).
+        route: "auto" (the batched invariant forward if the start-up probe passes, else the
+            serial exact route), "batched" or "serial".
+        step_tokens: tokens one engine step computes at most (decode rows + prefill chunks).
+        prefill_step_tokens: tokens a step computes at most while no request is decoding (no
+            one waits for a next token, and larger chunks prefill faster).
+        max_running: requests running at once.
+        max_running_per_tenant: requests one tenant runs at once.
+        max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
+        kv_budget_bytes: memory the running requests' KV buffers may take together (the pages
+            of a cached prefix they share are the device tier's).
+        max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
+            requests may hold, in (0, 1]; a tenant with nothing running may still start one
+            request of any size. Not lent to a tenant alone (no preemption: another tenant
+            arriving would wait for its requests to end); one tenant only: set 1.0
+            (``gateway.engine.scheduler``).
+        linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
+            (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
+            "onednn" or "blas" (``gateway.engine.row_products``). Part of the cache namespace.
+        tail_cache_bytes: memory for conversation tails (the K/V after a conversation's last
+            full block, kept for its next turn; ``gateway.engine.tail_cache``, only where
+            decoding writes the K/V a prefill writes); 0 keeps none.
+        shadow_fraction: the fraction of cache hits recomputed cold while the engine is idle
+            and compared bit for bit, in [0, 1] (``gateway.engine.shadow``); a block that
+            differs is logged, evicted everywhere and counted
+            (``kvgate_shadow_divergences_total``); 0 turns it off.
+    """
+
+    max_queue: int = 64
+    default_ttl_s: float | None = 3600.0
+    max_prompt_tokens: int | None = None
+    route: str = "auto"
+    step_tokens: int = 256
+    prefill_step_tokens: int = 1024
+    max_running: int = 16
+    max_running_per_tenant: int = 8
+    max_queued_per_tenant: int = 32
+    kv_budget_bytes: int = 2 << 30
+    max_kv_share_per_tenant: float = 0.5
+    linear_kernel: LinearKernel = "auto"
+    tail_cache_bytes: int = 256 << 20
+    shadow_fraction: float = 0.01
+
+    def problems(self) -> list[str]:
+        """What is wrong with these settings, one message per setting (none: usable)."""
+        errors = []
+        for name in ("max_queue", "step_tokens", "prefill_step_tokens", "max_running",
+                     "max_running_per_tenant", "max_queued_per_tenant", "kv_budget_bytes"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                errors.append(f"engine.{name} must be an integer >= 1, got {value!r}")
+        share = self.max_kv_share_per_tenant
+        if not is_positive(share) or share > 1:
+            errors.append(f"engine.max_kv_share_per_tenant must be a fraction in (0, 1], got "
+                          f"{share!r}")
+        if self.route not in ROUTES:
+            errors.append(f"engine.route must be \"auto\", \"batched\" or \"serial\", got "
+                          f"{self.route!r}")
+        if self.linear_kernel not in ("auto", "onednn", "blas"):
+            errors.append(f"engine.linear_kernel must be \"auto\", \"onednn\" or \"blas\", "
+                          f"got {self.linear_kernel!r}")
+        if not is_int(self.tail_cache_bytes) or self.tail_cache_bytes < 0:
+            errors.append(f"engine.tail_cache_bytes must be an integer >= 0, got "
+                          f"{self.tail_cache_bytes!r}")
+        shadow = self.shadow_fraction
+        if (isinstance(shadow, bool) or not isinstance(shadow, int | float)
+                or not 0 <= shadow <= 1):
+            errors.append(f"engine.shadow_fraction must be a fraction in [0, 1], got {shadow!r}")
+        if self.default_ttl_s is not None and not is_positive(self.default_ttl_s):
+            errors.append(f"engine.default_ttl_s must be > 0, got {self.default_ttl_s!r}")
+        if self.max_prompt_tokens is not None and (
+            not is_int(self.max_prompt_tokens) or self.max_prompt_tokens < 1
+        ):
+            errors.append("engine.max_prompt_tokens must be an integer >= 1, got "
+                          f"{self.max_prompt_tokens!r}")
+        return errors
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineConfig(EngineSettings):
+    """How the engine runs requests: the ``[engine]`` settings and the three it takes from
+    elsewhere. Refused at construction (``ValueError``) when any setting is unusable.
+
+    Attributes:
+        block_tokens: tokens per block; must equal the cache's (``[cache] block_tokens``).
+        max_deadline_s: the longest any request may run, whatever its own deadline
+            (``[grpc] max_deadline_s``).
+        store_generated_blocks: store the blocks generated tokens fill (as decoded where
+            decoding writes the prefill's K/V, recomputed on the serial route, and not at all
+            on the batched route otherwise: see ``LoopSettings``).
+        shadow_fraction: as ``EngineSettings``, but 0 by default here: an engine built in code
+            (the tests') computes nothing it did not ask for; ``kvgate serve`` takes
+            ``[engine] shadow_fraction``, 0.01 unless set.
+    """
+
+    block_tokens: int = 64
+    max_deadline_s: float = 600.0
+    store_generated_blocks: bool = True
+    shadow_fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        errors = self.problems()
+        if not is_int(self.block_tokens) or self.block_tokens < 1:
+            errors.append(f"block_tokens must be an integer >= 1, got {self.block_tokens!r}")
+        if not is_positive(self.max_deadline_s):
+            errors.append(f"max_deadline_s must be > 0, got {self.max_deadline_s!r}")
+        if errors:
+            raise ValueError("; ".join(errors))
+
+    @classmethod
+    def of(cls, settings: EngineSettings, *, block_tokens: int,
+           max_deadline_s: float) -> EngineConfig:
+        """The engine's config for the ``[engine]`` ``settings``, with the block size of the
+        cache and the deadline cap of the gRPC limits.
+
+        Raises:
+            ValueError: a setting is unusable (the config loader has refused it already).
+        """
+        values = {f.name: getattr(settings, f.name) for f in fields(EngineSettings)}
+        return cls(**values, block_tokens=block_tokens, max_deadline_s=max_deadline_s)
+
+    def search_settings(self) -> SearchSettings:
+        """What the route search depends on in this configuration (and the verdict's key)."""
+        return SearchSettings(route=self.route, linear_kernel=self.linear_kernel,
+                              max_rows=max(self.step_tokens, self.prefill_step_tokens),
+                              max_logit_rows=self.max_running)
+
+    def schedule_limits(self, *, is_serial: bool) -> ScheduleLimits:
+        """The scheduler's bounds on the route chosen (``is_serial``: the serial route)."""
+        return ScheduleLimits(
+            step_tokens=self.step_tokens, prefill_step_tokens=self.prefill_step_tokens,
+            max_running=self.max_running, max_running_per_tenant=self.max_running_per_tenant,
+            max_queued_per_tenant=self.max_queued_per_tenant, max_queued=self.max_queue,
+            kv_budget_bytes=self.kv_budget_bytes,
+            max_kv_share_per_tenant=self.max_kv_share_per_tenant, is_serial=is_serial,
+            block_tokens=self.block_tokens)
