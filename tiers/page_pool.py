@@ -93,7 +93,6 @@ class PagePool:
         self.storage[:, :, :, 0].zero_()
         self._free: deque[int] = deque(range(num_pages, 0, -1))
         self._lock = threading.Lock()
-        self.peak_in_use = 0
 
     @classmethod
     def for_budget(cls, layout: KVLayout, *, page_tokens: int, budget_bytes: int,
@@ -127,7 +126,6 @@ class PagePool:
                 raise PoolExhausted(
                     f"all {self.num_pages} KV pages ({self.page_nbytes} bytes each) are held "
                     "by cached blocks and running requests") from None
-            self.peak_in_use = max(self.peak_in_use, self.num_pages - len(self._free))
         if zeroed:
             self.storage[:, :, :, page_id].zero_()
         return Page(self, page_id)
@@ -137,11 +135,10 @@ class PagePool:
         # last reference dropped by the collector), and deque.append is atomic.
         self._free.append(page_id)
 
-    def block(self, page: Page, num_tokens: int | None = None) -> PagedBlock:
-        """The block view of ``page`` (its first ``num_tokens`` tokens; all by default)."""
+    def block(self, page: Page) -> PagedBlock:
+        """The block view of ``page``: every layer's K and V, views of the pool (no copy)."""
         self._check(page)
-        n = self.page_tokens if num_tokens is None else num_tokens
-        layers = self.storage[:, :, :, page.id, :n]  # [layers, 2, kv_heads, n, head_dim]
+        layers = self.storage[:, :, :, page.id]  # [layers, 2, kv_heads, tokens, head_dim]
         return PagedBlock(keys=tuple(layers[i, 0] for i in range(self.layout.num_layers)),
                           values=tuple(layers[i, 1] for i in range(self.layout.num_layers)),
                           page=page)

@@ -12,14 +12,16 @@ import http.client
 import threading
 from types import TracebackType
 
+from prometheus_client.parser import text_string_to_metric_families
+
 METRIC = "kvgate_kv_bytes_in_use"
 
 
 def read_gauge(text: str, name: str = METRIC) -> float | None:
     """The value of an unlabelled gauge in a Prometheus text exposition, or None."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+    for family in text_string_to_metric_families(text):
+        if family.name == name and family.samples:
+            return float(family.samples[0].value)
     return None
 
 

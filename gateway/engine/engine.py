@@ -465,7 +465,8 @@ class Engine:
         else:  # a warm computes the prompt's full blocks only
             to_compute = capacity = len(tokens) // self._config.block_tokens * (
                 self._config.block_tokens)
-        kv_bytes = KVSequence.nbytes_for(self._pool.layout, capacity, self._pool.page_tokens)
+        kv_bytes = KVSequence.nbytes_for(self._pool.layout, capacity,
+                                         page_tokens=self._pool.page_tokens)
         try:
             loop.submit(job, prompt_tokens=to_compute, kv_bytes=kv_bytes)
         except QueueFull as exc:

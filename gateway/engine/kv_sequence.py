@@ -67,7 +67,7 @@ class KVSequence:
         return -(-max(1, num_tokens) // pool.page_tokens)
 
     @staticmethod
-    def nbytes_for(layout: KVLayout, num_tokens: int, page_tokens: int = 64) -> int:
+    def nbytes_for(layout: KVLayout, num_tokens: int, *, page_tokens: int) -> int:
         """The bytes of the pages a sequence of ``num_tokens`` tokens writes at most."""
         return -(-max(1, num_tokens) // page_tokens) * layout.block_nbytes(page_tokens)
 

@@ -232,7 +232,7 @@ def citations_in(path: Path) -> list[Citation]:
         page: str | None = match.group(1)
         old: str | None = match.group(2)
         if old is not None and old not in (*OLD_NAMES, "STYLE"):
-            continue  # README.md, LICENSE.md and the like
+            continue  # the README and other files that are not the design pages
         plain, quoted = _window(text, match.end())
         if page is None:
             assert old is not None  # the pattern matches one of the two
@@ -286,8 +286,8 @@ def test_every_citation_names_a_page_and_a_section_that_exist() -> None:
     for path in _scanned_files():
         for citation in citations_in(path):
             if citation.old_name == "STYLE":
-                problems.append(f"{citation.where}: STYLE.md is not part of the repository; cite "
-                                f'docs/contributing.md, "Conventions"')
+                problems.append(f"{citation.where}: the style guide is not part of the "
+                                f'repository; cite docs/contributing.md, "Conventions"')
                 continue
             if citation.old_name is not None and not _pending(citation.path):
                 problems.append(f"{citation.where}: cite docs/{citation.page}.md instead")

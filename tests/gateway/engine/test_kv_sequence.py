@@ -203,7 +203,8 @@ def test_payload_check_rejects_wrong_shapes_and_dtypes() -> None:
 def test_layout_sizes() -> None:
     assert LAYOUT.bytes_per_token == 2 * 2 * 2 * 4 * 4
     assert LAYOUT.block_nbytes(BLOCK) == plain_block(0).nbytes
-    assert KVSequence.nbytes_for(LAYOUT, BLOCK + 1, BLOCK) == 2 * LAYOUT.block_nbytes(BLOCK)
+    two_pages = 2 * LAYOUT.block_nbytes(BLOCK)
+    assert KVSequence.nbytes_for(LAYOUT, BLOCK + 1, page_tokens=BLOCK) == two_pages
 
 
 def test_the_gathered_buffers_hold_the_blocks_then_zeros_to_whole_tiles() -> None:

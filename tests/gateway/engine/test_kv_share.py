@@ -25,7 +25,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 
 def test_another_tenant_is_answered_while_one_holds_its_kv_share_with_long_generations(
         tiny: LoadedModel, tmp_path: Path) -> None:
-    one_flood = KVSequence.nbytes_for(tiny.layout, FLOOD_PROMPT_TOKENS + FLOOD_MAX_TOKENS)
+    one_flood = KVSequence.nbytes_for(tiny.layout, FLOOD_PROMPT_TOKENS + FLOOD_MAX_TOKENS,
+                                      page_tokens=16)
     engine, opened = start(tiny, tmp_path, 16, kv_budget_bytes=4 * one_flood)
     try:
         rng = random.Random(22)

@@ -31,7 +31,7 @@ def flood(tiny: LoadedModel, tmp_path: Path, **config: object
           ) -> tuple[list[list[int]], list[BaseException], list[int]]:
     """NUM_USERS long prompts at once; their answers, their errors, and one request's answer
     after the flood."""
-    one_request = KVSequence.nbytes_for(tiny.layout, PROMPT_TOKENS + MAX_TOKENS)
+    one_request = KVSequence.nbytes_for(tiny.layout, PROMPT_TOKENS + MAX_TOKENS, page_tokens=16)
     engine, opened = start(tiny, tmp_path, 16, kv_budget_bytes=3 * one_request,
                            max_kv_share_per_tenant=1.0, **config)  # one tenant: the whole budget
     rng = random.Random(5)
