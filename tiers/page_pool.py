@@ -171,9 +171,15 @@ class PagePool:
     def gather(self, layer: int, kind: int, page_ids: torch.Tensor) -> torch.Tensor:
         """K (``kind`` 0) or V (1) of ``layer`` for ``page_ids`` in order, as one
         ``[kv_heads, len(page_ids) * page_tokens, head_dim]`` tensor (a copy)."""
-        gathered = torch.index_select(self.storage[layer, kind], 1, page_ids)
-        return gathered.view(self.layout.kv_heads, -1, self.layout.head_dim)
+        return gather_pages(self.storage[layer, kind], page_ids)
 
     def _check(self, page: Page) -> None:
         if page.pool is not self:
             raise ValueError("the page belongs to another pool")
+
+
+def gather_pages(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:
+    """One layer's K or V ``pages`` (``[kv_heads, pages, page_tokens, head_dim]``) of
+    ``page_ids`` in order, as one ``[kv_heads, len(page_ids) * page_tokens, head_dim]`` copy."""
+    kv_heads, _, _, head_dim = pages.shape
+    return torch.index_select(pages, 1, page_ids).view(kv_heads, -1, head_dim)

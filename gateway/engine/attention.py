@@ -64,25 +64,59 @@ QUERY_GROUP = 256
 """Query positions attended at once in a long chunk (bounds the scores' memory)."""
 
 
+class LayerKV(Protocol):
+    """One layer's K and V of one sequence, as an attention reads them.
+
+    A paged sequence (``gateway.engine.kv_sequence.LayerPages``) can be read in place through
+    its block table or gathered into contiguous tensors; an attention takes what it needs.
+    """
+
+    def keys(self) -> torch.Tensor:
+        """``[kv_heads, capacity, head_dim]``; positions up to the item's last hold its keys
+        (RoPE applied), the rest is finite (zeros or stale)."""
+        ...
+
+    def values(self) -> torch.Tensor:
+        """Like ``keys``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ContiguousKV:
+    """K and V already in contiguous tensors (tests, oracles, the probe's own buffers)."""
+
+    key_tensor: torch.Tensor
+    value_tensor: torch.Tensor
+
+    def keys(self) -> torch.Tensor:
+        return self.key_tensor
+
+    def values(self) -> torch.Tensor:
+        return self.value_tensor
+
+
 @dataclass(frozen=True, slots=True)
 class AttentionItem:
     """One sequence's part of a step's attention.
 
     Attributes:
         queries: the new tokens' queries ``[n, heads, head_dim]`` (RoPE applied).
-        keys: ``[kv_heads, capacity, head_dim]``; positions up to ``positions.max()`` hold
-            this sequence's keys (RoPE applied), the rest is finite (zeros or stale).
-        values: like ``keys``.
+        kv: the sequence's K and V of this layer.
         positions: the absolute position of each query, ``[n]``.
         is_decode: one query, a sampled token fed back: its numbers need only be its own (the
             same whatever else is attended), not those a prefill of the token would give.
     """
 
     queries: torch.Tensor
-    keys: torch.Tensor
-    values: torch.Tensor
+    kv: LayerKV
     positions: torch.Tensor
     is_decode: bool = False
+
+    @classmethod
+    def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           positions: torch.Tensor, *, is_decode: bool = False) -> AttentionItem:
+        """An item over contiguous K and V ``[kv_heads, capacity, head_dim]``."""
+        return cls(queries, ContiguousKV(keys, values), positions, is_decode)
 
 
 class SequenceAttention(Protocol):
@@ -120,7 +154,7 @@ class TiledAttention:
     def __call__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                  positions: torch.Tensor) -> torch.Tensor:
         """One sequence's attention (``attend`` of one item)."""
-        return self.attend([AttentionItem(queries, keys, values, positions)])[0]
+        return self.attend([AttentionItem.of(queries, keys, values, positions)])[0]
 
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         out: list[torch.Tensor | None] = [None] * len(items)
@@ -139,13 +173,14 @@ class TiledAttention:
 
     def _one(self, item: AttentionItem) -> torch.Tensor:
         queries = item.queries
+        keys, values = item.kv.keys(), item.kv.values()
         n, num_heads, head_dim = queries.shape
-        rep = num_heads // item.keys.shape[0]
+        rep = num_heads // keys.shape[0]
         out = torch.empty_like(queries)
         scale = 1.0 / math.sqrt(head_dim)
         for start in range(0, n, QUERY_GROUP):
             end = min(n, start + QUERY_GROUP)
-            out[start:end] = self._group(queries[start:end] * scale, item.keys, item.values,
+            out[start:end] = self._group(queries[start:end] * scale, keys, values,
                                          item.positions[start:end], rep)
         return out
 
@@ -184,30 +219,33 @@ class TiledAttention:
     def _together(items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         """Items of the same (small) query count, each row through ``_group``'s operations."""
         first_item = items[0]
+        keys = [item.kv.keys() for item in items]
+        values = [item.kv.values() for item in items]
         n, num_heads, head_dim = first_item.queries.shape
-        kv_heads = first_item.keys.shape[0]
+        kv_heads = keys[0].shape[0]
         rep = num_heads // kv_heads
         count = len(items)
-        tiles = [_num_tiles(item.positions, item.keys) for item in items]
+        tiles = [_num_tiles(item.positions, item_keys)
+                 for item, item_keys in zip(items, keys, strict=True)]
         max_tiles = max(tiles)
         queries = torch.stack([item.queries for item in items]) * (1.0 / math.sqrt(head_dim))
         rows, row_positions = _rows(queries.reshape(count * n, num_heads, head_dim),
                                     torch.cat([item.positions for item in items]), kv_heads,
                                     items=count)
         padded_rows = rows.shape[2]
-        scores = first_item.keys.new_zeros(count, kv_heads, padded_rows, max_tiles * TILE)
-        for b, item in enumerate(items):
+        scores = keys[0].new_zeros(count, kv_heads, padded_rows, max_tiles * TILE)
+        for b in range(count):
             span = tiles[b] * TILE
-            scores[b, :, :, :span] = torch.matmul(rows[b], item.keys[:, :span].transpose(-1, -2))
+            scores[b, :, :, :span] = torch.matmul(rows[b], keys[b][:, :span].transpose(-1, -2))
         hidden = (torch.arange(max_tiles * TILE, device=scores.device)
                   > row_positions.unsqueeze(-1)).unsqueeze(1)  # [items, 1, rows, span]
         _weigh(scores, scores, hidden)
         weights = scores.view(count, kv_heads, padded_rows, max_tiles, TILE)
         partial = scores.new_zeros(count, kv_heads, _tree_width(max_tiles), padded_rows,
                                    head_dim + 1)
-        for b, item in enumerate(items):
+        for b in range(count):
             used = tiles[b]
-            tile_values = item.values[:, :used * TILE].view(kv_heads, used, TILE, head_dim)
+            tile_values = values[b][:, :used * TILE].view(kv_heads, used, TILE, head_dim)
             partial[b, :, :used, :, :head_dim] = torch.matmul(
                 weights[b, :, :, :used].transpose(1, 2), tile_values)
         partial[:, :, :max_tiles, :, head_dim] = weights.sum(dim=-1).transpose(2, 3)

@@ -52,7 +52,13 @@ from gateway.engine.loop import StepLoop
 from gateway.engine.loop_records import LoopCounters, LoopSettings
 from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
-from gateway.engine.route_search import EngineRoute, build_forward, route_of, search_route
+from gateway.engine.route_search import (
+    EngineRoute,
+    attention_problem,
+    build_forward,
+    route_of,
+    search_route,
+)
 from gateway.engine.row_products import KERNELS, Product
 from gateway.engine.scheduler import Scheduler
 from gateway.engine.settings import EngineConfig as EngineConfig
@@ -238,6 +244,14 @@ class Engine:
             key = verdict_key(fingerprint=loaded.fingerprint, dtype=loaded.layout.dtype,
                               device=self._device, settings=settings)
             remembered = self._verdicts.load(key)
+            problem = None
+            if remembered is not None and remembered.name == "batched":
+                problem = attention_problem(remembered.attention, self._device,
+                                            loaded.layout.dtype)
+            if remembered is not None and problem is not None:
+                logger.warning("the remembered route's %s attention cannot run now (%s): "
+                               "searching again", remembered.attention, problem)
+                remembered = None
             if remembered is not None:
                 logger.info("engine route remembered from an earlier start on this machine "
                             "(%s); delete %s to probe again", remembered.name,

@@ -78,6 +78,7 @@ class FlashBlockAttention:
 
     def _prefill(self, item: AttentionItem) -> torch.Tensor:
         queries, positions = item.queries, item.positions
+        keys, values = item.kv.keys(), item.kv.values()
         n, num_heads, head_dim = queries.shape
         out = torch.empty_like(queries)
         for start in range(0, n, QUERY_CALL):
@@ -91,7 +92,7 @@ class FlashBlockAttention:
                     padded - count, num_heads, head_dim)])
                 call_positions = torch.cat([call_positions, call_positions[-1:].expand(
                     padded - count)])
-            out[start:end] = _call(call_queries, item.keys, item.values, call_positions)[:count]
+            out[start:end] = _call(call_queries, keys, values, call_positions)[:count]
         return out
 
     def _decode(self, item: AttentionItem) -> torch.Tensor:
@@ -100,7 +101,8 @@ class FlashBlockAttention:
         if num_pad > 0:
             queries = torch.cat([queries, queries.new_zeros(num_pad, *queries.shape[1:])])
             positions = positions[-1:].expand(self._decode_queries)
-        return _call(queries, item.keys, item.values, positions)[:item.queries.shape[0]]
+        return _call(queries, item.kv.keys(), item.kv.values(),
+                     positions)[:item.queries.shape[0]]
 
 
 def _call(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -128,9 +130,9 @@ def flash_kernel_problem(device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"the fixed-shape flash calls are measured for the CPU kernel, not {device.type}"
     try:
-        item = AttentionItem(torch.zeros(1, 2, 8), torch.zeros(1, KEY_BLOCK, 8),
-                             torch.zeros(1, KEY_BLOCK, 8), torch.zeros(1, dtype=torch.long),
-                             is_decode=True)
+        item = AttentionItem.of(torch.zeros(1, 2, 8), torch.zeros(1, KEY_BLOCK, 8),
+                                torch.zeros(1, KEY_BLOCK, 8), torch.zeros(1, dtype=torch.long),
+                                is_decode=True)
         FlashBlockAttention().attend([item])
     except (AttributeError, RuntimeError) as exc:  # no such kernel in this build of torch
         return f"torch's flash attention kernel is unavailable: {exc}"

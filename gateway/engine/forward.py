@@ -218,8 +218,7 @@ class BatchedForward:
         for rows, (start, end) in zip(batch, spans, strict=True):
             seq = rows.sequence
             seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
-            items.append(AttentionItem(q[start:end], seq.key_buffer(index),
-                                       seq.value_buffer(index), positions[start:end],
+            items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
                                        is_decode=rows.is_decode))
         attended = torch.zeros_like(q)
         for (start, end), rows_attended in zip(spans, self._attention.attend(items), strict=True):

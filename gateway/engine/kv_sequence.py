@@ -12,9 +12,10 @@ that recomputes positions it already handed over -- copies that one page first. 
 slower tier, or a conversation tail, are copied into pages of the request's own (one copy, the
 load itself).
 
-Attention reads a layer's K or V through ``key_buffer``/``value_buffer``: the table's pages
-gathered in order into one ``[kv_heads, positions, head_dim]`` tensor, whole attention tiles
-long (padded with the pool's zero page), as the attention implementations take it.
+Attention reads a layer through ``layer`` (``LayerPages``): the paged attention
+(``gateway.engine.paged_attention``) reads the pages in place through the table; the others
+take the table's pages gathered in order into one ``[kv_heads, positions, head_dim]`` tensor,
+whole attention tiles long (padded with the pool's zero page).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from gateway.engine.attention import CAPACITY_ALIGNMENT
-from tiers.page_pool import Page, PagedBlock, PagePool
+from tiers.page_pool import Page, PagedBlock, PagePool, gather_pages
 from tiers.payload import KVBlock, KVLayout
 
 
@@ -32,6 +33,46 @@ def pool_bytes_for(running_bytes: int) -> int:
     """A pool's bytes for ``running_bytes`` of running requests' pages, with room on top for
     pages held past a request's end for a moment (a queued disk write, a shadow sample)."""
     return running_bytes + running_bytes // 16
+
+
+class LayerPages:
+    """One layer of one sequence's K/V: the pool's storage of the layer and the block table.
+
+    An attention that walks block tables reads ``key_pages``/``value_pages`` through ``table``
+    in place; one that takes contiguous tensors calls ``keys``/``values``, which gather the
+    pages once (a copy, kept for this step's layer only).
+
+    Attributes:
+        key_pages: the layer's K of every page, ``[kv_heads, pages, page_tokens, head_dim]``.
+        value_pages: like ``key_pages``, for V.
+        table: the sequence's page ids in order (int64), padded with the zero page to whole
+            ``CAPACITY_ALIGNMENT`` spans.
+    """
+
+    __slots__ = ("_keys", "_values", "key_pages", "table", "value_pages")
+
+    def __init__(self, key_pages: torch.Tensor, value_pages: torch.Tensor,
+                 table: torch.Tensor) -> None:
+        self.key_pages = key_pages
+        self.value_pages = value_pages
+        self.table = table
+        self._keys: torch.Tensor | None = None
+        self._values: torch.Tensor | None = None
+
+    @property
+    def page_tokens(self) -> int:
+        return int(self.key_pages.shape[2])
+
+    def keys(self) -> torch.Tensor:
+        """``[kv_heads, len(table) * page_tokens, head_dim]`` (a gathered copy)."""
+        if self._keys is None:
+            self._keys = gather_pages(self.key_pages, self.table)
+        return self._keys
+
+    def values(self) -> torch.Tensor:
+        if self._values is None:
+            self._values = gather_pages(self.value_pages, self.table)
+        return self._values
 
 
 class KVSequence:
@@ -213,6 +254,11 @@ class KVSequence:
             ids = [page.id for page in self._pages] + [0] * (num - len(self._pages))
             self._ids = torch.tensor(ids, dtype=torch.long, device=self.pool.device)
         return self._ids
+
+    def layer(self, layer: int) -> LayerPages:
+        """One layer's K/V as attention reads them: the pool's pages and this table."""
+        storage = self.pool.storage
+        return LayerPages(storage[layer, 0], storage[layer, 1], self._table())
 
     def key_buffer(self, layer: int) -> torch.Tensor:
         """One layer's K for every page in the table, whole attention tiles long (a gathered

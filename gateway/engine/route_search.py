@@ -30,6 +30,7 @@ from gateway.engine.forward import (
     projection_weights,
 )
 from gateway.engine.model import LoadedModel, SerialForward
+from gateway.engine.paged_attention import PagedAttention, paged_kernel_problem
 from gateway.engine.probe import ProbeCancelled, ProbeResult, probe_invariance
 from gateway.engine.row_padding import CPU_ROW_PADDING, RowPadding
 from gateway.engine.row_products import (
@@ -39,11 +40,14 @@ from gateway.engine.row_products import (
     RowProducts,
     candidate_row_products,
 )
+from gateway.engine.triton_attention import TritonPagedAttention, triton_attention_problem
 
 logger = logging.getLogger(__name__)
 
 ATTENTIONS: Mapping[str, Callable[[bool], SequenceAttention]] = {
+    "paged": lambda decode_as_prefill: PagedAttention(),
     "flash": lambda decode_as_prefill: FlashBlockAttention(decode_as_prefill=decode_as_prefill),
+    "triton": lambda decode_as_prefill: TritonPagedAttention(),
     "tiled": lambda decode_as_prefill: TiledAttention(),
 }
 """The batched forward's attentions by name, best first (each probed where it can run)."""
@@ -133,11 +137,23 @@ def products_note(products: RowProducts) -> str:
             "alone")
 
 
-def attention_names(device: torch.device) -> list[str]:
-    """The attentions ``device`` can run, best first (one log line for each it cannot)."""
+def attention_problem(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why attention ``name`` cannot run on ``device`` in ``dtype``, or None."""
+    if name == "paged":
+        return paged_kernel_problem(device, dtype)
+    if name == "flash":
+        return flash_kernel_problem(device)
+    if name == "triton":  # CUDA only: interpreted on a CPU it is far too slow to try
+        return triton_attention_problem(device) if device.type == "cuda" else "CUDA only"
+    return None
+
+
+def attention_names(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The attentions ``device`` can run in ``dtype``, best first (one log line for each it
+    cannot)."""
     names = []
     for name in ATTENTIONS:
-        problem = flash_kernel_problem(device) if name == "flash" else None
+        problem = attention_problem(name, device, dtype)
         if problem is None:
             names.append(name)
         else:
@@ -201,7 +217,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     logger.info("row padding searched in %.1f s: %d candidate(s)%s",
                 time.perf_counter() - started, len(candidates),
                 "".join(f"; {c.kernel} {c.padding.label or 'r4x4e12'}" for c in candidates))
-    attentions = attention_names(device)
+    attentions = attention_names(device, loaded.layout.dtype)
     first_failure: RouteVerdict | None = None
     for products in candidates:
         for attention_name in attentions:

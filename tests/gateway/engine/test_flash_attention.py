@@ -38,8 +38,8 @@ def sequence() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
             end: int, *, is_decode: bool = False) -> torch.Tensor:
-    item = AttentionItem(queries[start:end], keys, values, torch.arange(start, end),
-                         is_decode=is_decode)
+    item = AttentionItem.of(queries[start:end], keys, values, torch.arange(start, end),
+                            is_decode=is_decode)
     return FlashBlockAttention().attend([item])[0]
 
 
@@ -60,10 +60,10 @@ def test_a_prompt_attended_in_any_chunks_equals_it_attended_one_shot(sequence, t
 def test_a_decode_row_keeps_its_bits_whatever_is_attended_beside_it(sequence) -> None:
     queries, keys, values = sequence
     alone = _attend(queries, keys, values, 900, 901, is_decode=True)
-    others = [AttentionItem(queries[i:i + 1], keys, values, torch.tensor([i]), is_decode=True)
+    others = [AttentionItem.of(queries[i:i + 1], keys, values, torch.tensor([i]), is_decode=True)
               for i in (3, 600, 1400)]
-    mine = AttentionItem(queries[900:901], keys, values, torch.tensor([900]), is_decode=True)
-    prefill = AttentionItem(queries[100:300], keys, values, torch.arange(100, 300))
+    mine = AttentionItem.of(queries[900:901], keys, values, torch.tensor([900]), is_decode=True)
+    prefill = AttentionItem.of(queries[100:300], keys, values, torch.arange(100, 300))
     together = FlashBlockAttention().attend([others[0], prefill, mine, *others[1:]])
     assert torch.equal(together[2], alone)
 
@@ -89,8 +89,9 @@ def test_sequence_buffers_are_allocated_in_whole_key_blocks_and_tiles() -> None:
     assert CAPACITY_ALIGNMENT % KEY_BLOCK == 0 and CAPACITY_ALIGNMENT % TILE == 0
 
 
-def test_the_cpu_gets_the_flash_attention() -> None:
-    assert isinstance(attention_for(torch.device("cpu")), FlashBlockAttention)
+def test_the_cpu_gets_the_flash_attention_where_the_paged_kernel_does_not_apply() -> None:
+    assert isinstance(attention_for(torch.device("cpu"), dtype=torch.bfloat16),
+                      FlashBlockAttention)
 
 
 def test_the_two_attentions_have_different_namespaces() -> None:

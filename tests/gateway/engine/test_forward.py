@@ -235,7 +235,8 @@ def test_tiled_attention_keeps_a_decode_row_whatever_is_attended_beside_it() -> 
     attention = TiledAttention()
     # Each sequence's whole prompt at once: its last row goes through the many-query path.
     one_shot = [attention(q, k, v, torch.arange(len(q)))[-1] for q, k, v in sequences]
-    last_rows = [AttentionItem(q[-1:], k, v, torch.tensor([len(q) - 1])) for q, k, v in sequences]
+    last_rows = [AttentionItem.of(q[-1:], k, v, torch.tensor([len(q) - 1]))
+                 for q, k, v in sequences]
     together = attention.attend(last_rows)
     alone = [attention.attend([item])[0] for item in last_rows]
     for expected, beside, by_itself in zip(one_shot, together, alone, strict=True):
@@ -267,7 +268,7 @@ class _ChunkDependentAttention:
     numerics = "chunk-dependent"
 
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
-        return [self._one(i.queries, i.keys, i.values, i.positions) for i in items]
+        return [self._one(i.queries, i.kv.keys(), i.kv.values(), i.positions) for i in items]
 
     def _one(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              positions: torch.Tensor) -> torch.Tensor:

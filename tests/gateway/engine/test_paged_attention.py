@@ -1,0 +1,194 @@
+"""The paged attention: K/V read in place through block tables, each row's bits its own.
+
+Compares bit for bit (``torch.equal``) wherever the promise is sameness (batch, chunking, page
+order, decode vs prefill, the machine's vector units), and against a float64 reference within a
+stated tolerance for accuracy.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.engine.attention import AttentionItem
+from gateway.engine.attention_choice import attention_for
+from gateway.engine.forward import BatchedForward
+from gateway.engine.kv_sequence import LayerPages
+from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.native.build import NativeBuildError
+from gateway.engine.paged_attention import PagedAttention, PagedKernel, paged_kernel_problem
+from gateway.engine.probe import probe_invariance
+from tests.gateway.engine.kernels import ROWWISE
+from tests.tiny_llama import VOCAB, save_tiny_llama
+
+KV_HEADS, REP, DIM, PAGE = 2, 3, 32, 16
+HEADS = KV_HEADS * REP
+NUM_PAGES = 64
+TOLERANCE = 2e-6
+"""Largest absolute error against float64 for unit-normal inputs (each weight is within ~2 ulp
+of exp, the sums are float32 sums over at most a few hundred terms)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_builds() -> None:
+    problem = paged_kernel_problem(torch.device("cpu"), torch.float32)
+    if problem is not None:
+        pytest.skip(f"the paged kernel cannot be built here: {problem}")
+
+
+@pytest.fixture(scope="module")
+def pool() -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V pages ``[kv_heads, pages, page_tokens, head_dim]``, random."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(KV_HEADS, NUM_PAGES, PAGE, DIM, generator=generator)
+    values = torch.randn(KV_HEADS, NUM_PAGES, PAGE, DIM, generator=generator)
+    return keys, values
+
+
+def _item(pool: tuple[torch.Tensor, torch.Tensor], table: list[int], queries: torch.Tensor,
+          start: int, *, is_decode: bool = False) -> AttentionItem:
+    keys, values = pool
+    n = int(queries.shape[0])
+    return AttentionItem(queries, LayerPages(keys, values, torch.tensor(table)),
+                         torch.arange(start, start + n), is_decode)
+
+
+def _queries(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, HEADS, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+def _reference(pool: tuple[torch.Tensor, torch.Tensor], table: list[int],
+               queries: torch.Tensor, start: int) -> torch.Tensor:
+    """Softmax attention in float64 over the table's pages gathered, causal by position."""
+    keys, values = pool
+    k = keys[:, table].reshape(KV_HEADS, -1, DIM).double().repeat_interleave(REP, 0)
+    v = values[:, table].reshape(KV_HEADS, -1, DIM).double().repeat_interleave(REP, 0)
+    n = int(queries.shape[0])
+    positions = torch.arange(start, start + n)
+    scores = torch.einsum("nhd,hkd->hnk", queries.double(), k) / DIM ** 0.5
+    hidden = torch.arange(k.shape[1])[None, None, :] > positions[None, :, None]
+    weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
+    return torch.einsum("hnk,hkd->nhd", weights, v)
+
+
+def _table(seed: int, pages: int) -> list[int]:
+    return random.Random(seed).sample(range(1, NUM_PAGES), pages)
+
+
+def test_a_row_is_within_the_stated_tolerance_of_float64_attention(pool) -> None:
+    table = _table(1, 12)
+    queries = _queries(12 * PAGE, 1)
+    out = PagedAttention().attend([_item(pool, table, queries, 0)])[0]
+    assert (out.double() - _reference(pool, table, queries, 0)).abs().max() < TOLERANCE
+
+
+def test_a_row_keeps_its_bits_beside_other_sequences_of_other_lengths(pool) -> None:
+    mine = _table(2, 9)
+    queries = _queries(3, 2)
+    alone = PagedAttention().attend([_item(pool, mine, queries, 130)])[0]
+    others = [_item(pool, _table(10 + i, 1 + 3 * i), _queries(1 + 5 * i, 10 + i), i)
+              for i in range(4)]
+    together = PagedAttention().attend([others[0], others[1], _item(pool, mine, queries, 130),
+                                        *others[2:]])
+    assert torch.equal(together[2], alone)
+
+
+@given(cuts=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=12))
+@settings(max_examples=25, deadline=None)
+def test_a_prompt_attended_in_any_chunks_equals_it_attended_one_shot(pool, cuts) -> None:
+    table = _table(3, 10)
+    total = 10 * PAGE - 5
+    queries = _queries(total, 3)
+    one_shot = PagedAttention().attend([_item(pool, table, queries, 0)])[0]
+    at, parts = 0, []
+    for size in [*cuts, total]:
+        end = min(total, at + size)
+        parts.append(PagedAttention().attend([_item(pool, table, queries[at:end], at)])[0])
+        at = end
+        if at == total:
+            break
+    assert torch.equal(torch.cat(parts), one_shot)
+
+
+def test_a_decode_row_has_the_numbers_of_the_same_row_in_a_prefill(pool) -> None:
+    table = _table(4, 6)
+    queries = _queries(80, 4)
+    prefill = PagedAttention().attend([_item(pool, table, queries, 0)])[0]
+    decode = PagedAttention().attend([_item(pool, table, queries[79:], 79, is_decode=True)])[0]
+    assert torch.equal(decode[0], prefill[79])
+
+
+def test_where_the_pages_lie_in_the_pool_changes_nothing(pool) -> None:
+    keys, values = pool
+    table = _table(5, 8)
+    queries = _queries(8 * PAGE, 5)
+    scattered = PagedAttention().attend([_item(pool, table, queries, 0)])[0]
+    consecutive = (keys[:, table].contiguous(), values[:, table].contiguous())
+    in_order = PagedAttention().attend([_item(consecutive, list(range(8)), queries, 0)])[0]
+    assert torch.equal(in_order, scattered)
+
+
+def test_contiguous_kv_is_read_as_the_same_numbers_as_its_pages(pool) -> None:
+    keys, values = pool
+    table = _table(6, 5)
+    queries = _queries(5 * PAGE, 6)
+    paged = PagedAttention().attend([_item(pool, table, queries, 0)])[0]
+    flat = AttentionItem.of(queries, keys[:, table].reshape(KV_HEADS, -1, DIM),
+                            values[:, table].reshape(KV_HEADS, -1, DIM),
+                            torch.arange(5 * PAGE))
+    assert torch.equal(PagedAttention().attend([flat])[0], paged)
+
+
+def test_positions_after_a_row_are_never_read(pool) -> None:
+    keys, values = pool
+    table = _table(7, 4)
+    queries = _queries(2 * PAGE + 3, 7)
+    clean = PagedAttention().attend([_item(pool, table, queries, 0)])[0]
+    dirty_keys, dirty_values = keys.clone(), values.clone()
+    last = table[2]
+    dirty_keys[:, last, 3:] = float("nan")
+    dirty_values[:, last, 3:] = float("inf")
+    for page in table[3:]:
+        dirty_keys[:, page] = float("nan")
+    dirty = PagedAttention().attend([_item((dirty_keys, dirty_values), table, queries, 0)])[0]
+    assert torch.equal(dirty, clean)
+
+
+def test_a_position_past_the_table_is_refused(pool) -> None:
+    with pytest.raises(ValueError, match="past the K/V"):
+        PagedAttention().attend([_item(pool, [1, 2], _queries(1, 8), 2 * PAGE)])
+
+
+def test_the_portable_build_computes_the_vectorised_builds_bits(pool) -> None:
+    """The numbers do not depend on the machine's vector units: a build without AVX2/FMA flags
+    (what a CPU without them runs) gives the same bits as this machine's build."""
+    try:
+        portable = PagedKernel.load(portable=True)
+    except NativeBuildError as exc:
+        pytest.skip(str(exc))
+    items = [_item(pool, _table(20 + i, 3 + 2 * i), _queries(9 + 7 * i, 20 + i), 5 * i)
+             for i in range(3)]
+    vectorised = PagedAttention().attend(items)
+    for expected, got in zip(vectorised, PagedAttention(portable).attend(items), strict=True):
+        assert torch.equal(got, expected)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
+
+
+def test_the_probe_finds_the_forward_invariant_and_decoding_writing_the_prefills_kv(
+        tiny) -> None:
+    result = probe_invariance(BatchedForward(tiny.model, PagedAttention(), ROWWISE),
+                              tiny.layout, VOCAB)
+    assert result.is_invariant, result.failure
+    assert result.decode_kv_is_prefill_kv
+
+
+def test_the_cpu_gets_the_paged_attention_in_float32() -> None:
+    assert isinstance(attention_for(torch.device("cpu")), PagedAttention)
