@@ -37,6 +37,10 @@ from tiers.payload import KVLayout
 from tiers.redis_events import RedisEventLog
 from tiers.redis_store import RedisStore
 
+DISK_PARALLEL_READS = 4
+"""Blocks of one load read from the disk tier at once: the file reads and the MAC checks of a
+chain's blocks overlap (the reads release the GIL), instead of waiting block after block."""
+
 logger = logging.getLogger(__name__)
 
 GiB = 1 << 30
@@ -177,6 +181,7 @@ class OpenedCache:
         self.hierarchy.close()
 
 
+
 def open_cache(
     config: CacheConfig,
     *,
@@ -218,7 +223,7 @@ def open_cache(
     disk: DiskStore | None = None
     if config.disk_bytes and config.disk_path is not None:
         disk = DiskStore(config.disk_path, codec, fsync=config.disk_fsync)
-        levels.append(TierLevel(name="disk", store=disk))
+        levels.append(TierLevel(name="disk", store=disk, parallel_reads=DISK_PARALLEL_READS))
         budgets["disk"] = config.disk_bytes
     remote: RedisStore | None = None
     if config.redis_url:

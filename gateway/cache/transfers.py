@@ -201,18 +201,112 @@ class TierTransfers:
     ) -> list[tuple[KVBlock, str]]:
         """The payloads of ``records`` (a held chain) in order, each with the tier it came
         from, up to the first that is missing, fails verification, or would load slower than
-        recomputing it (``recompute_s_per_token``, from the worker)."""
-        loaded: list[tuple[KVBlock, str]] = []
-        for record in records:
-            one = self._load_one(record, recompute_s_per_token)
-            if one is None:
-                break
-            loaded.append(one)
+        recomputing it (``recompute_s_per_token``, from the worker).
+
+        The whole chain in three steps: placement is asked once where each block can be read;
+        each tier's run is read in one call with no lock held (a disk reads several blocks at
+        once), if it is worth loading; placement is told once what came in (promotions,
+        failures). A block that fails in its tier is retried from the next tier that holds it,
+        one by one from there.
+        """
+        plan, blocks = self._read_chain(self._plan_load(records), recompute_s_per_token)
+        loaded, promoted, failed_at = self._settle_load(plan, blocks)
+        if promoted:
+            # Serve the fastest tier's copies where it kept them (pages read in place).
+            top = self._hierarchy.store(self._placement.tier_names[0])
+            kept = top.get_many([plan[i][2] for i in promoted])
+            for i, block in zip(promoted, kept, strict=True):
+                if block is not None:
+                    loaded[i] = (block, loaded[i][1])
+        if failed_at is not None:
+            for record in records[failed_at:]:
+                one = self._load_one(record, recompute_s_per_token)
+                if one is None:
+                    break
+                loaded.append(one)
         return loaded
+
+    def _plan_load(
+        self, records: Sequence[BlockRecord]
+    ) -> list[tuple[BlockRecord, str, BlockMeta]]:
+        """Each record with the tier to read it from and its identity, up to the first that no
+        tier can serve now (one pass under the lock)."""
+        placement = self._placement
+        plan: list[tuple[BlockRecord, str, BlockMeta]] = []
+        with placement.locked():
+            for record in records:
+                tier = placement.readable_tier(record)
+                if tier is None:
+                    break
+                plan.append((record, tier, placement.meta(record)))
+        return plan
+
+    def _read_chain(
+        self, plan: Sequence[tuple[BlockRecord, str, BlockMeta]],
+        recompute_s_per_token: float | None,
+    ) -> tuple[list[tuple[BlockRecord, str, BlockMeta]], list[KVBlock | None]]:
+        """Read ``plan`` run by run (a tier's consecutive blocks in one call, no lock held), up
+        to the first run judged slower than recomputing it or holding a failed read. A tier
+        not measured yet reads one block first: its time decides the rest of the run, so a slow
+        tier costs one block before it is found out."""
+        read: list[tuple[BlockRecord, str, BlockMeta]] = []
+        blocks: list[KVBlock | None] = []
+        for tier, run in _runs(plan):
+            pieces = ([run[:1], run[1:]] if len(run) > 1
+                      and self._hierarchy.bandwidth(tier) is None else [run])
+            for piece in pieces:
+                if not self._worth_loading(tier, piece, recompute_s_per_token):
+                    return read, blocks
+                got = self._hierarchy.read_many(tier, [meta for _, _, meta in piece])
+                read.extend(piece)
+                blocks.extend(got)
+                if any(block is None for block in got):
+                    return read, blocks
+        return read, blocks
+
+    def _worth_loading(self, tier: str, piece: Sequence[tuple[BlockRecord, str, BlockMeta]],
+                       recompute_s_per_token: float | None) -> bool:
+        """Whether to read ``piece`` from ``tier`` rather than recompute it (counted if not)."""
+        placement = self._placement
+        recompute_s = (None if recompute_s_per_token is None
+                       else recompute_s_per_token * placement.block_tokens * len(piece))
+        num_bytes = sum(record.num_bytes for record, _, _ in piece)
+        if self._hierarchy.worth_loading(tier, len(piece), num_bytes, recompute_s):
+            return True
+        with placement.locked():
+            placement.counters(tier).recomputed_instead += 1
+        return False
+
+    def _settle_load(
+        self, plan: Sequence[tuple[BlockRecord, str, BlockMeta]],
+        blocks: Sequence[KVBlock | None],
+    ) -> tuple[list[tuple[KVBlock, str]], list[int], int | None]:
+        """Tell placement what the reads brought, in one pass: promote what came from a slower
+        tier, forget a copy that failed. Returns what loaded, the indices promoted, and the
+        index of the first failure (None when every read block came in)."""
+        placement = self._placement
+        loaded: list[tuple[KVBlock, str]] = []
+        promoted: list[int] = []
+        failed_at: int | None = None
+        with placement.locked():
+            for index, ((record, tier, _), block) in enumerate(
+                    zip(plan, blocks, strict=True)):
+                if block is None:
+                    placement.counters(tier).load_failures += 1
+                    placement.forget_copy(record, tier)
+                    failed_at = index
+                    break
+                if self._promote(record, block, tier):
+                    promoted.append(index)
+                loaded.append((block, tier))
+            moves = placement.take_moves()
+        self.run(moves)
+        return loaded, promoted, failed_at
 
     def _load_one(
         self, record: BlockRecord, recompute_s_per_token: float | None
     ) -> tuple[KVBlock, str] | None:
+        """One block from the fastest tier that serves it (after a failed read: the next)."""
         placement = self._placement
         while True:
             with placement.locked():
@@ -360,3 +454,14 @@ class TierTransfers:
         """Give these blocks' remote copies the expiry their metas say (pin, unpin)."""
         self._hierarchy.refresh_remote_expiry(metas)
 
+
+def _runs(plan: Sequence[tuple[BlockRecord, str, BlockMeta]]
+          ) -> list[tuple[str, list[tuple[BlockRecord, str, BlockMeta]]]]:
+    """``plan`` cut into runs of consecutive entries read from the same tier."""
+    runs: list[tuple[str, list[tuple[BlockRecord, str, BlockMeta]]]] = []
+    for entry in plan:
+        if runs and runs[-1][0] == entry[1]:
+            runs[-1][1].append(entry)
+        else:
+            runs.append((entry[1], [entry]))
+    return runs

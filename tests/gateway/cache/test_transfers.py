@@ -326,3 +326,59 @@ def test_stats_report_every_tier_and_every_store() -> None:
     by_name = {s.name: s for s in stats.stores}
     assert by_name["host"].num_blocks == 2
     assert by_name["device"].num_bytes == 2 * NBYTES
+
+
+def test_a_warm_load_asks_placement_the_same_number_of_times_whatever_the_chain_length(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load walk plans the whole chain in one pass and settles it in one: a chain of
+    eight blocks takes the cache's lock as often as a chain of two."""
+    def lock_entries(num_blocks: int) -> int:
+        cache, _, _ = make_cache(64, 64)
+        prompt = toks(*range(1, 2 * num_blocks + 2))
+        serve(cache, prompt)
+        cache.evict("device", 10**9)  # every block now in the host tier only
+        entries = [0]
+        original = cache.placement.locked
+
+        def counting():  # type: ignore[no-untyped-def]
+            entries[0] += 1
+            return original()
+
+        with cache.acquire(NS, prompt) as lease:
+            monkeypatch.setattr(cache.placement, "locked", counting)
+            loaded = cache.load(lease)
+            monkeypatch.undo()
+        assert len(loaded) == num_blocks
+        return entries[0]
+
+    assert lock_entries(8) == lock_entries(2)
+
+
+class MeetingStore(FlakyStore):
+    """Each read waits until ``readers`` reads are in flight at once (or fails the test)."""
+
+    def __init__(self, inner: DeviceStore | HostStore, readers: int) -> None:
+        super().__init__(inner)
+        self.meeting = threading.Barrier(readers, timeout=10)
+
+    def get(self, meta: BlockMeta) -> KVBlock | None:
+        self.meeting.wait()
+        return super().get(meta)
+
+
+def test_a_tier_with_parallel_reads_reads_a_runs_blocks_at_once_and_returns_them_in_order(
+        ) -> None:
+    store = MeetingStore(HostStore(layout=LAYOUT, block_tokens=BLOCK,
+                                   budget_bytes=64 * NBYTES), readers=2)
+    hierarchy = TierHierarchy([TierLevel(name="disk", store=store, parallel_reads=2)])
+    prompt = toks(1, 2, 3, 4, 5)
+    metas = [BlockMeta(key=BlockKey(bytes([i]) * 16), parent_key=BlockKey(b"\0" * 16),
+                       namespace_digest=NS.digest, owner="a", tokens=b"") for i in (1, 2)]
+    for index, meta in enumerate(metas):
+        store.inner.put(meta, block_for(prompt, index))
+    try:
+        got = hierarchy.read_many("disk", metas)
+    finally:
+        hierarchy.close()
+    assert all(block is not None and identical(block, block_for(prompt, i))
+               for i, block in enumerate(got))
