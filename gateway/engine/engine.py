@@ -247,7 +247,7 @@ class Engine:
             problem = None
             if remembered is not None and remembered.name == "batched":
                 problem = attention_problem(remembered.attention, self._device,
-                                            loaded.layout.dtype)
+                                            loaded.layout.dtype, loaded.layout.head_dim)
             if remembered is not None and problem is not None:
                 logger.warning("the remembered route's %s attention cannot run now (%s): "
                                "searching again", remembered.attention, problem)

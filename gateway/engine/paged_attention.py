@@ -63,8 +63,6 @@ class PagedKernel:
             page_tokens, head_dim, tables.data_ptr(), tables.stride(0), queries.data_ptr(),
             row_item.data_ptr(), row_position.data_ptr(), queries.shape[0],
             1.0 / math.sqrt(head_dim), out.data_ptr())
-        if failed == -2:
-            raise ValueError(f"{rep} query heads per KV head: the paged kernel takes at most 16")
         if failed:
             raise MemoryError("the paged attention kernel could not allocate its scratch memory")
 
@@ -75,8 +73,12 @@ def _kernel() -> PagedKernel:
     return PagedKernel.load()
 
 
-def paged_kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why ``PagedAttention`` cannot run here, or None (building the kernel if needed)."""
+def paged_kernel_problem(device: torch.device, dtype: torch.dtype,
+                         head_dim: int = 64) -> str | None:
+    """Why ``PagedAttention`` cannot run here for heads of ``head_dim``, or None (building the
+    kernel if needed)."""
+    if head_dim % 8:
+        return f"the paged C kernel takes head_dim in multiples of 8, not {head_dim}"
     if device.type != "cpu":
         return f"the paged C kernel runs on the CPU, not {device.type}"
     if dtype != torch.float32:

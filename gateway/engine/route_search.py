@@ -137,10 +137,12 @@ def products_note(products: RowProducts) -> str:
             "alone")
 
 
-def attention_problem(name: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why attention ``name`` cannot run on ``device`` in ``dtype``, or None."""
+def attention_problem(name: str, device: torch.device, dtype: torch.dtype,
+                      head_dim: int = 64) -> str | None:
+    """Why attention ``name`` cannot run on ``device`` in ``dtype`` for heads of ``head_dim``,
+    or None."""
     if name == "paged":
-        return paged_kernel_problem(device, dtype)
+        return paged_kernel_problem(device, dtype, head_dim)
     if name == "flash":
         return flash_kernel_problem(device)
     if name == "triton":  # CUDA only: interpreted on a CPU it is far too slow to try
@@ -148,12 +150,12 @@ def attention_problem(name: str, device: torch.device, dtype: torch.dtype) -> st
     return None
 
 
-def attention_names(device: torch.device, dtype: torch.dtype) -> list[str]:
-    """The attentions ``device`` can run in ``dtype``, best first (one log line for each it
-    cannot)."""
+def attention_names(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> list[str]:
+    """The attentions ``device`` can run in ``dtype`` for heads of ``head_dim``, best first
+    (one log line for each it cannot)."""
     names = []
     for name in ATTENTIONS:
-        problem = attention_problem(name, device, dtype)
+        problem = attention_problem(name, device, dtype, head_dim)
         if problem is None:
             names.append(name)
         else:
@@ -217,7 +219,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     logger.info("row padding searched in %.1f s: %d candidate(s)%s",
                 time.perf_counter() - started, len(candidates),
                 "".join(f"; {c.kernel} {c.padding.label or 'r4x4e12'}" for c in candidates))
-    attentions = attention_names(device, loaded.layout.dtype)
+    attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim)
     first_failure: RouteVerdict | None = None
     for products in candidates:
         for attention_name in attentions:
@@ -260,6 +262,19 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
 
 def _probe(forward: BatchedForward, loaded: LoadedModel, what: str,
            cancelled: Callable[[], bool]) -> ProbeResult:
+    """The probe's verdict on ``forward``; a candidate that raises is not invariant (logged),
+    never the end of start-up: the next candidate is tried."""
+    try:
+        return _run_probe(forward, loaded, what, cancelled)
+    except (RuntimeError, ValueError, MemoryError, OSError) as exc:
+        logger.warning("the batched forward with %s raised in the start-up probe: %s: %s",
+                       what, type(exc).__name__, exc)
+        return ProbeResult(is_invariant=False, num_checks=0, seconds=0.0,
+                           failure=f"it raised {type(exc).__name__}: {exc}")
+
+
+def _run_probe(forward: BatchedForward, loaded: LoadedModel, what: str,
+               cancelled: Callable[[], bool]) -> ProbeResult:
     started = time.perf_counter()
     last_said = [started]
 

@@ -145,7 +145,7 @@ static float weigh(float *s, int64_t n, int64_t padded) {
 static void attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
                         const float *v_head, int64_t page_stride, int page_tokens,
                         const int64_t *table, const int64_t *n, int64_t padded, float *scores,
-                        float *acc, float *const *out) {
+                        float *acc, float *denominator, float *const *out) {
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
     const int chunks = head_dim / 8;
@@ -164,7 +164,6 @@ static void attend_rows(const float *q, int rows, int rep, int head_dim, const f
             }
         }
     }
-    float denominator[MAX_ROWS * 16];
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < rep; h++)
             denominator[r * rep + h] = weigh(scores + ((int64_t)r * rep + h) * padded, n[r],
@@ -207,14 +206,13 @@ static void attend_rows(const float *q, int rows, int rep, int head_dim, const f
    keys/values: one layer's K and V storage, [kv_heads, pages, page_tokens, head_dim] with
    `head_stride` floats between KV heads; tables: [items, table_stride] page ids; queries/out:
    [rows, kv_heads * rep, head_dim], contiguous; row_item/row_position: per row (an item's rows
-   consecutive). Returns 0; -1 when scratch memory could not be had; -2 when rep is over 16. */
+   consecutive). Returns 0, or -1 when scratch memory could not be had. */
 int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t head_stride,
                                int kv_heads, int rep, int page_tokens, int head_dim,
                                const int64_t *tables, int64_t table_stride,
                                const float *queries, const int64_t *row_item,
                                const int64_t *row_position, int64_t rows, float scale,
                                float *out) {
-    if (rep > 16) return -2;
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++)
         if (row_position[r] + 1 > longest) longest = row_position[r] + 1;
@@ -238,7 +236,7 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
     {
         /* NOTE: every thread reaches the loop (a work-sharing loop must be met by all of
            them); one without scratch takes its share and skips it, and the call fails. */
-        const size_t per_row = (size_t)rep * (size_t)(padded + 2 * head_dim);
+        const size_t per_row = (size_t)rep * (size_t)(padded + 2 * head_dim + 1);
         float *scratch = malloc(sizeof(float) * per_row * MAX_ROWS);
         if (scratch == NULL) {
 #pragma omp atomic write
@@ -253,6 +251,7 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
             float *scores = scratch;
             float *acc = scores + (size_t)MAX_ROWS * rep * padded;
             float *q = acc + (size_t)MAX_ROWS * rep * head_dim;
+            float *denominator = q + (size_t)MAX_ROWS * rep * head_dim;
             int64_t n[MAX_ROWS];
             float *row_out[MAX_ROWS];
             for (int r = 0; r < count; r++) {
@@ -264,7 +263,7 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
             }
             attend_rows(q, count, rep, head_dim, keys + g * head_stride, values + g * head_stride,
                         page_stride, page_tokens, tables + row_item[first] * table_stride, n,
-                        padded, scores, acc, row_out);
+                        padded, scores, acc, denominator, row_out);
         }
         free(scratch);
     }
