@@ -1,0 +1,1 @@
+"""kvgate's C kernels and their build on the machine (``build``)."""

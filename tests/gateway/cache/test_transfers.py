@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import threading
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
@@ -340,7 +341,7 @@ def test_a_warm_load_asks_placement_the_same_number_of_times_whatever_the_chain_
         entries = [0]
         original = cache.placement.locked
 
-        def counting():  # type: ignore[no-untyped-def]
+        def counting() -> AbstractContextManager[None]:
             entries[0] += 1
             return original()
 
