@@ -37,7 +37,7 @@ from tiers.payload import KVLayout
 from tiers.redis_events import RedisEventLog
 from tiers.redis_store import RedisStore
 
-DISK_PARALLEL_READS = 4
+DISK_PARALLEL_READS = 2
 """Blocks of one load read from the disk tier at once: the file reads and the MAC checks of a
 chain's blocks overlap (the reads release the GIL), instead of waiting block after block."""
 
