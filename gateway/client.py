@@ -47,6 +47,8 @@ from gateway.core.addresses import is_loopback
 from gateway.core.admin_reports import EngineReport as EngineReport
 from gateway.core.admin_reports import Evicted as Evicted
 from gateway.core.admin_reports import PrefixInfo as PrefixInfo
+from gateway.core.admin_reports import SessionInfo as SessionInfo
+from gateway.core.admin_reports import SessionReset as SessionReset
 from gateway.core.admin_reports import StatsReport as StatsReport
 from gateway.core.admin_reports import StoreReport as StoreReport
 from gateway.core.admin_reports import TierReport as TierReport
@@ -279,13 +281,17 @@ class KvgateClient:
         no_cache: bool = False,
         tag: str | None = None,
         timeout_s: float | None = None,
+        priority: int | None = None,
+        session_id: str | None = None,
     ) -> Generator[TokenDelta | Usage, None, None]:
         """Stream a generation: ``TokenDelta`` items, then one ``Usage``.
 
         Send exactly one of ``prompt``, ``messages`` and ``token_ids``. Sampling fields left
-        None take the server's defaults (greedy, 256 tokens). Closing the generator early
-        (``close()``, or dropping it) cancels the call: the server stops generating and
-        releases its blocks. Nothing is sent before the first item is asked for.
+        None take the server's defaults (greedy, 256 tokens). ``priority``: lower is served
+        first among this key's tenant's own requests, -1000 to 1000 (None: the server's
+        default, 0). Closing the generator early (``close()``, or dropping it) cancels the
+        call: the server stops generating and releases its blocks. Nothing is sent before the
+        first item is asked for.
 
         Raises:
             KvgateError: the call failed (on iteration).
@@ -295,7 +301,8 @@ class KvgateClient:
             sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                        top_p=top_p, top_k=top_k, seed=seed, stop=list(stop)),
             cache=pb.CacheOptions(ttl_s=ttl_s, scope=_scope(shared), no_cache=no_cache,
-                                  tag=tag),
+                                  tag=tag, session_id=session_id),
+            priority=priority,
         )
         return self._stream(request, timeout_s)
 
@@ -449,6 +456,24 @@ class KvgateClient:
 
     def flush(self, *, timeout_s: float | None = None) -> Evicted:
         return _evicted(self._admin_call(self._admin.Flush, pb.FlushRequest(), timeout_s))
+
+    def list_sessions(self, *, tenant: str | None = None, limit: int = 0,
+                      timeout_s: float | None = None) -> list[SessionInfo]:
+        """The sessions (``generate(session_id=...)``) the replica knows, latest first."""
+        request = pb.ListSessionsRequest(tenant=tenant, limit=limit)
+        r = self._admin_call(self._admin.ListSessions, request, timeout_s)
+        return [SessionInfo(tenant=s.tenant, session_id=s.session_id, num_blocks=s.num_blocks,
+                            num_bytes=s.num_bytes, tail_tokens=s.tail_tokens, idle_s=s.idle_s,
+                            expires_in_s=s.expires_in_s) for s in r.sessions]
+
+    def reset_session(self, session_id: str, *, tenant: str | None = None,
+                      timeout_s: float | None = None) -> SessionReset:
+        """Drop what a session owns from every tier and replica (``NotFound``: the replica
+        knows no such session of ``tenant``)."""
+        request = pb.ResetSessionRequest(session_id=session_id, tenant=tenant)
+        r = self._admin_call(self._admin.ResetSession, request, timeout_s)
+        return SessionReset(tenant=r.tenant, num_blocks=r.num_blocks,
+                            bytes_by_tier=dict(r.bytes_by_tier), tail_bytes=r.tail_bytes)
 
     # ---- calls -----------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ Format 3 (all integers little-endian)::
       4   u16  format version (FORMAT_VERSION)
       6   u32  header length: bytes before the payload (prefix + fields + both tags)
     fields  (fixed part, 90 bytes)
-      10  u8   dtype code (``_DTYPE_CODES``)
+      10  u8   dtype code (``_dtype_table``), or a quantized format's code
+                   (``QUANTIZATION_TO_CODE``: its payload is ``tiers.payload_format``'s)
       11  u8   compression id (0 raw, 1 lz4 frame)
       12  u8   key length (1..64)
       13  u8   parent key length (0..64)
@@ -51,6 +52,7 @@ from typing import Literal
 
 import torch
 
+from gateway.core.quantization import Quantization
 from policies.base import BlockKey
 from tiers.base import BlockExpiry, BlockMeta, CodecError
 from tiers.block_mac import MAC_LEN
@@ -107,6 +109,19 @@ def _dtype_table() -> dict[int, torch.dtype]:
 CODE_TO_DTYPE: dict[int, torch.dtype] = _dtype_table()
 DTYPE_TO_CODE: dict[torch.dtype, int] = {v: k for k, v in CODE_TO_DTYPE.items()}
 
+QUANTIZATION_TO_CODE: dict[Quantization, int] = {"int8": 64, "fp8": 65}
+"""Codes of the quantized payload formats, in the dtype byte but apart from every dtype code:
+a quantized blob never reads as a tensor of plain int8 or fp8 K/V, nor the other way round.
+Part of the format: never reused."""
+CODE_TO_QUANTIZATION: dict[int, Quantization] = {v: k for k, v in QUANTIZATION_TO_CODE.items()}
+
+
+def format_name(code: int) -> str:
+    """What a dtype/format code stands for, for messages."""
+    if code in CODE_TO_QUANTIZATION:
+        return f"{CODE_TO_QUANTIZATION[code]}-quantized"
+    return str(CODE_TO_DTYPE[code]).removeprefix("torch.")
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DecodedHeader:
@@ -116,7 +131,9 @@ class DecodedHeader:
     Attributes:
         meta: the identity stored with the block.
         dtype, num_layers, kv_heads, block_tokens, head_dim: the stored layout (equal to the
-            codec's, or the header would have been refused).
+            codec's, or the header would have been refused); ``dtype`` is the K/V dtype the
+            block decodes to.
+        quantization: None for an exact payload, else the lossy format it is stored in.
         compression: "raw" or "lz4".
         payload_len: stored payload bytes.
         raw_len: payload bytes after decompression.
@@ -135,6 +152,7 @@ class DecodedHeader:
     raw_len: int
     block_tag: bytes
     header_len: int
+    quantization: Quantization | None = None
 
     @property
     def total_len(self) -> int:
@@ -250,6 +268,11 @@ class ExpectedShape:
     block_tokens: int
     raw_len: int
     max_lz4_len: int
+    format_code: int = 0
+    """The dtype/format byte every header must carry (0: the layout dtype's own code)."""
+
+    def expected_code(self) -> int:
+        return self.format_code or DTYPE_TO_CODE[self.layout.dtype]
 
 
 def parse_fields(view: memoryview, header_len: int, shape: ExpectedShape) -> DecodedHeader:
@@ -288,11 +311,16 @@ def parse_fields(view: memoryview, header_len: int, shape: ExpectedShape) -> Dec
     if owner_len > MAX_OWNER_BYTES:
         raise CodecError("size", f"block header owner of {owner_len} bytes is too long")
 
-    dtype = CODE_TO_DTYPE.get(dtype_code)
-    if dtype is None:
+    if dtype_code not in CODE_TO_DTYPE and dtype_code not in CODE_TO_QUANTIZATION:
         raise CodecError("codec", f"unknown dtype code {dtype_code} in block header")
     layout = shape.layout
-    stored = (dtype, num_layers, kv_heads, block_tokens, head_dim, num_tokens)
+    want_code = shape.expected_code()
+    if dtype_code != want_code:
+        # An exact tier reading a quantized blob, or the other way round, lands here too.
+        raise CodecError(
+            "shape", f"block holds {format_name(dtype_code)} K/V, this tier reads "
+                     f"{format_name(want_code)}")
+    stored = (layout.dtype, num_layers, kv_heads, block_tokens, head_dim, num_tokens)
     wanted = (
         layout.dtype,
         layout.num_layers,
@@ -344,7 +372,7 @@ def parse_fields(view: memoryview, header_len: int, shape: ExpectedShape) -> Dec
             tokens=tokens,
             expiry=expiry_of(ttl_ms, expires_at_ms),
         ),
-        dtype=dtype,
+        dtype=layout.dtype,
         num_layers=num_layers,
         kv_heads=kv_heads,
         block_tokens=block_tokens,
@@ -354,6 +382,7 @@ def parse_fields(view: memoryview, header_len: int, shape: ExpectedShape) -> Dec
         raw_len=raw_len,
         block_tag=bytes(view[body_len : body_len + MAC_LEN]),
         header_len=header_len,
+        quantization=CODE_TO_QUANTIZATION.get(dtype_code),
     )
 
 

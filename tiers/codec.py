@@ -20,6 +20,13 @@ this boundary. A block of an older format -- 1 (header-only MAC, xxh3 payload ch
 (no expiry) -- is refused as "version": the stores count it, delete it and the block is
 recomputed.
 
+A codec built with ``quantize`` ("int8", "fp8") stores a lossy payload instead
+(``tiers.payload_format``, ``tiers.kv_quant``): its headers carry the quantized format's code,
+which an exact codec refuses as "shape" (and the other way round), and the blocks it decodes
+are marked with their quantization, which an exact codec refuses to encode. A lossy tier's
+blocks are named in a namespace of their own (``gateway.core.fingerprint.lossy_namespace``);
+docs/design.md, "Lossy tiers".
+
 The header also carries the block's expiry (``BlockMeta.expiry``: its sliding TTL and when it
 expired as of writing), under the same MAC, so that a block keeps its lifetime wherever it goes.
 """
@@ -34,6 +41,7 @@ import lz4.frame
 import numpy as np
 import torch
 
+from gateway.core.quantization import QUANTIZATIONS, Quantization
 from tiers.base import BlockMeta, CodecError, TierConfigError
 from tiers.block_format import (
     COMPRESSION_TO_ID,
@@ -57,7 +65,9 @@ from tiers.block_format import (
     parse_fields,
 )
 from tiers.block_mac import MAC_LEN, BlockMac, derive_mac_key
+from tiers.kv_quant import supported
 from tiers.payload import KVBlock, KVLayout, PayloadError
+from tiers.payload_format import payload_format
 
 __all__ = [
     "FORMAT_VERSION",
@@ -99,10 +109,15 @@ class BlockCodec:
         compression: "raw" (default: lz4 saves only 1-1.5% on real KV), "lz4", or "auto"
             (lz4 kept only where it saves at least ``min_lz4_saving`` of the raw size).
         min_lz4_saving: fraction of the raw size that "auto" needs lz4 to save.
+        quantize: None (exact, the default), or the lossy format this codec stores ("int8",
+            "fp8"): for a tier configured with ``quantize``, and only under a lossy namespace.
+        device_type: where blocks are quantized ("cpu", "cuda"); fp8 needs torch to cast
+            there.
 
     Raises:
-        TierConfigError: a bad argument, a dtype without a format code, or a big-endian host
-            (the payload is native tensor bytes, defined little-endian).
+        TierConfigError: a bad argument, a dtype without a format code, a quantization torch
+            cannot do on ``device_type``, or a big-endian host (the payload is native tensor
+            bytes, defined little-endian).
     """
 
     def __init__(
@@ -113,6 +128,8 @@ class BlockCodec:
         block_tokens: int,
         compression: CompressionMode = "raw",
         min_lz4_saving: float = 0.05,
+        quantize: Quantization | None = None,
+        device_type: str = "cpu",
     ) -> None:
         if sys.byteorder != "little":
             raise TierConfigError(
@@ -134,13 +151,20 @@ class BlockCodec:
             raise TierConfigError(f"min_lz4_saving must be in [0, 1), got {min_lz4_saving}")
         if 4 * block_tokens + 2 * MAX_KEY_LEN + MAX_OWNER_BYTES + MIN_HEADER_LEN > MAX_HEADER_LEN:
             raise TierConfigError(f"block_tokens {block_tokens} is too large for a block header")
+        if quantize is not None and quantize not in QUANTIZATIONS:
+            raise TierConfigError(f"unknown quantize {quantize!r}; expected one of "
+                                  f"{list(QUANTIZATIONS)} or none")
+        if quantize is not None and not supported(quantize, device_type):
+            raise TierConfigError(f"torch {torch.__version__} cannot quantize K/V to {quantize} "
+                                  f"on {device_type}: use int8")
         self._mac = BlockMac(mac_key)  # raises TierConfigError for a key of a bad length
         self._layout = layout
         self._block_tokens = block_tokens
         self._compression: CompressionMode = compression
         self._min_lz4_saving = min_lz4_saving
-        self._dtype_code = DTYPE_TO_CODE[layout.dtype]
-        self._raw_len = layout.block_nbytes(block_tokens)
+        self._format = payload_format(layout, block_tokens, quantize)
+        self._dtype_code = self._format.format_code
+        self._raw_len = self._format.raw_len
         # lz4 frames of incompressible data grow by a few bytes per 64 KiB block plus the frame
         # header; anything beyond this bound is not an lz4 frame of raw_len bytes.
         self._shape = ExpectedShape(
@@ -148,6 +172,7 @@ class BlockCodec:
             block_tokens=block_tokens,
             raw_len=self._raw_len,
             max_lz4_len=self._raw_len + self._raw_len // 255 + 1024,
+            format_code=self._dtype_code,
         )
 
     @property
@@ -162,6 +187,11 @@ class BlockCodec:
     def raw_len(self) -> int:
         """Payload bytes of one block before compression."""
         return self._raw_len
+
+    @property
+    def quantization(self) -> Quantization | None:
+        """None: exact; else the lossy format this codec stores."""
+        return self._format.quantization
 
     @property
     def mac(self) -> BlockMac:
@@ -179,16 +209,16 @@ class BlockCodec:
 
         Raises:
             CodecError: ``meta`` or ``block`` does not fit the format or the codec's layout
-                (reason "key", "parent", "namespace", "tokens", "size" or "shape").
+                (reason "key", "parent", "namespace", "tokens", "size" or "shape"; "shape"
+                too for a dequantized block given to an exact codec, or K/V that is not
+                finite given to a quantizing one).
         """
         self._check_meta_for_encode(meta)
         try:
             block.check(self._layout, self._block_tokens)
         except PayloadError as exc:
             raise CodecError("shape", f"cannot encode block: {exc}") from exc
-        pieces: list[memoryview | bytes] = [
-            self._tensor_bytes(t) for kv in zip(block.keys, block.values, strict=True) for t in kv
-        ]
+        pieces: list[memoryview | bytes] = list(self._format.pieces(block))
 
         compression: Compression = "raw"
         if self._compression != "raw":
@@ -256,13 +286,6 @@ class BlockCodec:
             raise CodecError(
                 "size", f"owner must be at most {MAX_OWNER_BYTES} utf-8 bytes, got {owner_len}"
             )
-
-    @staticmethod
-    def _tensor_bytes(tensor: torch.Tensor) -> memoryview:
-        """A flat byte view of the tensor, copied only if it is not on the CPU or not
-        contiguous (the view keeps its tensor alive)."""
-        cpu = tensor.detach().to("cpu").contiguous()
-        return cpu.view(torch.uint8).numpy().reshape(-1).data
 
     # ----------------------------------------------------------------------------- decode
 
@@ -361,15 +384,7 @@ class BlockCodec:
             np.copyto(private, np.frombuffer(payload, dtype=np.uint8))
             self._check_block_tag(header, body, private.data)
 
-        layout = self._layout
-        per_layer = flat.view(layout.dtype).view(
-            layout.num_layers, 2, layout.kv_heads, self._block_tokens, layout.head_dim
-        )
-        layers = per_layer.unbind(0)
-        return header, KVBlock(
-            keys=tuple(layer[0] for layer in layers),
-            values=tuple(layer[1] for layer in layers),
-        )
+        return header, self._format.unpack(flat)
 
     def _check_block_tag(
         self, header: DecodedHeader, body: memoryview, payload: memoryview

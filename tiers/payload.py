@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from gateway.core.quantization import Quantization
+
 
 class PayloadError(ValueError):
     """A payload does not match the layout it is declared for."""
@@ -46,10 +48,16 @@ class KVLayout:
 
 @dataclass(frozen=True, slots=True)
 class KVBlock:
-    """K and V of every layer for one block (shared, read-only by convention)."""
+    """K and V of every layer for one block (shared, read-only by convention).
+
+    ``quantization`` is None for K/V as the model computed them; a block dequantized from a
+    lossy tier names the format it came from, so that no exact tier stores it (the exact
+    payload format refuses it: docs/design.md, "Lossy tiers").
+    """
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
+    quantization: Quantization | None = None
 
     @property
     def num_layers(self) -> int:

@@ -6,7 +6,8 @@ for an hour, everything in one tier -- and about every replica at once (an evict
 the shared Redis tier, or another replica would serve the prefix back). That selection, and the
 checks on what an operator sent, live here, apart from the lease and insert logic they would
 otherwise crowd; the removals in Redis that an eviction resolves to are
-``gateway.cache.remote_admin``. ``CacheAdmin`` is what the gRPC Admin service calls.
+``gateway.cache.remote_admin``, and sessions' listing and reset ``gateway.cache.session_admin``
+(``CacheAdmin.sessions``). ``CacheAdmin`` is what the gRPC Admin service calls.
 
 What an operator names (prefix text, a scope) becomes tokens and namespaces through
 ``PromptKeys``: the engine implements it, since it owns the tokenizer and the model's
@@ -25,6 +26,7 @@ from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.remote_admin import evict_remote
+from gateway.cache.session_admin import SessionAdmin
 from gateway.cache.stats import CacheStats
 from gateway.cache.tags import tag_prompt, tagged_blocks, tags_of
 from gateway.core.canonical import PromptInput
@@ -308,6 +310,8 @@ class CacheAdmin:
         self._cache = cache
         self._keys = keys
         self._feed = feed
+        self.sessions = SessionAdmin(cache, feed=feed)
+        """Sessions: list and reset (every tier, every replica)."""
 
     def stats(self) -> CacheStats:
         """Every figure of the cache (``PrefixCache.stats``)."""
@@ -409,6 +413,9 @@ class CacheAdmin:
         what does not apply here (a tier this replica lacks, a key that is not hex) is
         logged and skipped.
         """
+        if event.session is not None:  # a session reset: never a whole tenant's eviction
+            self.sessions.apply_event(event)
+            return
         try:
             if event.tier is not None and event.tier not in (*self._cache.tier_names, REMOTE):
                 raise InvalidRequest("it names a tier this replica does not have")

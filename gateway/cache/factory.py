@@ -22,11 +22,18 @@ import torch
 
 from gateway.cache.adoption import adopt
 from gateway.cache.base import TierEvents
+from gateway.cache.lossy_tiers import NOT_SERVED, lossy_tiers, quantize_problems
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
+from gateway.cache.sessions import (
+    DEFAULT_MAX_SESSIONS_PER_TENANT,
+    DEFAULT_SESSION_TTL_S,
+    SessionLimits,
+)
 from gateway.cache.sweeper import ExpirySweeper
 from gateway.core.fingerprint import Scope
 from policies.rate import TenantRates
 from policies.registry import ORDER_POLICIES, TierPolicyConfig, build_tier_policy
+from tiers.base import TierConfigError
 from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
@@ -85,6 +92,13 @@ class CacheConfig:
         reprobe_interval_s: a tier judged slower than recomputing is skipped, except for one
             probing load per this many seconds, so that it is used again once it is fast.
         sweep_interval_s: how often expired blocks are removed from every tier.
+        session_ttl_s: a session (``CacheOptions.session_id``) ends this long after its last
+            request: its own blocks and conversation tail leave every tier, Redis included.
+        max_sessions_per_tenant: sessions one tenant may have on a replica at once; one more
+            ends the tenant's least recently used session at the next sweep.
+        quantize: the lossy format each lower tier stores, per tier name ("host", "disk",
+            "redis"), e.g. {"redis": "int8"}; "none" or left out: exact (the default).
+            ``gateway.cache.lossy_tiers``; not served yet (``open_cache`` refuses it).
     """
 
     block_tokens: int = 64
@@ -109,6 +123,10 @@ class CacheConfig:
     # -- lifecycle (issue 11) --
     reprobe_interval_s: float = 10.0
     sweep_interval_s: float = 5.0
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S
+    max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT
+    # -- lossy lower tiers (issue 28) --
+    quantize: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         errors = self.problems()
@@ -116,6 +134,7 @@ class CacheConfig:
             raise ValueError("invalid cache configuration: " + "; ".join(errors))
         object.__setattr__(self, "quotas", MappingProxyType(dict(self.quotas)))
         object.__setattr__(self, "tenant_quota", MappingProxyType(dict(self.tenant_quota)))
+        object.__setattr__(self, "quantize", MappingProxyType(dict(self.quantize)))
 
     def problems(self) -> list[str]:
         """Every problem with this configuration, for one message listing them all."""
@@ -140,7 +159,7 @@ class CacheConfig:
         for tenant, quota in self.quotas.items():
             if quota < 0:
                 errors.append(f"quota of {tenant!r} must be >= 0")
-        for name in ("reprobe_interval_s", "sweep_interval_s"):
+        for name in ("reprobe_interval_s", "sweep_interval_s", "session_ttl_s"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and not isinstance(value, bool)
                     and math.isfinite(value) and value > 0):
@@ -154,8 +173,18 @@ class CacheConfig:
                 errors.append(f"tenant_quota of the {tier} tier must be >= 0")
         if self.redis_write_bytes_per_s is not None and self.redis_write_bytes_per_s < 1:
             errors.append("redis_write_bytes_per_s must be >= 1 (or unset for no limit)")
+        if (not isinstance(self.max_sessions_per_tenant, int)
+                or isinstance(self.max_sessions_per_tenant, bool)
+                or not 1 <= self.max_sessions_per_tenant <= 10_000_000):
+            errors.append(f"max_sessions_per_tenant must be an integer from 1 to 10000000, got "
+                          f"{self.max_sessions_per_tenant!r}")
         if self.compression not in ("raw", "lz4", "auto"):
             errors.append(f"compression must be raw, lz4 or auto, got {self.compression!r}")
+        if not isinstance(self.quantize, Mapping):
+            errors.append("quantize must be a table of tier = format, e.g. "
+                          '{ redis = "int8" }')
+        else:
+            errors.extend(quantize_problems(self.quantize))
         return errors
 
 
@@ -204,6 +233,8 @@ def open_cache(
     ``tier_events`` (the KV-events publisher, started by the caller, who also closes it after the
     cache) is told of every copy a tier gains or loses from then on.
     """
+    if lossy_tiers(config.quantize):
+        raise TierConfigError(NOT_SERVED)
     device = torch.device(device)
     codec = BlockCodec(
         mac_key=derive_mac_key(deployment_secret),
@@ -263,6 +294,8 @@ def open_cache(
         remote_write=config.remote_write,
         clock=clock,
         events=tier_events,
+        sessions=SessionLimits(ttl_s=config.session_ttl_s,
+                               max_per_tenant=config.max_sessions_per_tenant),
     )
     num_recovered = 0
     if disk is not None:

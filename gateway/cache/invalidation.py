@@ -30,6 +30,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from gateway.core.sessions import session_id_problem
 from gateway.core.tags import tag_problem
 from tiers.redis_events import REDIS_FAULTS, Event
 
@@ -52,6 +53,9 @@ class EvictionEvent:
         tag: blocks each replica tagged so in its own index, and what follows them
             (``gateway.cache.tags``). A build without tags skips the whole event (an
             unknown field) rather than evict more than was asked.
+        session: with ``tenant`` and nothing else: a session reset; each replica drops what
+            the session owns there (``gateway.cache.session_admin``). A build without
+            sessions skips it (an unknown field), never evicts the whole tenant instead.
         origin: the replica that published it (its own events are skipped).
     """
 
@@ -62,12 +66,13 @@ class EvictionEvent:
     tier: str | None = None
     everything: bool = False
     tag: str | None = None
+    session: str | None = None
     origin: str = ""
 
     def to_fields(self) -> dict[str, str]:
         """The stream entry: only the selectors that are set."""
         out = {"kind": "evict", "origin": self.origin}
-        for name in ("tenant", "prefix_text", "key_hex", "tier", "tag"):
+        for name in ("tenant", "prefix_text", "key_hex", "tier", "tag", "session"):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
@@ -100,6 +105,11 @@ class EvictionEvent:
         tag = entry.get("tag")
         if tag is not None and tag_problem(tag) is not None:
             return None
+        session = entry.get("session")
+        if session is not None and (session_id_problem(session) is not None
+                                    or set(entry) - {"kind", "origin", "tenant", "session"}
+                                    or "tenant" not in entry):
+            return None  # a reset names a tenant's session and nothing else
         try:
             older = entry.get("older_than_s")
             older_than_s = None if older is None else float(older)
@@ -110,13 +120,13 @@ class EvictionEvent:
         return cls(tenant=entry.get("tenant"), prefix_text=entry.get("prefix_text"),
                    key_hex=key_hex, older_than_s=older_than_s,
                    tier=entry.get("tier"), everything=entry.get("everything") == "1",
-                   tag=tag, origin=entry.get("origin", ""))
+                   tag=tag, session=session, origin=entry.get("origin", ""))
 
     def with_origin(self, origin: str) -> EvictionEvent:
         return EvictionEvent(tenant=self.tenant, prefix_text=self.prefix_text,
                              key_hex=self.key_hex, older_than_s=self.older_than_s,
                              tier=self.tier, everything=self.everything, tag=self.tag,
-                             origin=origin)
+                             session=self.session, origin=origin)
 
 
 class EventLog(Protocol):

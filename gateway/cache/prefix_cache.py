@@ -38,6 +38,7 @@ from gateway.cache.base import TierEvents
 from gateway.cache.moves import ByteMove
 from gateway.cache.placement import TierPlacement, TierSlot
 from gateway.cache.radix_index import BlockRecord, BlockSpec
+from gateway.cache.sessions import SessionLimits, SessionRegistry
 from gateway.cache.stats import CacheStats
 from gateway.cache.transfers import TierTransfers
 from gateway.core.errors import IndexInvariantError
@@ -167,6 +168,7 @@ class PrefixCache:
         wall_clock: Unix time (seconds), for the expiry written into a block's header.
         events: told of every copy a tier gains or loses (the KV-events publisher); None:
             nobody listens.
+        sessions: how long a session lives and how many a tenant may have (``sessions``).
     """
 
     def __init__(
@@ -181,6 +183,7 @@ class PrefixCache:
         key_bytes: int = 16,
         wall_clock: Callable[[], float] = time.time,
         events: TierEvents | None = None,
+        sessions: SessionLimits | None = None,
     ) -> None:
         self._placement = TierPlacement(
             tiers=tiers, block_tokens=block_tokens, hierarchy=hierarchy, clock=clock,
@@ -192,6 +195,7 @@ class PrefixCache:
         self.block_tokens = block_tokens
         self._block_bytes = block_tokens * BYTES_PER_TOKEN
         self._num_token_mismatches = 0
+        self._sessions = SessionRegistry(self._placement, sessions or SessionLimits())
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -202,6 +206,11 @@ class PrefixCache:
     def placement(self) -> TierPlacement:
         """Who holds what: what transfers, admin selection and adoption build on."""
         return self._placement
+
+    @property
+    def sessions(self) -> SessionRegistry:
+        """Whose blocks are whose, and when each session was last used."""
+        return self._sessions
 
     @property
     def transfers(self) -> TierTransfers | None:

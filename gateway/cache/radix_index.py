@@ -48,6 +48,7 @@ class BlockRecord:
         "ttl_s",
         "num_hits",
         "tags",
+        "session",
     )
 
     def __init__(
@@ -77,6 +78,9 @@ class BlockRecord:
         # (``gateway.cache.tags``); the empty frozenset is shared, so untagged blocks cost
         # nothing beyond the slot.
         self.tags: frozenset[str] = frozenset()
+        # The one session whose requests alone stored or read this block, "" once anyone else
+        # has, None while nobody has (``gateway.cache.sessions``).
+        self.session: str | None = None
 
     @property
     def namespace(self) -> Namespace:

@@ -5,8 +5,10 @@ holds device and host memory, a file on disk, a Redis key -- and a tenant that a
 was promised its prompt's KV would be gone after it. ``ExpirySweeper`` calls
 ``PrefixCache.sweep_expired`` every ``interval_s`` on a thread of its own; the sweep removes
 every expired block that nothing uses from every local tier (Redis expires its keys by their
-own ``PX``). It is started by ``gateway.cache.factory.open_cache`` and stopped before the
-stores close.
+own ``PX``). Each sweep also ends the sessions idle for ``[cache] session_ttl_s``
+(``gateway.cache.session_admin.drop_expired_sessions``: their blocks leave every tier, Redis
+included, and their tails go). It is started by ``gateway.cache.factory.open_cache`` and stopped
+before the stores close.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 import threading
 
 from gateway.cache.prefix_cache import PrefixCache
+from gateway.cache.session_admin import drop_expired_sessions
 
 logger = logging.getLogger(__name__)
 
@@ -54,3 +57,10 @@ class ExpirySweeper:
             self.num_swept += removed
             if removed:
                 logger.debug("sweeper: %d expired block copies removed", removed)
+            try:
+                ended = drop_expired_sessions(self._cache)
+            except Exception:  # the next sweep tries again; the sweeper must not die
+                logger.exception("sweeper: ending expired sessions failed")
+                continue
+            if ended:
+                logger.debug("sweeper: %d expired sessions ended", ended)

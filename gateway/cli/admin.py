@@ -1,6 +1,6 @@
 """``kvgate admin``: the Admin service from a terminal.
 
-    kvgate admin stats | ls | evict | pin | unpin | quota | flush   [--json]
+    kvgate admin stats | ls | evict | pin | unpin | quota | flush | sessions   [--json]
 
 The admin key comes from ``--admin-key``, else ``$KVGATE_ADMIN_KEY``, else the first
 ``[[admin_keys]]`` entry of ``--config FILE`` that holds the key itself (``key = "..."``; an
@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, TextIO
 
+from gateway.cli.admin_sessions import add_sessions_parser, run_sessions
 from gateway.cli.common import (
     EXIT_FAILED,
     EXIT_UNCHANGED,
@@ -76,9 +77,9 @@ def add_admin_parser(sub: Any) -> None:
                            epilog=_EXIT_CODES)
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
 
-    def command(name: str, help_text: str) -> argparse.ArgumentParser:
-        parser: argparse.ArgumentParser = admin_sub.add_parser(name, help=help_text,
-                                                               epilog=_EXIT_CODES)
+    def command(name: str, help_text: str, sub: Any = admin_sub) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = sub.add_parser(name, help=help_text,
+                                                         epilog=_EXIT_CODES)
         add_connection_args(parser)
         parser.add_argument("--json", action="store_true", help="print JSON for scripts")
         parser.add_argument("--data-dir", type=Path, default=Path("data"),
@@ -127,6 +128,7 @@ def add_admin_parser(sub: Any) -> None:
     flush = command("flush", "drop every block of every tier (pinned ones too; blocks "
                               "in use by a running request stay)")
     flush.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    add_sessions_parser(admin_sub, lambda sub, name, what: command(name, what, sub), _EXIT_CODES)
 
 
 # ---- commands ------------------------------------------------------------------------------
@@ -362,5 +364,5 @@ def _write_evicted(evicted: Evicted, as_json: bool, out: TextIO) -> None:
 _Command = Callable[[KvgateClient, argparse.Namespace, TextIO, TextIO, TextIO], int]
 _COMMANDS: dict[str, _Command] = {
     "stats": _stats, "ls": _ls, "evict": _evict, "pin": _pin, "unpin": _pin,
-    "quota": _quota, "flush": _flush,
+    "quota": _quota, "flush": _flush, "sessions": run_sessions,
 }

@@ -66,6 +66,10 @@ def build_parser() -> argparse.ArgumentParser:
                           help="the flooding tenant's requests in flight (default: %(default)s)")
     fairness.add_argument("--flood-tokens", type=int, default=1024,
                           help="prompt words per flood request (default: %(default)s)")
+    fairness.add_argument("--lanes", action="store_true",
+                          help="priority lanes inside one tenant instead: 2 interactive users "
+                               "alone, then beside --flood bulk users at the same priority and "
+                               "at a worse one (issue 28)")
     tiers = bench_sub.add_parser("tiers", help="put/get of a real prefix per tier vs raw limits")
     tiers.add_argument("--model", default="bundled",
                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
@@ -177,6 +181,9 @@ def _add_generate(sub: Any) -> None:
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--no-cache", action="store_true",
                      help="nothing of this request is read from or stored in any tier")
+    gen.add_argument("--priority", type=int, default=None,
+                     help="lower is served first among your tenant's own requests, -1000 to "
+                          "1000 (default: the server's, 0)")
     gen.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
     gen.add_argument("--tls", action="store_true", help="connect with TLS")
     gen.add_argument("--ca-cert", type=Path, default=None,
@@ -202,6 +209,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              sizes=[int(s) for s in args.sizes.split(",")],
                              prompt_tokens=args.prompt_tokens, repeats=args.repeats,
                              out=sys.stdout, numerics=numerics)
+        return 0
+    if args.command == "bench" and args.bench == "fairness" and args.lanes:
+        from gateway.bench.lanes import LanesOptions, run_lanes_benchmark
+
+        run_lanes_benchmark(LanesOptions(
+            model=args.model, cache_dir=args.data_dir / "models", requests=args.requests,
+            flood=args.flood, flood_tokens=args.flood_tokens), out=sys.stdout)
         return 0
     if args.command == "bench" and args.bench == "fairness":
         from gateway.bench.fairness import FairnessOptions, run_fairness_benchmark
@@ -412,6 +426,7 @@ def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
                 prompt, messages=messages, tools=tools, max_tokens=args.max_tokens,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 seed=args.seed, stop=args.stop, no_cache=args.no_cache,
+                priority=args.priority,
             )
             for item in stream:
                 if isinstance(item, TokenDelta):

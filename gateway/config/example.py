@@ -86,6 +86,9 @@ redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
 reprobe_interval_s = 10.0       # a tier slower than recomputing is skipped: one probe per interval
 sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
+session_ttl_s = 1800.0          # a session (session_id, X-Session-Id) ends this long after its
+                                #   last request: its own blocks and tail leave every tier
+max_sessions_per_tenant = 10000 # past it, a tenant's least recently used session ends
 # quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }   # per tenant, in every tier
 # tenant_quota = { device = "512MiB", host = "1GiB", disk = "2GiB" }  # every other tenant's
 # redis_write_bytes_per_s = "64MiB"   # per tenant: past it, the rest of a chain stays local
@@ -103,6 +106,7 @@ header_timeout_s = 5.0          # a connection must send a request head this soo
 body_timeout_s = 5.0            # ... and then its whole body (408); no call slot until it has
 retry_after_s = 1               # Retry-After of a 429 or 503 answer
 metrics = true                  # GET /metrics here: no authentication, no per-tenant series
+session_from_user = false       # true: a body's `user` names the session (as X-Session-Id does)
 # served_model_name = "my-model"  # the model id of /v1/models and responses (a list: aliases
                                 #   requests may use too); default: --model's directory name
 

@@ -69,6 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cache.factory import CacheConfig, GiB
+from gateway.cache.lossy_tiers import NOT_SERVED, lossy_tiers
 from gateway.config.device import device_problem
 from gateway.config.dtype import dtype_problem
 from gateway.config.events import EventsSettings
@@ -404,6 +405,9 @@ def _cache_config(table: Mapping[str, Any], data_dir: Path,
                 if not isinstance(value, dict):
                     raise ValueError("tenant_quota must be a table of tier = size")
                 value = {str(tier): parse_size(size) for tier, size in value.items()}
+            elif name == "quantize" and not isinstance(value, dict):
+                raise ValueError('quantize must be a table of tier = format, e.g. '
+                                 '{ redis = "int8" }')
             elif name == "redis_write_bytes_per_s":
                 value = parse_size(value)
             elif name == "disk_path":
@@ -422,6 +426,8 @@ def _cache_config(table: Mapping[str, Any], data_dir: Path,
         errors.append(f"[cache]: {exc}")
         return None
     errors.extend(machine_fit_problems(config))
+    if lossy_tiers(config.quantize):
+        errors.append(NOT_SERVED)
     return config
 
 

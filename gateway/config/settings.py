@@ -235,6 +235,10 @@ class HttpSettings:
             response report (and the ``model_name`` label of the ``vllm:*`` series); a request
             may name any of them. Empty (the default): the ``--model`` directory's name (or
             ``bundled``), and the ``--model`` value itself.
+        session_from_user: a request's ``user`` field names its session too (as the
+            ``X-Session-Id`` header does, which wins where both are sent): for apps that send
+            one ``user`` per conversation. Off by default: ``user`` is often a person, whose
+            conversations are many.
     """
 
     enabled: bool = True
@@ -249,6 +253,7 @@ class HttpSettings:
     retry_after_s: int = 1
     metrics: bool = True
     served_model_name: tuple[str, ...] = ()
+    session_from_user: bool = False
 
     @property
     def address(self) -> str:
@@ -257,7 +262,7 @@ class HttpSettings:
 
     def problems(self) -> list[str]:
         errors = []
-        for name in ("enabled", "metrics"):
+        for name in ("enabled", "metrics", "session_from_user"):
             if not isinstance(getattr(self, name), bool):
                 errors.append(f"http.{name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.host, str) or not self.host:

@@ -87,3 +87,27 @@ class PrefixInfo:
 class Evicted:
     num_blocks: int
     bytes_by_tier: dict[str, int]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionInfo:
+    """One session a replica knows (``ListSessions``): its blocks and bytes there (tail
+    included), its tail's tokens, the seconds since its last request and until it ends."""
+
+    tenant: str
+    session_id: str
+    num_blocks: int
+    num_bytes: int
+    tail_tokens: int
+    idle_s: float
+    expires_in_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SessionReset:
+    """What ``ResetSession`` freed on the replica that took it (the others drop theirs)."""
+
+    tenant: str
+    num_blocks: int
+    bytes_by_tier: dict[str, int]
+    tail_bytes: int

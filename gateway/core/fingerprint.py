@@ -13,6 +13,13 @@ Measured here: ~1.1 us per 256-token block, ~40 us for an 8,192-token prompt.
 
 Fields of the namespace are length-framed (8-byte length, then bytes), and the scope's kind is
 its own field, so no tenant id, model name or dtype can be spelled to equal another combination.
+
+Lossy copies (a tier with ``quantize = "int8"``) live in a namespace of their own,
+``lossy_namespace(exact, quantization)``: its digest is keyed BLAKE2b *under the exact
+namespace's digest* of a framed domain and the quantization's name. So every block key of a
+lossy chain differs from the exact chain's over the same tokens, an exact request (which only
+ever hashes under the exact digest) cannot even name a lossy block, and the lossy digest is as
+unguessable as the exact one without the deployment secret (docs/design.md, "Lossy tiers").
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Literal
 
+from gateway.core.quantization import QUANTIZATIONS, Quantization
 from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view
 from policies.base import BlockKey
 
@@ -33,6 +41,7 @@ KEY_BYTES = 16
 NAMESPACE_DIGEST_BYTES = 32
 
 _DOMAIN = b"kvgate.namespace.v1"
+_LOSSY_DOMAIN = b"kvgate.lossy-namespace.v1"
 
 ScopeKind = Literal["tenant", "shared"]
 
@@ -96,14 +105,26 @@ class NamespaceSpec:
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    """A namespace's public identity: its digest (the key of every block hash) and scope."""
+    """A namespace's public identity: its digest (the key of every block hash) and scope.
+
+    ``quantization`` is None for the exact namespace (K/V as the model computed them, promise
+    1) and names the lossy format for a namespace made by ``lossy_namespace``: whatever is
+    stored or computed under it is not exact, and nothing in it may be stored under, or served
+    as, the exact namespace.
+    """
 
     digest: bytes = field(repr=False)
     scope: Scope
+    quantization: Quantization | None = None
 
     @property
     def digest_hex(self) -> str:
         return self.digest.hex()
+
+    @property
+    def exact(self) -> bool:
+        """Whether blocks of this namespace are bit for bit what the model computes."""
+        return self.quantization is None
 
 
 def _frame(*fields: bytes) -> bytes:
@@ -125,6 +146,31 @@ def derive_namespace(spec: NamespaceSpec) -> Namespace:
         framed, key=spec.deployment_secret, digest_size=NAMESPACE_DIGEST_BYTES
     ).digest()
     return Namespace(digest=digest, scope=spec.scope)
+
+
+def lossy_namespace(exact: Namespace, quantization: Quantization) -> Namespace:
+    """The namespace of ``exact``'s blocks stored as ``quantization`` (same scope).
+
+    Derived from the exact digest, not from the ``NamespaceSpec``, so that whoever holds a
+    request's namespace can name its lossy sibling; keyed by the exact digest, so that it is
+    unguessable without the deployment secret, and domain-separated from ``derive_namespace``
+    (another domain, another key), so that no lossy digest is an exact one but by a BLAKE2b
+    collision.
+
+    Raises:
+        ValueError: ``exact`` is already lossy (a lossy copy of a lossy copy has no namespace
+            of its own: it stays in the one it was read from), or ``quantization`` is unknown.
+    """
+    if not exact.exact:
+        raise ValueError(f"namespace is already lossy ({exact.quantization}); lossy blocks "
+                         "are only ever stored in the namespace they were read from")
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; known: {list(QUANTIZATIONS)}")
+    digest = hashlib.blake2b(
+        _frame(_LOSSY_DOMAIN, quantization.encode("ascii")),
+        key=exact.digest, digest_size=NAMESPACE_DIGEST_BYTES,
+    ).digest()
+    return Namespace(digest=digest, scope=exact.scope, quantization=quantization)
 
 
 ROOT_PARENT = BlockKey(bytes(KEY_BYTES))

@@ -27,6 +27,13 @@ FinishReason = Literal["stop", "length", "eos", "cancelled", "deadline"]
 MAX_NEW_TOKENS_LIMIT = 8192
 """The most tokens one request may ask to generate (the model's context bounds it further)."""
 
+MIN_PRIORITY = -1000
+MAX_PRIORITY = 1000
+"""The range of a generation's ``priority`` (vLLM's meaning: lower is served first; 0 by
+default). vLLM bounds it by nothing but an integer; kvgate bounds it so that the wire's int32
+(and a JSON number) cannot carry a value no deployment means, and so that a client learns at once
+that a time stamp or a request count is not a priority."""
+
 MIN_SAMPLING_TEMPERATURE = 1e-5
 """The smallest temperature that samples; a smaller positive one is greedy, as 0 is.
 
@@ -94,10 +101,14 @@ class CacheOptions:
     Attributes:
         no_cache: nothing of this request is read from or stored in any tier.
         ttl_s: sliding TTL of the blocks this request stores (None: the server's default).
+        session_id: the conversation this request belongs to, in its tenant
+            (``gateway.core.sessions``): the blocks only that session uses are its own, and
+            leave with it (None: no session).
     """
 
     no_cache: bool = False
     ttl_s: float | None = None
+    session_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -108,6 +119,17 @@ class GenerateRequest:
     cache: CacheOptions = field(default_factory=CacheOptions)
     deadline: float | None = None
     """Absolute time on ``time.monotonic`` after which the request is abandoned."""
+    priority: int = 0
+    """Lower is served first, within the tenant's own fair share and never across tenants
+    (``MIN_PRIORITY``..``MAX_PRIORITY``; docs/design.md, "Priority lanes")."""
+
+
+def priority_problem(priority: int) -> str | None:
+    """Why ``priority`` is not accepted, as a message a person can act on (None: accepted)."""
+    if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+        return (f"priority must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY} (lower is "
+                f"served first; 0 by default), got {priority}")
+    return None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

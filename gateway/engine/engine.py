@@ -43,7 +43,9 @@ from gateway.core.requests import (
     LookupResult,
     WarmRequest,
     WarmResult,
+    priority_problem,
 )
+from gateway.core.sessions import session_problems
 from gateway.core.tokens import TokenIds
 from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.jobs import Job, RequestHandle, WarmHandle
@@ -173,6 +175,8 @@ class Engine:
                 if (self._route.decode_kv_is_prefill_kv and self._config.tail_cache_bytes
                         and self._config.store_generated_blocks):
                     self._tails = TailCache(self._config.tail_cache_bytes)
+                if self._cache is not None:  # a session's reset or expiry drops its tails
+                    self._cache.sessions.attach_tails(self._tails)
                 loop = self._build_loop(forward)
                 self._loop = loop
             except BaseException as exc:  # handed to start()'s caller
@@ -202,7 +206,11 @@ class Engine:
             raise failures[0]
 
     def _build_loop(self, forward: StepForward) -> StepLoop:
-        limits = self._config.schedule_limits(is_serial=self._route.name == "serial")
+        # Preempted requests resume to the same answer only where decoding writes a prefill's
+        # K/V (``gateway.engine.preemption``): elsewhere priorities order, never preempt.
+        limits = self._config.schedule_limits(
+            is_serial=self._route.name == "serial",
+            can_preempt=self._route.decode_kv_is_prefill_kv and self._route.name != "serial")
         self._shadow = self._build_shadow(forward)
         return StepLoop(
             loaded=self._loaded, forward=forward, scheduler=Scheduler(limits), cache=self._cache,
@@ -361,11 +369,16 @@ class Engine:
             EngineDraining: the engine is shutting down.
         """
         problems = request.sampling.problems()
+        if (priority := priority_problem(request.priority)) is not None:
+            problems.append(priority)
         if request.cache.ttl_s is not None and not (
             math.isfinite(request.cache.ttl_s) and request.cache.ttl_s > 0
         ):
             problems.append(f"ttl_s must be a positive number of seconds, got "
                             f"{request.cache.ttl_s}")
+        if request.cache.session_id is not None:
+            problems += session_problems(request.cache.session_id, no_cache=request.cache.no_cache,
+                                         is_shared=request.scope.kind == "shared")
         if problems:
             raise InvalidRequest("; ".join(problems))
         prompt = self._canonical(request.prompt)

@@ -7,6 +7,10 @@ ends, so nothing it reads is evicted under it; its prompt blocks are stored the 
 prefill completes (before its first token is sampled, they are what the next request needs),
 and the blocks its answer filled when it ends.
 
+A generation the scheduler preempts (a better-priority request of its tenant needs its room)
+hands its K/V to the cache, waits in the queue again and resumes as a hit on its own tokens, to
+the same answer (``gateway.engine.preemption``).
+
 A failure of the forward (or of the loop's own bookkeeping) fails every request the step
 carried; a failure after it, in turning one request's output into tokens, text and stored
 blocks, fails that request alone, and the others go on as if it had never run.
@@ -30,13 +34,7 @@ import numpy as np
 import torch
 
 from gateway.cache.prefix_cache import PrefixCache
-from gateway.core.errors import (
-    DeadlineExceeded,
-    EngineDraining,
-    GatewayError,
-    QueueFull,
-    RequestCancelled,
-)
+from gateway.core.errors import EngineDraining, GatewayError
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import (
     FinishReason,
@@ -50,9 +48,16 @@ from gateway.engine.detokenizer import Detokenizer
 from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.jobs import Job
 from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.loop_failures import (
+    is_out_of_memory,
+    out_of_memory,
+    release_memory,
+    why_stopped,
+)
 from gateway.engine.loop_records import ActiveRequest, LoopCounters, LoopSettings
 from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
+from gateway.engine.preemption import resume_tokens, suspend
 from gateway.engine.request_blocks import RequestBlocks
 from gateway.engine.sampling import Sampler
 from gateway.engine.scheduler import Scheduler, StepPlan
@@ -111,6 +116,7 @@ class StepLoop:
         self._is_stopping = False
         self._counters = LoopCounters()
         self._parked: dict[int, list[Job]] = {}  # request id -> jobs waiting for its blocks
+        self._preempted: dict[int, ActiveRequest] = {}  # queued again, to resume from
         self._is_dead = False  # the worker died: nothing submitted will ever run
 
     # ---- called from other threads ------------------------------------------------------
@@ -158,8 +164,11 @@ class StepLoop:
         with self._lock:
             if self._is_dead:
                 raise EngineDraining("the engine's worker has stopped; retry on another replica")
-            self._scheduler.submit(job.id, tenant=job.tenant, prompt_tokens=prompt_tokens,
-                                   kv_bytes=kv_bytes)
+            request = job.request
+            self._scheduler.submit(
+                job.id, tenant=job.tenant, prompt_tokens=prompt_tokens, kv_bytes=kv_bytes,
+                priority=request.priority if isinstance(request, GenerateRequest) else 0,
+                is_preemptible=isinstance(request, GenerateRequest))
             self._waiting[job.id] = job
             self._note_queue_depth()
         self._inbox.put(job)
@@ -217,22 +226,27 @@ class StepLoop:
                 if is_out_of_memory(exc):
                     logger.warning("a step of %d requests ran out of memory on %s: they are "
                                    "refused, the engine goes on", len(self._active), self._device)
-                    error = self._out_of_memory(f"a step of {len(self._active)} requests", exc)
+                    error = out_of_memory(self._device, f"a step of {len(self._active)} requests",
+                                          exc)
                 else:  # a bug
                     logger.exception("engine step failed")
                     error = RuntimeError("internal error in the engine step")
                 for active in list(self._active.values()):
                     self._end(active, error)
-                self._release_memory()
+                release_memory(self._device)
 
     def _turn(self) -> None:
         self._expire()
+        with self._lock:
+            preempted = self._scheduler.preemptions()
+        for request_id in preempted:
+            self._preempt(self._active[request_id])
         with self._lock:
             admitted = self._scheduler.admit()
             jobs = [self._waiting.pop(i) for i in admitted]
             self._note_queue_depth()
         for job in jobs:
-            if self._metrics is not None:
+            if self._metrics is not None and job.id not in self._preempted:
                 self._metrics.record_queue_wait(self._clock() - job.submitted)
             self._admit(job)
         with self._lock:
@@ -246,13 +260,14 @@ class StepLoop:
             late = [j for j in self._waiting.values() if j.cancelled.is_set() or now > j.deadline]
             for job in late:
                 del self._waiting[job.id]
+                self._preempted.pop(job.id, None)
                 self._scheduler.finish(job.id)
         for job in late:
-            self._fail(job, _why_stopped(job, now))
+            self._fail(job, why_stopped(job))
         for active in list(self._active.values()):
             if not active.job.usage_sent and (active.job.cancelled.is_set()
                                               or now > active.job.deadline):
-                self._end(active, _why_stopped(active.job, now))
+                self._end(active, why_stopped(active.job))
 
     def _admit(self, job: Job) -> None:
         """Lease and load the cached prefix, and build the request's KV buffers.
@@ -261,7 +276,10 @@ class StepLoop:
         right now waits for them (parked, computing nothing) and is admitted again once they
         are stored, so concurrent requests for one new prefix compute it once.
         """
-        computing = self._computing_shared_blocks(job)
+        preempted = self._preempted.get(job.id)
+        tokens = job.tokens if preempted is None else resume_tokens(preempted)
+        computing = None if self._blocks is None else self._blocks.computing_shared_blocks(
+            job, tokens, self._active.values())
         if computing is not None:
             with self._lock:
                 self._scheduler.hold(job.id)
@@ -269,45 +287,48 @@ class StepLoop:
             self._counters = replace(self._counters,
                                      num_dedup_waits=self._counters.num_dedup_waits + 1)
             return
+        self._preempted.pop(job.id, None)
         bt = self._settings.block_tokens
-        ids = torch.from_numpy(job.tokens.astype(np.int64))
         request = job.request
         stack = ExitStack()
         try:
             if isinstance(request, GenerateRequest):
                 capacity = len(job.tokens) + request.sampling.max_tokens
-                target = len(job.tokens)
-                max_blocks = (len(job.tokens) - 1) // bt
+                target = len(tokens)
+                max_blocks = (len(tokens) - 1) // bt
                 use_cache = self._cache is not None and not request.cache.no_cache
                 ttl = request.cache.ttl_s
             else:
-                target = len(job.tokens) // bt * bt
+                target = len(tokens) // bt * bt
                 capacity = max(1, target)
                 max_blocks = None
                 use_cache = True
                 ttl = request.ttl_s
-            active = ActiveRequest(job=job, seq=KVSequence.unallocated(self._pool),
-                                   ids=ids,
-                             target=target, stack=stack,
-                             ttl_s=ttl if ttl is not None else self._settings.default_ttl_s)
+            active = ActiveRequest(
+                job=job, seq=KVSequence.unallocated(self._pool), tokens=tokens,
+                ids=torch.from_numpy(tokens.astype(np.int64)), target=target, stack=stack,
+                ttl_s=ttl if ttl is not None else self._settings.default_ttl_s)
             blocks: list[KVBlock] = []
             tail: list[KVBlock] = []
             if use_cache and self._blocks is not None:
-                prefix = self._blocks.lease(job, stack, max_blocks, self._prefill_s_per_token)
+                prefix = self._blocks.lease(job, stack, max_blocks, self._prefill_s_per_token,
+                                            tokens)
                 active.take_prefix(prefix)
                 blocks = prefix.blocks
                 tail = self._blocks.find_tail(active, blocks)
             active.seq = KVSequence.from_blocks(self._pool, blocks + tail, capacity)
             active.loaded_blocks = blocks
-            if isinstance(request, GenerateRequest):
+            if preempted is not None:
+                active.carry_on(preempted)
+            elif isinstance(request, GenerateRequest):
                 active.sampler = Sampler(request.sampling,
                                          vocab_size=self._loaded.tokenizer.vocab_size)
                 active.detok = Detokenizer(self._loaded.tokenizer, request.sampling.stop)
         except Exception as exc:
             if is_out_of_memory(exc):
                 logger.warning("admitting a request ran out of memory on %s", self._device)
-                exc = self._out_of_memory("this request's KV", exc)
-                self._release_memory()
+                exc = out_of_memory(self._device, "this request's KV", exc)
+                release_memory(self._device)
             elif not isinstance(exc, GatewayError):
                 logger.exception("admitting a request failed")
             stack.close()
@@ -327,28 +348,6 @@ class StepLoop:
             except Exception as exc:
                 self._fail_alone(active, exc)
 
-    def _computing_shared_blocks(self, job: Job) -> int | None:
-        """The id of a running request now prefilling full blocks ``job`` needs, or None."""
-        request = job.request
-        if self._cache is None or (isinstance(request, GenerateRequest)
-                                   and request.cache.no_cache):
-            return None
-        bt = self._settings.block_tokens
-        namespace = self._namespace_of(request.scope)
-        for other in self._active.values():
-            if (other.lease is None or other.namespace != namespace
-                    or other.seq.length >= other.target):
-                continue
-            theirs = other.job.tokens
-            n = min(len(job.tokens), len(theirs), other.target) // bt * bt
-            if n == 0:
-                continue
-            same = np.flatnonzero(job.tokens[:n] != theirs[:n])
-            common_blocks = (int(same[0]) if same.size else n) // bt
-            if common_blocks > len(other.loaded_blocks):
-                return other.job.id
-        return None
-
     def _wake_parked(self, request_id: int) -> None:
         """Admit again the requests that waited for ``request_id``'s prompt blocks."""
         with self._lock:
@@ -359,9 +358,30 @@ class StepLoop:
             if job.cancelled.is_set() or self._clock() > job.deadline:
                 with self._lock:
                     self._scheduler.finish(job.id)
-                self._fail(job, _why_stopped(job, self._clock()))
+                self._preempted.pop(job.id, None)
+                self._fail(job, why_stopped(job))
                 continue
             self._admit(job)
+
+    def _preempt(self, active: ActiveRequest) -> None:
+        """Queue ``active`` again, its K/V handed to the cache, to resume where it stopped
+        (``gateway.engine.preemption``); a better-priority request of its tenant takes its room."""
+        job = active.job
+        try:
+            suspend(active, self._blocks)
+        except Exception as exc:  # storing its blocks failed: it ends, its room is freed
+            self._fail_alone(active, exc)
+            return
+        del self._active[job.id]
+        self._preempted[job.id] = active
+        with self._lock:
+            self._scheduler.preempt(job.id, prompt_tokens=len(resume_tokens(active)))
+            self._waiting[job.id] = job
+        self._wake_parked(job.id)  # what they waited for is stored, or is theirs to compute
+        self._counters = replace(self._counters,
+                                 num_preemptions=self._counters.num_preemptions + 1)
+        if self._metrics is not None:
+            self._metrics.record_preemption()
 
     def _step(self, plan: StepPlan) -> None:
         batch: list[SequenceRows] = []
@@ -391,12 +411,11 @@ class StepLoop:
             self._metrics.record_step(num_requests=len(plan.chunks), num_tokens=plan.num_tokens)
         num_decode = sum(1 for c in plan.chunks if c.is_decode)
         counters = self._counters
-        self._counters = LoopCounters(
-            num_steps=counters.num_steps + 1,
+        self._counters = replace(
+            counters, num_steps=counters.num_steps + 1,
             num_prefill_tokens=counters.num_prefill_tokens + plan.num_tokens - num_decode,
             num_decode_tokens=counters.num_decode_tokens + num_decode,
-            max_sequences_in_step=max(counters.max_sequences_in_step, len(plan.chunks)),
-            num_dedup_waits=counters.num_dedup_waits)
+            max_sequences_in_step=max(counters.max_sequences_in_step, len(plan.chunks)))
         if not any(c.is_decode for c in plan.chunks):
             self._note_prefill_speed(plan.num_tokens, time.perf_counter() - began)
         for chunk, logits in zip(chunks, outputs, strict=True):
@@ -533,8 +552,8 @@ class StepLoop:
         if is_out_of_memory(exc):
             logger.warning("request %d ran out of memory on %s after its forward: it is "
                            "refused, the engine goes on", job.id, self._device)
-            error = self._out_of_memory("this request", exc)
-            self._release_memory()
+            error = out_of_memory(self._device, "this request", exc)
+            release_memory(self._device)
         else:  # a bug, or a value nothing checked
             logger.error("request %d failed after its forward; the others in the step go on",
                          job.id, exc_info=exc)
@@ -550,20 +569,6 @@ class StepLoop:
         job.error = exc
         job.events.put(exc)
         job.done.set()
-
-    def _out_of_memory(self, what: str, exc: BaseException) -> QueueFull:
-        if isinstance(exc, PoolExhausted):
-            return QueueFull(f"no KV page was free for {what} ({exc}); retry later, with a "
-                             "shorter prompt or fewer max_tokens")
-        return QueueFull(
-            f"the model's device ({self._device}) ran out of memory for {what}; retry later, "
-            "with a shorter prompt or fewer max_tokens (an operator lowers [engine] "
-            "kv_budget_bytes or max_running to fit the device)")
-
-    def _release_memory(self) -> None:
-        """Give the allocator's cached blocks back after an out-of-memory (CUDA keeps them)."""
-        if self._device.type == "cuda":
-            torch.cuda.empty_cache()
 
     def _note_prefill_speed(self, num_tokens: int, seconds: float) -> None:
         sample = seconds / max(1, num_tokens)
@@ -586,15 +591,3 @@ class StepLoop:
         (a cached prefix) counted once."""
         pages = {page for active in list(self._active.values()) for page in active.seq.page_ids}
         return len(pages) * self._pool.page_nbytes
-
-
-def _why_stopped(job: Job, now: float) -> GatewayError:
-    if job.cancelled.is_set():
-        return RequestCancelled("the request was cancelled")
-    return DeadlineExceeded("the request ran past its deadline")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """An allocation failed: CUDA's out-of-memory, or the CPU allocator's refusal."""
-    return isinstance(exc, torch.OutOfMemoryError | PoolExhausted) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

@@ -13,6 +13,7 @@ import torch
 
 from gateway.cache.prefix_cache import Lease
 from gateway.core.fingerprint import Namespace
+from gateway.core.tokens import TokenIds
 from gateway.engine.detokenizer import Detokenizer
 from gateway.engine.jobs import Job
 from gateway.engine.kv_sequence import KVSequence
@@ -54,6 +55,8 @@ class LoopCounters:
         max_sequences_in_step: the most requests one forward carried.
         num_dedup_waits: requests that waited for another's prefill of the same blocks
             instead of computing them too.
+        num_preemptions: running generations preempted for a better-priority request of their
+            tenant (each resumed later, or ended while it waited).
     """
 
     num_steps: int = 0
@@ -61,6 +64,7 @@ class LoopCounters:
     num_decode_tokens: int = 0
     max_sequences_in_step: int = 0
     num_dedup_waits: int = 0
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,10 +88,16 @@ class LeasedPrefix:
 
 @dataclass(slots=True, kw_only=True)
 class ActiveRequest:
-    """A request the step loop has admitted: its state across steps."""
+    """A request the step loop has admitted: its state across steps.
+
+    ``tokens`` (and ``ids``, the same as a tensor) are what its sequence is computed over: its
+    prompt, or for a preempted generation resumed its prompt and what it had generated
+    (``target`` is their number).
+    """
 
     job: Job
     seq: KVSequence
+    tokens: TokenIds
     ids: torch.Tensor
     target: int
     stack: ExitStack
@@ -111,3 +121,13 @@ class ActiveRequest:
         self.reads_own_namespace = prefix.reads_own_namespace
         for tier, num_tokens in prefix.cached_by_tier.items():
             self.cached_by_tier[tier] = self.cached_by_tier.get(tier, 0) + num_tokens
+
+    def carry_on(self, preempted: ActiveRequest) -> None:
+        """Take over a preempted generation's own state: its sampler (the random generator
+        where it samples, so the next draw is the one it would have made), detokenizer,
+        tokens generated and timings; and the usage its first admission found (what its
+        resumption finds in the cache is its own K/V, not a hit of the prompt's)."""
+        self.sampler, self.detok = preempted.sampler, preempted.detok
+        self.generated = preempted.generated
+        self.ttft_ms, self.last_token_at = preempted.ttft_ms, preempted.last_token_at
+        self.cached_by_tier = preempted.cached_by_tier

@@ -12,7 +12,7 @@ from typing import Protocol
 
 class EngineMetrics(Protocol):
     """Receives the outcome of every generation, each step, the queue depth and wait, the KV
-    bytes in use, inter-token gaps and shadow verifications.
+    bytes in use, inter-token gaps, preemptions and shadow verifications.
 
     NOTE: the step loop calls these on its one thread, once per step or token: each must be
     cheap (a counter or histogram update), never I/O.
@@ -40,6 +40,9 @@ class EngineMetrics(Protocol):
 
     def record_inter_token(self, gap_s: float) -> None:
         """A generated token, ``gap_s`` after the previous token of the same request."""
+
+    def record_preemption(self) -> None:
+        """A running generation preempted for a better-priority request of its tenant."""
 
     def record_shadow_check(self, *, num_blocks: int, divergent_tiers: Sequence[str]) -> None:
         """One shadow verification (``gateway.engine.shadow``) of ``num_blocks`` served blocks;

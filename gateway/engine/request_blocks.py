@@ -5,12 +5,14 @@ what: which namespace a request reads (its own, or the shared scope where an adm
 longer prefix), which tail of its conversation it continues, and which blocks are new. Storing
 an answer's blocks needs no recomputation where decoding writes the K/V a prefill writes
 (``gateway.engine.probe``); on the serial route they are recomputed block-aligned first
-(docs/design.md, "Parity").
+(docs/design.md, "Parity"). Every block a request reads or stores in its own namespace is
+reported to the cache's session registry with the request's session (or none), which decides
+whose block it is (``gateway.cache.sessions``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 
 import numpy as np
@@ -52,13 +54,15 @@ class RequestBlocks:
         self._tails = tails
 
     def lease(self, job: Job, stack: ExitStack, max_blocks: int | None,
-              recompute_s_per_token: float | None) -> LeasedPrefix:
+              recompute_s_per_token: float | None, tokens: TokenIds | None = None
+              ) -> LeasedPrefix:
         """Lease the request's cached prefix (its own namespace's, or the shared scope's where
         longer) until ``stack`` closes, and load it; ``recompute_s_per_token`` decides which
-        tiers are worth reading."""
+        tiers are worth reading. ``tokens``: what the request's sequence holds, when not its
+        prompt alone (a preempted generation resumed: its prompt and what it generated)."""
         request = job.request
         namespace = self._namespace_of(request.scope)
-        tokens = job.tokens
+        tokens = job.tokens if tokens is None else tokens
         lease = stack.enter_context(self._cache.acquire(namespace, tokens))
         source = lease
         if request.scope.kind == "tenant":
@@ -76,6 +80,8 @@ class RequestBlocks:
             if source is not lease:  # the shared scope: its tier would tell of other tenants
                 tier = SHARED_SCOPE_TIER
             by_tier[tier] = by_tier.get(tier, 0) + bt
+        self._cache.sessions.note_use(namespace, _session_of(job), lease.records,
+                                      lease.match.tiers)
         if self._shadow is not None and blocks:
             match = source.match  # what was loaded: its keys and the tier each came from
             self._shadow.offer(namespace=source.namespace, tokens=tokens, keys=match.keys,
@@ -83,6 +89,29 @@ class RequestBlocks:
         return LeasedPrefix(lease=lease, namespace=namespace,
                             reads_own_namespace=source is lease, blocks=blocks,
                             cached_by_tier=by_tier)
+
+    def computing_shared_blocks(self, job: Job, tokens: TokenIds,
+                                running: Iterable[ActiveRequest]) -> int | None:
+        """The id of a request of ``running`` now prefilling full blocks ``job`` needs (of its
+        ``tokens``), or None: ``job`` then waits for them instead of computing them too."""
+        request = job.request
+        if isinstance(request, GenerateRequest) and request.cache.no_cache:
+            return None
+        bt = self._settings.block_tokens
+        namespace = self._namespace_of(request.scope)
+        for other in running:
+            if (other.lease is None or other.namespace != namespace
+                    or other.seq.length >= other.target):
+                continue
+            theirs = other.tokens
+            n = min(len(tokens), len(theirs), other.target) // bt * bt
+            if n == 0:
+                continue
+            same = np.flatnonzero(tokens[:n] != theirs[:n])
+            common_blocks = (int(same[0]) if same.size else n) // bt
+            if common_blocks > len(other.loaded_blocks):
+                return other.job.id
+        return None
 
     def find_tail(self, active: ActiveRequest, blocks: list[KVBlock]) -> list[KVBlock]:
         """The kept tail a generation continues after its loaded blocks ([] if none), leaving
@@ -93,9 +122,9 @@ class RequestBlocks:
                 or not isinstance(active.job.request, GenerateRequest)):
             return []
         start = len(blocks) * self._settings.block_tokens
-        following = active.job.tokens[start:]
+        following = active.tokens[start:]
         kv = self._tails.find(active.namespace, lease.records[-1], following,
-                              max_tokens=len(following) - 1)
+                              max_tokens=len(following) - 1, session_id=_session_of(active.job))
         if kv is None:
             return []
         # Kept in the engine's memory, where the model runs: reported as the device's.
@@ -110,17 +139,31 @@ class RequestBlocks:
         num_full = len(active.job.tokens) // bt
         own = active.lease.match.num_blocks
         blocks = active.loaded_blocks
+        end = min(num_full, active.seq.length // bt)
         fresh = [blocks[i] if i < len(blocks) else active.seq.block(i, bt)
-                 for i in range(own, min(num_full, active.seq.length // bt))]
+                 for i in range(own, end)]
         result = self._cache.insert(active.lease, tier=self._cache.tier_names[0], blocks=fresh,
                                     ttl_s=active.ttl_s)
         active.stored_new = result.num_new_blocks
+        if active.namespace is not None:
+            self._cache.sessions.note_stored(active.namespace, _session_of(active.job),
+                                             active.lease.keys[own:end])
+
+    def store_for_resume(self, active: ActiveRequest) -> None:
+        """Hand a preempted generation's complete K/V to the cache so that it resumes as a hit
+        on its own tokens (``gateway.engine.preemption``): its prompt's full blocks, its
+        answer's (where answers are stored) and the tail after them (where tails are kept)."""
+        if active.seq.length < len(active.job.tokens):
+            self.store_prompt_blocks(active)  # preempted while prefilling
+        if self._settings.store_generated_blocks:
+            self.store_answer(active)
 
     def store_answer(self, active: ActiveRequest) -> None:
         """Store the full blocks the answer filled (recomputed first on the serial route), then
         keep the conversation's tail (where tails are kept) for its next turn."""
         if active.namespace is None:
             return
+        self._cache.sessions.touch(active.namespace, _session_of(active.job))  # it ends now
         everything = as_token_ids(np.concatenate(
             [active.job.tokens, np.asarray(active.generated, np.uint32)]))
         self._store_generated(active, active.namespace, everything)
@@ -135,13 +178,16 @@ class RequestBlocks:
         if num_full <= first:
             return
         with self._cache.acquire(namespace, everything) as lease:
-            if lease.match.num_blocks != first:
+            stored = lease.match.num_blocks  # past ``first`` where it was preempted and resumed
+            if stored < first:
                 return  # the prompt's blocks are not all stored: nothing to continue
             if not self._settings.decode_kv_is_prefill_kv:
                 self._recompute(active.seq, everything, first * bt, num_full * bt)
-            fresh = [active.seq.block(i, bt) for i in range(first, num_full)]
+            fresh = [active.seq.block(i, bt) for i in range(stored, num_full)]
             self._cache.insert(lease, tier=self._cache.tier_names[0], blocks=fresh,
                                ttl_s=active.ttl_s)
+            self._cache.sessions.note_stored(namespace, _session_of(active.job),
+                                             lease.keys[stored:num_full])
 
     def _keep_tail(self, active: ActiveRequest, namespace: Namespace, everything: TokenIds,
                    tails: TailCache) -> None:
@@ -156,7 +202,7 @@ class RequestBlocks:
                 return  # the blocks it continues are not all stored
             parent = lease.records[-1]
         tails.keep(namespace, parent, everything[num_full * bt:length],
-                   active.seq.span(num_full * bt, length))
+                   active.seq.span(num_full * bt, length), session_id=_session_of(active.job))
 
     def _recompute(self, seq: KVSequence, tokens: np.ndarray, start: int, end: int) -> None:
         """Recompute tokens[start:end] block-aligned (the serial route's decode K/V differ)."""
@@ -166,3 +212,9 @@ class RequestBlocks:
         for at in range(start, end, bt):
             self._forward.forward([SequenceRows(sequence=seq, tokens=ids[at:at + bt],
                                                 wants_logits=False)])
+
+
+def _session_of(job: Job) -> str | None:
+    """The session a request belongs to (a warm belongs to none)."""
+    request = job.request
+    return request.cache.session_id if isinstance(request, GenerateRequest) else None

@@ -15,12 +15,13 @@ Fair shares of what is scarce (issue 22): the KV budget and the running slots.
   at once; a request beyond its tenant's share queues behind that tenant's own. A tenant with
   nothing running may always start one request, however large (up to the whole budget), so a
   request larger than a share is served, alone if need be, and never deadlocks.
-  NOTE: a tenant alone does not borrow the rest. The engine cannot preempt a running request,
-  so bytes lent to a lone tenant come back only when its requests end — minutes, for long
-  generations — and a tenant arriving meanwhile waits that long (what the review saw: one
-  tenant's six long completions held the whole budget, another's small chat waited past 90 s).
-  The share left free is what lets a newcomer start at once. A single-tenant deployment sets the
-  share to 1.0, as it raises ``max_running_per_tenant`` to ``max_running``.
+  NOTE: a tenant alone does not borrow the rest. A running request is preempted only for a
+  better-priority request of its own tenant (below), never for another tenant's, so bytes lent to
+  a lone tenant would come back only when its requests end — minutes, for long generations — and
+  a tenant arriving meanwhile would wait that long (what the review saw: one tenant's six long
+  completions held the whole budget, another's small chat waited past 90 s). The share left free
+  is what lets a newcomer start at once. A single-tenant deployment sets the share to 1.0, as it
+  raises ``max_running_per_tenant`` to ``max_running``.
 - **Who goes next: the tenant holding least** (dominant resource fairness, Ghodsi et al. 2011):
   among tenants whose head request is within their share, the one whose larger fraction —
   of the KV budget or of the running slots — is smallest, ties to the one served least
@@ -38,6 +39,20 @@ Fair shares of what is scarce (issue 22): the KV budget and the running slots.
   this 2-core machine: the quiet tenant's TTFT p50 flooded / alone went from 1.72-2.04x to
   1.12-1.18x).
 
+Priority lanes (issue 28; docs/design.md, "Priority lanes"): a request's ``priority`` (vLLM's
+meaning, lower first) orders it among its own tenant's requests only — which of them is admitted
+next, which prefills first, and, when its tenant's next request in line does not fit (a slot, the
+tenant's share or the KV budget), which of the tenant's running requests with a worse priority
+are preempted to make room: the worst first, the latest among equals (``preemptions``). Which
+tenant goes next is decided exactly as without priorities, so no priority, however low, moves one
+tenant ahead of another or takes anything another tenant holds. A preempted request queues again
+at its place (its priority, its first arrival); the step loop keeps its K/V in the cache and
+resumes it as a hit on its own tokens. While a tenant alone runs requests of more than one
+priority, steps keep to ``step_tokens``: a better-priority request then waits for its first token.
+So they do while it runs only background work (a priority above the default 0): its foreground
+requests may arrive at any moment, and a step in flight cannot be interrupted, so the step's
+length is what such a request waits before its own prompt is prefilled.
+
 In serial mode (``ScheduleLimits.is_serial``: the start-up probe found the batched forward not
 invariant) one request runs at a time and its prefill chunks end at block boundaries, which
 keeps warm equal to cold on the transformers route (docs/design.md, "Parity": today's route).
@@ -45,7 +60,7 @@ keeps warm equal to cold on the transformers route (docs/design.md, "Parity": to
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import insort
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -74,6 +89,9 @@ class ScheduleLimits:
             request of any size.
         is_serial: one request at a time, prefill chunks ending at ``block_tokens`` boundaries.
         block_tokens: the cache block size (the chunk boundary in serial mode).
+        can_preempt: running requests may be preempted for a better-priority request of their
+            tenant (only where a preempted request resumes to the same answer: decoding writes
+            the K/V a prefill writes, ``gateway.engine.loop``).
     """
 
     step_tokens: int = 256
@@ -86,6 +104,7 @@ class ScheduleLimits:
     max_kv_share_per_tenant: float = 0.5
     is_serial: bool = False
     block_tokens: int = 64
+    can_preempt: bool = True
 
     def __post_init__(self) -> None:
         for name in ("step_tokens", "prefill_step_tokens", "max_running",
@@ -135,14 +154,23 @@ class _Entry:
     tenant: str
     kv_bytes: int
     prefill_left: int
+    priority: int = 0
+    arrival: int = 0
+    reserved_bytes: int = 0  # what it reserves when admitted (``kv_bytes`` shrinks after)
+    is_preemptible: bool = True
     is_decoding: bool = False
     prefilled: int = 0
     is_held: bool = False
 
+    @property
+    def rank(self) -> tuple[int, int]:
+        """Its place among its tenant's requests: better priority first, then earlier arrival."""
+        return self.priority, self.arrival
+
 
 @dataclass(slots=True)
 class _TenantQueue:
-    waiting: deque[_Entry] = field(default_factory=deque)
+    waiting: list[_Entry] = field(default_factory=list)  # in ``rank`` order
     num_running: int = 0
     kv_bytes: int = 0
     tokens_given: int = 0
@@ -163,6 +191,7 @@ class Scheduler:
         self._num_waiting = 0
         self._kv_bytes = 0
         self._num_admitted = 0
+        self._num_submitted = 0
 
     @property
     def limits(self) -> ScheduleLimits:
@@ -185,8 +214,10 @@ class Scheduler:
     def running_ids(self) -> list[int]:
         return list(self._running)
 
-    def submit(self, request_id: int, *, tenant: str, prompt_tokens: int, kv_bytes: int) -> None:
-        """Queue a request that must prefill ``prompt_tokens`` tokens.
+    def submit(self, request_id: int, *, tenant: str, prompt_tokens: int, kv_bytes: int,
+               priority: int = 0, is_preemptible: bool = True) -> None:
+        """Queue a request that must prefill ``prompt_tokens`` tokens, behind its tenant's
+        requests of a better or equal ``priority`` (lower is better).
 
         Raises:
             QueueFull: the tenant's or the server's queue limit is reached (the message names it).
@@ -206,8 +237,11 @@ class Scheduler:
         # NOTE: a tenant is known only once a request of its is queued: a refused newcomer left
         # behind would count as a second tenant in the engine (``plan``'s step size) forever.
         state = self._tenants.setdefault(tenant, _TenantQueue())
-        state.waiting.append(_Entry(request_id=request_id, tenant=tenant, kv_bytes=kv_bytes,
-                                    prefill_left=prompt_tokens))
+        insort(state.waiting, _Entry(
+            request_id=request_id, tenant=tenant, kv_bytes=kv_bytes, reserved_bytes=kv_bytes,
+            prefill_left=prompt_tokens, priority=priority, arrival=self._num_submitted,
+            is_preemptible=is_preemptible), key=_rank)
+        self._num_submitted += 1
         self._num_waiting += 1
 
     def admit(self) -> list[int]:
@@ -227,7 +261,7 @@ class Scheduler:
             entry = state.waiting[0]
             if self._kv_bytes + entry.kv_bytes > limits.kv_budget_bytes:
                 break  # the bytes freed next are this tenant's: no one overtakes it
-            state.waiting.popleft()
+            state.waiting.pop(0)
             self._num_waiting -= 1
             state.num_running += 1
             state.kv_bytes += entry.kv_bytes
@@ -238,26 +272,92 @@ class Scheduler:
             self._num_admitted += 1
         return admitted
 
-    def _next_tenant(self, max_running: int) -> str | None:
+    def _next_tenant(self, max_running: int, *, preempting: bool = False) -> str | None:
         """The tenant whose head request goes next: within its own share, holding least.
 
         Ties go to the tenant served least recently (one never served first, in arrival order):
         round-robin among equals, and a tenant that waited through another's admission is not
-        passed over again when both hold nothing.
+        passed over again when both hold nothing. With ``preempting``, a tenant beyond its own
+        share counts as within it when preempting its own worse-priority requests makes room
+        for its head (``_victims``); how much it holds is what it holds now either way.
         """
         limits = self._limits
         chosen: str | None = None
         least = (0.0, 0)
         for tenant, state in self._tenants.items():
-            if not state.waiting or state.num_running >= limits.max_running_per_tenant:
+            if not state.waiting:
                 continue
-            if (state.num_running
-                    and state.kv_bytes + state.waiting[0].kv_bytes > limits.kv_bytes_per_tenant):
-                continue  # beyond its share: it queues behind its own running requests
+            head = state.waiting[0]
+            if state.num_running >= limits.max_running_per_tenant or (
+                    state.num_running
+                    and state.kv_bytes + head.kv_bytes > limits.kv_bytes_per_tenant):
+                # Beyond its share: it queues behind its own running requests, unless it may
+                # preempt some of them.
+                if not preempting or not self._victims(state, head, max_running):
+                    continue
             held = max(state.kv_bytes / limits.kv_budget_bytes, state.num_running / max_running)
             if chosen is None or (held, state.last_admitted) < least:
                 chosen, least = tenant, (held, state.last_admitted)
         return chosen
+
+    def preemptions(self) -> list[int]:
+        """The running requests to preempt now so that the next request in line fits.
+
+        The next in line is the head of the tenant ``admit`` would serve next (holding least),
+        counting a tenant beyond its share whose head outranks some of its own running
+        requests. Only that tenant's requests of a worse priority than its head are listed, the
+        worst first and the latest among equals, as few as make the head fit every bound (its
+        tenant's slots and share, the running slots and the KV budget); none when it fits
+        already or when preempting all of them would not make it fit. The caller preempts each
+        (``preempt``) before the next ``admit``.
+        """
+        if not self._limits.can_preempt:
+            return []
+        max_running = 1 if self._limits.is_serial else self._limits.max_running
+        tenant = self._next_tenant(max_running, preempting=True)
+        if tenant is None:
+            return []
+        state = self._tenants[tenant]
+        return [entry.request_id for entry in self._victims(state, state.waiting[0],
+                                                            max_running) or ()]
+
+    def _victims(self, state: _TenantQueue, head: _Entry, max_running: int) -> list[_Entry] | None:
+        """What ``preemptions`` lists for ``head`` of ``state``: [] if it fits as things are,
+        None if it would not fit even with every request it outranks preempted."""
+        limits = self._limits
+        outranked = sorted((e for e in self._running.values()
+                            if e.tenant == head.tenant and e.is_preemptible and not e.is_held
+                            and e.priority > head.priority),
+                           key=_rank, reverse=True) if limits.can_preempt else []
+        victims: list[_Entry] = []
+        freed = 0
+        for victim in (None, *outranked):
+            if victim is not None:
+                victims.append(victim)
+                freed += victim.kv_bytes
+            mine = state.num_running - len(victims)
+            if (len(self._running) - len(victims) < max_running
+                    and mine < limits.max_running_per_tenant
+                    and (mine == 0
+                         or state.kv_bytes - freed + head.kv_bytes <= limits.kv_bytes_per_tenant)
+                    and self._kv_bytes - freed + head.kv_bytes <= limits.kv_budget_bytes):
+                return victims
+        return None
+
+    def preempt(self, request_id: int, *, prompt_tokens: int) -> None:
+        """Move a running request back to its tenant's queue, at its place (its priority, its
+        first arrival), reserving in full again; resumed, it prefills ``prompt_tokens`` (its
+        prompt and what it has generated: the step loop skips what the cache kept of them)."""
+        entry = self._running.pop(request_id)
+        state = self._tenants[entry.tenant]
+        state.num_running -= 1
+        state.kv_bytes -= entry.kv_bytes
+        self._kv_bytes -= entry.kv_bytes
+        entry.kv_bytes = entry.reserved_bytes
+        entry.prefill_left, entry.prefilled = prompt_tokens, 0
+        entry.is_decoding = entry.is_held = False
+        insort(state.waiting, entry, key=_rank)
+        self._num_waiting += 1
 
     def cancel_waiting(self, request_id: int) -> bool:
         """Drop a request that has not started; whether it was waiting."""
@@ -287,11 +387,13 @@ class Scheduler:
             if entry.is_decoding:
                 chunks.append(ScheduledChunk(request_id=entry.request_id, num_tokens=1,
                                              is_decode=True))
-        is_alone = len(self._tenants) <= 1  # one tenant alone: no one else waits for a step
+        # One tenant alone, in one lane that is not background work: no one waits for a step.
+        lanes = {e.priority for e in self._running.values()}
+        is_alone = len(self._tenants) <= 1 and len(lanes) <= 1 and max(lanes, default=0) <= 0
         prefilling = [e for e in self._running.values()
                       if not e.is_decoding and not e.is_held and e.prefill_left]
         by_need = sorted(prefilling, key=lambda e: (self._tenants[e.tenant].tokens_given,
-                                                    e.request_id))
+                                                    *e.rank))
         step = limits.step_tokens
         if is_alone and not chunks:
             step = max(limits.step_tokens, limits.prefill_step_tokens)
@@ -366,3 +468,7 @@ class Scheduler:
 
     def tenants_running(self) -> Iterable[str]:
         return {e.tenant for e in self._running.values()}
+
+
+def _rank(entry: _Entry) -> tuple[int, int]:
+    return entry.rank

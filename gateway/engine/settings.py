@@ -56,8 +56,8 @@ class EngineSettings:
             of a cached prefix they share are the device tier's).
         max_kv_share_per_tenant: the fraction of ``kv_budget_bytes`` one tenant's running
             requests may hold, in (0, 1]; a tenant with nothing running may still start one
-            request of any size. Not lent to a tenant alone (no preemption: another tenant
-            arriving would wait for its requests to end); one tenant only: set 1.0
+            request of any size. Not lent to a tenant alone (nothing is preempted for another
+            tenant: one arriving would wait for its requests to end); one tenant only: set 1.0
             (``gateway.engine.scheduler``).
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
             (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
@@ -170,12 +170,13 @@ class EngineConfig(EngineSettings):
                               max_rows=max(self.step_tokens, self.prefill_step_tokens),
                               max_logit_rows=self.max_running)
 
-    def schedule_limits(self, *, is_serial: bool) -> ScheduleLimits:
-        """The scheduler's bounds on the route chosen (``is_serial``: the serial route)."""
+    def schedule_limits(self, *, is_serial: bool, can_preempt: bool = False) -> ScheduleLimits:
+        """The scheduler's bounds on the route chosen (``is_serial``: the serial route;
+        ``can_preempt``: a preempted request resumes to the same answer on it)."""
         return ScheduleLimits(
             step_tokens=self.step_tokens, prefill_step_tokens=self.prefill_step_tokens,
             max_running=self.max_running, max_running_per_tenant=self.max_running_per_tenant,
             max_queued_per_tenant=self.max_queued_per_tenant, max_queued=self.max_queue,
             kv_budget_bytes=self.kv_budget_bytes,
             max_kv_share_per_tenant=self.max_kv_share_per_tenant, is_serial=is_serial,
-            block_tokens=self.block_tokens)
+            block_tokens=self.block_tokens, can_preempt=can_preempt)

@@ -12,17 +12,22 @@ Identity: a tail continues one cached block, the ``BlockRecord`` of the conversa
 block in the tenant's namespace (its key is keyed by the namespace, so no tenant ever reaches
 another's tail). A tail is used only while that very record is in the index: a block evicted or
 expired takes its tails with it, even if the same block is stored again later.
+
+Sessions: a tail belongs to the session whose request kept it while no request of another
+session (or of none) has continued it, as blocks do (``gateway.cache.sessions``); a session's
+reset or expiry drops its tails (``drop_session``).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from gateway.cache.radix_index import BlockRecord
+from gateway.cache.sessions import COMMON
 from gateway.core.fingerprint import Namespace
 from policies.base import BlockKey
 from tiers.payload import KVBlock
@@ -39,6 +44,7 @@ class _Tail:
     tokens: np.ndarray
     kv: KVBlock
     nbytes: int
+    session: str = COMMON  # whose tail it is (``gateway.cache.sessions``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +92,9 @@ class TailCache:
                                 num_bytes=self._num_bytes)
 
     def keep(self, namespace: Namespace, parent: BlockRecord, tokens: np.ndarray,
-             kv: KVBlock) -> None:
-        """Keep ``kv``, the K/V of ``tokens`` right after the block ``parent``.
+             kv: KVBlock, session_id: str | None = None) -> None:
+        """Keep ``kv``, the K/V of ``tokens`` right after the block ``parent``, for a request of
+        ``session_id`` (None: of no session).
 
         ``kv`` must be the caller's own copy (it is shared with later requests, read-only).
         """
@@ -102,15 +109,15 @@ class TailCache:
             while self._num_bytes + nbytes > self._capacity:
                 self._drop(next(iter(self._tails)))
             self._tails[tail_id] = _Tail(parent=parent, tokens=np.array(tokens, np.uint32),
-                                         kv=kv, nbytes=nbytes)
+                                         kv=kv, nbytes=nbytes, session=session_id or COMMON)
             self._by_parent.setdefault(tail_id[:2], set()).add(tail_id)
             self._num_bytes += nbytes
             self._num_kept += 1
 
     def find(self, namespace: Namespace, parent: BlockRecord, following: np.ndarray,
-             max_tokens: int) -> KVBlock | None:
+             max_tokens: int, session_id: str | None = None) -> KVBlock | None:
         """The longest kept tail after ``parent`` whose tokens begin ``following``, at most
-        ``max_tokens`` long; None if there is none."""
+        ``max_tokens`` long, for a request of ``session_id``; None if there is none."""
         best: _Tail | None = None
         with self._lock:
             for tail_id in list(self._by_parent.get((namespace, parent.key), ())):
@@ -125,10 +132,31 @@ class TailCache:
                     best = tail
             if best is None:
                 return None
-            self._tails.move_to_end((namespace, parent.key, best.tokens.tobytes()))
+            best_id = (namespace, parent.key, best.tokens.tobytes())
+            self._tails.move_to_end(best_id)
+            if best.session != (session_id or COMMON):  # continued by another: nobody's own
+                self._tails[best_id] = replace(best, session=COMMON)
             self._num_hits += 1
             self._num_tokens_served += len(best.tokens)
             return best.kv
+
+    def session_tail(self, owner: str, session_id: str) -> tuple[int, int]:
+        """Tokens and bytes of the tails ``owner``'s session ``session_id`` kept and alone
+        continued."""
+        with self._lock:
+            mine = [t for (ns, _, _), t in self._tails.items()
+                    if t.session == session_id and ns.scope.owner == owner]
+            return sum(len(t.tokens) for t in mine), sum(t.nbytes for t in mine)
+
+    def drop_session(self, owner: str, session_id: str) -> int:
+        """Drop the tails of ``owner``'s session ``session_id``; the bytes they held."""
+        with self._lock:
+            mine = [tail_id for tail_id, t in self._tails.items()
+                    if t.session == session_id and tail_id[0].scope.owner == owner]
+            before = self._num_bytes
+            for tail_id in mine:
+                self._drop(tail_id)
+            return before - self._num_bytes
 
     def _drop(self, tail_id: _TailId) -> None:
         tail = self._tails.pop(tail_id, None)

@@ -40,7 +40,9 @@ from gateway.core.requests import (
     Usage,
     WarmRequest,
     WarmResult,
+    priority_problem,
 )
+from gateway.core.sessions import checked_session_id, session_use_problem
 from gateway.core.tags import checked_tag
 from gateway.service.edge import (
     DEFAULT_PROMPT_LIMITS,
@@ -56,6 +58,7 @@ from gateway.service.pb import kvgate_pb2 as pb
 
 if TYPE_CHECKING:
     from gateway.cache.admin import EvictResult, PrefixSummary
+    from gateway.cache.session_admin import SessionSummary
     from gateway.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -168,6 +171,20 @@ def sampling_params(message: pb.SamplingParams) -> SamplingParams:
     return params
 
 
+def priority_of(message: pb.GenerateRequest) -> int:
+    """``message.priority`` checked (0 when unset: vLLM's default).
+
+    Raises:
+        InvalidRequest: outside ``MIN_PRIORITY``..``MAX_PRIORITY`` (the message says the range).
+    """
+    if not message.HasField("priority"):
+        return 0
+    problem = priority_problem(message.priority)
+    if problem is not None:
+        raise InvalidRequest(problem)
+    return message.priority
+
+
 def tag_of(message: Any, field_name: str = "tag") -> str | None:
     """``message.tag`` checked (``gateway.core.tags``; None when unset).
 
@@ -175,6 +192,22 @@ def tag_of(message: Any, field_name: str = "tag") -> str | None:
         InvalidRequest: not a valid tag (the message says what is accepted).
     """
     return checked_tag(message.tag, field_name) if message.HasField("tag") else None
+
+
+def session_of(cache: pb.CacheOptions) -> str | None:
+    """``cache.session_id`` checked (``gateway.core.sessions``; None when unset).
+
+    Raises:
+        InvalidRequest: not a session id, or sent with ``no_cache`` or in the shared scope.
+    """
+    if not cache.HasField("session_id"):
+        return None
+    session_id = checked_session_id(cache.session_id, "cache.session_id")
+    problem = session_use_problem(is_shared=cache.scope == pb.SCOPE_SHARED,
+                                  no_cache=cache.no_cache)
+    if problem is not None:
+        raise InvalidRequest(f"cache.session_id: {problem}")
+    return session_id
 
 
 def ttl_seconds(message: Any, limits: EdgeLimits) -> float | None:
@@ -204,8 +237,10 @@ def generate_request(
         scope=scope_for(principal, message.cache.scope),
         sampling=sampling_params(message.sampling),
         cache=CacheOptions(no_cache=message.cache.no_cache,
-                           ttl_s=ttl_seconds(message.cache, limits)),
+                           ttl_s=ttl_seconds(message.cache, limits),
+                           session_id=session_of(message.cache)),
         deadline=deadline,
+        priority=priority_of(message),
     )
 
 
@@ -299,6 +334,13 @@ def prefix_summary(summary: PrefixSummary) -> pb.PrefixSummary:
         age_s=summary.age_s, idle_s=summary.idle_s, num_hits=summary.num_hits,
         is_pinned=summary.is_pinned, preview=summary.preview, tags=summary.tags,
     )
+
+
+def session_summary(summary: SessionSummary) -> pb.SessionSummary:
+    return pb.SessionSummary(
+        tenant=summary.tenant, session_id=summary.session_id, num_blocks=summary.num_blocks,
+        num_bytes=summary.num_bytes, tail_tokens=summary.tail_tokens, idle_s=summary.idle_s,
+        expires_in_s=summary.expires_in_s)
 
 
 def evict_response(result: EvictResult) -> pb.EvictResponse:
@@ -479,3 +521,24 @@ class AdminServicer:
         self, request: pb.FlushRequest, principal: Principal, context: Any
     ) -> pb.EvictResponse:
         return evict_response(self._engines.admin().flush())
+
+    def ListSessions(
+        self, request: pb.ListSessionsRequest, principal: Principal, context: Any
+    ) -> pb.ListSessionsResponse:
+        limit = request.limit or DEFAULT_LIST_LIMIT
+        if not 1 <= limit <= MAX_LIST_LIMIT:
+            raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
+                                 f"{DEFAULT_LIST_LIMIT}), got {request.limit}")
+        tenant = admin_tenant(request.tenant, "tenant") if request.HasField("tenant") else None
+        sessions = self._engines.admin().sessions.list(tenant=tenant, limit=limit)
+        return pb.ListSessionsResponse(sessions=[session_summary(s) for s in sessions])
+
+    def ResetSession(
+        self, request: pb.ResetSessionRequest, principal: Principal, context: Any
+    ) -> pb.ResetSessionResponse:
+        session_id = checked_session_id(request.session_id, "session_id")
+        tenant = admin_tenant(request.tenant, "tenant") if request.HasField("tenant") else None
+        dropped = self._engines.admin().sessions.reset(session_id, tenant=tenant)
+        return pb.ResetSessionResponse(tenant=dropped.tenant, num_blocks=dropped.num_blocks,
+                                       bytes_by_tier=dropped.bytes_by_tier,
+                                       tail_bytes=dropped.tail_bytes)

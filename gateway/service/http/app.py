@@ -54,7 +54,13 @@ from gateway.service.edge import EdgeLimits, Generation
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.errors import HttpFailure, error_answer
 from gateway.service.http.metrics_page import MetricsPage
-from gateway.service.http.openai_requests import Kind, OpenAICall, check_model, parse_call
+from gateway.service.http.openai_requests import (
+    Kind,
+    OpenAICall,
+    check_model,
+    parse_call,
+    with_session,
+)
 from gateway.service.http.openai_responses import Rendering
 from gateway.service.http.pending_bodies import PendingBodies
 
@@ -109,6 +115,7 @@ class OpenAIFront:
             per-tenant series (None: no such route).
         served_model_name: the model ids to answer to (``served_model_names``; empty: the
             engine's model).
+        session_from_user: a body's ``user`` names its session too (``with_session``).
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
@@ -117,8 +124,10 @@ class OpenAIFront:
                  max_pending_bodies_per_tenant: int = 16,
                  access: AccessLog | None = None,
                  metrics: CollectorRegistry | None = None,
-                 served_model_name: tuple[str, ...] = ()) -> None:
+                 served_model_name: tuple[str, ...] = (),
+                 session_from_user: bool = False) -> None:
         self._engines = engines
+        self._session_from_user = session_from_user
         self._served = served_model_name
         self._access = access
         self._metrics = MetricsPage(metrics) if metrics is not None else None
@@ -212,6 +221,8 @@ class OpenAIFront:
             engine = self._engine()
             with self._pending.hold(principal.tenant):
                 call = await self._call(kind, request, principal)
+            call = with_session(call, request.headers.get("x-session-id"),
+                                from_user=self._session_from_user)
             check_model(call, self._names(engine))
             if self._admission is not None:  # the same per-key limits as over gRPC
                 slot = self._admission.admit(principal, CallKind.GENERATE)

@@ -20,6 +20,11 @@ Mapped on purpose:
   model's text and never parses it into tool calls;
 - ``tool_choice`` may be ``auto`` or ``none`` (kvgate never returns structured tool calls, so
   neither can be broken); ``required`` or a named function is refused;
+- ``priority`` is a body field as vLLM takes it (an integer, 0 by default, lower served
+  first; with the OpenAI SDK ``extra_body={"priority": -1}``), from -1000 to 1000, and orders
+  requests among the caller's tenant's own only (docs/design.md, "Priority lanes");
+- a request's session (``gateway.core.sessions``) is named by the ``X-Session-Id`` header, or,
+  with ``[http] session_from_user``, by the body's ``user`` (``with_session``);
 - kvgate's own options live in one extension object, ``kvgate``: ``no_cache``, ``ttl_s``,
   ``scope`` (``tenant`` or ``shared``; shared needs an admin key), ``top_k``, ``timeout_s``
   (the most the request may run, capped by the server's maximum). With the OpenAI SDK:
@@ -30,14 +35,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
 from gateway.core.prompt_limits import PromptLimits, check_prompt_size, measure
-from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
+from gateway.core.requests import (
+    CacheOptions,
+    GenerateRequest,
+    SamplingParams,
+    priority_problem,
+)
+from gateway.core.sessions import session_id_problem, session_use_problem
 from gateway.service.edge import (
     EdgeLimits,
     check_num_tools,
@@ -54,7 +65,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's own default for ``/v1/completions``."""
 
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "seed", "stop", "stream",
-                     "stream_options", "n", "user", "kvgate"})
+                     "stream_options", "n", "user", "priority", "kvgate"})
 _CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "max_completion_tokens",
                         "parallel_tool_calls"})
 _COMPLETION_ONLY = frozenset({"prompt"})
@@ -99,6 +110,8 @@ class OpenAICall:
         request: what the engine runs.
         stream: answer with server-sent events.
         include_usage: with ``stream``, end with a chunk that carries the usage.
+        user: the body's ``user`` as sent (a session's name where ``[http]
+            session_from_user`` says so: ``with_session``).
     """
 
     kind: Kind
@@ -106,6 +119,7 @@ class OpenAICall:
     request: GenerateRequest
     stream: bool
     include_usage: bool
+    user: object = None
 
 
 def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
@@ -156,15 +170,57 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
         raise InvalidParam("kvgate.scope", f"kvgate.scope must be \"tenant\" or \"shared\", got "
                                            f"{scope_name!r}")
     no_cache = _optional(extension, "no_cache", bool, "true or false", where="kvgate.no_cache")
+    priority = _optional(fields, "priority", int, "an integer (lower is served first)")
+    if priority is not None and (problem := priority_problem(priority)) is not None:
+        raise InvalidParam("priority", problem)
     request = GenerateRequest(
         prompt=prompt,
         scope=scope_of(principal, is_shared=scope_name == "shared"),
         sampling=sampling,
         cache=CacheOptions(no_cache=bool(no_cache), ttl_s=ttl),
         deadline=deadline_within(limits, timeout),
+        priority=0 if priority is None else priority,
     )
     return OpenAICall(kind=kind, model=model, request=request, stream=bool(stream),
-                      include_usage=include_usage)
+                      include_usage=include_usage, user=fields.get("user"))
+
+
+def with_session(call: OpenAICall, header: str | None, *, from_user: bool) -> OpenAICall:
+    """``call`` in the session its ``X-Session-Id`` header names, or, with ``[http]
+    session_from_user``, its ``user`` field (the header wins where both are sent); ``call``
+    unchanged when neither names one (``gateway.core.sessions``).
+
+    ``user`` names a session only where a session may be: a request with ``kvgate.no_cache``
+    or in the shared scope keeps its ``user`` and has no session; the header is explicit, and
+    there it is a 400.
+
+    Raises:
+        InvalidParam: the header, or ``user`` where it names the session, is not a session id;
+            the header with ``kvgate.no_cache`` or ``kvgate.scope`` shared.
+    """
+    request = call.request
+    use = session_use_problem(is_shared=request.scope.kind == "shared",
+                              no_cache=request.cache.no_cache)
+    if header is not None:
+        where, session_id = "X-Session-Id", header
+        if use is not None:
+            raise InvalidParam(where, f"the {where} header: {use}")
+    elif from_user and call.user is not None and use is None:
+        where = "user"
+        if not isinstance(call.user, str):
+            raise InvalidParam(where, f"`user` names the request's session on this gateway "
+                                      f"([http] session_from_user) and must be a string, got "
+                                      f"{_type(call.user)}")
+        session_id = call.user
+    else:
+        return call
+    problem = session_id_problem(session_id)
+    if problem is not None:
+        named = ("the X-Session-Id header" if where == "X-Session-Id" else
+                 "`user` (it names the request's session here: [http] session_from_user)")
+        raise InvalidParam(where, f"{named}: {problem}")
+    return replace(call, request=replace(request, cache=replace(request.cache,
+                                                                session_id=session_id)))
 
 
 def _refuse_unsupported(kind: Kind, fields: Mapping[str, Any]) -> None:

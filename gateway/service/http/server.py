@@ -83,6 +83,7 @@ class HttpFront:
             access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
             metrics=metrics if settings.metrics else None,
             served_model_name=settings.served_model_name,
+            session_from_user=settings.session_from_user,
         )
         self.guard: ConnectionGuard | None = None
         self._server: uvicorn.Server | None = None

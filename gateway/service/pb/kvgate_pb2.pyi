@@ -71,26 +71,30 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CacheOptions(_message.Message):
-    __slots__ = ("ttl_s", "scope", "no_cache", "tag")
+    __slots__ = ("ttl_s", "scope", "no_cache", "tag", "session_id")
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ttl_s: float
     scope: Scope
     no_cache: bool
     tag: str
-    def __init__(self, ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ..., no_cache: _Optional[bool] = ..., tag: _Optional[str] = ...) -> None: ...
+    session_id: str
+    def __init__(self, ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ..., no_cache: _Optional[bool] = ..., tag: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("input", "sampling", "cache")
+    __slots__ = ("input", "sampling", "cache", "priority")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
     input: PromptInput
     sampling: SamplingParams
     cache: CacheOptions
-    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache: _Optional[_Union[CacheOptions, _Mapping]] = ...) -> None: ...
+    priority: int
+    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., cache: _Optional[_Union[CacheOptions, _Mapping]] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class TokenDelta(_message.Message):
     __slots__ = ("text", "token_ids")
@@ -427,3 +431,62 @@ class SetQuotaResponse(_message.Message):
 class FlushRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("tenant", "limit")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    limit: int
+    def __init__(self, tenant: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class SessionSummary(_message.Message):
+    __slots__ = ("tenant", "session_id", "num_blocks", "num_bytes", "tail_tokens", "idle_s", "expires_in_s")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TAIL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    session_id: str
+    num_blocks: int
+    num_bytes: int
+    tail_tokens: int
+    idle_s: float
+    expires_in_s: float
+    def __init__(self, tenant: _Optional[str] = ..., session_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_bytes: _Optional[int] = ..., tail_tokens: _Optional[int] = ..., idle_s: _Optional[float] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions",)
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionSummary]
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionSummary, _Mapping]]] = ...) -> None: ...
+
+class ResetSessionRequest(_message.Message):
+    __slots__ = ("session_id", "tenant")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ...) -> None: ...
+
+class ResetSessionResponse(_message.Message):
+    __slots__ = ("tenant", "num_blocks", "bytes_by_tier", "tail_bytes")
+    class BytesByTierEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_BY_TIER_FIELD_NUMBER: _ClassVar[int]
+    TAIL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    num_blocks: int
+    bytes_by_tier: _containers.ScalarMap[str, int]
+    tail_bytes: int
+    def __init__(self, tenant: _Optional[str] = ..., num_blocks: _Optional[int] = ..., bytes_by_tier: _Optional[_Mapping[str, int]] = ..., tail_bytes: _Optional[int] = ...) -> None: ...

@@ -235,6 +235,16 @@ class AdminStub:
                 request_serializer=kvgate_dot_v1_dot_kvgate__pb2.FlushRequest.SerializeToString,
                 response_deserializer=kvgate_dot_v1_dot_kvgate__pb2.EvictResponse.FromString,
                 _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/kvgate.v1.Admin/ListSessions',
+                request_serializer=kvgate_dot_v1_dot_kvgate__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=kvgate_dot_v1_dot_kvgate__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
+        self.ResetSession = channel.unary_unary(
+                '/kvgate.v1.Admin/ResetSession',
+                request_serializer=kvgate_dot_v1_dot_kvgate__pb2.ResetSessionRequest.SerializeToString,
+                response_deserializer=kvgate_dot_v1_dot_kvgate__pb2.ResetSessionResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -284,6 +294,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListSessions(self, request, context):
+        """The sessions (CacheOptions.session_id) this replica knows, most recently used first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResetSession(self, request, context):
+        """Drops what a session owns from every tier, Redis included, and on every replica: its next
+        request starts cold. NOT_FOUND where this replica knows no such session of the tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -321,6 +346,16 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Flush,
                     request_deserializer=kvgate_dot_v1_dot_kvgate__pb2.FlushRequest.FromString,
                     response_serializer=kvgate_dot_v1_dot_kvgate__pb2.EvictResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=kvgate_dot_v1_dot_kvgate__pb2.ListSessionsRequest.FromString,
+                    response_serializer=kvgate_dot_v1_dot_kvgate__pb2.ListSessionsResponse.SerializeToString,
+            ),
+            'ResetSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResetSession,
+                    request_deserializer=kvgate_dot_v1_dot_kvgate__pb2.ResetSessionRequest.FromString,
+                    response_serializer=kvgate_dot_v1_dot_kvgate__pb2.ResetSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -513,6 +548,60 @@ class Admin:
             '/kvgate.v1.Admin/Flush',
             kvgate_dot_v1_dot_kvgate__pb2.FlushRequest.SerializeToString,
             kvgate_dot_v1_dot_kvgate__pb2.EvictResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.v1.Admin/ListSessions',
+            kvgate_dot_v1_dot_kvgate__pb2.ListSessionsRequest.SerializeToString,
+            kvgate_dot_v1_dot_kvgate__pb2.ListSessionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResetSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvgate.v1.Admin/ResetSession',
+            kvgate_dot_v1_dot_kvgate__pb2.ResetSessionRequest.SerializeToString,
+            kvgate_dot_v1_dot_kvgate__pb2.ResetSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

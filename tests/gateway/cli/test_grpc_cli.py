@@ -249,6 +249,10 @@ def test_generate_reports_errors_on_stderr_with_a_failing_status(
     chat = serving.generate("--messages", str(messages), "--max-tokens", "3", "Hi")
     assert chat.returncode == 0, chat.stderr
     assert _usage_fields(chat.stderr)["completion_tokens"] == "3"
+    urgent = serving.generate("--priority", "-5", "--max-tokens", "2", "Hi")
+    assert urgent.returncode == 0, urgent.stderr
+    beyond = serving.generate("--priority", "5000", "hello")
+    assert beyond.returncode == 1 and "priority must be an integer from" in beyond.stderr
     assert serving.generate().returncode == 2  # no prompt: a usage error
 
 

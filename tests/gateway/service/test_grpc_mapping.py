@@ -27,6 +27,7 @@ from gateway.service.servicer import (
     delta_message,
     generate_request,
     lookup_response,
+    priority_of,
     prompt_input,
     sampling_params,
     scope_for,
@@ -106,6 +107,17 @@ def test_ttl_bounds() -> None:
     for bad in (0.0, -1.0, 100.5, math.inf, math.nan):
         with pytest.raises(InvalidRequest, match="ttl_s"):
             ttl_seconds(pb.CacheOptions(ttl_s=bad), limits)
+
+
+def test_a_generate_requests_priority_is_0_unless_sent_and_bounded_at_the_edge() -> None:
+    prompt = pb.PromptInput(prompt="hi")
+    assert priority_of(pb.GenerateRequest(input=prompt)) == 0
+    for value in (-1_000, -1, 0, 1_000):
+        assert priority_of(pb.GenerateRequest(input=prompt, priority=value)) == value
+    for bad in (-1_001, 1_001, 2**31 - 1):
+        with pytest.raises(InvalidRequest, match="priority must be an integer from -1000 to"):
+            generate_request(pb.GenerateRequest(input=prompt, priority=bad), TENANT,
+                             deadline=None, limits=EdgeLimits())
 
 
 def test_a_generate_request_carries_scope_cache_options_and_deadline() -> None:

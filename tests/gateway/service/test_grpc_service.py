@@ -264,6 +264,8 @@ _INVALID: list[tuple[str, dict[str, Any], str]] = [
     ("top_k -1", {"prompt": "hi", "top_k": -1}, "top_k"),
     ("seed -1", {"prompt": "hi", "seed": -1}, "seed"),
     ("17 stop strings", {"prompt": "hi", "stop": ["x"] * 17}, "stop"),
+    ("priority -1001", {"prompt": "hi", "priority": -1001}, "priority must be an integer from"),
+    ("priority 1001", {"prompt": "hi", "priority": 1001}, "priority must be an integer from"),
     ("ttl -1", {"prompt": "hi", "ttl_s": -1.0}, "ttl_s"),
     ("ttl NaN", {"prompt": "hi", "ttl_s": math.nan}, "ttl_s"),
     ("ttl of years", {"prompt": "hi", "ttl_s": 1e9}, "ttl_s"),

@@ -170,6 +170,16 @@ def test_two_gateways_do_not_share_counters() -> None:
                                             {"finish_reason": "eos"}) is None
 
 
+def test_preemptions_are_counted_on_both_ports_with_a_help_text() -> None:
+    metrics = GatewayMetrics()
+    metrics.record_preemption()
+    metrics.record_preemption()
+    for registry in (metrics.registry, metrics.public_registry):
+        assert registry.get_sample_value("kvgate_preemptions_total") == 2
+        text = generate_latest(registry).decode("utf-8")
+        assert "# HELP kvgate_preemptions_total Running generations preempted" in text
+
+
 def test_the_engine_info_names_its_device_and_dtype() -> None:
     metrics = GatewayMetrics(device="cuda:0", dtype="bfloat16")
     assert metrics.registry.get_sample_value(

@@ -329,6 +329,8 @@ def test_the_shared_scope_with_a_tenant_key_is_403(stack: Stack) -> None:
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": "hi", "name": "bob"}]}, "messages[0].name"),
     ({"extra_body": {"kvgate": {"ttl_s": -1}}}, "kvgate.ttl_s"),
+    ({"extra_body": {"priority": 1_001}}, "priority"),
+    ({"extra_body": {"priority": "high"}}, "priority"),
     ({"extra_body": {"kvgate": {"pin": True}}}, "kvgate"),
 ])
 def test_unsupported_or_invalid_fields_are_400_naming_the_field(

@@ -56,6 +56,19 @@ def test_neutral_values_of_unsupported_fields_are_accepted() -> None:
     assert call.request.sampling == SamplingParams()
 
 
+def test_priority_is_a_body_field_as_vllm_takes_it_0_unless_sent() -> None:
+    assert chat().request.priority == 0
+    assert chat(priority=-5).request.priority == -5
+    assert chat(priority=None).request.priority == 0
+
+
+@pytest.mark.parametrize("priority", [1_001, -1_001, 1.5, "high", True])
+def test_a_priority_out_of_range_or_not_an_integer_is_refused_naming_it(priority: Any) -> None:
+    with pytest.raises(InvalidParam) as excinfo:
+        chat(priority=priority)
+    assert excinfo.value.param == "priority"
+
+
 @pytest.mark.parametrize(("prompt", "expected"), [
     ("text", {"prompt": "text"}),
     (["text"], {"prompt": "text"}),
