@@ -32,10 +32,10 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TextIO
 
 from gateway.bench.chat_workload import system_prompt
+from gateway.bench.fairness import FairnessOptions
 from gateway.bench.load import percentile
 from gateway.cache.factory import CacheConfig, open_cache
 from gateway.core.canonical import PromptInput
@@ -53,17 +53,9 @@ WARM_UP_S = 2.0
 SECRET = b"kvgate-bench-lanes-secret-000000"
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LanesOptions:
-    """What ``kvgate bench fairness --lanes`` runs."""
-
-    model: str
-    cache_dir: Path
-    requests: int = 12
-    flood: int = 8
-    flood_tokens: int = 1024
-    flood_max_tokens: int = 64
-    max_tokens: int = 8
+LanesOptions = FairnessOptions
+"""What ``kvgate bench fairness --lanes`` runs: the fairness bench's options (the same users,
+flood and answer lengths; here the flood is the interactive users' own tenant)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,33 +24,15 @@ from typing import Protocol
 from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.sessions import is_stored_here
+from gateway.core.admin_reports import SessionInfo
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.sessions import checked_session_id
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionSummary:
-    """One session, for ``ListSessions``.
-
-    Attributes:
-        tenant: whose session it is.
-        session_id: its id, as its requests named it.
-        num_blocks: the blocks it owns on this replica.
-        num_bytes: their bytes, with its conversation tail's.
-        tail_tokens: tokens of its conversation tail.
-        idle_s: seconds since its last request (on this replica).
-        expires_in_s: seconds until it expires, if no request comes meanwhile.
-    """
-
-    tenant: str
-    session_id: str
-    num_blocks: int
-    num_bytes: int
-    tail_tokens: int
-    idle_s: float
-    expires_in_s: float
+SessionSummary = SessionInfo
+"""One session, for ``ListSessions``: the record the client reads back, built here."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
