@@ -105,12 +105,16 @@ class AttentionItem:
         positions: the absolute position of each query, ``[n]``.
         is_decode: one query, a sampled token fed back: its numbers need only be its own (the
             same whatever else is attended), not those a prefill of the token would give.
+        first_position: where the forward knows it on the host, ``positions[0]``, the
+            queries then being consecutive positions from it (an attention that plans its
+            launch on the host reads it instead of the device tensor); None elsewhere.
     """
 
     queries: torch.Tensor
     kv: LayerKV
     positions: torch.Tensor
     is_decode: bool = False
+    first_position: int | None = None
 
     @classmethod
     def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

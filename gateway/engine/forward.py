@@ -219,7 +219,7 @@ class BatchedForward:
             seq = rows.sequence
             seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
-                                       is_decode=rows.is_decode))
+                                       is_decode=rows.is_decode, first_position=seq.length))
         attended = torch.zeros_like(q)
         for (start, end), rows_attended in zip(spans, self._attention.attend(items), strict=True):
             attended[start:end] = rows_attended

@@ -7,17 +7,18 @@ Here one launch attends every query row of the step, reading K/V in place from t
 (``tiers.page_pool.PagePool.storage``) through each sequence's block table.
 
 It keeps the invariance contract of ``gateway.engine.attention.SequenceAttention`` by fixed
-shapes alone -- one program per query row (never a tile shared with other rows), splits of
-``SPLIT_KEYS`` key positions fixed by absolute position, tiles of ``TILE_ROWS`` x
-``TILE_KEYS`` in every launch, an exact max, splits folded in the order of their index, keys
-after the row weighing exactly 0 (``gateway.engine.triton_paged_kernel`` says how) -- so a
-row's bits never depend on the other rows of the launch, on how many queries its sequence has,
-or on how its prompt was chunked. The start-up probe re-checks it on the device.
+shapes alone -- tiles of ``TILE_POSITIONS`` query positions aligned by absolute position (a
+row's slot in its tile is its position's, however the prompt is chunked), splits of
+``SPLIT_KEYS`` key positions fixed by absolute position, tiles of ``TILE_KEYS`` keys, an exact
+max, splits folded in the order of their index, keys after a row weighing exactly 0
+(``gateway.engine.triton_paged_kernel`` says how) -- so a row's bits never depend on the other
+rows of the launch, on how many queries its sequence has, or on how its prompt was chunked.
+The start-up probe re-checks it on the device.
 
 Two entry points: ``attend_paged`` is the kernel's own (one layer's K/V pages of the pool, an
-int32 block table, per-row positions and sequence index); ``attend`` adapts the forward's
-``AttentionItem``s to it: their ``LayerPages`` are read in place, while contiguous buffers
-(tests, oracles) are first packed into a transient pool.
+int32 block table, per-row positions and sequence index, planned into tiles on the host);
+``attend`` adapts the forward's ``AttentionItem``s to it: their ``LayerPages`` are read in
+place, while contiguous buffers (tests, oracles) are first packed into a transient pool.
 
 On the CPU the kernel runs only in Triton's interpreter (``TRITON_INTERPRET=1``, numpy), for
 the tests: far too slow to serve, so the engine never chooses it there.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -40,23 +42,29 @@ SPLIT_KEYS = 512
 TILE_KEYS = 64
 """Key positions per tile: every score and value product reduces over exactly this many."""
 
-TILE_ROWS = 16
-"""Rows of the query tile: one query row's heads that share a KV head, padded with zero rows
-(16: the fewest a GPU's matrix product takes; a model with more heads per KV head fails)."""
+TILE_POSITIONS = 16
+"""Query positions per tile: a tile holds positions base..base+15 of one sequence (base a
+multiple of 16), each position's query heads that share a KV head in rows of their own, so a
+position always sits in the same rows of its tile however its prompt is chunked."""
 
 ADAPTER_PAGE = 64
 """Page size of the transient pool ``attend`` packs gathered buffers into (any size gives the
 same bits: the kernel's tiles do not follow pages)."""
 
+SPLIT_PARALLEL_BELOW = 264
+"""Launches of fewer programs than this (two per multiprocessor of an H100) attend their splits
+in parallel and fold them in a second launch (decode of a few long sequences); more keep
+every split in one program. Both give the same bits (tested), so this is speed only."""
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def numerics_name(split_keys: int, tile_keys: int, tile_rows: int) -> str:
+def numerics_name(split_keys: int, tile_keys: int, tile_positions: int) -> str:
     """The block-namespace part of a kernel with these shapes (other shapes, other bits)."""
-    return f"tri-s{split_keys}n{tile_keys}m{tile_rows}"
+    return f"tri2-s{split_keys}n{tile_keys}q{tile_positions}"
 
 
-NUMERICS = numerics_name(SPLIT_KEYS, TILE_KEYS, TILE_ROWS)
+NUMERICS = numerics_name(SPLIT_KEYS, TILE_KEYS, TILE_POSITIONS)
 """The default kernel's part of the block namespace (see ``gateway.engine.attention.NUMERICS``)."""
 
 
@@ -66,21 +74,23 @@ class TritonPagedAttention:
     Args:
         split_keys: key positions per split (a multiple of ``tile_keys``).
         tile_keys: key positions per tile (a power of two; 16 or more on a GPU).
-        tile_rows: rows of the query tile: the query heads sharing a KV head, padded with
-            zero rows (a power of two; 16 or more on a GPU).
+        tile_positions: query positions per tile (a power of two; with the query heads per
+            KV head, padded to a power of two, 16 rows or more on a GPU).
+        split_parallel: True or False to force whether splits run in programs of their own
+            (tests); None (the default) decides per launch by its size.
 
     Other shapes are for the interpreted tests, which need many splits over few keys; each
     gives other bits, so ``numerics`` names them.
 
     Raises (from ``attend``/``attend_paged``):
-        ValueError: shapes, dtypes or devices that do not fit, or more query heads per KV
-            head than ``tile_rows``.
+        ValueError: shapes, dtypes or devices that do not fit.
         RuntimeError: a tensor off CUDA while Triton compiles kernels in this process.
     """
 
     def __init__(self, *, split_keys: int = SPLIT_KEYS, tile_keys: int = TILE_KEYS,
-                 tile_rows: int = TILE_ROWS) -> None:
-        for name, value in (("tile_keys", tile_keys), ("tile_rows", tile_rows)):
+                 tile_positions: int = TILE_POSITIONS,
+                 split_parallel: bool | None = None) -> None:
+        for name, value in (("tile_keys", tile_keys), ("tile_positions", tile_positions)):
             if value < 1 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two, got {value}")
         if split_keys < tile_keys or split_keys % tile_keys:
@@ -88,26 +98,41 @@ class TritonPagedAttention:
                              f"({tile_keys})")
         self.split_keys = split_keys
         self.tile_keys = tile_keys
-        self.tile_rows = tile_rows
-        self.numerics = numerics_name(split_keys, tile_keys, tile_rows)
+        self.tile_positions = tile_positions
+        self.split_parallel = split_parallel
+        self.numerics = numerics_name(split_keys, tile_keys, tile_positions)
+        self._last_plan: tuple[tuple[tuple[int, int], ...], torch.device, TilePlan] | None = None
+        self._last_table: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
 
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         """``SequenceAttention.attend``, in one launch: in place where every item's K/V are
         pages of one pool (``LayerPages``, what the forward passes), else with every item's
         K/V packed into a transient pool first (contiguous buffers: tests, oracles). A decode
         row is computed as a prefill row (same kernel, same tile): ``is_decode`` changes
-        nothing."""
+        nothing. Where every item says its ``first_position`` (the forward's items: consecutive
+        positions from there), the plan of a step is made once, for its first layer, and
+        reused while the next layers pass the same spans, with no read from the device; the
+        joined block table likewise while the items keep the same table tensors."""
         if not items:
             return []
         counts = [int(item.queries.shape[0]) for item in items]
-        pages = _shared_pages(items)
+        pages = self._shared_pages(items)
         key_pages, value_pages, table = pages if pages is not None else _packed_pages(items)
         device = items[0].queries.device
-        row_items = torch.repeat_interleave(torch.arange(len(items), dtype=torch.int32),
-                                            torch.tensor(counts)).to(device)
-        attended = self.attend_paged(
-            torch.cat([item.queries for item in items]), key_pages, value_pages, table,
-            torch.cat([item.positions for item in items]), row_items)
+        firsts = [item.first_position for item in items]
+        if None in firsts:  # tests, oracles: read their positions
+            plan = TilePlan.of(torch.cat([item.positions.cpu() for item in items]),
+                               _row_items(counts), self.tile_positions, device)
+        else:
+            spans = tuple((int(first or 0), n) for first, n in zip(firsts, counts, strict=True))
+            if self._last_plan is not None and self._last_plan[:2] == (spans, device):
+                plan = self._last_plan[2]
+            else:
+                positions = torch.cat([torch.arange(first, first + n) for first, n in spans])
+                plan = TilePlan.of(positions, _row_items(counts), self.tile_positions, device)
+                self._last_plan = (spans, device, plan)
+        attended = self._launch(torch.cat([item.queries for item in items]), key_pages,
+                                value_pages, table, plan)
         return list(torch.split(attended, counts))
 
     def attend_paged(self, queries: torch.Tensor, key_pages: torch.Tensor,
@@ -122,20 +147,25 @@ class TritonPagedAttention:
             value_pages: the same layer's V (``storage[layer, 1]``).
             table: int32 ``[sequences, max_pages]``: each sequence's page ids in order,
                 padded with 0 (the zero page); only the pages up to a row's position are read.
-            positions: ``[rows]``: each row's absolute position in its sequence (the caller
-                guarantees its table holds it: nothing checks on the device).
+            positions: ``[rows]``: each row's absolute position in its sequence, no two rows
+                of a sequence at one position (the caller guarantees its table holds it:
+                nothing checks on the device).
             row_items: ``[rows]``: each row's sequence (its row of ``table``).
 
         Returns:
             ``[rows, heads, head_dim]`` in the queries' dtype.
         """
         _check(queries, key_pages, value_pages, table, positions, row_items)
+        plan = TilePlan.of(positions.cpu(), row_items.cpu(), self.tile_positions,
+                           queries.device)
+        return self._launch(queries, key_pages, value_pages, table, plan)
+
+    def _launch(self, queries: torch.Tensor, key_pages: torch.Tensor,
+                value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan) -> torch.Tensor:
         num_rows, num_heads, head_dim = queries.shape
         kv_heads, _, page_tokens, _ = key_pages.shape
         rep = num_heads // kv_heads
-        if rep > self.tile_rows:
-            raise ValueError(f"{rep} query heads per KV head do not fit tiles of "
-                             f"{self.tile_rows} rows")
+        rep_pad = _power_of_two(rep)
         out = torch.empty_like(queries, memory_format=torch.contiguous_format)
         if num_rows == 0:
             return out
@@ -145,15 +175,92 @@ class TritonPagedAttention:
         if not interpreted and queries.device.type != "cuda":
             raise RuntimeError(f"Triton runs kernels on {queries.device.type} only interpreted: "
                                "set TRITON_INTERPRET=1 before triton is first imported")
-        kernel()[(num_rows, kv_heads)](
-            out, queries, key_pages, value_pages, table, positions, row_items,
-            queries.stride(0), queries.stride(1), out.stride(0), out.stride(1),
-            key_pages.stride(0), key_pages.stride(1), key_pages.stride(2), table.stride(0),
-            1.0 / math.sqrt(head_dim) * math.log2(math.e), REP=rep, HEAD_DIM=head_dim,
-            BLOCK_D=max(16, _power_of_two(head_dim)), TILE_ROWS=self.tile_rows,
-            TILE_KEYS=self.tile_keys, SPLIT_KEYS=self.split_keys, PAGE=page_tokens,
-            DOT_F32=interpreted or queries.dtype == torch.float32)
+        block_d = max(16, _power_of_two(head_dim))
+        splits = plan.last_position // self.split_keys + 1
+        parallel = self.split_parallel
+        if parallel is None:
+            parallel = splits > 1 and plan.num_tiles * kv_heads < SPLIT_PARALLEL_BELOW
+        parts = queries.new_empty((num_rows, num_heads, splits if parallel else 0, block_d + 2),
+                                  dtype=torch.float32)
+        arguments = (out, queries, key_pages, value_pages, table, plan.tensor, parts,
+                     queries.stride(0), queries.stride(1), out.stride(0), out.stride(1),
+                     key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
+                     table.stride(0), plan.tensor.stride(0), parts.stride(0), parts.stride(1),
+                     parts.stride(2), 1.0 / math.sqrt(head_dim) * math.log2(math.e))
+        shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=self.tile_positions, HEAD_DIM=head_dim,
+                      BLOCK_D=block_d, TILE_KEYS=self.tile_keys, SPLIT_KEYS=self.split_keys,
+                      PAGE=page_tokens, DOT_F32=interpreted or queries.dtype == torch.float32,
+                      num_warps=4 if block_d * self.tile_positions * rep_pad <= 4096 else 8,
+                      enable_fp_fusion=False)
+        run = kernel()
+        if parallel:
+            run[(plan.num_tiles, kv_heads, splits)](*arguments, PHASE=1, **shapes)
+            run[(plan.num_tiles, kv_heads)](*arguments, PHASE=2, **shapes)
+        else:
+            run[(plan.num_tiles, kv_heads)](*arguments, PHASE=0, **shapes)
         return out
+
+    def _shared_pages(self, items: Sequence[AttentionItem]
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The one pool every item's K/V are pages of, with their block tables joined into one
+        int32 table (the last join reused while the items keep the same table tensors); None
+        where they are not pages of one pool (contiguous buffers, or several pools)."""
+        layers = [item.kv for item in items if isinstance(item.kv, LayerPages)]
+        if len(layers) < len(items):
+            return None
+        first = layers[0]
+        if any(kv.key_pages.data_ptr() != first.key_pages.data_ptr()
+               or kv.value_pages.data_ptr() != first.value_pages.data_ptr()
+               or kv.key_pages.shape != first.key_pages.shape for kv in layers):
+            return None
+        tables = tuple(kv.table for kv in layers)
+        last = self._last_table
+        if (last is not None and len(last[0]) == len(tables)
+                and all(a is b for a, b in zip(last[0], tables, strict=True))):
+            return first.key_pages, first.value_pages, last[1]
+        joined = torch.nn.utils.rnn.pad_sequence([t.to(torch.int32) for t in tables],
+                                                 batch_first=True)
+        self._last_table = (tables, joined)  # holding them: no other tensor takes their ids
+        return first.key_pages, first.value_pages, joined
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Which query rows each program attends: ``tensor`` is int32 ``[tiles, 2 + positions]``,
+    a row ``[sequence, base, row at base, row at base + 1, ...]`` per tile (-1: no row at that
+    position), tiles of later positions first (the longest programs start first)."""
+
+    tensor: torch.Tensor
+    num_tiles: int
+    last_position: int
+
+    @classmethod
+    def of(cls, positions: torch.Tensor, row_items: torch.Tensor, tile_positions: int,
+           device: torch.device) -> TilePlan:
+        """The plan of rows at ``positions`` (CPU) of sequences ``row_items`` (CPU).
+
+        Raises:
+            ValueError: two rows of one sequence at one position.
+        """
+        positions = positions.to(torch.long)
+        row_items = row_items.to(torch.long)
+        if positions.numel() == 0:
+            return cls(torch.zeros(0, 2 + tile_positions, dtype=torch.int32, device=device),
+                       0, 0)
+        if int(positions.min()) < 0:
+            raise ValueError("positions must be >= 0")
+        bases = int(positions.max()) // tile_positions + 1
+        keys = row_items * bases + positions // tile_positions
+        tiles, inverse = torch.unique(keys, return_inverse=True)
+        table = torch.full((tiles.numel(), 2 + tile_positions), -1, dtype=torch.int32)
+        table[:, 0] = (tiles // bases).to(torch.int32)
+        table[:, 1] = (tiles % bases * tile_positions).to(torch.int32)
+        cells = inverse * (2 + tile_positions) + 2 + positions % tile_positions
+        if torch.unique(cells).numel() < cells.numel():
+            raise ValueError("two rows of one sequence at one position")
+        table.view(-1)[cells] = torch.arange(positions.numel(), dtype=torch.int32)
+        order = torch.argsort(table[:, 1], descending=True, stable=True)
+        return cls(table[order].to(device), int(tiles.numel()), int(positions.max()))
 
 
 def block_table(page_ids: Sequence[Sequence[int]],
@@ -235,23 +342,6 @@ def _check(queries: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Te
         raise ValueError(f"every tensor must be on one device, got {sorted(map(str, devices))}")
 
 
-def _shared_pages(items: Sequence[AttentionItem]
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """The one pool every item's K/V are pages of, with their block tables as one int32
-    table; None where they are not (contiguous buffers, or pages of several pools)."""
-    layers = [item.kv for item in items if isinstance(item.kv, LayerPages)]
-    if len(layers) < len(items):
-        return None
-    first = layers[0]
-    if any(kv.key_pages.data_ptr() != first.key_pages.data_ptr()
-           or kv.value_pages.data_ptr() != first.value_pages.data_ptr()
-           or kv.key_pages.shape != first.key_pages.shape for kv in layers):
-        return None
-    tables = [kv.table.to(torch.int32) for kv in layers]
-    table = torch.nn.utils.rnn.pad_sequence(tables, batch_first=True)
-    return first.key_pages, first.value_pages, table
-
-
 def _packed_pages(items: Sequence[AttentionItem]
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Every item's K/V up to its last position copied into a transient pool of
@@ -281,5 +371,11 @@ def _first(buffer: torch.Tensor, count: int) -> torch.Tensor:
     return torch.nn.functional.pad(buffer, (0, 0, 0, count - buffer.shape[1]))
 
 
+def _row_items(counts: Sequence[int]) -> torch.Tensor:
+    """Each row's item (CPU): ``counts[i]`` rows of item ``i``, in order."""
+    return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+
+
 def _power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+

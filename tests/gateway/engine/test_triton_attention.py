@@ -4,9 +4,10 @@ launched beside it, however its prompt is chunked and wherever its pages lie
 
 On the CPU the kernel runs in Triton's interpreter (numpy), in a child process where this one
 compiles (tests/gateway/engine/triton_interpreter.py); so that it takes seconds, most tests use
-``SMALL`` shapes (splits of 32 keys, tiles of 16) over a few dozen keys, which cross several
-splits and tiles. Each kernel test has a CUDA case (marked ``gpu``) that runs the compiled
-kernel; ``test_on_cuda_real_head_shapes_keep_every_check`` adds the default shapes there.
+``SMALL`` shapes (splits of 32 keys, tiles of 16 keys and 8 query positions) over a few dozen
+keys, which cross several splits and tiles. Each kernel test has a CUDA case (marked ``gpu``)
+that runs the compiled kernel; ``test_on_cuda_real_head_shapes_keep_every_check`` adds the
+default shapes there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.route_search import ATTENTIONS, attention_problem
 from gateway.engine.triton_attention import (
     NUMERICS,
+    TilePlan,
     TritonPagedAttention,
     block_table,
     triton_attention_problem,
@@ -37,7 +39,11 @@ if importlib.util.find_spec("triton") is None:
     pytest.skip("triton is not installed (`make venv` installs it on Linux)",
                 allow_module_level=True)
 
-SMALL = TritonPagedAttention(split_keys=32, tile_keys=16, tile_rows=16)
+SMALL = TritonPagedAttention(split_keys=32, tile_keys=16, tile_positions=8)
+SMALL_SPLITS_APART = TritonPagedAttention(split_keys=32, tile_keys=16, tile_positions=8,
+                                          split_parallel=True)
+SMALL_SPLITS_TOGETHER = TritonPagedAttention(split_keys=32, tile_keys=16, tile_positions=8,
+                                             split_parallel=False)
 DEFAULT = TritonPagedAttention()
 HEADS, KV_HEADS, DIM = 4, 2, 16  # GQA: two query heads per KV head
 PAGE = 8  # a tile of SMALL spans two pages
@@ -199,6 +205,20 @@ def test_rows_either_side_of_a_split_boundary_keep_their_bits(device, dtype) -> 
 
 @pytest.mark.parametrize(("device", "dtype"), CASES)
 @interpreted
+def test_splits_attended_in_programs_of_their_own_give_the_bits_of_one_program(device,
+                                                                              dtype) -> None:
+    a, b = (make_sequence(n, seed=n, dtype=dtype, device=device) for n in (100, 45))
+    pages = paged([(a[1], a[2]), (b[1], b[2])], [consecutive(100), consecutive(45, first=14)],
+                  num_pages=20)
+    rows = [(0, a[0][90:100], range(90, 100)), (1, b[0][44:45], [44]), (0, a[0][3:4], [3])]
+    apart = attend(SMALL_SPLITS_APART, pages, rows)
+    together = attend(SMALL_SPLITS_TOGETHER, pages, rows)
+    for split_apart, split_together in zip(apart, together, strict=True):
+        assert torch.equal(split_apart, split_together)
+
+
+@pytest.mark.parametrize(("device", "dtype"), CASES)
+@interpreted
 def test_scrambled_pages_give_the_bits_of_consecutive_pages(device, dtype) -> None:
     n = 40
     queries, keys, values = make_sequence(n, seed=4, dtype=dtype, device=device)
@@ -257,15 +277,25 @@ def test_attend_reads_a_pools_pages_in_place_with_the_bits_of_gathered_buffers(d
 
 
 def test_numerics_names_the_split_size_and_tile_shape() -> None:
-    assert DEFAULT.numerics == NUMERICS == "tri-s512n64m16"
-    assert SMALL.numerics == "tri-s32n16m16"
+    assert DEFAULT.numerics == NUMERICS == "tri2-s512n64q16"
+    assert SMALL.numerics == "tri2-s32n16q8"
+    assert SMALL_SPLITS_APART.numerics == SMALL.numerics  # same bits, other launches
 
 
-def test_more_query_heads_per_kv_head_than_tile_rows_are_refused() -> None:
+def test_two_rows_of_a_sequence_at_one_position_are_refused() -> None:
     pages = torch.zeros(1, 2, PAGE, DIM)
-    with pytest.raises(ValueError, match="do not fit tiles of 16 rows"):
-        DEFAULT.attend_paged(torch.zeros(1, 32, DIM), pages, pages, block_table([[1]]),
-                             torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="two rows of one sequence at one position"):
+        DEFAULT.attend_paged(torch.zeros(2, 2, DIM), pages, pages, block_table([[1]]),
+                             torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.int32))
+
+
+def test_the_plan_puts_each_position_in_the_slot_its_position_names() -> None:
+    plan = TilePlan.of(torch.tensor([5, 6, 7, 8, 3]), torch.tensor([0, 0, 0, 0, 1]), 4,
+                       torch.device("cpu"))
+    assert plan.num_tiles == 3 and plan.last_position == 8
+    assert plan.tensor.tolist() == [[0, 8, 3, -1, -1, -1],  # later positions first
+                                    [0, 4, -1, 0, 1, 2],
+                                    [1, 0, -1, -1, -1, 4]]
 
 
 def test_without_triton_the_problem_says_so(monkeypatch) -> None:
@@ -288,10 +318,12 @@ def test_the_engine_never_takes_it_on_the_cpu_even_where_triton_interprets() -> 
     assert not isinstance(attention_for(cpu), TritonPagedAttention)
 
 
-@pytest.mark.parametrize(("dtype", "capability"), [("bf16", 90), ("fp32", 80)])
-def test_the_kernel_compiles_for_cuda(dtype, capability) -> None:
+@pytest.mark.parametrize(("dtype", "capability", "phase"),
+                         [("bf16", 90, 0), ("bf16", 90, 1), ("bf16", 90, 2), ("fp32", 80, 0)])
+def test_the_kernel_compiles_for_cuda(dtype, capability, phase) -> None:
     """The compiled path, which the interpreter does not check (types, shapes, globals), down
-    to a cubin for an H100 (sm_90) and an A100 (sm_80), without a GPU."""
+    to a cubin for an H100 (sm_90) and an A100 (sm_80), without a GPU: every phase (splits in
+    one program, apart, folded)."""
     if interprets_here():
         pytest.skip("Triton interprets kernels in this process")
     from triton import compile as compile_kernel
@@ -301,17 +333,21 @@ def test_the_kernel_compiles_for_cuda(dtype, capability) -> None:
     from gateway.engine.triton_paged_kernel import kernel
 
     pointers = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")}
-    signature = {**pointers, "table_ptr": "*i32", "pos_ptr": "*i64", "items_ptr": "*i32",
+    signature = {**pointers, "table_ptr": "*i32", "plan_ptr": "*i32", "part_ptr": "*fp32",
                  **{name: "i32" for name in ("stride_qr", "stride_qh", "stride_or", "stride_oh",
-                                             "stride_kvp", "stride_kvt", "stride_table")},
+                                             "stride_kvp", "stride_kvt", "stride_table",
+                                             "stride_plan", "stride_pr", "stride_ph",
+                                             "stride_ps")},
                  "stride_kvh": "i64", "scale": "fp32"}
-    constants = {"REP": 3, "HEAD_DIM": 64, "BLOCK_D": 64, "TILE_ROWS": 16, "TILE_KEYS": 64,
-                 "SPLIT_KEYS": 512, "PAGE": 16, "DOT_F32": dtype == "fp32"}
+    constants = {"REP": 3, "REP_PAD": 4, "QPOS": 16, "HEAD_DIM": 64, "BLOCK_D": 64,
+                 "TILE_KEYS": 64, "SPLIT_KEYS": 512, "PAGE": 16, "PHASE": phase,
+                 "DOT_F32": dtype == "fp32"}
     compiled = compile_kernel(ASTSource(kernel(), {**signature, **dict.fromkeys(constants,
                                                                                 "constexpr")},
-                                        constants), target=GPUTarget("cuda", capability, 32))
+                                        constants), target=GPUTarget("cuda", capability, 32),
+                              options={"enable_fp_fusion": False})
     assert compiled.asm["cubin"]
-    if dtype == "bf16":  # the products on the tensor cores
+    if dtype == "bf16" and phase != 2:  # the products on the tensor cores
         assert "mma.sync" in compiled.asm["ptx"] or "wgmma" in compiled.asm["ptx"]
 
 
