@@ -8,11 +8,17 @@ says what the fixed split size and per-row programs cost. One process, one devic
 measured alternately; medians of CUDA-event timings.
 
     python -m gateway.bench.attention_kernels --device cuda [--shape 8b] [--repeats 20]
+        [--variant POSITIONS,KEYS,WARPS,STAGES ...]
+
+Each ``--variant`` is a kernel of other tile shapes or launch options ("-" keeps a default),
+timed in the same run: how the defaults were chosen. The rows are planned once per case, as
+the engine plans a step once for all its layers, so the times are the launches'.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -22,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from gateway.engine.triton_attention import TritonPagedAttention
+from gateway.engine.triton_attention import TilePlan, TritonPagedAttention
 
 SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128), "smol": (9, 3, 64)}
 """(query heads, KV heads, head dim) of the checkpoints in docs/gpu.md."""
@@ -46,12 +52,21 @@ CASES = (Case("prefill 8k cold", 1, 0, 8192), Case("suffix 40 over 8k", 1, 8192,
 @dataclass(frozen=True)
 class Row:
     case: str
-    triton_ms: float
+    kernel_ms: dict[str, float]
     sdpa_ms: float
 
-    @property
-    def ratio(self) -> float:
-        return self.triton_ms / self.sdpa_ms
+
+def parse_variant(text: str) -> TritonPagedAttention:
+    """A kernel from ``POSITIONS,KEYS,WARPS,STAGES`` ("-": the default of that one)."""
+    parts = text.split(",")
+    if len(parts) != 4:
+        raise argparse.ArgumentTypeError(f"a variant is POSITIONS,KEYS,WARPS,STAGES, got {text!r}")
+    try:
+        positions, keys, warps, stages = (None if p == "-" else int(p) for p in parts)
+        return TritonPagedAttention(tile_positions=positions or 16, tile_keys=keys or 64,
+                                    num_warps=warps, num_stages=stages)  # one shape for all
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
 def _median_ms(run: Callable[[], object], repeats: int) -> float:
@@ -70,7 +85,8 @@ def _median_ms(run: Callable[[], object], repeats: int) -> float:
 
 
 def measure(case: Case, shape: tuple[int, int, int], device: torch.device,
-            dtype: torch.dtype, repeats: int) -> Row:
+            dtype: torch.dtype, repeats: int,
+            kernels: dict[str, TritonPagedAttention]) -> Row:
     heads, kv_heads, dim = shape
     length = case.cached + case.new
     pages_per = -(-length // PAGE_TOKENS)
@@ -80,13 +96,13 @@ def measure(case: Case, shape: tuple[int, int, int], device: torch.device,
              .view(case.sequences, pages_per) + 1)
     rows = case.sequences * case.new
     queries = torch.randn(rows, heads, dim, device=device, dtype=dtype)
-    positions = (torch.arange(case.cached, length, device=device)
-                 .repeat(case.sequences))
-    row_items = torch.arange(case.sequences, dtype=torch.int32,
-                             device=device).repeat_interleave(case.new)
-    kernel = TritonPagedAttention()
-    triton_ms = _median_ms(lambda: kernel.attend_paged(queries, pool[0], pool[1], table,
-                                                       positions, row_items), repeats)
+    positions = torch.arange(case.cached, length).repeat(case.sequences)
+    row_items = torch.arange(case.sequences).repeat_interleave(case.new)
+    kernel_ms = {}
+    for name, kernel in kernels.items():
+        plan = TilePlan.of(positions, row_items, kernel.shape_for(dim).tile_positions, device)
+        kernel_ms[name] = _median_ms(functools.partial(
+            kernel.attend_planned, queries, pool[0], pool[1], table, plan), repeats)
     # contiguous K/V per sequence for SDPA, [sequences, kv_heads, length, dim]
     keys = pool[0, :, 1:].reshape(kv_heads, case.sequences, pages_per * PAGE_TOKENS, dim)
     keys = keys[:, :, :length].transpose(0, 1).contiguous()
@@ -103,8 +119,7 @@ def measure(case: Case, shape: tuple[int, int, int], device: torch.device,
     else:
         sdpa = lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,  # noqa: E731
                                                       enable_gqa=True)
-    sdpa_ms = _median_ms(sdpa, repeats)
-    return Row(case.name, triton_ms, sdpa_ms)
+    return Row(case.name, kernel_ms, _median_ms(sdpa, repeats))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,8 +130,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"),
                         default="bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--variant", action="append", default=[], type=str,
+                        help="POSITIONS,KEYS,WARPS,STAGES: another kernel to time beside the "
+                             "default ('-' keeps a default); repeatable")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args(argv)
+    kernels = {"default": TritonPagedAttention()}
+    for text in args.variant:
+        try:
+            kernels[text] = parse_variant(text)
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--variant: {exc}")
     device = torch.device(args.device)
     if device.type != "cuda" or not torch.cuda.is_available():
         print("this benchmark needs a CUDA device (the kernel is interpreted elsewhere)",
@@ -125,17 +149,18 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     shape = SHAPES[args.shape]
     print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"shape {args.shape} {shape}, {args.dtype}, median of {args.repeats}")
-    print(f"{'case':<24}{'triton ms':>11}{'sdpa ms':>10}{'ratio':>8}")
+          f"shape {args.shape} {shape}, {args.dtype}, median of {args.repeats}, ms per launch")
+    print(f"{'case':<24}{'sdpa':>8}" + "".join(f"{name:>16}" for name in kernels))
     rows = []
     for case in CASES:
-        row = measure(case, shape, device, dtype, args.repeats)
+        row = measure(case, shape, device, dtype, args.repeats, kernels)
         rows.append(row)
-        print(f"{row.case:<24}{row.triton_ms:>11.3f}{row.sdpa_ms:>10.3f}{row.ratio:>8.2f}",
-              flush=True)
+        print(f"{row.case:<24}{row.sdpa_ms:>8.3f}" + "".join(
+            f"{ms:>9.3f} {ms / row.sdpa_ms:>5.1f}x" for ms in row.kernel_ms.values()),
+            flush=True)
     if args.json:
         with open(args.json, "w") as out:
-            json.dump([asdict(r) | {"ratio": r.ratio} for r in rows], out, indent=1)
+            json.dump([asdict(r) for r in rows], out, indent=1)
     return 0
 
 

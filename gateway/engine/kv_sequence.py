@@ -93,6 +93,8 @@ class KVSequence:
         self._own: list[bool] = []  # written in place (not shared with anything)
         self._length = 0
         self._ids: torch.Tensor | None = None  # the table padded to whole tiles, for gathers
+        # (start, count, pages) -> the pool slots of positions start..start+count (CUDA writes)
+        self._slots: tuple[int, int, tuple[int, ...], torch.Tensor] | None = None
 
     @classmethod
     def alone(cls, layout: KVLayout, capacity: int, *, page_tokens: int = 64,
@@ -198,10 +200,18 @@ class KVSequence:
         self._length += n
 
     def _put(self, layer: int, kind: int, start: int, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` ``[kv_heads, n, head_dim]`` at positions ``start..start + n``."""
+        """Write ``tensor`` ``[kv_heads, n, head_dim]`` at positions ``start..start + n``.
+
+        On CUDA a write across pages is one scatter (launches are what a GPU step pays for;
+        the slots are computed once for every layer of a step), elsewhere a copy per page."""
         bt = self.pool.page_tokens
         storage = self.pool.storage
         n = int(tensor.shape[1])
+        if storage.device.type == "cuda" and start // bt != (start + n - 1) // bt:
+            kv_heads, _, _, head_dim = storage[layer, kind].shape
+            storage[layer, kind].view(kv_heads, -1, head_dim).index_copy_(
+                1, self._slots_of(start, n), tensor)
+            return
         at = 0
         while at < n:
             position = start + at
@@ -210,6 +220,20 @@ class KVSequence:
             page = self._pages[position // bt].id
             storage[layer, kind, :, page, offset:offset + count].copy_(tensor[:, at:at + count])
             at += count
+
+    def _slots_of(self, start: int, n: int) -> torch.Tensor:
+        """The pool slots (page id * page_tokens + offset) of positions ``start..start + n``,
+        on the pool's device; the last answer is kept while the pages stay the same."""
+        bt = self.pool.page_tokens
+        pages = tuple(page.id for page in self._pages[start // bt:(start + n - 1) // bt + 1])
+        cached = self._slots
+        if cached is not None and cached[:3] == (start, n, pages):
+            return cached[3]
+        positions = torch.arange(start, start + n)
+        ids = torch.tensor(pages, dtype=torch.long)[positions // bt - start // bt]
+        slots = (ids * bt + positions % bt).to(self.pool.device)
+        self._slots = (start, n, pages, slots)
+        return slots
 
     def prepare(self, num_tokens: int) -> None:
         """Hold the pages the next ``num_tokens`` tokens are written into (allocated, or copied

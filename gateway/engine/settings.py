@@ -20,6 +20,12 @@ from gateway.engine.scheduler import ScheduleLimits
 
 ROUTES = ("auto", "batched", "serial")
 
+PREFILL_STEP_TOKENS = {"cpu": 1024, "cuda": 8192}
+"""``prefill_step_tokens`` where the config leaves it out, by device type: a GPU step costs its
+launches (tens of microseconds each) whatever its rows, so fewer, larger prefill steps bring a
+cold prompt close to one-shot; on a CPU the arithmetic dominates and 1,024 keeps a newcomer's
+wait short. Other devices take the CPU's."""
+
 
 def is_int(value: object) -> bool:
     """An ``int`` and not a ``bool`` (TOML's ``true`` is not a count)."""
@@ -48,7 +54,8 @@ class EngineSettings:
             serial exact route), "batched" or "serial".
         step_tokens: tokens one engine step computes at most (decode rows + prefill chunks).
         prefill_step_tokens: tokens a step computes at most while no request is decoding (no
-            one waits for a next token, and larger chunks prefill faster).
+            one waits for a next token, and larger chunks prefill faster); None (the
+            default): ``PREFILL_STEP_TOKENS`` of the engine's device (``EngineConfig.of``).
         max_running: requests running at once.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
@@ -76,7 +83,7 @@ class EngineSettings:
     max_prompt_tokens: int | None = None
     route: str = "auto"
     step_tokens: int = 256
-    prefill_step_tokens: int = 1024
+    prefill_step_tokens: int | None = None
     max_running: int = 16
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
@@ -92,6 +99,8 @@ class EngineSettings:
         for name in ("max_queue", "step_tokens", "prefill_step_tokens", "max_running",
                      "max_running_per_tenant", "max_queued_per_tenant", "kv_budget_bytes"):
             value = getattr(self, name)
+            if name == "prefill_step_tokens" and value is None:
+                continue
             if not is_int(value) or value < 1:
                 errors.append(f"engine.{name} must be an integer >= 1, got {value!r}")
         share = self.max_kv_share_per_tenant
@@ -152,29 +161,39 @@ class EngineConfig(EngineSettings):
         if errors:
             raise ValueError("; ".join(errors))
 
+    @property
+    def prefill_tokens(self) -> int:
+        """``prefill_step_tokens``, or the CPU's default where it is None (configs built in
+        code; ``of`` fills it in for the device)."""
+        return self.prefill_step_tokens or PREFILL_STEP_TOKENS["cpu"]
+
     @classmethod
-    def of(cls, settings: EngineSettings, *, block_tokens: int,
-           max_deadline_s: float) -> EngineConfig:
+    def of(cls, settings: EngineSettings, *, block_tokens: int, max_deadline_s: float,
+           device_type: str = "cpu") -> EngineConfig:
         """The engine's config for the ``[engine]`` ``settings``, with the block size of the
-        cache and the deadline cap of the gRPC limits.
+        cache and the deadline cap of the gRPC limits; a ``prefill_step_tokens`` left out
+        becomes ``PREFILL_STEP_TOKENS`` of ``device_type`` (the model's device).
 
         Raises:
             ValueError: a setting is unusable (the config loader has refused it already).
         """
         values = {f.name: getattr(settings, f.name) for f in fields(EngineSettings)}
+        if values["prefill_step_tokens"] is None:
+            values["prefill_step_tokens"] = PREFILL_STEP_TOKENS.get(device_type,
+                                                                    PREFILL_STEP_TOKENS["cpu"])
         return cls(**values, block_tokens=block_tokens, max_deadline_s=max_deadline_s)
 
     def search_settings(self) -> SearchSettings:
         """What the route search depends on in this configuration (and the verdict's key)."""
         return SearchSettings(route=self.route, linear_kernel=self.linear_kernel,
-                              max_rows=max(self.step_tokens, self.prefill_step_tokens),
+                              max_rows=max(self.step_tokens, self.prefill_tokens),
                               max_logit_rows=self.max_running)
 
     def schedule_limits(self, *, is_serial: bool, can_preempt: bool = False) -> ScheduleLimits:
         """The scheduler's bounds on the route chosen (``is_serial``: the serial route;
         ``can_preempt``: a preempted request resumes to the same answer on it)."""
         return ScheduleLimits(
-            step_tokens=self.step_tokens, prefill_step_tokens=self.prefill_step_tokens,
+            step_tokens=self.step_tokens, prefill_step_tokens=self.prefill_tokens,
             max_running=self.max_running, max_running_per_tenant=self.max_running_per_tenant,
             max_queued_per_tenant=self.max_queued_per_tenant, max_queued=self.max_queue,
             kv_budget_bytes=self.kv_budget_bytes,

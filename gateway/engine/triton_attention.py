@@ -59,50 +59,109 @@ every split in one program. Both give the same bits (tested), so this is speed o
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def numerics_name(split_keys: int, tile_keys: int, tile_positions: int) -> str:
-    """The block-namespace part of a kernel with these shapes (other shapes, other bits)."""
-    return f"tri2-s{split_keys}n{tile_keys}q{tile_positions}"
+@dataclass(frozen=True)
+class KernelShape:
+    """A kernel's tile shape and launch options (other values, other bits).
+
+    Attributes:
+        tile_positions: query positions per tile (a power of two; with the query heads per KV
+            head, padded to a power of two, 16 rows or more on a GPU).
+        tile_keys: key positions per tile (a power of two; 16 or more on a GPU).
+        num_warps: warps per program; None: 4 for tiles of up to 4,096 query elements
+            (positions x padded heads x padded head_dim), else 8.
+        num_stages: Triton's software-pipelining depth of the key loop; None: its default.
+    """
+
+    tile_positions: int = TILE_POSITIONS
+    tile_keys: int = TILE_KEYS
+    num_warps: int | None = None
+    num_stages: int | None = None
+
+    def name(self) -> str:
+        name = f"n{self.tile_keys}q{self.tile_positions}"
+        if self.num_warps is not None:
+            name += f"w{self.num_warps}"
+        if self.num_stages is not None:
+            name += f"p{self.num_stages}"
+        return name
 
 
-NUMERICS = numerics_name(SPLIT_KEYS, TILE_KEYS, TILE_POSITIONS)
-"""The default kernel's part of the block namespace (see ``gateway.engine.attention.NUMERICS``)."""
+SHAPE_BY_HEAD_DIM = {128: KernelShape(tile_positions=32, tile_keys=128, num_warps=8)}
+"""The default kernel's shape for a head size, where it is not ``KernelShape()``: chosen on an
+H100 (docs/gpu.md, ``python -m gateway.bench.attention_kernels --variant``): for 128-wide
+heads (Llama-3.1-8B) tiles of 32 positions x 128 keys prefill 8k tokens in 2.0 ms a layer
+against 4.3 with ``KernelShape()``, decode alike; for 64-wide heads ``KernelShape()`` was the
+fastest."""
+
+
+def numerics_name(split_keys: int, tile_keys: int, tile_positions: int,
+                  num_warps: int | None = None, num_stages: int | None = None) -> str:
+    """The block-namespace part of a kernel of one shape (other shapes, other bits; launch
+    options other than the defaults are named too)."""
+    return f"tri2-s{split_keys}" + KernelShape(tile_positions, tile_keys, num_warps,
+                                                num_stages).name()
+
+
+def _numerics_by_head_dim(split_keys: int) -> str:
+    """The block-namespace part of a kernel that takes ``SHAPE_BY_HEAD_DIM``'s shapes."""
+    return f"tri2-s{split_keys}" + KernelShape().name() + "".join(
+        f"+d{head_dim}{shape.name()}" for head_dim, shape in sorted(SHAPE_BY_HEAD_DIM.items()))
+
+
+NUMERICS = _numerics_by_head_dim(SPLIT_KEYS)
+"""The default kernel's part of the block namespace (see ``gateway.engine.attention.NUMERICS``):
+its split size and its shape for each head size (a model has one)."""
 
 
 class TritonPagedAttention:
     """Every query row of a step attended in one Triton launch, K/V read through block tables.
 
     Args:
-        split_keys: key positions per split (a multiple of ``tile_keys``).
-        tile_keys: key positions per tile (a power of two; 16 or more on a GPU).
-        tile_positions: query positions per tile (a power of two; with the query heads per
-            KV head, padded to a power of two, 16 rows or more on a GPU).
+        split_keys: key positions per split (a multiple of every tile's ``tile_keys``).
+        tile_keys, tile_positions, num_warps, num_stages: one ``KernelShape`` for every head
+            size (its defaults for those not given); none given: ``SHAPE_BY_HEAD_DIM`` for
+            the head size, else ``KernelShape()``.
         split_parallel: True or False to force whether splits run in programs of their own
             (tests); None (the default) decides per launch by its size.
 
-    Other shapes are for the interpreted tests, which need many splits over few keys; each
-    gives other bits, so ``numerics`` names them.
+    Other shapes are for the interpreted tests, which need many splits over few keys, and for
+    the benchmark's variants; each gives other bits, so ``numerics`` names them.
 
     Raises (from ``attend``/``attend_paged``):
         ValueError: shapes, dtypes or devices that do not fit.
         RuntimeError: a tensor off CUDA while Triton compiles kernels in this process.
     """
 
-    def __init__(self, *, split_keys: int = SPLIT_KEYS, tile_keys: int = TILE_KEYS,
-                 tile_positions: int = TILE_POSITIONS,
-                 split_parallel: bool | None = None) -> None:
-        for name, value in (("tile_keys", tile_keys), ("tile_positions", tile_positions)):
-            if value < 1 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two, got {value}")
-        if split_keys < tile_keys or split_keys % tile_keys:
-            raise ValueError(f"split_keys ({split_keys}) must be a multiple of tile_keys "
-                             f"({tile_keys})")
+    def __init__(self, *, split_keys: int = SPLIT_KEYS, tile_keys: int | None = None,
+                 tile_positions: int | None = None, split_parallel: bool | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> None:
+        given = (tile_keys, tile_positions, num_warps, num_stages)
+        fixed = None
+        if any(value is not None for value in given):
+            fixed = KernelShape(tile_positions or TILE_POSITIONS, tile_keys or TILE_KEYS,
+                                num_warps, num_stages)
+        for shape in [fixed] if fixed else [KernelShape(), *SHAPE_BY_HEAD_DIM.values()]:
+            for name, value in (("tile_keys", shape.tile_keys),
+                                ("tile_positions", shape.tile_positions)):
+                if value < 1 or value & (value - 1):
+                    raise ValueError(f"{name} must be a power of two, got {value}")
+            if split_keys < shape.tile_keys or split_keys % shape.tile_keys:
+                raise ValueError(f"split_keys ({split_keys}) must be a multiple of tile_keys "
+                                 f"({shape.tile_keys})")
         self.split_keys = split_keys
-        self.tile_keys = tile_keys
-        self.tile_positions = tile_positions
         self.split_parallel = split_parallel
-        self.numerics = numerics_name(split_keys, tile_keys, tile_positions)
-        self._last_plan: tuple[tuple[tuple[int, int], ...], torch.device, TilePlan] | None = None
+        self._fixed = fixed
+        self.numerics = (_numerics_by_head_dim(split_keys) if fixed is None
+                         else f"tri2-s{split_keys}" + fixed.name())
+        self._last_plan: tuple[tuple[tuple[int, int], ...], torch.device, int,
+                               TilePlan] | None = None
         self._last_table: tuple[tuple[torch.Tensor, ...], torch.Tensor] | None = None
+
+    def shape_for(self, head_dim: int) -> KernelShape:
+        """The tile shape and launch options this kernel uses for heads of ``head_dim``."""
+        if self._fixed is not None:
+            return self._fixed
+        return SHAPE_BY_HEAD_DIM.get(head_dim, KernelShape())
 
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         """``SequenceAttention.attend``, in one launch: in place where every item's K/V are
@@ -119,20 +178,22 @@ class TritonPagedAttention:
         pages = self._shared_pages(items)
         key_pages, value_pages, table = pages if pages is not None else _packed_pages(items)
         device = items[0].queries.device
+        shape = self.shape_for(int(items[0].queries.shape[2]))
+        tile = shape.tile_positions
         firsts = [item.first_position for item in items]
         if None in firsts:  # tests, oracles: read their positions
             plan = TilePlan.of(torch.cat([item.positions.cpu() for item in items]),
-                               _row_items(counts), self.tile_positions, device)
+                               _row_items(counts), tile, device)
         else:
             spans = tuple((int(first or 0), n) for first, n in zip(firsts, counts, strict=True))
-            if self._last_plan is not None and self._last_plan[:2] == (spans, device):
-                plan = self._last_plan[2]
+            if self._last_plan is not None and self._last_plan[:3] == (spans, device, tile):
+                plan = self._last_plan[3]
             else:
                 positions = torch.cat([torch.arange(first, first + n) for first, n in spans])
-                plan = TilePlan.of(positions, _row_items(counts), self.tile_positions, device)
-                self._last_plan = (spans, device, plan)
+                plan = TilePlan.of(positions, _row_items(counts), tile, device)
+                self._last_plan = (spans, device, tile, plan)
         attended = self._launch(torch.cat([item.queries for item in items]), key_pages,
-                                value_pages, table, plan)
+                                value_pages, table, plan, shape)
         return list(torch.split(attended, counts))
 
     def attend_paged(self, queries: torch.Tensor, key_pages: torch.Tensor,
@@ -156,12 +217,27 @@ class TritonPagedAttention:
             ``[rows, heads, head_dim]`` in the queries' dtype.
         """
         _check(queries, key_pages, value_pages, table, positions, row_items)
-        plan = TilePlan.of(positions.cpu(), row_items.cpu(), self.tile_positions,
+        shape = self.shape_for(int(queries.shape[2]))
+        plan = TilePlan.of(positions.cpu(), row_items.cpu(), shape.tile_positions,
                            queries.device)
-        return self._launch(queries, key_pages, value_pages, table, plan)
+        return self._launch(queries, key_pages, value_pages, table, plan, shape)
+
+    def attend_planned(self, queries: torch.Tensor, key_pages: torch.Tensor,
+                       value_pages: torch.Tensor, table: torch.Tensor,
+                       plan: TilePlan) -> torch.Tensor:
+        """``attend_paged`` for rows planned once with ``TilePlan.of`` in tiles of
+        ``shape_for(head_dim).tile_positions`` (benchmarks, and launches repeated over the same
+        rows): no host work but the launch."""
+        _check(queries, key_pages, value_pages, table)
+        shape = self.shape_for(int(queries.shape[2]))
+        if plan.tensor.shape[1] != 2 + shape.tile_positions:
+            raise ValueError(f"the plan has tiles of {plan.tensor.shape[1] - 2} positions, the "
+                             f"kernel {shape.tile_positions} for heads of {queries.shape[2]}")
+        return self._launch(queries, key_pages, value_pages, table, plan, shape)
 
     def _launch(self, queries: torch.Tensor, key_pages: torch.Tensor,
-                value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan) -> torch.Tensor:
+                value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan,
+                shape: KernelShape) -> torch.Tensor:
         num_rows, num_heads, head_dim = queries.shape
         kv_heads, _, page_tokens, _ = key_pages.shape
         rep = num_heads // kv_heads
@@ -187,11 +263,14 @@ class TritonPagedAttention:
                      key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
                      table.stride(0), plan.tensor.stride(0), parts.stride(0), parts.stride(1),
                      parts.stride(2), 1.0 / math.sqrt(head_dim) * math.log2(math.e))
-        shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=self.tile_positions, HEAD_DIM=head_dim,
-                      BLOCK_D=block_d, TILE_KEYS=self.tile_keys, SPLIT_KEYS=self.split_keys,
+        shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=shape.tile_positions, HEAD_DIM=head_dim,
+                      BLOCK_D=block_d, TILE_KEYS=shape.tile_keys, SPLIT_KEYS=self.split_keys,
                       PAGE=page_tokens, DOT_F32=interpreted or queries.dtype == torch.float32,
-                      num_warps=4 if block_d * self.tile_positions * rep_pad <= 4096 else 8,
+                      num_warps=shape.num_warps or (
+                          4 if block_d * shape.tile_positions * rep_pad <= 4096 else 8),
                       enable_fp_fusion=False)
+        if shape.num_stages is not None:
+            shapes["num_stages"] = shape.num_stages
         run = kernel()
         if parallel:
             run[(plan.num_tiles, kv_heads, splits)](*arguments, PHASE=1, **shapes)
@@ -312,7 +391,8 @@ def _cuda_problem(device: str) -> str | None:
 
 
 def _check(queries: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Tensor,
-           table: torch.Tensor, positions: torch.Tensor, row_items: torch.Tensor) -> None:
+           table: torch.Tensor, positions: torch.Tensor | None = None,
+           row_items: torch.Tensor | None = None) -> None:
     """Raise ValueError where the launch's arguments do not fit together."""
     if queries.dim() != 3 or key_pages.dim() != 4 or value_pages.shape != key_pages.shape:
         raise ValueError(f"queries [rows, heads, d] and pages [kv_heads, pages, tokens, d], got "
@@ -334,10 +414,11 @@ def _check(queries: torch.Tensor, key_pages: torch.Tensor, value_pages: torch.Te
     if table.dtype != torch.int32 or table.dim() != 2 or table.stride(1) != 1:
         raise ValueError(f"the block table must be a row-major int32 [sequences, pages], got "
                          f"{table.dtype} {tuple(table.shape)}")
-    if positions.shape != (num_rows,) or row_items.shape != (num_rows,):
+    per_row = [t for t in (positions, row_items) if t is not None]
+    if any(t.shape != (num_rows,) for t in per_row):
         raise ValueError(f"positions and row_items need one entry per row ({num_rows}), got "
-                         f"{tuple(positions.shape)} and {tuple(row_items.shape)}")
-    devices = {t.device for t in (queries, key_pages, value_pages, table, positions, row_items)}
+                         f"{[tuple(t.shape) for t in per_row]}")
+    devices = {t.device for t in (queries, key_pages, value_pages, table, *per_row)}
     if len(devices) > 1:
         raise ValueError(f"every tensor must be on one device, got {sorted(map(str, devices))}")
 

@@ -379,7 +379,8 @@ def _start_engine(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
         # The [engine] section as it is, with the block size and deadline cap of their own
         # sections ([cache], [grpc]), so that the places that need them cannot disagree.
         config=EngineConfig.of(config.engine, block_tokens=config.cache.block_tokens,
-                               max_deadline_s=config.grpc.max_deadline_s),
+                               max_deadline_s=config.grpc.max_deadline_s,
+                               device_type=loaded.device.type),
         deployment_secret=secret,
         metrics=metrics,
         verdicts=VerdictStore(config.data_dir / "routes", secret),

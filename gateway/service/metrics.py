@@ -80,7 +80,8 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10
 STEP_REQUEST_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 """Requests in one engine step (``[engine] max_running`` is 16 by default)."""
 STEP_TOKEN_BUCKETS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-"""Tokens one step computes (``[engine] step_tokens`` 256, ``prefill_step_tokens`` 1024)."""
+"""Tokens one step computes (``[engine] step_tokens`` 256, ``prefill_step_tokens`` 1024 on a CPU,
+8192 on a GPU)."""
 PROCESS_MAX_AGE_S = 1.0
 """``process_*`` are read from /proc (three files and the fd directory) at most this often: a
 router polling every 50 ms needs none of them fresher, and they change slowly."""

@@ -264,3 +264,23 @@ def test_a_table_reads_back_what_a_flat_buffer_would_hold_and_stored_blocks_neve
     assert torch.equal(seq.keys(0), flat[:, :seq.length])
     assert torch.equal(seq.values(1), -flat[:, :seq.length])
     assert all(same(block, kept) for block, kept in stored)
+
+
+@pytest.mark.gpu
+def test_a_write_across_pages_on_cuda_lands_where_the_cpus_page_copies_put_it() -> None:
+    """On CUDA a write spanning pages is one scatter; it must fill the same slots as the
+    CPU's copy per page, from a position inside a page."""
+    pools = [PagePool(LAYOUT, page_tokens=BLOCK, num_pages=16, device=device)
+             for device in ("cpu", "cuda")]
+    seqs = [KVSequence(pool, 20) for pool in pools]
+    generator = torch.Generator().manual_seed(3)
+    shape = (LAYOUT.kv_heads, 11, LAYOUT.head_dim)
+    for n in (2, 11, 1):  # within a page, across four, then one more
+        keys, values = (torch.randn(shape, generator=generator)[:, :n] for _ in range(2))
+        for seq in seqs:
+            for layer in range(LAYOUT.num_layers):
+                seq.write(layer, keys.to(seq.pool.device), values.to(seq.pool.device))
+            seq.advance(n)
+    for layer in range(LAYOUT.num_layers):
+        assert torch.equal(seqs[1].keys(layer).cpu(), seqs[0].keys(layer))
+        assert torch.equal(seqs[1].values(layer).cpu(), seqs[0].values(layer))

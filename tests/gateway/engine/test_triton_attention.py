@@ -26,6 +26,7 @@ from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.route_search import ATTENTIONS, attention_problem
 from gateway.engine.triton_attention import (
     NUMERICS,
+    KernelShape,
     TilePlan,
     TritonPagedAttention,
     block_table,
@@ -277,9 +278,23 @@ def test_attend_reads_a_pools_pages_in_place_with_the_bits_of_gathered_buffers(d
 
 
 def test_numerics_names_the_split_size_and_tile_shape() -> None:
-    assert DEFAULT.numerics == NUMERICS == "tri2-s512n64q16"
+    assert DEFAULT.numerics == NUMERICS == "tri2-s512n64q16+d128n128q32w8"
     assert SMALL.numerics == "tri2-s32n16q8"
     assert SMALL_SPLITS_APART.numerics == SMALL.numerics  # same bits, other launches
+    assert CUDA_KERNELS["w8"].numerics == "tri2-s512n64q16w8"
+
+
+def test_the_default_takes_its_shape_from_the_head_size() -> None:
+    assert DEFAULT.shape_for(64) == DEFAULT.shape_for(80) == KernelShape()
+    assert DEFAULT.shape_for(128) == KernelShape(tile_positions=32, tile_keys=128, num_warps=8)
+    assert SMALL.shape_for(128) == SMALL.shape_for(64)  # a shape given is kept for every size
+
+
+def test_a_plan_for_other_tiles_is_refused() -> None:
+    pages = torch.zeros(1, 2, PAGE, 128)
+    plan = TilePlan.of(torch.tensor([0]), torch.tensor([0]), 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="tiles of 16 positions, the kernel 32"):
+        DEFAULT.attend_planned(torch.zeros(1, 2, 128), pages, pages, block_table([[1]]), plan)
 
 
 def test_two_rows_of_a_sequence_at_one_position_are_refused() -> None:
@@ -351,13 +366,25 @@ def test_the_kernel_compiles_for_cuda(dtype, capability, phase) -> None:
         assert "mma.sync" in compiled.asm["ptx"] or "wgmma" in compiled.asm["ptx"]
 
 
+CUDA_KERNELS = {"default": DEFAULT,  # its shape for 128-wide heads is q32k128w8's
+                "q32w8": TritonPagedAttention(tile_positions=32, num_warps=8),
+                "k128": TritonPagedAttention(tile_keys=128),
+                "q32k128w8": TritonPagedAttention(tile_positions=32, tile_keys=128, num_warps=8),
+                "w8": TritonPagedAttention(num_warps=8)}
+"""The default and the shapes and launch options it was chosen among
+(``python -m gateway.bench.attention_kernels --variant``): each keeps every check on a GPU."""
+
+
 @GPU
-@pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (32, 8)], ids=["smollm2", "llama-1b"])
-def test_on_cuda_real_head_shapes_keep_every_check(heads, kv_heads) -> None:
-    """The default kernel compiled, in bfloat16, with two models' head shapes over 1,300 keys
-    (three splits): exact to bfloat16's tolerance, and one-shot, odd chunks, token by token,
-    beside another sequence and over scrambled pages all bit for bit the same."""
-    n, dim, page_tokens = 1300, 64, 16
+@pytest.mark.parametrize("kernel", CUDA_KERNELS.values(), ids=CUDA_KERNELS.keys())
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (32, 8, 64), (32, 8, 128)],
+                         ids=["smollm2", "llama-1b", "llama-8b"])
+def test_on_cuda_real_head_shapes_keep_every_check(heads, kv_heads, dim, kernel) -> None:
+    """Each kernel compiled, in bfloat16, with three models' head shapes over 1,300 keys
+    (three splits): exact to bfloat16's tolerance, and one-shot, odd chunks, token by token
+    (its splits in programs of their own), beside another sequence and over scrambled pages
+    all bit for bit the same."""
+    n, page_tokens = 1300, 16
     generator = torch.Generator().manual_seed(10)
     queries, other_queries = (torch.randn(n, heads, dim, generator=generator)
                               .to("cuda", torch.bfloat16) for _ in range(2))
@@ -370,7 +397,7 @@ def test_on_cuda_real_head_shapes_keep_every_check(heads, kv_heads) -> None:
                                           page_tokens=page_tokens)
 
     def run(rows: Sequence[tuple[int, torch.Tensor, Sequence[int]]]) -> list[torch.Tensor]:
-        return attend(DEFAULT, (key_pages, value_pages, table), rows)
+        return attend(kernel, (key_pages, value_pages, table), rows)
 
     [one_shot] = run([(0, queries, range(n))])
     chunks, at = [], 0
