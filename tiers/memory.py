@@ -282,14 +282,10 @@ class HostStore(BatchDefaults):
         self._stats = StoreStats(name=name)
 
     def _views(self, slot: torch.Tensor) -> KVBlock:
-        typed = slot.view(self.layout.dtype)
-        shape = (self.layout.kv_heads, self.block_tokens, self.layout.head_dim)
-        n = self._layer_elems
-        parts = [typed.narrow(0, i * n, n) for i in range(2 * self.layout.num_layers)]
-        return KVBlock(
-            keys=tuple(p.view(shape) for p in parts[0::2]),
-            values=tuple(p.view(shape) for p in parts[1::2]),
-        )
+        layout = self.layout
+        typed = slot.view(layout.dtype).narrow(0, 0, 2 * layout.num_layers * self._layer_elems)
+        return KVBlock.of_packed(typed.view(layout.num_layers, 2, layout.kv_heads,
+                                            self.block_tokens, layout.head_dim))
 
     def put(self, meta: BlockMeta, block: KVBlock) -> None:
         with self._lock:
@@ -305,9 +301,13 @@ class HostStore(BatchDefaults):
         # The copy runs outside the lock; the block becomes readable only once it is complete.
         views = self._views(slot)
         source = block.keys[0].device
-        for dst, src in zip((*views.keys, *views.values), (*block.keys, *block.values),
-                            strict=True):
-            dst.copy_(src, non_blocking=self.is_pinned and source.type == "cuda")
+        non_blocking = self.is_pinned and source.type == "cuda"
+        if block.packed is not None and views.packed is not None:
+            views.packed.copy_(block.packed, non_blocking=non_blocking)  # one copy
+        else:
+            for dst, src in zip((*views.keys, *views.values), (*block.keys, *block.values),
+                                strict=True):
+                dst.copy_(src, non_blocking=non_blocking)
         done = self._fences(source) if self.is_pinned else None
         if done is not None:
             done.wait()  # this copy only: the source device's stream, up to here
@@ -384,12 +384,16 @@ def _is_on(block: KVBlock, device: torch.device) -> bool:
 
 
 def _copy_to(block: KVBlock, device: torch.device) -> KVBlock:
-    """Fresh tensors on ``device`` (asynchronous from pinned memory to a GPU)."""
+    """Fresh tensors on ``device`` (asynchronous from pinned memory to a GPU): one copy where
+    the block is packed, else one per tensor."""
     non_blocking = (
         device.type == "cuda"
         and block.keys[0].device.type == "cpu"
         and block.keys[0].is_pinned()
     )
+    if block.packed is not None:
+        return KVBlock.of_packed(block.packed.to(device, non_blocking=non_blocking, copy=True),
+                                 block.quantization)
     return KVBlock(
         keys=tuple(k.to(device, non_blocking=non_blocking, copy=True) for k in block.keys),
         values=tuple(v.to(device, non_blocking=non_blocking, copy=True) for v in block.values),

@@ -141,7 +141,7 @@ class PagePool:
         layers = self.storage[:, :, :, page.id]  # [layers, 2, kv_heads, tokens, head_dim]
         return PagedBlock(keys=tuple(layers[i, 0] for i in range(self.layout.num_layers)),
                           values=tuple(layers[i, 1] for i in range(self.layout.num_layers)),
-                          page=page)
+                          packed=layers, page=page)
 
     def page_of(self, block: KVBlock) -> Page | None:
         """The page ``block`` is a whole view of, if it is one of this pool's; else None."""
@@ -157,6 +157,9 @@ class PagePool:
         if start + n > self.page_tokens:
             raise ValueError(f"{n} tokens from {start} do not fit a page of {self.page_tokens}")
         layers = self.storage[:, :, :, page.id, start:start + n]
+        if block.packed is not None:
+            layers.copy_(block.packed)  # one copy (launch) for the whole block
+            return
         for i in range(self.layout.num_layers):
             layers[i, 0].copy_(block.keys[i])
             layers[i, 1].copy_(block.values[i])

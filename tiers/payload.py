@@ -11,7 +11,7 @@ trusted from stored headers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,11 +53,25 @@ class KVBlock:
     ``quantization`` is None for K/V as the model computed them; a block dequantized from a
     lossy tier names the format it came from, so that no exact tier stores it (the exact
     payload format refuses it: docs/design.md, "Lossy tiers").
+
+    ``packed``, where a tier has it: one ``[layers, 2, kv_heads, tokens, head_dim]`` tensor of
+    which every K (``packed[i, 0]``) and V (``packed[i, 1]``) is a view, so that a copy of the
+    whole block is one copy (a GPU pays per copy launched, not per byte, at these sizes).
     """
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
     quantization: Quantization | None = None
+    packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def of_packed(cls, packed: torch.Tensor,
+                  quantization: Quantization | None = None) -> KVBlock:
+        """The block whose K/V are the layers of ``packed`` (``[layers, 2, ...]``), views."""
+        layers = packed.unbind(0)
+        return cls(keys=tuple(layer[0] for layer in layers),
+                   values=tuple(layer[1] for layer in layers), quantization=quantization,
+                   packed=packed)
 
     @property
     def num_layers(self) -> int:

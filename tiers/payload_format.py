@@ -110,9 +110,7 @@ class ExactPayload:
         per_layer = flat.view(layout.dtype).view(
             layout.num_layers, 2, layout.kv_heads, self._block_tokens, layout.head_dim
         )
-        layers = per_layer.unbind(0)
-        return KVBlock(keys=tuple(layer[0] for layer in layers),
-                       values=tuple(layer[1] for layer in layers))
+        return KVBlock.of_packed(per_layer)
 
 
 class QuantizedPayload:
@@ -154,11 +152,7 @@ class QuantizedPayload:
         layout = self._layout
         scales = flat[: self._scales_len].view(SCALE_DTYPE).view(self._rows)
         q = flat[self._scales_len :].view(self._element).view(*self._rows, layout.head_dim)
-        values = dequantize(q, scales, layout.dtype)
-        layers = values.unbind(0)
-        return KVBlock(keys=tuple(layer[0] for layer in layers),
-                       values=tuple(layer[1] for layer in layers),
-                       quantization=self._quantization)
+        return KVBlock.of_packed(dequantize(q, scales, layout.dtype), self._quantization)
 
 
 def payload_format(layout: KVLayout, block_tokens: int,

@@ -194,6 +194,11 @@ class KVSequence:
         n = block.num_tokens
         start = self._length
         self._writable(start, start + n)
+        bt = self.pool.page_tokens
+        if block.packed is not None and start % bt + n <= bt:  # one page: one copy
+            self.pool.fill(self._pages[start // bt], block, start % bt)
+            self._length += n
+            return
         for layer in range(self.layout.num_layers):
             self._put(layer, 0, start, block.keys[layer])
             self._put(layer, 1, start, block.values[layer])

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from policies.base import BlockKey
+from tests.copy_count import CountCopies
 from tiers.base import BlockMeta, BlockStore
 from tiers.memory import DeviceStore, HostStore, SlabPool
 from tiers.page_pool import PagePool
@@ -227,3 +228,19 @@ def test_a_host_block_stays_valid_after_its_slot_is_reused() -> None:
     store.delete(make_meta(6).key)
     store.put(make_meta(7), make_block(7))  # reuses the only slot
     assert got is not None and identical(got, first)
+
+
+def test_a_page_moves_to_the_host_tier_and_back_in_one_copy_each_way() -> None:
+    """Pages and host slots are packed blocks: a demotion and a load are one copy each (on a
+    GPU, one launch each instead of one per layer and kind), bit for bit."""
+    pool, host = page_pool(), host_store()
+    page = pool.allocate()
+    pool.fill(page, make_block(5))
+    paged = pool.block(page)
+    with CountCopies() as put:
+        host.put(make_meta(1), paged)
+    with CountCopies() as got:
+        loaded = host.get(make_meta(1))
+    assert put.copies == 1 and got.copies == 1
+    assert loaded is not None and loaded.packed is not None
+    assert identical(loaded, make_block(5))

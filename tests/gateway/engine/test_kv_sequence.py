@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.engine.kv_sequence import KVSequence
+from tests.copy_count import CountCopies
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout, PayloadError
 
@@ -284,3 +285,16 @@ def test_a_write_across_pages_on_cuda_lands_where_the_cpus_page_copies_put_it() 
     for layer in range(LAYOUT.num_layers):
         assert torch.equal(seqs[1].keys(layer).cpu(), seqs[0].keys(layer))
         assert torch.equal(seqs[1].values(layer).cpu(), seqs[0].values(layer))
+
+
+def test_a_packed_block_from_a_slower_tier_is_copied_into_its_page_in_one_copy() -> None:
+    pool = new_pool()
+    blocks = [plain_block(seed) for seed in (1, 2, 3)]
+    packed = [KVBlock.of_packed(torch.stack([torch.stack(kv) for kv in zip(b.keys, b.values,
+                                                                           strict=True)]))
+              for b in blocks]
+    with CountCopies() as counted:
+        seq = KVSequence.from_blocks(pool, packed, 4 * BLOCK)
+    assert counted.copies == len(packed)  # not one per layer and kind
+    for index, block in enumerate(blocks):
+        assert same(seq.block(index, BLOCK), block)
