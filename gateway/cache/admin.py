@@ -29,6 +29,7 @@ from gateway.cache.remote_admin import evict_remote
 from gateway.cache.session_admin import SessionAdmin
 from gateway.cache.stats import CacheStats
 from gateway.cache.tags import tag_prompt, tagged_blocks, tags_of
+from gateway.core.admin_reports import PrefixInfo
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.fingerprint import Namespace, Scope
@@ -44,8 +45,9 @@ PREVIEW_TOKENS = 24
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class PrefixInfo:
-    """One cached prompt (a leaf and its ancestors), as the index knows it."""
+class IndexedPrefix:
+    """One cached prompt (a leaf and its ancestors), as the index knows it (what
+    ``ListPrefixes`` shows of it is a ``PrefixInfo``)."""
 
     owner: str
     key: BlockKey
@@ -58,24 +60,6 @@ class PrefixInfo:
     num_hits: int
     is_pinned: bool
     first_block_tokens: bytes
-    tags: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefixSummary:
-    """One cached prompt, for ``ListPrefixes``."""
-
-    tenant: str
-    key_hex: str
-    num_blocks: int
-    num_tokens: int
-    num_bytes: int
-    tiers: tuple[str, ...]
-    age_s: float
-    idle_s: float
-    num_hits: int
-    is_pinned: bool
-    preview: str
     tags: tuple[str, ...] = ()
 
 
@@ -119,7 +103,7 @@ class PromptKeys(Protocol):
 
 
 def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
-                  limit: int = 100) -> list[PrefixInfo]:
+                  limit: int = 100) -> list[IndexedPrefix]:
     """One entry per cached prompt (a leaf of a trie), most recently used first.
 
     Args:
@@ -143,7 +127,7 @@ def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
         for leaf in leaves[:limit]:
             path = _path_to(leaf)
             out.append(
-                PrefixInfo(
+                IndexedPrefix(
                     owner=leaf.namespace.scope.owner,
                     key=leaf.key,
                     num_blocks=len(path),
@@ -317,13 +301,13 @@ class CacheAdmin:
         """Every figure of the cache (``PrefixCache.stats``)."""
         return self._cache.stats()
 
-    def list_prefixes(self, *, tenant: str | None, limit: int) -> list[PrefixSummary]:
+    def list_prefixes(self, *, tenant: str | None, limit: int) -> list[PrefixInfo]:
         """The cached prompts (of ``tenant``, or all), most recently used first."""
         out = []
         for info in list_prefixes(self._cache, owner=tenant, limit=limit):
             first = [int(t) for t in tokens_from_bytes(info.first_block_tokens)[:PREVIEW_TOKENS]]
             out.append(
-                PrefixSummary(
+                PrefixInfo(
                     tenant=info.owner,
                     key_hex=info.key.hex(),
                     num_blocks=info.num_blocks,

@@ -31,10 +31,6 @@ from gateway.core.sessions import checked_session_id
 logger = logging.getLogger(__name__)
 
 
-SessionSummary = SessionInfo
-"""One session, for ``ListSessions``: the record the client reads back, built here."""
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SessionDrop:
     """What dropping a session freed here: blocks that left the index, bytes per local tier,
@@ -117,7 +113,7 @@ class SessionAdmin:
         self._cache = cache
         self._feed = feed
 
-    def list(self, *, tenant: str | None = None, limit: int = 100) -> list[SessionSummary]:
+    def list(self, *, tenant: str | None = None, limit: int = 100) -> list[SessionInfo]:
         """The sessions this replica knows (of ``tenant``, or all), most recently used first."""
         registry = self._cache.sessions
         entries = registry.entries(tenant)[:limit]
@@ -129,7 +125,7 @@ class SessionAdmin:
             tail_tokens, tail_bytes = ((0, 0) if tails is None
                                        else tails.session_tail(entry.owner, entry.session_id))
             idle = max(0.0, now - entry.last_used)
-            out.append(SessionSummary(
+            out.append(SessionInfo(
                 tenant=entry.owner, session_id=entry.session_id, num_blocks=num_blocks,
                 num_bytes=num_bytes + tail_bytes, tail_tokens=tail_tokens, idle_s=idle,
                 expires_in_s=max(0.0, ttl - idle)))

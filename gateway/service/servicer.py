@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.cache.stats import CacheStats
 from gateway.config.keys import Principal, tenant_id_problem
+from gateway.core.admin_reports import PrefixInfo, SessionInfo
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest, NotFound
 from gateway.core.fingerprint import Scope
@@ -57,8 +58,7 @@ from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
 
 if TYPE_CHECKING:
-    from gateway.cache.admin import EvictResult, PrefixSummary
-    from gateway.cache.session_admin import SessionSummary
+    from gateway.cache.admin import EvictResult
     from gateway.engine.engine import Engine
 
 logger = logging.getLogger(__name__)
@@ -327,7 +327,7 @@ def stats_response(stats: CacheStats, engine: pb.EngineStats | None = None) -> p
     )
 
 
-def prefix_summary(summary: PrefixSummary) -> pb.PrefixSummary:
+def prefix_summary(summary: PrefixInfo) -> pb.PrefixSummary:
     return pb.PrefixSummary(
         tenant=summary.tenant, key_hex=summary.key_hex, num_blocks=summary.num_blocks,
         num_tokens=summary.num_tokens, num_bytes=summary.num_bytes, tiers=summary.tiers,
@@ -336,7 +336,7 @@ def prefix_summary(summary: PrefixSummary) -> pb.PrefixSummary:
     )
 
 
-def session_summary(summary: SessionSummary) -> pb.SessionSummary:
+def session_summary(summary: SessionInfo) -> pb.SessionSummary:
     return pb.SessionSummary(
         tenant=summary.tenant, session_id=summary.session_id, num_blocks=summary.num_blocks,
         num_bytes=summary.num_bytes, tail_tokens=summary.tail_tokens, idle_s=summary.idle_s,
