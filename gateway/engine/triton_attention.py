@@ -56,6 +56,11 @@ SPLIT_PARALLEL_BELOW = 264
 in parallel and fold them in a second launch (decode of a few long sequences); more keep
 every split in one program. Both give the same bits (tested), so this is speed only."""
 
+SPLIT_PARALLEL_MAX_BYTES = 64 << 20
+"""The most scratch the splits' partials may take (rows x heads x splits x (head_dim + 2)
+floats): a few hundred rows over a very long context keep every split in one program rather
+than take hundreds of MiB of GPU memory for a step."""
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -255,7 +260,8 @@ class TritonPagedAttention:
         splits = plan.last_position // self.split_keys + 1
         parallel = self.split_parallel
         if parallel is None:
-            parallel = splits > 1 and plan.num_tiles * kv_heads < SPLIT_PARALLEL_BELOW
+            parallel = splits_apart(num_programs=plan.num_tiles * kv_heads, splits=splits,
+                                    scratch_bytes=num_rows * num_heads * splits * (block_d + 2) * 4)
         parts = queries.new_empty((num_rows, num_heads, splits if parallel else 0, block_d + 2),
                                   dtype=torch.float32)
         arguments = (out, queries, key_pages, value_pages, table, plan.tensor, parts,
@@ -301,6 +307,14 @@ class TritonPagedAttention:
                                                  batch_first=True)
         self._last_table = (tables, joined)  # holding them: no other tensor takes their ids
         return first.key_pages, first.value_pages, joined
+
+
+def splits_apart(*, num_programs: int, splits: int, scratch_bytes: int) -> bool:
+    """Whether a launch of ``num_programs`` programs over up to ``splits`` splits attends them
+    in programs of their own (speed only: the bits are the same): where the GPU would
+    otherwise sit mostly idle, and the partials fit ``SPLIT_PARALLEL_MAX_BYTES``."""
+    return (splits > 1 and num_programs < SPLIT_PARALLEL_BELOW
+            and scratch_bytes <= SPLIT_PARALLEL_MAX_BYTES)
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from gateway.engine.triton_attention import (
     TilePlan,
     TritonPagedAttention,
     block_table,
+    splits_apart,
     triton_attention_problem,
 )
 from tests.gateway.engine.triton_interpreter import interpreted, interprets_here
@@ -288,6 +289,15 @@ def test_the_default_takes_its_shape_from_the_head_size() -> None:
     assert DEFAULT.shape_for(64) == DEFAULT.shape_for(80) == KernelShape()
     assert DEFAULT.shape_for(128) == KernelShape(tile_positions=32, tile_keys=128, num_warps=8)
     assert SMALL.shape_for(128) == SMALL.shape_for(64)  # a shape given is kept for every size
+
+
+def test_splits_run_apart_only_for_small_launches_over_several_splits() -> None:
+    mib = 1 << 20
+    assert splits_apart(num_programs=8, splits=17, scratch_bytes=mib)  # one decode row, 8k
+    assert not splits_apart(num_programs=8, splits=1, scratch_bytes=mib)  # nothing to split
+    assert not splits_apart(num_programs=4096, splits=17, scratch_bytes=mib)  # a full GPU
+    # a 200-row chunk over 32k keys would need 213 MiB of partials: kept in one program
+    assert not splits_apart(num_programs=104, splits=64, scratch_bytes=213 * mib)
 
 
 def test_a_plan_for_other_tiles_is_refused() -> None:
