@@ -14,6 +14,11 @@ then probes each candidate on the real weights, best first (``gateway.engine.rou
   it ran about twice as fast as MKL's sgemm there. Every row of a step, prefill and decode
   alike, goes into one product (decode rows share it): a decode row's numbers are then a
   prefill's, so the blocks an answer fills are stored as decoded (the probe checks it).
+- **GEMM** (``F.linear`` on CUDA, cuBLAS): every row of a step, decode rows too, in one product
+  padded as BLAS's below. On a GPU a product of a few hundred rows costs what one row does (it
+  reads the weights once), while a matrix-vector product per decode row reads them once per
+  row: 32 users decoding would read the weights 32 times a step. Only on CUDA, and only where
+  the logits head keeps its rows' bits under the same padding; tried before BLAS.
 - **BLAS** (``F.linear``): prefill rows share a padded product and each decode row is a
   matrix-vector product of its own (its numbers are then not a prefill's, and an answer's blocks
   are left for the next turn's prefill to store). On CUDA this is cuBLAS.
@@ -67,10 +72,10 @@ def _onednn(rows: torch.Tensor, weight: torch.Tensor,
     return out
 
 
-KERNELS: Mapping[str, Product] = {"onednn": _onednn, "blas": _blas}
+KERNELS: Mapping[str, Product] = {"onednn": _onednn, "gemm": _blas, "blas": _blas}
 """The kernels by name, best first where the machine can run them."""
 
-SHARES_DECODE_ROWS = {"onednn": True, "blas": False}
+SHARES_DECODE_ROWS = {"onednn": True, "gemm": True, "blas": False}
 """Whether a kernel's decode rows join the shared product (module docstring)."""
 
 
@@ -106,6 +111,8 @@ class RowProducts:
         """Its part of the block namespace (empty for the CPU's BLAS, the earliest numerics)."""
         if self.kernel == "onednn":
             return f"dnnl-{self.padding.label}"
+        if self.kernel == "gemm":
+            return f"gemm-{self.padding.label}"
         return self.padding.label
 
     @property
@@ -142,6 +149,9 @@ def kernel_problem(kernel: str, device: torch.device, dtype: torch.dtype,
     """Why ``kernel`` cannot multiply ``dtype`` rows on ``device`` here, or None."""
     if kernel == "onednn" and device.type != "cpu":
         return f"oneDNN's inner product serves the CPU, not {device.type}"
+    if kernel == "gemm" and device.type != "cuda":
+        return (f"decode rows join the padded product on a GPU only (on {device.type} a "
+                "padded product costs its rows)")
     try:
         kernels[kernel](torch.ones(2, 8, dtype=dtype, device=device),
                         torch.ones(4, 8, dtype=dtype, device=device), None)
@@ -162,8 +172,11 @@ def _first_line(exc: BaseException) -> str:
 
 def _search(kernel: str, product: Product, device: torch.device,
             weights: Sequence[torch.Tensor], head: torch.Tensor, *, max_rows: int,
-            max_logit_rows: int, cancelled: Callable[[], bool]) -> RowPadding | None:
-    """The padding ``kernel``'s shared products need on these weights (None: none holds)."""
+            max_logit_rows: int, cancelled: Callable[[], bool],
+            searched: dict[Product, RowPadding | None]) -> RowPadding | None:
+    """The padding ``kernel``'s shared products need on these weights (None: none holds);
+    ``searched`` keeps the BLAS-style search's answer by product (``gemm`` and ``blas`` are
+    both ``F.linear``: searched once)."""
     def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return product(rows, weight, None)
 
@@ -178,8 +191,15 @@ def _search(kernel: str, product: Product, device: torch.device,
             if cancelled():
                 return None
         return None
-    return row_padding_for(device, weights, max_rows=max_rows, product=unbiased,
-                           cancelled=cancelled)
+    if product not in searched:
+        searched[product] = row_padding_for(device, weights, max_rows=max_rows,
+                                            product=unbiased, cancelled=cancelled)
+    found = searched[product]
+    if kernel == "gemm" and found is not None and find_row_padding(
+            [head], max_rows=max_logit_rows, candidates=(found,), product=unbiased,
+            counts=sampled_counts, cancelled=cancelled) != found:
+        return None  # logits rows join the product too: the head must keep them
+    return found
 
 
 def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor],
@@ -207,6 +227,7 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
     names = ["blas"] if kernel == "blas" else list(kernels)
     dtype = weights[0].dtype
     candidates: list[RowProducts] = []
+    searched: dict[Product, RowPadding | None] = {}
     for name in names:
         if cancelled():
             break
@@ -216,7 +237,7 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
             try:
                 padding = _search(name, kernels[name], device, weights, head,
                                   max_rows=max_rows, max_logit_rows=max(2, max_logit_rows),
-                                  cancelled=cancelled)
+                                  cancelled=cancelled, searched=searched)
             except (RuntimeError, NotImplementedError, TypeError) as exc:
                 problem = f"it failed on these weights: {_first_line(exc)}"
             else:

@@ -36,7 +36,7 @@ from gateway.engine.row_products import KERNELS
 
 logger = logging.getLogger(__name__)
 
-NUMERICS_VERSION = 4
+NUMERICS_VERSION = 5
 """Bumped whenever the forward, the probe or the search computes differently."""
 
 FORMAT = "kvgate-route-verdict/1"

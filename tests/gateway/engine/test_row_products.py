@@ -45,6 +45,14 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
 
 
+@pytest.fixture(scope="module")
+def tiny_cuda(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")),
+                      device=torch.device("cuda"), dtype=torch.bfloat16)
+
+
 def _candidates(tiny: LoadedModel, kernel: str = "auto",
                 kernels=ROWWISE_KERNELS) -> list[RowProducts]:
     return candidate_row_products(CPU, projection_weights(tiny.model),
@@ -67,6 +75,29 @@ def test_onednn_pads_one_or_two_rows_to_two_and_more_to_a_multiple_of_eight() ->
 def test_with_kernels_that_keep_every_row_onednn_comes_first_then_blas(tiny) -> None:
     assert [_shape(p) for p in _candidates(tiny)] == [
         ("onednn", ONEDNN_ROW_PADDING, True), ("blas", CPU_ROW_PADDING, False)]
+
+
+def test_decode_rows_join_the_padded_product_of_blas_only_on_a_gpu() -> None:
+    gemm = RowProducts.of("gemm", RowPadding(minimum=256, multiple=64))
+    assert gemm.shares_decode_rows and gemm.label == "gemm-r256x64"
+    assert not RowProducts.of("blas", RowPadding(minimum=256, multiple=64)).shares_decode_rows
+    problem = kernel_problem("gemm", CPU, torch.float32)
+    assert problem is not None and "GPU only" in problem
+
+
+def test_on_the_cpu_the_real_kernels_never_offer_gemm(tiny, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger="gateway.engine.row_products"):
+        found = _candidates(tiny, kernels=KERNELS)
+    assert "gemm" not in [p.kernel for p in found]
+    assert any("gemm dropped" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.gpu
+def test_on_cuda_gemm_comes_first_with_decode_rows_shared(tiny_cuda) -> None:
+    found = candidate_row_products(torch.device("cuda"), projection_weights(tiny_cuda.model),
+                                   tiny_cuda.model.lm_head.weight, max_rows=1024,
+                                   max_logit_rows=16)
+    assert [p.kernel for p in found][:1] == ["gemm"] and found[0].shares_decode_rows
 
 
 def test_linear_kernel_blas_offers_blas_only(tiny) -> None:
