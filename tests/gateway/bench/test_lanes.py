@@ -19,4 +19,7 @@ def test_the_lanes_benchmark_times_interactive_chats_alone_and_beside_both_bulk_
     assert [len(phase.ttfts) for phase in result.phases] == [4, 4, 4]
     assert all(seconds > 0 for phase in result.phases for seconds in phase.ttfts)
     assert result.one_lane.preemptions == 0  # one priority: nothing to preempt for
+    # the bulk still finishing: every bulk user's request in flight ended after the chats
+    assert result.one_lane.bulk_catch_up_s is not None
+    assert result.two_lanes.bulk_catch_up_s is not None
     assert "Target (issue 28): two lanes p99 / alone" in out.getvalue()
