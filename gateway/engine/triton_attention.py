@@ -99,14 +99,6 @@ against 4.3 with ``KernelShape()``, decode alike; for 64-wide heads ``KernelShap
 fastest."""
 
 
-def numerics_name(split_keys: int, tile_keys: int, tile_positions: int,
-                  num_warps: int | None = None, num_stages: int | None = None) -> str:
-    """The block-namespace part of a kernel of one shape (other shapes, other bits; launch
-    options other than the defaults are named too)."""
-    return f"tri2-s{split_keys}" + KernelShape(tile_positions, tile_keys, num_warps,
-                                                num_stages).name()
-
-
 def _numerics_by_head_dim(split_keys: int) -> str:
     """The block-namespace part of a kernel that takes ``SHAPE_BY_HEAD_DIM``'s shapes."""
     return f"tri2-s{split_keys}" + KernelShape().name() + "".join(
