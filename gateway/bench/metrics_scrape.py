@@ -44,6 +44,9 @@ ROUTER_SERIES = b"vllm:num_requests_running"
 """A series every scrape must carry (what a router reads first)."""
 KEEP_ALIVE = "keep-alive"
 NEW_CONNECTION = "new"
+HEALTH = "health"
+"""``GET /health`` on the kept-alive connection right after its scrape: the front's own floor
+(an answer with no render), under the same load."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,7 +71,7 @@ class ScrapeTimes:
     """The seconds each scrape took, by connection kind, and the last body's size."""
 
     seconds: dict[str, list[float]] = field(
-        default_factory=lambda: {KEEP_ALIVE: [], NEW_CONNECTION: []})
+        default_factory=lambda: {KEEP_ALIVE: [], NEW_CONNECTION: [], HEALTH: []})
     num_bytes: int = 0
 
 
@@ -115,6 +118,7 @@ class Scraper:
             next_at = time.perf_counter()
             while not self._stop.is_set():
                 self._scrape(KEEP_ALIVE, kept)
+                self._health(kept)
                 if self._stop.wait(max(0.0, next_at + self._interval_s / 2
                                        - time.perf_counter())):
                     break
@@ -131,6 +135,16 @@ class Scraper:
             self._failure = exc
         finally:
             kept.close()
+
+    def _health(self, connection: http.client.HTTPConnection) -> None:
+        began = time.perf_counter()
+        connection.request("GET", "/health")
+        response = connection.getresponse()
+        response.read()
+        elapsed = time.perf_counter() - began
+        if response.status != 200:
+            raise BenchError(f"GET /health answered {response.status}")
+        self._times.seconds[HEALTH].append(elapsed)
 
     def _scrape(self, kind: str, connection: http.client.HTTPConnection) -> None:
         began = time.perf_counter()
@@ -237,7 +251,7 @@ def print_table(options: MetricsBenchOptions, result: MetricsBenchResult, out: T
     out.write(header)
     out.write("-" * len(header) + "\n")
     for phase, times in (("idle", result.idle), ("under load", result.loaded)):
-        for kind in (KEEP_ALIVE, NEW_CONNECTION):
+        for kind in (KEEP_ALIVE, NEW_CONNECTION, HEALTH):
             seconds = times.seconds[kind]
             if not seconds:
                 out.write(f"{phase:<11} {kind:<10} {0:>7}\n")
@@ -245,10 +259,12 @@ def print_table(options: MetricsBenchOptions, result: MetricsBenchResult, out: T
             out.write(f"{phase:<11} {kind:<10} {len(seconds):>7} "
                       f"{percentile(seconds, 0.5) * 1e3:>7.2f} "
                       f"{percentile(seconds, 0.99) * 1e3:>7.2f} {max(seconds) * 1e3:>7.2f}  "
-                      f"{times.num_bytes / 1024:.1f} KiB\n")
+                      + (f"{times.num_bytes / 1024:.1f} KiB" if kind != HEALTH
+                         else "(/health, kept-alive)") + "\n")
     ttft = [r.ttft_s for r in result.replies]
     out.write(
         f"\nthe load: {len(result.replies)} requests in {result.wall_s:.1f} s, TTFT p50 "
         f"{percentile(ttft, 0.5) * 1e3:,.0f} ms, p99 {percentile(ttft, 0.99) * 1e3:,.0f} ms "
         "(client side, gRPC). A scrape is timed from its request's first byte to its body's "
-        "last; 'new' includes the TCP connect, as curl does.\n")
+        "last; 'new' includes the TCP connect, as curl does; 'health' is GET /health on the "
+        "kept-alive connection right after its scrape: the front's answer without a render.\n")
