@@ -30,10 +30,12 @@ from gateway.bench.numerics import BenchNumerics
 from gateway.bench.prompts import SuffixSource
 from gateway.bench.rows import (
     HF_COLD,
+    HF_SUFFIX,
     HF_WARM,
     LLAMA_COLD,
     LLAMA_DISK,
     LLAMA_RAM,
+    PINNED_COPY,
     BenchError,
     Row,
     Sample,
@@ -61,6 +63,10 @@ def hf_recipe_rows(loaded: LoadedModel, prefix: list[int], suffixes: SuffixSourc
                    repeats: int, err: TextIO, numerics: BenchNumerics) -> list[Row]:
     """Cold: the whole prompt in one forward. Warm: the documented recipe -- the prefix's
     ``DynamicCache`` computed once, ``copy.deepcopy``'d per request, the suffix run on it.
+    Then two physical references: the suffix alone over the ready cache (no copy: the floor of
+    a warm start from memory the model reads in place), and on a GPU the copy of the prefix's
+    K/V bytes from pinned host memory to the device (the floor of a warm start from the host
+    tier, before its suffix).
 
     ``loaded`` runs on ``numerics.device`` in its dtype (the gateway's: the comparison is fair
     only on the same hardware); the clock is read once the device is done.
@@ -85,7 +91,35 @@ def hf_recipe_rows(loaded: LoadedModel, prefix: list[int], suffixes: SuffixSourc
                                    cached_tokens=num_cached, served_from="DynamicCache copy"))
         err.write(f"[ttft] {len(prefix)}: HF recipe warm {i + 1}/{repeats}: "
                   f"{warm.samples[-1].seconds * 1e3:.1f} ms\n")
-    return [cold, warm]
+    suffix_only = Row(label=HF_SUFFIX, system="hf")
+    for _ in range(repeats):
+        cache = copy.deepcopy(prefix_cache)  # before the clock: only the forward is timed
+        began = numerics.clock()
+        _first_token(loaded, suffixes.next(), cache, device)
+        suffix_only.samples.append(Sample(seconds=numerics.clock() - began,
+                                          cached_tokens=len(prefix), served_from="in place"))
+    return [cold, warm, suffix_only, _pinned_copy_row(loaded, len(prefix), repeats, numerics)]
+
+
+def _pinned_copy_row(loaded: LoadedModel, num_tokens: int, repeats: int,
+                     numerics: BenchNumerics) -> Row:
+    """The prefix's K/V bytes copied from pinned host memory to the device, in one copy."""
+    if numerics.device.type != "cuda":
+        return Row(label=PINNED_COPY, system="hf",
+                   note=f"n/a (a GPU's host -> device copy; the model runs on "
+                        f"{numerics.device.type})")
+    num_bytes = loaded.layout.bytes_per_token * num_tokens
+    source = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=True)
+    row = Row(label=PINNED_COPY, system="hf")
+    for _ in range(repeats + 1):  # the first one allocates on the device: not counted
+        began = numerics.clock()
+        copied = source.to(numerics.device, non_blocking=True)
+        seconds = numerics.clock() - began
+        del copied
+        row.samples.append(Sample(seconds=seconds, cached_tokens=num_tokens,
+                                  served_from=f"{num_bytes / 2**20:,.0f} MiB pinned"))
+    row.samples.pop(0)
+    return row
 
 
 # ---- llama.cpp (llama-cpp-python in its own venv) ------------------------------------------

@@ -21,7 +21,9 @@ def add_bench_ttft(bench_sub: Any) -> None:
             a unique --suffix-tokens suffix, one table per length (medians of --repeats):
               - kvgate cold (no_cache), and warm from each tier: device, host, disk, Redis (the
                 tier that served each request is read from its usage);
-              - transformers' prompt-reuse recipe (DynamicCache + deepcopy), in this process;
+              - transformers' prompt-reuse recipe (DynamicCache + deepcopy), in this process,
+                its suffix alone over the ready cache, and on a GPU the copy of the prefix's
+                K/V from pinned host memory (the floors of a warm start);
               - llama.cpp's LlamaRAMCache / LlamaDiskCache on the same GGUF (2 threads; needs
                 `make bench-peers` once, otherwise those rows say n/a);
             and PASS/MISS against the targets at 2,048 tokens (information only).

@@ -42,7 +42,8 @@ KVGATE_ROWS = {
     "kvgate warm: disk": "disk",
     "kvgate warm: redis": "redis",
 }
-HF_ROWS = ("HF recipe cold", "HF recipe warm (deepcopy)")
+HF_ROWS = ("HF recipe cold", "HF recipe warm (deepcopy)", "HF suffix only (cache ready)")
+REFERENCE_ROWS = ("pinned -> device copy of prefix K/V",)
 LLAMA_ROWS = ("llama.cpp cold", "llama.cpp RAM-cache warm", "llama.cpp disk-cache warm")
 ON_EACH_DEVICE = pytest.mark.parametrize(("device", "dtype"), [
     ("cpu", "float32"), pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu)])
@@ -64,7 +65,7 @@ def _tables(stdout: str) -> dict[int, dict[str, str]]:
             current = None
         if current is None or line.startswith(("row ", "---")):
             continue
-        for label in (*KVGATE_ROWS, *HF_ROWS, *LLAMA_ROWS):
+        for label in (*KVGATE_ROWS, *HF_ROWS, *REFERENCE_ROWS, *LLAMA_ROWS):
             if line.startswith(label + " "):
                 current[label] = line
     return tables
@@ -86,7 +87,7 @@ def test_bench_ttft_spawn_prints_every_row_with_positive_figures(tmp_path: Path)
     assert sorted(tables) == list(LENGTHS), proc.stdout
     has_redis = shutil.which("redis-server") is not None
     for length, rows in tables.items():
-        assert set(rows) == {*KVGATE_ROWS, *HF_ROWS, *LLAMA_ROWS}, proc.stdout
+        assert set(rows) == {*KVGATE_ROWS, *HF_ROWS, *REFERENCE_ROWS, *LLAMA_ROWS}, proc.stdout
         for label in LLAMA_ROWS:
             assert "n/a (--no-peers)" in rows[label]
         for label, tier in KVGATE_ROWS.items():
@@ -108,6 +109,11 @@ def test_bench_ttft_spawn_prints_every_row_with_positive_figures(tmp_path: Path)
             fields = rows[label][len(label):].split()
             assert float(fields[0].replace(",", "")) > 0, rows[label]
         assert rows["HF recipe warm (deepcopy)"].split()[-3] == str(length)
+        copy_row = rows["pinned -> device copy of prefix K/V"]
+        if "on cpu in float32" in proc.stdout:
+            assert "n/a (a GPU's host -> device copy" in copy_row, copy_row
+        else:
+            assert f"{length}" in copy_row and "MiB pinned" in copy_row, copy_row
     # the reference and the spawned gateway (as its Stats say) on one device, in one dtype
     assert re.search(r"2 layers, 2 KV heads x \d+\) on (cpu in float32|cuda:0 in bfloat16), "
                      r"spawned gateway on \1, blocks of", proc.stdout), proc.stdout[:600]
@@ -148,8 +154,13 @@ def test_the_transformers_reference_runs_on_the_device_and_dtype_given(
                         dtype=numerics.dtype)
     assert loaded.model.get_input_embeddings().weight.dtype == numerics.dtype
     prefix = make_prefix(loaded, 32, "Reference")
-    cold, warm = hf_recipe_rows(loaded, prefix, SuffixSource(loaded, 8), 2, io.StringIO(),
-                                numerics)
+    cold, warm, suffix_only, copy = hf_recipe_rows(loaded, prefix, SuffixSource(loaded, 8), 2,
+                                                   io.StringIO(), numerics)
     assert (cold.label, warm.label) == (HF_COLD, HF_WARM)
-    assert all(s.seconds > 0 for s in (*cold.samples, *warm.samples))
+    assert all(s.seconds > 0 for s in (*cold.samples, *warm.samples, *suffix_only.samples))
     assert [s.cached_tokens for s in warm.samples] == [32, 32]
+    assert [s.cached_tokens for s in suffix_only.samples] == [32, 32]  # cropped back each time
+    if device == "cuda":
+        assert len(copy.samples) == 2 and all(s.seconds > 0 for s in copy.samples)
+    else:
+        assert copy.note is not None and copy.note.startswith("n/a") and not copy.samples
