@@ -78,7 +78,7 @@ def run_fairness_benchmark(options: FairnessOptions, *, out: TextIO) -> Fairness
     out.flush()
     try:
         system = system_prompt(20)
-        alone = [_ttft(engine, _question(system, i), options.max_tokens)
+        alone = [_ttft(engine, question(system, i), options.max_tokens)
                  for i in range(options.requests)]
         out.write(f"[fairness] alone: {len(alone)} requests done\n")
         out.flush()
@@ -89,7 +89,7 @@ def run_fairness_benchmark(options: FairnessOptions, *, out: TextIO) -> Fairness
         for thread in flooders:
             thread.start()
         time.sleep(2.0)  # let the flood fill the running set and the queue
-        flooded = [_ttft(engine, _question(system, options.requests + i), options.max_tokens)
+        flooded = [_ttft(engine, question(system, options.requests + i), options.max_tokens)
                    for i in range(options.requests)]
         stop.set()
         for thread in flooders:
@@ -101,7 +101,9 @@ def run_fairness_benchmark(options: FairnessOptions, *, out: TextIO) -> Fairness
     return result
 
 
-def _question(system: str, index: int) -> PromptInput:
+def question(system: str, index: int) -> PromptInput:
+    """Chat ``index``: a new session under ``system``, asking about one of its rules (a prompt
+    nothing before it cached)."""
     return PromptInput(messages=[
         {"role": "system", "content": f"Session {index}. {system}"},
         {"role": "user", "content": f"In one sentence: what does rule {index % 20 + 1} say?"}])

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from gateway.bench.chat_workload import system_prompt
-from gateway.bench.fairness import FairnessOptions
+from gateway.bench.fairness import FairnessOptions, question
 from gateway.bench.load import percentile
 from gateway.cache.factory import CacheConfig, open_cache
 from gateway.core.canonical import PromptInput
@@ -187,7 +187,7 @@ def _interactive(engine: Engine, options: LanesOptions, system: str,
 
     def user(mine: list[int]) -> None:
         for number in mine:
-            seconds = _ttft(engine, _question(system, number), options.max_tokens)
+            seconds = _ttft(engine, question(system, number), options.max_tokens)
             with lock:
                 by_number[number] = seconds
 
@@ -198,12 +198,6 @@ def _interactive(engine: Engine, options: LanesOptions, system: str,
     for thread in users:
         thread.join(timeout=1_800)
     return [by_number[number] for number in numbers if number in by_number]
-
-
-def _question(system: str, index: int) -> PromptInput:
-    return PromptInput(messages=[
-        {"role": "system", "content": f"Session {index}. {system}"},
-        {"role": "user", "content": f"In one sentence: what does rule {index % 20 + 1} say?"}])
 
 
 def _ttft(engine: Engine, prompt: PromptInput, max_tokens: int) -> float:

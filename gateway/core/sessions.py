@@ -13,21 +13,16 @@ appears in listings, in the Redis event stream and on command lines.
 
 from __future__ import annotations
 
-import re
-
-from gateway.core.errors import InvalidRequest
+from gateway.core.identifiers import IdentifierRule
 
 MAX_SESSION_ID_CHARS = 128
-_SESSION_ID = re.compile(rf"[A-Za-z0-9._:@-]{{1,{MAX_SESSION_ID_CHARS}}}")
+SESSION_ID_RULE = IdentifierRule(noun="session id", max_chars=MAX_SESSION_ID_CHARS,
+                                 marks="._:@-", example="chat-8f2c")
 
 
 def session_id_problem(session_id: str) -> str | None:
     """What is wrong with ``session_id`` as a session id, or None if it is one."""
-    if _SESSION_ID.fullmatch(session_id):
-        return None
-    shown = session_id if len(session_id) <= 40 else session_id[:40] + "..."
-    return (f"{shown!r} is not a session id: use 1 to {MAX_SESSION_ID_CHARS} letters, digits, "
-            "'.', '_', ':', '@' or '-' (e.g. chat-8f2c)")
+    return SESSION_ID_RULE.problem(session_id)
 
 
 def checked_session_id(session_id: str, field_name: str = "session_id") -> str:
@@ -36,10 +31,7 @@ def checked_session_id(session_id: str, field_name: str = "session_id") -> str:
     Raises:
         InvalidRequest: it is not (the message names ``field_name`` and what is accepted).
     """
-    problem = session_id_problem(session_id)
-    if problem is not None:
-        raise InvalidRequest(f"{field_name}: {problem}")
-    return session_id
+    return SESSION_ID_RULE.checked(session_id, field_name)
 
 
 def session_use_problem(*, is_shared: bool, no_cache: bool) -> str | None:

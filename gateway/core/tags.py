@@ -11,21 +11,16 @@ and on command lines, where spaces, control characters or a megabyte of text wou
 
 from __future__ import annotations
 
-import re
-
-from gateway.core.errors import InvalidRequest
+from gateway.core.identifiers import IdentifierRule
 
 MAX_TAG_CHARS = 64
-_TAG = re.compile(rf"[A-Za-z0-9._-]{{1,{MAX_TAG_CHARS}}}")
+TAG_RULE = IdentifierRule(noun="tag", max_chars=MAX_TAG_CHARS, marks="._-", example="docs-v3",
+                          named=True)
 
 
 def tag_problem(tag: str) -> str | None:
     """What is wrong with ``tag`` as a tag, or None if it is one."""
-    if _TAG.fullmatch(tag):
-        return None
-    shown = tag if len(tag) <= 40 else tag[:40] + "..."
-    return (f"the tag {shown!r} is not a tag: use 1 to {MAX_TAG_CHARS} letters, digits, "
-            "'.', '_' or '-' (e.g. docs-v3)")
+    return TAG_RULE.problem(tag)
 
 
 def checked_tag(tag: str, field_name: str = "tag") -> str:
@@ -34,7 +29,4 @@ def checked_tag(tag: str, field_name: str = "tag") -> str:
     Raises:
         InvalidRequest: it is not (the message names ``field_name`` and what is accepted).
     """
-    problem = tag_problem(tag)
-    if problem is not None:
-        raise InvalidRequest(f"{field_name}: {problem}")
-    return tag
+    return TAG_RULE.checked(tag, field_name)

@@ -327,6 +327,19 @@ def stats_response(stats: CacheStats, engine: pb.EngineStats | None = None) -> p
     )
 
 
+def list_limit(requested: int) -> int:
+    """A listing's ``limit`` as sent (0: the default).
+
+    Raises:
+        InvalidRequest: outside 1 to ``MAX_LIST_LIMIT``.
+    """
+    limit = requested or DEFAULT_LIST_LIMIT
+    if not 1 <= limit <= MAX_LIST_LIMIT:
+        raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
+                             f"{DEFAULT_LIST_LIMIT}), got {requested}")
+    return limit
+
+
 def prefix_summary(summary: PrefixInfo) -> pb.PrefixSummary:
     return pb.PrefixSummary(
         tenant=summary.tenant, key_hex=summary.key_hex, num_blocks=summary.num_blocks,
@@ -442,10 +455,7 @@ class AdminServicer:
     def ListPrefixes(
         self, request: pb.ListPrefixesRequest, principal: Principal, context: Any
     ) -> pb.ListPrefixesResponse:
-        limit = request.limit or DEFAULT_LIST_LIMIT
-        if not 1 <= limit <= MAX_LIST_LIMIT:
-            raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
-                                 f"{DEFAULT_LIST_LIMIT}), got {request.limit}")
+        limit = list_limit(request.limit)
         tenant = (admin_tenant(request.tenant, "tenant", allow_shared=True)
                   if request.HasField("tenant") else None)
         summaries = self._engines.admin().list_prefixes(tenant=tenant, limit=limit)
@@ -525,10 +535,7 @@ class AdminServicer:
     def ListSessions(
         self, request: pb.ListSessionsRequest, principal: Principal, context: Any
     ) -> pb.ListSessionsResponse:
-        limit = request.limit or DEFAULT_LIST_LIMIT
-        if not 1 <= limit <= MAX_LIST_LIMIT:
-            raise InvalidRequest(f"limit must be 1 to {MAX_LIST_LIMIT} (0 for "
-                                 f"{DEFAULT_LIST_LIMIT}), got {request.limit}")
+        limit = list_limit(request.limit)
         tenant = admin_tenant(request.tenant, "tenant") if request.HasField("tenant") else None
         sessions = self._engines.admin().sessions.list(tenant=tenant, limit=limit)
         return pb.ListSessionsResponse(sessions=[session_summary(s) for s in sessions])
