@@ -61,7 +61,8 @@ class RemoteWriter:
     """One background thread that writes chains to the remote store, oldest first.
 
     Bounded by bytes: when the remote is slower than the request rate, new writes are dropped
-    (counted), never queued without limit and never waited for. With a ``budget``, each owner
+    (counted), never queued without limit and never waited for; of a chain bigger than the room
+    left, its head is written and the rest dropped. With a ``budget``, each owner
     (tenant) may write only so many bytes per second: past it, the rest of a chain is dropped
     (counted per owner; a chain's head is kept, so no child is written without its parent),
     so that one tenant's flood cannot fill the shared Redis and push the others' blocks out.
@@ -93,13 +94,24 @@ class RemoteWriter:
             items = self._within_budget(items, self._budget)
             if not items:
                 return False
-        size = sum(block.nbytes for _, block in items)
         with self._lock:
-            if self._thread is None or self._pending_bytes + size > self._max_pending_bytes:
+            if self._thread is None:
                 self.num_dropped += len(items)
                 return False
+            # The chain's head that fits: a parent is worth having without its children (a
+            # replica loads the longest prefix present), a child without its parent is not.
+            room = self._max_pending_bytes - self._pending_bytes
+            size = num_kept = 0
+            for _, block in items:
+                if size + block.nbytes > room:
+                    break
+                size += block.nbytes
+                num_kept += 1
+            self.num_dropped += len(items) - num_kept
+            if not num_kept:
+                return False
             self._pending_bytes += size
-        self._queue.put(items)
+        self._queue.put(items[:num_kept])
         return True
 
     def _within_budget(self, items: list[tuple[BlockMeta, KVBlock]],
@@ -324,7 +336,8 @@ class TierHierarchy:
         self.remote.refresh_expiry(metas)
 
     def write_remote(self, items: list[tuple[BlockMeta, KVBlock]]) -> bool:
-        """Queue a chain for the remote store; False if there is none or the queue is full."""
+        """Queue a chain (or the head of it the queue has room for) for the remote store; False
+        if there is none or the queue is full."""
         if self._writer is None or not items:
             return False
         return self._writer.submit(items)

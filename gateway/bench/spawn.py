@@ -144,6 +144,9 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         f"device_bytes = {device_bytes}",
         'host_bytes = "4GiB"',
         'disk_bytes = "8GiB"',
+        # Room for the longest prefix and the filler that pushes it out, queued at once: a
+        # smaller queue writes only the head of an 8B model's 8k-token chain to disk and Redis.
+        f"write_queue_bytes = {max(1 << 30, 2 * device_bytes)}",
     ]
     if redis_url is not None:
         # Loopback Redis moving a whole 4,096-token prefix (~190 MB) in one pipeline: give each

@@ -88,6 +88,10 @@ class CacheConfig:
         redis_write_bytes_per_s: bytes per second each tenant may write to Redis (bursts of one
             second's worth); past it the rest of a chain stays local. None: no limit. Blocks of
             the shared scope (published by admins) are not counted.
+        write_queue_bytes: block bytes queued for writing to disk, and to Redis, at most (each
+            its own queue): past it new blocks are dropped (counted), never waited for; of a
+            chain too big for the room left, its head is written. Size it to hold a few of the
+            longest prompts' K/V (an 8k-token prompt of an 8B model is 1 GiB).
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
         reprobe_interval_s: a tier judged slower than recomputing is skipped, except for one
             probing load per this many seconds, so that it is used again once it is fast.
@@ -119,6 +123,7 @@ class CacheConfig:
     quotas: Mapping[str, int] = field(default_factory=dict)
     tenant_quota: Mapping[str, int] = field(default_factory=dict)
     redis_write_bytes_per_s: int | None = None
+    write_queue_bytes: int = GiB
     compression: Literal["raw", "lz4", "auto"] = "raw"
     # -- lifecycle (issue 11) --
     reprobe_interval_s: float = 10.0
@@ -171,6 +176,8 @@ class CacheConfig:
                               "redis_write_bytes_per_s)")
             elif quota < 0:
                 errors.append(f"tenant_quota of the {tier} tier must be >= 0")
+        if self.write_queue_bytes < 1:
+            errors.append("write_queue_bytes must be >= 1")
         if self.redis_write_bytes_per_s is not None and self.redis_write_bytes_per_s < 1:
             errors.append("redis_write_bytes_per_s must be >= 1 (or unset for no limit)")
         if (not isinstance(self.max_sessions_per_tenant, int)
@@ -253,7 +260,8 @@ def open_cache(
         budgets["host"] = config.host_bytes
     disk: DiskStore | None = None
     if config.disk_bytes and config.disk_path is not None:
-        disk = DiskStore(config.disk_path, codec, fsync=config.disk_fsync)
+        disk = DiskStore(config.disk_path, codec, fsync=config.disk_fsync,
+                         max_pending_bytes=config.write_queue_bytes)
         levels.append(TierLevel(name="disk", store=disk, parallel_reads=DISK_PARALLEL_READS))
         budgets["disk"] = config.disk_bytes
     remote: RedisStore | None = None
@@ -272,6 +280,7 @@ def open_cache(
               TenantRates(config.redis_write_bytes_per_s, config.redis_write_bytes_per_s,
                           clock=clock))
     hierarchy = TierHierarchy(levels, remote=remote, remote_budget=budget,
+                              remote_max_pending_bytes=config.write_queue_bytes,
                               remote_exempt_owners=frozenset({Scope.shared().owner}),
                               reprobe_interval_s=config.reprobe_interval_s)
     slots = [

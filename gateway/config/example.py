@@ -79,6 +79,7 @@ host_bytes = "4GiB"             # CPU memory
 disk_bytes = "8GiB"             # under disk_path (default: data_dir/kv), meant for local NVMe
 disk_fsync = true
 disk_write_through = true       # new blocks go to disk at once (off the request path)
+write_queue_bytes = "1GiB"      # queued for disk, and for Redis, at most; more is dropped
 # redis_url = "rediss://kvgate:PASSWORD@redis.internal:6379/0"  # shared by replicas
 # redis_cluster = false
 redis_ttl_s = 3600.0            # the longest a block lives in Redis unused (a shorter ttl_s wins)

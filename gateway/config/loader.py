@@ -134,7 +134,7 @@ _REPLACED = {
     "their keys were checked. Use [limits] max_calls (all keys) and max_calls_per_key",
 }
 """Settings that no longer exist, and what replaces them (said instead of "unknown key")."""
-_SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes"})
+_SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes", "write_queue_bytes"})
 
 
 

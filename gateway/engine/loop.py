@@ -58,6 +58,7 @@ from gateway.engine.loop_records import ActiveRequest, LoopCounters, LoopSetting
 from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
 from gateway.engine.preemption import resume_tokens, suspend
+from gateway.engine.prefill_speed import StepTimer
 from gateway.engine.request_blocks import RequestBlocks
 from gateway.engine.sampling import Sampler
 from gateway.engine.scheduler import Scheduler, StepPlan
@@ -111,7 +112,7 @@ class StepLoop:
         self._lock = threading.Lock()
         self._waiting: dict[int, Job] = {}
         self._active: dict[int, ActiveRequest] = {}
-        self._prefill_s_per_token: float | None = None
+        self._prefill_timer = StepTimer(self._device)
         self._thread: threading.Thread | None = None
         self._is_stopping = False
         self._counters = LoopCounters()
@@ -311,8 +312,8 @@ class StepLoop:
             blocks: list[KVBlock] = []
             tail: list[KVBlock] = []
             if use_cache and self._blocks is not None:
-                prefix = self._blocks.lease(job, stack, max_blocks, self._prefill_s_per_token,
-                                            tokens)
+                prefix = self._blocks.lease(job, stack, max_blocks,
+                                            self._prefill_timer.s_per_token, tokens)
                 active.take_prefix(prefix)
                 blocks = prefix.blocks
                 tail = self._blocks.find_tail(active, blocks)
@@ -405,8 +406,11 @@ class StepLoop:
                          and isinstance(active.job.request, GenerateRequest))
             batch.append(SequenceRows(sequence=active.seq, tokens=tokens, wants_logits=wants,
                                       is_decode=chunk.is_decode))
-        began = time.perf_counter()
-        outputs = self._forward.forward(batch)
+        if any(c.is_decode for c in plan.chunks):
+            outputs = self._forward.forward(batch)
+        else:
+            with self._prefill_timer.step(plan.num_tokens):
+                outputs = self._forward.forward(batch)
         if self._metrics is not None:
             self._metrics.record_step(num_requests=len(plan.chunks), num_tokens=plan.num_tokens)
         num_decode = sum(1 for c in plan.chunks if c.is_decode)
@@ -416,8 +420,6 @@ class StepLoop:
             num_prefill_tokens=counters.num_prefill_tokens + plan.num_tokens - num_decode,
             num_decode_tokens=counters.num_decode_tokens + num_decode,
             max_sequences_in_step=max(counters.max_sequences_in_step, len(plan.chunks)))
-        if not any(c.is_decode for c in plan.chunks):
-            self._note_prefill_speed(plan.num_tokens, time.perf_counter() - began)
         for chunk, logits in zip(chunks, outputs, strict=True):
             active = self._active[chunk.request_id]
             try:
@@ -569,12 +571,6 @@ class StepLoop:
         job.error = exc
         job.events.put(exc)
         job.done.set()
-
-    def _note_prefill_speed(self, num_tokens: int, seconds: float) -> None:
-        sample = seconds / max(1, num_tokens)
-        previous = self._prefill_s_per_token
-        self._prefill_s_per_token = sample if previous is None else previous + 0.2 * (
-            sample - previous)
 
     def _note_queue_depth(self) -> None:  # and the KV bytes the running requests hold
         if self._metrics is not None:

@@ -57,3 +57,30 @@ def test_a_tenant_past_its_budget_keeps_its_chains_head_and_others_are_untouched
         assert written(store, chain("tenant-a", 20, 1)) == [True]
     finally:
         writer.close()
+
+
+def test_a_chain_bigger_than_the_queues_room_has_its_head_written_and_the_rest_dropped() -> None:
+    block_bytes = make_block(0).nbytes
+    store = DeviceStore(device="cpu")
+    writer = RemoteWriter(store, max_pending_bytes=3 * block_bytes)
+    writer.start()
+    try:
+        long_chain = chain("tenant-a", 0, 5)
+        assert writer.submit(long_chain)
+        assert writer.flush(timeout_s=10)
+        assert written(store, long_chain) == [True, True, True, False, False]
+        assert writer.num_dropped == 2
+    finally:
+        writer.close()
+
+
+def test_a_chain_is_dropped_whole_when_not_even_its_first_block_fits() -> None:
+    block_bytes = make_block(0).nbytes
+    store = DeviceStore(device="cpu")
+    writer = RemoteWriter(store, max_pending_bytes=block_bytes - 1)
+    writer.start()
+    try:
+        assert not writer.submit(chain("tenant-a", 0, 2))
+        assert writer.num_dropped == 2
+    finally:
+        writer.close()

@@ -375,6 +375,14 @@ redis_write_bytes_per_s = "64MiB"
     assert config.cache.redis_write_bytes_per_s == 64 << 20
 
 
+def test_the_write_queue_is_a_size_and_must_hold_something(tmp_path: Path) -> None:
+    path = write(tmp_path / "queue.toml", '[cache]\nwrite_queue_bytes = "3GiB"\n')
+    assert load_serve_config(path, env={}).cache.write_queue_bytes == 3 * GiB
+    zero = write(tmp_path / "zero.toml", "[cache]\nwrite_queue_bytes = 0\n")
+    with pytest.raises(ConfigError, match="write_queue_bytes must be >= 1"):
+        load_serve_config(zero, env={})
+
+
 def test_a_tenant_quota_for_an_unknown_tier_is_refused(tmp_path: Path) -> None:
     path = write(tmp_path / "quota.toml", '[cache]\ntenant_quota = { redis = "1GiB" }\n')
     with pytest.raises(ConfigError, match="tenant_quota names the tier 'redis'"):
