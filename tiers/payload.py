@@ -63,6 +63,13 @@ class KVBlock:
     values: tuple[torch.Tensor, ...]
     quantization: Quantization | None = None
     packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    _nbytes: int = field(default=0, init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Asked for several times per block per request (queues, budgets, load estimates): a
+        # sum over 2 x layers tensors each time was a measurable part of a warm start.
+        object.__setattr__(self, "_nbytes", sum(t.numel() * t.element_size()
+                                                for t in (*self.keys, *self.values)))
 
     @classmethod
     def of_packed(cls, packed: torch.Tensor,
@@ -83,7 +90,7 @@ class KVBlock:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+        return self._nbytes
 
     def check(self, layout: KVLayout, block_tokens: int) -> None:
         """Raise PayloadError unless every tensor has the layout's shape and dtype."""

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 24's targets on a lent GPU, in one call of about 9 minutes (give it timeout_s 590) (write what it prints into
-# docs/gpu.md with the date and the card). Copy this file, profile_cold.py and the bundle
+# Issue 24's targets on a lent GPU, in one call of about 9-10 minutes (timeout_s 600; write what it prints
+# into docs/gpu.md with the date and the card). Copy this file, profile_cold.py, profile_warm.py and the bundle
 # (../shared/gpu/prepare.sh with EXTRA_PACKAGES="hiredis blake3 starlette uvicorn pyzmq msgspec")
 # into .gpu-bundle/, carry .gpu-bundle, run: bash .gpu-bundle/targets.sh
 # Order: what proves answers right first (parity on CUDA), then the 8B-shape figures the
@@ -21,6 +21,9 @@ el ttft-1b
 timeout 100 kvgate bench ttft --spawn --device cuda --model /tmp/models/1b --data-dir /tmp/kv1 \
   --lengths 2048,8192 --repeats 3 --no-peers --no-plot 2>&1 | tail -40 > $OUT/ttft-1b.log
 grep -E "^prefix|cold|warm|copy|suffix" $OUT/ttft-1b.log
+el profile-warm
+timeout 90 python3 .gpu-bundle/profile_warm.py /tmp/models/1b 2048 32 cuda > $OUT/profile-warm.log 2>&1
+sed -n 1,6p $OUT/profile-warm.log
 el kernels
 for s in 8b 1b; do timeout 40 python3 -m gateway.bench.attention_kernels --shape $s --repeats 10; done \
   > $OUT/kernels.log 2>&1; cat $OUT/kernels.log
