@@ -1,13 +1,15 @@
 """Where a warm start's time goes beyond its suffix's forward: the engine in this process.
 
-    python3 .gpu-bundle/profile_warm.py MODEL_DIR PREFIX_TOKENS [SUFFIX_TOKENS] [DEVICE]
+    python3 .gpu-bundle/profile_warm.py MODEL_DIR PREFIX_TOKENS [SUFFIX_TOKENS] [DEVICE] [TIER]
 
 On the H200 (2026-11-26, docs/gpu.md) a warm start from the device tier cost 10-18 ms more
 than transformers' suffix-only forward over a ready cache, at 2k more than kvgate's own cold
 start: a fixed cost of the warm path, not of attention. This starts an engine over a cache with
 a device tier only (as `kvgate serve` builds both, model and pages on DEVICE, default cuda),
 warms a random prefix, and times, medians of 9 after 3 warm-ups:
-  - warm: Generate of prefix + a new suffix, max_tokens 1 (the usage's own ttft_ms);
+  - warm: Generate of prefix + a new suffix, max_tokens 1 (the usage's own ttft_ms), served
+    from TIER: "device" (default), or "host" (the cache then has a host tier, pinned on CUDA,
+    and the device tier's copies are evicted down to it before each request);
   - cold: the same with no_cache;
   - suffix forward: the engine's batched forward of the suffix over a sequence already
     holding the prefix (what a warm start cannot do without);
@@ -48,13 +50,16 @@ def main(argv: list[str]) -> None:
     model_dir, num_prefix = argv[1], int(argv[2])
     num_suffix = int(argv[3]) if len(argv) > 3 else 40
     device = torch.device(argv[4] if len(argv) > 4 else "cuda")
+    tier = argv[5] if len(argv) > 5 else "device"
+    if tier not in ("device", "host"):
+        raise SystemExit(f"TIER must be device or host, got {tier!r}")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     workdir = Path(tempfile.mkdtemp(prefix="profile-warm-"))
     loaded = load_model(model_dir, cache_dir=workdir / "models", device=device, dtype=dtype)
     block_tokens = 64
     prefix_bytes = loaded.layout.block_nbytes(block_tokens) * (num_prefix // block_tokens + 2)
     opened = open_cache(CacheConfig(block_tokens=block_tokens, device_bytes=2 * prefix_bytes,
-                                    host_bytes=0),
+                                    host_bytes=2 * prefix_bytes if tier == "host" else 0),
                         layout=loaded.layout, deployment_secret=SECRET, device=device,
                         running_bytes=4 * prefix_bytes)
     config = EngineConfig.of(EngineSettings(), block_tokens=block_tokens, max_deadline_s=600.0,
@@ -74,6 +79,8 @@ def main(argv: list[str]) -> None:
     prefix = tokens(num_prefix)
 
     def generate(ids: list[int], *, no_cache: bool = False) -> tuple[float, Usage]:
+        if tier == "host" and not no_cache:
+            opened.cache.evict("device", 1 << 62)  # every device copy down to host
         t0 = time.perf_counter()
         handle = engine.generate(GenerateRequest(
             prompt=PromptInput(token_ids=tuple(ids)), scope=SCOPE,
