@@ -193,6 +193,9 @@ class TierHierarchy:
         remote_exempt_owners: owners the budget does not apply to.
         reprobe_interval_s: a tier judged slower than recomputing gets one probing load per
             this many seconds (see the module docstring).
+        skip_slow_tiers: False loads from every tier whatever the estimates say (recomputing
+            is then never chosen over a load: for a busy GPU whose compute serves everyone,
+            or for tests of what a tier serves).
         clock: time source for load timing.
     """
 
@@ -203,6 +206,7 @@ class TierHierarchy:
         remote: RemoteStore | None = None,
         remote_max_pending_bytes: int = 256 << 20,
         reprobe_interval_s: float = 10.0,
+        skip_slow_tiers: bool = True,
         remote_budget: TenantRates | None = None,
         remote_exempt_owners: frozenset[str] = frozenset(),
         clock: Callable[[], float] = time.perf_counter,
@@ -223,6 +227,7 @@ class TierHierarchy:
         self._clock = clock
         self._bandwidth = {name: Bandwidth() for name in (*names, REMOTE)}
         self._reprobe_interval_s = reprobe_interval_s
+        self._skip_slow_tiers = skip_slow_tiers
         self._lock = threading.Lock()  # the slow-tier bookkeeping below
         self._slow_since: dict[str, float] = {}  # tier -> when it was judged slow / last probed
         self._probing: set[str] = set()  # tiers whose next timed load is a probe
@@ -406,7 +411,7 @@ class TierHierarchy:
         A tier judged slower is skipped (counted) -- except once per ``reprobe_interval_s``,
         when one load is let through as a probe (see the module docstring).
         """
-        if recompute_s is None:
+        if recompute_s is None or not self._skip_slow_tiers:
             return True
         if num_bytes is None:
             with self._lock:

@@ -171,6 +171,16 @@ class PagePool:
             self.storage[:, :, :, source.id, :num_tokens])
         return page
 
+    def scatter(self, layer: int, slots: torch.Tensor, keys: torch.Tensor,
+                values: torch.Tensor) -> None:
+        """Write one layer's K and V ``[kv_heads, n, head_dim]`` of ``n`` tokens into ``slots``
+        (page id * page_tokens + offset, on the pool's device): one scatter per kind however
+        many sequences and pages the tokens belong to (a GPU step pays per launch)."""
+        for kind, tensor in ((0, keys), (1, values)):
+            part = self.storage[layer, kind]
+            part.view(part.shape[0], -1, part.shape[-1]).index_copy_(1, slots,
+                                                                      tensor.to(part.dtype))
+
     def gather(self, layer: int, kind: int, page_ids: torch.Tensor) -> torch.Tensor:
         """K (``kind`` 0) or V (1) of ``layer`` for ``page_ids`` in order, as one
         ``[kv_heads, len(page_ids) * page_tokens, head_dim]`` tensor (a copy)."""

@@ -123,9 +123,10 @@ def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
 
 def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
                  api_key: str, admin_key: str, engine: EngineOptions | None = None,
-                 device: str = "auto", dtype: str = "auto") -> str:
+                 device: str = "auto", dtype: str = "auto", skip_slow_tiers: bool = True) -> str:
     """The ``kvgate serve`` configuration of a spawned gateway (TOML); ``device`` and ``dtype``
-    as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved)."""
+    as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved);
+    ``skip_slow_tiers`` False makes every load come from the tier that holds the block."""
     lines = [
         "[server]",
         f'device = "{device}"',
@@ -147,6 +148,7 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         # Room for the longest prefix and the filler that pushes it out, queued at once: a
         # smaller queue writes only the head of an 8B model's 8k-token chain to disk and Redis.
         f"write_queue_bytes = {max(1 << 30, 2 * device_bytes)}",
+        f"skip_slow_tiers = {'true' if skip_slow_tiers else 'false'}",
     ]
     if redis_url is not None:
         # Loopback Redis moving a whole 4,096-token prefix (~190 MB) in one pipeline: give each
@@ -171,7 +173,8 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                   redis_url: str | None, redis_binary: str | None, err: TextIO,
                   start_timeout_s: float = 600.0, engine: EngineOptions | None = None,
                   label: str = "ttft", device: str = "auto",
-                  dtype: str = "auto", source: Path | None = None) -> Iterator[Endpoint]:
+                  dtype: str = "auto", source: Path | None = None,
+                  skip_slow_tiers: bool = True) -> Iterator[Endpoint]:
     """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
     directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
     ``label`` names the benchmark in progress lines and the temporary directory; the server runs
@@ -191,7 +194,8 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
             config = root / "kvgate.toml"
             config.write_text(spawn_config(block_tokens=block_tokens, device_bytes=device_bytes,
                                            redis_url=url, api_key=api_key, admin_key=admin_key,
-                                           engine=engine, device=device, dtype=dtype),
+                                           engine=engine, device=device, dtype=dtype,
+                                           skip_slow_tiers=skip_slow_tiers),
                               encoding="utf-8")
             config.chmod(0o600)
             model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())

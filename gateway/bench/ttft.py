@@ -422,6 +422,9 @@ class TtftOptions:
     """Where to draw the PNG of the tables (None: no PNG)."""
     numerics: BenchNumerics = field(default_factory=resolve_numerics)
     """Where the in-process references and a spawned gateway run, and in what dtype."""
+    skip_slow_tiers: bool = False
+    """The spawned gateway's ``[cache] skip_slow_tiers``: False (the bench's default) makes
+    every tier row load from its tier; True is what users get by default."""
 
 
 def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> list[LengthResult]:
@@ -537,7 +540,8 @@ def _endpoint(options: TtftOptions, device_bytes: int, err: TextIO) -> Iterator[
                        block_tokens=options.block_tokens, device_bytes=device_bytes,
                        redis_url=options.redis_url, redis_binary=binary, err=err,
                        device=options.numerics.device_text,
-                       dtype=options.numerics.dtype_name) as endpoint:
+                       dtype=options.numerics.dtype_name,
+                       skip_slow_tiers=options.skip_slow_tiers) as endpoint:
         yield endpoint
 
 
@@ -581,3 +585,10 @@ def _print_report(options: TtftOptions, loaded: LoadedModel, results: Sequence[L
         "tier, disk by evicting host+device, Redis by evicting every local tier; disk reads "
         "likely come from the page cache.\n"
     )
+    if options.spawn:
+        out.write("The spawned gateway " + (
+            "skips a tier measured slower than recomputing (skip_slow_tiers = true, the "
+            "default): a tier row is what a user gets.\n" if options.skip_slow_tiers else
+            "loads from every tier (skip_slow_tiers = false): a tier row is that tier's load; "
+            "by default a gateway recomputes where a tier is measured slower (--skip-slow-tiers "
+            "shows that).\n"))

@@ -95,6 +95,9 @@ class CacheConfig:
         compression: "raw" (default; lz4 saves ~1% on real KV) or "lz4" or "auto".
         reprobe_interval_s: a tier judged slower than recomputing is skipped, except for one
             probing load per this many seconds, so that it is used again once it is fast.
+        skip_slow_tiers: a tier whose loads are measured slower than recomputing is skipped
+            (the blocks are recomputed); False always loads (for a busy GPU, where
+            recomputing takes compute from every other request).
         sweep_interval_s: how often expired blocks are removed from every tier.
         session_ttl_s: a session (``CacheOptions.session_id``) ends this long after its last
             request: its own blocks and conversation tail leave every tier, Redis included.
@@ -127,6 +130,7 @@ class CacheConfig:
     compression: Literal["raw", "lz4", "auto"] = "raw"
     # -- lifecycle (issue 11) --
     reprobe_interval_s: float = 10.0
+    skip_slow_tiers: bool = True
     sweep_interval_s: float = 5.0
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
     max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT
@@ -176,6 +180,9 @@ class CacheConfig:
                               "redis_write_bytes_per_s)")
             elif quota < 0:
                 errors.append(f"tenant_quota of the {tier} tier must be >= 0")
+        for name in ("disk_fsync", "disk_write_through", "remote_write", "skip_slow_tiers"):
+            if not isinstance(getattr(self, name), bool):
+                errors.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.write_queue_bytes < 1:
             errors.append("write_queue_bytes must be >= 1")
         if self.redis_write_bytes_per_s is not None and self.redis_write_bytes_per_s < 1:
@@ -282,7 +289,8 @@ def open_cache(
     hierarchy = TierHierarchy(levels, remote=remote, remote_budget=budget,
                               remote_max_pending_bytes=config.write_queue_bytes,
                               remote_exempt_owners=frozenset({Scope.shared().owner}),
-                              reprobe_interval_s=config.reprobe_interval_s)
+                              reprobe_interval_s=config.reprobe_interval_s,
+                              skip_slow_tiers=config.skip_slow_tiers)
     slots = [
         TierSlot(
             name=level.name,

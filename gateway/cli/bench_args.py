@@ -72,6 +72,11 @@ def add_bench_ttft(bench_sub: Any) -> None:
     ttft.add_argument("--peers-python", type=Path, default=None,
                       help="interpreter with llama_cpp (default: .venv-peers/bin/python)")
     ttft.add_argument("--no-peers", action="store_true", help="skip the llama.cpp rows")
+    ttft.add_argument("--skip-slow-tiers", action="store_true",
+                      help="with --spawn: keep the gateway's default [cache] skip_slow_tiers = "
+                           "true, so a tier row shows what a user gets (recomputed where that "
+                           "tier is measured slower than recomputing); without it every tier "
+                           "row loads from its tier")
     ttft.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each gateway call in seconds")
     ttft.add_argument("--plot", type=Path, default=None,

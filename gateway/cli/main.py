@@ -287,7 +287,7 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
         redis_url=args.redis_url, peers_python=args.peers_python,
         with_peers=not args.no_peers, timeout_s=args.timeout,
         plot=None if args.no_plot else (args.plot or args.data_dir / "bench-ttft.png"),
-        numerics=numerics,
+        numerics=numerics, skip_slow_tiers=args.skip_slow_tiers,
     )
     try:
         run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)

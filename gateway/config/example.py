@@ -85,7 +85,8 @@ write_queue_bytes = "1GiB"      # queued for disk, and for Redis, at most; more 
 redis_ttl_s = 3600.0            # the longest a block lives in Redis unused (a shorter ttl_s wins)
 redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
-reprobe_interval_s = 10.0       # a tier slower than recomputing is skipped: one probe per interval
+skip_slow_tiers = true          # a tier slower than recomputing is skipped (false: always load)
+reprobe_interval_s = 10.0       # ... but probed once per interval, used again once it is fast
 sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
 session_ttl_s = 1800.0          # a session (session_id, X-Session-Id) ends this long after its
                                 #   last request: its own blocks and tail leave every tier

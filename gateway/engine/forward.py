@@ -32,6 +32,7 @@ import torch
 from gateway.engine.attention import AttentionItem, SequenceAttention
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.row_products import RowProducts
+from gateway.engine.step_writes import StepWrites, join_rows
 
 ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
@@ -170,11 +171,12 @@ class BatchedForward:
         cos, sin = self._rope(positions)
         cos, sin = cos.to(device), sin.to(device)
         positions = positions.to(device)
+        writes = StepWrites.claim([rows.sequence for rows in batch], spans, device)
         with torch.inference_mode():
             hidden = model.embed_tokens(ids)
             for index, layer in enumerate(model.layers):
                 hidden = self._layer(index, layer, hidden, batch, spans, positions, cos, sin,
-                                     num_shared)
+                                     num_shared, writes)
             for rows, n in zip(batch, lengths, strict=True):
                 rows.sequence.advance(n)
             wanted = [end - 1 for (_, end), rows in zip(spans, batch, strict=True)
@@ -201,7 +203,7 @@ class BatchedForward:
     def _layer(self, index: int, layer: Any, hidden: torch.Tensor,
                batch: Sequence[SequenceRows], spans: list[tuple[int, int]],
                positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               num_shared: int) -> torch.Tensor:
+               num_shared: int, writes: StepWrites | None) -> torch.Tensor:
         attn = layer.self_attn
         normed = layer.input_layernorm(hidden)
         num_rows = hidden.shape[0]
@@ -214,16 +216,17 @@ class BatchedForward:
                                                           self._head_dim)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
+        if writes is not None:
+            writes.write(index, k, v)
         items = []
         for rows, (start, end) in zip(batch, spans, strict=True):
             seq = rows.sequence
-            seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
+            if writes is None:
+                seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
                                        is_decode=rows.is_decode, first_position=seq.length))
-        attended = torch.zeros_like(q)
-        for (start, end), rows_attended in zip(spans, self._attention.attend(items), strict=True):
-            attended[start:end] = rows_attended
-        hidden = hidden + project(attn.o_proj, attended.view(num_rows, -1), num_shared)
+        attended = join_rows(self._attention.attend(items), spans, q)
+        hidden = hidden + project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
         mlp = layer.mlp
         normed = layer.post_attention_layernorm(hidden)
         gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))

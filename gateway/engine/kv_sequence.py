@@ -251,6 +251,28 @@ class KVSequence:
         if end > self._length:
             self._writable(self._length, end)
 
+    def claim(self, num_tokens: int) -> torch.Tensor:
+        """Make the next ``num_tokens`` positions writable (pages allocated, or copied where
+        shared) and return their pool slots (page id * page_tokens + offset) on the CPU: a step
+        writes every sequence's K/V of a layer in one ``PagePool.scatter`` through them, then
+        ``advance``.
+
+        Raises:
+            ValueError: the tokens do not fit the sequence's capacity.
+        """
+        self._reserve(num_tokens)
+        start = self._length
+        end = start + num_tokens
+        self._writable(start, end)
+        bt = self.pool.page_tokens
+        if start // bt == (end - 1) // bt:  # one page (every decode row)
+            first = self._pages[start // bt].id * bt + start % bt
+            return torch.arange(first, first + num_tokens)
+        positions = torch.arange(start, end)
+        ids = torch.tensor([page.id for page in self._pages[start // bt:(end - 1) // bt + 1]],
+                           dtype=torch.long)
+        return ids[positions // bt - start // bt] * bt + positions % bt
+
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write one layer's K/V for the next ``keys.shape[1]`` tokens (after ``length``).
 

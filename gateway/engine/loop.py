@@ -58,7 +58,7 @@ from gateway.engine.loop_records import ActiveRequest, LoopCounters, LoopSetting
 from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
 from gateway.engine.preemption import resume_tokens, suspend
-from gateway.engine.prefill_speed import StepTimer
+from gateway.engine.prefill_speed import PrefillSpeed, StepTimer
 from gateway.engine.request_blocks import RequestBlocks
 from gateway.engine.sampling import Sampler
 from gateway.engine.scheduler import Scheduler, StepPlan
@@ -112,7 +112,8 @@ class StepLoop:
         self._lock = threading.Lock()
         self._waiting: dict[int, Job] = {}
         self._active: dict[int, ActiveRequest] = {}
-        self._prefill_timer = StepTimer(self._device)
+        self._prefill_timer = StepTimer(self._device, PrefillSpeed(
+            step_tokens=scheduler.limits.prefill_step_tokens))
         self._thread: threading.Thread | None = None
         self._is_stopping = False
         self._counters = LoopCounters()

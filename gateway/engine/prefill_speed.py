@@ -1,15 +1,16 @@
-"""How much one more prefilled token costs this engine: the cache's load-or-recompute yardstick.
+"""How much recomputing cached tokens costs this engine: the cache's load-or-recompute yardstick.
 
 Loading k cached tokens from a tier saves recomputing them, and nothing else: the step that
 computes the suffix runs either way, with its fixed part (kernel launches, the last token's
-logits and sampling, Python) paid once. So the figure the cache compares a load against is the
-*marginal* cost of a token, the slope of step time over step tokens, not a step's time divided
-by its tokens. The two differ little on a CPU, where every token costs the same matmuls; on a GPU
-a 40-token suffix step is mostly fixed cost (~1 ms a token for the 8B shape against ~0.04 ms a
-token in an 8k prefill), and dividing made every 8k load look 25 times cheaper than it was, so a
-disk or Redis load slower than recomputing was still chosen.
+logits and sampling, Python) paid once. Recomputed tokens cost their share of the steps they
+fill: the *slope* of step time over step tokens, plus the fixed part spread over a full prefill
+step's tokens (more tokens to recompute, more steps). That is what ``PrefillSpeed`` reports, not
+a step's time divided by its tokens: the two differ little on a CPU, where every token costs the
+same matmuls; on a GPU a 40-token suffix step is mostly fixed cost (~1 ms a token for the 8B
+shape against ~0.04 ms a token in an 8k prefill), and dividing made every 8k load look 25 times
+cheaper than recomputing it was, so a disk or Redis load slower than recomputing was chosen.
 
-``PrefillSpeed`` fits that slope by least squares over the latest prefill-only steps.
+``PrefillSpeed`` fits the line by least squares over the latest prefill-only steps.
 ``StepTimer`` times the steps: on a CPU by the wall clock around the forward, on CUDA by events
 recorded around it and read only once the GPU has passed them, so a step's figure is the GPU's
 time (the forward returns before the GPU is done) and timing never makes the engine wait.
@@ -36,14 +37,23 @@ steps are too alike to separate the fixed part from the per-token one."""
 
 @dataclass(slots=True)
 class PrefillSpeed:
-    """Seconds per prefilled token at the margin, from (tokens, seconds) of recent steps."""
+    """Seconds per recomputed token, from (tokens, seconds) of recent prefill steps.
 
+    Attributes:
+        step_tokens: a full prefill step's tokens (the engine's ``prefill_step_tokens``): the
+            fixed part of a step is spread over that many.
+        window: steps the line is fitted over.
+    """
+
+    step_tokens: int = 1024
     window: int = WINDOW
     _samples: deque[tuple[int, float]] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.window < 2:
             raise ValueError(f"window must be >= 2 steps, got {self.window}")
+        if self.step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
         self._samples = deque(maxlen=self.window)
 
     def record(self, num_tokens: int, seconds: float) -> None:
@@ -56,12 +66,12 @@ class PrefillSpeed:
 
     @property
     def s_per_token(self) -> float | None:
-        """The fitted slope, or None before any step.
+        """The fitted slope plus its intercept over ``step_tokens``, or None before any step.
 
-        Steps too alike for a slope (or a slope the noise made <= 0) give the time per token of
-        the largest recent step instead: an upper bound on the slope (its fixed part divided
-        among the most tokens), so the cache errs towards loading, as it did before any fit.
-        The slope is never above that bound either.
+        Steps too alike for a line (or a slope the noise made <= 0) give the time per token of
+        the largest recent step instead: an upper bound (its fixed part divided among the most
+        tokens), so the cache errs towards loading, as it did before any fit. The figure is
+        never above that bound either.
         """
         if not self._samples:
             return None
@@ -75,7 +85,10 @@ class PrefillSpeed:
             return bound
         cov = sum((t - mean_tokens) * (s - mean_seconds) for t, s in self._samples) / n
         slope = cov / var
-        return bound if slope <= 0 else min(slope, bound)
+        if slope <= 0:
+            return bound
+        fixed = max(0.0, mean_seconds - slope * mean_tokens)
+        return min(slope + fixed / self.step_tokens, bound)
 
 
 @dataclass(slots=True)

@@ -74,6 +74,9 @@ def cache_config(root: Path, **overrides: object) -> CacheConfig:
         "host_bytes": 64 << 20,
         "disk_bytes": 256 << 20,
         "disk_path": root / "disk",
+        # What a tier serves is under test here, not whether loading beats recomputing (a
+        # tiny model recomputes faster than loopback Redis answers): always load.
+        "skip_slow_tiers": False,
     }
     fields.update(overrides)
     return CacheConfig(**fields)  # type: ignore[arg-type]

@@ -17,30 +17,32 @@ def test_no_step_yet_gives_no_figure() -> None:
 
 
 @given(fixed_s=st.floats(0.0, 0.05), per_token_s=st.floats(1e-6, 1e-3),
+       step_tokens=st.integers(1, 8192),
        sizes=st.lists(st.integers(1, 8192), min_size=2, max_size=WINDOW))
-def test_the_slope_of_an_affine_cost_is_its_per_token_part(
-        fixed_s: float, per_token_s: float, sizes: list[int]) -> None:
-    speed = PrefillSpeed()
+def test_an_affine_cost_gives_its_per_token_part_and_its_fixed_part_over_a_full_step(
+        fixed_s: float, per_token_s: float, step_tokens: int, sizes: list[int]) -> None:
+    speed = PrefillSpeed(step_tokens=step_tokens)
     for n in sizes:
         speed.record(n, fixed_s + per_token_s * n)
     got = speed.s_per_token
     assert got is not None
     mean = sum(sizes) / len(sizes)
     spread = math.sqrt(sum((n - mean) ** 2 for n in sizes) / len(sizes))
-    largest = max(sizes)
+    bound = fixed_s / max(sizes) + per_token_s  # the largest step's average
     if spread >= 0.25 * mean:
-        assert got == pytest.approx(per_token_s, rel=1e-6)
+        want = min(per_token_s + fixed_s / step_tokens, bound)
+        assert got == pytest.approx(want, rel=1e-6, abs=1e-12)
     else:  # too alike to tell the parts apart: the largest step's average, an upper bound
-        assert got == pytest.approx(fixed_s / largest + per_token_s, rel=1e-9)
+        assert got == pytest.approx(bound, rel=1e-9)
 
 
 def test_suffix_steps_heavy_with_fixed_cost_do_not_inflate_the_figure() -> None:
     # The GPU's shape: an 8k cold step at 40 us a token, 40-token suffixes at ~1 ms a token.
-    speed = PrefillSpeed()
+    speed = PrefillSpeed(step_tokens=8192)
     speed.record(8192, 0.030 + 8192 * 40e-6)
     for _ in range(20):
         speed.record(40, 0.030 + 40 * 40e-6)
-    assert speed.s_per_token == pytest.approx(40e-6, rel=1e-6)
+    assert speed.s_per_token == pytest.approx(40e-6 + 0.030 / 8192, rel=1e-6)
 
 
 def test_a_slope_noise_made_negative_falls_back_to_the_largest_steps_average() -> None:
@@ -57,7 +59,7 @@ def test_only_the_latest_window_of_steps_counts() -> None:
     for n in (100, 400, 700, 1000):
         speed.record(n, 1e-3 * n)
     assert speed.num_samples == 4
-    assert speed.s_per_token == pytest.approx(1e-3)
+    assert speed.s_per_token == pytest.approx(1e-3)  # no fixed part in these four
 
 
 def test_empty_or_instant_steps_are_not_samples() -> None:
@@ -70,6 +72,11 @@ def test_empty_or_instant_steps_are_not_samples() -> None:
 def test_a_window_under_two_steps_is_refused() -> None:
     with pytest.raises(ValueError, match="window"):
         PrefillSpeed(window=1)
+
+
+def test_a_full_step_of_no_tokens_is_refused() -> None:
+    with pytest.raises(ValueError, match="step_tokens"):
+        PrefillSpeed(step_tokens=0)
 
 
 def test_the_cpu_timer_records_each_step_it_wraps() -> None:
