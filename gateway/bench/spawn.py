@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gateway.bench.rows import BenchError
+from gateway.cache.factory import CacheConfig
 
 SPAWN_TENANT = "bench"
 
@@ -145,11 +146,15 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         f"device_bytes = {device_bytes}",
         'host_bytes = "4GiB"',
         'disk_bytes = "8GiB"',
+    ]
+    # Keys left at the server's default are not written, so that a --baseline checkout of an
+    # earlier commit, which may not know them, reads the same file.
+    if 2 * device_bytes > CacheConfig().write_queue_bytes:
         # Room for the longest prefix and the filler that pushes it out, queued at once: a
         # smaller queue writes only the head of an 8B model's 8k-token chain to disk and Redis.
-        f"write_queue_bytes = {max(1 << 30, 2 * device_bytes)}",
-        f"skip_slow_tiers = {'true' if skip_slow_tiers else 'false'}",
-    ]
+        lines.append(f"write_queue_bytes = {2 * device_bytes}")
+    if not skip_slow_tiers:
+        lines.append("skip_slow_tiers = false")
     if redis_url is not None:
         # Loopback Redis moving a whole 4,096-token prefix (~190 MB) in one pipeline: give each
         # socket read more than the 0.25 s default meant to bound a stalled remote Redis.

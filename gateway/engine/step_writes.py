@@ -43,10 +43,9 @@ class StepWrites:
         pool = sequences[0].pool
         if any(seq.pool is not pool for seq in sequences):
             return None
-        order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+        order, consecutive = _row_order(spans)
         slot_parts = [sequences[i].claim(spans[i][1] - spans[i][0]) for i in order]
         ordered = [spans[i] for i in order]
-        consecutive = all(a[1] == b[0] for a, b in zip(ordered, ordered[1:], strict=False))
         rows: slice | torch.Tensor
         if consecutive:
             rows = slice(ordered[0][0], ordered[-1][1])
@@ -68,12 +67,10 @@ def join_rows(outputs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
     """The step's attention output ``like``-shaped: each item's rows at its span, zeros in the
     padding rows; one concatenation where the spans run on from row 0."""
     num_rows = like.shape[0]
-    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
-    ordered = [spans[i] for i in order]
-    if ordered and ordered[0][0] == 0 and all(
-            a[1] == b[0] for a, b in zip(ordered, ordered[1:], strict=False)):
+    order, consecutive = _row_order(spans)
+    if order and consecutive and spans[order[0]][0] == 0:
         parts = [outputs[i] for i in order]
-        end = ordered[-1][1]
+        end = spans[order[-1]][1]
         if end < num_rows:
             parts.append(like.new_zeros((num_rows - end, *like.shape[1:])))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -81,3 +78,10 @@ def join_rows(outputs: Sequence[torch.Tensor], spans: Sequence[tuple[int, int]],
     for (start, end), rows in zip(spans, outputs, strict=True):
         joined[start:end] = rows
     return joined
+
+
+def _row_order(spans: Sequence[tuple[int, int]]) -> tuple[list[int], bool]:
+    """The items in the order of their rows, and whether each item's rows follow the last's."""
+    order = sorted(range(len(spans)), key=lambda i: spans[i][0])
+    consecutive = all(spans[a][1] == spans[b][0] for a, b in zip(order, order[1:], strict=False))
+    return order, consecutive

@@ -37,6 +37,27 @@ def test_without_redis_the_configuration_names_none(tmp_path: Path) -> None:
     assert load_serve_config(path, env={}).cache.redis_url is None
 
 
+def test_a_big_model_gets_write_queues_that_hold_its_longest_prefix_twice(
+        tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(spawn_config(block_tokens=64, device_bytes=1 << 30, redis_url=None,
+                                 api_key=API_KEY, admin_key=ADMIN_KEY))
+    assert load_serve_config(path, env={}).cache.write_queue_bytes == 2 << 30
+
+
+def test_keys_at_the_servers_default_are_left_out_for_an_older_baseline() -> None:
+    text = spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
+                        api_key=API_KEY, admin_key=ADMIN_KEY)
+    assert "write_queue_bytes" not in text and "skip_slow_tiers" not in text
+
+
+def test_a_spawned_gateway_may_load_from_every_tier(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
+                                 api_key=API_KEY, admin_key=ADMIN_KEY, skip_slow_tiers=False))
+    assert load_serve_config(path, env={}).cache.skip_slow_tiers is False
+
+
 def test_the_spawned_server_runs_on_the_benchmarks_device_in_its_dtype(tmp_path: Path) -> None:
     path = tmp_path / "kvgate.toml"
     path.write_text(spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
