@@ -30,6 +30,10 @@ PEERS_TORCH_SPEC ?= $(TORCH_SPEC)
 SERVE_SPEC  ?= transformers[serving]==5.23.0 openai==1.109.1 fastapi==0.116.1 \
                starlette==0.47.3 uvicorn==0.35.0 pydantic==2.11.9
 PYTEST_ARGS ?=
+# SMG, the SGLang model gateway, in front of two kvgate replicas in tests/cluster (issue 27): a
+# Rust binary in a wheel, in a venv of its own (its Python dependencies are not kvgate's).
+SMG_VENV    ?= .venv-smg
+SMG_SPEC    ?= smg==1.13.0
 # `make test-gpu`: its own venv, so that the CPU build in .venv stays. GPU_TORCH_SPEC is a pip
 # requirement of a CUDA build of torch (the default index's Linux wheels are CUDA builds; where
 # pip is configured for CPU wheels, point PIP_INDEX_URL at an index that serves CUDA ones).
@@ -39,7 +43,7 @@ GPU_TORCH_SPEC ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: venv lint test test-gpu redis-server promtool serve bench-index bench-ttft bench-load bench-peers \
+.PHONY: venv lint test test-gpu redis-server promtool smg serve bench-index bench-ttft bench-load bench-peers \
 	clean
 
 venv: $(STAMP)
@@ -84,11 +88,21 @@ promtool:
 	@command -v promtool >/dev/null 2>&1 || { \
 	  echo "promtool is still missing: install Debian's prometheus" >&2; exit 1; }
 
+smg: $(SMG_VENV)/.smg-installed
+
+$(SMG_VENV)/.smg-installed:
+	$(PYTHON) -m venv $(SMG_VENV)
+	$(SMG_VENV)/bin/python -m pip install --quiet "$(SMG_SPEC)"
+	$(SMG_VENV)/bin/smg --version
+	touch $@
+
 # KVGATE_REQUIRE_REDIS=1: a missing redis-server or redis-cli fails the run instead of
 # skipping the Redis tests (outside `make test`, they skip); KVGATE_REQUIRE_PROMTOOL=1 the same
-# for promtool and the checks of deploy/observability/.
-test: lint redis-server promtool
-	KVGATE_REQUIRE_PROMTOOL=1 KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+# for promtool and the checks of deploy/observability/; KVGATE_TEST_SMG names the SMG the
+# cluster test runs (outside `make test`, without SMG on PATH, it skips).
+test: lint redis-server promtool smg
+	KVGATE_TEST_SMG=$(CURDIR)/$(SMG_VENV)/bin/smg KVGATE_REQUIRE_PROMTOOL=1 KVGATE_REQUIRE_REDIS=1 \
+	  $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The tests marked `gpu` on CUDA: the whole parity suite with the model and the device tier on
 # the GPU, the pinned host tier's fenced copies, device placement. KVGATE_REQUIRE_GPU=1 makes a
@@ -142,4 +156,4 @@ $(PEERS_VENV)/.transformers-serve-installed: | $(PEERS_VENV)/bin/python
 	touch $@
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) $(SMG_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

@@ -1,8 +1,9 @@
 """Two ``kvgate serve`` replicas on one redis-server behind SMG, the SGLang model gateway, with
 its ``cache_aware`` policy (issue 27, item 3; docs/scaling-out.md).
 
-SMG is not a kvgate dependency: install it into a venv of its own (``pip install smg``) and
-name its binary in ``KVGATE_TEST_SMG`` (or put ``smg`` on PATH); the test skips otherwise.
+SMG is not a kvgate dependency: ``make test`` installs it into a venv of its own
+(``.venv-smg``) and names its binary in ``KVGATE_TEST_SMG``; elsewhere put ``smg`` on PATH, or
+the test skips.
 Everything runs on loopback and is stopped by pid. What it checks: chat answers through SMG
 equal one replica's answers asked directly (greedy), each system-prompt family sticks to one
 replica (SMG's approximate prefix tree), the tenant's key passes through SMG to kvgate (a
@@ -128,6 +129,9 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
     if SMG is None:
         pytest.skip("smg not found: `pip install smg` into a venv of its own and set "
                     "KVGATE_TEST_SMG to its bin/smg")
+    if not os.access(SMG, os.X_OK):
+        pytest.fail(f"KVGATE_TEST_SMG names {SMG}, which is not an executable (`make smg` "
+                    "installs one into .venv-smg)")
     model = save_tiny_llama(tmp_path / "model")
     config = tmp_path / "kvgate.toml"
     config.write_text(CONFIG.format(redis_url=redis_server.url), encoding="utf-8")
