@@ -5,8 +5,8 @@
 # into .gpu-bundle/, carry .gpu-bundle, run: bash .gpu-bundle/targets.sh
 # Order: what proves answers right first (parity on CUDA), then the 8B-shape figures the
 # targets name (with the gateway's default load-or-recompute choice: the target is what users
-# get), then the 1B shape (every tier row loading from its tier), the warm path's profile and
-# the kernel table.
+# get), the warm path's profile, then the 1B shape (every tier row loading from its tier) and
+# the kernel table: what the 600 s may cut off comes last.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 t0=$(date +%s); el() { echo "[t+$(( $(date +%s) - t0 ))s] $*"; }
@@ -20,13 +20,13 @@ timeout 240 kvgate bench ttft --spawn --device cuda --model /tmp/models/8b --dat
   --lengths 8192 --suffix-tokens 40 --repeats 3 --no-peers --no-plot --skip-slow-tiers 2>&1 \
   | tail -26 > $OUT/ttft-8b.log
 sed -n 1,18p $OUT/ttft-8b.log
+el profile-warm
+timeout 90 python3 .gpu-bundle/profile_warm.py /tmp/models/1b 2048 32 cuda > $OUT/profile-warm.log 2>&1
+sed -n 1,6p $OUT/profile-warm.log
 el ttft-1b
 timeout 100 kvgate bench ttft --spawn --device cuda --model /tmp/models/1b --data-dir /tmp/kv1 \
   --lengths 2048,8192 --repeats 3 --no-peers --no-plot 2>&1 | tail -40 > $OUT/ttft-1b.log
 grep -E "^prefix|cold|warm|copy|suffix" $OUT/ttft-1b.log
-el profile-warm
-timeout 90 python3 .gpu-bundle/profile_warm.py /tmp/models/1b 2048 32 cuda > $OUT/profile-warm.log 2>&1
-sed -n 1,6p $OUT/profile-warm.log
 el kernels
 for s in 8b 1b; do timeout 40 python3 -m gateway.bench.attention_kernels --shape $s --repeats 10; done \
   > $OUT/kernels.log 2>&1; cat $OUT/kernels.log

@@ -36,8 +36,10 @@ def test_a_claim_into_a_shared_page_copies_it_first() -> None:
     shared = cached_pages(pool, 1)[0]
     seq = KVSequence.from_blocks(pool, [shared], 2 * BLOCK)
     seq.truncate(BLOCK - 1)  # the next position falls inside the shared page
+    original = pool.page_of(shared)
+    assert original is not None
     slots = seq.claim(1)
-    assert seq.page_ids[0] != pool.page_of(shared).id
+    assert seq.page_ids[0] != original.id
     assert slots.tolist() == [seq.page_ids[0] * BLOCK + BLOCK - 1]
 
 
