@@ -40,7 +40,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, TextIO
 
@@ -189,22 +189,32 @@ class KvgateSession:
 
 
 class HttpSession:
-    """A user's own keep-alive HTTP connection to ``transformers serve``."""
+    """A user's own keep-alive HTTP connection to an OpenAI-compatible server
+    (``transformers serve``, or a router in front of kvgate with the tenant's ``api_key``)."""
 
-    def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float) -> None:
+    def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float,
+                 api_key: str | None = None, server: str = "transformers serve",
+                 model: str | None = None) -> None:
         self._conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
         self._max_tokens = max_tokens
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._server = server
+        self._model = model
 
     def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
-        return stream_chat(self._conn, messages, max_tokens=self._max_tokens)
+        return stream_chat(self._conn, messages, max_tokens=self._max_tokens,
+                           headers=self._headers, server=self._server, model=self._model)
 
     def close(self) -> None:
         self._conn.close()
 
 
 def run_users(open_session: Callable[[], ChatSession], *, num_users: int, rounds: int,
-              system: str, num_rules: int) -> tuple[list[StreamedReply], float]:
-    """``num_users`` threads, released together, each chatting ``rounds`` rounds in turn.
+              system: str | Callable[[int], str],
+              num_rules: int) -> tuple[list[StreamedReply], float]:
+    """``num_users`` threads, released together, each chatting ``rounds`` rounds in turn
+    under ``system`` (the same prompt for all, or each user's: ``system(user)``); each reply
+    says its user and round.
 
     Returns:
         Every reply, and the wall time from the release to the last answer.
@@ -219,14 +229,15 @@ def run_users(open_session: Callable[[], ChatSession], *, num_users: int, rounds
     failures: list[BaseException] = []
 
     def user(index: int) -> None:
-        conversation = Conversation(user=index, system=system, num_rules=num_rules)
+        text = system(index) if callable(system) else system
+        conversation = Conversation(user=index, system=text, num_rules=num_rules)
         start.wait()
         try:
-            for _ in range(rounds):
+            for round_index in range(rounds):
                 reply = sessions[index].chat(conversation.next_messages())
                 conversation.answered(reply.text)
                 with lock:
-                    replies.append(reply)
+                    replies.append(replace(reply, user=index, round_index=round_index))
         except Exception as exc:  # noqa: BLE001 -- re-raised below, in the caller's thread
             with lock:
                 failures.append(exc)

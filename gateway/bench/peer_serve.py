@@ -20,7 +20,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +58,11 @@ class StreamedReply:
     prompt_tokens: int | None
     cached_tokens: int | None
     completion_tokens: int
+    cached_by_tier: dict[str, int] | None = None
+    """kvgate's ``usage.kvgate.cached_tokens_by_tier`` over HTTP (None where not reported)."""
+    user: int | None = None
+    """Which user of a load asked (``gateway.bench.load.run_users``), and in which round."""
+    round_index: int | None = None
 
 
 def serve_binary(explicit: Path | None = None) -> tuple[Path | None, str]:
@@ -145,22 +150,27 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s
 
 
 def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, str]], *,
-                max_tokens: int) -> StreamedReply:
+                max_tokens: int, headers: Mapping[str, str] | None = None,
+                server: str = "transformers serve", model: str | None = None) -> StreamedReply:
     """One greedy ``/v1/chat/completions`` with ``stream: true``, timed from sending the
     request to the first chunk that carries text.
 
     Raises:
         BenchError: the server answered with an error or the stream had no text.
     """
-    body = json.dumps({"messages": list(messages), "max_tokens": max_tokens, "temperature": 0.0,
-                       "stream": True, "stream_options": {"include_usage": True}})
+    request: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens,
+                               "temperature": 0.0, "stream": True,
+                               "stream_options": {"include_usage": True}}
+    if model is not None:  # a router picks workers by it
+        request["model"] = model
+    body = json.dumps(request)
     began = time.perf_counter()
     conn.request("POST", "/v1/chat/completions", body=body,
-                 headers={"Content-Type": "application/json", "Accept": "text/event-stream"})
+                 headers={"Content-Type": "application/json", "Accept": "text/event-stream",
+                          **(headers or {})})
     response = conn.getresponse()
     if response.status != 200:
-        raise BenchError(f"transformers serve answered {response.status}: "
-                         f"{response.read()[:500]!r}")
+        raise BenchError(f"{server} answered {response.status}: {response.read()[:500]!r}")
     first: float | None = None
     parts: list[str] = []
     num_chunks = 0
@@ -176,7 +186,7 @@ def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, s
             break
         chunk = json.loads(payload)
         if "error" in chunk:
-            raise BenchError(f"transformers serve: {chunk['error']}")
+            raise BenchError(f"{server}: {chunk['error']}")
         for choice in chunk.get("choices") or []:
             text = (choice.get("delta") or {}).get("content")
             if text:
@@ -189,12 +199,15 @@ def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, s
     latency = time.perf_counter() - began
     response.read()
     if first is None:
-        raise BenchError("transformers serve streamed no text")
+        raise BenchError(f"{server} streamed no text")
     details = (usage or {}).get("prompt_tokens_details") or {}
     cached = details.get("cached_tokens")
+    by_tier = ((usage or {}).get("kvgate") or {}).get("cached_tokens_by_tier")
     return StreamedReply(
         text="".join(parts), ttft_s=first, latency_s=latency,
         prompt_tokens=int(usage["prompt_tokens"]) if usage else None,
         cached_tokens=int(cached) if cached is not None else None,
         completion_tokens=int(usage["completion_tokens"]) if usage else num_chunks,
+        cached_by_tier=({str(k): int(v) for k, v in by_tier.items()}
+                        if isinstance(by_tier, dict) else None),
     )

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,10 +124,13 @@ def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
 
 def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
                  api_key: str, admin_key: str, engine: EngineOptions | None = None,
-                 device: str = "auto", dtype: str = "auto", skip_slow_tiers: bool = True) -> str:
+                 device: str = "auto", dtype: str = "auto", skip_slow_tiers: bool = True,
+                 other_tenant_keys: Mapping[str, str] | None = None) -> str:
     """The ``kvgate serve`` configuration of a spawned gateway (TOML); ``device`` and ``dtype``
     as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved);
-    ``skip_slow_tiers`` False makes every load come from the tier that holds the block."""
+    ``skip_slow_tiers`` False makes every load come from the tier that holds the block;
+    ``other_tenant_keys`` (tenant -> key) are keys of other tenants beside the benchmark's own
+    (a router's, which it registers workers with)."""
     lines = [
         "[server]",
         f'device = "{device}"',
@@ -165,6 +168,10 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         f'tenant = "{SPAWN_TENANT}"',
         f'key = "{api_key}"',
         "",
+    ]
+    for tenant, key in (other_tenant_keys or {}).items():
+        lines += ["[[api_keys]]", f'tenant = "{tenant}"', f'key = "{key}"', ""]
+    lines += [
         "[[admin_keys]]",
         'name = "bench-admin"',
         f'key = "{admin_key}"',
@@ -179,13 +186,18 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                   start_timeout_s: float = 600.0, engine: EngineOptions | None = None,
                   label: str = "ttft", device: str = "auto",
                   dtype: str = "auto", source: Path | None = None,
-                  skip_slow_tiers: bool = True) -> Iterator[Endpoint]:
+                  skip_slow_tiers: bool = True, api_key: str | None = None,
+                  deployment_secret: str | None = None,
+                  other_tenant_keys: Mapping[str, str] | None = None) -> Iterator[Endpoint]:
     """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
     directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
     ``label`` names the benchmark in progress lines and the temporary directory; the server runs
     its model on ``device`` in ``dtype`` (``[server] device`` and ``dtype``). ``source``: a
     checkout of another kvgate commit whose ``gateway`` package the server runs instead of this
-    one (first on its ``PYTHONPATH``), to measure two versions side by side.
+    one (first on its ``PYTHONPATH``), to measure two versions side by side. Replicas of one
+    cluster share the tenant's ``api_key`` and the ``deployment_secret`` (hex), so that each
+    reads the blocks the others wrote to their Redis; by default both are the server's own.
+    ``other_tenant_keys``: as ``spawn_config``'s.
     """
     root = Path(tempfile.mkdtemp(prefix=f"kvgate-bench-{label}-"))
     try:
@@ -194,17 +206,20 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
             data_dir.mkdir(mode=0o700)
             models_dir.mkdir(parents=True, exist_ok=True)
             (data_dir / "models").symlink_to(models_dir.resolve(), target_is_directory=True)
-            api_key = "kvg-bench-" + secrets.token_urlsafe(24)
+            api_key = api_key or "kvg-bench-" + secrets.token_urlsafe(24)
             admin_key = "kvg-bench-admin-" + secrets.token_urlsafe(24)
             config = root / "kvgate.toml"
             config.write_text(spawn_config(block_tokens=block_tokens, device_bytes=device_bytes,
                                            redis_url=url, api_key=api_key, admin_key=admin_key,
                                            engine=engine, device=device, dtype=dtype,
-                                           skip_slow_tiers=skip_slow_tiers),
+                                           skip_slow_tiers=skip_slow_tiers,
+                                           other_tenant_keys=other_tenant_keys),
                               encoding="utf-8")
             config.chmod(0o600)
             model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())
             env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+            if deployment_secret is not None:
+                env["KVGATE_DEPLOYMENT_SECRET"] = deployment_secret
             if source is not None:
                 env["PYTHONPATH"] = os.pathsep.join(
                     p for p in (str(source.resolve()), env.get("PYTHONPATH")) if p)

@@ -175,3 +175,41 @@ def add_bench_metrics(bench_sub: Any) -> None:
     metrics.add_argument("--timeout", type=float, default=600.0,
                          help="deadline of each request in seconds")
     add_numerics_arguments(metrics, what="the spawned kvgate's model and K/V")
+
+
+def add_bench_cluster(bench_sub: Any) -> None:
+    cluster = bench_sub.add_parser(
+        "cluster", help="kvgate replicas behind SMG: its cache_aware policy against round_robin "
+                        "under a multi-family chat load",
+        description="Per --policies, a fresh cluster on loopback (stopped by pid): one "
+                    "redis-server, --replicas `kvgate serve` sharing it, and `smg launch "
+                    "--policy POLICY` in front of their OpenAI-compatible ports. --families "
+                    "system prompts, each chatted by --users users for --rounds rounds, all at "
+                    "once through SMG. Prints per policy TTFT p50/p99, req/s, the cached share "
+                    "of prompt tokens and where it came from (a replica's own device and host "
+                    "tiers, or Redis), and whether every answer is the same under every policy. "
+                    "Needs SMG (`make smg` installs it into .venv-smg) and redis-server.")
+    cluster.add_argument("--smg", type=Path, default=Path(".venv-smg/bin/smg"),
+                         help="the smg binary (default: %(default)s)")
+    cluster.add_argument("--replicas", type=int, default=3,
+                         help="kvgate serve processes (default: %(default)s)")
+    cluster.add_argument("--families", type=int, default=3,
+                         help="system prompts, each its own family (default: %(default)s)")
+    cluster.add_argument("--users", type=int, default=4,
+                         help="users per family, all at once (default: %(default)s)")
+    cluster.add_argument("--rounds", type=int, default=4,
+                         help="rounds per user (default: %(default)s)")
+    cluster.add_argument("--max-tokens", type=int, default=32,
+                         help="tokens per answer (default: %(default)s)")
+    cluster.add_argument("--rules", type=int, default=60,
+                         help="numbered rules in each system prompt (default: %(default)s)")
+    cluster.add_argument("--policies", default="cache_aware,round_robin",
+                         help="SMG policies to compare, comma-separated (default: %(default)s)")
+    cluster.add_argument("--model", default="bundled",
+                         help="'bundled' (SmolLM2-135M, the default) or a checkpoint directory")
+    cluster.add_argument("--data-dir", type=Path, default=Path("data"),
+                         help="model conversion cache (DATA_DIR/models) (default: %(default)s)")
+    cluster.add_argument("--block-tokens", type=int, default=64,
+                         help="the replicas' block size (default: %(default)s)")
+    cluster.add_argument("--timeout", type=float, default=600.0,
+                         help="deadline of each request in seconds")

@@ -6,13 +6,19 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import sys
 from collections.abc import Mapping, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any, TextIO
 
-from gateway.cli.bench_args import add_bench_load, add_bench_metrics, add_bench_ttft
+from gateway.cli.bench_args import (
+    add_bench_cluster,
+    add_bench_load,
+    add_bench_metrics,
+    add_bench_ttft,
+)
 from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
 from gateway.cli.numerics_args import add_numerics_arguments, resolve_bench_numerics
 
@@ -87,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_ttft(bench_sub)
     add_bench_load(bench_sub)
     add_bench_metrics(bench_sub)
+    add_bench_cluster(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
     config = sub.add_parser("config", help="the configuration file of `kvgate serve`")
@@ -243,6 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_load(args)
     if args.command == "bench" and args.bench == "metrics":
         return _bench_metrics(args)
+    if args.command == "bench" and args.bench == "cluster":
+        return _bench_cluster(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
@@ -345,6 +354,30 @@ def _bench_metrics(args: argparse.Namespace) -> int:
         run_metrics_benchmark(options, out=sys.stdout, err=sys.stderr)
     except (BenchError, KvgateError, ModelLoadError, ValueError) as exc:
         sys.stderr.write(f"kvgate bench metrics: {exc}\n")
+        return EXIT_FAILED
+    return 0
+
+
+def _bench_cluster(args: argparse.Namespace) -> int:
+    from gateway.bench.cluster import ClusterOptions, run_cluster_benchmark
+    from gateway.bench.rows import BenchError
+    from gateway.engine.model import ModelLoadError
+
+    redis = shutil.which("redis-server")
+    if redis is None:
+        sys.stderr.write("kvgate bench cluster: needs redis-server on PATH (Debian's "
+                         "redis-server; `make test` installs it)\n")
+        return EXIT_FAILED
+    options = ClusterOptions(
+        smg=args.smg, redis_binary=redis, replicas=args.replicas, families=args.families,
+        users=args.users, rounds=args.rounds, max_tokens=args.max_tokens, num_rules=args.rules,
+        policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
+        model=args.model, data_dir=args.data_dir, block_tokens=args.block_tokens,
+        timeout_s=args.timeout)
+    try:
+        run_cluster_benchmark(options, out=sys.stdout, err=sys.stderr)
+    except (BenchError, ModelLoadError, ValueError) as exc:
+        sys.stderr.write(f"kvgate bench cluster: {exc}\n")
         return EXIT_FAILED
     return 0
 

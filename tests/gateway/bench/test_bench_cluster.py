@@ -1,0 +1,62 @@
+"""``kvgate bench cluster`` end to end at tiny scale: the real CLI, two real ``kvgate serve``
+replicas on a real redis-server behind a real SMG, per policy, the tiny Llama, 16-token blocks.
+
+SMG is not a kvgate dependency: ``make test`` installs it into ``.venv-smg`` and names it in
+``KVGATE_TEST_SMG``; elsewhere the test skips without it. Speed is never asserted -- only that
+both policies ran every request, that their answers are the same, and that the table reports
+where the cached tokens came from.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.gateway.bench.cli_run import run_bench
+from tests.tiny_llama import save_tiny_llama
+
+pytestmark = pytest.mark.slow
+
+SMG = os.environ.get("KVGATE_TEST_SMG") or shutil.which("smg")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_both_policies_answer_every_request_alike_and_say_where_hits_came_from(
+        tiny_model: Path, tmp_path: Path) -> None:
+    if SMG is None:
+        pytest.skip("smg not found: `make smg`, and KVGATE_TEST_SMG=.venv-smg/bin/smg")
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server on PATH")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    done = run_bench(["cluster", "--smg", SMG, "--model", str(tiny_model), "--data-dir",
+                      str(tmp_path), "--replicas", "2", "--families", "2", "--users", "1",
+                      "--rounds", "2", "--max-tokens", "4", "--rules", "6", "--block-tokens",
+                      "16", "--timeout", "60"], timeout_s=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {m.group(1): m.group(2).split() for m in re.finditer(
+        r"^(cache_aware|round_robin)\s+(.*)$", done.stdout, re.MULTILINE)}
+    assert set(rows) == {"cache_aware", "round_robin"}, done.stdout
+    for columns in rows.values():
+        requests, _, _, _, cached, own, redis = columns
+        assert int(requests) == 4  # 2 families x 1 user x 2 rounds
+        assert 0 < float(cached) <= 1  # each second round reuses its first round's blocks
+        assert float(own) + float(redis) <= 1.0001
+    assert "answers equal under every policy: yes" in done.stdout
+
+
+def test_a_missing_smg_is_named_with_how_to_install_it(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("needs redis-server on PATH")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    done = run_bench(["cluster", "--smg", str(tmp_path / "no-smg"), "--data-dir", str(tmp_path)],
+                     timeout_s=60, env=env)
+    assert done.returncode != 0
+    assert "is not an smg executable (`make smg` installs one" in done.stderr
