@@ -101,8 +101,8 @@ $(SMG_VENV)/.smg-installed:
 # for promtool and the checks of deploy/observability/; KVGATE_TEST_SMG names the SMG the
 # cluster test runs (outside `make test`, without SMG on PATH, it skips).
 test: lint redis-server promtool smg
-	KVGATE_TEST_SMG=$(CURDIR)/$(SMG_VENV)/bin/smg KVGATE_REQUIRE_PROMTOOL=1 KVGATE_REQUIRE_REDIS=1 \
-	  $(VENV)/bin/pytest $(PYTEST_ARGS)
+	KVGATE_TEST_SMG=$(CURDIR)/$(SMG_VENV)/bin/smg KVGATE_REQUIRE_PROMTOOL=1 \
+	  KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # The tests marked `gpu` on CUDA: the whole parity suite with the model and the device tier on
 # the GPU, the pinned host tier's fenced copies, device placement. KVGATE_REQUIRE_GPU=1 makes a

@@ -1,5 +1,6 @@
-"""``kvgate bench cluster`` end to end at tiny scale: the real CLI, two real ``kvgate serve``
-replicas on a real redis-server behind a real SMG, per policy, the tiny Llama, 16-token blocks.
+"""``kvgate bench cluster`` end to end at tiny scale: the real CLI, one real ``kvgate serve``
+replica on a real redis-server behind a real SMG, per policy (routing among several replicas is
+tests/cluster's), the tiny Llama, 16-token blocks.
 
 SMG is not a kvgate dependency: ``make test`` installs it into ``.venv-smg`` and names it in
 ``KVGATE_TEST_SMG``; elsewhere the test skips without it. Speed is never asserted -- only that
@@ -37,7 +38,7 @@ def test_both_policies_answer_every_request_alike_and_say_where_hits_came_from(
         pytest.skip("needs redis-server on PATH")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     done = run_bench(["cluster", "--smg", SMG, "--model", str(tiny_model), "--data-dir",
-                      str(tmp_path), "--replicas", "2", "--families", "2", "--users", "1",
+                      str(tmp_path), "--replicas", "1", "--families", "2", "--users", "1",
                       "--rounds", "2", "--max-tokens", "4", "--rules", "6", "--block-tokens",
                       "16", "--timeout", "60"], timeout_s=240, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
