@@ -200,22 +200,20 @@ class KVSequence:
             self._length += n
             return
         for layer in range(self.layout.num_layers):
-            self._put(layer, 0, start, block.keys[layer])
-            self._put(layer, 1, start, block.values[layer])
+            self._put(layer, start, block.keys[layer], block.values[layer])
         self._length += n
 
-    def _put(self, layer: int, kind: int, start: int, tensor: torch.Tensor) -> None:
-        """Write ``tensor`` ``[kv_heads, n, head_dim]`` at positions ``start..start + n``.
+    def _put(self, layer: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write one layer's K and V ``[kv_heads, n, head_dim]`` at positions ``start..start + n``.
 
-        On CUDA a write across pages is one scatter (launches are what a GPU step pays for;
-        the slots are computed once for every layer of a step), elsewhere a copy per page."""
+        On CUDA a write across pages is one ``PagePool.scatter`` (launches are what a GPU step
+        pays for; the slots are computed once for every layer of a step), elsewhere a copy per
+        page."""
         bt = self.pool.page_tokens
         storage = self.pool.storage
-        n = int(tensor.shape[1])
+        n = int(keys.shape[1])
         if storage.device.type == "cuda" and start // bt != (start + n - 1) // bt:
-            kv_heads, _, _, head_dim = storage[layer, kind].shape
-            storage[layer, kind].view(kv_heads, -1, head_dim).index_copy_(
-                1, self._slots_of(start, n), tensor)
+            self.pool.scatter(layer, self._device_slots(start, n), keys, values)
             return
         at = 0
         while at < n:
@@ -223,22 +221,33 @@ class KVSequence:
             offset = position % bt
             count = min(n - at, bt - offset)
             page = self._pages[position // bt].id
-            storage[layer, kind, :, page, offset:offset + count].copy_(tensor[:, at:at + count])
+            storage[layer, 0, :, page, offset:offset + count].copy_(keys[:, at:at + count])
+            storage[layer, 1, :, page, offset:offset + count].copy_(values[:, at:at + count])
             at += count
 
-    def _slots_of(self, start: int, n: int) -> torch.Tensor:
-        """The pool slots (page id * page_tokens + offset) of positions ``start..start + n``,
-        on the pool's device; the last answer is kept while the pages stay the same."""
+    def _device_slots(self, start: int, n: int) -> torch.Tensor:
+        """``_slots_of`` on the pool's device; the last answer is kept while the pages stay the
+        same (every layer of a step writes the same positions)."""
         bt = self.pool.page_tokens
         pages = tuple(page.id for page in self._pages[start // bt:(start + n - 1) // bt + 1])
         cached = self._slots
         if cached is not None and cached[:3] == (start, n, pages):
             return cached[3]
-        positions = torch.arange(start, start + n)
-        ids = torch.tensor(pages, dtype=torch.long)[positions // bt - start // bt]
-        slots = (ids * bt + positions % bt).to(self.pool.device)
+        slots = self._slots_of(start, start + n).to(self.pool.device)
         self._slots = (start, n, pages, slots)
         return slots
+
+    def _slots_of(self, start: int, end: int) -> torch.Tensor:
+        """The pool slots (page id * page_tokens + offset) of positions ``start..end``, on the
+        CPU; the pages must be held."""
+        bt = self.pool.page_tokens
+        if start // bt == (end - 1) // bt:  # one page (every decode row)
+            first = self._pages[start // bt].id * bt + start % bt
+            return torch.arange(first, first + end - start)
+        positions = torch.arange(start, end)
+        ids = torch.tensor([page.id for page in self._pages[start // bt:(end - 1) // bt + 1]],
+                           dtype=torch.long)
+        return ids[positions // bt - start // bt] * bt + positions % bt
 
     def prepare(self, num_tokens: int) -> None:
         """Hold the pages the next ``num_tokens`` tokens are written into (allocated, or copied
@@ -264,14 +273,7 @@ class KVSequence:
         start = self._length
         end = start + num_tokens
         self._writable(start, end)
-        bt = self.pool.page_tokens
-        if start // bt == (end - 1) // bt:  # one page (every decode row)
-            first = self._pages[start // bt].id * bt + start % bt
-            return torch.arange(first, first + num_tokens)
-        positions = torch.arange(start, end)
-        ids = torch.tensor([page.id for page in self._pages[start // bt:(end - 1) // bt + 1]],
-                           dtype=torch.long)
-        return ids[positions // bt - start // bt] * bt + positions % bt
+        return self._slots_of(start, end)
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write one layer's K/V for the next ``keys.shape[1]`` tokens (after ``length``).
@@ -282,8 +284,7 @@ class KVSequence:
         self._reserve(n)
         start = self._length
         self._writable(start, start + n)
-        self._put(layer, 0, start, keys)
-        self._put(layer, 1, start, values)
+        self._put(layer, start, keys, values)
 
     def advance(self, num_tokens: int) -> None:
         """Count the tokens just written in every layer."""

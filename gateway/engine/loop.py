@@ -407,14 +407,14 @@ class StepLoop:
                          and isinstance(active.job.request, GenerateRequest))
             batch.append(SequenceRows(sequence=active.seq, tokens=tokens, wants_logits=wants,
                                       is_decode=chunk.is_decode))
-        if any(c.is_decode for c in plan.chunks):
+        num_decode = sum(1 for c in plan.chunks if c.is_decode)
+        if num_decode:
             outputs = self._forward.forward(batch)
-        else:
+        else:  # a prefill-only step: what the recompute yardstick learns from
             with self._prefill_timer.step(plan.num_tokens):
                 outputs = self._forward.forward(batch)
         if self._metrics is not None:
             self._metrics.record_step(num_requests=len(plan.chunks), num_tokens=plan.num_tokens)
-        num_decode = sum(1 for c in plan.chunks if c.is_decode)
         counters = self._counters
         self._counters = replace(
             counters, num_steps=counters.num_steps + 1,
