@@ -17,7 +17,6 @@ import os
 import re
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.bench.spawn import stop_process
 from tests.redis_harness import RedisServer, free_port
 from tests.tiny_llama import save_tiny_llama
 
@@ -60,17 +60,6 @@ redis_url = "{redis_url}"
 redis_timeout_s = 0.25
 remote_write = true
 """
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM by pid, SIGKILL if it does not exit."""
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
 
 
 def _post(url: str, body: dict[str, object], key: str) -> tuple[int, dict[str, object]]:
@@ -139,6 +128,7 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
     env.update({"KVGATE_DEPLOYMENT_SECRET": secrets.token_hex(32),
                 "KVGATE_API_KEYS": f"{TENANT_KEY}=tenant-a,{ROUTER_KEY}=router"})
     procs: list[subprocess.Popen[bytes]] = []
+    smg_proc: subprocess.Popen[bytes] | None = None
     try:
         replicas = []
         for name in ("a", "b"):
@@ -159,6 +149,7 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
                  "--prometheus-port", str(free_port())],
                 stdout=log, stderr=subprocess.STDOUT)
         procs.append(smg)
+        smg_proc = smg
         deadline = time.monotonic() + 60
         while _ANSI.sub("", smg_log.read_text(errors="replace")).count(
                 "Activated 1 of 1 worker") < len(replicas):
@@ -166,8 +157,10 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
             time.sleep(0.2)
         yield replicas, f"http://127.0.0.1:{port}"
     finally:
+        # SMG drains gracefully for 5 s even with nothing in flight; every request has been
+        # answered by then, so it gets a second, the replicas their own graceful stop.
         for proc in reversed(procs):
-            _stop(proc)
+            stop_process(proc, grace_s=1 if proc is smg_proc else 10)
 
 
 def test_families_stick_to_one_replica_and_answer_as_one_replica_does(

@@ -11,6 +11,7 @@ the K/V tensors handed to the request. That is what "served from tier X, bit for
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, compute_block_kv, load_model
-from gateway.engine.route_search import build_forward, search_route
+from gateway.engine.route_search import RouteVerdict, build_forward, search_route
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
 
@@ -140,11 +141,25 @@ def model_device(loaded: LoadedModel) -> torch.device:
     return next(loaded.model.parameters()).device
 
 
+_VERDICTS: dict[int, RouteVerdict] = {}
+"""The route search's verdict per model (by ``id`` of its module, dropped with it): a search
+probes invariance with dozens of forwards (~17 s on SmolLM2), and the oracle is asked for many
+prompts of one model."""
+
+
+def _default_verdict(loaded: LoadedModel) -> RouteVerdict:
+    key = id(loaded.model)
+    if key not in _VERDICTS:
+        _VERDICTS[key] = search_route(loaded, EngineConfig().search_settings())
+        weakref.finalize(loaded.model, _VERDICTS.pop, key, None)
+    return _VERDICTS[key]
+
+
 def engine_forward(loaded: LoadedModel, device: torch.device) -> BatchedForward:
     """The batched forward an engine with the default configuration chooses on ``device``: the
     first candidate of this machine's search that the start-up probe passes."""
     del device  # the model's own
-    verdict = search_route(loaded, EngineConfig().search_settings())
+    verdict = _default_verdict(loaded)
     forward = build_forward(loaded, verdict)
     assert isinstance(forward, BatchedForward), verdict.reason
     return forward

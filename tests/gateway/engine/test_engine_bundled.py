@@ -6,8 +6,10 @@ on top of that question's system-prompt blocks), a multi-turn chat, Unicode, and
 than 4 blocks. One engine writes them all to a disk directory and runs each cold (``no_cache``),
 then stops; new caches and engines restarted over that directory serve the tests. The expensive
 parts (the model, the writes, the cold runs, the cold K/V) are computed once per module, and the
-tests share a restart (each engine start probes invariance on SmolLM2) until one needs a prompt
-whose blocks the current one has moved (``tests.gateway.engine.shared_engine``).
+tests share a restart until one needs a prompt whose blocks the current one has moved
+(``tests.gateway.engine.shared_engine``). The writing engine's start searches the route; the
+restarts take the verdict it remembered beside the disk directory, as ``kvgate serve`` does
+with its data directory (``gateway.engine.verdicts``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gateway.core.fingerprint import Scope
 from gateway.core.requests import Usage
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import BUNDLED, LoadedModel, load_model
+from gateway.engine.verdicts import VerdictStore
 from tests.gateway.engine.parity import (
     ServedSpy,
     assert_blocks_equal,
@@ -86,7 +89,7 @@ def start_engine(smol: LoadedModel, root: Path) -> tuple[Engine, OpenedCache]:
     opened = open_cache(cache_config(root), layout=smol.layout, deployment_secret=SECRET)
     engine = Engine(loaded=smol, cache=opened.cache, pool=opened.pool,
                     config=EngineConfig(block_tokens=BLOCK),
-                    deployment_secret=SECRET)
+                    deployment_secret=SECRET, verdicts=VerdictStore(root / "routes", SECRET))
     engine.start()
     return engine, opened
 
