@@ -267,7 +267,7 @@ class HostStore(BatchDefaults):
         self.layout = layout
         self.block_tokens = block_tokens
         self._layer_elems = layout.kv_heads * block_tokens * layout.head_dim
-        itemsize = torch.empty((), dtype=layout.dtype).element_size()
+        itemsize = layout.dtype.itemsize
         self._slot_bytes = 2 * layout.num_layers * self._layer_elems * itemsize
         self.is_pinned = torch.cuda.is_available() if pin is None else pin
         self._pool = SlabPool(

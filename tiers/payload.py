@@ -39,7 +39,7 @@ class KVLayout:
     @property
     def bytes_per_token(self) -> int:
         """K and V bytes one token adds across all layers."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         return 2 * self.num_layers * self.kv_heads * self.head_dim * itemsize
 
     def block_nbytes(self, block_tokens: int) -> int:

@@ -181,9 +181,10 @@ class OpenAIFront:
     async def _render_metrics(self, request: Request) -> Response:
         """Prometheus' text format (or OpenMetrics, if the scraper asks for it).
 
-        NOTE: rendered on the event loop: well under a millisecond with the registry populated
-        (docs/operations.md, "Cost of a scrape"), less than a thread hop would add; and at most
-        once per 20 ms for all scrapers together (``MetricsPage``).
+        NOTE: rendered on the event loop: about a millisecond with the registry populated, a
+        few where the caches went cold between two polls (docs/operations.md, "Cost of a
+        scrape"), little more than a thread hop would add; and at most once per 20 ms for all
+        scrapers together (``MetricsPage``).
         """
         assert self._metrics is not None
         body, content_type = self._metrics.render(request.headers.get("accept", ""))
