@@ -11,6 +11,14 @@ users for ``--rounds`` rounds, every user at once, through SMG, streamed. Per po
 cached prompt tokens came from (a replica's own device and host tiers, or Redis, from kvgate's
 usage), TTFT p50/p99, requests per second; and whether every answer is the same under every
 policy (greedy answers must not depend on the replica that computed them).
+
+``--restart-router-after N``: once N requests are answered, SMG is stopped (SIGTERM: it drains
+what it has in flight for up to ``--router-drain-s``) and started again on the same port, in
+every policy's run. The users'
+clients send again a request that got no byte of an answer -- refused while SMG is down, or on
+a kept-alive connection the old SMG closed -- as any client of a restarting router must; the
+run fails if any request goes unanswered or an answer is cut. The table says how long SMG was
+away and how many requests were sent again.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import secrets
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -63,6 +72,11 @@ class ClusterOptions:
     data_dir: Path = Path("data")
     block_tokens: int = 64
     timeout_s: float = 600.0
+    restart_router_after: int = 0
+    """Answers before SMG is restarted (0: never)."""
+    router_drain_s: float = 30.0
+    """SMG's ``--shutdown-grace-period-secs``: how long a stopping SMG waits for what it has
+    in flight."""
 
     def problems(self) -> list[str]:
         """Every unusable option, for one message (SMG itself refuses a policy it lacks)."""
@@ -70,6 +84,12 @@ class ClusterOptions:
                                                         "max_tokens") if getattr(self, name) < 1]
         if not self.policies:
             errors.append("--policies names no policy")
+        num_requests = self.families * self.users * self.rounds
+        if self.router_drain_s < 0:
+            errors.append(f"--router-drain-s must be >= 0, got {self.router_drain_s:g}")
+        if not 0 <= self.restart_router_after < num_requests:
+            errors.append(f"--restart-router-after must be in 0..{num_requests - 1} (the run "
+                          f"sends {num_requests} requests), got {self.restart_router_after}")
         return errors
 
 
@@ -80,6 +100,10 @@ class PolicyResult:
     policy: str
     replies: list[StreamedReply] = field(default_factory=list)
     wall_s: float = 0.0
+    router_away_s: float | None = None
+    """How long the restart took, from SIGTERM to the new SMG's workers ready (None: none)."""
+    num_resent: int = 0
+    """Requests sent again after getting no byte of an answer."""
 
     def answers(self) -> dict[tuple[int, int], str]:
         return {(r.user or 0, r.round_index or 0): r.text for r in self.replies}
@@ -121,28 +145,174 @@ def run_cluster_benchmark(options: ClusterOptions, *, out: TextIO,
     results = []
     num_users = options.families * options.users
     for policy in options.policies:
-        with _cluster(options, policy, err) as (port, api_key, model):
-            def session(port: int = port, api_key: str = api_key,
-                        model: str = model) -> ChatSession:
-                return HttpSession("127.0.0.1", port, max_tokens=options.max_tokens,
-                                   timeout_s=options.timeout_s, api_key=api_key, server="smg",
-                                   model=model)
+        with _cluster(options, policy, err) as (router, api_key, model):
+            progress = _Progress()
+            sessions: list[HttpSession] = []
 
-            replies, wall = run_users(
-                session, num_users=num_users, rounds=options.rounds,
-                system=lambda user: family_system(user % options.families, options.num_rules),
-                num_rules=options.num_rules)
+            def session(port: int = router.port, api_key: str = api_key, model: str = model,
+                        progress: _Progress = progress,
+                        sessions: list[HttpSession] = sessions) -> ChatSession:
+                inner = HttpSession("127.0.0.1", port, max_tokens=options.max_tokens,
+                                    timeout_s=options.timeout_s, api_key=api_key, server="smg",
+                                    model=model,
+                                    resend_within_s=(options.router_drain_s + ROUTER_EXIT_S
+                                                     + ROUTER_START_S))
+                sessions.append(inner)
+                return _Counted(inner, progress)
+
+            restart = None
+            if options.restart_router_after:
+                restart = _RestartWhen(router, progress, options.restart_router_after, err)
+            try:
+                replies, wall = run_users(
+                    session, num_users=num_users, rounds=options.rounds,
+                    system=lambda user: family_system(user % options.families, options.num_rules),
+                    num_rules=options.num_rules)
+            finally:
+                progress.finish()
+                away_s = restart.join() if restart is not None else None
         err.write(f"[cluster] {policy}: {len(replies)} requests in {wall:.1f} s\n")
-        results.append(PolicyResult(policy=policy, replies=replies, wall_s=wall))
+        results.append(PolicyResult(policy=policy, replies=replies, wall_s=wall,
+                                    router_away_s=away_s,
+                                    num_resent=sum(s.num_resent for s in sessions)))
     print_table(options, results, out)
     return results
 
 
+ROUTER_EXIT_S = 30.0
+"""How long a stopping SMG may take past its drain before it is killed."""
+ROUTER_START_S = 60.0
+"""How long a starting SMG may take to route."""
+
+
+class _Progress:
+    """Answers so far, for a thread that waits for the N-th (``_RestartWhen``)."""
+
+    def __init__(self) -> None:
+        self._changed = threading.Condition()
+        self._answered = 0
+        self._finished = False
+
+    def answered(self) -> None:
+        with self._changed:
+            self._answered += 1
+            self._changed.notify_all()
+
+    def finish(self) -> None:
+        with self._changed:
+            self._finished = True
+            self._changed.notify_all()
+
+    def wait_for(self, num_answers: int) -> bool:
+        """Whether ``num_answers`` came before the run finished."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._answered >= num_answers or self._finished)
+            return self._answered >= num_answers
+
+
+@dataclass(slots=True)
+class _Counted:
+    """A user's session that counts its answers in ``progress``."""
+
+    session: HttpSession
+    progress: _Progress
+
+    def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
+        reply = self.session.chat(messages)
+        self.progress.answered()
+        return reply
+
+    def close(self) -> None:
+        self.session.close()
+
+
+class _RestartWhen:
+    """A thread that restarts ``router`` once ``num_answers`` requests are answered."""
+
+    def __init__(self, router: _Router, progress: _Progress, num_answers: int,
+                 err: TextIO) -> None:
+        self._away_s: float | None = None
+        self._failure: BaseException | None = None
+
+        def run() -> None:
+            if not progress.wait_for(num_answers):
+                return
+            err.write(f"[cluster] {num_answers} answered: restarting smg\n")
+            try:
+                self._away_s = router.restart()
+            except BaseException as exc:  # noqa: BLE001 -- re-raised by join, in the caller
+                self._failure = exc
+                return
+            err.write(f"[cluster] smg serving again after {self._away_s:.1f} s\n")
+
+        self._thread = threading.Thread(target=run, name="router-restart", daemon=True)
+        self._thread.start()
+
+    def join(self) -> float | None:
+        """How long the router was away (None: the run ended first).
+
+        Raises:
+            BenchError: the new SMG did not start.
+        """
+        self._thread.join()
+        if self._failure is not None:
+            raise BenchError(f"restarting smg failed: {self._failure}") from self._failure
+        return self._away_s
+
+
+class _Router:
+    """SMG on one port, started (and restarted) with the same arguments; each start logs to a
+    file of its own under ``root``."""
+
+    def __init__(self, smg: Path, port: int, arguments: Sequence[str], *, num_workers: int,
+                 root: Path, api_key: str, drain_s: float) -> None:
+        self.port = port
+        self._api_key = api_key
+        self._drain_s = drain_s
+        self._command = [str(smg), "launch", "--host", "127.0.0.1", "--port", str(port),
+                         *arguments, "--shutdown-grace-period-secs", f"{drain_s:g}"]
+        self._num_workers = num_workers
+        self._root = root
+        self._num_starts = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Launch SMG and wait until it routes: every worker activated, and ``/v1/models``
+        through it listing a model (SMG listens, and answers 404 ``model_not_found``, a moment
+        before it has registered the workers it activated).
+
+        Raises:
+            BenchError: it exited, or did not route within a minute.
+        """
+        log = self._root / f"smg-{self._num_starts}.log"
+        self._num_starts += 1
+        with log.open("wb") as fh:
+            self.proc = subprocess.Popen(self._command, stdout=fh, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + ROUTER_START_S
+        while (_ANSI.sub("", log.read_text(errors="replace")).count(_SMG_READY)
+               < self._num_workers or not _lists_a_model(self.port, self._api_key)):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise BenchError(f"smg did not register the {self._num_workers} replicas:\n"
+                                 + log.read_text(errors="replace")[-2000:])
+            time.sleep(0.1)
+
+    def stop(self, grace_s: float) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, grace_s=grace_s)
+
+    def restart(self) -> float:
+        """Stop SMG gracefully, start it again; the seconds it took."""
+        began = time.monotonic()
+        self.stop(self._drain_s + ROUTER_EXIT_S)
+        self.start()
+        return time.monotonic() - began
+
+
 @contextmanager
 def _cluster(options: ClusterOptions, policy: str,
-             err: TextIO) -> Iterator[tuple[int, str, str]]:
-    """A Redis, the replicas and SMG in front of them; yields SMG's port, the tenant key and
-    the served model's name (which SMG routes by)."""
+             err: TextIO) -> Iterator[tuple[_Router, str, str]]:
+    """A Redis, the replicas and SMG in front of them; yields SMG, the tenant key and the
+    served model's name (which SMG routes by)."""
     api_key = "kvg-bench-" + secrets.token_urlsafe(24)
     # SMG's own key: it lists each worker's models with it, and must differ from the tenant's.
     router_key = "kvg-bench-router-" + secrets.token_urlsafe(24)
@@ -159,28 +329,32 @@ def _cluster(options: ClusterOptions, policy: str,
             for i in range(options.replicas)]
         if any(e.http_port is None for e in endpoints):
             raise BenchError("a spawned kvgate serve named no HTTP port in its start line")
-        port = free_port()
-        log = root / "smg.log"
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(
-                [str(options.smg), "launch", "--host", "127.0.0.1", "--port", str(port),
-                 "--worker-urls", *(f"http://127.0.0.1:{e.http_port}" for e in endpoints),
-                 "--policy", policy, "--api-key", router_key,
-                 "--tenant-api-key", f"bench:{api_key}", "--disable-tokenizer-autoload",
-                 "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
-                stdout=fh, stderr=subprocess.STDOUT)
+        router = _Router(options.smg, free_port(), [
+            "--worker-urls", *(f"http://127.0.0.1:{e.http_port}" for e in endpoints),
+            "--policy", policy, "--api-key", router_key,
+            "--tenant-api-key", f"bench:{api_key}", "--disable-tokenizer-autoload",
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())],
+            num_workers=len(endpoints), root=root, api_key=api_key,
+            drain_s=options.router_drain_s)
         # Every request has been answered when it stops: SMG's own graceful drain (5 s) is
         # not needed, so SIGKILL follows SIGTERM after a second.
-        stack.callback(stop_process, proc, grace_s=1)
-        deadline = time.monotonic() + 60
-        while _ANSI.sub("", log.read_text(errors="replace")).count(_SMG_READY) < len(endpoints):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise BenchError(f"smg did not register the {len(endpoints)} replicas:\n"
-                                 + log.read_text(errors="replace")[-2000:])
-            time.sleep(0.2)
-        err.write(f"[cluster] smg --policy {policy} (pid {proc.pid}) on 127.0.0.1:{port} in "
-                  f"front of {len(endpoints)} replicas\n")
-        yield port, api_key, _served_model(endpoints[0].http_port, api_key)
+        stack.callback(router.stop, 1)
+        router.start()
+        assert router.proc is not None
+        err.write(f"[cluster] smg --policy {policy} (pid {router.proc.pid}) on "
+                  f"127.0.0.1:{router.port} in front of {len(endpoints)} replicas\n")
+        yield router, api_key, _served_model(endpoints[0].http_port, api_key)
+
+
+def _lists_a_model(port: int, api_key: str) -> bool:
+    """Whether ``/v1/models`` on ``port`` answers with at least one model."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
+                                     headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return bool(json.loads(response.read()).get("data"))
+    except (OSError, ValueError):  # refused, an error status, or not JSON yet
+        return False
 
 
 def _served_model(http_port: int | None, api_key: str) -> str:
@@ -210,6 +384,12 @@ def print_table(options: ClusterOptions, results: Sequence[PolicyResult], out: T
                   f"{percentile(ttfts, 0.99):>10,.0f}"
                   f"{len(r.replies) / r.wall_s if r.wall_s else 0.0:>8.2f}"
                   f"{_fraction(cached):>8}{_fraction(own):>12}{_fraction(redis):>8}\n")
+    num_requests = options.families * options.users * options.rounds
+    for r in results:
+        if r.router_away_s is not None:
+            out.write(f"\n{r.policy}: smg restarted after {options.restart_router_after} "
+                      f"answers, away {r.router_away_s:.1f} s; {r.num_resent} requests sent "
+                      f"again; {len(r.replies)} of {num_requests} requests answered\n")
     if len(results) > 1:
         first = results[0].answers()
         same = all(r.answers() == first for r in results[1:])

@@ -53,6 +53,7 @@ from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peer_serve import (
     PEER_BLOCK_TOKENS,
     StreamedReply,
+    Unanswered,
     serve_binary,
     spawn_transformers_serve,
     stream_chat,
@@ -190,20 +191,37 @@ class KvgateSession:
 
 class HttpSession:
     """A user's own keep-alive HTTP connection to an OpenAI-compatible server
-    (``transformers serve``, or a router in front of kvgate with the tenant's ``api_key``)."""
+    (``transformers serve``, or a router in front of kvgate with the tenant's ``api_key``).
+
+    ``resend_within_s`` > 0: a request that got no byte of an answer (``Unanswered``: a router
+    restarting refuses connections, and closes the kept-alive ones it had) is sent again on a
+    new connection, every 0.1 s for up to that long; ``num_resent`` counts them.
+    """
 
     def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float,
                  api_key: str | None = None, server: str = "transformers serve",
-                 model: str | None = None) -> None:
+                 model: str | None = None, resend_within_s: float = 0.0) -> None:
         self._conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
         self._max_tokens = max_tokens
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._server = server
         self._model = model
+        self._resend_within_s = resend_within_s
+        self.num_resent = 0
 
     def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
-        return stream_chat(self._conn, messages, max_tokens=self._max_tokens,
-                           headers=self._headers, server=self._server, model=self._model)
+        deadline = time.monotonic() + self._resend_within_s
+        while True:
+            try:
+                return stream_chat(self._conn, messages, max_tokens=self._max_tokens,
+                                   headers=self._headers, server=self._server,
+                                   model=self._model)
+            except Unanswered:
+                self._conn.close()  # the next request connects anew
+                if time.monotonic() >= deadline:
+                    raise
+                self.num_resent += 1
+                time.sleep(0.1)
 
     def close(self) -> None:
         self._conn.close()

@@ -149,6 +149,13 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s
                      + log.read_text(encoding="utf-8", errors="replace")[-2000:])
 
 
+class Unanswered(BenchError):
+    """No model saw the request, as far as the client can tell: the connection was refused, or
+    closed (a kept-alive one the server had let go) before the status line, or the server
+    routed it nowhere (503; a router's 404 ``model_not_found`` while its workers register, as
+    SMG answers in the moment after it starts listening). Nothing was streamed."""
+
+
 def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, str]], *,
                 max_tokens: int, headers: Mapping[str, str] | None = None,
                 server: str = "transformers serve", model: str | None = None) -> StreamedReply:
@@ -156,6 +163,7 @@ def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, s
     request to the first chunk that carries text.
 
     Raises:
+        Unanswered: no byte of an answer came.
         BenchError: the server answered with an error or the stream had no text.
     """
     request: dict[str, Any] = {"messages": list(messages), "max_tokens": max_tokens,
@@ -165,12 +173,18 @@ def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, s
         request["model"] = model
     body = json.dumps(request)
     began = time.perf_counter()
-    conn.request("POST", "/v1/chat/completions", body=body,
-                 headers={"Content-Type": "application/json", "Accept": "text/event-stream",
-                          **(headers or {})})
-    response = conn.getresponse()
+    try:
+        conn.request("POST", "/v1/chat/completions", body=body,
+                     headers={"Content-Type": "application/json", "Accept": "text/event-stream",
+                              **(headers or {})})
+        response = conn.getresponse()
+    except (OSError, http.client.HTTPException) as exc:
+        raise Unanswered(f"{server} answered nothing ({type(exc).__name__}: {exc})") from exc
     if response.status != 200:
-        raise BenchError(f"{server} answered {response.status}: {response.read()[:500]!r}")
+        detail = response.read()[:500]
+        if response.status == 503 or (response.status == 404 and b"model_not_found" in detail):
+            raise Unanswered(f"{server} routed it nowhere ({response.status}: {detail!r})")
+        raise BenchError(f"{server} answered {response.status}: {detail!r}")
     first: float | None = None
     parts: list[str] = []
     num_chunks = 0

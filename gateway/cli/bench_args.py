@@ -213,3 +213,11 @@ def add_bench_cluster(bench_sub: Any) -> None:
                          help="the replicas' block size (default: %(default)s)")
     cluster.add_argument("--timeout", type=float, default=600.0,
                          help="deadline of each request in seconds")
+    cluster.add_argument("--restart-router-after", type=int, default=0, metavar="N",
+                         help="once N requests are answered, stop SMG (SIGTERM: it drains what "
+                              "it has in flight) and start it again on the same port, in each "
+                              "policy's run; clients send again what got no answer (default: "
+                              "0, never)")
+    cluster.add_argument("--router-drain-s", type=float, default=30.0, metavar="S",
+                         help="SMG's --shutdown-grace-period-secs: how long a stopping SMG "
+                              "waits for the requests it has in flight (default: %(default)s)")

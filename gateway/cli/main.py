@@ -373,7 +373,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
         users=args.users, rounds=args.rounds, max_tokens=args.max_tokens, num_rules=args.rules,
         policies=tuple(p.strip() for p in args.policies.split(",") if p.strip()),
         model=args.model, data_dir=args.data_dir, block_tokens=args.block_tokens,
-        timeout_s=args.timeout)
+        timeout_s=args.timeout, restart_router_after=args.restart_router_after,
+        router_drain_s=args.router_drain_s)
     try:
         run_cluster_benchmark(options, out=sys.stdout, err=sys.stderr)
     except (BenchError, ModelLoadError, ValueError) as exc:
