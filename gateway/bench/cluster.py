@@ -103,7 +103,7 @@ class PolicyResult:
     router_away_s: float | None = None
     """How long the restart took, from SIGTERM to the new SMG's workers ready (None: none)."""
     num_resent: int = 0
-    """Requests sent again after getting no byte of an answer."""
+    """Requests sent again (once or more) after no model saw them."""
 
     def answers(self) -> dict[tuple[int, int], str]:
         return {(r.user or 0, r.round_index or 0): r.text for r in self.replies}

@@ -195,7 +195,8 @@ class HttpSession:
 
     ``resend_within_s`` > 0: a request that got no byte of an answer (``Unanswered``: a router
     restarting refuses connections, and closes the kept-alive ones it had) is sent again on a
-    new connection, every 0.1 s for up to that long; ``num_resent`` counts them.
+    new connection, every 0.1 s for up to that long; ``num_resent`` counts the requests that
+    were sent more than once (not the attempts).
     """
 
     def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float,
@@ -211,6 +212,7 @@ class HttpSession:
 
     def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
         deadline = time.monotonic() + self._resend_within_s
+        attempts = 0
         while True:
             try:
                 return stream_chat(self._conn, messages, max_tokens=self._max_tokens,
@@ -220,7 +222,9 @@ class HttpSession:
                 self._conn.close()  # the next request connects anew
                 if time.monotonic() >= deadline:
                     raise
-                self.num_resent += 1
+                attempts += 1
+                if attempts == 1:
+                    self.num_resent += 1
                 time.sleep(0.1)
 
     def close(self) -> None:
