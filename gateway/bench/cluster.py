@@ -14,11 +14,11 @@ policy (greedy answers must not depend on the replica that computed them).
 
 ``--restart-router-after N``: once N requests are answered, SMG is stopped (SIGTERM: it drains
 what it has in flight for up to ``--router-drain-s``) and started again on the same port, in
-every policy's run. The users'
-clients send again a request that got no byte of an answer -- refused while SMG is down, or on
-a kept-alive connection the old SMG closed -- as any client of a restarting router must; the
-run fails if any request goes unanswered or an answer is cut. The table says how long SMG was
-away and how many requests were sent again.
+every policy's run. The users' clients send again a request no model saw (``Unanswered``:
+refused while SMG is away, a kept-alive connection the old SMG closed, or routed nowhere while
+the new one registers its workers), as any client of a restarting router must; the run fails if
+a request is answered with an error or an answer is cut. The table says how long SMG was away
+and how many requests were sent again.
 """
 
 from __future__ import annotations

@@ -193,10 +193,10 @@ class HttpSession:
     """A user's own keep-alive HTTP connection to an OpenAI-compatible server
     (``transformers serve``, or a router in front of kvgate with the tenant's ``api_key``).
 
-    ``resend_within_s`` > 0: a request that got no byte of an answer (``Unanswered``: a router
-    restarting refuses connections, and closes the kept-alive ones it had) is sent again on a
-    new connection, every 0.1 s for up to that long; ``num_resent`` counts the requests that
-    were sent more than once (not the attempts).
+    ``resend_within_s`` > 0: a request no model saw (``Unanswered``: a restarting router refuses
+    connections, closes the kept-alive ones it had, routes nothing until its workers register)
+    is sent again on a new connection, every 0.1 s for up to that long; ``num_resent`` counts
+    the requests sent more than once (not the attempts).
     """
 
     def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float,
@@ -212,7 +212,7 @@ class HttpSession:
 
     def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
         deadline = time.monotonic() + self._resend_within_s
-        attempts = 0
+        resent = False
         while True:
             try:
                 return stream_chat(self._conn, messages, max_tokens=self._max_tokens,
@@ -222,9 +222,9 @@ class HttpSession:
                 self._conn.close()  # the next request connects anew
                 if time.monotonic() >= deadline:
                     raise
-                attempts += 1
-                if attempts == 1:
+                if not resent:
                     self.num_resent += 1
+                    resent = True
                 time.sleep(0.1)
 
     def close(self) -> None:

@@ -1,8 +1,9 @@
 """``GET /metrics``' body on the API port: rendered at most once per ``max_age_s`` per format.
 
-Rendering the public registry is the whole cost of a scrape (about 0.6 ms of CPU for 12 KiB of
-text with the histograms populated; the HTTP exchange around it about 0.2 ms), and it runs on
-the front's event loop. The API port's ``/metrics`` is polled by more than one reader at once --
+Rendering the public registry is most of a scrape's cost (about 1 ms of CPU for 13 KiB of text
+with the histograms populated, 2-3 in a serving gateway whose caches went cold between polls;
+the HTTP exchange around it about 1 ms: docs/operations.md, "Cost of a scrape"), and it runs
+on the front's event loop. The API port's ``/metrics`` is polled by more than one reader at once --
 a router's endpoint pickers (every 50 ms each, often several replicas of them), Prometheus,
 an operator's ``curl`` -- so a body rendered less than ``max_age_s`` ago is served again
 instead of rendered anew. ``max_age_s`` (20 ms) stays under the fastest poll interval (50 ms):
