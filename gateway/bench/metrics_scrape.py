@@ -7,9 +7,12 @@ does: free loopback ports, a temporary data directory, stopped by pid), then, fr
 thread of this process, every ``--interval-ms``:
 
 * ``keep-alive``: ``GET /metrics`` on one kept-alive connection (a router, Prometheus);
-* ``new``: the same on a new connection, connect to last byte (``curl``), half an interval
-  later -- so that neither is served the other's body (the front renders at most once per
-  20 ms, ``gateway.service.http.metrics_page``): every scrape measured is a render;
+* ``new``: the same on a new connection, connect to last byte, half an interval later -- so
+  that neither is served the other's body (the front renders at most once per 20 ms,
+  ``gateway.service.http.metrics_page``): every scrape measured is a render;
+* ``curl``: where ``curl`` is on PATH, every other round's new-connection scrape is ``curl``'s
+  own (``-w %{time_total}``: connect to last byte, timed inside curl, without this process's
+  Python client around it) -- the target is worded as ``curl :8000/metrics``;
 
 first for ``--idle-s`` seconds with nothing else running, then while ``--users`` users chat
 ``--rounds`` rounds each over gRPC under one shared system prompt (``kvgate bench load``'s
@@ -24,6 +27,8 @@ from __future__ import annotations
 
 import http.client
 import os
+import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -44,6 +49,7 @@ ROUTER_SERIES = b"vllm:num_requests_running"
 """A series every scrape must carry (what a router reads first)."""
 KEEP_ALIVE = "keep-alive"
 NEW_CONNECTION = "new"
+CURL = "curl"
 HEALTH = "health"
 """``GET /health`` on the kept-alive connection right after its scrape: the front's own floor
 (an answer with no render), under the same load."""
@@ -71,7 +77,7 @@ class ScrapeTimes:
     """The seconds each scrape took, by connection kind, and the last body's size."""
 
     seconds: dict[str, list[float]] = field(
-        default_factory=lambda: {KEEP_ALIVE: [], NEW_CONNECTION: [], HEALTH: []})
+        default_factory=lambda: {KEEP_ALIVE: [], NEW_CONNECTION: [], CURL: [], HEALTH: []})
     num_bytes: int = 0
 
 
@@ -83,11 +89,14 @@ class Scraper:
         interval_s: from the start of one round of scrapes to the next (a late round starts the
             next one at once, never two at a time).
         timeout_s: the socket timeout of each scrape.
+        curl: a ``curl`` binary: every other round's new-connection scrape is its (None: all
+            are this process's).
     """
 
     def __init__(self, host: str, port: int, *, interval_s: float,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, curl: str | None = None) -> None:
         self._host, self._port = host, port
+        self._curl = curl
         self._interval_s = interval_s
         self._timeout_s = timeout_s
         self._stop = threading.Event()
@@ -116,18 +125,23 @@ class Scraper:
         kept = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout_s)
         try:
             next_at = time.perf_counter()
+            round_index = 0
             while not self._stop.is_set():
                 self._scrape(KEEP_ALIVE, kept)
                 self._health(kept)
                 if self._stop.wait(max(0.0, next_at + self._interval_s / 2
                                        - time.perf_counter())):
                     break
-                fresh = http.client.HTTPConnection(self._host, self._port,
-                                                   timeout=self._timeout_s)
-                try:
-                    self._scrape(NEW_CONNECTION, fresh)
-                finally:
-                    fresh.close()
+                round_index += 1
+                if self._curl is not None and round_index % 2 == 0:
+                    self._scrape_with_curl(self._curl)
+                else:
+                    fresh = http.client.HTTPConnection(self._host, self._port,
+                                                       timeout=self._timeout_s)
+                    try:
+                        self._scrape(NEW_CONNECTION, fresh)
+                    finally:
+                        fresh.close()
                 # a late round starts the next at once, and never catches up with a burst
                 next_at = max(next_at + self._interval_s, time.perf_counter())
                 self._stop.wait(max(0.0, next_at - time.perf_counter()))
@@ -145,6 +159,19 @@ class Scraper:
         if response.status != 200:
             raise BenchError(f"GET /health answered {response.status}")
         self._times.seconds[HEALTH].append(elapsed)
+
+    def _scrape_with_curl(self, curl: str) -> None:
+        """``curl -s URL``, timed by curl itself (connect to last byte)."""
+        done = subprocess.run(
+            [curl, "-s", "--max-time", f"{self._timeout_s:g}", "-w", "\n%{http_code} %{time_total}",
+             f"http://{self._host}:{self._port}/metrics"],
+            capture_output=True, timeout=self._timeout_s + 5, check=False)
+        body, _, trailer = done.stdout.rpartition(b"\n")
+        status, _, seconds = trailer.decode(errors="replace").partition(" ")
+        if done.returncode != 0 or status != "200" or ROUTER_SERIES not in body:
+            raise BenchError(f"curl /metrics answered {status or 'nothing'} (exit "
+                             f"{done.returncode}, {len(body)} bytes)")
+        self._times.seconds[CURL].append(float(seconds))
 
     def _scrape(self, kind: str, connection: http.client.HTTPConnection) -> None:
         began = time.perf_counter()
@@ -220,7 +247,7 @@ def run_metrics_benchmark(options: MetricsBenchOptions, *, out: TextIO,
 
 def _scraping(host: str, port: int, interval_s: float, work: Callable[[], None]) -> ScrapeTimes:
     """Scrape every ``interval_s`` while ``work()`` runs."""
-    scraper = Scraper(host, port, interval_s=interval_s)
+    scraper = Scraper(host, port, interval_s=interval_s, curl=shutil.which("curl"))
     scraper.start()
     try:
         work()
@@ -251,10 +278,11 @@ def print_table(options: MetricsBenchOptions, result: MetricsBenchResult, out: T
     out.write(header)
     out.write("-" * len(header) + "\n")
     for phase, times in (("idle", result.idle), ("under load", result.loaded)):
-        for kind in (KEEP_ALIVE, NEW_CONNECTION, HEALTH):
+        for kind in (KEEP_ALIVE, NEW_CONNECTION, CURL, HEALTH):
             seconds = times.seconds[kind]
             if not seconds:
-                out.write(f"{phase:<11} {kind:<10} {0:>7}\n")
+                out.write(f"{phase:<11} {kind:<10} {0:>7}"
+                          + ("  (no curl on PATH)" if kind == CURL else "") + "\n")
                 continue
             out.write(f"{phase:<11} {kind:<10} {len(seconds):>7} "
                       f"{percentile(seconds, 0.5) * 1e3:>7.2f} "
@@ -266,5 +294,6 @@ def print_table(options: MetricsBenchOptions, result: MetricsBenchResult, out: T
         f"\nthe load: {len(result.replies)} requests in {result.wall_s:.1f} s, TTFT p50 "
         f"{percentile(ttft, 0.5) * 1e3:,.0f} ms, p99 {percentile(ttft, 0.99) * 1e3:,.0f} ms "
         "(client side, gRPC). A scrape is timed from its request's first byte to its body's "
-        "last; 'new' includes the TCP connect, as curl does; 'health' is GET /health on the "
+        "last; 'new' includes the TCP connect; 'curl' is curl's own time_total on a new "
+        "connection, in every other round instead of 'new'; 'health' is GET /health on the "
         "kept-alive connection right after its scrape: the front's answer without a render.\n")

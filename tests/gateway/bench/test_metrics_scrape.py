@@ -5,6 +5,7 @@ docs/operations.md)."""
 from __future__ import annotations
 
 import http.server
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from gateway.bench.metrics_scrape import (
+    CURL,
     HEALTH,
     KEEP_ALIVE,
     NEW_CONNECTION,
@@ -63,6 +65,19 @@ def test_every_round_times_a_kept_scrape_a_new_one_and_the_health_floor(front) -
     assert len(kept) >= 3 and len(health) == len(kept) and len(new) >= len(kept) - 1
     assert all(0 < seconds < 5 for seconds in (*kept, *new, *health))
     assert times.num_bytes > len(ROUTER_SERIES)
+
+
+def test_with_curl_every_other_new_connection_scrape_is_timed_by_curl(front) -> None:
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.skip("no curl on PATH")
+    scraper = Scraper("127.0.0.1", front.server_address[1], interval_s=0.02, curl=curl)
+    scraper.start()
+    time.sleep(0.4)
+    times = scraper.stop()
+    new, by_curl = times.seconds[NEW_CONNECTION], times.seconds[CURL]
+    assert len(by_curl) >= 2 and abs(len(new) - len(by_curl)) <= 1
+    assert all(0 < seconds < 5 for seconds in by_curl)
 
 
 def test_a_scrape_that_is_not_200_fails_the_bench_saying_so(front) -> None:
