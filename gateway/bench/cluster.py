@@ -290,7 +290,7 @@ class _Router:
             self.proc = subprocess.Popen(self._command, stdout=fh, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ROUTER_START_S
         while (_ANSI.sub("", log.read_text(errors="replace")).count(_SMG_READY)
-               < self._num_workers or not _lists_a_model(self.port, self._api_key)):
+               < self._num_workers or not lists_a_model(self.port, self._api_key)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise BenchError(f"smg did not register the {self._num_workers} replicas:\n"
                                  + log.read_text(errors="replace")[-2000:])
@@ -346,7 +346,7 @@ def _cluster(options: ClusterOptions, policy: str,
         yield router, api_key, _served_model(endpoints[0].http_port, api_key)
 
 
-def _lists_a_model(port: int, api_key: str) -> bool:
+def lists_a_model(port: int, api_key: str) -> bool:
     """Whether ``/v1/models`` on ``port`` answers with at least one model."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
                                      headers={"Authorization": f"Bearer {api_key}"})

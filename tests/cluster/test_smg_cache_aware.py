@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.bench.cluster import lists_a_model
 from gateway.bench.spawn import stop_process
 from tests.redis_harness import RedisServer, free_port
 from tests.tiny_llama import save_tiny_llama
@@ -151,8 +152,11 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
         procs.append(smg)
         smg_proc = smg
         deadline = time.monotonic() + 60
-        while _ANSI.sub("", smg_log.read_text(errors="replace")).count(
-                "Activated 1 of 1 worker") < len(replicas):
+        # SMG listens, and answers 404 model_not_found, a moment before it registers the
+        # workers it logged as activated: ready once /v1/models through it lists one.
+        while (_ANSI.sub("", smg_log.read_text(errors="replace")).count(
+                "Activated 1 of 1 worker") < len(replicas)
+               or not lists_a_model(port, TENANT_KEY)):
             assert smg.poll() is None and time.monotonic() < deadline, smg_log.read_text()
             time.sleep(0.2)
         yield replicas, f"http://127.0.0.1:{port}"
