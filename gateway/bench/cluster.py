@@ -229,7 +229,7 @@ class _Counted:
 class _RestartWhen:
     """A thread that restarts ``router`` once ``num_answers`` requests are answered."""
 
-    def __init__(self, router: _Router, progress: _Progress, num_answers: int,
+    def __init__(self, router: SmgRouter, progress: _Progress, num_answers: int,
                  err: TextIO) -> None:
         self._away_s: float | None = None
         self._failure: BaseException | None = None
@@ -260,9 +260,9 @@ class _RestartWhen:
         return self._away_s
 
 
-class _Router:
+class SmgRouter:
     """SMG on one port, started (and restarted) with the same arguments; each start logs to a
-    file of its own under ``root``."""
+    file of its own under ``root``. ``tests/cluster`` runs its SMG through it too."""
 
     def __init__(self, smg: Path, port: int, arguments: Sequence[str], *, num_workers: int,
                  root: Path, api_key: str, drain_s: float) -> None:
@@ -290,7 +290,7 @@ class _Router:
             self.proc = subprocess.Popen(self._command, stdout=fh, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + ROUTER_START_S
         while (_ANSI.sub("", log.read_text(errors="replace")).count(_SMG_READY)
-               < self._num_workers or not lists_a_model(self.port, self._api_key)):
+               < self._num_workers or not _lists_a_model(self.port, self._api_key)):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise BenchError(f"smg did not register the {self._num_workers} replicas:\n"
                                  + log.read_text(errors="replace")[-2000:])
@@ -310,7 +310,7 @@ class _Router:
 
 @contextmanager
 def _cluster(options: ClusterOptions, policy: str,
-             err: TextIO) -> Iterator[tuple[_Router, str, str]]:
+             err: TextIO) -> Iterator[tuple[SmgRouter, str, str]]:
     """A Redis, the replicas and SMG in front of them; yields SMG, the tenant key and the
     served model's name (which SMG routes by)."""
     api_key = "kvg-bench-" + secrets.token_urlsafe(24)
@@ -329,7 +329,7 @@ def _cluster(options: ClusterOptions, policy: str,
             for i in range(options.replicas)]
         if any(e.http_port is None for e in endpoints):
             raise BenchError("a spawned kvgate serve named no HTTP port in its start line")
-        router = _Router(options.smg, free_port(), [
+        router = SmgRouter(options.smg, free_port(), [
             "--worker-urls", *(f"http://127.0.0.1:{e.http_port}" for e in endpoints),
             "--policy", policy, "--api-key", router_key,
             "--tenant-api-key", f"bench:{api_key}", "--disable-tokenizer-autoload",
@@ -346,7 +346,7 @@ def _cluster(options: ClusterOptions, policy: str,
         yield router, api_key, _served_model(endpoints[0].http_port, api_key)
 
 
-def lists_a_model(port: int, api_key: str) -> bool:
+def _lists_a_model(port: int, api_key: str) -> bool:
     """Whether ``/v1/models`` on ``port`` answers with at least one model."""
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
                                      headers={"Authorization": f"Bearer {api_key}"})

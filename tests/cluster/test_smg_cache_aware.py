@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.cluster import lists_a_model
+from gateway.bench.cluster import SmgRouter
 from gateway.bench.spawn import stop_process
 from tests.redis_harness import RedisServer, free_port
 from tests.tiny_llama import save_tiny_llama
@@ -41,7 +41,6 @@ ROUTER_KEY = "kvg-smg-router-Jt6Ey0Sg3Fu8Ho2Ci5Wb9Dn4"
 """SMG's ``--api-key``: it asks each worker's ``/v1/models`` with it at registration, and it
 also admits clients presenting it; each tenant's key is given again as ``--tenant-api-key``."""
 _HTTP = re.compile(r"the OpenAI API on http://127\.0\.0\.1:(\d+)/v1")
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 FAMILIES = ("alpha", "beta")
 QUESTIONS = ("one", "two", "three")
 
@@ -129,7 +128,7 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
     env.update({"KVGATE_DEPLOYMENT_SECRET": secrets.token_hex(32),
                 "KVGATE_API_KEYS": f"{TENANT_KEY}=tenant-a,{ROUTER_KEY}=router"})
     procs: list[subprocess.Popen[bytes]] = []
-    smg_proc: subprocess.Popen[bytes] | None = None
+    router: SmgRouter | None = None
     try:
         replicas = []
         for name in ("a", "b"):
@@ -138,33 +137,24 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
             replicas.append(replica)
         for replica in replicas:
             replica.wait_serving()
-        port = free_port()
-        smg_log = tmp_path / "smg.log"
-        with smg_log.open("wb") as log:
-            smg = subprocess.Popen(
-                [SMG, "launch", "--host", "127.0.0.1", "--port", str(port),
-                 "--worker-urls", *(replica.url for replica in replicas),
-                 "--policy", "cache_aware", "--api-key", ROUTER_KEY,
-                 "--tenant-api-key", f"tenant-a:{TENANT_KEY}",
-                 "--disable-tokenizer-autoload", "--prometheus-host", "127.0.0.1",
-                 "--prometheus-port", str(free_port())],
-                stdout=log, stderr=subprocess.STDOUT)
-        procs.append(smg)
-        smg_proc = smg
-        deadline = time.monotonic() + 60
-        # SMG listens, and answers 404 model_not_found, a moment before it registers the
-        # workers it logged as activated: ready once /v1/models through it lists one.
-        while (_ANSI.sub("", smg_log.read_text(errors="replace")).count(
-                "Activated 1 of 1 worker") < len(replicas)
-               or not lists_a_model(port, TENANT_KEY)):
-            assert smg.poll() is None and time.monotonic() < deadline, smg_log.read_text()
-            time.sleep(0.2)
-        yield replicas, f"http://127.0.0.1:{port}"
+        # Started as the bench starts it: ready once it routes (/v1/models through it lists a
+        # model), not at its "Activated" log line -- it answers 404 model_not_found between.
+        router = SmgRouter(Path(SMG), free_port(), [
+            "--worker-urls", *(replica.url for replica in replicas),
+            "--policy", "cache_aware", "--api-key", ROUTER_KEY,
+            "--tenant-api-key", f"tenant-a:{TENANT_KEY}",
+            "--disable-tokenizer-autoload", "--prometheus-host", "127.0.0.1",
+            "--prometheus-port", str(free_port())],
+            num_workers=len(replicas), root=tmp_path, api_key=TENANT_KEY, drain_s=1)
+        router.start()
+        yield replicas, f"http://127.0.0.1:{router.port}"
     finally:
-        # SMG drains gracefully for 5 s even with nothing in flight; every request has been
-        # answered by then, so it gets a second, the replicas their own graceful stop.
+        # Every request has been answered when it stops: SMG gets a second, the replicas
+        # their own graceful stop.
+        if router is not None:
+            router.stop(1)
         for proc in reversed(procs):
-            stop_process(proc, grace_s=1 if proc is smg_proc else 10)
+            stop_process(proc, grace_s=10)
 
 
 def test_families_stick_to_one_replica_and_answer_as_one_replica_does(

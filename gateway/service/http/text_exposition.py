@@ -56,7 +56,7 @@ class TextExposition:
     def __init__(self, registry: Collector) -> None:
         self._registry = registry
         self._series: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
-        self._headers: dict[tuple[str, str, str], str] = {}
+        self._headers: dict[tuple[str, str, str, bool], str] = {}
         self._values: dict[float, str] = {}
 
     def render(self) -> bytes:
@@ -79,7 +79,7 @@ class TextExposition:
         return "".join(out).encode("utf-8")
 
     def _header(self, name: str, kind: str, documentation: str, *, munge: bool = True) -> str:
-        key = (name if munge else "\0" + name, kind, documentation)
+        key = (name, kind, documentation, munge)
         header = self._headers.get(key)
         if header is None:
             shown_name = name + _NAME_SUFFIX.get(kind, "") if munge else name
