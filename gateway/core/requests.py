@@ -104,11 +104,15 @@ class CacheOptions:
         session_id: the conversation this request belongs to, in its tenant
             (``gateway.core.sessions``): the blocks only that session uses are its own, and
             leave with it (None: no session).
+        allow_lossy: the request may read lossy (quantized) copies of its prefix where no
+            exact copy is cached (docs/design.md, "Lossy tiers"); its answer is then not the
+            model's own (``Usage.lossy``) and what it stores stays in the lossy namespace.
     """
 
     no_cache: bool = False
     ttl_s: float | None = None
     session_id: str | None = None
+    allow_lossy: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,7 +156,9 @@ class Usage:
 
     ``cached_tokens_by_tier`` maps a tier name (``device``, ``host``, ``disk``, ``redis``) to
     the tokens served from it, or ``SHARED_SCOPE_TIER`` to those a tenant's request got from the
-    shared scope (its tier withheld).
+    shared scope (its tier withheld). A tier that served lossy copies is named with their
+    format (``disk:int8``), and then ``lossy`` is true: the answer was computed on quantized
+    K/V, not the model's own (promise 1 does not hold for it).
     """
 
     prompt_tokens: int
@@ -162,6 +168,7 @@ class Usage:
     ttft_ms: float
     total_ms: float
     finish_reason: FinishReason
+    lossy: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
