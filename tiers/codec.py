@@ -67,7 +67,7 @@ from tiers.block_format import (
 from tiers.block_mac import MAC_LEN, BlockMac, derive_mac_key
 from tiers.kv_quant import supported
 from tiers.payload import KVBlock, KVLayout, PayloadError
-from tiers.payload_format import payload_format
+from tiers.payload_format import QuantizedPayload, payload_format
 
 __all__ = [
     "FORMAT_VERSION",
@@ -192,6 +192,14 @@ class BlockCodec:
     def quantization(self) -> Quantization | None:
         """None: exact; else the lossy format this codec stores."""
         return self._format.quantization
+
+    def stored_copy(self, block: KVBlock) -> KVBlock:
+        """The block as a tier with this codec serves it once written: ``block`` itself when
+        exact, its dequantized copy (marked) when lossy -- so that a tier serving a write still
+        queued serves what it will serve from then on, not the exact original."""
+        if not isinstance(self._format, QuantizedPayload):
+            return block
+        return self._format.round_trip(block)
 
     @property
     def mac(self) -> BlockMac:

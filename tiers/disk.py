@@ -283,21 +283,26 @@ class DiskStore(BatchDefaults):
     def get(self, meta: BlockMeta) -> KVBlock | None:
         """The block if it is pending or on disk and verifies against ``meta``; else None."""
         key = meta.key
+        pending: KVBlock | None = None
         with self._lock:
             write = self._pending.get(key)
             durable = self._index.get(key) if write is None else None
             if write is not None:
                 reason = _meta_mismatch(write.meta, meta)
-                if reason is None:
-                    self._stats.hits += 1
-                    self._counts["hits_pending"] += 1
-                    return write.block
-                self._stats.count_failure(reason)
+                if reason is not None:
+                    self._stats.count_failure(reason)
+                    self._stats.misses += 1
+                    return None
+                self._stats.hits += 1
+                self._counts["hits_pending"] += 1
+                pending = write.block
+            elif durable is None:
                 self._stats.misses += 1
                 return None
-            if durable is None:
-                self._stats.misses += 1
-                return None
+        if pending is not None:
+            # What it will serve once written (a lossy tier's dequantized copy), not the original.
+            return self._codec.stored_copy(pending)
+        assert durable is not None
         path = self._layout.path_for(key)
         try:
             data = self._ops.read(path, durable.num_bytes + 1)

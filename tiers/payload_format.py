@@ -148,6 +148,18 @@ class QuantizedPayload:
         q, scales = quantize(stacked, self._quantization)
         return [_byte_view(scales.to(SCALE_DTYPE)), _byte_view(q.view(torch.uint8))]
 
+    def round_trip(self, block: KVBlock) -> KVBlock:
+        """What ``unpack`` gives for ``pieces(block)``, without the bytes: the copy a lossy tier
+        serves of a block it has not written yet."""
+        if block.quantization not in (None, self._quantization):
+            raise CodecError("shape", f"a block dequantized from {block.quantization} cannot "
+                                      f"be stored as {self._quantization}")
+        stacked = torch.stack([torch.stack(kv) for kv in zip(block.keys, block.values,
+                                                             strict=True)])
+        q, scales = quantize(stacked, self._quantization)
+        return KVBlock.of_packed(dequantize(q.cpu(), scales.cpu(), self._layout.dtype),
+                                 self._quantization)
+
     def unpack(self, flat: torch.Tensor) -> KVBlock:
         layout = self._layout
         scales = flat[: self._scales_len].view(SCALE_DTYPE).view(self._rows)

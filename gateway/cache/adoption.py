@@ -75,7 +75,7 @@ def adopt(
                 if ttl_s is not None:
                     last_use = due - ttl_s  # so that it expires when its header says
             spec = BlockSpec(key=meta.key, tokens=meta.tokens, num_bytes=sizes[meta.key])
-            records = placement.index.insert(_namespace_for(placement, meta), parent, [spec],
+            records = placement.index.insert(_namespace_for(placement, meta, tier), parent, [spec],
                                              now=last_use, ttl_s=ttl_s)
             if not records:
                 continue
@@ -101,11 +101,13 @@ def _delete_strays(placement: TierPlacement, tier: str, strays: Sequence[BlockMe
             placement.queue_delete(meta.key, tier)
 
 
-def _namespace_for(placement: TierPlacement, meta: BlockMeta) -> Namespace:
+def _namespace_for(placement: TierPlacement, meta: BlockMeta, tier: str) -> Namespace:
     """The namespace a stored block belongs to: one the index knows, or one rebuilt from the
-    block's header (its digest and owner are all the index needs)."""
+    block's header (its digest and owner are all the index needs) and the tier it was found in
+    (a lossy tier's blocks are of a lossy namespace: its codec reads nothing else)."""
     for namespace in placement.index.namespaces():
         if namespace.digest == meta.namespace_digest:
             return namespace
     scope = Scope.shared() if meta.owner == "shared" else Scope.of_tenant(meta.owner)
-    return Namespace(digest=meta.namespace_digest, scope=scope)
+    return Namespace(digest=meta.namespace_digest, scope=scope,
+                     quantization=placement.slot(tier).quantization)

@@ -22,7 +22,7 @@ import torch
 
 from gateway.cache.adoption import adopt
 from gateway.cache.base import TierEvents
-from gateway.cache.lossy_tiers import NOT_SERVED, lossy_tiers, quantize_problems
+from gateway.cache.lossy_tiers import lossy_tiers, quantize_problems
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.cache.sessions import (
     DEFAULT_MAX_SESSIONS_PER_TENANT,
@@ -31,9 +31,9 @@ from gateway.cache.sessions import (
 )
 from gateway.cache.sweeper import ExpirySweeper
 from gateway.core.fingerprint import Scope
+from gateway.core.quantization import parse_quantization
 from policies.rate import TenantRates
 from policies.registry import ORDER_POLICIES, TierPolicyConfig, build_tier_policy
-from tiers.base import TierConfigError
 from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
@@ -41,6 +41,7 @@ from tiers.hierarchy import TierHierarchy, TierLevel
 from tiers.memory import DeviceStore, HostStore
 from tiers.page_pool import PagePool
 from tiers.payload import KVLayout
+from tiers.quantized_host import QuantizedHostStore
 from tiers.redis_events import RedisEventLog
 from tiers.redis_store import RedisStore
 
@@ -105,7 +106,7 @@ class CacheConfig:
             ends the tenant's least recently used session at the next sweep.
         quantize: the lossy format each lower tier stores, per tier name ("host", "disk",
             "redis"), e.g. {"redis": "int8"}; "none" or left out: exact (the default).
-            ``gateway.cache.lossy_tiers``; not served yet (``open_cache`` refuses it).
+            ``gateway.cache.lossy_tiers`` (one format for every lossy tier).
     """
 
     block_tokens: int = 64
@@ -247,34 +248,40 @@ def open_cache(
     ``tier_events`` (the KV-events publisher, started by the caller, who also closes it after the
     cache) is told of every copy a tier gains or loses from then on.
     """
-    if lossy_tiers(config.quantize):
-        raise TierConfigError(NOT_SERVED)
     device = torch.device(device)
-    codec = BlockCodec(
+    lossy = {tier: parse_quantization(value)
+             for tier, value in lossy_tiers(config.quantize).items()}
+    codecs = {tier: BlockCodec(
         mac_key=derive_mac_key(deployment_secret),
         layout=layout,
         block_tokens=config.block_tokens,
         compression=config.compression,
-    )
+        quantize=lossy.get(tier),
+        device_type=device.type,
+    ) for tier in ("exact", "disk", "redis")}
     pool = PagePool.for_budget(layout, page_tokens=config.block_tokens, device=device,
                                budget_bytes=config.device_bytes + running_bytes)
     levels = [TierLevel(name="device", store=DeviceStore(pool=pool))]
     budgets = {"device": config.device_bytes}
     if config.host_bytes:
+        host_format = lossy.get("host")
         levels.append(TierLevel(name="host", store=HostStore(
             layout=layout, block_tokens=config.block_tokens, budget_bytes=config.host_bytes,
-            pin=device.type == "cuda", serve_device=device)))
+            pin=device.type == "cuda", serve_device=device) if host_format is None else
+            QuantizedHostStore(
+                layout=layout, block_tokens=config.block_tokens, budget_bytes=config.host_bytes,
+                quantization=host_format, pin=device.type == "cuda", serve_device=device)))
         budgets["host"] = config.host_bytes
     disk: DiskStore | None = None
     if config.disk_bytes and config.disk_path is not None:
-        disk = DiskStore(config.disk_path, codec, fsync=config.disk_fsync,
+        disk = DiskStore(config.disk_path, codecs["disk"], fsync=config.disk_fsync,
                          max_pending_bytes=config.write_queue_bytes)
         levels.append(TierLevel(name="disk", store=disk, parallel_reads=DISK_PARALLEL_READS))
         budgets["disk"] = config.disk_bytes
     remote: RedisStore | None = None
     if config.redis_url:
         remote = RedisStore(
-            codec,
+            codecs["redis"],
             url=config.redis_url,
             cluster=config.redis_cluster,
             key_prefix=config.redis_key_prefix,
@@ -295,6 +302,7 @@ def open_cache(
         TierSlot(
             name=level.name,
             write_through=level.name == "disk" and config.disk_write_through,
+            quantization=lossy.get(level.name),
             policy=build_tier_policy(
                 TierPolicyConfig(order=config.order, budget_bytes=budgets[level.name],
                                  quotas=config.quotas,
@@ -309,6 +317,7 @@ def open_cache(
         block_tokens=config.block_tokens,
         hierarchy=hierarchy,
         remote_write=config.remote_write,
+        remote_quantization=lossy.get("redis"),
         clock=clock,
         events=tier_events,
         sessions=SessionLimits(ttl_s=config.session_ttl_s,
@@ -331,7 +340,7 @@ def open_cache(
     if config.redis_url:
         events = RedisEventLog(config.redis_url, name=f"{config.redis_key_prefix}:events",
                                cluster=config.redis_cluster, timeout_s=config.redis_timeout_s)
-    return OpenedCache(cache=cache, hierarchy=hierarchy, codec=codec,
+    return OpenedCache(cache=cache, hierarchy=hierarchy, codec=codecs["exact"],
                        num_recovered_blocks=num_recovered, sweeper=sweeper, events=events,
                        pool=pool)
 

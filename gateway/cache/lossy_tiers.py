@@ -1,14 +1,13 @@
 """``[cache] quantize``: which lower tiers may keep lossy (int8, fp8) copies of blocks.
 
 Off by default, per tier, and only for the tiers below the device: the device tier is where
-requests read K/V, and it holds exactly what the model computed (promise 1). A lossy tier
-keeps its copies in a namespace of its own (``gateway.core.fingerprint.lossy_namespace``), so
-an exact request never reads one; docs/design.md, "Lossy tiers", has the whole design.
+requests read K/V, as the model computed it (a request that opted into lossy copies reads their
+dequantized pages there too, under their own keys). A lossy tier keeps its copies in a namespace
+of its own (``gateway.core.fingerprint.lossy_namespace``), so an exact request never reads one;
+docs/design.md, "Lossy tiers", has the whole design.
 
-The codec, the formats and the namespace separation are built and tested; the cache core does
-not yet place lossy copies in their own namespace, so a lossy tier wired in today would hold
-exact blocks' demoted copies under their exact keys. Until it does, a configuration that turns
-one on is refused at start with ``NOT_SERVED`` rather than served wrongly.
+One format per deployment: a prefix has one lossy namespace, and its copies live in every tier
+of that format (a chain read from one lossy tier can be continued from another).
 """
 
 from __future__ import annotations
@@ -20,12 +19,6 @@ import torch
 from gateway.core.quantization import EXACT, QUANTIZATIONS, parse_quantization
 
 QUANTIZABLE_TIERS = ("host", "disk", "redis")
-
-NOT_SERVED = (
-    "cache.quantize turns on a lossy tier, which this build validates but does not serve yet "
-    "(the cache core does not yet keep lossy copies apart from exact blocks: "
-    'docs/design.md, "Lossy tiers"); remove cache.quantize, or set every tier to "none"'
-)
 
 
 def quantize_problems(quantize: Mapping[str, object]) -> list[str]:
@@ -51,6 +44,12 @@ def quantize_problems(quantize: Mapping[str, object]) -> list[str]:
                                                     torch.dtype):
             errors.append(f"quantize.{tier} = 'fp8' needs float8 dtypes, which torch "
                           f"{torch.__version__} lacks: use 'int8'")
+    formats = sorted(set(lossy_tiers({t: v for t, v in quantize.items()
+                                      if t in QUANTIZABLE_TIERS and v in QUANTIZATIONS}).values()))
+    if len(formats) > 1:
+        errors.append(f"quantize names {' and '.join(formats)}: the lossy tiers must share one "
+                      "format (a prefix has one lossy namespace, whose copies every lossy tier "
+                      "serves)")
     return errors
 
 

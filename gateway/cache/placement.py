@@ -37,6 +37,7 @@ from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, TierStats
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
+from gateway.core.quantization import Quantization
 from policies.base import BlockKey, InsertRefused, PolicyEntry
 from policies.stack import EvictionResult, TierPolicy
 from tiers.base import BlockExpiry, BlockMeta
@@ -57,6 +58,12 @@ class TierSlot:
     name: str
     policy: TierPolicy
     write_through: bool = False
+    quantization: Quantization | None = None
+    """The lossy format a lower tier stores (``[cache] quantize``), None for exact copies. The
+    fastest tier holds pages of every namespace (a lossy request's pages sit beside the exact
+    ones, under their lossy keys); a lower tier holds only blocks of namespaces of its own
+    format, so an exact block never lands in a lossy tier nor a lossy one in an exact tier
+    (docs/design.md, "Lossy tiers")."""
 
 
 class TierPlacement:
@@ -129,6 +136,16 @@ class TierPlacement:
         return tuple(t.name for t in self._tiers if t.write_through)
 
     @property
+    def lossy_tiers(self) -> tuple[str, ...]:
+        """Lower tiers that store lossy copies, fastest first."""
+        return tuple(t.name for t in self._tiers if t.quantization is not None)
+
+    def accepts(self, tier: str, namespace: Namespace) -> bool:
+        """Whether ``tier`` may hold blocks of ``namespace`` (see ``TierSlot.quantization``)."""
+        slot = self.slot(tier)
+        return slot is self._tiers[0] or slot.quantization == namespace.quantization
+
+    @property
     def carries_bytes(self) -> bool:
         """Whether a hierarchy carries the bytes (False: metadata only, nothing moves)."""
         return self._carries_bytes
@@ -189,6 +206,13 @@ class TierPlacement:
             return BlockExpiry(ttl_s=record.ttl_s, expires_at=None)
         unix_due = self._wall_clock() + (due - self._clock())
         return BlockExpiry(ttl_s=record.ttl_s, expires_at=unix_due)
+
+    def new_expiry(self, ttl_s: float | None) -> BlockExpiry | None:
+        """The expiry of a block stored now with ``ttl_s`` that no record here tracks (a copy
+        written straight to the remote tier)."""
+        if ttl_s is None:
+            return None
+        return BlockExpiry(ttl_s=ttl_s, expires_at=self._wall_clock() + ttl_s)
 
     def track_expiry(self, record: BlockRecord) -> None:
         """Watch ``record`` for the sweeper again (after an unpin, or a new TTL)."""
@@ -327,7 +351,8 @@ class TierPlacement:
         self._queue(ByteMove(key=record.key, tier=tier, record=record, meta=meta, block=block))
         if write_through:
             for other in self.write_through_tiers:
-                if other == tier or self.holds(record, other):
+                if (other == tier or self.holds(record, other)
+                        or not self.accepts(other, record.namespace)):
                     continue
                 if self.place(record, other):
                     self._queue(ByteMove(key=record.key, tier=other, record=record, meta=meta,
@@ -414,6 +439,10 @@ class TierPlacement:
             InsertRefused: the policy cannot make room (budget, quota, pins, references), or
                 the block's bytes in ``tier`` are still moving.
         """
+        if not self.accepts(tier, record.namespace):
+            raise IndexInvariantError(
+                f"a block of a {record.namespace.quantization or 'exact'} namespace offered to "
+                f"the {tier} tier, which stores {self.slot(tier).quantization or 'exact'} copies")
         if self.is_moving(record, tier):
             raise InsertRefused("its copy in this tier is still being moved")
         entry = PolicyEntry(
@@ -496,15 +525,19 @@ class TierPlacement:
             return False
         if record.tier_mask == bit and self._index.has_children(record):
             # Its last copy: only if it can move down, or a child would lose its parent.
-            return self._below(slot.name) is not None
+            return self._below(slot.name, record) is not None
         return True
 
-    def _below(self, tier: str) -> str | None:
-        """The tier ``tier`` demotes into: the next slower one, when bytes are carried."""
+    def _below(self, tier: str, record: BlockRecord) -> str | None:
+        """The tier ``tier`` demotes ``record`` into: the next slower one that holds blocks of
+        its namespace (an exact block skips a lossy tier, a lossy one an exact tier), when
+        bytes are carried."""
         if not self._carries_bytes:
             return None
-        index = self._bit_of[tier].bit_length()
-        return self._tiers[index].name if index < len(self._tiers) else None
+        for slot in self._tiers[self._bit_of[tier].bit_length():]:
+            if self.accepts(slot.name, record.namespace):
+                return slot.name
+        return None
 
     def _remove_from_tier(self, key: BlockKey, slot: TierSlot, reason: str) -> None:
         """A policy chose ``key`` as a victim in ``slot``: place it in the tier below (a
@@ -513,7 +546,7 @@ class TierPlacement:
         record = self._index.get(key)
         if record is None:
             raise IndexInvariantError("evicting a block that is not in the index")
-        lower = self._below(slot.name)
+        lower = self._below(slot.name, record)
         if lower is not None and not self.holds(record, lower) and self.place(record, lower):
             # Queued after the steps that made room below, before the delete here.
             self._queue(ByteMove(key=key, tier=lower, record=record, meta=self.meta(record),

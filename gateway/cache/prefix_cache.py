@@ -42,7 +42,8 @@ from gateway.cache.sessions import SessionLimits, SessionRegistry
 from gateway.cache.stats import CacheStats
 from gateway.cache.transfers import TierTransfers
 from gateway.core.errors import IndexInvariantError
-from gateway.core.fingerprint import BlockFingerprinter, Namespace
+from gateway.core.fingerprint import BlockFingerprinter, Namespace, lossy_namespace
+from gateway.core.quantization import Quantization
 from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view
 from policies.base import BlockKey, InsertRefused
 from policies.stack import EvictionResult
@@ -169,6 +170,11 @@ class PrefixCache:
         events: told of every copy a tier gains or loses (the KV-events publisher); None:
             nobody listens.
         sessions: how long a session lives and how many a tenant may have (``sessions``).
+        remote_quantization: the lossy format the remote store keeps (None: exact copies).
+
+    Raises:
+        ValueError: the lossy tiers (local and remote) name more than one format: a prefix
+            has one lossy namespace, and its copies live in the tiers of that format.
     """
 
     def __init__(
@@ -184,14 +190,21 @@ class PrefixCache:
         wall_clock: Callable[[], float] = time.time,
         events: TierEvents | None = None,
         sessions: SessionLimits | None = None,
+        remote_quantization: Quantization | None = None,
     ) -> None:
+        formats = {t.quantization for t in tiers if t.quantization is not None}
+        if remote_quantization is not None and hierarchy is not None and hierarchy.remote:
+            formats.add(remote_quantization)
+        if len(formats) > 1:
+            raise ValueError(f"lossy tiers must share one format, got {sorted(formats)}")
+        self._lossy_format: Quantization | None = next(iter(formats), None)
         self._placement = TierPlacement(
             tiers=tiers, block_tokens=block_tokens, hierarchy=hierarchy, clock=clock,
             key_bytes=key_bytes, wall_clock=wall_clock, events=events,
         )
         self._transfers = None if hierarchy is None else TierTransfers(
             hierarchy, self._placement, remote_write=remote_write,
-            promote_on_hit=promote_on_hit)
+            promote_on_hit=promote_on_hit, remote_quantization=remote_quantization)
         self.block_tokens = block_tokens
         self._block_bytes = block_tokens * BYTES_PER_TOKEN
         self._num_token_mismatches = 0
@@ -201,6 +214,18 @@ class PrefixCache:
     def tier_names(self) -> tuple[str, ...]:
         """The local tiers, fastest first."""
         return self._placement.tier_names
+
+    @property
+    def lossy_format(self) -> Quantization | None:
+        """The format of the lossy copies some lower tier keeps (None: every tier is exact)."""
+        return self._lossy_format
+
+    def lossy_namespace(self, namespace: Namespace) -> Namespace | None:
+        """Where the lossy copies of ``namespace``'s blocks live (None: no tier keeps any, or
+        ``namespace`` is lossy already)."""
+        if self._lossy_format is None or not namespace.exact:
+            return None
+        return lossy_namespace(namespace, self._lossy_format)
 
     @property
     def placement(self) -> TierPlacement:
@@ -313,6 +338,7 @@ class PrefixCache:
         recompute_s_per_token: float | None = None,
         use_remote: bool = True,
         max_blocks: int | None = None,
+        start: int = 0,
     ) -> list[KVBlock]:
         """The payloads of the lease's cached prefix, in order, ready to copy into a request.
 
@@ -320,9 +346,11 @@ class PrefixCache:
         of all, is promoted there (``TierTransfers.load``). A block that is missing, fails
         verification, or would load slower than recomputing it (``recompute_s_per_token``
         from the worker) cuts the prefix there: the lease lets go of the rest. Then, if a remote
-        store is configured, the match is extended with the blocks it holds for the chain.
-        ``lease.match`` is updated to what was actually loaded; ``max_blocks`` caps it (a
-        request recomputes its last prompt block when it needs that block's logits).
+        store keeps the lease's namespace, the match is extended with the blocks it holds for
+        the chain. ``lease.match`` is updated to what the lease holds; ``max_blocks`` caps it
+        (a request recomputes its last prompt block when it needs that block's logits).
+        ``start``: the first ``start`` blocks are served from elsewhere (a lossy lease after
+        the exact prefix): they are held, not read, and the blocks returned begin after them.
 
         Raises:
             ValueError: the cache keeps metadata only.
@@ -334,21 +362,30 @@ class PrefixCache:
         if lease.is_released:
             raise IndexInvariantError("load through a released lease")
         limit = len(lease.keys) if max_blocks is None else max(0, max_blocks)
-        loaded = transfers.load(lease.records[:limit], recompute_s_per_token)
-        blocks = [block for block, _ in loaded]
-        tiers = [tier for _, tier in loaded]
-        with self._placement.locked():
-            self._placement.unhold(lease.cut(len(blocks)))
-        if use_remote and transfers.has_remote and len(blocks) < limit:
+        first = min(max(0, start), limit)
+        blocks: list[KVBlock] = []
+        tiers: list[str] = []
+        if len(lease.records) > first:
+            loaded = transfers.load(lease.records[first:limit], recompute_s_per_token)
+            blocks = [block for block, _ in loaded]
+            tiers = [tier for _, tier in loaded]
+            with self._placement.locked():
+                self._placement.unhold(lease.cut(first + len(blocks)))
+        num_held = len(lease.records)
+        if (use_remote and transfers.remote_holds(lease.namespace)
+                and max(num_held, first) < limit):
             fetched = transfers.extend_from_remote(
                 lease.namespace, lease.tokens, lease.keys, lease.records,
                 min(limit, len(lease.keys)), recompute_s_per_token)
             lease.extend(record for record, _ in fetched)
-            blocks.extend(block for _, block in fetched)
-            tiers.extend(REMOTE for _ in fetched)
-        lease.match = self._make_match(lease.records, tuple(tiers), len(lease.keys),
+            used = fetched[max(0, first - num_held):]
+            blocks.extend(block for _, block in used)
+            tiers.extend(REMOTE for _ in used)
+        with self._placement.locked():
+            before = [self._placement.readable_tier(r) or "" for r in lease.records[:first]]
+        lease.match = self._make_match(lease.records, (*before, *tiers), len(lease.keys),
                                        lease.match.num_token_mismatches)
-        self._count_hits(lease.records, tiers)
+        self._count_hits(lease.records[first:], tiers)
         return blocks
 
     def _count_hits(self, records: Sequence[BlockRecord], tiers: Sequence[str]) -> None:
@@ -439,8 +476,55 @@ class PrefixCache:
             moves = placement.take_moves()
         if transfers is not None:
             transfers.run(moves)
-            transfers.write_remote(stored)
+            if transfers.remote_holds(lease.namespace):
+                transfers.write_remote(stored)
+            if blocks is not None:
+                self._write_lossy_copies(lease, start, end, blocks, ttl_s)
         return result
+
+    def _write_lossy_copies(self, lease: Lease, start: int, end: int,
+                            blocks: Sequence[KVBlock], ttl_s: float | None) -> None:
+        """Write the lossy copies of an exact chain's new blocks ``start:end`` through to the
+        lossy tiers, under the lossy namespace's keys (their codecs quantize them, on their
+        writer threads). A lossy tier gets no other copies: exact blocks are never demoted
+        into it. A local lossy tier takes them only where its chain reaches ``start`` (a block
+        is only usable with its ancestors, and the ones before ``start`` were not computed
+        here); Redis takes them as they are (it answers prefix-shaped)."""
+        lossy = self.lossy_namespace(lease.namespace)
+        transfers = self._transfers
+        if lossy is None or transfers is None or end <= start:
+            return
+        placement = self._placement
+        local = placement.lossy_tiers
+        to_remote = transfers.writes_remote and transfers.remote_holds(lossy)
+        if not local and not to_remote:
+            return
+        fp = self.fingerprinter(lossy)
+        keys = fp.block_keys(lease.tokens)
+        if local:
+            with placement.locked():
+                _, held, _ = self.match_records(lossy, lease.tokens, keys)
+                at = len(held)
+                if start <= at < end:
+                    specs = [BlockSpec(key=keys[i], tokens=fp.block_token_bytes(lease.tokens, i),
+                                       num_bytes=blocks[i - start].nbytes)
+                             for i in range(at, end)]
+                    chain = placement.index.insert(lossy, held[-1] if held else None, specs,
+                                                   now=placement.now(), ttl_s=ttl_s)
+                    placement.hold(chain)
+                    try:
+                        self._admit_chain(chain, len(specs), local[0], blocks[at - start:])
+                    finally:
+                        placement.unhold(chain)
+                moves = placement.take_moves()
+            transfers.run(moves)
+        if to_remote:
+            expiry = placement.new_expiry(ttl_s)
+            metas = [BlockMeta(key=keys[i], parent_key=keys[i - 1] if i else fp.root_parent,
+                               namespace_digest=lossy.digest, owner=lossy.scope.owner,
+                               tokens=fp.block_token_bytes(lease.tokens, i), expiry=expiry)
+                     for i in range(start, end)]
+            transfers.write_remote(list(zip(metas, blocks[:end - start], strict=True)))
 
     def _admit_chain(
         self,

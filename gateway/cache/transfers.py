@@ -27,6 +27,7 @@ from gateway.cache.moves import ByteMove
 from gateway.cache.radix_index import BlockRecord, BlockSpec, RadixIndex
 from gateway.cache.stats import TierCounters
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
+from gateway.core.quantization import Quantization
 from gateway.core.tokens import TokenIds
 from policies.base import BlockKey
 from tiers.base import BlockMeta, StoreStats
@@ -130,6 +131,8 @@ class TierTransfers:
         placement: what decides what each tier may hold (``TierPlacement``).
         remote_write: write every newly inserted chain through to the remote store.
         promote_on_hit: copy blocks loaded from a slower tier into the fastest one.
+        remote_quantization: the lossy format the remote store keeps (None: exact copies);
+            it holds blocks of namespaces of that format only.
     """
 
     def __init__(
@@ -139,16 +142,33 @@ class TierTransfers:
         *,
         remote_write: bool = False,
         promote_on_hit: bool = True,
+        remote_quantization: Quantization | None = None,
     ) -> None:
         self._hierarchy = hierarchy
         self._placement = placement
         self._remote_write = remote_write and hierarchy.remote is not None
         self._promote_on_hit = promote_on_hit
+        self._remote_quantization = remote_quantization
 
     @property
     def has_remote(self) -> bool:
         """Whether a remote (Redis) store is configured."""
         return self._hierarchy.remote is not None
+
+    @property
+    def remote_quantization(self) -> Quantization | None:
+        """The lossy format the remote store keeps (None: exact copies)."""
+        return self._remote_quantization
+
+    def remote_holds(self, namespace: Namespace) -> bool:
+        """Whether the remote store keeps blocks of ``namespace`` (exact blocks in an exact
+        store, a format's lossy blocks in a store of that format)."""
+        return self.has_remote and namespace.quantization == self._remote_quantization
+
+    @property
+    def writes_remote(self) -> bool:
+        """Whether newly inserted chains are written through to the remote store."""
+        return self._remote_write
 
     def stats(self) -> tuple[StoreStats, ...]:
         """Each store's own counters."""
@@ -374,7 +394,7 @@ class TierTransfers:
         placement = self._placement
         start = len(held)
         parent = held[-1] if held else None
-        if start >= end:
+        if start >= end or not self.remote_holds(namespace):
             return []
         recompute_s = (None if recompute_s_per_token is None
                        else recompute_s_per_token * placement.block_tokens * (end - start))

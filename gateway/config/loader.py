@@ -69,7 +69,6 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cache.factory import CacheConfig, GiB
-from gateway.cache.lossy_tiers import NOT_SERVED, lossy_tiers
 from gateway.config.device import device_problem
 from gateway.config.dtype import dtype_problem
 from gateway.config.events import EventsSettings
@@ -426,8 +425,6 @@ def _cache_config(table: Mapping[str, Any], data_dir: Path,
         errors.append(f"[cache]: {exc}")
         return None
     errors.extend(machine_fit_problems(config))
-    if lossy_tiers(config.quantize):
-        errors.append(NOT_SERVED)
     return config
 
 

@@ -489,6 +489,7 @@ class StepLoop:
             ttft_ms=active.ttft_ms if active.ttft_ms is not None else 0.0,
             total_ms=(self._clock() - job.submitted) * 1e3,
             finish_reason=finish,
+            lossy=active.lossy,
         )
         settings = self._settings
         storing = (self._blocks if settings.store_generated_blocks and active.generated

@@ -77,6 +77,9 @@ class LeasedPrefix:
         reads_own_namespace: the blocks came from it (not from the shared scope's longer match).
         blocks: the cached prefix's payloads, in order.
         cached_by_tier: the prefix's tokens by the tier each block came from.
+        lossy: some of the blocks are lossy copies (the request allowed them): ``lease`` and
+            ``namespace`` are then the lossy namespace's, where everything it computes on top
+            of them is stored (docs/design.md, "Lossy tiers").
     """
 
     lease: Lease
@@ -84,6 +87,7 @@ class LeasedPrefix:
     reads_own_namespace: bool
     blocks: list[KVBlock]
     cached_by_tier: dict[str, int]
+    lossy: bool = False
 
 
 @dataclass(slots=True, kw_only=True)
@@ -108,6 +112,8 @@ class ActiveRequest:
     stored_new: int = 0
     ttl_s: float | None = None
     cached_by_tier: dict[str, int] = field(default_factory=dict)
+    lossy: bool = False
+    """Some of what it attends to came from lossy copies: its answer is not the model's own."""
     sampler: Sampler | None = None
     detok: Detokenizer | None = None
     generated: list[int] = field(default_factory=list)
@@ -119,6 +125,7 @@ class ActiveRequest:
         """Record what admission leased (the request's own record; nothing else writes it)."""
         self.lease, self.namespace = prefix.lease, prefix.namespace
         self.reads_own_namespace = prefix.reads_own_namespace
+        self.lossy = self.lossy or prefix.lossy
         for tier, num_tokens in prefix.cached_by_tier.items():
             self.cached_by_tier[tier] = self.cached_by_tier.get(tier, 0) + num_tokens
 
@@ -131,3 +138,4 @@ class ActiveRequest:
         self.generated = preempted.generated
         self.ttft_ms, self.last_token_at = preempted.ttft_ms, preempted.last_token_at
         self.cached_by_tier = preempted.cached_by_tier
+        self.lossy = self.lossy or preempted.lossy

@@ -18,7 +18,7 @@ from contextlib import ExitStack
 import numpy as np
 import torch
 
-from gateway.cache.prefix_cache import PrefixCache
+from gateway.cache.prefix_cache import Lease, PrefixCache
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import SHARED_SCOPE_TIER, GenerateRequest
 from gateway.core.tokens import TokenIds, as_token_ids
@@ -82,6 +82,21 @@ class RequestBlocks:
             by_tier[tier] = by_tier.get(tier, 0) + bt
         self._cache.sessions.note_use(namespace, _session_of(job), lease.records,
                                       lease.match.tiers)
+        lossy = (self._lossy_extension(job, namespace, tokens, stack, len(blocks), max_blocks,
+                                       recompute_s_per_token)
+                 if source is lease else None)
+        if lossy is not None:
+            lossy_lease, extra = lossy
+            fmt = lossy_lease.namespace.quantization
+            for tier in lossy_lease.match.tiers[len(blocks):len(blocks) + len(extra)]:
+                by_tier[f"{tier}:{fmt}"] = by_tier.get(f"{tier}:{fmt}", 0) + bt
+            self._cache.sessions.note_use(lossy_lease.namespace, _session_of(job),
+                                          lossy_lease.records, lossy_lease.match.tiers)
+            # From here on the request computes on approximate K/V: it reads and stores in
+            # the lossy namespace, and is never offered to the shadow check (not exact).
+            return LeasedPrefix(lease=lossy_lease, namespace=lossy_lease.namespace,
+                                reads_own_namespace=True, blocks=[*blocks, *extra],
+                                cached_by_tier=by_tier, lossy=True)
         if self._shadow is not None and blocks:
             match = source.match  # what was loaded: its keys and the tier each came from
             self._shadow.offer(namespace=source.namespace, tokens=tokens, keys=match.keys,
@@ -89,6 +104,28 @@ class RequestBlocks:
         return LeasedPrefix(lease=lease, namespace=namespace,
                             reads_own_namespace=source is lease, blocks=blocks,
                             cached_by_tier=by_tier)
+
+    def _lossy_extension(self, job: Job, namespace: Namespace, tokens: TokenIds,
+                         stack: ExitStack, num_exact: int, max_blocks: int | None,
+                         recompute_s_per_token: float | None
+                         ) -> tuple[Lease, list[KVBlock]] | None:
+        """The lossy copies that continue the exact prefix's ``num_exact`` blocks, leased
+        until ``stack`` closes -- for a request that allows them, where a lower tier keeps
+        them; None where none continues it (nothing is then held)."""
+        request = job.request
+        if not (isinstance(request, GenerateRequest) and request.cache.allow_lossy):
+            return None
+        lossy = self._cache.lossy_namespace(namespace)
+        if lossy is None:
+            return None
+        with ExitStack() as trial:
+            lossy_lease = trial.enter_context(self._cache.acquire(lossy, tokens))
+            extra = self._cache.load(lossy_lease, recompute_s_per_token=recompute_s_per_token,
+                                     max_blocks=max_blocks, start=num_exact)
+            if not extra:
+                return None
+            stack.enter_context(trial.pop_all())
+        return lossy_lease, extra
 
     def computing_shared_blocks(self, job: Job, tokens: TokenIds,
                                 running: Iterable[ActiveRequest]) -> int | None:
@@ -127,8 +164,11 @@ class RequestBlocks:
                               max_tokens=len(following) - 1, session_id=_session_of(active.job))
         if kv is None:
             return []
-        # Kept in the engine's memory, where the model runs: reported as the device's.
-        active.cached_by_tier[TAIL_TIER] = active.cached_by_tier.get(TAIL_TIER, 0) + kv.num_tokens
+        # Kept in the engine's memory, where the model runs: reported as the device's (with
+        # the format, for a lossy request's tail: it was computed on lossy K/V).
+        tier = TAIL_TIER if active.namespace.exact else (
+            f"{TAIL_TIER}:{active.namespace.quantization}")
+        active.cached_by_tier[tier] = active.cached_by_tier.get(tier, 0) + kv.num_tokens
         return [kv]
 
     def store_prompt_blocks(self, active: ActiveRequest) -> None:

@@ -1,5 +1,6 @@
-"""``[cache] quantize``: validated at the edge, every problem at once, and refused at start
-until the cache core keeps lossy copies apart (docs/design.md, "Lossy tiers")."""
+"""``[cache] quantize``: validated at the edge, every problem at once, one format per deployment,
+and the opened cache's lower tiers keeping copies of that format only (docs/design.md, "Lossy
+tiers"). What a request then reads: tests/gateway/engine/test_lossy_engine.py."""
 
 from __future__ import annotations
 
@@ -9,10 +10,9 @@ import pytest
 import torch
 
 from gateway.cache.factory import CacheConfig, open_cache
-from gateway.cache.lossy_tiers import NOT_SERVED, lossy_tiers
+from gateway.cache.lossy_tiers import lossy_tiers
 from gateway.config.loader import load_serve_config
 from gateway.config.settings import ConfigError
-from tiers.base import TierConfigError
 from tiers.payload import KVLayout
 
 
@@ -22,10 +22,18 @@ def test_every_tier_is_exact_by_default() -> None:
 
 
 def test_the_lower_tiers_accept_int8_and_fp8() -> None:
-    config = CacheConfig(quantize={"host": "int8", "disk": "int8", "redis": "fp8"})
-    assert lossy_tiers(config.quantize) == {"host": "int8", "disk": "int8", "redis": "fp8"}
+    config = CacheConfig(quantize={"host": "int8", "disk": "int8", "redis": "int8"})
+    assert lossy_tiers(config.quantize) == {"host": "int8", "disk": "int8", "redis": "int8"}
+    assert lossy_tiers(CacheConfig(quantize={"disk": "fp8", "host": "none"}).quantize) == {
+        "disk": "fp8"}
     with pytest.raises(TypeError):
         config.quantize["disk"] = "none"  # type: ignore[index]
+
+
+def test_the_lossy_tiers_must_share_one_format() -> None:
+    with pytest.raises(ValueError, match="quantize names fp8 and int8: the lossy tiers must "
+                                         "share one format"):
+        CacheConfig(quantize={"disk": "int8", "redis": "fp8"})
 
 
 @pytest.mark.parametrize(("table", "message"), [
@@ -52,18 +60,21 @@ def test_the_loader_lists_quantize_problems_with_the_others(tmp_path: Path) -> N
     assert "engine.max_queue must be an integer >= 1" in message
 
 
-def test_a_lossy_tier_is_refused_at_the_edge_until_it_is_served(tmp_path: Path) -> None:
+def test_the_loader_accepts_a_lossy_tier(tmp_path: Path) -> None:
     path = tmp_path / "kvgate.toml"
     path.write_text('[cache]\nquantize = { disk = "int8", redis = "none" }\n', encoding="utf-8")
-    with pytest.raises(ConfigError) as raised:
-        load_serve_config(path, env={})
-    assert NOT_SERVED in str(raised.value)
-    path.write_text('[cache]\nquantize = { disk = "none" }\n', encoding="utf-8")
-    assert lossy_tiers(load_serve_config(path, env={}).cache.quantize) == {}
+    assert lossy_tiers(load_serve_config(path, env={}).cache.quantize) == {"disk": "int8"}
 
 
-def test_open_cache_refuses_a_lossy_tier_rather_than_serve_it_as_exact() -> None:
+def test_open_cache_gives_each_lower_tier_its_format() -> None:
     layout = KVLayout(num_layers=1, kv_heads=1, head_dim=4, dtype=torch.float32)
-    with pytest.raises(TierConfigError, match="does not serve yet"):
-        open_cache(CacheConfig(quantize={"host": "int8"}, device_bytes=1 << 20),
-                   layout=layout, deployment_secret=b"s" * 32)
+    opened = open_cache(CacheConfig(quantize={"host": "int8"}, device_bytes=1 << 20,
+                                    host_bytes=1 << 20),
+                        layout=layout, deployment_secret=b"s" * 32)
+    try:
+        placement = opened.cache.placement
+        assert placement.lossy_tiers == ("host",)
+        assert opened.cache.lossy_format == "int8"
+        assert opened.codec.quantization is None  # the exact codec, for whoever encodes exact
+    finally:
+        opened.close()

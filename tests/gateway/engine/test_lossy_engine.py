@@ -1,0 +1,195 @@
+"""Lossy lower tiers through the engine: a request that allows lossy copies reads them (and says
+so), an exact request never does, and nothing computed on a lossy prefix reaches an exact tier.
+
+The tiny Llama on 16-token blocks over device, host (exact), disk (int8) and, where named, a real
+Redis (int8). Evicting the device and host tiers leaves only the lossy copies the inserts wrote
+through to the disk (docs/design.md, "Lossy tiers").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.cache.factory import OpenedCache, open_cache
+from gateway.core.canonical import PromptInput
+from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
+from gateway.engine.engine import Engine
+from gateway.engine.model import LoadedModel
+from tests.gateway.engine.parity import ALICE, BLOCK, SECRET, cache_config, make_engine
+from tests.redis_harness import RedisServer
+
+PROMPT = [(5 * i + 3) % 400 for i in range(5 * BLOCK + 7)]
+"""Five full blocks and a partial one holding the last prompt token: a warm request is served
+all five full blocks."""
+MAX_TOKENS = 10
+
+
+def generate(engine: Engine, tokens: list[int], *, allow_lossy: bool = False,
+             no_cache: bool = False) -> tuple[list[int], Usage]:
+    ids: list[int] = []
+    usage = None
+    for event in engine.generate(GenerateRequest(
+            prompt=PromptInput(token_ids=tokens), scope=ALICE,
+            sampling=SamplingParams(max_tokens=MAX_TOKENS),
+            cache=CacheOptions(allow_lossy=allow_lossy, no_cache=no_cache))):
+        if isinstance(event, TokenDelta):
+            ids.extend(event.token_ids)
+        else:
+            usage = event
+    assert usage is not None
+    return ids, usage
+
+
+def drop_exact_copies(opened: OpenedCache) -> None:
+    """Evict everything from the device and host tiers: exact blocks demote into the exact host
+    tier, then out of it (the disk below is lossy: nothing exact goes there); lossy pages on
+    the device demote into the disk."""
+    cache = opened.cache
+    cache.evict("device", 1 << 40)
+    cache.evict("host", 1 << 40)
+    opened.hierarchy.flush(timeout_s=30.0)
+
+
+@pytest.fixture
+def lossy_disk(tiny: LoadedModel, tmp_path: Path) -> Iterator[tuple[Engine, OpenedCache]]:
+    opened = open_cache(cache_config(tmp_path, quantize={"disk": "int8"}),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    yield engine, opened
+    engine.stop(grace_s=5)
+    opened.close()
+
+
+def disk_namespaces(opened: OpenedCache) -> set[str | None]:
+    """The quantization of every namespace the disk tier holds a block of."""
+    placement = opened.cache.placement
+    with placement.locked():
+        return {r.namespace.quantization for r in placement.index.records()
+                if placement.holds(r, "disk")}
+
+
+def test_an_allowing_request_reads_the_lossy_copies_and_says_so(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    generate(engine, PROMPT)
+    drop_exact_copies(opened)
+    _, usage = generate(engine, PROMPT, allow_lossy=True)
+    assert usage.lossy
+    assert usage.cached_tokens_by_tier == {"disk:int8": 5 * BLOCK}
+
+
+def test_an_exact_request_never_reads_a_lossy_copy(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    cold, _ = generate(engine, PROMPT, no_cache=True)
+    generate(engine, PROMPT)
+    drop_exact_copies(opened)
+    generate(engine, PROMPT, allow_lossy=True)  # lossy pages on the device now, too
+    ids, usage = generate(engine, PROMPT)
+    assert not usage.lossy
+    assert usage.cached_tokens == 0
+    assert ids == cold
+
+
+def test_an_exact_hit_is_preferred_to_a_lossy_copy(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, _ = lossy_disk
+    cold, _ = generate(engine, PROMPT, no_cache=True)
+    generate(engine, PROMPT)
+    ids, usage = generate(engine, PROMPT, allow_lossy=True)
+    assert not usage.lossy
+    assert usage.cached_tokens_by_tier == {"device": 5 * BLOCK}
+    assert ids == cold
+
+
+def test_the_lossy_tier_holds_lossy_blocks_only(lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    generate(engine, PROMPT)
+    generate(engine, PROMPT[:3 * BLOCK] + [7] * 40, allow_lossy=True)
+    drop_exact_copies(opened)
+    assert disk_namespaces(opened) == {"int8"}
+
+
+def test_what_a_lossy_request_computes_is_stored_lossy_and_served_alike(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    generate(engine, PROMPT[:2 * BLOCK])
+    drop_exact_copies(opened)
+    first, usage = generate(engine, PROMPT, allow_lossy=True)
+    assert usage.cached_tokens_by_tier == {"disk:int8": 2 * BLOCK}
+    # Its own blocks 2..4 went to the device under lossy keys (never under exact ones).
+    again, usage = generate(engine, PROMPT, allow_lossy=True)
+    assert usage.lossy
+    assert sum(usage.cached_tokens_by_tier.values()) == 5 * BLOCK
+    assert set(usage.cached_tokens_by_tier) <= {"device:int8", "disk:int8"}
+    assert again == first
+    _, exact = generate(engine, PROMPT)
+    assert exact.cached_tokens == 0 and not exact.lossy
+
+
+def test_lossy_copies_are_served_again_after_a_restart(tiny: LoadedModel,
+                                                       tmp_path: Path) -> None:
+    config = cache_config(tmp_path, quantize={"disk": "int8"})
+    opened = open_cache(config, layout=tiny.layout, deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    try:
+        generate(engine, PROMPT)
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
+    opened = open_cache(config, layout=tiny.layout, deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    try:
+        # The prompt's five blocks and the one its answer filled (87 + 10 tokens, 96 computed).
+        assert opened.num_recovered_blocks == 6
+        assert disk_namespaces(opened) == {"int8"}
+        _, usage = generate(engine, PROMPT, allow_lossy=True)
+        assert usage.cached_tokens_by_tier == {"disk:int8": 5 * BLOCK} and usage.lossy
+        _, usage = generate(engine, PROMPT)
+        assert usage.cached_tokens == 0 and not usage.lossy
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
+
+
+def test_a_lossy_redis_serves_another_replica_only_what_was_asked_for(
+        tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer) -> None:
+    replicas = []
+    for name in ("a", "b"):
+        opened = open_cache(cache_config(tmp_path / name, disk_bytes=0, disk_path=None,
+                                         redis_url=redis_server.url, remote_write=True,
+                                         quantize={"redis": "int8"}),
+                            layout=tiny.layout, deployment_secret=SECRET)
+        replicas.append((make_engine(tiny, opened), opened))
+    try:
+        (first, first_cache), (second, _) = replicas
+        generate(first, PROMPT)
+        first_cache.hierarchy.flush(timeout_s=30.0)
+        _, usage = generate(second, PROMPT, allow_lossy=True)
+        assert usage.cached_tokens_by_tier == {"redis:int8": 5 * BLOCK} and usage.lossy
+        _, usage = generate(second, PROMPT)
+        assert usage.cached_tokens == 0 and not usage.lossy
+    finally:
+        for engine, opened in replicas:
+            engine.stop(grace_s=5)
+            opened.close()
+
+
+def test_a_lossy_host_tier_keeps_its_copies_quantized_and_serves_them(
+        tiny: LoadedModel, tmp_path: Path) -> None:
+    opened = open_cache(cache_config(tmp_path, quantize={"host": "int8", "disk": "int8"}),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    try:
+        generate(engine, PROMPT)
+        opened.cache.evict("device", 1 << 40)  # exact blocks: no exact tier below, dropped
+        host = opened.hierarchy.store("host").stats()
+        assert host.notes["quantization"] == "int8"
+        _, usage = generate(engine, PROMPT, allow_lossy=True)
+        assert usage.cached_tokens_by_tier == {"host:int8": 5 * BLOCK} and usage.lossy
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
