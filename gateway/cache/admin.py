@@ -251,7 +251,12 @@ def evict_where(
             start = index.get(key)
             selected = [] if start is None else chain_of(index, start)
         elif tag is not None:
-            selected = tagged_blocks(index, tag, owner=owner)
+            tagged = tagged_blocks(index, tag, owner=owner)
+            # The lossy copies written through for the tagged blocks go with them.
+            copies = [record for ns, k in cache.lossy_copies(tagged)
+                      if (record := index.get(k)) is not None and record.namespace == ns]
+            selected = list({id(r): r for r in [
+                *tagged, *(r for c in copies for r in index.subtree(c.namespace, c))]}.values())
         else:
             selected = list(index.records())
         selected = [
@@ -422,11 +427,15 @@ class CacheAdmin:
             PromptInput(prompt=event.prefix_text),
         )
         out: list[tuple[Namespace, TokenIds] | None] = []
+        lossy = self._cache.lossy_namespace(namespace)
         for prompt in renderings:
             try:
-                out.append((namespace, self._keys.prompt_tokens(prompt)))
+                tokens = self._keys.prompt_tokens(prompt)
             except InvalidRequest:
                 continue  # e.g. no chat template: only the raw rendering
+            out.append((namespace, tokens))
+            if lossy is not None:  # and the lossy copies of the same prompt
+                out.append((lossy, tokens))
         return out
 
     def _evict_local(self, event: EvictionEvent) -> dict[str, int]:
@@ -453,7 +462,9 @@ class CacheAdmin:
             scope = _scope_of(event.tenant)
             known = {*self._cache.known_namespaces(), *self._keys.known_namespaces(),
                      self._keys.namespace(scope)}
-            scope_namespaces = [ns for ns in known if ns.scope == scope]
+            exact = [ns for ns in known if ns.scope == scope]
+            lossy = [lossy for ns in exact if (lossy := self._cache.lossy_namespace(ns))]
+            scope_namespaces = list(dict.fromkeys([*exact, *lossy]))
         chain_keys = None if event.key_hex is None else self._chain_keys(_key_of(event.key_hex))
         evict_remote(self._cache, event, selections=self._selections(event),
                      scope_namespaces=scope_namespaces, chain_keys=chain_keys)

@@ -44,7 +44,7 @@ from gateway.cache.transfers import TierTransfers
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace, lossy_namespace
 from gateway.core.quantization import Quantization
-from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view
+from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view, tokens_from_bytes
 from policies.base import BlockKey, InsertRefused
 from policies.stack import EvictionResult
 from tiers.base import BlockMeta, StoreStats
@@ -226,6 +226,25 @@ class PrefixCache:
         if self._lossy_format is None or not namespace.exact:
             return None
         return lossy_namespace(namespace, self._lossy_format)
+
+    def lossy_copies(self, records: Iterable[BlockRecord]) -> list[tuple[Namespace, BlockKey]]:
+        """Where the lossy copies of the exact ``records`` are filed -- their lossy namespace
+        and key, whether or not a tier holds them -- so that whatever drops a block (a session
+        reset) drops its copies too; [] when no tier keeps lossy copies. Hold
+        ``placement.locked()`` (it walks each record's ancestors)."""
+        copies: list[tuple[Namespace, BlockKey]] = []
+        for record in records:
+            lossy = self.lossy_namespace(record.namespace)
+            if lossy is None:
+                continue
+            path: list[bytes] = []
+            node: BlockRecord | None = record
+            while node is not None:
+                path.append(node.tokens)
+                node = node.parent
+            tokens = tokens_from_bytes(b"".join(reversed(path)))
+            copies.append((lossy, self.fingerprinter(lossy).block_keys(tokens)[-1]))
+        return copies
 
     @property
     def placement(self) -> TierPlacement:
@@ -492,8 +511,9 @@ class PrefixCache:
         here); Redis takes them as they are (it answers prefix-shaped)."""
         lossy = self.lossy_namespace(lease.namespace)
         transfers = self._transfers
-        if lossy is None or transfers is None or end <= start:
-            return
+        if lossy is None or transfers is None or end <= start or (
+                lease.namespace.scope.kind != "tenant"):
+            return  # (the shared scope's prefixes are read exact only: no copies for them)
         placement = self._placement
         local = placement.lossy_tiers
         to_remote = transfers.writes_remote and transfers.remote_holds(lossy)

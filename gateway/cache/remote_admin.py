@@ -51,8 +51,10 @@ def evict_remote(
         # Redis keeps no tags: remove, by key, the copies of the blocks tagged here.
         placement = cache.placement
         with placement.locked():
-            blocks = [(r.namespace.digest, r.key)
-                      for r in tagged_blocks(placement.index, event.tag, owner=event.tenant)]
+            tagged = tagged_blocks(placement.index, event.tag, owner=event.tenant)
+            blocks = [(r.namespace.digest, r.key) for r in tagged]
+            # And the lossy copies written through for them (docs/design.md, "Lossy tiers").
+            blocks += [(ns.digest, key) for ns, key in cache.lossy_copies(tagged)]
         for block_digest, block_key in blocks:
             transfers.remove_remote_where(namespace_digest=block_digest, key=block_key,
                                           min_idle_s=min_idle_s)

@@ -61,20 +61,25 @@ def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
     placement = cache.placement
     registry = cache.sessions
     transfers = cache.transfers
+    with placement.locked():
+        mine = registry.blocks_to_drop(owner, session_id)
+        # The lossy copies the cache wrote through for the session's exact blocks go with them.
+        copies = cache.lossy_copies(r for r in mine if is_stored_here(r))
     if transfers is not None and transfers.has_remote:
         # Redis first, so that nothing is fetched back from it once the local copies are gone.
-        with placement.locked():
-            keys = [(r.namespace.digest, r.key)
-                    for r in registry.blocks_to_drop(owner, session_id) if is_stored_here(r)]
+        keys = [(r.namespace.digest, r.key) for r in mine if is_stored_here(r)]
+        keys += [(ns.digest, key) for ns, key in copies if transfers.remote_holds(ns)]
         for digest, key in keys:
             transfers.remove_remote_where(namespace_digest=digest, key=key)
     freed: dict[str, int] = {}
     with placement.locked():
         index = placement.index
         before = len(index)
+        copied = [record for ns, key in copies
+                  if (record := index.get(key)) is not None and record.namespace == ns]
         # Deepest first, so that children leave before their parents.
-        for record in sorted(registry.blocks_to_drop(owner, session_id), key=lambda r: r.depth,
-                             reverse=True):
+        for record in sorted([*registry.blocks_to_drop(owner, session_id), *copied],
+                             key=lambda r: r.depth, reverse=True):
             if record.key not in index or record.refcount:
                 continue
             for name in cache.tier_names:

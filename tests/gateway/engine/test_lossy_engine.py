@@ -13,9 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from gateway.cache.admin import evict_where
 from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.session_admin import drop_session
+from gateway.cache.tags import tag_prompt
 from gateway.core.canonical import PromptInput
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
+from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine
 from gateway.engine.model import LoadedModel
 from tests.gateway.engine.parity import ALICE, BLOCK, SECRET, cache_config, make_engine
@@ -28,13 +32,14 @@ MAX_TOKENS = 10
 
 
 def generate(engine: Engine, tokens: list[int], *, allow_lossy: bool = False,
-             no_cache: bool = False) -> tuple[list[int], Usage]:
+             no_cache: bool = False, session: str | None = None) -> tuple[list[int], Usage]:
     ids: list[int] = []
     usage = None
     for event in engine.generate(GenerateRequest(
             prompt=PromptInput(token_ids=tokens), scope=ALICE,
             sampling=SamplingParams(max_tokens=MAX_TOKENS),
-            cache=CacheOptions(allow_lossy=allow_lossy, no_cache=no_cache))):
+            cache=CacheOptions(allow_lossy=allow_lossy, no_cache=no_cache,
+                               session_id=session))):
         if isinstance(event, TokenDelta):
             ids.extend(event.token_ids)
         else:
@@ -192,4 +197,47 @@ def test_a_lossy_host_tier_keeps_its_copies_quantized_and_serves_them(
         assert usage.cached_tokens_by_tier == {"host:int8": 5 * BLOCK} and usage.lossy
     finally:
         engine.stop(grace_s=5)
+        opened.close()
+
+
+def test_a_session_reset_drops_the_lossy_copies_of_its_blocks(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    generate(engine, PROMPT, session="chat-1")
+    drop_session(opened.cache, ALICE.owner, "chat-1")
+    drop_exact_copies(opened)
+    assert disk_namespaces(opened) == set()
+    _, usage = generate(engine, PROMPT, allow_lossy=True)
+    assert usage.cached_tokens == 0 and not usage.lossy
+
+
+def test_evicting_a_tag_drops_the_lossy_copies_of_its_blocks(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    generate(engine, PROMPT)
+    assert tag_prompt(opened.cache, engine.namespace(ALICE), as_token_ids(PROMPT),
+                      "docs-v3") == 5
+    evict_where(opened.cache, tag="docs-v3")
+    opened.hierarchy.flush(timeout_s=30.0)
+    _, usage = generate(engine, PROMPT, allow_lossy=True)
+    assert usage.cached_tokens == 0 and not usage.lossy
+
+
+@pytest.mark.parametrize(("before", "after"), [({}, {"disk": "int8"}), ({"disk": "int8"}, {})])
+def test_turning_a_tiers_format_on_or_off_drops_its_blocks_at_the_next_start(
+        tiny: LoadedModel, tmp_path: Path, before: dict[str, str],
+        after: dict[str, str]) -> None:
+    opened = open_cache(cache_config(tmp_path, quantize=before), layout=tiny.layout,
+                        deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    try:
+        generate(engine, PROMPT)
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
+    opened = open_cache(cache_config(tmp_path, quantize=after), layout=tiny.layout,
+                        deployment_secret=SECRET)
+    try:
+        assert opened.num_recovered_blocks == 0
+    finally:
         opened.close()
