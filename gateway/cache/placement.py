@@ -306,7 +306,8 @@ class TierPlacement:
         if not record.tier_mask:
             self._expiry.push(record)  # newly cached: the sweeper watches it from now on
         record.tier_mask |= bit
-        if self._events is not None:
+        if self._events is not None and record.namespace.exact:
+            # Lossy copies are not announced: a router would send exact requests their way.
             self._events.stored(self.meta(record), tier)
 
     def forget_copy(self, record: BlockRecord, tier: str) -> None:
@@ -321,7 +322,7 @@ class TierPlacement:
         if not record.tier_mask & bit:
             return
         record.tier_mask &= ~bit
-        if self._events is not None:
+        if self._events is not None and record.namespace.exact:
             self._events.removed(record.key, tier)
 
     def tell_if_cleared(self) -> None:

@@ -400,8 +400,10 @@ class PrefixCache:
             used = fetched[max(0, first - num_held):]
             blocks.extend(block for _, block in used)
             tiers.extend(REMOTE for _ in used)
-        with self._placement.locked():
-            before = [self._placement.readable_tier(r) or "" for r in lease.records[:first]]
+        before: list[str] = []
+        if first:
+            with self._placement.locked():
+                before = [self._placement.readable_tier(r) or "" for r in lease.records[:first]]
         lease.match = self._make_match(lease.records, (*before, *tiers), len(lease.keys),
                                        lease.match.num_token_mismatches)
         self._count_hits(lease.records[first:], tiers)

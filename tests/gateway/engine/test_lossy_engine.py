@@ -22,8 +22,10 @@ from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams,
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine
 from gateway.engine.model import LoadedModel
+from policies.base import BlockKey
 from tests.gateway.engine.parity import ALICE, BLOCK, SECRET, cache_config, make_engine
 from tests.redis_harness import RedisServer
+from tiers.base import BlockMeta
 
 PROMPT = [(5 * i + 3) % 400 for i in range(5 * BLOCK + 7)]
 """Five full blocks and a partial one holding the last prompt token: a warm request is served
@@ -240,4 +242,31 @@ def test_turning_a_tiers_format_on_or_off_drops_its_blocks_at_the_next_start(
     try:
         assert opened.num_recovered_blocks == 0
     finally:
+        opened.close()
+
+
+def test_lossy_copies_are_not_announced_to_routers(tiny: LoadedModel, tmp_path: Path) -> None:
+    announced: list[tuple[bytes, str]] = []
+
+    class Listener:
+        def stored(self, meta: BlockMeta, tier: str) -> None:
+            announced.append((meta.namespace_digest, tier))
+
+        def removed(self, key: BlockKey, tier: str) -> None:
+            pass
+
+        def cleared(self) -> None:
+            pass
+
+    opened = open_cache(cache_config(tmp_path, quantize={"disk": "int8"}), layout=tiny.layout,
+                        deployment_secret=SECRET, tier_events=Listener())
+    engine = make_engine(tiny, opened)
+    try:
+        generate(engine, PROMPT)
+        drop_exact_copies(opened)
+        generate(engine, PROMPT, allow_lossy=True)  # lossy pages on the device now
+        exact = engine.namespace(ALICE).digest
+        assert announced and {digest for digest, _ in announced} == {exact}
+    finally:
+        engine.stop(grace_s=5)
         opened.close()
