@@ -283,15 +283,18 @@ class KvgateClient:
         timeout_s: float | None = None,
         priority: int | None = None,
         session_id: str | None = None,
+        allow_lossy: bool = False,
     ) -> Generator[TokenDelta | Usage, None, None]:
         """Stream a generation: ``TokenDelta`` items, then one ``Usage``.
 
         Send exactly one of ``prompt``, ``messages`` and ``token_ids``. Sampling fields left
         None take the server's defaults (greedy, 256 tokens). ``priority``: lower is served
         first among this key's tenant's own requests, -1000 to 1000 (None: the server's
-        default, 0). Closing the generator early (``close()``, or dropping it) cancels the
-        call: the server stops generating and releases its blocks. Nothing is sent before the
-        first item is asked for.
+        default, 0). ``allow_lossy``: the prompt may be served from lossy (quantized) copies
+        where the gateway keeps them; the answer may then differ from the model's own, and its
+        ``Usage.lossy`` says so (docs/design.md, "Lossy tiers"). Closing the generator early
+        (``close()``, or dropping it) cancels the call: the server stops generating and
+        releases its blocks. Nothing is sent before the first item is asked for.
 
         Raises:
             KvgateError: the call failed (on iteration).
@@ -301,7 +304,7 @@ class KvgateClient:
             sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=temperature,
                                        top_p=top_p, top_k=top_k, seed=seed, stop=list(stop)),
             cache=pb.CacheOptions(ttl_s=ttl_s, scope=_scope(shared), no_cache=no_cache,
-                                  tag=tag, session_id=session_id),
+                                  tag=tag, session_id=session_id, allow_lossy=allow_lossy),
             priority=priority,
         )
         return self._stream(request, timeout_s)
@@ -559,7 +562,7 @@ def stream_item(response: pb.GenerateResponse) -> TokenDelta | Usage:
         prompt_tokens=u.prompt_tokens, cached_tokens=u.cached_tokens,
         cached_tokens_by_tier=dict(u.cached_tokens_by_tier),
         completion_tokens=u.completion_tokens, ttft_ms=u.ttft_ms, total_ms=u.total_ms,
-        finish_reason=_FINISH_REASONS.get(u.finish_reason, "stop"),
+        finish_reason=_FINISH_REASONS.get(u.finish_reason, "stop"), lossy=u.lossy,
     )
 
 

@@ -188,6 +188,10 @@ def _add_generate(sub: Any) -> None:
     gen.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     gen.add_argument("--no-cache", action="store_true",
                      help="nothing of this request is read from or stored in any tier")
+    gen.add_argument("--allow-lossy", action="store_true",
+                     help="the prompt may be read from lossy (int8/fp8) copies where the "
+                          "gateway keeps them: faster from a lower tier, but the answer may "
+                          "differ from the model's own (the usage line then says lossy=yes)")
     gen.add_argument("--priority", type=int, default=None,
                      help="lower is served first among your tenant's own requests, -1000 to "
                           "1000 (default: the server's, 0)")
@@ -460,7 +464,7 @@ def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
                 prompt, messages=messages, tools=tools, max_tokens=args.max_tokens,
                 temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                 seed=args.seed, stop=args.stop, no_cache=args.no_cache,
-                priority=args.priority,
+                priority=args.priority, allow_lossy=args.allow_lossy,
             )
             for item in stream:
                 if isinstance(item, TokenDelta):
@@ -482,12 +486,18 @@ def _generate(args: argparse.Namespace, *, out: TextIO, err: TextIO,
 
 
 def usage_line(usage: Any) -> str:
-    """The one-line usage summary ``kvgate generate`` writes to stderr."""
+    """The one-line usage summary ``kvgate generate`` writes to stderr.
+
+    A lossy answer (``Usage.lossy``) ends with ``lossy=yes``; an exact one says nothing more,
+    so the line of every exact answer is what it always was. A lossy tier is named with its
+    format (``disk:int8:1920``: the count is after the last colon).
+    """
     tiers = ",".join(f"{tier}:{n}" for tier, n in sorted(usage.cached_tokens_by_tier.items()))
-    return (f"prompt_tokens={usage.prompt_tokens} cached_tokens={usage.cached_tokens} "
+    line = (f"prompt_tokens={usage.prompt_tokens} cached_tokens={usage.cached_tokens} "
             f"cached_by_tier={tiers or '-'} completion_tokens={usage.completion_tokens} "
             f"ttft_ms={usage.ttft_ms:.1f} total_ms={usage.total_ms:.1f} "
             f"finish={usage.finish_reason}")
+    return line + " lossy=yes" if getattr(usage, "lossy", False) else line
 
 
 def _read_messages(

@@ -8,9 +8,12 @@ tokens), how much was generated, how fast (TTFT and total, milliseconds) and how
     tenant=acme api=http.chat status=200 finish=stop prompt_tokens=120 cached_tokens=64
     cached_device=64 computed_tokens=56 completion_tokens=16 ttft_ms=12.3 total_ms=80.1
 
-or, with ``[logging] json = true``, the same fields as one JSON object (``cached_tokens_by_tier``
-a nested object). Never prompt text, completion text, keys, namespaces or block keys: a line is
-made only from the fields of ``AccessEntry``, counts and names the operator chose (tenant ids).
+(a generation that read lossy copies, ``CacheOptions.allow_lossy``, names their tier with its
+format, ``cached_disk:int8=1920``, and adds ``lossy=true``: an operator looking into an odd
+answer sees that it was not the model's own), or, with ``[logging] json = true``, the same
+fields as one JSON object (``cached_tokens_by_tier`` a nested object). Never prompt text,
+completion text, keys, namespaces or block keys: a line is made only from the fields of
+``AccessEntry``, counts and names the operator chose (tenant ids).
 
 NOTE: the line is the whole message, so a log collector that wants only JSON routes the
 ``kvgate.access`` logger to a handler with ``%(message)s`` as its format.
@@ -46,6 +49,8 @@ class AccessEntry:
             Warm, whose answer counts blocks; cached and computed tokens are then left out).
         completion_tokens: tokens generated.
         ttft_ms: the generation's time to first token, from its submission to the engine.
+        lossy: the answer was computed on lossy (quantized) K/V (``Usage.lossy``); written
+            only when true, so exact answers' lines are as before.
     """
 
     tenant: str
@@ -57,6 +62,7 @@ class AccessEntry:
     cached_tokens_by_tier: dict[str, int] | None = None
     completion_tokens: int | None = None
     ttft_ms: float | None = None
+    lossy: bool = False
 
     def fields(self) -> dict[str, object]:
         """The line's fields, in order (None values left out)."""
@@ -69,6 +75,7 @@ class AccessEntry:
             "cached_tokens": cached if known else None,
             "cached_tokens_by_tier": self.cached_tokens_by_tier if known else None,
             "computed_tokens": max(0, prompt - cached) if prompt is not None and known else None,
+            "lossy": True if self.lossy else None,
             "completion_tokens": self.completion_tokens,
             "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 1),
             "total_ms": round(self.total_s * 1e3, 1),
@@ -131,7 +138,7 @@ class AccessCall:
         self.note(prompt_tokens=usage.prompt_tokens,
                   cached_tokens_by_tier=dict(usage.cached_tokens_by_tier),
                   completion_tokens=usage.completion_tokens, ttft_ms=usage.ttft_ms,
-                  finish=usage.finish_reason)
+                  finish=usage.finish_reason, lossy=usage.lossy)
 
     def end(self, status: str) -> None:
         """Write the line with ``status`` (only the first call writes)."""
@@ -159,6 +166,8 @@ def format_fields(values: dict[str, object], *, is_json: bool) -> str:
 
 
 def _plain(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, float):
         return f"{value:g}" if abs(value) < 1e6 else f"{value:.0f}"
     return str(value)

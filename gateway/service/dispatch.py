@@ -166,7 +166,7 @@ def _note_response(call: AccessCall, message: object) -> None:
                       cached_tokens_by_tier=dict(usage.cached_tokens_by_tier),
                       completion_tokens=usage.completion_tokens, ttft_ms=usage.ttft_ms,
                       finish=pb.FinishReason.Name(usage.finish_reason).removeprefix(
-                          "FINISH_REASON_").lower())
+                          "FINISH_REASON_").lower(), lossy=usage.lossy)
     elif isinstance(message, pb.LookupResponse):
         call.note(prompt_tokens=message.prompt_tokens,
                   cached_tokens_by_tier=dict(message.cached_tokens_by_tier))

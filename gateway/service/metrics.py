@@ -12,7 +12,10 @@ of the same name in the public one. Series:
   dashboard comparing latencies across replicas must know which ran on a GPU in bfloat16 and
   which on the CPU in float32 (their figures differ by orders of magnitude);
 * request series, updated by the engine as each request ends: prompt tokens cached vs computed
-  per tenant and tier, finish reasons, TTFT and total latency, queue depth;
+  per tenant and tier, finish reasons, TTFT and total latency, queue depth, and lossy answers
+  (``kvgate_lossy_responses_total``: generations served quantized copies, which only a request
+  with ``allow_lossy`` gets; their tokens count under the tier with its format,
+  ``tier="disk:int8"``, so a query for ``tier="disk"`` counts exact copies only);
 * engine step series: requests and tokens per step, queue wait (submit to admission),
   inter-token latency, completion tokens, KV bytes the running requests reserve against the
   budget;
@@ -93,6 +96,12 @@ INTER_TOKEN_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1
                          0.3, 0.5, 1.0, 2.5, 5.0)
 """One decode step: about a millisecond on a GPU to a few hundred on a loaded CPU."""
 
+_LOSSY_HELP = ("Generations answered from lossy (quantized) copies of their prompt "
+               "(CacheOptions.allow_lossy), not the model's own answer; their tokens are in "
+               "kvgate_prompt_tokens_total under the tier and its format (tier disk:int8)")
+"""The lossy-answer counter's help text (with a tenant label on the operators' port, without on
+the API port's, as the prompt-token counter)."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsTotals:
@@ -159,6 +168,11 @@ class GatewayMetrics:
             f"{PREFIX}_prompt_tokens", "Prompt tokens of finished generations, served from a "
             "cache tier (source=cache) or computed (source=computed, tier=none); all tenants.",
             ("source", "tier"), registry=self.public_registry)
+        self._lossy_responses = Counter(
+            f"{PREFIX}_lossy_responses", _LOSSY_HELP + ".", ("tenant",), registry=self.registry)
+        self._public_lossy_responses = Counter(
+            f"{PREFIX}_lossy_responses", _LOSSY_HELP + "; all tenants.",
+            registry=self.public_registry)
         self._requests = self._shared(Counter(
             f"{PREFIX}_requests", "Generations by how they ended (eos, stop, length, cancelled, "
             "deadline, draining, queue_full, error).", ("finish_reason",), registry=None))
@@ -258,8 +272,13 @@ class GatewayMetrics:
 
     def record_generation(self, *, tenant: str, prompt_tokens: int,
                           cached_tokens_by_tier: dict[str, int], finish_reason: str,
-                          ttft_s: float, total_s: float, completion_tokens: int = 0) -> None:
-        """One generation that produced its answer (its ``Usage`` was sent)."""
+                          ttft_s: float, total_s: float, completion_tokens: int = 0,
+                          lossy: bool = False) -> None:
+        """One generation that produced its answer (its ``Usage`` was sent).
+
+        ``lossy``: its ``Usage.lossy`` (computed on quantized K/V); its lossy tiers come in
+        ``cached_tokens_by_tier`` under their format (``disk:int8``), counted as any tier.
+        """
         num_cached = sum(cached_tokens_by_tier.values())
         num_computed = max(0, prompt_tokens - num_cached)
         for tier, num in cached_tokens_by_tier.items():
@@ -267,6 +286,9 @@ class GatewayMetrics:
             self._public_prompt_tokens.labels("cache", tier).inc(num)
         self._prompt_tokens.labels(tenant, "computed", COMPUTED_TIER).inc(num_computed)
         self._public_prompt_tokens.labels("computed", COMPUTED_TIER).inc(num_computed)
+        if lossy:
+            self._lossy_responses.labels(tenant).inc()
+            self._public_lossy_responses.inc()
         self._requests.labels(finish_reason).inc()
         self._ttft.observe(ttft_s)
         self._request_s.observe(total_s)

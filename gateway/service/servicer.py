@@ -238,7 +238,8 @@ def generate_request(
         sampling=sampling_params(message.sampling),
         cache=CacheOptions(no_cache=message.cache.no_cache,
                            ttl_s=ttl_seconds(message.cache, limits),
-                           session_id=session_of(message.cache)),
+                           session_id=session_of(message.cache),
+                           allow_lossy=message.cache.allow_lossy),
         deadline=deadline,
         priority=priority_of(message),
     )
@@ -260,6 +261,7 @@ def usage_message(usage: Usage) -> pb.GenerateResponse:
         ttft_ms=usage.ttft_ms,
         total_ms=usage.total_ms,
         finish_reason=_FINISH_REASONS.get(usage.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+        lossy=usage.lossy,
     ))
 
 

@@ -22,7 +22,8 @@ from gateway.client import (
     Unauthenticated,
     Unavailable,
 )
-from gateway.core.requests import TokenDelta, Usage
+from gateway.core.requests import GenerateRequest, TokenDelta, Usage
+from gateway.engine.jobs import RequestHandle
 from gateway.engine.model import LoadedModel
 from tests.gateway.grpc_harness import (
     KEY_A,
@@ -88,6 +89,28 @@ def test_generate_streams_deltas_then_usage(gateway: RunningGateway) -> None:
         chat, _ = client.generate_text(messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=3, temperature=0.7, seed=3)
         assert isinstance(chat, str)
+
+
+def test_allow_lossy_is_sent_as_the_cache_option_the_engine_receives(
+    gateway: RunningGateway, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The keyword crosses the wire into the engine's request record (the real engine, whose
+    ``generate`` is only listened to); left out, it is false."""
+    engine = gateway.engine
+    assert engine is not None
+    received: list[GenerateRequest] = []
+    real_generate = engine.generate
+
+    def listened(request: GenerateRequest) -> RequestHandle:
+        received.append(request)
+        return real_generate(request)
+
+    monkeypatch.setattr(engine, "generate", listened)
+    client = gateway.client(KEY_A)
+    client.generate_text("hello there", max_tokens=2)
+    _, usage = client.generate_text("hello there", max_tokens=2, allow_lossy=True)
+    assert [r.cache.allow_lossy for r in received] == [False, True]
+    assert usage.lossy is False  # no tier of this gateway keeps lossy copies
 
 
 def test_errors_carry_the_status_code_and_the_servers_message(gateway: RunningGateway) -> None:

@@ -27,8 +27,10 @@ Mapped on purpose:
   with ``[http] session_from_user``, by the body's ``user`` (``with_session``);
 - kvgate's own options live in one extension object, ``kvgate``: ``no_cache``, ``ttl_s``,
   ``scope`` (``tenant`` or ``shared``; shared needs an admin key), ``top_k``, ``timeout_s``
-  (the most the request may run, capped by the server's maximum). With the OpenAI SDK:
-  ``extra_body={"kvgate": {"no_cache": True}}``.
+  (the most the request may run, capped by the server's maximum), ``allow_lossy`` (a JSON
+  boolean, gRPC's ``CacheOptions.allow_lossy``: the prompt may be read from lossy copies, and
+  the answer's usage then says ``"exact": false``; docs/design.md, "Lossy tiers"). With the
+  OpenAI SDK: ``extra_body={"kvgate": {"no_cache": True}}``.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ _COMPLETION_NEUTRAL = frozenset({"presence_penalty", "frequency_penalty", "logpr
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant",
           "tool": "tool"}
-_EXTENSION_KEYS = frozenset({"no_cache", "ttl_s", "scope", "top_k", "timeout_s"})
+_EXTENSION_KEYS = frozenset({"no_cache", "ttl_s", "scope", "top_k", "timeout_s", "allow_lossy"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -170,6 +172,8 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
         raise InvalidParam("kvgate.scope", f"kvgate.scope must be \"tenant\" or \"shared\", got "
                                            f"{scope_name!r}")
     no_cache = _optional(extension, "no_cache", bool, "true or false", where="kvgate.no_cache")
+    allow_lossy = _optional(extension, "allow_lossy", bool, "true or false (a JSON boolean)",
+                            where="kvgate.allow_lossy")
     priority = _optional(fields, "priority", int, "an integer (lower is served first)")
     if priority is not None and (problem := priority_problem(priority)) is not None:
         raise InvalidParam("priority", problem)
@@ -177,7 +181,7 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
         prompt=prompt,
         scope=scope_of(principal, is_shared=scope_name == "shared"),
         sampling=sampling,
-        cache=CacheOptions(no_cache=bool(no_cache), ttl_s=ttl),
+        cache=CacheOptions(no_cache=bool(no_cache), ttl_s=ttl, allow_lossy=bool(allow_lossy)),
         deadline=deadline_within(limits, timeout),
         priority=0 if priority is None else priority,
     )

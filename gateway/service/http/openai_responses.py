@@ -3,13 +3,19 @@
 Usage is OpenAI's (``prompt_tokens``, ``completion_tokens``, ``total_tokens``,
 ``prompt_tokens_details.cached_tokens``) plus what no peer reports: a ``kvgate`` object with the
 cached prompt tokens per tier, the time to first token and the total time as the gateway
-measured them, and the engine's own finish reason (``eos`` and ``stop`` are both OpenAI's
-``stop``)::
+measured them, the engine's own finish reason (``eos`` and ``stop`` are both OpenAI's
+``stop``), and whether the answer is the model's own (``exact``)::
 
     "usage": {"prompt_tokens": 342, "completion_tokens": 48, "total_tokens": 390,
               "prompt_tokens_details": {"cached_tokens": 320},
               "kvgate": {"cached_tokens_by_tier": {"device": 320}, "ttft_ms": 185.5,
-                         "total_ms": 1701.7, "finish_reason": "length"}}
+                         "total_ms": 1701.7, "finish_reason": "length", "exact": true}}
+
+``exact`` is false only for a request that sent ``kvgate.allow_lossy`` and was served lossy
+(quantized) copies of its prompt (gRPC's ``Usage.lossy``; docs/design.md, "Lossy tiers"): its
+answer may differ from the model's own, and ``cached_tokens_by_tier`` names the format with the
+tier (``{"device": 128, "disk:int8": 1920}``). It is written on every answer, true as well, so
+that a client can tell an exact answer from a gateway too old to say.
 
 The OpenAI SDK keeps unknown fields, so ``completion.usage.kvgate`` reads it there.
 
@@ -46,6 +52,7 @@ def usage_object(usage: Usage) -> dict[str, object]:
             "ttft_ms": round(usage.ttft_ms, 3),
             "total_ms": round(usage.total_ms, 3),
             "finish_reason": usage.finish_reason,
+            "exact": not usage.lossy,
         },
     }
 

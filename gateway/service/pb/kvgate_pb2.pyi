@@ -71,18 +71,20 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CacheOptions(_message.Message):
-    __slots__ = ("ttl_s", "scope", "no_cache", "tag", "session_id")
+    __slots__ = ("ttl_s", "scope", "no_cache", "tag", "session_id", "allow_lossy")
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     NO_CACHE_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_LOSSY_FIELD_NUMBER: _ClassVar[int]
     ttl_s: float
     scope: Scope
     no_cache: bool
     tag: str
     session_id: str
-    def __init__(self, ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ..., no_cache: _Optional[bool] = ..., tag: _Optional[str] = ..., session_id: _Optional[str] = ...) -> None: ...
+    allow_lossy: bool
+    def __init__(self, ttl_s: _Optional[float] = ..., scope: _Optional[_Union[Scope, str]] = ..., no_cache: _Optional[bool] = ..., tag: _Optional[str] = ..., session_id: _Optional[str] = ..., allow_lossy: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("input", "sampling", "cache", "priority")
@@ -105,7 +107,7 @@ class TokenDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "completion_tokens", "ttft_ms", "total_ms", "finish_reason")
+    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "completion_tokens", "ttft_ms", "total_ms", "finish_reason", "lossy")
     class CachedTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +122,7 @@ class Usage(_message.Message):
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: _containers.ScalarMap[str, int]
@@ -127,7 +130,8 @@ class Usage(_message.Message):
     ttft_ms: float
     total_ms: float
     finish_reason: FinishReason
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ...) -> None: ...
+    lossy: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., lossy: _Optional[bool] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "usage")

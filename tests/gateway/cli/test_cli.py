@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
 import pytest
 
-from gateway.cli.main import main
+from gateway.cli.main import build_parser, main, usage_line
+from gateway.core.requests import Usage
 
 
 def test_bench_index_prints_a_row_per_size(capsys: pytest.CaptureFixture[str]) -> None:
@@ -48,3 +50,22 @@ def test_an_unknown_command_exits_with_usage() -> None:
     with pytest.raises(SystemExit) as excinfo:
         main(["frobnicate"])
     assert excinfo.value.code == 2
+
+
+def test_generate_takes_allow_lossy_as_a_flag_off_by_default() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["generate", "hi"]).allow_lossy is False
+    assert parser.parse_args(["generate", "--allow-lossy", "hi"]).allow_lossy is True
+
+
+def test_the_usage_line_says_lossy_yes_only_for_a_lossy_answer() -> None:
+    exact = Usage(prompt_tokens=342, cached_tokens=320, cached_tokens_by_tier={"device": 320},
+                  completion_tokens=48, ttft_ms=70.3, total_ms=1904.2, finish_reason="length")
+    assert usage_line(exact) == (
+        "prompt_tokens=342 cached_tokens=320 cached_by_tier=device:320 completion_tokens=48 "
+        "ttft_ms=70.3 total_ms=1904.2 finish=length")
+    lossy = replace(exact, cached_tokens=2048, cached_tokens_by_tier={"device": 128,
+                    "disk:int8": 1920}, lossy=True)
+    line = usage_line(lossy)
+    assert line.endswith(" finish=length lossy=yes")
+    assert "cached_by_tier=device:128,disk:int8:1920 " in line

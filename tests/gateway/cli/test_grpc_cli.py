@@ -256,6 +256,18 @@ def test_generate_reports_errors_on_stderr_with_a_failing_status(
     assert serving.generate().returncode == 2  # no prompt: a usage error
 
 
+def test_generate_allow_lossy_without_a_lossy_tier_prints_the_exact_answer_and_line(
+    serving: GatewayProcess,
+) -> None:
+    exact = serving.generate("--max-tokens", "4", LONG_PROMPT)
+    allowed = serving.generate("--allow-lossy", "--max-tokens", "4", LONG_PROMPT)
+    assert exact.returncode == 0 and allowed.returncode == 0, allowed.stderr
+    assert allowed.stdout == exact.stdout
+    fields = _usage_fields(allowed.stderr)
+    assert list(fields) == list(_usage_fields(exact.stderr)) and "lossy" not in fields
+    assert int(fields["cached_tokens"]) > 0
+
+
 def test_sigterm_finishes_the_stream_in_flight_and_exits_0_within_the_grace_period(
     gateway_proc: GatewayProcess,
 ) -> None:

@@ -132,6 +132,42 @@ def test_a_generate_request_carries_scope_cache_options_and_deadline() -> None:
     assert record.sampling.max_tokens == 3 and record.deadline == 123.0
 
 
+def test_allow_lossy_and_lossy_are_field_20_and_read_false_from_an_older_peer() -> None:
+    """proto3 false is "exact": a request or usage written before the fields existed (here: one
+    that never sets them) parses as exact, and a set field survives the wire."""
+    assert pb.CacheOptions.DESCRIPTOR.fields_by_name["allow_lossy"].number == 20
+    assert pb.Usage.DESCRIPTOR.fields_by_name["lossy"].number == 20
+    older = pb.GenerateRequest(input=pb.PromptInput(prompt="hi"),
+                               cache=pb.CacheOptions(no_cache=False)).SerializeToString()
+    assert pb.GenerateRequest.FromString(older).cache.allow_lossy is False
+    assert pb.Usage.FromString(pb.Usage(prompt_tokens=3).SerializeToString()).lossy is False
+    wire = pb.CacheOptions(allow_lossy=True).SerializeToString()
+    assert pb.CacheOptions.FromString(wire).allow_lossy is True
+    assert pb.Usage.FromString(pb.Usage(lossy=True).SerializeToString()).lossy is True
+
+
+def test_a_generate_request_carries_allow_lossy_to_the_engine_record() -> None:
+    prompt = pb.PromptInput(prompt="hi")
+    exact = generate_request(pb.GenerateRequest(input=prompt), TENANT, deadline=None,
+                             limits=EdgeLimits())
+    assert exact.cache.allow_lossy is False
+    lossy = generate_request(pb.GenerateRequest(input=prompt, cache=pb.CacheOptions(
+        allow_lossy=True, session_id="chat-1", ttl_s=5.0)), TENANT, deadline=None,
+        limits=EdgeLimits())
+    assert lossy.cache.allow_lossy is True
+    assert (lossy.cache.session_id, lossy.cache.ttl_s) == ("chat-1", 5.0)
+
+
+def test_a_lossy_usage_and_its_format_tiers_round_trip_through_the_client() -> None:
+    usage = Usage(prompt_tokens=2100, cached_tokens=2048,
+                  cached_tokens_by_tier={"device": 128, "disk:int8": 1920}, completion_tokens=3,
+                  ttft_ms=1.5, total_ms=9.25, finish_reason="length", lossy=True)
+    message = usage_message(usage)
+    assert message.usage.lossy is True
+    wire = pb.GenerateResponse.FromString(message.SerializeToString())
+    assert stream_item(wire) == usage
+
+
 def test_stream_messages_round_trip_through_the_client() -> None:
     delta = TokenDelta(token_ids=(5, 6), text="hé")
     wire = pb.GenerateResponse.FromString(delta_message(delta).SerializeToString())

@@ -404,6 +404,20 @@ def test_no_cache_stores_nothing(tenant_a: KvgateClient) -> None:
     assert second.cached_tokens == 0
 
 
+def test_allow_lossy_without_a_lossy_tier_is_answered_exactly_from_the_exact_blocks(
+    tenant_a: KvgateClient,
+) -> None:
+    """No tier of this gateway keeps lossy copies: a request that allows them reads the exact
+    chain, as any request, and its answer is the exact one, said to be exact."""
+    prompt = unique(LONG_PROMPT)
+    exact_text, cold = tenant_a.generate_text(prompt, max_tokens=6)
+    text, usage = tenant_a.generate_text(prompt, max_tokens=6, allow_lossy=True)
+    assert text == exact_text
+    assert usage.lossy is False and cold.lossy is False
+    assert usage.cached_tokens > 0 and usage.cached_tokens_by_tier == {
+        "device": usage.cached_tokens}
+
+
 # ---- admin --------------------------------------------------------------------------------
 
 

@@ -23,6 +23,7 @@ from gateway.cache.factory import CacheConfig, open_cache
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.model import LoadedModel
+from gateway.service.http.text_exposition import TextExposition
 from gateway.service.metrics import GatewayMetrics, failure_reason
 from tests.gateway.cli.test_grpc_cli import CONFIG, GatewayProcess
 from tests.gateway.grpc_harness import (
@@ -178,6 +179,52 @@ def test_preemptions_are_counted_on_both_ports_with_a_help_text() -> None:
         assert registry.get_sample_value("kvgate_preemptions_total") == 2
         text = generate_latest(registry).decode("utf-8")
         assert "# HELP kvgate_preemptions_total Running generations preempted" in text
+
+
+def _record(metrics: GatewayMetrics, tenant: str, by_tier: dict[str, int], *,
+            lossy: bool = False) -> None:
+    metrics.record_generation(tenant=tenant, prompt_tokens=2100, cached_tokens_by_tier=by_tier,
+                              finish_reason="length", ttft_s=0.1, total_s=0.2, lossy=lossy)
+
+
+def test_lossy_answers_are_counted_by_tenant_and_in_all_on_the_api_port() -> None:
+    metrics = GatewayMetrics()
+    name = "kvgate_lossy_responses_total"
+    assert metrics.public_registry.get_sample_value(name) == 0  # a series to alert on at once
+    _record(metrics, "t", {"device": 128})
+    _record(metrics, "t", {"device": 128, "disk:int8": 1920}, lossy=True)
+    _record(metrics, "u", {"redis:fp8": 2048}, lossy=True)
+    assert metrics.registry.get_sample_value(name, {"tenant": "t"}) == 1
+    assert metrics.registry.get_sample_value(name, {"tenant": "u"}) == 1
+    assert metrics.public_registry.get_sample_value(name) == 2
+    public = generate_latest(metrics.public_registry).decode("utf-8")
+    assert "# HELP kvgate_lossy_responses_total Generations answered from lossy" in public
+    assert "tenant=" not in public
+    assert metrics.registry.get_sample_value("kvgate_requests_total",
+                                             {"finish_reason": "length"}) == 3
+
+
+def test_a_lossy_tier_named_with_its_format_is_a_label_value_both_renderers_write_alike(
+) -> None:
+    metrics = GatewayMetrics()
+    _record(metrics, "t", {"device": 128, "disk:int8": 1920}, lossy=True)
+    _record(metrics, "t", {"redis:fp8": 64}, lossy=True)
+    ours = TextExposition(metrics.public_registry).render().decode("utf-8")
+    theirs = generate_latest(metrics.public_registry).decode("utf-8")
+
+    def tokens_lines(text: str) -> list[str]:
+        return [line for line in text.splitlines()
+                if line.startswith(("kvgate_prompt_tokens_total", "kvgate_lossy_responses"))]
+
+    assert tokens_lines(ours) == tokens_lines(theirs)
+    assert 'kvgate_prompt_tokens_total{source="cache",tier="disk:int8"} 1920.0' in ours
+    samples = parse(ours)
+    assert value(samples, "kvgate_prompt_tokens_total", source="cache", tier="disk:int8") == 1920
+    assert value(samples, "kvgate_prompt_tokens_total", source="cache", tier="redis:fp8") == 64
+    assert value(samples, "kvgate_prompt_tokens_total", source="cache", tier="device") == 128
+    assert value(samples, "kvgate_lossy_responses_total") == 2
+    assert metrics.totals().cached_tokens_by_tier == {"device": 128, "disk:int8": 1920,
+                                                      "redis:fp8": 64}
 
 
 def test_the_engine_info_names_its_device_and_dtype() -> None:

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.core.requests import Usage
 from gateway.service.access_log import AccessCall, AccessEntry, AccessLog, format_fields
 from gateway.service.metrics import GatewayMetrics, MetricsTotals
 from gateway.service.stats_log import StatsLine
@@ -185,6 +186,35 @@ def test_an_access_entry_is_key_value_pairs_or_json() -> None:
     refused = AccessEntry(tenant="-", api="grpc.Warm", status="UNAUTHENTICATED", total_s=0.001)
     assert format_fields(refused.fields(), is_json=False) == (
         "tenant=- api=grpc.Warm status=UNAUTHENTICATED total_ms=1")
+
+
+def test_a_lossy_answers_access_line_says_lossy_and_names_its_format_tier() -> None:
+    entry = AccessEntry(tenant="acme", api="grpc.Generate", status="OK", total_s=0.09,
+                        finish="length", prompt_tokens=2100,
+                        cached_tokens_by_tier={"device": 128, "disk:int8": 1920},
+                        completion_tokens=8, ttft_ms=40.0, lossy=True)
+    line = format_fields(entry.fields(), is_json=False)
+    assert _fields(line)["cached_disk:int8"] == "1920" and _fields(line)["lossy"] == "true"
+    assert json.loads(format_fields(entry.fields(), is_json=True))["lossy"] is True
+    exact = AccessEntry(tenant="acme", api="grpc.Generate", status="OK", total_s=0.09)
+    assert "lossy" not in format_fields(exact.fields(), is_json=False)
+
+
+def test_an_access_call_keeps_whether_a_usage_was_lossy(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger="kvgate.access")
+    for lossy in (True, False):
+        call = AccessCall(AccessLog(), "http.chat", tenant="t")
+        call.saw_usage(Usage(prompt_tokens=40, cached_tokens=32,
+                             cached_tokens_by_tier={"disk:int8" if lossy else "disk": 32},
+                             completion_tokens=2, ttft_ms=5.0, total_ms=9.0,
+                             finish_reason="eos", lossy=lossy))
+        call.end("200")
+    lossy_line, exact_line = [_fields(r.getMessage()) for r in caplog.records
+                              if r.name == "kvgate.access"]
+    assert lossy_line["lossy"] == "true" and lossy_line["cached_disk:int8"] == "32"
+    assert "lossy" not in exact_line and exact_line["cached_disk"] == "32"
 
 
 def test_an_access_call_writes_once_and_not_when_off(caplog: pytest.LogCaptureFixture) -> None:

@@ -271,6 +271,26 @@ def test_a_completion_answers_raw_text_like_grpc_and_streams_the_same(stack: Sta
     assert streamed[-1].choices[0].finish_reason == completion.choices[0].finish_reason
 
 
+def test_allow_lossy_without_a_lossy_tier_is_answered_exactly_and_every_usage_says_exact(
+    stack: Stack,
+) -> None:
+    """No tier of this gateway keeps lossy copies: chats and completions that allow them,
+    whole or streamed, get the exact answer, and their usage's kvgate object says so."""
+    prompt = unique(LONG_PROMPT)
+    lossy_ok = {"kvgate": {"allow_lossy": True}}
+    exact = chat(stack, prompt, max_tokens=6)
+    allowed = chat(stack, prompt, max_tokens=6, extra_body=lossy_ok)
+    streamed = list(chat(stack, prompt, max_tokens=6, stream=True, extra_body=lossy_ok,
+                         stream_options={"include_usage": True}))
+    completion = stack.sdk().completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                                 extra_body=lossy_ok)
+    assert allowed.choices[0].message.content == exact.choices[0].message.content
+    assert allowed.usage.kvgate["cached_tokens_by_tier"] == {
+        "device": allowed.usage.prompt_tokens_details.cached_tokens}
+    for usage in (exact.usage, allowed.usage, streamed[-1].usage, completion.usage):
+        assert usage.kvgate["exact"] is True
+
+
 def test_http_requests_are_counted_in_the_gateways_metrics(stack: Stack) -> None:
     def counts() -> tuple[float, float]:
         return (stack.count("kvgate_prompt_tokens_total", tenant="tenant-a", source="computed",
@@ -332,6 +352,7 @@ def test_the_shared_scope_with_a_tenant_key_is_403(stack: Stack) -> None:
     ({"extra_body": {"priority": 1_001}}, "priority"),
     ({"extra_body": {"priority": "high"}}, "priority"),
     ({"extra_body": {"kvgate": {"pin": True}}}, "kvgate"),
+    ({"extra_body": {"kvgate": {"allow_lossy": "yes"}}}, "kvgate.allow_lossy"),
 ])
 def test_unsupported_or_invalid_fields_are_400_naming_the_field(
     stack: Stack, options: dict[str, Any], param: str,

@@ -104,3 +104,23 @@ def test_what_cannot_be_served_is_refused_naming_the_field(
     with pytest.raises(InvalidParam) as excinfo:
         parse_call(kind, body, TENANT, limits=LIMITS)
     assert excinfo.value.param == param
+
+
+def test_allow_lossy_is_a_kvgate_option_false_unless_sent_as_true() -> None:
+    assert chat().request.cache.allow_lossy is False
+    assert chat(kvgate={"allow_lossy": None}).request.cache.allow_lossy is False
+    assert chat(kvgate={"allow_lossy": False}).request.cache.allow_lossy is False
+    lossy = chat(kvgate={"allow_lossy": True, "ttl_s": 50})
+    assert lossy.request.cache == CacheOptions(ttl_s=50.0, allow_lossy=True)
+    completion = parse_call("completion", {"model": "m", "prompt": "a",
+                                           "kvgate": {"allow_lossy": True}},
+                            TENANT, limits=LIMITS)
+    assert completion.request.cache.allow_lossy is True
+
+
+@pytest.mark.parametrize("value", ["true", 1, 0, [], {}])
+def test_an_allow_lossy_that_is_not_a_json_boolean_is_refused_naming_it(value: Any) -> None:
+    with pytest.raises(InvalidParam) as excinfo:
+        chat(kvgate={"allow_lossy": value})
+    assert excinfo.value.param == "kvgate.allow_lossy"
+    assert "true or false" in str(excinfo.value) and repr(value) in str(excinfo.value)
