@@ -460,6 +460,10 @@ class PrefixCache:
         end = len(lease.keys) if num_blocks is None else min(num_blocks, len(lease.keys))
         if blocks is not None:
             end = min(end, start + len(blocks))
+            if lease.namespace.exact and any(
+                    b.quantization is not None for b in blocks[:max(0, end - start)]):
+                raise IndexInvariantError("a block dequantized from a lossy copy offered to an "
+                                          "exact namespace")
         elif self._transfers is not None:
             raise ValueError("blocks are required when the cache carries bytes")
         elif block_bytes is None:

@@ -505,7 +505,8 @@ class StepLoop:
                 tenant=request.scope.owner, prompt_tokens=usage.prompt_tokens,
                 cached_tokens_by_tier=usage.cached_tokens_by_tier,
                 finish_reason=usage.finish_reason, ttft_s=usage.ttft_ms / 1e3,
-                total_s=usage.total_ms / 1e3, completion_tokens=usage.completion_tokens)
+                total_s=usage.total_ms / 1e3, completion_tokens=usage.completion_tokens,
+                lossy=usage.lossy)
         if (storing is not None and not settings.decode_kv_is_prefill_kv
                 and settings.recompute_generated_blocks):
             storing.store_answer(active)  # recomputed first: after the answer is out

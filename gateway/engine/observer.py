@@ -20,8 +20,10 @@ class EngineMetrics(Protocol):
 
     def record_generation(self, *, tenant: str, prompt_tokens: int,
                           cached_tokens_by_tier: dict[str, int], finish_reason: str,
-                          ttft_s: float, total_s: float, completion_tokens: int = 0) -> None:
-        """One generation that produced its answer (its ``Usage`` was sent)."""
+                          ttft_s: float, total_s: float, completion_tokens: int = 0,
+                          lossy: bool = False) -> None:
+        """One generation that produced its answer (its ``Usage`` was sent); ``lossy``: it
+        was computed on lossy copies of its prefix."""
 
     def record_failure(self, exc: BaseException) -> None:
         """A generation that ended without an answer (cancelled, deadline, refused, error)."""

@@ -18,6 +18,7 @@ from gateway.cache.factory import OpenedCache, open_cache
 from gateway.cache.session_admin import drop_session
 from gateway.cache.tags import tag_prompt
 from gateway.core.canonical import PromptInput
+from gateway.core.errors import IndexInvariantError
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine
@@ -270,3 +271,22 @@ def test_lossy_copies_are_not_announced_to_routers(tiny: LoadedModel, tmp_path: 
     finally:
         engine.stop(grace_s=5)
         opened.close()
+
+
+def test_a_block_dequantized_from_a_lossy_copy_is_never_inserted_as_exact(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    generate(engine, PROMPT)
+    drop_exact_copies(opened)
+    cache = opened.cache
+    tokens = as_token_ids(PROMPT)
+    lossy = cache.lossy_namespace(engine.namespace(ALICE))
+    assert lossy is not None
+    with cache.acquire(lossy, tokens) as lease, cache.placement.locked():
+        metas = [cache.placement.meta(record) for record in lease.records]
+    disk = opened.hierarchy.store("disk")
+    marked = [block for meta in metas if (block := disk.get(meta)) is not None]
+    assert len(marked) == 5 and all(block.quantization == "int8" for block in marked)
+    with cache.acquire(engine.namespace(ALICE), tokens) as exact:
+        with pytest.raises(IndexInvariantError, match="dequantized from a lossy copy"):
+            cache.insert(exact, tier="device", blocks=marked)
