@@ -283,25 +283,20 @@ class DiskStore(BatchDefaults):
     def get(self, meta: BlockMeta) -> KVBlock | None:
         """The block if it is pending or on disk and verifies against ``meta``; else None."""
         key = meta.key
-        pending: KVBlock | None = None
         with self._lock:
             write = self._pending.get(key)
             durable = self._index.get(key) if write is None else None
-            if write is not None:
-                reason = _meta_mismatch(write.meta, meta)
-                if reason is not None:
-                    self._stats.count_failure(reason)
-                    self._stats.misses += 1
-                    return None
-                self._stats.hits += 1
-                self._counts["hits_pending"] += 1
-                pending = write.block
-            elif durable is None:
+            reason = None if write is None else _meta_mismatch(write.meta, meta)
+            if reason is not None:
+                self._stats.count_failure(reason)
+            if reason is not None or (write is None and durable is None):
                 self._stats.misses += 1
                 return None
-        if pending is not None:
-            # What it will serve once written (a lossy tier's dequantized copy), not the original.
-            return self._codec.stored_copy(pending)
+            if write is not None:
+                self._stats.hits += 1
+                self._counts["hits_pending"] += 1
+        if write is not None:  # served as it will be once written (a lossy tier's copy)
+            return self._codec.stored_copy(write.block)
         assert durable is not None
         path = self._layout.path_for(key)
         try:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.cache.invalidation import EvictionEvent
+from gateway.cache.lossy_copies import lossy_copies
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.remote_admin import evict_remote
@@ -253,7 +254,7 @@ def evict_where(
         elif tag is not None:
             tagged = tagged_blocks(index, tag, owner=owner)
             # The lossy copies written through for the tagged blocks go with them.
-            copies = [record for ns, k in cache.lossy_copies(tagged)
+            copies = [record for ns, k in lossy_copies(cache, tagged)
                       if (record := index.get(k)) is not None and record.namespace == ns]
             selected = list({id(r): r for r in [
                 *tagged, *(r for c in copies for r in index.subtree(c.namespace, c))]}.values())

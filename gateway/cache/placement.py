@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 
 from gateway.cache.base import TierEvents
@@ -35,11 +34,11 @@ from gateway.cache.expiry import ExpiryQueue
 from gateway.cache.moves import ByteMove, MoveQueue
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, TierStats
+from gateway.cache.tier_slot import TierSlot
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
-from gateway.core.quantization import Quantization
 from policies.base import BlockKey, InsertRefused, PolicyEntry
-from policies.stack import EvictionResult, TierPolicy
+from policies.stack import EvictionResult
 from tiers.base import BlockExpiry, BlockMeta
 from tiers.hierarchy import TierHierarchy
 from tiers.payload import KVBlock
@@ -47,23 +46,6 @@ from tiers.payload import KVBlock
 SWEEP_RETRY_S = 1.0
 """An expired block that cannot go yet (in use, or a parent whose children stay) is looked at
 again after this long."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TierSlot:
-    """One tier as the prefix cache sees it: a name, the policy that governs it, and whether
-    every inserted block is also written to it at once (write-through: the disk tier, so that
-    a restart finds what was hot, not only what had been demoted)."""
-
-    name: str
-    policy: TierPolicy
-    write_through: bool = False
-    quantization: Quantization | None = None
-    """The lossy format a lower tier stores (``[cache] quantize``), None for exact copies. The
-    fastest tier holds pages of every namespace (a lossy request's pages sit beside the exact
-    ones, under their lossy keys); a lower tier holds only blocks of namespaces of its own
-    format, so an exact block never lands in a lossy tier nor a lossy one in an exact tier
-    (docs/design.md, "Lossy tiers")."""
 
 
 class TierPlacement:

@@ -30,21 +30,22 @@ Every acquire is released by a context manager: ``with cache.acquire(ns, tokens)
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 from gateway.cache.base import TierEvents
+from gateway.cache.leases import InsertResult, Lease, PrefixMatch
 from gateway.cache.moves import ByteMove
-from gateway.cache.placement import TierPlacement, TierSlot
+from gateway.cache.placement import TierPlacement
 from gateway.cache.radix_index import BlockRecord, BlockSpec
 from gateway.cache.sessions import SessionLimits, SessionRegistry
 from gateway.cache.stats import CacheStats
+from gateway.cache.tier_slot import TierSlot
 from gateway.cache.transfers import TierTransfers
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace, lossy_namespace
 from gateway.core.quantization import Quantization
-from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view, tokens_from_bytes
+from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view
 from policies.base import BlockKey, InsertRefused
 from policies.stack import EvictionResult
 from tiers.base import BlockMeta, StoreStats
@@ -52,106 +53,6 @@ from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
 __all__ = ["InsertResult", "Lease", "PrefixCache", "PrefixMatch", "TierSlot"]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PrefixMatch:
-    """How much of a prompt is cached (in its own namespace), and where.
-
-    Attributes:
-        num_blocks: full blocks of the prompt that are cached, from the start.
-        num_tokens: the tokens they cover.
-        keys: their keys, in order.
-        tiers: for each of them, the fastest tier that holds it.
-        num_prompt_blocks: full blocks in the whole prompt.
-        diverges_at_block: first block that is not cached (== num_blocks), or None if every
-            full block is.
-        num_token_mismatches: 1 if a key matched but its tokens did not (a collision, counted
-            and treated as a miss).
-    """
-
-    num_blocks: int
-    num_tokens: int
-    keys: tuple[BlockKey, ...]
-    tiers: tuple[str, ...]
-    num_prompt_blocks: int
-    diverges_at_block: int | None
-    num_token_mismatches: int = 0
-
-    def tokens_in_tier(self, tier: str, block_tokens: int) -> int:
-        """Tokens of the match served from ``tier``."""
-        return sum(block_tokens for t in self.tiers if t == tier)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class InsertResult:
-    """What an insert stored in a tier, and what it could not."""
-
-    num_new_blocks: int
-    num_existing_blocks: int
-    num_refused_blocks: int
-    num_evicted_blocks: int
-    refusal: str | None = None
-
-
-class Lease:
-    """A running request's hold on the cached prefix of its prompt.
-
-    Holds one reference on every matched block until the cache releases it (done by the
-    context manager of ``PrefixCache.acquire``). Remembers the prompt's block keys so that
-    inserting the rest of the prompt later hashes nothing twice. The lease owns the list of
-    records it holds; the cache changes it only through the methods below.
-    """
-
-    __slots__ = ("namespace", "tokens", "keys", "match", "_records", "_is_released")
-
-    def __init__(
-        self,
-        *,
-        namespace: Namespace,
-        tokens: TokenIds,
-        keys: list[BlockKey],
-        match: PrefixMatch,
-        records: list[BlockRecord],
-    ) -> None:
-        self.namespace = namespace
-        self.tokens = tokens
-        self.keys = keys
-        self.match = match
-        self._records = records
-        self._is_released = False
-
-    @property
-    def is_released(self) -> bool:
-        """Whether the cache has taken its references back."""
-        return self._is_released
-
-    @property
-    def records(self) -> tuple[BlockRecord, ...]:
-        """The blocks held, in prompt order."""
-        return tuple(self._records)
-
-    def cut(self, num_blocks: int) -> list[BlockRecord]:
-        """Keep the first ``num_blocks`` blocks; returns the rest, whose references the caller
-        now owns (and must release)."""
-        rest = self._records[num_blocks:]
-        del self._records[num_blocks:]
-        return rest
-
-    def extend(self, records: Iterable[BlockRecord]) -> None:
-        """Take over one reference on each of ``records``, the blocks after the held ones."""
-        self._records.extend(records)
-
-    def end(self) -> list[BlockRecord]:
-        """Mark the lease released; returns the blocks whose references it gives back.
-
-        Raises:
-            IndexInvariantError: it was released already.
-        """
-        if self._is_released:
-            raise IndexInvariantError("lease released twice")
-        self._is_released = True
-        return list(self._records)
 
 
 class PrefixCache:
@@ -226,25 +127,6 @@ class PrefixCache:
         if self._lossy_format is None or not namespace.exact:
             return None
         return lossy_namespace(namespace, self._lossy_format)
-
-    def lossy_copies(self, records: Iterable[BlockRecord]) -> list[tuple[Namespace, BlockKey]]:
-        """Where the lossy copies of the exact ``records`` are filed -- their lossy namespace
-        and key, whether or not a tier holds them -- so that whatever drops a block (a session
-        reset) drops its copies too; [] when no tier keeps lossy copies. Hold
-        ``placement.locked()`` (it walks each record's ancestors)."""
-        copies: list[tuple[Namespace, BlockKey]] = []
-        for record in records:
-            lossy = self.lossy_namespace(record.namespace)
-            if lossy is None:
-                continue
-            path: list[bytes] = []
-            node: BlockRecord | None = record
-            while node is not None:
-                path.append(node.tokens)
-                node = node.parent
-            tokens = tokens_from_bytes(b"".join(reversed(path)))
-            copies.append((lossy, self.fingerprinter(lossy).block_keys(tokens)[-1]))
-        return copies
 
     @property
     def placement(self) -> TierPlacement:

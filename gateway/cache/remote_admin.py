@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gateway.cache.invalidation import EvictionEvent
+from gateway.cache.lossy_copies import lossy_copies
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.tags import tagged_blocks
 from gateway.core.fingerprint import Namespace
@@ -54,7 +55,7 @@ def evict_remote(
             tagged = tagged_blocks(placement.index, event.tag, owner=event.tenant)
             blocks = [(r.namespace.digest, r.key) for r in tagged]
             # And the lossy copies written through for them (docs/design.md, "Lossy tiers").
-            blocks += [(ns.digest, key) for ns, key in cache.lossy_copies(tagged)]
+            blocks += [(ns.digest, key) for ns, key in lossy_copies(cache, tagged)]
         for block_digest, block_key in blocks:
             transfers.remove_remote_where(namespace_digest=block_digest, key=block_key,
                                           min_idle_s=min_idle_s)

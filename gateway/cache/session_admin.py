@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.cache.invalidation import EvictionEvent
+from gateway.cache.lossy_copies import lossy_copies
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.sessions import is_stored_here
 from gateway.core.admin_reports import SessionInfo
@@ -64,7 +65,7 @@ def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
     with placement.locked():
         mine = registry.blocks_to_drop(owner, session_id)
         # The lossy copies the cache wrote through for the session's exact blocks go with them.
-        copies = cache.lossy_copies(r for r in mine if is_stored_here(r))
+        copies = lossy_copies(cache, [r for r in mine if is_stored_here(r)])
     if transfers is not None and transfers.has_remote:
         # Redis first, so that nothing is fetched back from it once the local copies are gone.
         keys = [(r.namespace.digest, r.key) for r in mine if is_stored_here(r)]

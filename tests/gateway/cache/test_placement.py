@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cache.placement import TierPlacement, TierSlot
+from gateway.cache.placement import TierPlacement
 from gateway.cache.radix_index import BlockRecord, BlockSpec
+from gateway.cache.tier_slot import TierSlot
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from policies.base import BlockKey
