@@ -8,20 +8,24 @@ Three measurements on the bundled SmolLM2-135M (or ``--model``), in process, in 
 2. **Warm TTFT from disk and Redis**, ``--tokens`` cached tokens plus a fresh question,
    ``max_tokens=1``, read from each request's ``Usage.ttft_ms`` (submission to first token):
    a real ``Engine`` over ``open_cache`` per configuration, an exact one (device, host, disk,
-   Redis) and a lossy one (the same, the disk and Redis tiers of ``--format``), each with a
-   second replica without a disk that reads from the same Redis. Per repeat, for each row in
-   turn: the prompt is warmed by an exact request, the writes are flushed, the device and host
-   tiers evicted (an exact block then has no tier below it in the lossy configuration and is
-   dropped: only the lossy copies are left), and the prompt plus a new question is timed (with
-   ``allow_lossy`` for the lossy rows). The tier each request was served from is read from its
-   usage and must be the one the row names (``disk`` / ``disk:int8``, ``redis`` /
-   ``redis:int8``), or the run fails. A cold row (``no_cache``) for reference. Every cache has
+   Redis) and a lossy one (the same, its disk and Redis tiers of ``--format``), each with a
+   second replica without a disk that reads from the same Redis. First an exact request stores
+   the prefix in each configuration (the lossy one writes its copies through to its disk and
+   Redis); they stay there for every repeat. Then per repeat every row in turn, the order
+   rotated by one per repeat: the device and host tiers of the replica that serves the row are
+   evicted (an exact block has no tier below it in the lossy configuration and is dropped: only
+   the lossy copies are left) and the prompt plus a new question is timed (with ``allow_lossy``
+   for the lossy rows). The tier each request was served from is read from its usage and must
+   be the one its row names (``disk`` / ``disk:int8``, ``redis`` / ``redis:int8``), or the run
+   fails. Two reference rows: cold (``no_cache``), and device (the prefix already on the
+   device: the question's own compute, which every warm row pays too). Every cache has
    ``skip_slow_tiers = false`` (loads are always measured, never skipped for recomputing), and
-   shadow verification off (it recomputes hits while the engine is idle).
-3. **Quality** over ``--prompts`` prose prompts of ``--tokens`` tokens (the paragraphs of
-   ``gateway.bench.prompts``, one held out of each prompt) followed by a question:
+   shadow verification is off (it recomputes hits while the engine is idle).
+3. **Quality** over ``--prompts`` chats through the model's chat template: a prose document
+   as the system message (the paragraphs of ``gateway.bench.prompts``, one held out of each)
+   and a question about it, ``--tokens`` of each prompt's tokens cached:
    (a) greedy agreement of 32 tokens with cold: a ``no_cache`` generation beside one whose
-   prefix was served lossy by the engine (tokens equal before the first divergence, and the
+   prefix was served lossy by the engine (tokens equal before the first difference, and the
    fraction of positions equal); (b) the largest |logit| difference at the first generated step
    between the model run on the exact prefix K/V and on its lossy copy (the codec's own encode
    and decode); (c) the perplexity of the held-out paragraph given the prefix, on exact and on
@@ -47,6 +51,15 @@ from typing import TextIO
 
 import torch
 
+from gateway.bench.lossy_quality import (
+    AGREEMENT_TOKENS,
+    QualityRow,
+    agreement,
+    block_meta,
+    direct_quality,
+    quality_texts,
+    write_quality_table,
+)
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.prompts import PROSE, SuffixSource, make_prefix
 from gateway.bench.rows import BenchError
@@ -57,30 +70,17 @@ from gateway.core.fingerprint import Scope
 from gateway.core.quantization import Quantization
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.kv_sequence import KVSequence, pool_bytes_for
-from gateway.engine.model import LoadedModel, compute_block_kv, load_model, make_sequence_cache
+from gateway.engine.kv_sequence import pool_bytes_for
+from gateway.engine.model import LoadedModel, compute_block_kv, load_model
 from gateway.engine.verdicts import VerdictStore, cpu_identity
-from policies.base import BlockKey
-from tiers.base import BlockMeta
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.kv_quant import quantized_bytes_per_token
-from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
 
 SECRET = b"kvgate-bench-lossy-secret-000000"
 SCOPE = Scope.of_tenant("bench")
-AGREEMENT_TOKENS = 32
-"""Greedy tokens compared with cold per quality prompt."""
 COLD = "cold"
-QUESTIONS = (
-    "\n\nQuestion: In one sentence, what do the sections above have in common?\nAnswer:",
-    "\n\nQuestion: Which section above did you find the most surprising, and why?\nAnswer:",
-    "\n\nQuestion: Summarise the first section above for a child.\nAnswer:",
-    "\n\nQuestion: What lesson about patience do the sections above teach?\nAnswer:",
-)
-"""The question after each quality prompt's prefix (the first generated step answers it)."""
-
-
+DEVICE = "device"
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LossyOptions:
     """What ``kvgate bench lossy`` runs."""
@@ -89,7 +89,7 @@ class LossyOptions:
     data_dir: Path
     quantization: Quantization = "int8"
     tokens: int = 2048
-    repeats: int = 3
+    repeats: int = 5
     prompts: int = 3
     block_tokens: int = 64
     suffix_tokens: int = 32
@@ -134,27 +134,6 @@ class TtftRow:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class QualityRow:
-    """One quality prompt: agreement with cold, first-step logits, held-out perplexity."""
-
-    prompt: int
-    agreed: int
-    """Generated tokens equal to cold's before the first difference (0..``AGREEMENT_TOKENS``)."""
-    matched: int
-    """Positions (of ``AGREEMENT_TOKENS``) where the two generations hold the same token."""
-    max_logit_diff: float
-    max_logit: float
-    """The largest |logit| of the exact first step, for scale."""
-    same_first_argmax: bool
-    ppl_exact: float
-    ppl_lossy: float
-
-    @property
-    def ppl_change(self) -> float:
-        return self.ppl_lossy / self.ppl_exact - 1.0
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class LossyResult:
     """Everything ``kvgate bench lossy`` measured."""
 
@@ -167,6 +146,15 @@ class LossyResult:
     def ttft_ratio(self, tier: str) -> float:
         """The lossy tier's p50 over the exact tier's (``tier``: ``disk`` or ``redis``)."""
         return self.ttft[f"{tier}:{self.quantization}"].p50_ms / self.ttft[tier].p50_ms
+
+    def load_ratio(self, tier: str) -> float:
+        """``ttft_ratio`` of what each adds to the device row's p50 (the load, without the
+        question's compute)."""
+        device = self.ttft[DEVICE].p50_ms
+        exact = self.ttft[tier].p50_ms - device
+        if exact <= 0:
+            return math.nan  # the exact load took no measurable time beyond the device row
+        return (self.ttft[f"{tier}:{self.quantization}"].p50_ms - device) / exact
 
 
 class _Replica:
@@ -257,7 +245,8 @@ def run_lossy_benchmark(options: LossyOptions, *, out: TextIO) -> LossyResult:
                   f"{', AVX2' if 'avx2' in cpu_identity() else ''}"
                   f"{', AVX-512' if 'avx512f' in cpu_identity() else ''}; model "
                   f"{options.model} {numerics.describe()}, engine route "
-                  f"{replicas['exact'].engine.route.name}; lossy tiers {q}\n")
+                  f"{replicas['exact'].engine.route.name}; lossy tiers {q}; load average "
+                  f"{os.getloadavg()[0]:.1f} at the start\n")
         out.flush()
         first = compute_block_kv(loaded, torch.tensor(prefix[: options.block_tokens]),
                                  options.block_tokens)[0]
@@ -266,13 +255,15 @@ def run_lossy_benchmark(options: LossyOptions, *, out: TextIO) -> LossyResult:
         write_bytes_table(row, q, out)
         ttft = _ttft_rows(replicas, options, prefix, SuffixSource(loaded, options.suffix_tokens),
                           out)
-        quality = [_quality_row(loaded, replicas, options, lossy_codec, numerics, i, out)
+        quality = [_quality_row(loaded, replicas, options, lossy_codec, i, out)
                    for i in range(options.prompts)]
     result = LossyResult(quantization=q, bytes=row, ttft=ttft, quality=quality,
                          redis_skipped=None if url is not None else
                          "no redis-server on PATH and no --redis-server")
     write_ttft_table(result, options, out)
-    write_quality_table(result, options, out)
+    write_quality_table(result.quality, q, options.tokens, out)
+    out.write(f"load average {os.getloadavg()[0]:.1f} at the end (other work on the machine "
+              "slows every row; the ratios are of rows measured side by side)\n")
     return result
 
 
@@ -325,10 +316,7 @@ def _cache_config(options: LossyOptions, layout: KVLayout, disk_path: Path,
 def bytes_row(layout: KVLayout, block: KVBlock, tokens: Sequence[int], exact: BlockCodec,
               lossy: BlockCodec) -> BytesRow:
     """``block`` (of ``tokens``) encoded by both codecs."""
-    meta = BlockMeta(key=BlockKey(bytes(range(16))), parent_key=BlockKey(bytes(16)),
-                     namespace_digest=bytes(32), owner="bench",
-                     tokens=torch.tensor(list(tokens), dtype=torch.int64).numpy()
-                     .astype("<u4").tobytes())
+    meta = block_meta(tokens)
     exact_blob, lossy_blob = (len(codec.encode(meta, block)) for codec in (exact, lossy))
     return BytesRow(
         block_tokens=len(tokens), dtype=str(layout.dtype).removeprefix("torch."),
@@ -359,29 +347,32 @@ def write_bytes_table(row: BytesRow, quantization: str, out: TextIO) -> None:
 
 def _ttft_rows(replicas: dict[str, _Replica], options: LossyOptions, prefix: list[int],
                suffixes: SuffixSource, out: TextIO) -> dict[str, TtftRow]:
-    """Per repeat, every row in turn (interleaved): see the module docstring."""
+    """Warm the prefix once per configuration, then per repeat every row in turn, in an order
+    rotated by one per repeat: see the module docstring."""
     q = options.quantization
-    rows = {COLD: TtftRow(tier=COLD), "disk": TtftRow(tier="disk"),
-            f"disk:{q}": TtftRow(tier=f"disk:{q}")}
+    names = [COLD, DEVICE, "disk", f"disk:{q}"]
     if "exact-b" in replicas:
-        rows["redis"] = TtftRow(tier="redis")
-        rows[f"redis:{q}"] = TtftRow(tier=f"redis:{q}")
+        names += ["redis", f"redis:{q}"]
+    rows = {name: TtftRow(tier=name) for name in names}
+    for name in ("exact", "lossy"):
+        # An exact request stores the prefix; the lossy configuration writes its copies through
+        # to its disk and Redis. What is written stays there for every repeat.
+        replicas[name].generate(prefix, max_tokens=1)
+        replicas[name].drop_upper_tiers()
     for repeat in range(options.repeats):
-        for name, row in rows.items():
+        turn = repeat % len(names)
+        for name in names[turn:] + names[:turn]:
             lossy = ":" in name
-            replica = replicas["lossy" if lossy else "exact"]
-            if name.startswith("disk"):
-                # An exact request stores the prefix (with the lossy tiers, their copies are
-                # written through to disk and Redis); then only disk and Redis hold it.
-                replica.generate(prefix, max_tokens=1)
-                replica.drop_upper_tiers()
-            elif name.startswith("redis"):  # the other replica, without a disk: from Redis
-                replica = replicas[("lossy" if lossy else "exact") + "-b"]
-                replica.drop_upper_tiers()
+            replica = replicas[("lossy" if lossy else "exact")
+                               + ("-b" if name.startswith("redis") else "")]
+            if name == DEVICE:
+                replica.generate(prefix, max_tokens=1)  # on the device now, wherever it was
+            elif name != COLD:
+                replica.drop_upper_tiers()  # left on disk and in Redis (lossy: copies only)
             _, usage = replica.generate(prefix + suffixes.next(), max_tokens=1,
                                         allow_lossy=lossy, no_cache=name == COLD)
-            check_served(usage, row.tier, len(prefix))
-            row.samples_ms.append(usage.ttft_ms)
+            check_served(usage, name, len(prefix))
+            rows[name].samples_ms.append(usage.ttft_ms)
         out.write(f"[lossy] TTFT repeat {repeat + 1}/{options.repeats}: "
                   + ", ".join(f"{n} {r.samples_ms[-1]:,.0f} ms" for n, r in rows.items())
                   + "\n")
@@ -402,156 +393,56 @@ def write_ttft_table(result: LossyResult, options: LossyOptions, out: TextIO) ->
     out.write(f"\nwarm TTFT: {options.tokens:,} cached tokens + a {options.suffix_tokens}-token "
               f"question, max_tokens 1 (Usage.ttft_ms; median of {options.repeats}, rows "
               "interleaved per repeat)\n")
-    out.write(f"{'served from':<12} {'p50 ms':>8}   samples ms\n")
+    out.write(f"{'served from':<12} {'p50 ms':>9} {'- device':>9}   samples ms\n")
+    device = result.ttft[DEVICE].p50_ms
     for name, row in result.ttft.items():
         samples = " ".join(f"{s:,.0f}" for s in row.samples_ms)
-        out.write(f"{name:<12} {row.p50_ms:>8,.1f}   {samples}\n")
+        beyond = "" if name in (COLD, DEVICE) else f"{row.p50_ms - device:,.1f}"
+        out.write(f"{name:<12} {row.p50_ms:>9,.1f} {beyond:>9}   {samples}\n")
     if result.redis_skipped is not None:
         out.write(f"redis: skipped ({result.redis_skipped})\n")
     for tier in ("disk", "redis"):
         if tier in result.ttft:
             ratio = result.ttft_ratio(tier)
             out.write(f"{tier}:{result.quantization} / {tier} p50: {ratio:.2f}x (target <= 0.6x: "
-                      f"{'met' if ratio <= 0.6 else 'NOT met'})\n")
+                      f"{'met' if ratio <= 0.6 else 'NOT met'}); beyond the device row: "
+                      f"{result.load_ratio(tier):.2f}x\n")
+    out.write("device: the prefix already on the device, so its TTFT is the question's compute "
+              "(and the engine's own); '- device' is what loading from the tier adds to it\n")
     out.flush()
 
 
 # ---- quality ---------------------------------------------------------------------------------
 
 
-def quality_texts(loaded: LoadedModel, num_tokens: int, held_out: int
-                  ) -> tuple[list[int], list[int], list[int]]:
-    """Prompt ``held_out``'s prefix (exactly ``num_tokens`` tokens of every paragraph of
-    ``PROSE`` but one, from a different first paragraph per prompt), its question, and the
-    held-out paragraph (never in the prefix)."""
-    kept = [p for i, p in enumerate(PROSE) if i != held_out]
-    kept = kept[held_out % len(kept):] + kept[: held_out % len(kept)]
-    text = f"Reading notes, part {held_out + 1}.\n\n"
-    section = 0
-    ids: list[int] = []
-    while len(ids) < num_tokens:
-        for paragraph in kept:
-            section += 1
-            text += f"Section {section}. {paragraph}\n\n"
-        ids = loaded.tokenizer.encode(text, add_special_tokens=False)
-    encode = loaded.tokenizer.encode
-    return (ids[:num_tokens], encode(QUESTIONS[held_out % len(QUESTIONS)],
-                                     add_special_tokens=False),
-            encode(f"\n\nAnother section. {PROSE[held_out]}", add_special_tokens=False))
-
-
-def agreement(cold: Sequence[int], other: Sequence[int], n: int) -> tuple[int, int]:
-    """(tokens equal before the first difference, positions equal) of two greedy generations
-    of at most ``n`` tokens; a generation that ended (end of sequence) holds "ended" after its
-    last token, so two that end alike agree there."""
-    a = list(cold[:n]) + [-1] * (n - len(cold[:n]))
-    b = list(other[:n]) + [-1] * (n - len(other[:n]))
-    leading = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), n)
-    return leading, sum(x == y for x, y in zip(a, b, strict=True))
-
-
 def _quality_row(loaded: LoadedModel, replicas: dict[str, _Replica], options: LossyOptions,
-                 codec: BlockCodec, numerics: BenchNumerics, index: int,
-                 out: TextIO) -> QualityRow:
+                 codec: BlockCodec, index: int, out: TextIO) -> QualityRow:
+    """Quality prompt ``index``: its greedy answers through the engine, cold and served lossy
+    from disk, and the direct measurements of ``gateway.bench.lossy_quality``."""
     q = options.quantization
-    prefix, question, held_out = quality_texts(loaded, options.tokens, index)
-    cold, usage = replicas["exact"].generate(prefix + question, max_tokens=AGREEMENT_TOKENS,
+    prefix, suffix, held_out = quality_texts(loaded, options.tokens, index)
+    cold, usage = replicas["exact"].generate(prefix + suffix, max_tokens=AGREEMENT_TOKENS,
                                             no_cache=True)
     check_served(usage, COLD, len(prefix))
     writer = replicas["lossy"]
     writer.generate(prefix, max_tokens=1)
     writer.drop_upper_tiers()
-    served, usage = writer.generate(prefix + question, max_tokens=AGREEMENT_TOKENS,
+    served, usage = writer.generate(prefix + suffix, max_tokens=AGREEMENT_TOKENS,
                                     allow_lossy=True)
     check_served(usage, f"disk:{q}", len(prefix))
     agreed, matched = agreement(cold, served, AGREEMENT_TOKENS)
 
-    exact = [KVBlock(keys=k, values=v) for k, v in
-             compute_block_kv(loaded, torch.tensor(prefix), options.block_tokens)]
-    lossy = [_lossy_copy(codec, block, prefix[i * options.block_tokens:
-                                              (i + 1) * options.block_tokens], numerics)
-             for i, block in enumerate(exact)]
-    step_exact, step_lossy = (logits_over(loaded, blocks, question, options.block_tokens)[-1]
-                              for blocks in (exact, lossy))
-    ppl_exact, ppl_lossy = (perplexity(logits_over(loaded, blocks, held_out,
-                                                   options.block_tokens), held_out)
-                            for blocks in (exact, lossy))
-    row = QualityRow(prompt=index + 1, agreed=agreed, matched=matched,
-                     max_logit_diff=float((step_exact - step_lossy).abs().max()),
-                     max_logit=float(step_exact.abs().max()),
-                     same_first_argmax=int(step_exact.argmax()) == int(step_lossy.argmax()),
-                     ppl_exact=ppl_exact, ppl_lossy=ppl_lossy)
+    direct = direct_quality(loaded, prefix, suffix, held_out, codec, options.block_tokens)
+    row = QualityRow(prompt=index + 1, cold_tokens=len(cold), lossy_tokens=len(served),
+                     cold_text=loaded.tokenizer.decode(cold),
+                     lossy_text=loaded.tokenizer.decode(served),
+                     agreed=agreed, matched=matched, max_logit_diff=direct.max_logit_diff,
+                     max_logit=direct.max_logit, same_first_argmax=direct.same_first_argmax,
+                     ppl_exact=direct.ppl_exact, ppl_lossy=direct.ppl_lossy)
     out.write(f"[lossy] quality prompt {index + 1}/{options.prompts}: agreed {agreed}/"
               f"{AGREEMENT_TOKENS}, max |dlogit| {row.max_logit_diff:.4f}, perplexity "
-              f"{ppl_exact:.3f} -> {ppl_lossy:.3f}\n")
+              f"{row.ppl_exact:.3f} -> {row.ppl_lossy:.3f}\n")
     out.flush()
     return row
 
 
-def _lossy_copy(codec: BlockCodec, block: KVBlock, tokens: Sequence[int],
-                numerics: BenchNumerics) -> KVBlock:
-    """What a lossy tier with ``codec`` serves of ``block``: its blob, decoded."""
-    meta = BlockMeta(key=BlockKey(os.urandom(16)), parent_key=BlockKey(bytes(16)),
-                     namespace_digest=bytes(32), owner="bench",
-                     tokens=torch.tensor(list(tokens), dtype=torch.int64).numpy()
-                     .astype("<u4").tobytes())
-    copy = codec.decode(codec.encode(meta, block), meta)
-    return KVBlock(keys=tuple(t.to(numerics.device) for t in copy.keys),
-                   values=tuple(t.to(numerics.device) for t in copy.values))
-
-
-def logits_over(loaded: LoadedModel, blocks: Sequence[KVBlock], tokens: Sequence[int],
-                block_tokens: int) -> torch.Tensor:
-    """The model's float32 logits at every position of ``tokens`` run on top of ``blocks``
-    (``[len(tokens), vocab]``)."""
-    capacity = len(blocks) * block_tokens + len(tokens)
-    pool = PagePool(loaded.layout, page_tokens=block_tokens, device=loaded.device,
-                    num_pages=-(-capacity // block_tokens) + 1)
-    sequence = KVSequence.from_blocks(pool, blocks, capacity)
-    try:
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=loaded.device)
-        with torch.inference_mode():
-            output = loaded.transformers_model()(input_ids=ids,
-                                                 past_key_values=make_sequence_cache(sequence),
-                                                 use_cache=True)
-        logits: torch.Tensor = output.logits[0].float()
-        return logits
-    finally:
-        sequence.release()
-
-
-def perplexity(logits: torch.Tensor, tokens: Sequence[int]) -> float:
-    """exp of the mean negative log-likelihood of ``tokens[1:]`` under ``logits[:-1]``."""
-    targets = torch.tensor(list(tokens[1:]), dtype=torch.long, device=logits.device)
-    nll = torch.nn.functional.cross_entropy(logits[:-1], targets)
-    return math.exp(float(nll))
-
-
-def write_quality_table(result: LossyResult, options: LossyOptions, out: TextIO) -> None:
-    q = result.quantization
-    rows = result.quality
-    n = AGREEMENT_TOKENS
-    out.write(f"\nquality: {len(rows)} prose prompts of {options.tokens:,} tokens + a question; "
-              f"cold (no_cache) vs the prefix served from disk:{q}, greedy\n")
-    out.write(f"{'prompt':<8} {'agreed':>7} {'matched':>8} {'max|dlogit|':>12} "
-              f"{'max|logit|':>11} {'argmax':>7} {'ppl exact':>10} {'ppl ' + q:>10} "
-              f"{'change':>8}\n")
-    for row in rows:
-        out.write(f"{row.prompt:<8} {row.agreed:>4}/{n:<2} {row.matched:>5}/{n:<2} "
-                  f"{row.max_logit_diff:>12.4f} {row.max_logit:>11.2f} "
-                  f"{'same' if row.same_first_argmax else 'differs':>7} {row.ppl_exact:>10.4f} "
-                  f"{row.ppl_lossy:>10.4f} {row.ppl_change * 100:>+7.2f}%\n")
-    total = n * len(rows)
-    ppl_exact = math.exp(statistics.fmean(math.log(r.ppl_exact) for r in rows))
-    ppl_lossy = math.exp(statistics.fmean(math.log(r.ppl_lossy) for r in rows))
-    out.write(f"{'overall':<8} {sum(r.agreed for r in rows):>4}/{total:<2} "
-              f"{sum(r.matched for r in rows):>5}/{total:<2} "
-              f"{max(r.max_logit_diff for r in rows):>12.4f} "
-              f"{max(r.max_logit for r in rows):>11.2f} "
-              f"{sum(r.same_first_argmax for r in rows):>5}/{len(rows)} {ppl_exact:>10.4f} "
-              f"{ppl_lossy:>10.4f} {(ppl_lossy / ppl_exact - 1) * 100:>+7.2f}%\n")
-    out.write(f"agreed: generated tokens equal to cold's before the first difference (of {n}); "
-              "matched: positions equal; max|dlogit|: largest |logit| difference at the first "
-              f"generated step, exact vs {q} prefix K/V (the model run directly; max|logit| for "
-              "scale); argmax: the first token's; ppl: perplexity of a held-out paragraph (not "
-              "in the prompt) given the prefix; overall: sums, maxima, geometric means\n")

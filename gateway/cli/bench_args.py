@@ -233,9 +233,11 @@ def add_bench_lossy(bench_sub: Any) -> None:
             In process, on the model and an engine over real caches (gateway.bench.lossy):
               - bytes per token of one real block, an exact tier's codec vs --format's;
               - warm TTFT at --tokens cached tokens from disk and from Redis, the exact tier
-                beside the same tier in --format, rows interleaved per repeat, and a cold row
-                (the tier that served each request is read from its usage and checked);
-              - quality over --prompts prose prompts: greedy agreement of 32 tokens with cold,
+                beside the same tier in --format, rows interleaved per repeat, a cold row and
+                a device row (the tier that served each request is read from its usage and
+                checked);
+              - quality over --prompts chats (a prose document, a question): greedy agreement
+                of 32 tokens with cold,
                 the largest |logit| difference at the first step, and the perplexity of a
                 held-out paragraph, exact vs lossy prefix K/V.
             Redis: a redis-server of its own on a free loopback port (--redis-server, or the
@@ -250,7 +252,7 @@ def add_bench_lossy(bench_sub: Any) -> None:
     lossy.add_argument("--tokens", type=int, default=2048,
                        help="cached prefix tokens, a multiple of --block-tokens (default: "
                             "%(default)s)")
-    lossy.add_argument("--repeats", type=int, default=3,
+    lossy.add_argument("--repeats", type=int, default=5,
                        help="timed requests per TTFT row; the table shows medians (default: "
                             "%(default)s)")
     lossy.add_argument("--prompts", type=int, default=3,

@@ -14,14 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.bench.lossy import (
-    AGREEMENT_TOKENS,
-    COLD,
-    LossyOptions,
-    agreement,
-    check_served,
-    run_lossy_benchmark,
-)
+from gateway.bench.lossy import COLD, DEVICE, LossyOptions, check_served, run_lossy_benchmark
+from gateway.bench.lossy_quality import AGREEMENT_TOKENS, agreement
 from gateway.bench.numerics import resolve_numerics
 from gateway.bench.rows import BenchError
 from gateway.cli.common import EXIT_USAGE
@@ -62,11 +56,11 @@ def test_the_bench_measures_bytes_ttft_and_quality_from_the_tiers_it_names(
 
     # TTFT: every row measured once, each request served from its row's tier (checked by the
     # bench on every usage: a request served from elsewhere fails the run).
-    expected = [COLD, "disk", "disk:int8"] + (["redis", "redis:int8"] if with_redis else [])
+    expected = [COLD, DEVICE, "disk", "disk:int8"] + (["redis", "redis:int8"] if with_redis else [])
     assert list(result.ttft) == expected
     assert all(r.tier == name and len(r.samples_ms) == 1 and r.samples_ms[0] > 0
                for name, r in result.ttft.items())
-    assert result.ttft_ratio("disk") > 0
+    assert result.ttft_ratio("disk") > 0 and isinstance(result.load_ratio("disk"), float)
     assert "disk:int8 / disk p50:" in text
     if with_redis:
         assert result.redis_skipped is None and result.ttft_ratio("redis") > 0
@@ -77,6 +71,8 @@ def test_the_bench_measures_bytes_ttft_and_quality_from_the_tiers_it_names(
     assert [q.prompt for q in result.quality] == [1, 2]
     for q in result.quality:
         assert 0 <= q.agreed <= q.matched <= AGREEMENT_TOKENS
+        assert 0 <= min(q.cold_tokens, q.lossy_tokens) <= max(q.cold_tokens,
+                                                               q.lossy_tokens) <= AGREEMENT_TOKENS
         assert math.isfinite(q.max_logit_diff) and q.max_logit_diff >= 0
         assert all(math.isfinite(p) and p > 0 for p in (q.ppl_exact, q.ppl_lossy))
     assert text.count("\noverall ") == 1
@@ -85,12 +81,14 @@ def test_the_bench_measures_bytes_ttft_and_quality_from_the_tiers_it_names(
 def test_a_request_served_from_another_tier_than_its_row_fails_the_run() -> None:
     check_served(usage({"disk:int8": TOKENS}, lossy=True), "disk:int8", TOKENS)
     check_served(usage({}), COLD, TOKENS)
+    check_served(usage({"device": TOKENS}), DEVICE, TOKENS)
     for served, tier in (
         (usage({"disk": TOKENS}), "redis"),
         (usage({"disk": TOKENS - BLOCK}), "disk"),
         (usage({"device": BLOCK, "disk": TOKENS - BLOCK}), "disk"),
         (usage({"disk:int8": TOKENS}, lossy=False), "disk:int8"),
         (usage({"redis": TOKENS}), COLD),
+        (usage({"disk": TOKENS}), DEVICE),
     ):
         with pytest.raises(BenchError, match="meant to serve"):
             check_served(served, tier, TOKENS)
