@@ -1,5 +1,5 @@
 """The options of ``kvgate bench ttft``, ``load`` and ``metrics`` (the benchmarks that spawn
-servers): their parsers only; ``gateway.cli.main`` runs them."""
+servers), and of ``lossy``: their parsers only; ``gateway.cli.main`` runs them."""
 
 from __future__ import annotations
 
@@ -237,12 +237,11 @@ def add_bench_lossy(bench_sub: Any) -> None:
                 a device row (the tier that served each request is read from its usage and
                 checked);
               - quality over --prompts chats (a prose document, a question): greedy agreement
-                of 32 tokens with cold,
-                the largest |logit| difference at the first step, and the perplexity of a
-                held-out paragraph, exact vs lossy prefix K/V.
+                of 32 tokens with cold, the largest |logit| difference at the first step,
+                and the perplexity of a held-out paragraph, exact vs lossy prefix K/V.
             Redis: a redis-server of its own on a free loopback port (--redis-server, or the
             one on PATH), stopped at the end; without one the Redis rows are skipped.
-            About 4 minutes on 2 idle CPU cores with the defaults."""))
+            About 4 minutes on 2 CPU cores with the defaults (docs/benchmarks.md)."""))
     lossy.add_argument("--model", default="bundled",
                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
     lossy.add_argument("--data-dir", type=Path, default=Path("data"),
