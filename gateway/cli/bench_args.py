@@ -1,5 +1,5 @@
 """The options of ``kvgate bench ttft``, ``load`` and ``metrics`` (the benchmarks that spawn
-servers): their parsers only; ``gateway.cli.main`` runs them."""
+servers), and of ``lossy``: their parsers only; ``gateway.cli.main`` runs them."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.cli.numerics_args import add_numerics_arguments
+from gateway.core.quantization import QUANTIZATIONS
 
 
 def add_bench_ttft(bench_sub: Any) -> None:
@@ -221,3 +222,43 @@ def add_bench_cluster(bench_sub: Any) -> None:
     cluster.add_argument("--router-drain-s", type=float, default=30.0, metavar="S",
                          help="SMG's --shutdown-grace-period-secs: how long a stopping SMG "
                               "waits for the requests it has in flight (default: %(default)s)")
+
+
+def add_bench_lossy(bench_sub: Any) -> None:
+    lossy = bench_sub.add_parser(
+        "lossy", help="lossy lower tiers: bytes per token, warm TTFT from disk and Redis, and "
+                      "what the answers lose (issue 28)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent("""\
+            In process, on the model and an engine over real caches (gateway.bench.lossy):
+              - bytes per token of one real block, an exact tier's codec vs --format's;
+              - warm TTFT at --tokens cached tokens from disk and from Redis, the exact tier
+                beside the same tier in --format, rows interleaved per repeat, a cold row and
+                a device row (the tier that served each request is read from its usage and
+                checked);
+              - quality over --prompts chats (a prose document, a question): greedy agreement
+                of 32 tokens with cold, the largest |logit| difference at the first step,
+                and the perplexity of a held-out paragraph, exact vs lossy prefix K/V.
+            Redis: a redis-server of its own on a free loopback port (--redis-server, or the
+            one on PATH), stopped at the end; without one the Redis rows are skipped.
+            About 4 minutes on 2 CPU cores with the defaults (docs/benchmarks.md)."""))
+    lossy.add_argument("--model", default="bundled",
+                       help="'bundled' (SmolLM2-135M) or a checkpoint directory")
+    lossy.add_argument("--data-dir", type=Path, default=Path("data"),
+                       help="model conversion cache and scratch files (default: %(default)s)")
+    lossy.add_argument("--format", choices=QUANTIZATIONS, default="int8",
+                       help="the lossy tiers' format (default: %(default)s)")
+    lossy.add_argument("--tokens", type=int, default=2048,
+                       help="cached prefix tokens, a multiple of --block-tokens (default: "
+                            "%(default)s)")
+    lossy.add_argument("--repeats", type=int, default=5,
+                       help="timed requests per TTFT row; the table shows medians (default: "
+                            "%(default)s)")
+    lossy.add_argument("--prompts", type=int, default=3,
+                       help="quality prompts, 1 to 8 (default: %(default)s)")
+    lossy.add_argument("--block-tokens", type=int, default=64,
+                       help="the cache's block size (default: %(default)s)")
+    lossy.add_argument("--redis-server", default=None, metavar="PATH",
+                       help="the redis-server to start (default: the one on PATH; none: the "
+                            "Redis rows are skipped)")
+    add_numerics_arguments(lossy, what="the model, its K/V and the device tier")

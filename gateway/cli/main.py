@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from gateway.cli.bench_args import (
     add_bench_cluster,
     add_bench_load,
+    add_bench_lossy,
     add_bench_metrics,
     add_bench_ttft,
 )
@@ -94,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_load(bench_sub)
     add_bench_metrics(bench_sub)
     add_bench_cluster(bench_sub)
+    add_bench_lossy(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
     config = sub.add_parser("config", help="the configuration file of `kvgate serve`")
@@ -256,6 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_metrics(args)
     if args.command == "bench" and args.bench == "cluster":
         return _bench_cluster(args)
+    if args.command == "bench" and args.bench == "lossy":
+        return _bench_lossy(args)
     if args.command == "serve":
         return _serve(args)
     if args.command == "generate":
@@ -383,6 +387,31 @@ def _bench_cluster(args: argparse.Namespace) -> int:
         run_cluster_benchmark(options, out=sys.stdout, err=sys.stderr)
     except (BenchError, ModelLoadError, ValueError) as exc:
         sys.stderr.write(f"kvgate bench cluster: {exc}\n")
+        return EXIT_FAILED
+    return 0
+
+
+def _bench_lossy(args: argparse.Namespace) -> int:
+    from gateway.bench.lossy import LossyOptions, run_lossy_benchmark
+    from gateway.bench.rows import BenchError
+    from gateway.engine.model import ModelLoadError
+
+    numerics = resolve_bench_numerics(args, command="kvgate bench lossy", err=sys.stderr)
+    if isinstance(numerics, int):
+        return numerics
+    redis = args.redis_server or shutil.which("redis-server")
+    if args.redis_server is not None and not os.access(args.redis_server, os.X_OK):
+        sys.stderr.write(f"kvgate bench lossy: --redis-server {args.redis_server}: not an "
+                         "executable file\n")
+        return EXIT_USAGE
+    options = LossyOptions(
+        model=args.model, data_dir=args.data_dir, quantization=args.format, tokens=args.tokens,
+        repeats=args.repeats, prompts=args.prompts, block_tokens=args.block_tokens,
+        redis_binary=redis, numerics=numerics)
+    try:
+        run_lossy_benchmark(options, out=sys.stdout)
+    except (BenchError, ModelLoadError) as exc:
+        sys.stderr.write(f"kvgate bench lossy: {exc}\n")
         return EXIT_FAILED
     return 0
 
