@@ -236,6 +236,16 @@ class SlabPool:
         self._num_slots += count
 
 
+def take_slot(pool: SlabPool, stats: StoreStats) -> torch.Tensor | None:
+    """A free slot of ``pool`` for a put; None (the put dropped, counted in ``stats``) when
+    the tier's budget is full. Hold the store's lock."""
+    slot = pool.take()
+    if slot is None:
+        stats.errors += 1
+        stats.notes["dropped_pool_full"] = int(stats.notes.get("dropped_pool_full", 0)) + 1
+    return slot
+
+
 class HostStore(BatchDefaults):
     """Block payloads in CPU memory, in slots of a slab pool.
 
@@ -292,11 +302,8 @@ class HostStore(BatchDefaults):
             if meta.key in self._blocks:
                 self._stats.puts += 1
                 return
-            slot = self._pool.take()
+            slot = take_slot(self._pool, self._stats)
             if slot is None:
-                self._stats.errors += 1
-                dropped = int(self._stats.notes.get("dropped_pool_full", 0))
-                self._stats.notes["dropped_pool_full"] = dropped + 1
                 return
         # The copy runs outside the lock; the block becomes readable only once it is complete.
         views = self._views(slot)

@@ -36,7 +36,7 @@ from tiers.kv_quant import (
     quantized_bytes_per_token,
     supported,
 )
-from tiers.memory import SlabPool, default_device
+from tiers.memory import SlabPool, default_device, take_slot
 from tiers.payload import KVBlock, KVLayout, PayloadError
 
 
@@ -140,11 +140,8 @@ class QuantizedHostStore(BatchDefaults):
             if meta.key in self._blocks:
                 self._stats.puts += 1
                 return
-            slot = self._pool.take()
+            slot = take_slot(self._pool, self._stats)
             if slot is None:
-                self._stats.errors += 1
-                dropped = int(self._stats.notes.get("dropped_pool_full", 0))
-                self._stats.notes["dropped_pool_full"] = dropped + 1
                 return
         # Quantized and copied outside the lock; readable only once the copy is complete.
         try:
