@@ -290,3 +290,18 @@ def test_a_block_dequantized_from_a_lossy_copy_is_never_inserted_as_exact(
     with cache.acquire(engine.namespace(ALICE), tokens) as exact:
         with pytest.raises(IndexInvariantError, match="dequantized from a lossy copy"):
             cache.insert(exact, tier="device", blocks=marked)
+
+
+def test_an_fp8_tier_serves_its_copies_under_its_own_name(tiny: LoadedModel,
+                                                          tmp_path: Path) -> None:
+    opened = open_cache(cache_config(tmp_path, quantize={"disk": "fp8"}), layout=tiny.layout,
+                        deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    try:
+        generate(engine, PROMPT)
+        drop_exact_copies(opened)
+        _, usage = generate(engine, PROMPT, allow_lossy=True)
+        assert usage.cached_tokens_by_tier == {"disk:fp8": 5 * BLOCK} and usage.lossy
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
