@@ -208,3 +208,32 @@ def test_each_preemption_is_counted_in_the_gateways_metrics(tiny: LoadedModel,
     finally:
         engine.stop(grace_s=5)
         opened.close()
+
+
+def test_a_lossy_request_preempted_resumes_on_the_same_lossy_kv(tiny: LoadedModel,
+                                                                 tmp_path: Path) -> None:
+    """A request that read lossy copies hands its K/V to the lossy namespace when preempted and
+    resumes from there: the same answer as never preempted, still said to be lossy."""
+    opened = open_cache(cache_config(tmp_path, block_tokens=BLOCK, quantize={"disk": "int8"}),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    engine = Engine(loaded=tiny, cache=opened.cache, pool=opened.pool,
+                    config=EngineConfig(block_tokens=BLOCK, max_running_per_tenant=1,
+                                        max_kv_share_per_tenant=1.0),
+                    deployment_secret=SECRET, kernels=batched_kernels(tiny, "auto"))
+    engine.start()
+    try:
+        unpreempted(engine, generation(BULK_PROMPT))  # stores the prompt, and its int8 copies
+        opened.cache.evict("device", 1 << 40)
+        opened.cache.evict("host", 1 << 40)
+        opened.hierarchy.flush(timeout_s=30.0)
+        bulk = GenerateRequest(prompt=PromptInput(token_ids=BULK_PROMPT), scope=ALICE,
+                               priority=5, sampling=SamplingParams(max_tokens=BULK_MAX_TOKENS),
+                               cache=CacheOptions(allow_lossy=True))
+        expected, first = Streamed(engine, bulk).result()
+        assert first.lossy and "disk:int8" in first.cached_tokens_by_tier
+        tokens, usage = preempted_while_decoding(engine, bulk)
+        assert tokens == expected
+        assert usage.lossy
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
