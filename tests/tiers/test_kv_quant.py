@@ -53,6 +53,21 @@ def test_int8_is_the_reference_value_for_value(x: npt.NDArray[np.float32]) -> No
 
 
 @PROPERTY
+@given(kv_rows(), st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_dequantizing_is_the_reference_product_rounded_once(
+        x: npt.NDArray[np.float32], dtype: torch.dtype) -> None:
+    """``q * s`` in float32 (an exact conversion, one rounded product), then rounded once to
+    the K/V dtype: the value every tier, device and machine must agree on."""
+    q, scales = quantize(torch.from_numpy(x), "int8")
+    want = (q.numpy().astype(np.float32) * scales.numpy()[..., None]).astype(np.float32)
+    got = dequantize(q, scales, dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, torch.from_numpy(want).to(dtype))
+    out = torch.empty(q.shape, dtype=dtype)
+    assert dequantize(q, scales, dtype, out=out) is out and torch.equal(out, got)
+
+
+@PROPERTY
 @given(kv_rows())
 def test_int8_error_is_at_most_half_a_step_of_the_rows_scale(
         x: npt.NDArray[np.float32]) -> None:
