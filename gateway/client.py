@@ -360,12 +360,14 @@ class KvgateClient:
         tools: Sequence[Mapping[str, object] | str] | None = None,
         add_generation_prompt: bool | None = None,
         shared: bool = False,
+        allow_lossy: bool = False,
         timeout_s: float | None = None,
     ) -> LookupResult:
-        """How much of the prompt is cached in the caller's scope (nothing is computed)."""
+        """How much of the prompt is cached in the caller's scope (nothing is computed); with
+        ``allow_lossy``, counting the lossy copies a Generate allowing them would read."""
         request = pb.LookupRequest(
             input=prompt_message(prompt, messages, token_ids, tools, add_generation_prompt),
-            scope=_scope(shared),
+            scope=_scope(shared), allow_lossy=allow_lossy,
         )
         r = self._unary(self._gateway.Lookup, request, timeout_s)
         return LookupResult(
@@ -374,7 +376,7 @@ class KvgateClient:
             num_prompt_blocks=r.num_prompt_blocks,
             diverges_at_block=r.diverges_at_block if r.HasField("diverges_at_block") else None,
             diverges_at_token=r.diverges_at_token if r.HasField("diverges_at_token") else None,
-            text_around_divergence=r.text_around_divergence,
+            text_around_divergence=r.text_around_divergence, lossy=r.lossy,
         )
 
     # ---- Admin -----------------------------------------------------------------------------

@@ -194,6 +194,8 @@ class WarmResult:
 class LookupRequest:
     prompt: PromptInput
     scope: Scope
+    allow_lossy: bool = False
+    """Count the lossy copies continuing the exact prefix too (as a Generate allowing them)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -211,3 +213,4 @@ class LookupResult:
     diverges_at_block: int | None
     diverges_at_token: int | None
     text_around_divergence: str
+    lossy: bool = False

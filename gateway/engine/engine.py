@@ -417,18 +417,28 @@ class Engine:
         prompt = self._canonical(request.prompt)
         tokens = prompt.token_ids
         bt = self._config.block_tokens
+        is_lossy = False
         if self._cache is None:
             match_tiers: tuple[str, ...] = ()
             diverges: int | None = 0 if len(tokens) >= bt else None
             num_blocks = len(tokens) // bt
         else:
-            match = self._cache.lookup(self._namespace(request.scope), tokens)
+            own = self._namespace(request.scope)
+            match = self._cache.lookup(own, tokens)
             match_tiers = match.tiers
-            if request.scope.kind == "tenant":
-                shared = self._cache.lookup(self._namespace(Scope.shared()), tokens)
-                if shared.num_blocks > match.num_blocks:
-                    # Which tier holds a shared block tells of other tenants: not said.
-                    match, match_tiers = shared, (SHARED_SCOPE_TIER,) * shared.num_blocks
+            shared = (self._cache.lookup(self._namespace(Scope.shared()), tokens)
+                      if request.scope.kind == "tenant" else None)
+            lossy = self._cache.lossy_namespace(own) if request.allow_lossy else None
+            if shared is not None and shared.num_blocks > match.num_blocks:
+                # Which tier holds a shared block tells of other tenants: not said.
+                match, match_tiers = shared, (SHARED_SCOPE_TIER,) * shared.num_blocks
+            elif lossy is not None:  # its own prefix, continued as RequestBlocks would
+                further = self._cache.lookup(lossy, tokens)
+                if further.num_blocks > match.num_blocks:
+                    match_tiers = (*match_tiers, *(f"{tier}:{lossy.quantization}" for tier
+                                                   in further.tiers[match.num_blocks:]))
+                    match = further
+                    is_lossy = True
             diverges, num_blocks = match.diverges_at_block, match.num_prompt_blocks
         by_tier: dict[str, int] = {}
         for tier in match_tiers:
@@ -447,6 +457,7 @@ class Engine:
             diverges_at_block=diverges,
             diverges_at_token=at_token,
             text_around_divergence=around,
+            lossy=is_lossy,
         )
 
     def cold_blocks(self, tokens: TokenIds) -> list[KVBlock]:

@@ -285,6 +285,7 @@ def lookup_response(result: LookupResult) -> pb.LookupResponse:
         diverges_at_block=result.diverges_at_block,
         diverges_at_token=result.diverges_at_token,
         text_around_divergence=result.text_around_divergence,
+        lossy=result.lossy,
     )
 
 
@@ -424,7 +425,8 @@ class GatewayServicer:
     ) -> pb.LookupResponse:
         engine = self._engines.get()
         record = LookupRequest(prompt=prompt_input(request.input, self._limits.prompt),
-                               scope=scope_for(principal, request.scope))
+                               scope=scope_for(principal, request.scope),
+                               allow_lossy=request.allow_lossy)
         return lookup_response(engine.lookup(record))
 
     def _deadline(self, context: Any) -> float:

@@ -172,15 +172,17 @@ class WarmResponse(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_new_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("input", "scope")
+    __slots__ = ("input", "scope", "allow_lossy")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_LOSSY_FIELD_NUMBER: _ClassVar[int]
     input: PromptInput
     scope: Scope
-    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., scope: _Optional[_Union[Scope, str]] = ...) -> None: ...
+    allow_lossy: bool
+    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., scope: _Optional[_Union[Scope, str]] = ..., allow_lossy: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "num_prompt_blocks", "diverges_at_block", "diverges_at_token", "text_around_divergence")
+    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "num_prompt_blocks", "diverges_at_block", "diverges_at_token", "text_around_divergence", "lossy")
     class CachedTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +197,7 @@ class LookupResponse(_message.Message):
     DIVERGES_AT_BLOCK_FIELD_NUMBER: _ClassVar[int]
     DIVERGES_AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TEXT_AROUND_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    LOSSY_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: _containers.ScalarMap[str, int]
@@ -202,7 +205,8 @@ class LookupResponse(_message.Message):
     diverges_at_block: int
     diverges_at_token: int
     text_around_divergence: str
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., num_prompt_blocks: _Optional[int] = ..., diverges_at_block: _Optional[int] = ..., diverges_at_token: _Optional[int] = ..., text_around_divergence: _Optional[str] = ...) -> None: ...
+    lossy: bool
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., num_prompt_blocks: _Optional[int] = ..., diverges_at_block: _Optional[int] = ..., diverges_at_token: _Optional[int] = ..., text_around_divergence: _Optional[str] = ..., lossy: _Optional[bool] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -19,7 +19,14 @@ from gateway.cache.session_admin import drop_session
 from gateway.cache.tags import tag_prompt
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import IndexInvariantError
-from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
+from gateway.core.requests import (
+    CacheOptions,
+    GenerateRequest,
+    LookupRequest,
+    SamplingParams,
+    TokenDelta,
+    Usage,
+)
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine
 from gateway.engine.model import LoadedModel
@@ -305,3 +312,22 @@ def test_an_fp8_tier_serves_its_copies_under_its_own_name(tiny: LoadedModel,
     finally:
         engine.stop(grace_s=5)
         opened.close()
+
+
+def test_a_lookup_that_allows_lossy_copies_counts_them_under_their_format(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    generate(engine, PROMPT[:2 * BLOCK])
+    generate(engine, PROMPT)
+    opened.cache.evict("device", 1 << 40)  # the exact copies go to the host tier
+    opened.cache.evict("host", 1 << 40)  # and then nowhere: the disk below is lossy
+    generate(engine, PROMPT[:2 * BLOCK])  # the first two blocks are exact again
+    prompt = PromptInput(token_ids=PROMPT)
+    exact = engine.lookup(LookupRequest(prompt=prompt, scope=ALICE))
+    assert exact.cached_tokens_by_tier == {"device": 2 * BLOCK} and not exact.lossy
+    both = engine.lookup(LookupRequest(prompt=prompt, scope=ALICE, allow_lossy=True))
+    assert both.lossy
+    assert both.cached_tokens_by_tier == {"device": 2 * BLOCK, "disk:int8": 3 * BLOCK}
+    assert both.cached_tokens == 5 * BLOCK and both.diverges_at_block is None
+    _, usage = generate(engine, PROMPT, allow_lossy=True)  # what a Generate then reads
+    assert usage.cached_tokens_by_tier == both.cached_tokens_by_tier

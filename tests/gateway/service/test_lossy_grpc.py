@@ -53,8 +53,12 @@ def test_a_client_that_allows_lossy_copies_is_told_its_answer_is_lossy(
     client = running.client(KEY_A)
     client.generate_text(LONG_PROMPT, max_tokens=4)
     drop_exact_copies(running)
+    assert client.lookup(LONG_PROMPT).cached_tokens == 0
+    found = client.lookup(LONG_PROMPT, allow_lossy=True)
+    assert found.lossy is True and set(found.cached_tokens_by_tier) == {"disk:int8"}
     _, usage = client.generate_text(LONG_PROMPT, max_tokens=4, allow_lossy=True)
     assert usage.lossy is True
+    assert usage.cached_tokens_by_tier == found.cached_tokens_by_tier
     assert set(usage.cached_tokens_by_tier) == {"disk:int8"}
     assert usage.cached_tokens == usage.cached_tokens_by_tier["disk:int8"] > 0
     assert metrics.port is not None
