@@ -105,8 +105,8 @@ class DeviceStore(BatchDefaults):
         """A copy of ``block`` in memory of this tier's own (a new page, with a pool)."""
         if self.pool is None:
             return _copy_to(block, self.device)
-        page = self.pool.allocate()
-        self.pool.fill(page, block)
+        page = self.pool.allocate(zeroed=block.num_tokens < self.pool.page_tokens)
+        self.pool.fill(page, block)  # every token of a full block: no zeroing first
         return self.pool.block(page)
 
     def _hold_storage(self, block: KVBlock) -> None:
