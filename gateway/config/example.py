@@ -94,6 +94,8 @@ max_sessions_per_tenant = 10000 # past it, a tenant's least recently used sessio
 # quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }   # per tenant, in every tier
 # tenant_quota = { device = "512MiB", host = "1GiB", disk = "2GiB" }  # every other tenant's
 # redis_write_bytes_per_s = "64MiB"   # per tenant: past it, the rest of a chain stays local
+# quantize = { disk = "int8", redis = "int8" }  # lossy copies (~0.27x the bytes), read only by
+#                               #   requests that set allow_lossy; their answers say lossy
 
 [http]                          # the OpenAI-compatible API: http://HOST:PORT/v1
 enabled = true                  # same engine, keys, limits and metrics as gRPC; TLS as [server]
