@@ -42,12 +42,13 @@ MAX_TOKENS = 10
 
 
 def generate(engine: Engine, tokens: list[int], *, allow_lossy: bool = False,
-             no_cache: bool = False, session: str | None = None) -> tuple[list[int], Usage]:
+             no_cache: bool = False, session: str | None = None,
+             max_tokens: int = MAX_TOKENS) -> tuple[list[int], Usage]:
     ids: list[int] = []
     usage = None
     for event in engine.generate(GenerateRequest(
             prompt=PromptInput(token_ids=tokens), scope=ALICE,
-            sampling=SamplingParams(max_tokens=MAX_TOKENS),
+            sampling=SamplingParams(max_tokens=max_tokens),
             cache=CacheOptions(allow_lossy=allow_lossy, no_cache=no_cache,
                                session_id=session))):
         if isinstance(event, TokenDelta):
@@ -331,3 +332,18 @@ def test_a_lookup_that_allows_lossy_copies_counts_them_under_their_format(
     assert both.cached_tokens == 5 * BLOCK and both.diverges_at_block is None
     _, usage = generate(engine, PROMPT, allow_lossy=True)  # what a Generate then reads
     assert usage.cached_tokens_by_tier == both.cached_tokens_by_tier
+
+
+def test_a_lossy_conversation_continues_from_its_lossy_tail(
+        lossy_disk: tuple[Engine, OpenedCache]) -> None:
+    engine, opened = lossy_disk
+    assert engine.route.decode_kv_is_prefill_kv, engine.route.reason  # tails are kept
+    generate(engine, PROMPT)
+    drop_exact_copies(opened)
+    prompt = PROMPT[:5 * BLOCK + 5]
+    answer, first = generate(engine, prompt, allow_lossy=True)
+    assert first.lossy and len(answer) == MAX_TOKENS
+    held = len(prompt) + len(answer) - 1  # 94: five blocks and a 14-token tail
+    _, usage = generate(engine, prompt + answer + [3, 4, 5, 6, 7], allow_lossy=True)
+    assert usage.lossy
+    assert usage.cached_tokens_by_tier == {"device:int8": held}  # its blocks and its tail
