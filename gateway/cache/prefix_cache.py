@@ -408,7 +408,7 @@ class PrefixCache:
         if not local and not to_remote:
             return
         fp = self.fingerprinter(lossy)
-        keys = fp.block_keys(lease.tokens)
+        keys = fp.block_keys(lease.tokens[:end * self.block_tokens])  # no further than written
         if local:
             with placement.locked():
                 _, held, _ = self.match_records(lossy, lease.tokens, keys)

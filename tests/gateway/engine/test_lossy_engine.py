@@ -9,11 +9,13 @@ through to the disk (docs/design.md, "Lossy tiers").
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 
 from gateway.cache.admin import evict_where
+from gateway.cache.base import TierEvents
 from gateway.cache.factory import OpenedCache, open_cache
 from gateway.cache.session_admin import drop_session
 from gateway.cache.tags import tag_prompt
@@ -69,14 +71,27 @@ def drop_exact_copies(opened: OpenedCache) -> None:
     opened.hierarchy.flush(timeout_s=30.0)
 
 
+@contextmanager
+def serving(tiny: LoadedModel, root: Path, *, tier_events: TierEvents | None = None,
+            **overrides: object) -> Iterator[tuple[Engine, OpenedCache]]:
+    """An engine over the tiers of ``cache_config(root, **overrides)``, stopped (and its cache
+    closed) when the block ends."""
+    opened = open_cache(cache_config(root, **overrides), layout=tiny.layout,
+                        deployment_secret=SECRET, tier_events=tier_events)
+    try:
+        engine = make_engine(tiny, opened)
+        try:
+            yield engine, opened
+        finally:
+            engine.stop(grace_s=5)
+    finally:
+        opened.close()
+
+
 @pytest.fixture
 def lossy_disk(tiny: LoadedModel, tmp_path: Path) -> Iterator[tuple[Engine, OpenedCache]]:
-    opened = open_cache(cache_config(tmp_path, quantize={"disk": "int8"}),
-                        layout=tiny.layout, deployment_secret=SECRET)
-    engine = make_engine(tiny, opened)
-    yield engine, opened
-    engine.stop(grace_s=5)
-    opened.close()
+    with serving(tiny, tmp_path, quantize={"disk": "int8"}) as stack:
+        yield stack
 
 
 def disk_namespaces(opened: OpenedCache) -> set[str | None]:
@@ -148,17 +163,9 @@ def test_what_a_lossy_request_computes_is_stored_lossy_and_served_alike(
 
 def test_lossy_copies_are_served_again_after_a_restart(tiny: LoadedModel,
                                                        tmp_path: Path) -> None:
-    config = cache_config(tmp_path, quantize={"disk": "int8"})
-    opened = open_cache(config, layout=tiny.layout, deployment_secret=SECRET)
-    engine = make_engine(tiny, opened)
-    try:
+    with serving(tiny, tmp_path, quantize={"disk": "int8"}) as (engine, _):
         generate(engine, PROMPT)
-    finally:
-        engine.stop(grace_s=5)
-        opened.close()
-    opened = open_cache(config, layout=tiny.layout, deployment_secret=SECRET)
-    engine = make_engine(tiny, opened)
-    try:
+    with serving(tiny, tmp_path, quantize={"disk": "int8"}) as (engine, opened):
         # The prompt's five blocks and the one its answer filled (87 + 10 tokens, 96 computed).
         assert opened.num_recovered_blocks == 6
         assert disk_namespaces(opened) == {"int8"}
@@ -166,49 +173,33 @@ def test_lossy_copies_are_served_again_after_a_restart(tiny: LoadedModel,
         assert usage.cached_tokens_by_tier == {"disk:int8": 5 * BLOCK} and usage.lossy
         _, usage = generate(engine, PROMPT)
         assert usage.cached_tokens == 0 and not usage.lossy
-    finally:
-        engine.stop(grace_s=5)
-        opened.close()
 
 
 def test_a_lossy_redis_serves_another_replica_only_what_was_asked_for(
         tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer) -> None:
-    replicas = []
-    for name in ("a", "b"):
-        opened = open_cache(cache_config(tmp_path / name, disk_bytes=0, disk_path=None,
-                                         redis_url=redis_server.url, remote_write=True,
-                                         quantize={"redis": "int8"}),
-                            layout=tiny.layout, deployment_secret=SECRET)
-        replicas.append((make_engine(tiny, opened), opened))
-    try:
-        (first, first_cache), (second, _) = replicas
+    with ExitStack() as stack:
+        (first, first_cache), (second, _) = (
+            stack.enter_context(serving(tiny, tmp_path / name, disk_bytes=0, disk_path=None,
+                                        redis_url=redis_server.url, remote_write=True,
+                                        quantize={"redis": "int8"}))
+            for name in ("a", "b"))
         generate(first, PROMPT)
         first_cache.hierarchy.flush(timeout_s=30.0)
         _, usage = generate(second, PROMPT, allow_lossy=True)
         assert usage.cached_tokens_by_tier == {"redis:int8": 5 * BLOCK} and usage.lossy
         _, usage = generate(second, PROMPT)
         assert usage.cached_tokens == 0 and not usage.lossy
-    finally:
-        for engine, opened in replicas:
-            engine.stop(grace_s=5)
-            opened.close()
 
 
 def test_a_lossy_host_tier_keeps_its_copies_quantized_and_serves_them(
         tiny: LoadedModel, tmp_path: Path) -> None:
-    opened = open_cache(cache_config(tmp_path, quantize={"host": "int8", "disk": "int8"}),
-                        layout=tiny.layout, deployment_secret=SECRET)
-    engine = make_engine(tiny, opened)
-    try:
+    with serving(tiny, tmp_path, quantize={"host": "int8", "disk": "int8"}) as (engine, opened):
         generate(engine, PROMPT)
         opened.cache.evict("device", 1 << 40)  # exact blocks: no exact tier below, dropped
         host = opened.hierarchy.store("host").stats()
         assert host.notes["quantization"] == "int8"
         _, usage = generate(engine, PROMPT, allow_lossy=True)
         assert usage.cached_tokens_by_tier == {"host:int8": 5 * BLOCK} and usage.lossy
-    finally:
-        engine.stop(grace_s=5)
-        opened.close()
 
 
 def test_a_session_reset_drops_the_lossy_copies_of_its_blocks(
@@ -238,14 +229,8 @@ def test_evicting_a_tag_drops_the_lossy_copies_of_its_blocks(
 def test_turning_a_tiers_format_on_or_off_drops_its_blocks_at_the_next_start(
         tiny: LoadedModel, tmp_path: Path, before: dict[str, str],
         after: dict[str, str]) -> None:
-    opened = open_cache(cache_config(tmp_path, quantize=before), layout=tiny.layout,
-                        deployment_secret=SECRET)
-    engine = make_engine(tiny, opened)
-    try:
+    with serving(tiny, tmp_path, quantize=before) as (engine, _):
         generate(engine, PROMPT)
-    finally:
-        engine.stop(grace_s=5)
-        opened.close()
     opened = open_cache(cache_config(tmp_path, quantize=after), layout=tiny.layout,
                         deployment_secret=SECRET)
     try:
@@ -267,18 +252,13 @@ def test_lossy_copies_are_not_announced_to_routers(tiny: LoadedModel, tmp_path: 
         def cleared(self) -> None:
             pass
 
-    opened = open_cache(cache_config(tmp_path, quantize={"disk": "int8"}), layout=tiny.layout,
-                        deployment_secret=SECRET, tier_events=Listener())
-    engine = make_engine(tiny, opened)
-    try:
+    with serving(tiny, tmp_path, tier_events=Listener(),
+                 quantize={"disk": "int8"}) as (engine, opened):
         generate(engine, PROMPT)
         drop_exact_copies(opened)
         generate(engine, PROMPT, allow_lossy=True)  # lossy pages on the device now
         exact = engine.namespace(ALICE).digest
         assert announced and {digest for digest, _ in announced} == {exact}
-    finally:
-        engine.stop(grace_s=5)
-        opened.close()
 
 
 def test_a_block_dequantized_from_a_lossy_copy_is_never_inserted_as_exact(
@@ -302,17 +282,11 @@ def test_a_block_dequantized_from_a_lossy_copy_is_never_inserted_as_exact(
 
 def test_an_fp8_tier_serves_its_copies_under_its_own_name(tiny: LoadedModel,
                                                           tmp_path: Path) -> None:
-    opened = open_cache(cache_config(tmp_path, quantize={"disk": "fp8"}), layout=tiny.layout,
-                        deployment_secret=SECRET)
-    engine = make_engine(tiny, opened)
-    try:
+    with serving(tiny, tmp_path, quantize={"disk": "fp8"}) as (engine, opened):
         generate(engine, PROMPT)
         drop_exact_copies(opened)
         _, usage = generate(engine, PROMPT, allow_lossy=True)
         assert usage.cached_tokens_by_tier == {"disk:fp8": 5 * BLOCK} and usage.lossy
-    finally:
-        engine.stop(grace_s=5)
-        opened.close()
 
 
 def test_a_lookup_that_allows_lossy_copies_counts_them_under_their_format(
