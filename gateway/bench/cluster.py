@@ -104,6 +104,8 @@ class PolicyResult:
     """How long the restart took, from SIGTERM to the new SMG's workers ready (None: none)."""
     num_resent: int = 0
     """Requests sent again (once or more) after no model saw them."""
+    per_replica: tuple[int, ...] = ()
+    """Generations each replica finished (its ``kvgate_requests_total``), in replica order."""
 
     def answers(self) -> dict[tuple[int, int], str]:
         return {(r.user or 0, r.round_index or 0): r.text for r in self.replies}
@@ -145,7 +147,7 @@ def run_cluster_benchmark(options: ClusterOptions, *, out: TextIO,
     results = []
     num_users = options.families * options.users
     for policy in options.policies:
-        with _cluster(options, policy, err) as (router, api_key, model):
+        with _cluster(options, policy, err) as (router, api_key, model, http_ports):
             progress = _Progress()
             sessions: list[HttpSession] = []
 
@@ -171,10 +173,12 @@ def run_cluster_benchmark(options: ClusterOptions, *, out: TextIO,
             finally:
                 progress.finish()
                 away_s = restart.join() if restart is not None else None
+            per_replica = tuple(_requests_served(port) for port in http_ports)
         err.write(f"[cluster] {policy}: {len(replies)} requests in {wall:.1f} s\n")
         results.append(PolicyResult(policy=policy, replies=replies, wall_s=wall,
                                     router_away_s=away_s,
-                                    num_resent=sum(s.num_resent for s in sessions)))
+                                    num_resent=sum(s.num_resent for s in sessions),
+                                    per_replica=per_replica))
     print_table(options, results, out)
     return results
 
@@ -310,9 +314,9 @@ class SmgRouter:
 
 @contextmanager
 def _cluster(options: ClusterOptions, policy: str,
-             err: TextIO) -> Iterator[tuple[SmgRouter, str, str]]:
-    """A Redis, the replicas and SMG in front of them; yields SMG, the tenant key and the
-    served model's name (which SMG routes by)."""
+             err: TextIO) -> Iterator[tuple[SmgRouter, str, str, list[int]]]:
+    """A Redis, the replicas and SMG in front of them; yields SMG, the tenant key, the
+    served model's name (which SMG routes by) and the replicas' HTTP ports."""
     api_key = "kvg-bench-" + secrets.token_urlsafe(24)
     # SMG's own key: it lists each worker's models with it, and must differ from the tenant's.
     router_key = "kvg-bench-router-" + secrets.token_urlsafe(24)
@@ -343,7 +347,18 @@ def _cluster(options: ClusterOptions, policy: str,
         assert router.proc is not None
         err.write(f"[cluster] smg --policy {policy} (pid {router.proc.pid}) on "
                   f"127.0.0.1:{router.port} in front of {len(endpoints)} replicas\n")
-        yield router, api_key, _served_model(endpoints[0].http_port, api_key)
+        http_ports = [e.http_port for e in endpoints if e.http_port is not None]
+        yield router, api_key, _served_model(http_ports[0], api_key), http_ports
+
+
+def _requests_served(http_port: int) -> int:
+    """The generations a replica finished, however they ended: the sum of its
+    ``kvgate_requests_total`` series on its API port's ``/metrics``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/metrics",
+                                timeout=30) as response:
+        text = response.read().decode()
+    return round(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                     if line.startswith("kvgate_requests_total")))
 
 
 def _lists_a_model(port: int, api_key: str) -> bool:
@@ -374,7 +389,7 @@ def print_table(options: ClusterOptions, results: Sequence[PolicyResult], out: T
               f"users x {options.rounds} rounds x {options.max_tokens} tokens (greedy, "
               "streamed)\n\n")
     out.write(f"{'policy':<14}{'reqs':>6}{'TTFT p50':>10}{'TTFT p99':>10}{'req/s':>8}"
-              f"{'cached':>8}{'own memory':>12}{'Redis':>8}\n" + "-" * 76 + "\n")
+              f"{'cached':>8}{'own memory':>12}{'Redis':>8}  per replica\n" + "-" * 89 + "\n")
     for r in results:
         ttfts = [reply.ttft_s * 1e3 for reply in r.replies]
         own = r.cached_share(LOCAL_TIERS)
@@ -383,7 +398,15 @@ def print_table(options: ClusterOptions, results: Sequence[PolicyResult], out: T
         out.write(f"{r.policy:<14}{len(r.replies):>6}{percentile(ttfts, 0.5):>10,.0f}"
                   f"{percentile(ttfts, 0.99):>10,.0f}"
                   f"{len(r.replies) / r.wall_s if r.wall_s else 0.0:>8.2f}"
-                  f"{_fraction(cached):>8}{_fraction(own):>12}{_fraction(redis):>8}\n")
+                  f"{_fraction(cached):>8}{_fraction(own):>12}{_fraction(redis):>8}  "
+                  f"{'/'.join(str(n) for n in r.per_replica) or 'n/a'}\n")
+    out.write("\n")
+    for r in results:
+        rounds = sorted({reply.round_index or 0 for reply in r.replies})
+        p50s = [percentile([x.ttft_s * 1e3 for x in r.replies if (x.round_index or 0) == i], 0.5)
+                for i in rounds]
+        out.write(f"{r.policy}: TTFT p50 by round " + " / ".join(f"{p:,.0f}" for p in p50s)
+                  + " ms\n")
     num_requests = options.families * options.users * options.rounds
     for r in results:
         if r.router_away_s is not None:
@@ -396,7 +419,8 @@ def print_table(options: ClusterOptions, results: Sequence[PolicyResult], out: T
         out.write(f"\nanswers equal under every policy: {'yes' if same else 'NO'}\n")
     out.write("\nTTFT in ms, client side through SMG. cached: cached / prompt tokens. own memory "
               "and Redis: of the cached tokens, the share a replica served from its device and "
-              "host tiers, and from Redis (kvgate's usage.kvgate.cached_tokens_by_tier).\n")
+              "host tiers, and from Redis (kvgate's usage.kvgate.cached_tokens_by_tier). per "
+              "replica: the generations each replica finished (its kvgate_requests_total).\n")
 
 
 def _fraction(value: float | None) -> str:

@@ -51,8 +51,9 @@ def test_both_policies_answer_every_request_alike_through_a_router_restart(
         r"^(cache_aware|round_robin)\s+(.*)$", done.stdout, re.MULTILINE)}
     assert set(rows) == {"cache_aware", "round_robin"}, done.stdout
     for columns in rows.values():
-        requests, _, _, _, cached, own, redis = columns
+        requests, _, _, _, cached, own, redis, per_replica = columns
         assert int(requests) == 2 * ROUNDS  # 2 families x 1 user
+        assert int(per_replica) == 2 * ROUNDS  # the one replica finished each exactly once
         assert 0 < float(cached) <= 1  # each later round reuses its first round's blocks
         assert float(own) + float(redis) <= 1.0001
     restarts = re.findall(r"^(cache_aware|round_robin): smg restarted after 2 answers, away "
@@ -60,6 +61,10 @@ def test_both_policies_answer_every_request_alike_through_a_router_restart(
                           "requests answered$", done.stdout, re.MULTILINE)
     assert sorted(restarts) == ["cache_aware", "round_robin"], done.stdout
     assert "answers equal under every policy: yes" in done.stdout
+    by_round = re.findall(r"^(cache_aware|round_robin): TTFT p50 by round ((?:[\d,]+ / )*[\d,]+) ms$",
+                          done.stdout, re.MULTILINE)
+    assert {policy: len(p50s.split(" / ")) for policy, p50s in by_round} == {
+        "cache_aware": ROUNDS, "round_robin": ROUNDS}, done.stdout
 
 
 def test_a_missing_smg_is_named_with_how_to_install_it(tmp_path: Path) -> None:
