@@ -105,6 +105,48 @@ static inline void scores4(const float *qh, const float *key, int head_dim, floa
     out[3] = tree8(a3);
 }
 
+/* tree8 of eight vectors at once, out[i] = tree8(a[i]) bit for bit: the same additions of the
+   same pairs (a sum's bits do not depend on the order of its two operands), done across
+   vectors instead of lane by lane: (l, l+4), then (l, l+2) of those, then the last two. */
+static inline void tree8x8(const v8 *a, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 pairs[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 x = (__m256)a[2 * i], y = (__m256)a[2 * i + 1];
+        pairs[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20),
+                                 _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    /* pairs[i]: a[2i]'s (0+4, 1+5, 2+6, 3+7) in the low half, a[2i+1]'s in the high half. */
+    const __m256 quads0 = _mm256_add_ps(
+        _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 quads1 = _mm256_add_ps(
+        _mm256_shuffle_ps(pairs[2], pairs[3], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm256_shuffle_ps(pairs[2], pairs[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quads: per vector, (0+4)+(2+6) then (1+5)+(3+7); low halves a[0], a[2] | a[4], a[6]. */
+    const __m256 sums = _mm256_add_ps(
+        _mm256_shuffle_ps(quads0, quads1, _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm256_shuffle_ps(quads0, quads1, _MM_SHUFFLE(3, 1, 3, 1)));
+    /* sums: a[0], a[2], a[4], a[6], a[1], a[3], a[5], a[7]. */
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3,
+                                                                           7)));
+#else
+    for (int i = 0; i < 8; i++) out[i] = tree8(a[i]);
+#endif
+}
+
+/* The score of one query row against eight keys, side by side (eight independent chains, each
+   the one score1 computes). */
+static inline void scores8(const float *qh, const float *key, int head_dim, float *out) {
+    v8 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = splat8(0.0f);
+    for (int c = 0; c < head_dim / 8; c++) {
+        const v8 qc = load8(qh + 8 * c);
+        for (int i = 0; i < 8; i++) acc[i] = fma8(qc, load8(key + i * head_dim + 8 * c), acc[i]);
+    }
+    tree8x8(acc, out);
+}
+
 static inline float score1(const float *qh, const float *key, int head_dim) {
     v8 acc = splat8(0.0f);
     for (int c = 0; c < head_dim / 8; c++) acc = fma8(load8(qh + 8 * c), load8(key + 8 * c), acc);
@@ -142,7 +184,7 @@ static float weigh(float *s, int64_t n, int64_t padded) {
    position + 1); scores: scratch of rows * rep * `padded` floats, padded >= every n[r] rounded
    up to 8; acc: scratch of rows * rep * head_dim floats; out[r]: row r's output, rep rows of
    head_dim. */
-static void attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
+static inline __attribute__((always_inline)) void attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
                         const float *v_head, int64_t page_stride, int page_tokens,
                         const int64_t *table, const int64_t *n, int64_t padded, float *scores,
                         float *acc, float *denominator, float *const *out) {
@@ -159,6 +201,7 @@ static void attend_rows(const float *q, int rows, int rep, int head_dim, const f
                 const float *qh = q + ((int64_t)r * rep + h) * head_dim;
                 float *s = scores + ((int64_t)r * rep + h) * padded + start;
                 int64_t t = 0;
+                for (; t + 8 <= count; t += 8) scores8(qh, kp + t * head_dim, head_dim, s + t);
                 for (; t + 4 <= count; t += 4) scores4(qh, kp + t * head_dim, head_dim, s + t);
                 for (; t < count; t++) s[t] = score1(qh, kp + t * head_dim, head_dim);
             }
@@ -261,9 +304,20 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
                 n[r] = row_position[row] + 1;
                 row_out[r] = out + (row * heads + (int64_t)g * rep) * head_dim;
             }
-            attend_rows(q, count, rep, head_dim, keys + g * head_stride, values + g * head_stride,
-                        page_stride, page_tokens, tables + row_item[first] * table_stride, n,
-                        padded, scores, acc, denominator, row_out);
+            const float *k_head = keys + g * head_stride, *v_head = values + g * head_stride;
+            const int64_t *table = tables + row_item[first] * table_stride;
+            /* The common head sizes as constants: the compiler then keeps the accumulators in
+               registers and the keys' offsets in the instructions (speed only: every path runs
+               the same operations in the same order). */
+            if (head_dim == 64)
+                attend_rows(q, count, rep, 64, k_head, v_head, page_stride, page_tokens, table, n,
+                            padded, scores, acc, denominator, row_out);
+            else if (head_dim == 128)
+                attend_rows(q, count, rep, 128, k_head, v_head, page_stride, page_tokens, table,
+                            n, padded, scores, acc, denominator, row_out);
+            else
+                attend_rows(q, count, rep, head_dim, k_head, v_head, page_stride, page_tokens,
+                            table, n, padded, scores, acc, denominator, row_out);
         }
         free(scratch);
     }

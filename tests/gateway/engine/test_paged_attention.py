@@ -57,19 +57,20 @@ def _item(pool: tuple[torch.Tensor, torch.Tensor], table: list[int], queries: to
                          torch.arange(start, start + n), is_decode)
 
 
-def _queries(n: int, seed: int) -> torch.Tensor:
-    return torch.randn(n, HEADS, DIM, generator=torch.Generator().manual_seed(seed))
+def _queries(n: int, seed: int, dim: int = DIM) -> torch.Tensor:
+    return torch.randn(n, HEADS, dim, generator=torch.Generator().manual_seed(seed))
 
 
 def _reference(pool: tuple[torch.Tensor, torch.Tensor], table: list[int],
                queries: torch.Tensor, start: int) -> torch.Tensor:
     """Softmax attention in float64 over the table's pages gathered, causal by position."""
     keys, values = pool
-    k = keys[:, table].reshape(KV_HEADS, -1, DIM).double().repeat_interleave(REP, 0)
-    v = values[:, table].reshape(KV_HEADS, -1, DIM).double().repeat_interleave(REP, 0)
+    dim = keys.shape[-1]
+    k = keys[:, table].reshape(KV_HEADS, -1, dim).double().repeat_interleave(REP, 0)
+    v = values[:, table].reshape(KV_HEADS, -1, dim).double().repeat_interleave(REP, 0)
     n = int(queries.shape[0])
     positions = torch.arange(start, start + n)
-    scores = torch.einsum("nhd,hkd->hnk", queries.double(), k) / DIM ** 0.5
+    scores = torch.einsum("nhd,hkd->hnk", queries.double(), k) / dim ** 0.5
     hidden = torch.arange(k.shape[1])[None, None, :] > positions[None, :, None]
     weights = scores.masked_fill(hidden, float("-inf")).softmax(-1)
     return torch.einsum("hnk,hkd->nhd", weights, v)
@@ -174,6 +175,52 @@ def test_the_portable_build_computes_the_vectorised_builds_bits(pool) -> None:
              for i in range(3)]
     vectorised = PagedAttention().attend(items)
     for expected, got in zip(vectorised, PagedAttention(portable).attend(items), strict=True):
+        assert torch.equal(got, expected)
+
+
+MODEL_HEAD_DIMS = (64, 128)
+"""Head sizes the kernel compiles as constants (SmolLM2 and Llama-3.2-1B; Llama-3.1-8B): a path
+of its own, held to the same promises as the generic one."""
+
+
+@pytest.fixture(scope="module", params=MODEL_HEAD_DIMS, ids=lambda d: f"head_dim={d}")
+def model_pool(request: pytest.FixtureRequest) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's K and V in 64-token pages of a model's head size, random."""
+    generator = torch.Generator().manual_seed(request.param)
+    shape = (KV_HEADS, 24, 64, request.param)
+    return torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+
+
+def test_a_model_head_size_is_within_the_stated_tolerance_of_float64(model_pool) -> None:
+    dim = model_pool[0].shape[-1]
+    table = [3, 17, 9, 21, 1]
+    queries = _queries(70, 30, dim)
+    out = PagedAttention().attend([_item(model_pool, table, queries, 250)])[0]
+    assert (out.double() - _reference(model_pool, table, queries, 250)).abs().max() < TOLERANCE
+
+
+def test_a_model_head_size_keeps_a_rows_bits_across_chunks_and_decode(model_pool) -> None:
+    dim = model_pool[0].shape[-1]
+    table = [5, 2, 23, 11, 7]
+    queries = _queries(300, 31, dim)
+    one_shot = PagedAttention().attend([_item(model_pool, table, queries, 0)])[0]
+    chunked = torch.cat([PagedAttention().attend([_item(model_pool, table, queries[a:b], a)])[0]
+                         for a, b in ((0, 7), (7, 130), (130, 299))])
+    decode = PagedAttention().attend([_item(model_pool, table, queries[299:], 299,
+                                            is_decode=True)])[0]
+    assert torch.equal(torch.cat([chunked, decode]), one_shot)
+
+
+def test_a_model_head_size_has_the_same_bits_from_the_portable_build(model_pool) -> None:
+    try:
+        portable = PagedKernel.load(portable=True)
+    except NativeBuildError as exc:
+        pytest.skip(str(exc))
+    dim = model_pool[0].shape[-1]
+    items = [_item(model_pool, [4, 8, 15, 16][:1 + i], _queries(3 + 40 * i, 32 + i, dim), 20 * i)
+             for i in range(4)]
+    for expected, got in zip(PagedAttention().attend(items),
+                             PagedAttention(portable).attend(items), strict=True):
         assert torch.equal(got, expected)
 
 
