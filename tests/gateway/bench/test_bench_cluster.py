@@ -61,8 +61,8 @@ def test_both_policies_answer_every_request_alike_through_a_router_restart(
                           "requests answered$", done.stdout, re.MULTILINE)
     assert sorted(restarts) == ["cache_aware", "round_robin"], done.stdout
     assert "answers equal under every policy: yes" in done.stdout
-    by_round = re.findall(r"^(cache_aware|round_robin): TTFT p50 by round ((?:[\d,]+ / )*[\d,]+) ms$",
-                          done.stdout, re.MULTILINE)
+    by_round = re.findall(r"^(cache_aware|round_robin): TTFT p50 by round "
+                          r"((?:[\d,]+ / )*[\d,]+) ms$", done.stdout, re.MULTILINE)
     assert {policy: len(p50s.split(" / ")) for policy, p50s in by_round} == {
         "cache_aware": ROUNDS, "round_robin": ROUNDS}, done.stdout
 
