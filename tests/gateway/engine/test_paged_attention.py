@@ -178,6 +178,33 @@ def test_the_portable_build_computes_the_vectorised_builds_bits(pool) -> None:
         assert torch.equal(got, expected)
 
 
+def _forward_item(pool: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
+                  queries: torch.Tensor, start: int) -> AttentionItem:
+    """An item as the forward makes it: its first position said on the host."""
+    keys, values = pool
+    n = int(queries.shape[0])
+    return AttentionItem(queries, LayerPages(keys, values, table), torch.arange(start, start + n),
+                         first_position=start)
+
+
+def test_a_step_made_once_for_its_layers_is_made_again_for_a_new_table(pool) -> None:
+    attention = PagedAttention()
+    queries = _queries(5, 40)
+    first, second = torch.tensor(_table(41, 4)), torch.tensor(_table(42, 4))
+    attention.attend([_forward_item(pool, first, queries, 50)])
+    again = attention.attend([_forward_item(pool, second, queries, 50)])[0]
+    fresh = PagedAttention().attend([_forward_item(pool, second, queries, 50)])[0]
+    assert torch.equal(again, fresh)
+
+
+def test_a_table_too_short_for_the_same_spans_is_still_refused(pool) -> None:
+    attention = PagedAttention()
+    queries = _queries(5, 43)
+    attention.attend([_forward_item(pool, torch.tensor(_table(44, 4)), queries, 50)])
+    with pytest.raises(ValueError, match="past the K/V"):
+        attention.attend([_forward_item(pool, torch.tensor(_table(45, 3)), queries, 50)])
+
+
 MODEL_HEAD_DIMS = (64, 128)
 """Head sizes the kernel compiles as constants (SmolLM2 and Llama-3.2-1B; Llama-3.1-8B): a path
 of its own, held to the same promises as the generic one."""
