@@ -7,7 +7,9 @@ the test skips.
 Everything runs on loopback and is stopped by pid. What it checks: chat answers through SMG
 equal one replica's answers asked directly (greedy), each system-prompt family sticks to one
 replica (SMG's approximate prefix tree), the tenant's key passes through SMG to kvgate (a
-wrong key is kvgate's 401), and later requests of a family are prefix-cache hits.
+wrong key is kvgate's 401), and later requests of a family are prefix-cache hits; and, with
+SMG's sticky sessions keyed by ``X-Session-Id`` (the header that also names kvgate's session),
+that a conversation stays on one replica while requests without it are spread.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -40,6 +44,7 @@ TENANT_KEY = "kvg-smg-tenant-Xw4Pd9Nq2Lc7Bv5Mz1Kh8Ra3"
 ROUTER_KEY = "kvg-smg-router-Jt6Ey0Sg3Fu8Ho2Ci5Wb9Dn4"
 """SMG's ``--api-key``: it asks each worker's ``/v1/models`` with it at registration, and it
 also admits clients presenting it; each tenant's key is given again as ``--tenant-api-key``."""
+T = TypeVar("T")
 _HTTP = re.compile(r"the OpenAI API on http://127\.0\.0\.1:(\d+)/v1")
 FAMILIES = ("alpha", "beta")
 QUESTIONS = ("one", "two", "three")
@@ -62,10 +67,19 @@ remote_write = true
 """
 
 
-def _post(url: str, body: dict[str, object], key: str) -> tuple[int, dict[str, object]]:
+CACHE_AWARE = ("--policy", "cache_aware")
+STICKY_SESSIONS = ("--policy", "round_robin", "--sticky-sessions",
+                   "--routing-key-headers", "x-session-id")
+"""Round robin, but a request carrying ``X-Session-Id`` goes where that id went first."""
+
+
+def _post(url: str, body: dict[str, object], key: str,
+          session: str | None = None) -> tuple[int, dict[str, object]]:
+    headers = {"Authorization": f"Bearer {key}", "Content-Type": "application/json"}
+    if session is not None:
+        headers["X-Session-Id"] = session
     request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Authorization": f"Bearer {key}",
-                                              "Content-Type": "application/json"})
+                                     headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read())
@@ -114,7 +128,11 @@ class Replica:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Replica], str]]:
+def cluster(request: pytest.FixtureRequest, tmp_path: Path,
+            redis_server: RedisServer) -> Iterator[tuple[list[Replica], str]]:
+    """Two replicas behind SMG with the routing arguments the test names (indirect
+    parametrization; ``CACHE_AWARE`` by default)."""
+    routing = getattr(request, "param", CACHE_AWARE)
     if SMG is None:
         pytest.skip("smg not found: `pip install smg` into a venv of its own and set "
                     "KVGATE_TEST_SMG to its bin/smg")
@@ -141,7 +159,7 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
         # model), not at its "Activated" log line -- it answers 404 model_not_found between.
         router = SmgRouter(Path(SMG), free_port(), [
             "--worker-urls", *(replica.url for replica in replicas),
-            "--policy", "cache_aware", "--api-key", ROUTER_KEY,
+            *routing, "--api-key", ROUTER_KEY,
             "--tenant-api-key", f"tenant-a:{TENANT_KEY}",
             "--disable-tokenizer-autoload", "--prometheus-host", "127.0.0.1",
             "--prometheus-port", str(free_port())],
@@ -155,6 +173,19 @@ def cluster(tmp_path: Path, redis_server: RedisServer) -> Iterator[tuple[list[Re
             router.stop(1)
         for proc in reversed(procs):
             stop_process(proc, grace_s=10)
+
+
+def _served_by(replicas: list[Replica], send: Callable[[], T]) -> tuple[int, T]:
+    """Which replica answered the request ``send`` makes (its access line counted), and what
+    ``send`` returned."""
+    before = [replica.num_chats() for replica in replicas]
+    sent = send()
+    deadline = time.monotonic() + 5  # the access line follows the response
+    while (after := [r.num_chats() for r in replicas]) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    (index,) = [i for i, (x, y) in enumerate(zip(before, after, strict=True)) if y > x]
+    return index, sent
 
 
 def test_families_stick_to_one_replica_and_answer_as_one_replica_does(
@@ -173,16 +204,10 @@ def test_families_stick_to_one_replica_and_answer_as_one_replica_does(
     cached: list[int] = []
     for family in FAMILIES:
         for question in QUESTIONS:
-            before = [replica.num_chats() for replica in replicas]
-            status, body = _post(f"{smg}/v1/chat/completions", _chat(family, question),
-                                 TENANT_KEY)
+            index, (status, body) = _served_by(replicas, partial(
+                _post, f"{smg}/v1/chat/completions", _chat(family, question), TENANT_KEY))
             assert status == 200, body
             assert body["choices"][0]["message"]["content"] == expected[family, question]  # type: ignore[index]
-            deadline = time.monotonic() + 5  # the access line follows the response
-            while (after := [r.num_chats() for r in replicas]) == before:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            (index,) = [i for i, (x, y) in enumerate(zip(before, after, strict=True)) if y > x]
             served_by[family].add(index)
             cached.append(body["usage"]["prompt_tokens_details"]["cached_tokens"])  # type: ignore[index]
     assert all(len(indices) == 1 for indices in served_by.values()), served_by
@@ -196,3 +221,23 @@ def test_families_stick_to_one_replica_and_answer_as_one_replica_does(
     before = [replica.num_chats() for replica in replicas]
     status, _ = _post(f"{smg}/v1/chat/completions", _chat("alpha", "one"), "wrong-key")
     assert status == 401 and [r.num_chats() for r in replicas] == before
+
+
+@pytest.mark.parametrize("cluster", [STICKY_SESSIONS], indirect=True)
+def test_a_session_header_keeps_a_conversation_on_one_replica(
+        cluster: tuple[list[Replica], str]) -> None:
+    replicas, smg = cluster
+
+    def ask(question: str, session: str | None) -> dict[str, object]:
+        status, body = _post(f"{smg}/v1/chat/completions", _chat("alpha", question),
+                             TENANT_KEY, session)
+        assert status == 200, body
+        return body
+
+    # without the header SMG's round robin spreads the requests over both replicas
+    assert {_served_by(replicas, partial(ask, q, None))[0] for q in QUESTIONS[:2]} == {0, 1}
+    served_by: dict[str, set[int]] = {"conversation-1": set(), "conversation-2": set()}
+    for question in QUESTIONS:
+        for session, indices in served_by.items():
+            indices.add(_served_by(replicas, partial(ask, question, session))[0])
+    assert all(len(indices) == 1 for indices in served_by.values()), served_by
