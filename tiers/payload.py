@@ -68,8 +68,10 @@ class KVBlock:
     def __post_init__(self) -> None:
         # Asked for several times per block per request (queues, budgets, load estimates): a
         # sum over 2 x layers tensors each time was a measurable part of a warm start.
-        object.__setattr__(self, "_nbytes", sum(t.numel() * t.element_size()
-                                                for t in (*self.keys, *self.values)))
+        # A packed block's K/V are views tiling ``packed`` (``of_packed``): its size is theirs.
+        nbytes = (self.packed.numel() * self.packed.element_size() if self.packed is not None
+                  else sum(t.numel() * t.element_size() for t in (*self.keys, *self.values)))
+        object.__setattr__(self, "_nbytes", nbytes)
 
     @classmethod
     def of_packed(cls, packed: torch.Tensor,

@@ -244,3 +244,17 @@ def test_a_page_moves_to_the_host_tier_and_back_in_one_copy_each_way() -> None:
     assert put.copies == 1 and got.copies == 1
     assert loaded is not None and loaded.packed is not None
     assert identical(loaded, make_block(5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_block_and_a_page_count_the_bytes_of_their_keys_and_values(
+        dtype: torch.dtype) -> None:
+    layout = KVLayout(num_layers=3, kv_heads=2, head_dim=8, dtype=dtype)
+    separate = make_block(7, layout)
+    packed = KVBlock.of_packed(torch.stack([torch.stack([k, v]) for k, v in
+                                            zip(separate.keys, separate.values, strict=True)]))
+    pool = PagePool(layout, page_tokens=BLOCK_TOKENS, num_pages=3)
+    page = pool.allocate()
+    pool.fill(page, separate)
+    expected = sum(t.numel() * t.element_size() for t in (*separate.keys, *separate.values))
+    assert separate.nbytes == packed.nbytes == pool.block(page).nbytes == expected
