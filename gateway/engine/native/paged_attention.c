@@ -184,10 +184,11 @@ static float weigh(float *s, int64_t n, int64_t padded) {
    position + 1); scores: scratch of rows * rep * `padded` floats, padded >= every n[r] rounded
    up to 8; acc: scratch of rows * rep * head_dim floats; out[r]: row r's output, rep rows of
    head_dim. */
-static inline __attribute__((always_inline)) void attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
-                        const float *v_head, int64_t page_stride, int page_tokens,
-                        const int64_t *table, const int64_t *n, int64_t padded, float *scores,
-                        float *acc, float *denominator, float *const *out) {
+static inline __attribute__((always_inline)) void
+attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
+            const float *v_head, int64_t page_stride, int page_tokens, const int64_t *table,
+            const int64_t *n, int64_t padded, float *scores, float *acc, float *denominator,
+            float *const *out) {
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
     const int chunks = head_dim / 8;
