@@ -9,8 +9,10 @@ installs it into ``.venv-smg``). ``--families`` system prompts -- the load's, ea
 heading of its own so that they differ from the first token -- are each chatted by ``--users``
 users for ``--rounds`` rounds, every user at once, through SMG, streamed. Per policy: where the
 cached prompt tokens came from (a replica's own device and host tiers, or Redis, from kvgate's
-usage), TTFT p50/p99, requests per second; and whether every answer is the same under every
-policy (greedy answers must not depend on the replica that computed them).
+usage), TTFT p50/p99, requests per second, the generations each replica finished (its
+``kvgate_requests_total``: whether the router balanced them) and TTFT p50 by round (the first
+round is cold under every policy); and whether every answer is the same under every policy
+(greedy answers must not depend on the replica that computed them).
 
 ``--restart-router-after N``: once N requests are answered, SMG is stopped (SIGTERM: it drains
 what it has in flight for up to ``--router-drain-s``) and started again on the same port, in

@@ -188,7 +188,8 @@ def add_bench_cluster(bench_sub: Any) -> None:
                     "system prompts, each chatted by --users users for --rounds rounds, all at "
                     "once through SMG. Prints per policy TTFT p50/p99, req/s, the cached share "
                     "of prompt tokens and where it came from (a replica's own device and host "
-                    "tiers, or Redis), and whether every answer is the same under every policy. "
+                    "tiers, or Redis), the requests each replica answered, TTFT p50 by round, and "
+                    "whether every answer is the same under every policy. "
                     "Needs SMG (`make smg` installs it into .venv-smg) and redis-server.")
     cluster.add_argument("--smg", type=Path, default=Path(".venv-smg/bin/smg"),
                          help="the smg binary (default: %(default)s)")
