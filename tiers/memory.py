@@ -72,9 +72,7 @@ class DeviceStore(BatchDefaults):
             on_device = self._own_copy(block)
         except PoolExhausted:
             with self._lock:
-                self._stats.errors += 1
-                dropped = int(self._stats.notes.get("dropped_pool_full", 0))
-                self._stats.notes["dropped_pool_full"] = dropped + 1
+                count_dropped_put(self._stats)
             return
         with self._lock:
             previous = self._blocks.get(meta.key)
@@ -236,13 +234,19 @@ class SlabPool:
         self._num_slots += count
 
 
+def count_dropped_put(stats: StoreStats) -> None:
+    """A put dropped because the tier's memory is full: an error, and ``dropped_pool_full``.
+    Hold the store's lock."""
+    stats.errors += 1
+    stats.notes["dropped_pool_full"] = int(stats.notes.get("dropped_pool_full", 0)) + 1
+
+
 def take_slot(pool: SlabPool, stats: StoreStats) -> torch.Tensor | None:
     """A free slot of ``pool`` for a put; None (the put dropped, counted in ``stats``) when
     the tier's budget is full. Hold the store's lock."""
     slot = pool.take()
     if slot is None:
-        stats.errors += 1
-        stats.notes["dropped_pool_full"] = int(stats.notes.get("dropped_pool_full", 0)) + 1
+        count_dropped_put(stats)
     return slot
 
 

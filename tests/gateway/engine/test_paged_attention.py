@@ -49,12 +49,16 @@ def pool() -> tuple[torch.Tensor, torch.Tensor]:
     return keys, values
 
 
-def _item(pool: tuple[torch.Tensor, torch.Tensor], table: list[int], queries: torch.Tensor,
-          start: int, *, is_decode: bool = False) -> AttentionItem:
+def _item(pool: tuple[torch.Tensor, torch.Tensor], table: list[int] | torch.Tensor,
+          queries: torch.Tensor, start: int, *, is_decode: bool = False,
+          says_first: bool = False) -> AttentionItem:
+    """An item over ``table``'s pages; ``says_first``: with its first position said on the
+    host, as the forward makes it."""
     keys, values = pool
     n = int(queries.shape[0])
-    return AttentionItem(queries, LayerPages(keys, values, torch.tensor(table)),
-                         torch.arange(start, start + n), is_decode)
+    return AttentionItem(queries, LayerPages(keys, values, torch.as_tensor(table)),
+                         torch.arange(start, start + n), is_decode,
+                         first_position=start if says_first else None)
 
 
 def _queries(n: int, seed: int, dim: int = DIM) -> torch.Tensor:
@@ -178,31 +182,22 @@ def test_the_portable_build_computes_the_vectorised_builds_bits(pool) -> None:
         assert torch.equal(got, expected)
 
 
-def _forward_item(pool: tuple[torch.Tensor, torch.Tensor], table: torch.Tensor,
-                  queries: torch.Tensor, start: int) -> AttentionItem:
-    """An item as the forward makes it: its first position said on the host."""
-    keys, values = pool
-    n = int(queries.shape[0])
-    return AttentionItem(queries, LayerPages(keys, values, table), torch.arange(start, start + n),
-                         first_position=start)
-
-
 def test_a_step_made_once_for_its_layers_is_made_again_for_a_new_table(pool) -> None:
     attention = PagedAttention()
     queries = _queries(5, 40)
     first, second = torch.tensor(_table(41, 4)), torch.tensor(_table(42, 4))
-    attention.attend([_forward_item(pool, first, queries, 50)])
-    again = attention.attend([_forward_item(pool, second, queries, 50)])[0]
-    fresh = PagedAttention().attend([_forward_item(pool, second, queries, 50)])[0]
+    attention.attend([_item(pool, first, queries, 50, says_first=True)])
+    again = attention.attend([_item(pool, second, queries, 50, says_first=True)])[0]
+    fresh = PagedAttention().attend([_item(pool, second, queries, 50, says_first=True)])[0]
     assert torch.equal(again, fresh)
 
 
 def test_a_table_too_short_for_the_same_spans_is_still_refused(pool) -> None:
     attention = PagedAttention()
     queries = _queries(5, 43)
-    attention.attend([_forward_item(pool, torch.tensor(_table(44, 4)), queries, 50)])
+    attention.attend([_item(pool, _table(44, 4), queries, 50, says_first=True)])
     with pytest.raises(ValueError, match="past the K/V"):
-        attention.attend([_forward_item(pool, torch.tensor(_table(45, 3)), queries, 50)])
+        attention.attend([_item(pool, _table(45, 3), queries, 50, says_first=True)])
 
 
 MODEL_HEAD_DIMS = (64, 128)
