@@ -457,9 +457,15 @@ def _serve(args: argparse.Namespace) -> int:
     except StartInterrupted as exc:
         sys.stderr.write(f"kvgate serve: stopped before serving ({exc})\n")
         return 0
-    except (ConfigError, ServeError, GatewayError) as exc:
-        sys.stderr.write(f"kvgate serve: {exc}\n")
-        return EXIT_FAILED
+    except Exception as exc:
+        if signals.interruption is not None:  # a library turned the interruption into this
+            sys.stderr.write(f"kvgate serve: stopped before serving ({signals.interruption}; "
+                             f"the stage it cut short ended with: {exc})\n")
+            return 0
+        if isinstance(exc, (ConfigError, ServeError, GatewayError)):
+            sys.stderr.write(f"kvgate serve: {exc}\n")
+            return EXIT_FAILED
+        raise
     return 0
 
 

@@ -53,7 +53,11 @@ class StopSignals:
     def __init__(self) -> None:
         self.stop_requested = threading.Event()
         self.serving = threading.Event()
-        self._interrupted = False
+        self.interruption: StartInterrupted | None = None
+        """The ``StartInterrupted`` raised, once raised. A library running when it arrived may
+        catch it and raise an error of its own instead (torch turns it into a ValueError while
+        it reads a checkpoint), so an error that ends start-up after this is set is the
+        interruption's doing, not a fault to report."""
 
     def install(self) -> None:
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -61,6 +65,6 @@ class StopSignals:
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self.stop_requested.set()
-        if not self.serving.is_set() and not self._interrupted:
-            self._interrupted = True
-            raise StartInterrupted(f"{signal.Signals(signum).name} during start-up")
+        if not self.serving.is_set() and self.interruption is None:
+            self.interruption = StartInterrupted(f"{signal.Signals(signum).name} during start-up")
+            raise self.interruption
