@@ -26,12 +26,15 @@ Two tags, both keyed BLAKE3 under subkeys derived from the codec's MAC key:
 The payload is streamed into the MAC from memoryviews (tensor bytes on encode, the received
 buffer or the private copy on decode): no extra copy.
 
-Verifying uses every core (BLAKE3's tree splits one input across threads; the tag is the same
-bits): a load from disk or Redis waits for it, and it was half of decoding a block
-(``kvgate bench tiers``, "MAC share"). On the 2-core AMD EPYC a 12 MB payload is verified in
-2.3 ms instead of 3.6 (5.2 against 3.3 GB/s); a GPU host's cores divide it further. Tagging on
-encode stays on one thread: blocks are written behind, off every request's path, and should
-not take cores from the engine's steps.
+Verifying can use every core (BLAKE3's tree splits one input across threads; the tag is the
+same bits), and does where the model runs on a GPU: a load from disk or Redis waits for the
+MAC, the CPU's cores are otherwise idle, and an 8B-shape 8k-token prefix is 1 GiB to verify
+(~320 ms on one core). Where the model runs on the CPU it does not: BLAKE3's worker threads
+take the cores from torch's, and spin on them after the hash. Measured 2026-11-27 on the 2-core
+AMD EPYC, a warm start from Redis in int8 (2,048 cached tokens of SmolLM2, in process): the MAC
+took 41 ms per request on every core against 7 ms on one, and the suffix's forward after it 375
+against 224 ms. Tagging on encode stays on one thread: blocks are written behind, off every
+request's path.
 """
 
 from __future__ import annotations
@@ -86,18 +89,25 @@ class BlockMac:
     Args:
         mac_key: 16..64 bytes (``derive_mac_key``); each tag gets its own 32-byte subkey
             (BLAKE3 ``derive_key`` mode), so a header tag can never stand in for a block tag.
+        verify_on_every_core: hash a tag being verified on every core (the same tag): for an
+            engine on a GPU, whose host cores are idle; see the module docstring.
 
     Raises:
         TierConfigError: the key is shorter than 16 or longer than 64 bytes.
     """
 
-    def __init__(self, mac_key: bytes) -> None:
+    def __init__(self, mac_key: bytes, *, verify_on_every_core: bool = False) -> None:
         if not 16 <= len(mac_key) <= 64:
             raise TierConfigError(f"mac_key must be 16 to 64 bytes long, got {len(mac_key)}")
         self._block_key = blake3(mac_key, derive_key_context=_BLOCK_CONTEXT).digest()
         header_key = blake3(mac_key, derive_key_context=_HEADER_CONTEXT).digest()
         self._block = blake3(key=self._block_key)
         self._header = blake3(key=header_key)
+        self._verify_on_every_core = verify_on_every_core
+
+    @property
+    def verifies_on_every_core(self) -> bool:
+        return self._verify_on_every_core
 
     def block_tag(self, body: _Buffer, payload: Iterable[_Buffer], *,
                   every_core: bool = False) -> bytes:
@@ -119,8 +129,9 @@ class BlockMac:
 
     def is_block_tag(self, tag: _Buffer, body: _Buffer, payload: Iterable[_Buffer]) -> bool:
         """Whether ``tag`` is the block tag of ``body`` and ``payload`` (constant time; hashed
-        on every core: a load waits for it)."""
-        return hmac.compare_digest(self.block_tag(body, payload, every_core=True), tag)
+        on every core if this MAC was made to verify there)."""
+        return hmac.compare_digest(
+            self.block_tag(body, payload, every_core=self._verify_on_every_core), tag)
 
     def is_header_tag(self, tag: _Buffer, body: _Buffer, block_tag: _Buffer) -> bool:
         """Whether ``tag`` is the header tag of ``body`` and ``block_tag`` (constant time)."""

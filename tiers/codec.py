@@ -113,6 +113,8 @@ class BlockCodec:
             "fp8"): for a tier configured with ``quantize``, and only under a lossy namespace.
         device_type: where blocks are quantized ("cpu", "cuda"); fp8 needs torch to cast
             there.
+        verify_on_every_core: verify block tags on every core (``BlockMac``): for an engine
+            on a GPU only.
 
     Raises:
         TierConfigError: a bad argument, a dtype without a format code, a quantization torch
@@ -130,6 +132,7 @@ class BlockCodec:
         min_lz4_saving: float = 0.05,
         quantize: Quantization | None = None,
         device_type: str = "cpu",
+        verify_on_every_core: bool = False,
     ) -> None:
         if sys.byteorder != "little":
             raise TierConfigError(
@@ -157,7 +160,8 @@ class BlockCodec:
         if quantize is not None and not supported(quantize, device_type):
             raise TierConfigError(f"torch {torch.__version__} cannot quantize K/V to {quantize} "
                                   f"on {device_type}: use int8")
-        self._mac = BlockMac(mac_key)  # raises TierConfigError for a key of a bad length
+        # BlockMac raises TierConfigError for a key of a bad length.
+        self._mac = BlockMac(mac_key, verify_on_every_core=verify_on_every_core)
         self._layout = layout
         self._block_tokens = block_tokens
         self._compression: CompressionMode = compression

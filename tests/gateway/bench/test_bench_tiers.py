@@ -24,7 +24,7 @@ def test_codec_table_reports_the_block_mac_and_its_share_of_encode_and_decode() 
         "encode",
         "decode (verified)",
         "block MAC: keyed BLAKE3",
-        "  on every core (verify)",
+        "  on every core (GPU)",
         "  vs HMAC-SHA256",
         "  vs keyed BLAKE2b",
     ]

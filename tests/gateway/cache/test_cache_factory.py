@@ -93,6 +93,12 @@ def opened(tiny: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
     cache.close()
 
 
+def test_an_engine_on_the_cpu_verifies_block_tags_on_one_thread(opened: OpenedCache) -> None:
+    """BLAKE3's threads would take the cores from torch's and spin on them after the hash
+    (tiers/block_mac.py): only an engine on a GPU verifies on every core."""
+    assert not opened.codec.mac.verifies_on_every_core
+
+
 def test_kv_is_bit_identical_from_the_device_tier(opened: OpenedCache, tiny: LoadedModel) -> None:
     p = prompt(1)
     assert serve(opened, tiny, p) == ()
