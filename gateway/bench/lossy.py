@@ -157,7 +157,7 @@ class LossyResult:
         return (self.ttft[f"{tier}:{self.quantization}"].p50_ms - device) / exact
 
 
-class _Replica:
+class Replica:
     """An engine over a cache of its own (closed with the bench)."""
 
     def __init__(self, loaded: LoadedModel, config: CacheConfig, *, numerics: BenchNumerics,
@@ -240,7 +240,7 @@ def run_lossy_benchmark(options: LossyOptions, *, out: TextIO) -> LossyResult:
         url = None
         if options.redis_binary is not None:
             url = stack.enter_context(redis_on_loopback(options.redis_binary, root / "redis"))
-        replicas = stack.enter_context(_replicas(loaded, options, numerics, root, url))
+        replicas = stack.enter_context(open_replicas(loaded, options, numerics, root, url))
         out.write(f"machine: {cpu_identity().split(' [', 1)[0]}, {os.cpu_count()} CPU cores"
                   f"{', AVX2' if 'avx2' in cpu_identity() else ''}"
                   f"{', AVX-512' if 'avx512f' in cpu_identity() else ''}; model "
@@ -268,8 +268,8 @@ def run_lossy_benchmark(options: LossyOptions, *, out: TextIO) -> LossyResult:
 
 
 @contextmanager
-def _replicas(loaded: LoadedModel, options: LossyOptions, numerics: BenchNumerics, root: Path,
-              redis_url: str | None) -> Iterator[dict[str, _Replica]]:
+def open_replicas(loaded: LoadedModel, options: LossyOptions, numerics: BenchNumerics, root: Path,
+                  redis_url: str | None) -> Iterator[dict[str, Replica]]:
     """``exact`` and ``lossy`` (``options.quantization``), each with disk (and Redis), and with
     Redis their second replicas ``exact-b`` and ``lossy-b`` (no disk)."""
     names = [("exact", False), ("lossy", True)]
@@ -282,7 +282,7 @@ def _replicas(loaded: LoadedModel, options: LossyOptions, numerics: BenchNumeric
         for name, lossy in names:
             config = _cache_config(options, loaded.layout, root / f"{name}-disk", redis_url,
                                    lossy=lossy, disk=not name.endswith("-b"))
-            replica = _Replica(loaded, config, numerics=numerics, verdicts=verdicts,
+            replica = Replica(loaded, config, numerics=numerics, verdicts=verdicts,
                                kv_budget_bytes=budget)
             stack.callback(replica.close)
             replicas[name] = replica
@@ -345,7 +345,7 @@ def write_bytes_table(row: BytesRow, quantization: str, out: TextIO) -> None:
 # ---- warm TTFT -------------------------------------------------------------------------------
 
 
-def _ttft_rows(replicas: dict[str, _Replica], options: LossyOptions, prefix: list[int],
+def _ttft_rows(replicas: dict[str, Replica], options: LossyOptions, prefix: list[int],
                suffixes: SuffixSource, out: TextIO) -> dict[str, TtftRow]:
     """Warm the prefix once per configuration, then per repeat every row in turn, in an order
     rotated by one per repeat: see the module docstring."""
@@ -415,7 +415,7 @@ def write_ttft_table(result: LossyResult, options: LossyOptions, out: TextIO) ->
 # ---- quality ---------------------------------------------------------------------------------
 
 
-def _quality_row(loaded: LoadedModel, replicas: dict[str, _Replica], options: LossyOptions,
+def _quality_row(loaded: LoadedModel, replicas: dict[str, Replica], options: LossyOptions,
                  codec: BlockCodec, index: int, out: TextIO) -> QualityRow:
     """Quality prompt ``index``: its greedy answers through the engine, cold and served lossy
     from disk, and the direct measurements of ``gateway.bench.lossy_quality``."""
