@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+import torch
+
 from policies.base import BlockKey
 from tiers.payload import KVBlock
 
@@ -183,9 +185,10 @@ class RemoteStore(BlockStore, Protocol):
         ...
 
     def fetch_chain(
-        self, metas: Sequence[BlockMeta]
+        self, metas: Sequence[BlockMeta], *, into: Sequence[torch.Tensor] = ()
     ) -> list[tuple[KVBlock, BlockExpiry | None] | None]:
-        """``get_many`` with each block's expiry from its verified header."""
+        """``get_many`` with each block's expiry from its verified header; block ``i`` is
+        written into ``into[i]`` where there is one (``PayloadFormat.unpack``)."""
         ...
 
     def refresh_expiry(self, metas: Sequence[BlockMeta]) -> None:

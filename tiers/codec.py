@@ -352,15 +352,17 @@ class BlockCodec:
         """
         return self.decode_with_header(data, expected)[1]
 
-    def decode_with_header(self, data: bytes | bytearray | memoryview,
-                           expected: BlockMeta) -> tuple[DecodedHeader, KVBlock]:
+    def decode_with_header(self, data: bytes | bytearray | memoryview, expected: BlockMeta,
+                           *, into: torch.Tensor | None = None
+                           ) -> tuple[DecodedHeader, KVBlock]:
         """Verify ``data`` as the encoding of the block ``expected``; its header and tensors.
 
-        The returned tensors own their memory (one buffer for the whole block): the caller may
-        reuse or release ``data`` at once. A raw payload is copied first and the block tag is
-        checked over that private copy, so the bytes served are the bytes verified even if
-        ``data`` is a buffer someone else can still write; an lz4 payload is verified before it
-        is decompressed (lz4 never sees unauthenticated bytes).
+        The returned tensors own their memory (one buffer for the whole block, or ``into``: a
+        page of the pool on the CPU, ``PayloadFormat.unpack``, written only once the block is
+        verified): the caller may reuse or release ``data`` at once. A raw payload is copied
+        first and the block tag is checked over that private copy, so the bytes served are
+        the bytes verified even if ``data`` is a buffer someone else can still write; an lz4
+        payload is verified before it is decompressed (lz4 never sees unauthenticated bytes).
 
         NOTE: the identity is compared before the block tag and decompression, so a foreign
         block costs no payload work; every check runs either way, only the reported reason of
@@ -396,7 +398,7 @@ class BlockCodec:
             np.copyto(private, np.frombuffer(payload, dtype=np.uint8))
             self._check_block_tag(header, body, private.data)
 
-        return header, self._format.unpack(flat)
+        return header, self._format.unpack(flat, into=into)
 
     def _check_block_tag(
         self, header: DecodedHeader, body: memoryview, payload: memoryview

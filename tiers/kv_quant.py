@@ -95,13 +95,18 @@ def quantize(rows: torch.Tensor, quantization: Quantization) -> tuple[torch.Tens
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``q * scales`` (scales broadcast over the last dimension) in ``dtype``, into ``out``
-    when given (it must have ``q``'s shape and ``dtype``)."""
+    when given (it must have ``q``'s shape and ``dtype``; any strides, e.g. a pool's page)."""
     # NOTE: one buffer, converted into then scaled in place, not ``q.to(float32) * scales``:
     # the same values bit for bit (an exact conversion, one rounded product) from one fresh
     # allocation instead of two -- a fresh block-sized buffer costs its page faults, which are
     # most of a dequantization's time on a 2-core AMD EPYC.
+    multiplier = scales.to(torch.float32).unsqueeze(-1)
+    if out is not None and out.dtype == torch.float32 and out.device == q.device:
+        # A float32 ``out`` (a page of the pool) is written in place: the same two steps, and
+        # neither a fresh buffer nor a copy of it.
+        return out.copy_(q).mul_(multiplier)
     values = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    values.copy_(q).mul_(scales.to(torch.float32).unsqueeze(-1))
+    values.copy_(q).mul_(multiplier)
     if out is None:
         return values if dtype == torch.float32 else values.to(dtype)
     out.copy_(values)

@@ -64,8 +64,13 @@ class PayloadFormat(Protocol):
         the layout). Raises CodecError when the block may not be stored in this format."""
         ...
 
-    def unpack(self, flat: torch.Tensor) -> KVBlock:
-        """The block held by ``flat`` (uint8, ``raw_len`` bytes, owned by the caller)."""
+    def unpack(self, flat: torch.Tensor, *, into: torch.Tensor | None = None) -> KVBlock:
+        """The block held by ``flat`` (uint8, ``raw_len`` bytes, owned by the caller).
+
+        ``into``: a ``[layers, 2, kv_heads, tokens, head_dim]`` tensor of the layout's dtype on
+        the CPU (a page of the pool) that the block's K/V are written into; the block returned
+        is then views of it. Without it, views of ``flat`` or a buffer of the block's own.
+        """
         ...
 
 
@@ -105,12 +110,14 @@ class ExactPayload:
                                       "be stored in an exact tier")
         return [_byte_view(t) for kv in zip(block.keys, block.values, strict=True) for t in kv]
 
-    def unpack(self, flat: torch.Tensor) -> KVBlock:
+    def unpack(self, flat: torch.Tensor, *, into: torch.Tensor | None = None) -> KVBlock:
         layout = self._layout
         per_layer = flat.view(layout.dtype).view(
             layout.num_layers, 2, layout.kv_heads, self._block_tokens, layout.head_dim
         )
-        return KVBlock.of_packed(per_layer)
+        if into is None:
+            return KVBlock.of_packed(per_layer)
+        return KVBlock.of_packed(into.copy_(per_layer))
 
 
 class QuantizedPayload:
@@ -160,11 +167,12 @@ class QuantizedPayload:
         return KVBlock.of_packed(dequantize(q.cpu(), scales.cpu(), self._layout.dtype),
                                  self._quantization)
 
-    def unpack(self, flat: torch.Tensor) -> KVBlock:
+    def unpack(self, flat: torch.Tensor, *, into: torch.Tensor | None = None) -> KVBlock:
         layout = self._layout
         scales = flat[: self._scales_len].view(SCALE_DTYPE).view(self._rows)
         q = flat[self._scales_len :].view(self._element).view(*self._rows, layout.head_dim)
-        return KVBlock.of_packed(dequantize(q, scales, layout.dtype), self._quantization)
+        return KVBlock.of_packed(dequantize(q, scales, layout.dtype, out=into),
+                                 self._quantization)
 
 
 def payload_format(layout: KVLayout, block_tokens: int,

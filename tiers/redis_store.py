@@ -55,6 +55,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import redis
+import torch
 from redis.cluster import RedisCluster
 from redis.exceptions import DataError, ResponseError
 
@@ -287,9 +288,10 @@ class RedisStore(BatchDefaults):
         return [None if got is None else got[0] for got in self.fetch_chain(metas)]
 
     def fetch_chain(
-        self, metas: Sequence[BlockMeta]
+        self, metas: Sequence[BlockMeta], *, into: Sequence[torch.Tensor] = ()
     ) -> list[tuple[KVBlock, BlockExpiry | None] | None]:
-        """``get_many`` with each block's expiry, as its verified header says.
+        """``get_many`` with each block's expiry, as its verified header says; block ``i`` is
+        decoded into ``into[i]`` where there is one (a page of the pool: no copy later).
 
         A hit restarts the key's expiry with the block's own TTL (see the module docstring):
         one more round trip, only when something was found.
@@ -336,7 +338,8 @@ class RedisStore(BatchDefaults):
                 poison_key = self._reject(redis_keys[i], "size")
             else:
                 try:
-                    header, block = self._codec.decode_with_header(value, meta)
+                    header, block = self._codec.decode_with_header(
+                        value, meta, into=into[i] if i < len(into) else None)
                     got = (block, header.meta.expiry)
                 except CodecError as exc:
                     poison_key = self._reject(redis_keys[i], exc.reason)

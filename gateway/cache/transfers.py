@@ -409,10 +409,10 @@ class TierTransfers:
                                    owner=namespace.scope.owner,
                                    tokens=fp.block_token_bytes(tokens, i)))
             parent_key = keys[i]
-        fetched = self._hierarchy.fetch_remote(metas)
+        top = placement.tier_names[0]
+        fetched = self._hierarchy.fetch_remote(metas, into_tier=top)
         if not fetched:
             return []
-        top = placement.tier_names[0]
         specs = [
             BlockSpec(key=m.key, tokens=m.tokens, num_bytes=b.nbytes)
             for m, (b, _) in zip(metas, fetched, strict=False)

@@ -65,6 +65,10 @@ def test_dequantizing_is_the_reference_product_rounded_once(
     assert torch.equal(got, torch.from_numpy(want).to(dtype))
     out = torch.empty(q.shape, dtype=dtype)
     assert dequantize(q, scales, dtype, out=out) is out and torch.equal(out, got)
+    # A page of the pool: one page of [..., pages, tokens, head_dim], strided.
+    pages = torch.empty((*q.shape[:-2], 3, *q.shape[-2:]), dtype=dtype)
+    page = pages[..., 1, :, :]
+    assert dequantize(q, scales, dtype, out=page) is page and torch.equal(page, got)
 
 
 @PROPERTY

@@ -17,8 +17,10 @@ from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.model import LoadedModel, compute_block_kv, load_model
+from policies.base import BlockKey
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
+from tiers.base import BlockMeta
 from tiers.payload import KVBlock
 
 BLOCK = 8
@@ -173,6 +175,42 @@ def test_a_prefix_stored_by_one_replica_is_a_redis_hit_on_another(
         assert serve(b, tiny, p) == ("redis",) * 3
         assert serve(b, tiny, p) == ("device",) * 3  # now local on b
         assert b.cache.stats().num_remote_hits == 3
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.redis
+def test_a_chain_from_redis_is_decoded_into_free_pages_of_the_tier_it_is_meant_for(
+    tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer
+) -> None:
+    """On the CPU the device tier keeps such a page as it is: no float buffer of the block's
+    own, no copy into a page after it. Blocks not found give their pages back."""
+    p = prompt(13)
+    block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4
+    a, b = (open_cache(config(tmp_path / name, redis_url=redis_server.url, disk_bytes=0,
+                              device_bytes=10 * block_bytes),
+                       layout=tiny.layout, deployment_secret=SECRET) for name in ("a", "b"))
+    try:
+        serve(a, tiny, p)
+        assert a.hierarchy.flush(timeout_s=10)
+        ns = namespace_for(tiny)
+        fp = b.cache.fingerprinter(ns)  # type: ignore[arg-type]
+        keys = fp.block_keys(p)
+        metas = [BlockMeta(key=keys[i], parent_key=keys[i - 1] if i else fp.root_parent,
+                           namespace_digest=ns.digest, owner=ns.scope.owner,  # type: ignore[attr-defined]
+                           tokens=fp.block_token_bytes(p, i)) for i in range(3)]
+        missing = BlockMeta(key=BlockKey(b"\x01" * len(keys[0])), parent_key=keys[2],
+                            namespace_digest=metas[0].namespace_digest, owner=metas[0].owner,
+                            tokens=metas[0].tokens)
+        pool = b.pool
+        assert pool is not None
+        staged = b.hierarchy.fetch_remote([*metas, missing], into_tier="device")
+        assert [pool.page_of(block) is not None for block, _ in staged] == [True] * 3
+        assert all(identical(x, y) for (x, _), y in zip(staged, cold_blocks(tiny, p), strict=False))
+        assert pool.num_in_use == 3  # the fourth page, for the block not found, went back
+        plain = b.hierarchy.fetch_remote(metas)
+        assert [pool.page_of(block) for block, _ in plain] == [None] * 3
     finally:
         a.close()
         b.close()
