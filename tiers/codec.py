@@ -343,14 +343,16 @@ class BlockCodec:
             # MAC is a leaked key, but it must still fail as a CodecError, never a crash.
             raise CodecError("codec", f"malformed block header: {exc}") from exc
 
-    def decode(self, data: bytes | bytearray | memoryview, expected: BlockMeta) -> KVBlock:
+    def decode(self, data: bytes | bytearray | memoryview, expected: BlockMeta, *,
+               into: torch.Tensor | None = None) -> KVBlock:
         """Verify ``data`` as the encoding of the block ``expected`` and return its tensors
-        (``decode_with_header`` also returns the verified header: its expiry, for instance).
+        (``decode_with_header`` also returns the verified header: its expiry, for instance;
+        ``into`` is its too).
 
         Raises:
             CodecError: see ``decode_with_header``.
         """
-        return self.decode_with_header(data, expected)[1]
+        return self.decode_with_header(data, expected, into=into)[1]
 
     def decode_with_header(self, data: bytes | bytearray | memoryview, expected: BlockMeta,
                            *, into: torch.Tensor | None = None

@@ -46,6 +46,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
+import torch
+
 from policies.base import BlockKey
 from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
 from tiers.codec import BlockCodec, DecodedHeader
@@ -280,8 +282,12 @@ class DiskStore(BatchDefaults):
             self._num_outstanding += 1
             self._changed.notify_all()
 
-    def get(self, meta: BlockMeta) -> KVBlock | None:
-        """The block if it is pending or on disk and verifies against ``meta``; else None."""
+    def get(self, meta: BlockMeta, *, into: torch.Tensor | None = None) -> KVBlock | None:
+        """The block if it is pending or on disk and verifies against ``meta``; else None.
+
+        ``into``: where a block read from its file is decoded (``BlockCodec.decode``: a page of
+        the pool); a pending block is served as it is, not written there.
+        """
         key = meta.key
         with self._lock:
             write = self._pending.get(key)
@@ -315,7 +321,7 @@ class DiskStore(BatchDefaults):
             logger.debug("disk tier %s: read failed: %s", self._root, exc.strerror)
             return None
         try:
-            block = self._codec.decode(data, meta)
+            block = self._codec.decode(data, meta, into=into)
         except CodecError as exc:
             with self._lock:
                 self._stats.misses += 1

@@ -29,9 +29,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch
+
 from policies.base import BlockKey
 from policies.rate import TenantRates
 from tiers.base import BlockExpiry, BlockMeta, BlockStore, RemoteStore, StoreStats
+from tiers.disk import DiskStore
 from tiers.memory import DeviceStore
 from tiers.page_pool import PagedBlock, PoolExhausted
 from tiers.payload import KVBlock
@@ -276,15 +279,35 @@ class TierHierarchy:
             self._record_load(tier, block.nbytes, self._clock() - start)
         return block
 
-    def read_many(self, tier: str, metas: Sequence[BlockMeta]) -> list[KVBlock | None]:
+    def read_many(self, tier: str, metas: Sequence[BlockMeta], *,
+                  into_tier: str | None = None) -> list[KVBlock | None]:
         """Load several blocks of one local tier (a run of a chain), in order, timed together;
-        each None if absent or unverifiable. Up to the level's ``parallel_reads`` at once."""
+        each None if absent or unverifiable. Up to the level's ``parallel_reads`` at once.
+
+        ``into_tier``: as for ``fetch_remote``, for a disk tier (whose blocks are decoded from
+        bytes read); another tier's blocks are served as they are.
+        """
         if not metas:
             return []
         start = self._clock()
         readers = self._readers.get(tier)
         store = self._levels[tier].store
-        if readers is not None and len(metas) > 1:
+        staged = self._staging_pages(into_tier, len(metas)) if isinstance(store, DiskStore) else []
+        if staged:
+            disk = store
+            assert isinstance(disk, DiskStore)
+            into = _page_tensors(staged)
+
+            def read(i: int) -> KVBlock | None:
+                return disk.get(metas[i], into=into[i])
+
+            indices = range(len(metas))
+            decoded = list(readers.map(read, indices) if readers is not None
+                           else map(read, indices))
+            blocks: list[KVBlock | None] = [
+                None if block is None else _as_page(block, page)
+                for block, page in zip(decoded, staged, strict=True)]
+        elif readers is not None and len(metas) > 1:
             blocks = list(readers.map(store.get, metas))
         else:
             blocks = store.get_many(metas)
@@ -329,17 +352,13 @@ class TierHierarchy:
             return []
         start = self._clock()
         staged = self._staging_pages(into_tier, len(metas))
-        into = [page.packed for page in staged if page.packed is not None]
-        assert len(into) == len(staged), "a pool's block is always packed"
-        got = self.remote.fetch_chain(metas, into=into)
+        got = self.remote.fetch_chain(metas, into=_page_tensors(staged))
         hits: list[tuple[KVBlock, BlockExpiry | None]] = []
         for i, one in enumerate(got):
             if one is None:
                 break
             block, expiry = one
-            if i < len(staged):  # decoded into this page: the page, marked as the block was
-                block = dataclasses.replace(staged[i], quantization=block.quantization)
-            hits.append((block, expiry))
+            hits.append((_as_page(block, staged[i]) if i < len(staged) else block, expiry))
         if hits:
             with self._lock:
                 self._block_bytes = hits[0][0].nbytes
@@ -487,3 +506,19 @@ class TierHierarchy:
                     stats.notes["recomputed_instead"] = self._num_skipped_slow[stats.name]
                     stats.notes["slow_tier_probes"] = self._num_probes[stats.name]
         return out
+
+
+def _page_tensors(pages: Sequence[PagedBlock]) -> list[torch.Tensor]:
+    """Each page's ``[layers, 2, kv_heads, tokens, head_dim]`` view, to decode into."""
+    tensors = [page.packed for page in pages if page.packed is not None]
+    assert len(tensors) == len(pages), "a pool's block is always packed"
+    return tensors
+
+
+def _as_page(block: KVBlock, page: PagedBlock) -> KVBlock:
+    """``page``, marked as ``block`` is, where ``block`` was decoded into it; else ``block``
+    (a disk tier serves a block still waiting for its write as it is)."""
+    if (block.packed is None or page.packed is None
+            or block.packed.data_ptr() != page.packed.data_ptr()):
+        return block
+    return dataclasses.replace(page, quantization=block.quantization)

@@ -277,7 +277,9 @@ class TierTransfers:
             for piece in pieces:
                 if not self._worth_loading(tier, piece, recompute_s_per_token):
                     return read, blocks
-                got = self._hierarchy.read_many(tier, [meta for _, _, meta in piece])
+                got = self._hierarchy.read_many(
+                    tier, [meta for _, _, meta in piece],
+                    into_tier=self._placement.tier_names[0] if self._promote_on_hit else None)
                 read.extend(piece)
                 blocks.extend(got)
                 if any(block is None for block in got):

@@ -180,6 +180,42 @@ def test_a_prefix_stored_by_one_replica_is_a_redis_hit_on_another(
         b.close()
 
 
+def chain_metas(opened: OpenedCache, model: LoadedModel, tokens: TokenIds) -> list[BlockMeta]:
+    """The identities of ``tokens``' full blocks, as the cache asks its tiers for them."""
+    ns = namespace_for(model)
+    fp = opened.cache.fingerprinter(ns)  # type: ignore[arg-type]
+    keys = fp.block_keys(tokens)
+    return [BlockMeta(key=keys[i], parent_key=keys[i - 1] if i else fp.root_parent,
+                      namespace_digest=ns.digest, owner=ns.scope.owner,  # type: ignore[attr-defined]
+                      tokens=fp.block_token_bytes(tokens, i)) for i in range(len(keys))]
+
+
+def test_a_run_read_from_disk_is_decoded_into_free_pages_of_the_tier_it_is_meant_for(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4
+    opened = open_cache(config(tmp_path, device_bytes=10 * block_bytes),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    try:
+        p = prompt(14)
+        serve(opened, tiny, p)
+        assert opened.hierarchy.flush(timeout_s=10)
+        assert opened.cache.evict("device", 1 << 40) and opened.cache.evict("host", 1 << 40)
+        assert opened.hierarchy.flush(timeout_s=10)
+        pool = opened.pool
+        assert pool is not None and pool.num_in_use == 0
+        metas = chain_metas(opened, tiny, p)
+        staged = opened.hierarchy.read_many("disk", metas, into_tier="device")
+        assert [block is not None and pool.page_of(block) is not None for block in staged] \
+            == [True] * 3
+        assert all(x is not None and identical(x, y)
+                   for x, y in zip(staged, cold_blocks(tiny, p), strict=False))
+        plain = opened.hierarchy.read_many("disk", metas)
+        assert [block is not None and pool.page_of(block) is None for block in plain] == [True] * 3
+    finally:
+        opened.close()
+
+
 @pytest.mark.redis
 def test_a_chain_from_redis_is_decoded_into_free_pages_of_the_tier_it_is_meant_for(
     tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer
@@ -194,13 +230,8 @@ def test_a_chain_from_redis_is_decoded_into_free_pages_of_the_tier_it_is_meant_f
     try:
         serve(a, tiny, p)
         assert a.hierarchy.flush(timeout_s=10)
-        ns = namespace_for(tiny)
-        fp = b.cache.fingerprinter(ns)  # type: ignore[arg-type]
-        keys = fp.block_keys(p)
-        metas = [BlockMeta(key=keys[i], parent_key=keys[i - 1] if i else fp.root_parent,
-                           namespace_digest=ns.digest, owner=ns.scope.owner,  # type: ignore[attr-defined]
-                           tokens=fp.block_token_bytes(p, i)) for i in range(3)]
-        missing = BlockMeta(key=BlockKey(b"\x01" * len(keys[0])), parent_key=keys[2],
+        metas = chain_metas(b, tiny, p)
+        missing = BlockMeta(key=BlockKey(b"\x01" * len(metas[0].key)), parent_key=metas[2].key,
                             namespace_digest=metas[0].namespace_digest, owner=metas[0].owner,
                             tokens=metas[0].tokens)
         pool = b.pool
