@@ -394,6 +394,12 @@ class BlockCodec:
         if header.compression == "lz4":
             self._check_block_tag(header, body, payload)
             flat = torch.frombuffer(self._decompress(payload), dtype=torch.uint8)
+        elif into is not None and isinstance(data, bytes) and self._format.quantization is None:
+            # Immutable bytes (a Redis reply, a file read): nobody can change them after they
+            # are verified, so they are copied once, into the page, not privately first.
+            self._check_block_tag(header, body, payload)
+            _copy_exact_into(payload, into)
+            return header, KVBlock.of_packed(into)
         else:
             flat = torch.empty(self._raw_len, dtype=torch.uint8)
             private = flat.numpy()
@@ -444,3 +450,17 @@ def _check_identity(stored: BlockMeta, expected: BlockMeta) -> None:
         raise CodecError("namespace", "block was written in another namespace")
     if stored.tokens != expected.tokens:
         raise CodecError("tokens", "block tokens differ from the expected tokens")
+
+
+_SAME_SIZE_INTEGER = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16),
+                      4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
+"""Per element size, an integer type of that size in numpy and in torch: bytes copied as bits."""
+
+
+def _copy_exact_into(payload: memoryview, into: torch.Tensor) -> None:
+    """Copy an exact payload's bytes into ``into`` (``[layers, 2, kv_heads, tokens,
+    head_dim]``, any strides) through numpy, as integers of the element's size: torch would
+    warn that the bytes object it reads is not writable."""
+    as_numpy, as_torch = _SAME_SIZE_INTEGER[into.element_size()]
+    source = np.frombuffer(payload, dtype=as_numpy).reshape(tuple(into.shape))
+    np.copyto(into.view(as_torch).numpy(), source)

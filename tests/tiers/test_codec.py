@@ -358,6 +358,37 @@ def test_payload_bit_flips_are_caught_by_the_block_mac(blob: bytes) -> None:
         refused("payload_mac", lambda: CODEC.decode(tampered, META))  # noqa: B023
 
 
+def page_of_a_pool(layout: KVLayout, block_tokens: int) -> torch.Tensor:
+    """Page 1 of a ``[layers, 2, kv_heads, pages, tokens, head_dim]`` pool, filled with a
+    sentinel: the strided view a decode writes into."""
+    pool = torch.full((layout.num_layers, 2, layout.kv_heads, 3, block_tokens, layout.head_dim),
+                      -7.0, dtype=layout.dtype)
+    return pool[:, :, :, 1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("as_bytes", [True, False], ids=["immutable bytes", "bytearray"])
+def test_a_block_decoded_into_a_page_is_the_block_and_its_views_are_the_page(
+        dtype: torch.dtype, as_bytes: bool) -> None:
+    layout = dataclasses.replace(LAYOUT, dtype=dtype)
+    codec, block = make_codec(layout=layout), make_block(layout)
+    blob = codec.encode(META, block)
+    page = page_of_a_pool(layout, BLOCK_TOKENS)
+    got = codec.decode(blob if as_bytes else bytearray(blob), META, into=page)
+    assert got.packed is not None and got.packed.data_ptr() == page.data_ptr()
+    assert all(torch.equal(a, b) for a, b in zip((*got.keys, *got.values),
+                                                 (*block.keys, *block.values), strict=True))
+
+
+def test_a_block_that_fails_verification_writes_nothing_into_its_page() -> None:
+    header_len = CODEC.read_header(BLOB).header_len
+    tampered = bytearray(BLOB)
+    tampered[header_len + 5] ^= 1
+    page = page_of_a_pool(LAYOUT, BLOCK_TOKENS)
+    refused("payload_mac", lambda: CODEC.decode(bytes(tampered), META, into=page))
+    assert bool((page == -7.0).all())
+
+
 def test_read_header_vouches_for_the_header_only() -> None:
     tampered = bytearray(BLOB)
     tampered[-1] ^= 1
