@@ -22,8 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
-import torch
-
 from policies.base import BlockKey
 from tiers.payload import KVBlock
 
@@ -185,10 +183,11 @@ class RemoteStore(BlockStore, Protocol):
         ...
 
     def fetch_chain(
-        self, metas: Sequence[BlockMeta], *, into: Sequence[torch.Tensor] = ()
+        self, metas: Sequence[BlockMeta], *, into: Sequence[KVBlock] = ()
     ) -> list[tuple[KVBlock, BlockExpiry | None] | None]:
         """``get_many`` with each block's expiry from its verified header; block ``i`` is
-        written into ``into[i]`` where there is one (``PayloadFormat.unpack``)."""
+        decoded into ``into[i]`` where there is one, and is then that block
+        (``PayloadFormat.unpack``)."""
         ...
 
     def refresh_expiry(self, metas: Sequence[BlockMeta]) -> None:

@@ -67,7 +67,7 @@ from tiers.block_format import (
 from tiers.block_mac import MAC_LEN, BlockMac, derive_mac_key
 from tiers.kv_quant import supported
 from tiers.payload import KVBlock, KVLayout, PayloadError
-from tiers.payload_format import QuantizedPayload, payload_format
+from tiers.payload_format import QuantizedPayload, packed_of, payload_format
 
 __all__ = [
     "FORMAT_VERSION",
@@ -344,7 +344,7 @@ class BlockCodec:
             raise CodecError("codec", f"malformed block header: {exc}") from exc
 
     def decode(self, data: bytes | bytearray | memoryview, expected: BlockMeta, *,
-               into: torch.Tensor | None = None) -> KVBlock:
+               into: KVBlock | None = None) -> KVBlock:
         """Verify ``data`` as the encoding of the block ``expected`` and return its tensors
         (``decode_with_header`` also returns the verified header: its expiry, for instance;
         ``into`` is its too).
@@ -355,16 +355,17 @@ class BlockCodec:
         return self.decode_with_header(data, expected, into=into)[1]
 
     def decode_with_header(self, data: bytes | bytearray | memoryview, expected: BlockMeta,
-                           *, into: torch.Tensor | None = None
+                           *, into: KVBlock | None = None
                            ) -> tuple[DecodedHeader, KVBlock]:
         """Verify ``data`` as the encoding of the block ``expected``; its header and tensors.
 
-        The returned tensors own their memory (one buffer for the whole block, or ``into``: a
-        page of the pool on the CPU, ``PayloadFormat.unpack``, written only once the block is
-        verified): the caller may reuse or release ``data`` at once. A raw payload is copied
-        first and the block tag is checked over that private copy, so the bytes served are
-        the bytes verified even if ``data`` is a buffer someone else can still write; an lz4
-        payload is verified before it is decompressed (lz4 never sees unauthenticated bytes).
+        The returned tensors own their memory (one buffer for the whole block; or the block
+        returned is ``into``, a page of the pool on the CPU, ``PayloadFormat.unpack``, written
+        only once the block is verified): the caller may reuse or release ``data`` at once. A
+        raw payload is copied first and the block tag is checked over that private copy, so
+        the bytes served are the bytes verified even if ``data`` is a buffer someone else can
+        still write (immutable ``bytes`` are checked in place); an lz4 payload is verified
+        before it is decompressed (lz4 never sees unauthenticated bytes).
 
         NOTE: the identity is compared before the block tag and decompression, so a foreign
         block costs no payload work; every check runs either way, only the reported reason of
@@ -398,8 +399,8 @@ class BlockCodec:
             # Immutable bytes (a Redis reply, a file read): nobody can change them after they
             # are verified, so they are copied once, into the page, not privately first.
             self._check_block_tag(header, body, payload)
-            _copy_exact_into(payload, into)
-            return header, KVBlock.of_packed(into)
+            _copy_exact_into(payload, packed_of(into))
+            return header, into
         else:
             flat = torch.empty(self._raw_len, dtype=torch.uint8)
             private = flat.numpy()

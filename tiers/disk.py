@@ -46,8 +46,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
-import torch
-
 from policies.base import BlockKey
 from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
 from tiers.codec import BlockCodec, DecodedHeader
@@ -282,11 +280,11 @@ class DiskStore(BatchDefaults):
             self._num_outstanding += 1
             self._changed.notify_all()
 
-    def get(self, meta: BlockMeta, *, into: torch.Tensor | None = None) -> KVBlock | None:
+    def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None:
         """The block if it is pending or on disk and verifies against ``meta``; else None.
 
-        ``into``: where a block read from its file is decoded (``BlockCodec.decode``: a page of
-        the pool); a pending block is served as it is, not written there.
+        ``into``: the block (a page of the pool) that a block read from its file is decoded into
+        and returned as (``BlockCodec.decode``); a pending block is served as it is.
         """
         key = meta.key
         with self._lock:

@@ -20,7 +20,6 @@ sits on the request path; local disk writes are queued by the disk store itself.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import queue
 import threading
@@ -28,8 +27,6 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-
-import torch
 
 from policies.base import BlockKey
 from policies.rate import TenantRates
@@ -296,17 +293,13 @@ class TierHierarchy:
         if staged:
             disk = store
             assert isinstance(disk, DiskStore)
-            into = _page_tensors(staged)
 
             def read(i: int) -> KVBlock | None:
-                return disk.get(metas[i], into=into[i])
+                return disk.get(metas[i], into=staged[i])
 
             indices = range(len(metas))
-            decoded = list(readers.map(read, indices) if readers is not None
-                           else map(read, indices))
-            blocks: list[KVBlock | None] = [
-                None if block is None else _as_page(block, page)
-                for block, page in zip(decoded, staged, strict=True)]
+            blocks = list(readers.map(read, indices) if readers is not None
+                          else map(read, indices))
         elif readers is not None and len(metas) > 1:
             blocks = list(readers.map(store.get, metas))
         else:
@@ -352,13 +345,12 @@ class TierHierarchy:
             return []
         start = self._clock()
         staged = self._staging_pages(into_tier, len(metas))
-        got = self.remote.fetch_chain(metas, into=_page_tensors(staged))
+        got = self.remote.fetch_chain(metas, into=staged)
         hits: list[tuple[KVBlock, BlockExpiry | None]] = []
-        for i, one in enumerate(got):
+        for one in got:
             if one is None:
                 break
-            block, expiry = one
-            hits.append((_as_page(block, staged[i]) if i < len(staged) else block, expiry))
+            hits.append(one)
         if hits:
             with self._lock:
                 self._block_bytes = hits[0][0].nbytes
@@ -506,19 +498,3 @@ class TierHierarchy:
                     stats.notes["recomputed_instead"] = self._num_skipped_slow[stats.name]
                     stats.notes["slow_tier_probes"] = self._num_probes[stats.name]
         return out
-
-
-def _page_tensors(pages: Sequence[PagedBlock]) -> list[torch.Tensor]:
-    """Each page's ``[layers, 2, kv_heads, tokens, head_dim]`` view, to decode into."""
-    tensors = [page.packed for page in pages if page.packed is not None]
-    assert len(tensors) == len(pages), "a pool's block is always packed"
-    return tensors
-
-
-def _as_page(block: KVBlock, page: PagedBlock) -> KVBlock:
-    """``page``, marked as ``block`` is, where ``block`` was decoded into it; else ``block``
-    (a disk tier serves a block still waiting for its write as it is)."""
-    if (block.packed is None or page.packed is None
-            or block.packed.data_ptr() != page.packed.data_ptr()):
-        return block
-    return dataclasses.replace(page, quantization=block.quantization)

@@ -19,6 +19,7 @@ Byte layout of a quantized payload (little-endian, C-contiguous)::
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import torch
@@ -64,12 +65,12 @@ class PayloadFormat(Protocol):
         the layout). Raises CodecError when the block may not be stored in this format."""
         ...
 
-    def unpack(self, flat: torch.Tensor, *, into: torch.Tensor | None = None) -> KVBlock:
+    def unpack(self, flat: torch.Tensor, *, into: KVBlock | None = None) -> KVBlock:
         """The block held by ``flat`` (uint8, ``raw_len`` bytes, owned by the caller).
 
-        ``into``: a ``[layers, 2, kv_heads, tokens, head_dim]`` tensor of the layout's dtype on
-        the CPU (a page of the pool) that the block's K/V are written into; the block returned
-        is then views of it. Without it, views of ``flat`` or a buffer of the block's own.
+        ``into``: a block of the layout's shape and dtype on the CPU, packed (a page of the
+        pool), that the K/V are written into and that is returned, marked with this format's
+        quantization. Without it, views of ``flat`` or a buffer of the block's own.
         """
         ...
 
@@ -110,14 +111,15 @@ class ExactPayload:
                                       "be stored in an exact tier")
         return [_byte_view(t) for kv in zip(block.keys, block.values, strict=True) for t in kv]
 
-    def unpack(self, flat: torch.Tensor, *, into: torch.Tensor | None = None) -> KVBlock:
+    def unpack(self, flat: torch.Tensor, *, into: KVBlock | None = None) -> KVBlock:
         layout = self._layout
         per_layer = flat.view(layout.dtype).view(
             layout.num_layers, 2, layout.kv_heads, self._block_tokens, layout.head_dim
         )
         if into is None:
             return KVBlock.of_packed(per_layer)
-        return KVBlock.of_packed(into.copy_(per_layer))
+        packed_of(into).copy_(per_layer)
+        return into
 
 
 class QuantizedPayload:
@@ -167,12 +169,14 @@ class QuantizedPayload:
         return KVBlock.of_packed(dequantize(q.cpu(), scales.cpu(), self._layout.dtype),
                                  self._quantization)
 
-    def unpack(self, flat: torch.Tensor, *, into: torch.Tensor | None = None) -> KVBlock:
+    def unpack(self, flat: torch.Tensor, *, into: KVBlock | None = None) -> KVBlock:
         layout = self._layout
         scales = flat[: self._scales_len].view(SCALE_DTYPE).view(self._rows)
         q = flat[self._scales_len :].view(self._element).view(*self._rows, layout.head_dim)
-        return KVBlock.of_packed(dequantize(q, scales, layout.dtype, out=into),
-                                 self._quantization)
+        if into is None:
+            return KVBlock.of_packed(dequantize(q, scales, layout.dtype), self._quantization)
+        dequantize(q, scales, layout.dtype, out=packed_of(into))
+        return dataclasses.replace(into, quantization=self._quantization)
 
 
 def payload_format(layout: KVLayout, block_tokens: int,
@@ -181,3 +185,10 @@ def payload_format(layout: KVLayout, block_tokens: int,
     if quantization is None:
         return ExactPayload(layout, block_tokens)
     return QuantizedPayload(layout, block_tokens, quantization)
+
+
+def packed_of(block: KVBlock) -> torch.Tensor:
+    """``block.packed``, which a block to decode into must have."""
+    if block.packed is None:
+        raise ValueError("a block to decode into must be packed (a page of the pool)")
+    return block.packed

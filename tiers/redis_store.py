@@ -55,7 +55,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import redis
-import torch
 from redis.cluster import RedisCluster
 from redis.exceptions import DataError, ResponseError
 
@@ -288,10 +287,11 @@ class RedisStore(BatchDefaults):
         return [None if got is None else got[0] for got in self.fetch_chain(metas)]
 
     def fetch_chain(
-        self, metas: Sequence[BlockMeta], *, into: Sequence[torch.Tensor] = ()
+        self, metas: Sequence[BlockMeta], *, into: Sequence[KVBlock] = ()
     ) -> list[tuple[KVBlock, BlockExpiry | None] | None]:
         """``get_many`` with each block's expiry, as its verified header says; block ``i`` is
-        decoded into ``into[i]`` where there is one (a page of the pool: no copy later).
+        decoded into ``into[i]`` where there is one, and is then that block (a page of the
+        pool: no copy later).
 
         A hit restarts the key's expiry with the block's own TTL (see the module docstring):
         one more round trip, only when something was found.

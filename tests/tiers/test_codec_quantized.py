@@ -58,13 +58,24 @@ def expected_round_trip(block: KVBlock, quantization: Quantization) -> list[torc
     return out
 
 
+def page_of_a_pool() -> KVBlock:
+    """Page 1 of a ``[layers, 2, kv_heads, pages, tokens, head_dim]`` pool, as a block."""
+    pool = torch.zeros((LAYOUT.num_layers, 2, LAYOUT.kv_heads, 3, BLOCK_TOKENS, LAYOUT.head_dim),
+                       dtype=LAYOUT.dtype)
+    return KVBlock.of_packed(pool[:, :, :, 1])
+
+
 @pytest.mark.parametrize("quantization", FORMATS)
 @pytest.mark.parametrize("compression", ["raw", "lz4"])
+@pytest.mark.parametrize("into_a_page", [False, True], ids=["own buffer", "into a page"])
 def test_a_quantized_blob_decodes_to_the_dequantized_block_marked_lossy(
-        quantization: Quantization, compression: str) -> None:
+        quantization: Quantization, compression: str, into_a_page: bool) -> None:
     lossy = codec(quantization, compression=compression)
     block, meta = seeded_kv_block(3), seeded_block_meta(3)
-    header, back = lossy.decode_with_header(lossy.encode(meta, block), meta)
+    page = page_of_a_pool() if into_a_page else None
+    header, back = lossy.decode_with_header(lossy.encode(meta, block), meta, into=page)
+    if page is not None:  # the page itself, its storage written in place
+        assert back.packed is page.packed and back.keys is page.keys
     assert back.quantization == quantization == header.quantization == lossy.quantization
     assert header.dtype == LAYOUT.dtype
     for got, want in zip((*back.keys, *back.values), expected_round_trip(block, quantization),

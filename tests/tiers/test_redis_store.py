@@ -48,7 +48,7 @@ class SpyCodec(BlockCodec):
     num_decodes = 0
 
     def decode_with_header(self, data: Any, expected: BlockMeta, *,
-                           into: torch.Tensor | None = None) -> tuple[DecodedHeader, KVBlock]:
+                           into: KVBlock | None = None) -> tuple[DecodedHeader, KVBlock]:
         self.num_decodes += 1
         return super().decode_with_header(data, expected, into=into)
 
