@@ -9,8 +9,8 @@ pipelined commands over many keys, and how a URL's password is kept out of every
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from typing import Any, cast
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -90,6 +90,42 @@ def raise_first_error(
     for reply in replies:
         if isinstance(reply, Exception) and not (allow is not None and allow(reply)):
             raise reply
+
+
+def replies_as_they_arrive(client: RedisClient,
+                           commands: Sequence[tuple[Any, ...]]) -> Generator[Any, None, None]:
+    """Send ``commands`` in one write and yield each reply as it is read, an error reply as
+    its exception (as ``pipeline().execute(raise_on_error=False)`` returns them, but one at a
+    time): the caller works on one reply while the server sends the next. A cluster client's
+    keys live on several nodes: its replies come from a pipeline, all at once.
+
+    The connection goes back to the pool once every reply is read; a fault, or a caller that
+    stops early, disconnects it first (its unread replies must not answer the next command).
+    Connection faults are raised as redis-py raises them.
+    """
+    streams = not isinstance(client, RedisCluster)
+    if not streams:
+        with client.pipeline(transaction=False) as pipe:
+            for command in commands:
+                pipe.execute_command(*command)
+            yield from pipe.execute(raise_on_error=False)
+        return
+    pool = cast(redis.Redis, client).connection_pool
+    connection = pool.get_connection()
+    try:
+        packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]
+        connection.send_packed_command(packed)  # type: ignore[no-untyped-call]
+        for _ in commands:
+            try:
+                reply = connection.read_response()
+            except ResponseError as exc:
+                reply = exc
+            yield reply
+    except BaseException:
+        connection.disconnect()  # type: ignore[no-untyped-call]
+        raise
+    finally:
+        pool.release(connection)
 
 
 def is_wrong_type(reply: Exception) -> bool:

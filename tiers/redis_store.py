@@ -79,6 +79,7 @@ from tiers.redis_client import (
     is_wrong_type,
     raise_first_error,
     redact_url,
+    replies_as_they_arrive,
     unlink_all,
     unlink_idle,
     unlink_matching,
@@ -305,51 +306,41 @@ class RedisStore(BatchDefaults):
                 self._stats.misses += len(metas)
             return results
         redis_keys = [self._remember(meta) for meta in metas]
+        commands: list[tuple[object, ...]] = []
+        for redis_key in redis_keys:
+            # NOTE: the end index is inclusive, so an oversized value shows as
+            # max_value_bytes + 1 bytes and is never read whole.
+            commands += [("GETRANGE", redis_key, 0, self._max_value_bytes), ("PTTL", redis_key)]
+        num_hits = 0
+        poison_key: str | None = None
+        slide: list[tuple[str, int]] = []  # keys of hits that expire, with their block's TTL
         began = time.perf_counter()
         try:
-            with client.pipeline(transaction=False) as pipe:
-                for redis_key in redis_keys:
-                    # NOTE: the end index is inclusive, so an oversized value shows as
-                    # max_value_bytes + 1 bytes and is never read whole.
-                    pipe.getrange(redis_key, 0, self._max_value_bytes)
-                    pipe.pttl(redis_key)
-                replies = pipe.execute(raise_on_error=False)
-            values, pttls = replies[0::2], replies[1::2]
-            raise_first_error(replies, allow=is_wrong_type)
+            # Each block is verified and decoded while the server sends the next one.
+            replies = replies_as_they_arrive(client, commands)
+            for i, meta in enumerate(metas):
+                value, pttl = next(replies), next(replies)
+                raise_first_error([value, pttl], allow=is_wrong_type)
+                if num_hits < i:  # a block is missing before this one: read, not decoded
+                    continue
+                got, reason = self._decoded(meta, value, into[i] if i < len(into) else None)
+                if reason is not None:
+                    poison_key = self._reject(redis_keys[i], reason)
+                if got is None:
+                    continue
+                results[i] = got
+                num_hits += 1
+                px = self.expiry_ms(got[1], on_hit=True)
+                if isinstance(pttl, int) and pttl > 0 and px is not None:
+                    slide.append((redis_keys[i], px))
+            for _ in replies:  # past the last reply: the connection goes back to its pool
+                raise AssertionError("more replies than commands")
         except REDIS_FAULTS as exc:
             self._faults.on_fault(exc)
             with self._lock:
                 self._stats.misses += len(metas)
-            return results
+            return [None] * len(metas)
         self._faults.on_success(began)
-
-        num_hits = 0
-        poison_key: str | None = None
-        slide: list[tuple[str, int]] = []  # keys of hits that expire, with their block's TTL
-        for i, (meta, value) in enumerate(zip(metas, values, strict=True)):
-            got = None
-            if isinstance(value, ResponseError):  # WRONGTYPE: not a string, not ours
-                poison_key = self._reject(redis_keys[i], "type")
-            elif not value:
-                pass  # absent (GETRANGE answers "" for a missing key; we never store "")
-            elif not isinstance(value, bytes):
-                raise TierConfigError("the Redis client must be built with decode_responses=False")
-            elif len(value) > self._max_value_bytes:
-                poison_key = self._reject(redis_keys[i], "size")
-            else:
-                try:
-                    header, block = self._codec.decode_with_header(
-                        value, meta, into=into[i] if i < len(into) else None)
-                    got = (block, header.meta.expiry)
-                except CodecError as exc:
-                    poison_key = self._reject(redis_keys[i], exc.reason)
-            if got is None:
-                break
-            results[i] = got
-            num_hits += 1
-            px = self.expiry_ms(got[1], on_hit=True)
-            if isinstance(pttls[i], int) and pttls[i] > 0 and px is not None:
-                slide.append((redis_keys[i], px))
         with self._lock:
             self._stats.hits += num_hits
             self._stats.misses += len(metas) - num_hits
@@ -359,6 +350,24 @@ class RedisStore(BatchDefaults):
         if slide:
             self._pexpire(client, slide)
         return results
+
+    def _decoded(self, meta: BlockMeta, value: object, into: KVBlock | None
+                 ) -> tuple[tuple[KVBlock, BlockExpiry | None] | None, str | None]:
+        """One GETRANGE reply as the block ``meta`` names, with its expiry; or None, and the
+        reason to unlink the key when it holds something that is not that block."""
+        if isinstance(value, ResponseError):  # WRONGTYPE: not a string, not ours
+            return None, "type"
+        if not value:
+            return None, None  # absent (GETRANGE answers "" for a missing key; we never store "")
+        if not isinstance(value, bytes):
+            raise TierConfigError("the Redis client must be built with decode_responses=False")
+        if len(value) > self._max_value_bytes:
+            return None, "size"
+        try:
+            header, block = self._codec.decode_with_header(value, meta, into=into)
+        except CodecError as exc:
+            return None, exc.reason
+        return (block, header.meta.expiry), None
 
     def expiry_ms(self, expiry: BlockExpiry | None, *, on_hit: bool = False) -> int | None:
         """``PX`` for a block with ``expiry``: its TTL capped by the store's, the store's for a
