@@ -281,11 +281,8 @@ class DiskStore(BatchDefaults):
             self._changed.notify_all()
 
     def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None:
-        """The block if it is pending or on disk and verifies against ``meta``; else None.
-
-        ``into``: the block (a page of the pool) that a block read from its file is decoded into
-        and returned as (``BlockCodec.decode``); a pending block is served as it is.
-        """
+        """The block if it is pending or on disk and verifies against ``meta``; else None (one
+        read from its file is decoded into ``into``, a page of the pool, and returned as it)."""
         key = meta.key
         with self._lock:
             write = self._pending.get(key)

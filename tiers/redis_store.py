@@ -348,7 +348,7 @@ class RedisStore(BatchDefaults):
         if poison_key is not None:
             self._unlink(client, [poison_key])
         if slide:
-            self._pexpire(client, slide)
+            self._set_expiry(client, slide)  # a hit restarts a sliding TTL
         return results
 
     def _decoded(self, meta: BlockMeta, value: object, into: KVBlock | None
@@ -389,30 +389,20 @@ class RedisStore(BatchDefaults):
         block, ``PEXPIRE`` otherwise (pin and unpin reach the shared tier). Missing keys are
         left missing; a fault is counted and the keys keep their old expiry."""
         client = self._admit()
-        if client is None or not metas:
-            return
-        began = time.perf_counter()
-        try:
-            with client.pipeline(transaction=False) as pipe:
-                for meta in metas:
-                    px = self.expiry_ms(meta.expiry)
-                    if px is None:
-                        pipe.persist(self._remember(meta))
-                    else:
-                        pipe.pexpire(self._remember(meta), px)
-                raise_first_error(pipe.execute(raise_on_error=False))
-        except REDIS_FAULTS as exc:
-            self._faults.on_fault(exc)
-            return
-        self._faults.on_success(began)
+        if client is not None and metas:
+            self._set_expiry(client, [(self._remember(meta), self.expiry_ms(meta.expiry))
+                                      for meta in metas])
 
-    def _pexpire(self, client: RedisClient, items: list[tuple[str, int]]) -> None:
-        """Restart the expiry of keys that have one (a hit on a sliding TTL)."""
+    def _set_expiry(self, client: RedisClient, items: Sequence[tuple[str, int | None]]) -> None:
+        """``PEXPIRE`` each key by its ``PX`` (``PERSIST`` for None), in one round trip."""
         began = time.perf_counter()
         try:
             with client.pipeline(transaction=False) as pipe:
                 for redis_key, px in items:
-                    pipe.pexpire(redis_key, px)
+                    if px is None:
+                        pipe.persist(redis_key)
+                    else:
+                        pipe.pexpire(redis_key, px)
                 raise_first_error(pipe.execute(raise_on_error=False))
         except REDIS_FAULTS as exc:
             self._faults.on_fault(exc)
