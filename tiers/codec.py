@@ -395,7 +395,8 @@ class BlockCodec:
         if header.compression == "lz4":
             self._check_block_tag(header, body, payload)
             flat = torch.frombuffer(self._decompress(payload), dtype=torch.uint8)
-        elif into is not None and isinstance(data, bytes) and self._format.quantization is None:
+        elif (into is not None and isinstance(data, bytes) and self._format.quantization is None
+              and packed_of(into).device.type == "cpu"):
             # Immutable bytes (a Redis reply, a file read): nobody can change them after they
             # are verified, so they are copied once, into the page, not privately first.
             self._check_block_tag(header, body, payload)
