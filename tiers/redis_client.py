@@ -52,6 +52,11 @@ def build_client(url: str, *, cluster: bool, socket_timeout_s: float,
         # NOTE: no client-side retries: a retry doubles the stall of a request while the
         # caller could be recomputing; the breaker decides when to try again.
         "retry": Retry(NoBackoff(), 0),
+        # Blocks are megabytes: reading a 94 MB chain 64 KiB at a time (redis-py's default)
+        # took ~2,900 reads, 1 MiB ~100; the exact chain's fetch 200 -> 160 ms (2k tokens of
+        # SmolLM2, loopback, the 2-core AMD EPYC, tools/profile/lower_tier_warm.py redis).
+        # One such buffer per connection.
+        "socket_read_size": 1 << 20,
     }
     if cluster:
         return RedisCluster.from_url(url, **options)
