@@ -111,10 +111,9 @@ class BlockCodec:
         min_lz4_saving: fraction of the raw size that "auto" needs lz4 to save.
         quantize: None (exact, the default), or the lossy format this codec stores ("int8",
             "fp8"): for a tier configured with ``quantize``, and only under a lossy namespace.
-        device_type: where blocks are quantized ("cpu", "cuda"); fp8 needs torch to cast
-            there.
-        verify_on_every_core: verify block tags on every core (``BlockMac``): for an engine
-            on a GPU only.
+        device_type: where the engine computes ("cpu", "cuda"): blocks are quantized there
+            (fp8 needs torch to cast there), and block tags are verified on every core only
+            where it is not the CPU (``BlockMac``: the host's cores are otherwise the engine's).
 
     Raises:
         TierConfigError: a bad argument, a dtype without a format code, a quantization torch
@@ -132,7 +131,6 @@ class BlockCodec:
         min_lz4_saving: float = 0.05,
         quantize: Quantization | None = None,
         device_type: str = "cpu",
-        verify_on_every_core: bool = False,
     ) -> None:
         if sys.byteorder != "little":
             raise TierConfigError(
@@ -161,7 +159,7 @@ class BlockCodec:
             raise TierConfigError(f"torch {torch.__version__} cannot quantize K/V to {quantize} "
                                   f"on {device_type}: use int8")
         # BlockMac raises TierConfigError for a key of a bad length.
-        self._mac = BlockMac(mac_key, verify_on_every_core=verify_on_every_core)
+        self._mac = BlockMac(mac_key, verify_on_every_core=device_type != "cpu")
         self._layout = layout
         self._block_tokens = block_tokens
         self._compression: CompressionMode = compression

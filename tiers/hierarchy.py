@@ -290,12 +290,11 @@ class TierHierarchy:
         readers = self._readers.get(tier)
         store = self._levels[tier].store
         staged = self._staging_pages(into_tier, len(metas)) if isinstance(store, DiskStore) else []
-        if staged:
-            disk = store
-            assert isinstance(disk, DiskStore)
+        if staged and isinstance(store, DiskStore):
+            get_into = store.get
 
             def read(i: int) -> KVBlock | None:
-                return disk.get(metas[i], into=staged[i])
+                return get_into(metas[i], into=staged[i])
 
             indices = range(len(metas))
             blocks = list(readers.map(read, indices) if readers is not None

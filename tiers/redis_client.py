@@ -10,7 +10,7 @@ pipelined commands over many keys, and how a URL's password is kept out of every
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import redis
@@ -97,6 +97,14 @@ def raise_first_error(
             raise reply
 
 
+def pipelined(client: RedisClient, commands: Sequence[tuple[Any, ...]]) -> list[Any]:
+    """Every reply of ``commands`` at once, from one pipeline (error replies inline)."""
+    with client.pipeline(transaction=False) as pipe:
+        for command in commands:
+            pipe.execute_command(*command)
+        return pipe.execute(raise_on_error=False)
+
+
 def replies_as_they_arrive(client: RedisClient,
                            commands: Sequence[tuple[Any, ...]]) -> Generator[Any, None, None]:
     """Send ``commands`` in one write and yield each reply as it is read, an error reply as
@@ -108,14 +116,10 @@ def replies_as_they_arrive(client: RedisClient,
     stops early, disconnects it first (its unread replies must not answer the next command).
     Connection faults are raised as redis-py raises them.
     """
-    streams = not isinstance(client, RedisCluster)
-    if not streams:
-        with client.pipeline(transaction=False) as pipe:
-            for command in commands:
-                pipe.execute_command(*command)
-            yield from pipe.execute(raise_on_error=False)
+    if isinstance(client, RedisCluster):
+        yield from pipelined(client, commands)
         return
-    pool = cast(redis.Redis, client).connection_pool
+    pool = client.connection_pool
     connection = pool.get_connection()
     try:
         packed = connection.pack_commands(commands)  # type: ignore[no-untyped-call]

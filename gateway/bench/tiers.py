@@ -425,7 +425,7 @@ def run_tiers_benchmark(*, model: str, cache_dir: Path, repeats: int, out: TextI
     device_blocks, blocks = blocks, [_on_cpu(b) for b in blocks]  # what the codec rows encode
     codec = BlockCodec(mac_key=derive_mac_key(SECRET), layout=loaded.layout,
                        block_tokens=block_tokens,
-                       verify_on_every_core=numerics.device.type != "cpu")  # as serve's tiers
+                       device_type=numerics.device.type)  # verifies as serve's tiers do
     lz4 = BlockCodec(mac_key=derive_mac_key(SECRET), layout=loaded.layout,
                      block_tokens=block_tokens, compression="lz4")
     raw_size = sum(len(codec.encode(m, b)) for m, b in zip(metas, blocks, strict=True))

@@ -258,8 +258,6 @@ def open_cache(
         compression=config.compression,
         quantize=lossy.get(tier),
         device_type=device.type,
-        # The host's cores are the engine's when it computes on the CPU (tiers/block_mac.py).
-        verify_on_every_core=device.type != "cpu",
     ) for tier in ("exact", "disk", "redis")}
     pool = PagePool.for_budget(layout, page_tokens=config.block_tokens, device=device,
                                budget_bytes=config.device_bytes + running_bytes)

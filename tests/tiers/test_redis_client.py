@@ -4,6 +4,8 @@ connection clean (those against a real redis-server on loopback)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import redis
 
@@ -49,13 +51,21 @@ def client_of(url: str, *, cluster: bool = False) -> redis.Redis | redis.RedisCl
     return build_client(url, cluster=cluster, socket_timeout_s=5.0, connect_timeout_s=5.0)
 
 
+@pytest.fixture
+def client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client of a fresh server holding a = 1, b = 2 and the list ``listed``."""
+    built = client_of(redis_server.url)
+    assert isinstance(built, redis.Redis)
+    built.set("a", b"1")
+    built.set("b", b"2")
+    built.rpush("listed", b"x")
+    yield built
+    built.close()
+
+
 @pytest.mark.redis
 def test_replies_arrive_in_order_with_an_error_reply_as_its_exception(
-        redis_server: RedisServer) -> None:
-    client = client_of(redis_server.url)
-    client.set("a", b"1")
-    client.rpush("listed", b"x")
-    assert isinstance(client, redis.Redis)
+        client: redis.Redis) -> None:
     replies = list(replies_as_they_arrive(client, [("GET", "a"), ("GETRANGE", "listed", 0, 9),
                                                    ("GET", "absent"), ("PTTL", "a")]))
     assert replies[0] == b"1" and replies[2] is None and replies[3] == -1
@@ -63,20 +73,15 @@ def test_replies_arrive_in_order_with_an_error_reply_as_its_exception(
     pool = client.connection_pool
     assert pool._in_use_connections == set()  # back in the pool, connected, reused next
     assert len(pool._available_connections) == 1 and client.get("a") == b"1"
-    client.close()
 
 
 @pytest.mark.redis
 def test_a_caller_that_stops_early_leaves_no_reply_to_answer_the_next_command(
-        redis_server: RedisServer) -> None:
-    client = client_of(redis_server.url)
-    client.set("a", b"1")
-    client.set("b", b"2")
+        client: redis.Redis) -> None:
     replies = replies_as_they_arrive(client, [("GET", "a"), ("GET", "a"), ("GET", "a")])
     assert next(replies) == b"1"
     replies.close()  # two replies unread: the connection is dropped, not reused
     assert client.get("b") == b"2"
-    client.close()
 
 
 @pytest.mark.redis
