@@ -23,7 +23,7 @@ are ``gateway.engine.llama_modules``' where the checkpoint is read without it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,6 +60,11 @@ class SequenceRows:
     tokens: torch.Tensor
     wants_logits: bool
     is_decode: bool = False
+
+
+LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(layer, q, k, v)``: write one layer's K/V of the step's rows where they belong and
+return the rows' attention ``[rows, heads, head_dim]`` (zero for padding rows)."""
 
 
 class StepForward(Protocol):
@@ -172,24 +177,36 @@ class BatchedForward:
         cos, sin = cos.to(device), sin.to(device)
         positions = positions.to(device)
         writes = StepWrites.claim([rows.sequence for rows in batch], spans, device)
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+            if writes is not None:
+                writes.write(index, k, v)
+            items = []
+            for rows, (start, end) in zip(batch, spans, strict=True):
+                seq = rows.sequence
+                if writes is None:
+                    seq.write(index, k[start:end].transpose(0, 1),
+                              v[start:end].transpose(0, 1))
+                items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
+                                           is_decode=rows.is_decode, first_position=seq.length))
+            return join_rows(self._attention.attend(items), spans, q)
+
         with torch.inference_mode():
-            hidden = model.embed_tokens(ids)
-            for index, layer in enumerate(model.layers):
-                hidden = self._layer(index, layer, hidden, batch, spans, positions, cos, sin,
-                                     num_shared, writes)
+            hidden = self.run_layers(ids, cos, sin, num_shared, attend)
             for rows, n in zip(batch, lengths, strict=True):
                 rows.sequence.advance(n)
             wanted = [end - 1 for (_, end), rows in zip(spans, batch, strict=True)
                       if rows.wants_logits]
             if not wanted:
                 return [None] * len(batch)
-            picked = model.norm(hidden[torch.tensor(wanted, device=device)])
+            picked = hidden[torch.tensor(wanted, device=device)]
             num_logit_rows = 0
             if products.shares_decode_rows:
                 num_logit_rows = products.padding.rows_for(len(wanted))
                 picked = torch.cat([picked, picked.new_zeros(num_logit_rows - len(wanted),
                                                              picked.shape[1])])
-            logits = products.project(self._model.lm_head, picked, num_logit_rows).float()
+            logits = self.logits(picked, num_logit_rows)
         out: list[torch.Tensor | None] = []
         row = 0
         for rows in batch:
@@ -200,10 +217,44 @@ class BatchedForward:
                 out.append(None)
         return out
 
-    def _layer(self, index: int, layer: Any, hidden: torch.Tensor,
-               batch: Sequence[SequenceRows], spans: list[tuple[int, int]],
-               positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               num_shared: int, writes: StepWrites | None) -> torch.Tensor:
+    def run_layers(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   num_shared: int, attend: LayerAttention) -> torch.Tensor:
+        """The hidden states ``[rows, hidden]`` after every layer, for the step's rows:
+        token ``ids``, rotary ``cos``/``sin`` of their positions, the first ``num_shared`` rows
+        in the shared product, each layer's attention (and K/V writes) done by ``attend``.
+        The one walk of the weights every forward of this model takes (``forward`` here and
+        the captured steps of ``gateway.engine.captured_steps``)."""
+        hidden: torch.Tensor = self._model.model.embed_tokens(ids)
+        for index, layer in enumerate(self._model.model.layers):
+            hidden = self._layer(index, layer, hidden, cos, sin, num_shared, attend)
+        return hidden
+
+    def logits(self, picked: torch.Tensor, num_logit_rows: int) -> torch.Tensor:
+        """The float32 logits of the hidden rows ``picked`` (padding rows zero), the first
+        ``num_logit_rows`` in the shared product. The final norm sees the padded rows, as
+        every layer's norms do."""
+        normed = self._model.model.norm(picked)
+        return self._products.project(self._model.lm_head, normed, num_logit_rows).float()
+
+    @property
+    def products(self) -> RowProducts:
+        return self._products
+
+    @property
+    def attention(self) -> SequenceAttention:
+        return self._attention
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin ``[>= num_positions, head_dim]`` (CPU) every step reads."""
+        self._rope(torch.tensor([max(0, num_positions - 1)]))
+        return self._cos, self._sin
+
+    def _layer(self, index: int, layer: Any, hidden: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, num_shared: int, attend: LayerAttention) -> torch.Tensor:
         attn = layer.self_attn
         normed = layer.input_layernorm(hidden)
         num_rows = hidden.shape[0]
@@ -216,16 +267,7 @@ class BatchedForward:
                                                           self._head_dim)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
-        if writes is not None:
-            writes.write(index, k, v)
-        items = []
-        for rows, (start, end) in zip(batch, spans, strict=True):
-            seq = rows.sequence
-            if writes is None:
-                seq.write(index, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
-            items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
-                                       is_decode=rows.is_decode, first_position=seq.length))
-        attended = join_rows(self._attention.attend(items), spans, q)
+        attended = attend(index, q, k, v)
         hidden = hidden + project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
         mlp = layer.mlp
         normed = layer.post_attention_layernorm(hidden)

@@ -1,0 +1,155 @@
+"""Decode steps from static buffers (CUDA graphs on a GPU) compute the eager forward's bits
+(gateway.engine.captured_steps, docs/gpu.md "Captured decode steps").
+
+Two copies of the same sequences decode the same tokens, one through the eager
+``BatchedForward``, the other through ``CapturedDecode``; logits and K/V must be equal bit for
+bit (``torch.equal``). On the CPU the Triton kernel runs in its interpreter (a child process:
+tests/gateway/engine/triton_interpreter.py) and the buckets run from their buffers without a
+graph; the CUDA case (marked ``gpu``) captures and replays real graphs. The products are
+``rowwise`` under a padding of 4 (invariant on any machine, and a step of 3 or 5 rows is
+padded as on a GPU), so the buckets here are 4 and 8 rows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from gateway.engine.attention import TiledAttention
+from gateway.engine.captured_steps import CapturedDecode, captured_steps_problem
+from gateway.engine.forward import BatchedForward, SequenceRows
+from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.row_padding import RowPadding
+from gateway.engine.row_products import RowProducts
+from gateway.engine.triton_attention import TritonPagedAttention
+from tests.gateway.engine.kernels import rowwise
+from tests.gateway.engine.triton_interpreter import interpreted
+from tests.tiny_llama import VOCAB, save_tiny_llama
+from tiers.page_pool import PagePool
+
+if importlib.util.find_spec("triton") is None:
+    pytest.skip("triton is not installed (`make venv` installs it on Linux)",
+                allow_module_level=True)
+
+PRODUCTS = RowProducts(kernel="onednn", padding=RowPadding(minimum=4, multiple=4),
+                       shares_decode_rows=True, product_override=rowwise)
+PAGE = 16
+MAX_POSITIONS = 256
+PROMPTS = [21, 40, 7, 33, 16]
+"""Prompt lengths: pages part filled and exactly filled, so decoding crosses page ends."""
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")))
+
+
+def _forward(tiny: LoadedModel, device: str) -> BatchedForward:
+    return BatchedForward(tiny.model.to(device), TritonPagedAttention(), PRODUCTS)
+
+
+def _tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefilled(forward: BatchedForward, tiny: LoadedModel, device: str
+               ) -> tuple[PagePool, list[KVSequence]]:
+    pool = PagePool(tiny.layout, page_tokens=PAGE, num_pages=96, device=device)
+    sequences = []
+    for i, n in enumerate(PROMPTS):
+        seq = KVSequence(pool, n + 24)
+        forward.forward([SequenceRows(sequence=seq, tokens=_tokens(n, i), wants_logits=False)])
+        sequences.append(seq)
+    return pool, sequences
+
+
+def _decode_step(sequences: list[KVSequence], which: list[int], step: int
+                 ) -> list[SequenceRows]:
+    return [SequenceRows(sequence=sequences[i], tokens=_tokens(1, 100 * step + i),
+                         wants_logits=True, is_decode=True) for i in which]
+
+
+STEPS = [[0, 1, 2], [0, 1, 2, 3, 4], [1, 4], [0, 1, 2, 3, 4], [2, 0, 3]]
+"""Which sequences decode in each step: buckets of 4 and 8 rows, rows that were real in the
+last step of a bucket padding in the next, an order that is not the sequences'."""
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@interpreted
+def test_a_captured_decode_step_gives_the_eager_forwards_logits_and_kv(tiny, device) -> None:
+    forward = _forward(tiny, device)
+    _, eager_sequences = _prefilled(forward, tiny, device)
+    pool, captured_sequences = _prefilled(forward, tiny, device)
+    captured = CapturedDecode(forward, pool, max_rows=8, max_positions=MAX_POSITIONS,
+                              capture=device == "cuda")
+    for step, which in enumerate(STEPS):
+        expected = forward.forward(_decode_step(eager_sequences, which, step))
+        got = captured.forward(_decode_step(captured_sequences, which, step))
+        for want, have in zip(expected, got, strict=True):
+            assert want is not None and have is not None
+            assert torch.equal(want, have)
+    for a, b in zip(eager_sequences, captured_sequences, strict=True):
+        assert a.length == b.length
+        for layer in range(tiny.layout.num_layers):
+            assert torch.equal(a.keys(layer), b.keys(layer))
+            assert torch.equal(a.values(layer), b.values(layer))
+    assert captured.counters.replayed == len(STEPS)
+    assert captured.counters.eager == 0
+    if device == "cuda":
+        assert captured.counters.captured == 2
+        assert captured.counters.capture_failures == 0
+
+
+@interpreted
+def test_a_captured_step_writes_only_its_rows_slots_and_the_scratch_pages(tiny) -> None:
+    forward = _forward(tiny, "cpu")
+    pool, sequences = _prefilled(forward, tiny, "cpu")
+    captured = CapturedDecode(forward, pool, max_rows=8, max_positions=MAX_POSITIONS,
+                              capture=False)
+    scratch = set(captured.scratch_page_ids)
+    assert scratch.isdisjoint(page for seq in sequences for page in seq.page_ids)
+    before = pool.storage.clone()
+    captured.forward(_decode_step(sequences, [0, 2], 0))  # two rows padded to four
+    changed = (pool.storage != before).flatten(0, 2).any(dim=3).any(dim=0)  # [pages, tokens]
+    written = {(page, token) for page, token in changed.nonzero().tolist()}
+    rows = {(seq.page_ids[(seq.length - 1) // PAGE], (seq.length - 1) % PAGE)
+            for seq in (sequences[0], sequences[2])}
+    assert {(page, token) for page, token in written if page not in scratch} == rows
+    assert any(page in scratch for page, _ in written)  # the padding rows went there
+
+
+@interpreted
+def test_steps_it_does_not_cover_run_on_the_eager_forward(tiny) -> None:
+    forward = _forward(tiny, "cpu")
+    pool, sequences = _prefilled(forward, tiny, "cpu")
+    captured = CapturedDecode(forward, pool, max_rows=4, max_positions=MAX_POSITIONS,
+                              capture=False)
+    other_pool_seq = KVSequence.alone(tiny.layout, 8, page_tokens=PAGE)
+    prefill = SequenceRows(sequence=sequences[0], tokens=_tokens(3, 7), wants_logits=True)
+    beside_prefill = _decode_step(sequences, [1], 0) + [prefill]
+    another_pool = [SequenceRows(sequence=other_pool_seq, tokens=_tokens(1, 8),
+                                 wants_logits=True, is_decode=True)]
+    too_many = _decode_step(sequences, [0, 1, 2, 3, 4], 1)
+    for batch in (beside_prefill, another_pool, too_many):
+        captured.forward(batch)
+    assert captured.counters.eager == 3
+    assert captured.counters.replayed == 0
+
+
+def test_only_the_triton_attention_with_shared_decode_rows_on_cuda_is_captured(tiny) -> None:
+    cuda = torch.device("cuda")
+    triton_forward = BatchedForward(tiny.model, TritonPagedAttention(), PRODUCTS)
+    assert captured_steps_problem(triton_forward, cuda) is None
+    assert "CUDA graphs" in str(captured_steps_problem(triton_forward, torch.device("cpu")))
+    tiled = BatchedForward(tiny.model, TiledAttention(), PRODUCTS)
+    assert "TiledAttention" in str(captured_steps_problem(tiled, cuda))
+    alone = RowProducts(kernel="blas", padding=RowPadding(minimum=4, multiple=4),
+                        shares_decode_rows=False, product_override=rowwise)
+    blas = BatchedForward(tiny.model, TritonPagedAttention(), alone)
+    assert "each decode row alone" in str(captured_steps_problem(blas, cuda))
+    assert "serial" in str(captured_steps_problem(object(), cuda))
