@@ -47,7 +47,12 @@ from gateway.core.requests import (
 )
 from gateway.core.sessions import session_problems
 from gateway.core.tokens import TokenIds
-from gateway.engine.forward import SequenceRows, StepForward
+from gateway.engine.captured_steps import (
+    CapturedCounters,
+    CapturedDecode,
+    captured_steps_problem,
+)
+from gateway.engine.forward import BatchedForward, SequenceRows, StepForward
 from gateway.engine.jobs import Job, RequestHandle, WarmHandle
 from gateway.engine.kv_sequence import KVSequence, pool_bytes_for
 from gateway.engine.loop import StepLoop
@@ -132,6 +137,7 @@ class Engine:
         self._tails: TailCache | None = None
         self._shadow_evict = shadow_evict
         self._shadow: ShadowVerifier | None = None
+        self._captured: CapturedDecode | None = None
         self._started_at = clock()
         device = loaded.device
         self._device = device
@@ -171,6 +177,7 @@ class Engine:
         def work() -> None:
             try:
                 forward, self._route = self._choose_route()
+                forward = self._with_captured_steps(forward)
                 logger.info("engine route: %s (%s)", self._route.name, self._route.reason)
                 if (self._route.decode_kv_is_prefill_kv and self._config.tail_cache_bytes
                         and self._config.store_generated_blocks):
@@ -204,6 +211,24 @@ class Engine:
             raise
         if failures:
             raise failures[0]
+
+    def _with_captured_steps(self, forward: StepForward) -> StepForward:
+        """``forward``, its decode steps replayed from CUDA graphs where ``captured_steps``
+        asks and the route allows (``gateway.engine.captured_steps``)."""
+        if not self._config.captured_steps:
+            return forward
+        problem = captured_steps_problem(forward, self._device)
+        if problem is not None:
+            logger.warning("captured_steps = true, but decode steps run uncaptured here: %s",
+                           problem)
+            return forward
+        assert isinstance(forward, BatchedForward)
+        logger.info("decode steps of up to %d rows replayed from CUDA graphs (captured on "
+                    "first use, one per padded row count)", self._config.max_running)
+        self._captured = CapturedDecode(forward, self._pool,
+                                        max_rows=self._config.max_running,
+                                        max_positions=self._loaded.max_context, capture=True)
+        return self._captured
 
     def _build_loop(self, forward: StepForward) -> StepLoop:
         # Preempted requests resume to the same answer only where decoding writes a prefill's
@@ -271,6 +296,11 @@ class Engine:
         if self._verdicts is not None and key is not None:
             self._verdicts.save(key, verdict)
         return build_forward(loaded, verdict, self._kernels), route_of(verdict, self._kernels)
+
+    @property
+    def captured_steps(self) -> CapturedCounters | None:
+        """What the captured decode steps did since start (None: they are off here)."""
+        return self._captured.counters if self._captured is not None else None
 
     @property
     def counters(self) -> LoopCounters:

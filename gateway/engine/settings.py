@@ -76,6 +76,10 @@ class EngineSettings:
             and compared bit for bit, in [0, 1] (``gateway.engine.shadow``); a block that
             differs is logged, evicted everywhere and counted
             (``kvgate_shadow_divergences_total``); 0 turns it off.
+        captured_steps: decode-only steps replayed from CUDA graphs, one per padded row
+            count (``gateway.engine.captured_steps``), where the engine runs on CUDA with the
+            Triton attention and decode rows share the product; elsewhere it changes nothing
+            (the log says why). Off by default until measured on a GPU (docs/gpu.md).
     """
 
     max_queue: int = 64
@@ -92,6 +96,7 @@ class EngineSettings:
     linear_kernel: LinearKernel = "auto"
     tail_cache_bytes: int = 256 << 20
     shadow_fraction: float = 0.01
+    captured_steps: bool = False
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one message per setting (none: usable)."""
@@ -116,6 +121,9 @@ class EngineSettings:
         if not is_int(self.tail_cache_bytes) or self.tail_cache_bytes < 0:
             errors.append(f"engine.tail_cache_bytes must be an integer >= 0, got "
                           f"{self.tail_cache_bytes!r}")
+        if not isinstance(self.captured_steps, bool):
+            errors.append(f"engine.captured_steps must be true or false, got "
+                          f"{self.captured_steps!r}")
         shadow = self.shadow_fraction
         if (isinstance(shadow, bool) or not isinstance(shadow, int | float)
                 or not 0 <= shadow <= 1):

@@ -3,7 +3,8 @@
 # into docs/gpu.md with the date and the card). Copy this file, profile_cold.py, profile_warm.py and the bundle
 # (../shared/gpu/prepare.sh with EXTRA_PACKAGES="hiredis blake3 starlette uvicorn pyzmq msgspec")
 # into .gpu-bundle/, carry .gpu-bundle, run: bash .gpu-bundle/targets.sh
-# Order: what proves answers right first (parity on CUDA), then the 8B-shape figures the
+# Order: what proves answers right first (parity on CUDA, captured decode steps included), the
+# captured decode steps against eager, then the 8B-shape figures the
 # targets name (with the gateway's default load-or-recompute choice: the target is what users
 # get), the warm path's profile, then the 1B shape (every tier row loading from its tier) and
 # the kernel table: what the 600 s may cut off comes last.
@@ -15,6 +16,11 @@ el parity
 timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu -x tests/gateway/engine \
   tests/gateway/bench tests/tiers 2>&1 | tail -15 > $OUT/parity.log; tail -3 $OUT/parity.log
 el models; bash .gpu-bundle/on-gpu.sh model 1b model 8b 2>&1 | grep "^model"
+el decode  # captured decode steps against eager, beside one read of the weights
+for s in "8b 1,8" "1b 1,8,32"; do set -- $s
+  timeout 60 python3 -m gateway.bench.decode_steps --model /tmp/models/$1 --device cuda \
+    --dtype bfloat16 --rows $2 --context 2048 --repeats 20 2>&1 | tail -9
+done > $OUT/decode.log; cat $OUT/decode.log
 el ttft-8b
 timeout 240 kvgate bench ttft --spawn --device cuda --model /tmp/models/8b --data-dir /tmp/kv8 \
   --lengths 8192 --suffix-tokens 40 --repeats 3 --no-peers --no-plot --skip-slow-tiers 2>&1 \

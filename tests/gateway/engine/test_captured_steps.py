@@ -13,12 +13,16 @@ padded as on a GPU), so the buckets here are 4 and 8 rows.
 from __future__ import annotations
 
 import importlib.util
+import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from gateway.core.canonical import PromptInput
 from gateway.engine.attention import TiledAttention
 from gateway.engine.captured_steps import CapturedDecode, captured_steps_problem
+from gateway.engine.engine import Engine
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, load_model
@@ -26,6 +30,7 @@ from gateway.engine.row_padding import RowPadding
 from gateway.engine.row_products import RowProducts
 from gateway.engine.triton_attention import TritonPagedAttention
 from tests.gateway.engine.kernels import rowwise
+from tests.gateway.engine.parity import PROMPT_BY_ID, make_engine, run
 from tests.gateway.engine.triton_interpreter import interpreted
 from tests.tiny_llama import VOCAB, save_tiny_llama
 from tiers.page_pool import PagePool
@@ -153,3 +158,43 @@ def test_only_the_triton_attention_with_shared_decode_rows_on_cuda_is_captured(t
     blas = BatchedForward(tiny.model, TritonPagedAttention(), alone)
     assert "each decode row alone" in str(captured_steps_problem(blas, cuda))
     assert "serial" in str(captured_steps_problem(object(), cuda))
+
+
+def _answers(engine: Engine, prompts: list[PromptInput]) -> list[list[int]]:
+    """The greedy token ids of ``prompts``, generated side by side (decode steps of several
+    rows)."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return [ids for ids, _, _ in pool.map(lambda prompt: run(engine, prompt), prompts)]
+
+
+PROMPTS_BY_USER = [PROMPT_BY_ID[name] for name in ("over-4-blocks", "shorter-than-a-block-text",
+                                                   "repeated-sentence")]
+
+
+def test_an_engine_asked_to_capture_steps_on_the_cpu_says_why_and_runs_them_eagerly(
+        tiny, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.engine.engine")
+    engine = make_engine(tiny, None, captured_steps=True)
+    try:
+        assert engine.captured_steps is None
+        assert "captured_steps = true, but decode steps run uncaptured here" in caplog.text
+        assert _answers(engine, PROMPTS_BY_USER)[0]
+    finally:
+        engine.stop(grace_s=5)
+
+
+@pytest.mark.gpu
+def test_on_cuda_an_engine_with_captured_steps_answers_as_one_without(tmp_path) -> None:
+    on_gpu = load_model(str(save_tiny_llama(tmp_path / "model")), device="cuda")
+    answers = []
+    for captured in (False, True):
+        engine = make_engine(on_gpu, None, captured_steps=captured)
+        try:
+            answers.append(_answers(engine, PROMPTS_BY_USER))
+            if captured:
+                counters = engine.captured_steps
+                assert counters is not None and counters.replayed > 0
+                assert counters.capture_failures == 0
+        finally:
+            engine.stop(grace_s=5)
+    assert answers[0] == answers[1]
