@@ -22,7 +22,7 @@ from typing import TextIO
 import torch
 
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
-from gateway.engine.captured_steps import CapturedDecode, captured_steps_problem
+from gateway.engine.captured_steps import CapturedSteps, captured_steps_problem
 from gateway.engine.forward import BatchedForward, SequenceRows, StepForward
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, load_model
@@ -55,7 +55,7 @@ def weight_read_ms(loaded: LoadedModel, numerics: BenchNumerics, repeats: int) -
 
 def time_decode_steps(loaded: LoadedModel, forward: BatchedForward, numerics: BenchNumerics,
                       *, rows: Sequence[int], context: int, repeats: int,
-                      captured: CapturedDecode | None,
+                      captured: CapturedSteps | None,
                       captured_pool: PagePool | None) -> list[DecodeRow]:
     """Each row count's eager and captured decode step times over sequences of ``context``
     cached tokens (the captured ones in ``captured_pool``, a pool of their own)."""
@@ -124,7 +124,7 @@ def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repea
     if problem is None:
         capacity = context + 2 * (repeats + 1) * len(rows) + 8
         captured_pool = _pool(loaded, most, capacity)
-        captured = CapturedDecode(forward, captured_pool, max_rows=most,
+        captured = CapturedSteps(forward, captured_pool, max_rows=most,
                                   max_positions=loaded.max_context, capture=True)
     out.write(f"decode steps {numerics.describe()}: {model}, {context} cached tokens a "
               f"sequence, median of {repeats}; route {verdict.attention} attention, "

@@ -62,13 +62,16 @@ class EngineOptions:
     max_running_per_tenant: int | None = None
     max_queued_per_tenant: int | None = None
     shadow_fraction: float | None = None
+    captured_steps: bool | None = None
 
     def toml_lines(self) -> list[str]:
         values = {"route": self.route, "max_running": self.max_running,
                   "max_running_per_tenant": self.max_running_per_tenant,
                   "max_queued_per_tenant": self.max_queued_per_tenant,
-                  "shadow_fraction": self.shadow_fraction}
-        lines = [f"{name} = {value!r}" if isinstance(value, int | float) else
+                  "shadow_fraction": self.shadow_fraction,
+                  "captured_steps": self.captured_steps}
+        lines = [f"{name} = {str(value).lower()}" if isinstance(value, bool) else
+                 f"{name} = {value!r}" if isinstance(value, int | float) else
                  f'{name} = "{value}"' for name, value in values.items() if value is not None]
         return ["", "[engine]", *lines] if lines else []
 

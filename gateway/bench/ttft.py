@@ -67,7 +67,7 @@ from gateway.bench.rows import (
     Row,
     Sample,
 )
-from gateway.bench.spawn import Endpoint, spawn_gateway
+from gateway.bench.spawn import Endpoint, EngineOptions, spawn_gateway
 from gateway.client import KvgateClient, StatsReport
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.model import LoadedModel, ModelLoadError, load_model, resolve_source
@@ -425,6 +425,8 @@ class TtftOptions:
     skip_slow_tiers: bool = False
     """The spawned gateway's ``[cache] skip_slow_tiers``: False (the bench's default) makes
     every tier row load from its tier; True is what users get by default."""
+    captured_steps: bool = False
+    """The spawned gateway's ``[engine] captured_steps`` (CUDA graphs; docs/gpu.md)."""
 
 
 def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> list[LengthResult]:
@@ -541,7 +543,9 @@ def _endpoint(options: TtftOptions, device_bytes: int, err: TextIO) -> Iterator[
                        redis_url=options.redis_url, redis_binary=binary, err=err,
                        device=options.numerics.device_text,
                        dtype=options.numerics.dtype_name,
-                       skip_slow_tiers=options.skip_slow_tiers) as endpoint:
+                       skip_slow_tiers=options.skip_slow_tiers,
+                       engine=EngineOptions(captured_steps=options.captured_steps or None)
+                       ) as endpoint:
         yield endpoint
 
 
@@ -587,6 +591,8 @@ def _print_report(options: TtftOptions, loaded: LoadedModel, results: Sequence[L
     )
     if options.spawn:
         out.write("The spawned gateway " + (
+            "replays steps from CUDA graphs (captured_steps = true) and " * options.captured_steps
+        ) + (
             "skips a tier measured slower than recomputing (skip_slow_tiers = true, the "
             "default): a tier row is what a user gets.\n" if options.skip_slow_tiers else
             "loads from every tier (skip_slow_tiers = false): a tier row is that tier's load; "

@@ -78,6 +78,9 @@ def add_bench_ttft(bench_sub: Any) -> None:
                            "true, so a tier row shows what a user gets (recomputed where that "
                            "tier is measured slower than recomputing); without it every tier "
                            "row loads from its tier")
+    ttft.add_argument("--captured-steps", action="store_true",
+                      help="with --spawn: [engine] captured_steps = true (steps replayed from "
+                           "CUDA graphs; off by default, docs/gpu.md)")
     ttft.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each gateway call in seconds")
     ttft.add_argument("--plot", type=Path, default=None,

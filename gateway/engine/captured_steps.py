@@ -1,31 +1,36 @@
-"""Decode steps run from static buffers, replayed as CUDA graphs: one launch a step, not thousands.
+"""Steps run from static buffers, replayed as CUDA graphs: one launch a step, not thousands.
 
-Why: on a GPU a decode step of a small model is a millisecond of arithmetic behind a few
-thousand kernel launches and the Python that issues them (docs/gpu.md). vLLM and SGLang capture
-their decode steps as CUDA graphs, one per padded batch size, and replay them with the block
-tables and lengths rewritten in static buffers. kvgate's decode steps already have fixed
-shapes where decode rows share the product (``RowProducts.shares_decode_rows``: cuBLAS on a
-GPU, oneDNN on a CPU): the step's rows are padded to ``RowPadding.rows_for(n)``, a count whose
-rows the start-up search and probe checked, so each padded count is a bucket here -- every
-bucket lies inside the invariance class the probe passed, and no row is padded further than
-the eager forward pads it.
+Why: on a GPU a decode step, or a warm request's short suffix, is a few milliseconds of
+arithmetic behind thousands of kernel launches and the Python that issues them (docs/gpu.md).
+vLLM and SGLang capture their decode steps as CUDA graphs, one per padded batch size, and
+replay them with the block tables and lengths rewritten in static buffers. kvgate's steps
+already have fixed shapes where decode rows share the product
+(``RowProducts.shares_decode_rows``: cuBLAS on a GPU, oneDNN on a CPU): every row of a step,
+decode and prefill alike, is in one product padded to ``RowPadding.rows_for(n)`` rows, and the
+logits rows to ``rows_for(wanted)``: counts whose rows the start-up search and probe checked.
+So a step of up to ``max_rows`` rows is a bucket here, keyed by those two padded counts and by
+how far its positions reach (a power of two: the block tables' width and the attention's
+splits); every bucket lies inside the invariance class the probe passed, and no row is padded
+further than the eager forward pads it.
 
-What a bucket holds: the rows' token ids, positions and K/V slots, each row's block table and
-the attention's tile plan (``gateway.engine.triton_attention.TilePlan``: one tile per decode
-row, in the slot its position names), in buffers on the device that never move; a step writes
-them with two host-to-device copies and replays. Padding rows write their K/V into scratch
-pages of their own (held by the bucket, never read) and attend position 0 of the zero page,
-which gives exactly the zero rows the eager forward joins in their place, so a captured step
-computes the eager forward's bits: the same walk of the weights (``BatchedForward.run_layers``),
-the same kernel over the same tiles, the same logits (``BatchedForward.logits``). The tests
-check it bit for bit, logits and K/V, in Triton's interpreter on the CPU and compiled on CUDA.
+What a bucket holds: the rows' token ids, positions and K/V slots, the logits rows, each
+sequence's block table and the attention's tile plan (``gateway.engine.triton_attention
+.TilePlan``: a sequence's rows in tiles aligned by absolute position, each in the slot its
+position names), in buffers on the device that never move; a step writes their host images
+(pinned) and copies each over once, then replays. Padding rows write their K/V into scratch
+pages (held here, never read) and attend position 0 of the zero page, which gives exactly the
+zero rows the eager forward joins in their place; unused tiles attend nothing and store
+nothing. So a captured step computes the eager forward's bits: the same walk of the weights
+(``BatchedForward.run_layers``), the same kernel over the same tiles, the same logits
+(``BatchedForward.logits``). The tests check it bit for bit, logits and K/V, in Triton's
+interpreter on the CPU and compiled on CUDA.
 
 On CUDA a bucket is captured the first time a step needs it (its kernels compiled by two runs
 on a side stream first), into one memory pool shared by every bucket; elsewhere (the tests) the
 same function runs from the same buffers without a graph. A capture that fails leaves its
-bucket running uncaptured, said once in the log. A step this does not cover runs on the
-eager forward: prefill rows in it, sequences of another pool, more rows than the largest
-bucket, a position past the buffers' reach.
+bucket running uncaptured, said once in the log. A step this does not cover runs on the eager
+forward: more rows than the largest bucket (a long prefill chunk, bound by arithmetic
+anyway), sequences of another pool, positions past the model's context.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from gateway.engine.forward import BatchedForward, SequenceRows
@@ -43,14 +49,21 @@ from tiers.page_pool import Page, PagePool
 
 logger = logging.getLogger(__name__)
 
+MIN_REACH = 2048
+"""The shortest reach a bucket is made for: positions below it share one table width."""
 
-@dataclass(slots=True)
+CAPTURED_PREFILL_ROWS = 256
+"""Rows a captured step may have besides one per running request: room for a warm request's
+question (a short suffix) beside the decode rows; longer prefill chunks run eagerly."""
+
+
+@dataclass(frozen=True, slots=True)
 class CapturedCounters:
     """What the captured steps did since start (the engine's status shows it).
 
     Attributes:
-        replayed: decode steps run from a bucket's buffers (a graph replay on CUDA).
-        eager: steps handed to the eager forward (prefill rows, or out of the buckets' reach).
+        replayed: steps run from a bucket's buffers (a graph replay on CUDA).
+        eager: steps handed to the eager forward (out of the buckets' reach).
         captured: buckets captured as CUDA graphs.
         capture_failures: buckets whose capture failed (they run uncaptured).
     """
@@ -61,8 +74,25 @@ class CapturedCounters:
     capture_failures: int = 0
 
 
+@dataclass(frozen=True, slots=True, order=True)
+class BucketKey:
+    """A bucket's fixed shapes: ``rows`` padded rows, ``logit_rows`` padded logits rows (0:
+    none wanted), positions below ``reach``."""
+
+    rows: int
+    logit_rows: int
+    reach: int
+
+
+def reach_for(end: int, max_positions: int) -> int:
+    """The reach of a step whose positions end before ``end``: the smallest power of two at or
+    above it and ``MIN_REACH``, but never past ``max_positions``."""
+    reach = max(MIN_REACH, 1 << max(0, end - 1).bit_length())
+    return min(reach, max_positions)
+
+
 def captured_steps_problem(forward: Any, device: torch.device) -> str | None:
-    """Why decode steps of ``forward`` cannot run from static buffers on ``device``, or None."""
+    """Why steps of ``forward`` cannot run from static buffers on ``device``, or None."""
     if not isinstance(forward, BatchedForward):
         return "the serial route runs one request at a time through transformers"
     if not isinstance(forward.attention, TritonPagedAttention):
@@ -76,67 +106,56 @@ def captured_steps_problem(forward: Any, device: torch.device) -> str | None:
     return None
 
 
-class DecodeBucket:
-    """The static buffers of decode steps padded to ``rows`` rows, and the step run from them.
+class StepBucket:
+    """The static buffers of steps of one ``BucketKey``, and the step run from them.
 
     Args:
         forward: the eager forward whose weights and numerics the step shares.
         pool: the page pool every sequence of a step reads and writes.
-        rows: the padded row count (a count ``forward.products.padding`` gives).
-        max_positions: rows may sit at positions below this (the rotary table and the block
-            tables reach that far).
-        scratch: pages the padding rows write into (at least ``rows`` slots), never read.
+        key: the bucket's shapes.
+        scratch_slots: pool slots the padding rows write into (at least ``key.rows``), never
+            read.
         capture: capture the step as a CUDA graph on first use (else run it from the buffers).
         graph_pool: the CUDA graphs' shared memory pool (None: off CUDA).
     """
 
-    def __init__(self, forward: BatchedForward, pool: PagePool, *, rows: int,
-                 max_positions: int, scratch: Sequence[Page], capture: bool,
-                 graph_pool: Any = None) -> None:
+    def __init__(self, forward: BatchedForward, pool: PagePool, key: BucketKey, *,
+                 scratch_slots: Sequence[int], capture: bool, graph_pool: Any = None) -> None:
         attention = forward.attention
         assert isinstance(attention, TritonPagedAttention)
-        self.rows = rows
-        self.max_positions = max_positions
-        self.table_width = -(-max_positions // pool.page_tokens)
+        if len(scratch_slots) < key.rows:
+            raise ValueError(f"{len(scratch_slots)} scratch slots cannot take {key.rows} "
+                             "padding rows")
+        self.key = key
         self._forward = forward
         self._attention = attention
         self._pool = pool
+        rows, logit_rows = key.rows, key.logit_rows
+        self._tile = tile = attention.shape_for(forward.head_dim).tile_positions
+        self._width = width = -(-key.reach // pool.page_tokens)
+        # Host images: int64 [ids | positions | slots | logits rows], int32 [logits rows live |
+        # tables (a row per sequence, then the zero row padding reads) | plan].
+        self._long_host = torch.zeros(3 * rows + logit_rows, dtype=torch.long)
+        self._int_host = torch.zeros(logit_rows + (rows + 1) * width + rows * (2 + tile),
+                                     dtype=torch.int32)
+        self._scratch = np.asarray(scratch_slots[:rows], dtype=np.int64)
+        self._unused_tile = np.full(2 + tile, -1, dtype=np.int32)
+        self._unused_tile[:2] = (rows, 0)  # the zero table row, no row: attends nothing
         device = pool.device
-        tile = attention.shape_for(forward.head_dim).tile_positions
-        self._tile = tile
-        bt = pool.page_tokens
-        scratch_slots = [page.id * bt + offset for page in scratch for offset in range(bt)]
-        if len(scratch_slots) < rows:
-            raise ValueError(f"{len(scratch)} scratch pages of {bt} tokens cannot take "
-                             f"{rows} padding rows")
-        # Host images of the buffers: int64 [ids | positions | slots], int32 [live | table |
-        # plan]; a step rewrites its rows and copies each image over in one copy.
-        self._long_host = torch.zeros(3 * rows, dtype=torch.long)
-        self._long_host[2 * rows:] = torch.tensor(scratch_slots[:rows])
-        self._scratch_slots = self._long_host[2 * rows:].numpy().copy()
-        width = self.table_width
-        self._int_host = torch.zeros(rows + rows * width + rows * (2 + tile), dtype=torch.int32)
-        plan = self._int_host[rows + rows * width:].view(rows, 2 + tile)
-        plan.fill_(-1)
-        plan[:, 0] = torch.arange(rows)  # padding tile i: row i at position 0 of table row i,
-        plan[:, 1] = 0                   # all zero pages: it attends one zero key, gives 0
-        plan[:, 2] = torch.arange(rows)
-        self._blank_plan = plan.numpy().copy()
         if device.type == "cuda":
             self._long_host = self._long_host.pin_memory()
             self._int_host = self._int_host.pin_memory()
-        self._long_view = self._long_host.numpy().reshape(3, rows)
-        self._int_view = self._int_host.numpy()
         self._longs = self._long_host.to(device)
         self._ints = self._int_host.to(device)
-        cos, sin = forward.rope_tables(max_positions)
-        self._cos = cos[:max_positions].to(device)
-        self._sin = sin[:max_positions].to(device)
-        self._ids, self._positions, self._slots = self._longs.view(3, rows).unbind(0)
-        self._live = self._ints[:rows]
-        self._table = self._ints[rows:rows + rows * width].view(rows, width)
-        self._plan = TilePlan(self._ints[rows + rows * width:].view(rows, 2 + tile), rows,
-                              max_positions - 1)
+        self._ids, self._positions, self._slots, self._wanted = torch.split(
+            self._longs, [rows, rows, rows, logit_rows])
+        self._live, tables, plan = torch.split(
+            self._ints, [logit_rows, (rows + 1) * width, rows * (2 + tile)])
+        self._table = tables.view(rows + 1, width)
+        self._plan = TilePlan(plan.view(rows, 2 + tile), rows, key.reach - 1)
+        cos, sin = forward.rope_tables(key.reach)
+        self._cos = cos[:key.reach].to(device)
+        self._sin = sin[:key.reach].to(device)
         self._copied = (torch.cuda.Event()  # type: ignore[no-untyped-call]
                         if device.type == "cuda" else None)
         self._capture = capture
@@ -149,45 +168,66 @@ class DecodeBucket:
     def is_captured(self) -> bool:
         return self._graph is not None
 
-    def run(self, batch: Sequence[SequenceRows], slots: Sequence[int]) -> torch.Tensor:
-        """The float32 logits ``[rows, vocab]`` of a decode step of ``batch`` (rows first, in
-        order), whose K/V go to pool ``slots`` (claimed by the caller, one per entry)."""
-        rows, width, tile = self.rows, self.table_width, self._tile
+    def run(self, batch: Sequence[SequenceRows], slots: Sequence[np.ndarray]
+            ) -> torch.Tensor | None:
+        """The float32 logits ``[logit_rows, vocab]`` of a step of ``batch`` (the wanted ones
+        first, in order; None where none is wanted), each entry's K/V going to its ``slots``
+        (claimed by the caller)."""
         if self._copied is not None:  # the last step's copies have left the host buffers
             self._copied.synchronize()
-        longs = self._long_view
-        ints = self._int_view
-        longs[:2] = 0
-        longs[2] = self._scratch_slots  # padding rows write where nothing reads
-        ints[:rows + rows * width] = 0
-        live = ints[:rows]
-        table = ints[rows:rows + rows * width].reshape(rows, width)
-        plan = ints[rows + rows * width:].reshape(rows, 2 + tile)
-        plan[:] = self._blank_plan
-        for i, (entry, slot) in enumerate(zip(batch, slots, strict=True)):
-            position = entry.sequence.length
-            longs[0, i] = int(entry.tokens.reshape(-1)[0])
-            longs[1, i] = position
-            longs[2, i] = slot
-            live[i] = 1
-            page_ids = entry.sequence.page_ids
-            table[i, :len(page_ids)] = page_ids
-            plan[i, 1] = position - position % tile
-            plan[i, 2] = -1
-            plan[i, 2 + position % tile] = i
-        # The copies from pinned memory are ordered before the replay on the same stream.
+        self._fill(batch, slots)
         self._longs.copy_(self._long_host, non_blocking=True)
         self._ints.copy_(self._int_host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return self._replay()
 
-    def _replay(self) -> torch.Tensor:
+    def _fill(self, batch: Sequence[SequenceRows], slots: Sequence[np.ndarray]) -> None:
+        """Write the step's rows, tables and plan into the host images."""
+        rows, logit_rows, width, tile = self.key.rows, self.key.logit_rows, self._width, self._tile
+        longs = self._long_host.numpy()
+        ids, positions, row_slots, wanted = np.split(longs, [rows, 2 * rows, 3 * rows])
+        ints = self._int_host.numpy()
+        live = ints[:logit_rows]
+        table = ints[logit_rows:logit_rows + (rows + 1) * width].reshape(rows + 1, width)
+        plan = ints[logit_rows + (rows + 1) * width:].reshape(rows, 2 + tile)
+        ids[:] = 0
+        positions[:] = 0
+        row_slots[:] = self._scratch
+        wanted[:] = 0
+        live[:] = 0
+        table[:] = 0
+        plan[:] = self._unused_tile
+        row = tiles = picked = 0
+        for index, (entry, entry_slots) in enumerate(zip(batch, slots, strict=True)):
+            tokens = entry.tokens.reshape(-1)
+            n = int(tokens.numel())
+            start = entry.sequence.length
+            ids[row:row + n] = tokens.cpu().numpy()
+            positions[row:row + n] = np.arange(start, start + n)
+            row_slots[row:row + n] = entry_slots
+            page_ids = entry.sequence.page_ids[:width]  # pages past the reach: never read
+            table[index, :len(page_ids)] = page_ids
+            for base in range(start - start % tile, start + n, tile):
+                first, end = max(base, start), min(base + tile, start + n)
+                plan[tiles, :2] = (index, base)
+                plan[tiles, 2 + first - base:2 + end - base] = np.arange(
+                    row + first - start, row + end - start)
+                tiles += 1
+            row += n
+            if entry.wants_logits:
+                wanted[picked] = row - 1
+                live[picked] = 1
+                picked += 1
+        for pad in range(row, rows):  # position 0 of the zero table row: exactly zero
+            plan[tiles, 2] = pad
+            tiles += 1
+
+    def _replay(self) -> torch.Tensor | None:
         if self._capture and self._graph is None and not self.capture_failed:
             self._capture_graph()
         if self._graph is not None:
             self._graph.replay()
-            assert self._logits is not None
             return self._logits
         with torch.inference_mode():
             return self._step()
@@ -208,12 +248,14 @@ class DecodeBucket:
                 logits = self._step()
         except Exception:  # any failure to capture: the bucket runs uncaptured (same bits)
             self.capture_failed = True
-            logger.warning("a decode step of %d rows could not be captured as a CUDA graph; "
-                           "it runs uncaptured", self.rows, exc_info=True)
+            logger.warning("a step of bucket %s could not be captured as a CUDA graph; it "
+                           "runs uncaptured", self.key, exc_info=True)
             return
         self._graph, self._logits = graph, logits
+        logger.info("captured a step of %d rows, %d logits rows, positions below %d",
+                    self.key.rows, self.key.logit_rows, self.key.reach)
 
-    def _step(self) -> torch.Tensor:
+    def _step(self) -> torch.Tensor | None:
         """The step, from the buffers alone: every shape fixed, no host read."""
         pool, attention, table, plan = self._pool, self._attention, self._table, self._plan
         slots = self._slots
@@ -228,22 +270,25 @@ class DecodeBucket:
         forward = self._forward
         cos = self._cos.index_select(0, self._positions)
         sin = self._sin.index_select(0, self._positions)
-        hidden = forward.run_layers(self._ids, cos, sin, self.rows, attend)
-        live = (self._live != 0).unsqueeze(1)
-        picked = torch.where(live, hidden, hidden.new_zeros(()))
-        return forward.logits(picked, self.rows)
+        hidden = forward.run_layers(self._ids, cos, sin, self.key.rows, attend)
+        if not self.key.logit_rows:
+            return None
+        picked = hidden.index_select(0, self._wanted)
+        picked = torch.where((self._live != 0).unsqueeze(1), picked, picked.new_zeros(()))
+        return forward.logits(picked, self.key.logit_rows)
 
 
-class CapturedDecode:
-    """A ``StepForward``: decode-only steps from a bucket's static buffers (replayed CUDA
-    graphs on a GPU), every other step on the eager forward.
+class CapturedSteps:
+    """A ``StepForward``: steps of up to ``max_rows`` rows from a bucket's static buffers
+    (replayed CUDA graphs on a GPU), every other step on the eager forward.
 
     Args:
         forward: the eager batched forward (Triton attention, decode rows in the shared
             product: ``captured_steps_problem`` says why another cannot).
         pool: the engine's page pool (every running sequence's).
-        max_rows: the most decode rows a step can have (the engine's ``max_running``).
-        max_positions: the model's context (positions the buffers reach).
+        max_rows: the most rows a captured step may have (the engine's: one per running
+            request plus ``CAPTURED_PREFILL_ROWS``).
+        max_positions: the model's context (positions the buffers reach at most).
         capture: capture CUDA graphs (True on CUDA); False runs the buckets' steps from their
             buffers without graphs (the tests on the CPU).
 
@@ -259,9 +304,12 @@ class CapturedDecode:
         self._largest = self._padding.rows_for(max(1, max_rows))
         self._max_positions = max_positions
         self._capture = capture
-        self._scratch = [pool.allocate() for _ in range(-(-self._largest // pool.page_tokens))]
+        bt = pool.page_tokens
+        self._scratch: list[Page] = [pool.allocate() for _ in range(-(-self._largest // bt))]
+        self._scratch_slots = [page.id * bt + offset for page in self._scratch
+                               for offset in range(bt)]
         self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
-        self._buckets: dict[int, DecodeBucket] = {}
+        self._buckets: dict[BucketKey, StepBucket] = {}
         self._replayed = self._eager = 0
 
     @property
@@ -283,37 +331,47 @@ class CapturedDecode:
             capture_failures=sum(1 for b in buckets if b.capture_failed))
 
     def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
-        """``StepForward.forward``: a decode-only step within reach from its bucket, any other
-        on the eager forward (the same bits either way)."""
-        if not self._covers(batch):
+        """``StepForward.forward``: a step within reach from its bucket, any other on the
+        eager forward (the same bits either way)."""
+        key = self._key(batch)
+        if key is None:
             self._eager += 1
             return self._forward.forward(batch)
-        bucket = self._bucket(self._padding.rows_for(len(batch)))
-        slots = [int(entry.sequence.claim(1)[0]) for entry in batch]
-        logits = bucket.run(batch, slots)
-        for entry in batch:
-            entry.sequence.advance(1)
-        self._replayed += 1
-        return [logits[i].clone() for i in range(len(batch))]
-
-    def _covers(self, batch: Sequence[SequenceRows]) -> bool:
-        if not batch or len(batch) > self._largest:
-            return False
-        bt = self._pool.page_tokens
-        width = -(-self._max_positions // bt)
-        for entry in batch:
-            seq = entry.sequence
-            if (not entry.is_decode or not entry.wants_logits or entry.tokens.numel() != 1
-                    or seq.pool is not self._pool or seq.length + 1 > seq.capacity
-                    or seq.length >= self._max_positions or seq.length // bt >= width):
-                return False
-        return True
-
-    def _bucket(self, rows: int) -> DecodeBucket:
-        bucket = self._buckets.get(rows)
+        bucket = self._buckets.get(key)
         if bucket is None:
-            bucket = DecodeBucket(self._forward, self._pool, rows=rows,
-                                  max_positions=self._max_positions, scratch=self._scratch,
-                                  capture=self._capture, graph_pool=self._graph_pool)
-            self._buckets[rows] = bucket
-        return bucket
+            bucket = StepBucket(self._forward, self._pool, key, capture=self._capture,
+                                scratch_slots=self._scratch_slots, graph_pool=self._graph_pool)
+            self._buckets[key] = bucket
+        slots = [entry.sequence.claim(int(entry.tokens.numel())).numpy() for entry in batch]
+        logits = bucket.run(batch, slots)
+        out: list[torch.Tensor | None] = []
+        picked = 0
+        for entry in batch:
+            entry.sequence.advance(int(entry.tokens.numel()))
+            if entry.wants_logits:
+                assert logits is not None
+                out.append(logits[picked].clone())
+                picked += 1
+            else:
+                out.append(None)
+        self._replayed += 1
+        return out
+
+    def _key(self, batch: Sequence[SequenceRows]) -> BucketKey | None:
+        """The bucket of ``batch``, or None where it runs eagerly."""
+        if not batch:
+            return None
+        num_rows = end = num_wanted = 0
+        for entry in batch:
+            seq, n = entry.sequence, int(entry.tokens.numel())
+            if (n < 1 or (entry.is_decode and n != 1) or seq.pool is not self._pool
+                    or seq.length + n > min(seq.capacity, self._max_positions)):
+                return None  # the eager forward refuses what it must
+            num_rows += n
+            end = max(end, seq.length + n)
+            num_wanted += entry.wants_logits
+        if num_rows > self._largest:
+            return None
+        return BucketKey(rows=self._padding.rows_for(num_rows),
+                         logit_rows=self._padding.rows_for(num_wanted),
+                         reach=reach_for(end, self._max_positions))

@@ -48,8 +48,9 @@ from gateway.core.requests import (
 from gateway.core.sessions import session_problems
 from gateway.core.tokens import TokenIds
 from gateway.engine.captured_steps import (
+    CAPTURED_PREFILL_ROWS,
     CapturedCounters,
-    CapturedDecode,
+    CapturedSteps,
     captured_steps_problem,
 )
 from gateway.engine.forward import BatchedForward, SequenceRows, StepForward
@@ -137,7 +138,7 @@ class Engine:
         self._tails: TailCache | None = None
         self._shadow_evict = shadow_evict
         self._shadow: ShadowVerifier | None = None
-        self._captured: CapturedDecode | None = None
+        self._captured: CapturedSteps | None = None
         self._started_at = clock()
         device = loaded.device
         self._device = device
@@ -213,21 +214,22 @@ class Engine:
             raise failures[0]
 
     def _with_captured_steps(self, forward: StepForward) -> StepForward:
-        """``forward``, its decode steps replayed from CUDA graphs where ``captured_steps``
-        asks and the route allows (``gateway.engine.captured_steps``)."""
+        """``forward``, its steps of up to ``max_running`` + ``CAPTURED_PREFILL_ROWS`` rows
+        replayed from CUDA graphs where ``captured_steps`` asks and the route allows
+        (``gateway.engine.captured_steps``)."""
         if not self._config.captured_steps:
             return forward
         problem = captured_steps_problem(forward, self._device)
         if problem is not None:
-            logger.warning("captured_steps = true, but decode steps run uncaptured here: %s",
+            logger.warning("captured_steps = true, but steps run uncaptured here: %s",
                            problem)
             return forward
         assert isinstance(forward, BatchedForward)
-        logger.info("decode steps of up to %d rows replayed from CUDA graphs (captured on "
-                    "first use, one per padded row count)", self._config.max_running)
-        self._captured = CapturedDecode(forward, self._pool,
-                                        max_rows=self._config.max_running,
-                                        max_positions=self._loaded.max_context, capture=True)
+        max_rows = self._config.max_running + CAPTURED_PREFILL_ROWS
+        logger.info("steps of up to %d rows replayed from CUDA graphs (each bucket captured "
+                    "on first use)", max_rows)
+        self._captured = CapturedSteps(forward, self._pool, max_rows=max_rows,
+                                       max_positions=self._loaded.max_context, capture=True)
         return self._captured
 
     def _build_loop(self, forward: StepForward) -> StepLoop:
@@ -299,7 +301,7 @@ class Engine:
 
     @property
     def captured_steps(self) -> CapturedCounters | None:
-        """What the captured decode steps did since start (None: they are off here)."""
+        """What the captured steps did since start (None: they are off here)."""
         return self._captured.counters if self._captured is not None else None
 
     @property

@@ -21,9 +21,10 @@ for s in "8b 1,8" "1b 1,8,32"; do set -- $s
   timeout 60 python3 -m gateway.bench.decode_steps --model /tmp/models/$1 --device cuda \
     --dtype bfloat16 --rows $2 --context 2048 --repeats 20 2>&1 | tail -9
 done > $OUT/decode.log; cat $OUT/decode.log
-el ttft-8b
+el ttft-8b  # with captured steps (the 1B rows below run without: both are seen)
 timeout 240 kvgate bench ttft --spawn --device cuda --model /tmp/models/8b --data-dir /tmp/kv8 \
-  --lengths 8192 --suffix-tokens 40 --repeats 3 --no-peers --no-plot --skip-slow-tiers 2>&1 \
+  --lengths 8192 --suffix-tokens 40 --repeats 3 --no-peers --no-plot --skip-slow-tiers \
+  --captured-steps 2>&1 \
   | tail -26 > $OUT/ttft-8b.log
 sed -n 1,18p $OUT/ttft-8b.log
 el profile-warm

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.bench.decode_steps import main, run_decode_benchmark, time_decode_steps
 from gateway.bench.numerics import resolve_numerics
-from gateway.engine.captured_steps import CapturedDecode
+from gateway.engine.captured_steps import CapturedSteps
 from gateway.engine.forward import BatchedForward
 from gateway.engine.model import LoadedModel, load_model
 from gateway.engine.row_padding import RowPadding
@@ -55,7 +55,7 @@ def test_captured_steps_are_timed_beside_the_eager_ones(tiny_dir) -> None:
                            shares_decode_rows=True, product_override=rowwise)
     forward = BatchedForward(loaded.model, TritonPagedAttention(), products)
     pool = PagePool(loaded.layout, page_tokens=16, num_pages=64)
-    captured = CapturedDecode(forward, pool, max_rows=3, max_positions=256, capture=False)
+    captured = CapturedSteps(forward, pool, max_rows=3, max_positions=256, capture=False)
     rows = time_decode_steps(loaded, forward, resolve_numerics("cpu", "float32"), rows=[1, 3],
                              context=20, repeats=2, captured=captured, captured_pool=pool)
     assert all(row.captured_ms is not None and row.captured_ms > 0 for row in rows)

@@ -112,10 +112,11 @@ def test_engine_options_reach_the_spawned_configuration(tmp_path: Path) -> None:
     path.write_text(spawn_config(
         block_tokens=64, device_bytes=1 << 20, redis_url=None,
         api_key="kvg-bench-Qm3xT8vLp2Zr9Kd4Wn7Y", admin_key="kvg-bench-admin-Hs5Jq1Bc6Vf0Rt3Ue8Ga",
-        engine=EngineOptions(route="serial", max_running=20, max_running_per_tenant=20)))
+        engine=EngineOptions(route="serial", max_running=20, max_running_per_tenant=20,
+                             captured_steps=True)))
     engine = load_serve_config(path, env={}).engine
-    assert (engine.route, engine.max_running, engine.max_running_per_tenant) == (
-        "serial", 20, 20)
+    assert (engine.route, engine.max_running, engine.max_running_per_tenant,
+            engine.captured_steps) == ("serial", 20, 20, True)
 
 
 def test_peak_rss_of_this_process_is_read_from_proc() -> None:

@@ -1,13 +1,13 @@
-"""Decode steps from static buffers (CUDA graphs on a GPU) compute the eager forward's bits
-(gateway.engine.captured_steps, docs/gpu.md "Captured decode steps").
+"""Steps from static buffers (CUDA graphs on a GPU) compute the eager forward's bits
+(gateway.engine.captured_steps, docs/gpu.md "Captured steps").
 
-Two copies of the same sequences decode the same tokens, one through the eager
-``BatchedForward``, the other through ``CapturedDecode``; logits and K/V must be equal bit for
-bit (``torch.equal``). On the CPU the Triton kernel runs in its interpreter (a child process:
+Two copies of the same sequences take the same steps (decode rows, questions, chunks), one
+through the eager ``BatchedForward``, the other through ``CapturedSteps``; logits and K/V must
+be equal bit for bit (``torch.equal``). On the CPU the Triton kernel runs in its interpreter (a child process:
 tests/gateway/engine/triton_interpreter.py) and the buckets run from their buffers without a
 graph; the CUDA case (marked ``gpu``) captures and replays real graphs. The products are
 ``rowwise`` under a padding of 4 (invariant on any machine, and a step of 3 or 5 rows is
-padded as on a GPU), so the buckets here are 4 and 8 rows.
+padded as on a GPU), so the buckets here are 4, 8, 12 and 20 rows.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from gateway.core.canonical import PromptInput
 from gateway.engine.attention import TiledAttention
-from gateway.engine.captured_steps import CapturedDecode, captured_steps_problem
+from gateway.engine.captured_steps import CapturedSteps, captured_steps_problem
 from gateway.engine.engine import Engine
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
@@ -79,25 +79,44 @@ def _decode_step(sequences: list[KVSequence], which: list[int], step: int
                          wants_logits=True, is_decode=True) for i in which]
 
 
-STEPS = [[0, 1, 2], [0, 1, 2, 3, 4], [1, 4], [0, 1, 2, 3, 4], [2, 0, 3]]
-"""Which sequences decode in each step: buckets of 4 and 8 rows, rows that were real in the
-last step of a bucket padding in the next, an order that is not the sequences'."""
+Entry = tuple[int, int, bool]
+"""(sequence, tokens, wants logits) of a step: one token wanting logits is a decode row."""
+
+STEPS: list[list[Entry]] = [
+    [(0, 1, True), (1, 1, True), (2, 1, True)],
+    [(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (4, 1, True)],
+    [(1, 1, True), (3, 7, True), (4, 1, True)],
+    [(2, 5, False)],
+    [(0, 1, True), (1, 1, True), (2, 1, True), (3, 1, True), (4, 1, True)],
+    [(2, 1, True), (0, 1, True), (3, 1, True)],
+    [(4, 17, True), (0, 1, True)],
+]
+"""Steps of decode rows (buckets of 4 and 8 rows), a warm question's prefill beside decode
+rows (9 rows: 12), a chunk that wants no logits, rows that were real in a bucket's last step
+padding in its next, an order that is not the sequences', a chunk crossing tiles and pages."""
+
+
+def _step(sequences: list[KVSequence], entries: list[Entry], step: int) -> list[SequenceRows]:
+    return [SequenceRows(sequence=sequences[i], tokens=_tokens(n, 100 * step + i),
+                         wants_logits=wants, is_decode=n == 1 and wants)
+            for i, n, wants in entries]
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @interpreted
-def test_a_captured_decode_step_gives_the_eager_forwards_logits_and_kv(tiny, device) -> None:
+def test_a_captured_step_gives_the_eager_forwards_logits_and_kv(tiny, device) -> None:
     forward = _forward(tiny, device)
     _, eager_sequences = _prefilled(forward, tiny, device)
     pool, captured_sequences = _prefilled(forward, tiny, device)
-    captured = CapturedDecode(forward, pool, max_rows=8, max_positions=MAX_POSITIONS,
-                              capture=device == "cuda")
-    for step, which in enumerate(STEPS):
-        expected = forward.forward(_decode_step(eager_sequences, which, step))
-        got = captured.forward(_decode_step(captured_sequences, which, step))
+    captured = CapturedSteps(forward, pool, max_rows=20, max_positions=MAX_POSITIONS,
+                             capture=device == "cuda")
+    for step, entries in enumerate(STEPS):
+        expected = forward.forward(_step(eager_sequences, entries, step))
+        got = captured.forward(_step(captured_sequences, entries, step))
+        assert [logits is None for logits in got] == [not wants for _, _, wants in entries]
         for want, have in zip(expected, got, strict=True):
-            assert want is not None and have is not None
-            assert torch.equal(want, have)
+            assert (want is None) == (have is None)
+            assert want is None or have is None or torch.equal(want, have)
     for a, b in zip(eager_sequences, captured_sequences, strict=True):
         assert a.length == b.length
         for layer in range(tiny.layout.num_layers):
@@ -106,7 +125,7 @@ def test_a_captured_decode_step_gives_the_eager_forwards_logits_and_kv(tiny, dev
     assert captured.counters.replayed == len(STEPS)
     assert captured.counters.eager == 0
     if device == "cuda":
-        assert captured.counters.captured == 2
+        assert captured.counters.captured == 5  # (4, 4), (8, 8), (12, 4), (8, 0), (20, 4)
         assert captured.counters.capture_failures == 0
 
 
@@ -114,8 +133,8 @@ def test_a_captured_decode_step_gives_the_eager_forwards_logits_and_kv(tiny, dev
 def test_a_captured_step_writes_only_its_rows_slots_and_the_scratch_pages(tiny) -> None:
     forward = _forward(tiny, "cpu")
     pool, sequences = _prefilled(forward, tiny, "cpu")
-    captured = CapturedDecode(forward, pool, max_rows=8, max_positions=MAX_POSITIONS,
-                              capture=False)
+    captured = CapturedSteps(forward, pool, max_rows=8, max_positions=MAX_POSITIONS,
+                             capture=False)
     scratch = set(captured.scratch_page_ids)
     assert scratch.isdisjoint(page for seq in sequences for page in seq.page_ids)
     before = pool.storage.clone()
@@ -132,18 +151,18 @@ def test_a_captured_step_writes_only_its_rows_slots_and_the_scratch_pages(tiny) 
 def test_steps_it_does_not_cover_run_on_the_eager_forward(tiny) -> None:
     forward = _forward(tiny, "cpu")
     pool, sequences = _prefilled(forward, tiny, "cpu")
-    captured = CapturedDecode(forward, pool, max_rows=4, max_positions=MAX_POSITIONS,
-                              capture=False)
+    captured = CapturedSteps(forward, pool, max_rows=4, max_positions=PROMPTS[1] + 1,
+                             capture=False)
     other_pool_seq = KVSequence.alone(tiny.layout, 8, page_tokens=PAGE)
-    prefill = SequenceRows(sequence=sequences[0], tokens=_tokens(3, 7), wants_logits=True)
-    beside_prefill = _decode_step(sequences, [1], 0) + [prefill]
     another_pool = [SequenceRows(sequence=other_pool_seq, tokens=_tokens(1, 8),
                                  wants_logits=True, is_decode=True)]
-    too_many = _decode_step(sequences, [0, 1, 2, 3, 4], 1)
-    for batch in (beside_prefill, another_pool, too_many):
-        captured.forward(batch)
+    too_many_rows = _step(sequences, [(0, 5, True)], 1)
+    captured.forward(another_pool)
+    captured.forward(too_many_rows)
+    captured.forward(_decode_step(sequences, [1], 2))  # position 40: the last in reach
+    captured.forward(_decode_step(sequences, [1], 3))  # position 41: past it
     assert captured.counters.eager == 3
-    assert captured.counters.replayed == 0
+    assert captured.counters.replayed == 1
 
 
 def test_only_the_triton_attention_with_shared_decode_rows_on_cuda_is_captured(tiny) -> None:
@@ -177,7 +196,7 @@ def test_an_engine_asked_to_capture_steps_on_the_cpu_says_why_and_runs_them_eage
     engine = make_engine(tiny, None, captured_steps=True)
     try:
         assert engine.captured_steps is None
-        assert "captured_steps = true, but decode steps run uncaptured here" in caplog.text
+        assert "captured_steps = true, but steps run uncaptured here" in caplog.text
         assert _answers(engine, PROMPTS_BY_USER)[0]
     finally:
         engine.stop(grace_s=5)
