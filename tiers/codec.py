@@ -358,7 +358,7 @@ class BlockCodec:
         """Verify ``data`` as the encoding of the block ``expected``; its header and tensors.
 
         The returned tensors own their memory (one buffer for the whole block; or the block
-        returned is ``into``, a page of the pool on the CPU, ``PayloadFormat.unpack``, written
+        returned is ``into``, a page of the pool, ``PayloadFormat.unpack``, written
         only once the block is verified): the caller may reuse or release ``data`` at once. A
         raw payload is copied first and the block tag is checked over that private copy, so
         the bytes served are the bytes verified even if ``data`` is a buffer someone else can

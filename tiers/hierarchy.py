@@ -332,13 +332,13 @@ class TierHierarchy:
         """The longest prefix of ``metas`` (a chain) that the remote store holds and verifies,
         each block with the expiry its header carries.
 
-        ``into_tier``: the tier the blocks are meant for. Where it is a pool of pages on the
-        CPU (the device tier of an engine on the CPU), each block is decoded straight into a
-        free page and comes back as that page, which the tier then keeps as it is
-        (``DeviceStore.put``): no float buffer of its own and no copy into a page after it
-        (for a 2k-token int8 chain of SmolLM2, 94 MB written once instead of three times).
-        Pages are taken only while the pool has twice the chain's free; a page whose block is
-        not found goes back at once.
+        ``into_tier``: the tier the blocks are meant for. Where it is a pool of pages (the
+        device tier), each block is decoded straight into a free page and comes back as that
+        page, which the tier then keeps as it is (``DeviceStore.put``): no float buffer of its
+        own and no copy into a page after it (for a 2k-token int8 chain of SmolLM2 on a CPU,
+        94 MB written once instead of three times; on a GPU an int8 block goes up as int8 and
+        is dequantized there, ``tiers.kv_quant.dequantize``). Pages are taken only while the
+        pool has twice the chain's free; a page whose block is not found goes back at once.
         """
         if self.remote is None or not metas:
             return []
@@ -358,11 +358,10 @@ class TierHierarchy:
 
     def _staging_pages(self, tier: str | None, count: int) -> list[PagedBlock]:
         """``count`` free pages of ``tier``'s pool to decode into, as blocks; [] where the tier
-        has no pool on the CPU (a GPU's pages are filled by a copy: the decode is on the CPU)
-        or the pool has fewer than twice that many free pages."""
+        has no pool or the pool has fewer than twice that many free pages."""
         store = self._levels[tier].store if tier is not None else None
         pool = store.pool if isinstance(store, DeviceStore) else None
-        if pool is None or pool.device.type != "cpu" or pool.num_free < 2 * count:
+        if pool is None or pool.num_free < 2 * count:
             return []
         try:
             return [pool.block(pool.allocate(zeroed=False)) for _ in range(count)]

@@ -95,11 +95,17 @@ def quantize(rows: torch.Tensor, quantization: Quantization) -> tuple[torch.Tens
 def dequantize(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype,
                *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``q * scales`` (scales broadcast over the last dimension) in ``dtype``, into ``out``
-    when given (it must have ``q``'s shape and ``dtype``; any strides, e.g. a pool's page)."""
+    when given (it must have ``q``'s shape and ``dtype``; any strides and any device, e.g. a
+    pool's page on a GPU, where it is computed)."""
     # NOTE: one buffer, converted into then scaled in place, not ``q.to(float32) * scales``:
     # the same values bit for bit (an exact conversion, one rounded product) from one fresh
     # allocation instead of two -- a fresh block-sized buffer costs its page faults, which are
     # most of a dequantization's time on a 2-core AMD EPYC.
+    if out is not None and out.device != q.device:
+        # A page on the GPU: the quantized values go up as they are (a quarter of float32's
+        # bytes, half of bfloat16's) and are scaled there -- the same exact conversion and one
+        # rounded product, so the same bits as on the host -- instead of on one host core.
+        q, scales = q.to(out.device), scales.to(out.device)
     multiplier = scales.to(torch.float32).unsqueeze(-1)
     if out is not None and out.dtype == torch.float32 and out.device == q.device:
         # A float32 ``out`` (a page of the pool) is written in place: the same two steps, and

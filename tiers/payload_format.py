@@ -68,9 +68,9 @@ class PayloadFormat(Protocol):
     def unpack(self, flat: torch.Tensor, *, into: KVBlock | None = None) -> KVBlock:
         """The block held by ``flat`` (uint8, ``raw_len`` bytes, owned by the caller).
 
-        ``into``: a block of the layout's shape and dtype on the CPU, packed (a page of the
-        pool), that the K/V are written into and that is returned, marked with this format's
-        quantization. Without it, views of ``flat`` or a buffer of the block's own.
+        ``into``: a block of the layout's shape and dtype, packed (a page of the pool, on the
+        CPU or a GPU), that the K/V are written into and that is returned, marked with this
+        format's quantization. Without it, views of ``flat`` or a buffer of the block's own.
         """
         ...
 

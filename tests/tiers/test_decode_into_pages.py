@@ -84,3 +84,27 @@ def test_the_leading_good_blocks_come_back_as_pages_and_every_other_page_goes_ba
     assert pool.num_in_use == in_use + leading_good
     del got
     assert pool.num_in_use == in_use
+
+
+@pytest.mark.gpu
+@pytest.mark.redis
+def test_on_a_gpu_the_chain_comes_back_as_pages_of_the_gpu_pool(
+        module_redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> None:
+    config = CacheConfig(block_tokens=TEST_BLOCK_TOKENS, device_bytes=4 * MAX_CHAIN * BLOCK_BYTES,
+                         host_bytes=BLOCK_BYTES, redis_url=module_redis_server.url,
+                         redis_key_prefix="into-gpu-pages")
+    opened = open_cache(config, layout=TEST_LAYOUT, deployment_secret=TEST_SECRET,
+                        device=torch.device("cuda"))
+    try:
+        remote, pool = opened.hierarchy.remote, opened.pool
+        assert remote is not None and pool is not None and pool.device.type == "cuda"
+        metas = [seeded_block_meta(700 + i) for i in range(3)]
+        blocks = [seeded_kv_block(700 + i) for i in range(3)]
+        remote.put_many(list(zip(metas, blocks, strict=True)))
+        got = [block for block, _ in opened.hierarchy.fetch_remote(metas, into_tier="device")]
+        assert len(got) == 3 and all(pool.page_of(block) is not None for block in got)
+        assert all(torch.equal(a.cpu(), b) for fetched, stored in zip(got, blocks, strict=True)
+                   for a, b in zip((*fetched.keys, *fetched.values),
+                                   (*stored.keys, *stored.values), strict=True))
+    finally:
+        opened.close()

@@ -143,3 +143,17 @@ def test_int8_takes_at_most_0_27x_the_bytes_of_float32(head_dim: int, ratio: flo
 def test_fp8_support_is_probed_per_device_type() -> None:
     assert supported("int8", "cpu")
     assert not supported("fp8", "no-such-device")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantizing_into_a_gpu_page_gives_the_hosts_bits(dtype: torch.dtype) -> None:
+    """A block loaded for a GPU goes up quantized and is scaled there: the same bits as the
+    host's dequantization (an exact conversion and one rounded product on either)."""
+    x = torch.randn(4, 2, 2, 64, 16, generator=torch.Generator().manual_seed(3)) * 10
+    q, scales = quantize(x, "int8")
+    on_host = dequantize(q, scales, dtype)
+    pages = torch.zeros(4, 2, 2, 3, 64, 16, dtype=dtype, device="cuda")
+    page = pages[:, :, :, 1]  # a pool's page: strided
+    assert dequantize(q, scales, dtype, out=page) is page
+    assert torch.equal(page.cpu(), on_host)

@@ -3,11 +3,11 @@
 
 Two copies of the same sequences take the same steps (decode rows, questions, chunks), one
 through the eager ``BatchedForward``, the other through ``CapturedSteps``; logits and K/V must
-be equal bit for bit (``torch.equal``). On the CPU the Triton kernel runs in its interpreter (a child process:
-tests/gateway/engine/triton_interpreter.py) and the buckets run from their buffers without a
-graph; the CUDA case (marked ``gpu``) captures and replays real graphs. The products are
-``rowwise`` under a padding of 4 (invariant on any machine, and a step of 3 or 5 rows is
-padded as on a GPU), so the buckets here are 4, 8, 12 and 20 rows.
+be equal bit for bit (``torch.equal``). On the CPU the Triton kernel runs in its interpreter
+(a child process: tests/gateway/engine/triton_interpreter.py) and the buckets run from their
+buffers without a graph; the CUDA case (marked ``gpu``) captures and replays real graphs. The
+products are ``rowwise`` under a padding of 4 (invariant on any machine, and a step of 3 or 5
+rows is padded as on a GPU), so the buckets here are 4, 8, 12 and 20 rows.
 """
 
 from __future__ import annotations
