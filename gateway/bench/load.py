@@ -16,6 +16,8 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 * ``kvgate no_shadow``: as ``kvgate`` with shadow verification off (``shadow_fraction = 0``):
   beside ``kvgate`` (0.01, the default) it measures what the verification costs;
 * ``kvgate shadow_all``: every cache hit verified (``shadow_fraction = 1``): its upper bound;
+* ``kvgate captured``: as ``kvgate`` with ``captured_steps = true`` (steps replayed from CUDA
+  graphs where it runs on CUDA; elsewhere the same as ``kvgate``);
 * ``transformers serve CB``: ``transformers serve --continuous-batching`` on the same weights
   (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a).
 
@@ -71,6 +73,7 @@ KVGATE_BASELINE = "kvgate baseline"
 KVGATE_NO_CACHE = "kvgate no_cache"
 KVGATE_NO_SHADOW = "kvgate no_shadow"
 KVGATE_SHADOW_ALL = "kvgate shadow_all"
+KVGATE_CAPTURED = "kvgate captured"
 PEER = "transformers serve CB"
 
 
@@ -88,6 +91,8 @@ class Configuration:
     """``[engine] shadow_fraction`` (None: the server's default, 0.01)."""
     is_baseline: bool = False
     """The server of ``--baseline PATH`` (another commit's checkout) instead of this one."""
+    captured_steps: bool | None = None
+    """``[engine] captured_steps`` (None: the server's default, off)."""
 
 
 CONFIGURATIONS = (
@@ -95,6 +100,7 @@ CONFIGURATIONS = (
     Configuration(name="baseline", label=KVGATE_BASELINE, is_baseline=True),
     Configuration(name="no_shadow", label=KVGATE_NO_SHADOW, shadow_fraction=0.0),
     Configuration(name="shadow_all", label=KVGATE_SHADOW_ALL, shadow_fraction=1.0),
+    Configuration(name="captured", label=KVGATE_CAPTURED, captured_steps=True),
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),
@@ -360,7 +366,8 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
     n = result.num_users
     engine = EngineOptions(route=config.route, max_running=max(16, n),
                            max_running_per_tenant=max(8, n), max_queued_per_tenant=max(32, n),
-                           shadow_fraction=config.shadow_fraction)
+                           shadow_fraction=config.shadow_fraction,
+                           captured_steps=config.captured_steps)
     with spawn_gateway(model=options.model, models_dir=models_dir,
                        block_tokens=options.block_tokens, device_bytes=2 << 30, redis_url=None,
                        redis_binary=None, err=err, engine=engine, label="load",

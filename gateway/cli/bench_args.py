@@ -106,6 +106,8 @@ def add_bench_load(bench_sub: Any) -> None:
               - kvgate no_cache (every request no_cache),
               - kvgate no_shadow, kvgate shadow_all (shadow verification off / of every hit;
                 only when named in --configs),
+              - kvgate captured ([engine] captured_steps = true: steps replayed from CUDA
+                graphs on a GPU; only when named in --configs),
               - transformers serve --continuous-batching on the same weights, over its
                 OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a).
             Each configuration x U runs against a fresh server that this command spawns on a
