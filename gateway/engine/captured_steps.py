@@ -23,7 +23,9 @@ zero rows the eager forward joins in their place; unused tiles attend nothing an
 nothing. So a captured step computes the eager forward's bits: the same walk of the weights
 (``BatchedForward.run_layers``), the same kernel over the same tiles, the same logits
 (``BatchedForward.logits``). The tests check it bit for bit, logits and K/V, in Triton's
-interpreter on the CPU and compiled on CUDA.
+interpreter on the CPU and compiled on CUDA; and where it runs, each bucket's first step is
+run again on the eager forward and compared, logits and K/V, before the bucket serves: one
+that differs turns captured steps off (speed lost, never an answer).
 
 On CUDA a bucket is captured the first time a step needs it (its kernels compiled by two runs
 on a side stream first), into one memory pool shared by every bucket; elsewhere (the tests) the
@@ -62,16 +64,21 @@ class CapturedCounters:
     """What the captured steps did since start (the engine's status shows it).
 
     Attributes:
-        replayed: steps run from a bucket's buffers (a graph replay on CUDA).
-        eager: steps handed to the eager forward (out of the buckets' reach).
+        replayed: steps served from a bucket's buffers (a graph replay on CUDA).
+        eager: steps served by the eager forward (out of the buckets' reach, or a bucket's
+            first step, checked against it).
         captured: buckets captured as CUDA graphs.
         capture_failures: buckets whose capture failed (they run uncaptured).
+        verified: buckets whose first step gave the eager forward's bits.
+        disabled_because: why no step is captured any more, or None.
     """
 
     replayed: int = 0
     eager: int = 0
     captured: int = 0
     capture_failures: int = 0
+    verified: int = 0
+    disabled_because: str | None = None
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -163,6 +170,8 @@ class StepBucket:
         self._graph: Any = None
         self._logits: torch.Tensor | None = None
         self.capture_failed = False
+        self.verified = False
+        """Whether a step of this bucket gave the eager forward's bits (its first is checked)."""
 
     @property
     def is_captured(self) -> bool:
@@ -311,6 +320,8 @@ class CapturedSteps:
         self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[BucketKey, StepBucket] = {}
         self._replayed = self._eager = 0
+        self.disabled_because: str | None = None
+        """Why no step is captured any more (a bucket's first step differed), or None."""
 
     @property
     def device(self) -> torch.device:
@@ -328,12 +339,14 @@ class CapturedSteps:
         return CapturedCounters(
             replayed=self._replayed, eager=self._eager,
             captured=sum(1 for b in buckets if b.is_captured),
-            capture_failures=sum(1 for b in buckets if b.capture_failed))
+            capture_failures=sum(1 for b in buckets if b.capture_failed),
+            verified=sum(1 for b in buckets if b.verified),
+            disabled_because=self.disabled_because)
 
     def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
         """``StepForward.forward``: a step within reach from its bucket, any other on the
-        eager forward (the same bits either way)."""
-        key = self._key(batch)
+        eager forward (the same bits either way: a bucket's first step is checked)."""
+        key = self._key(batch) if self.disabled_because is None else None
         if key is None:
             self._eager += 1
             return self._forward.forward(batch)
@@ -347,15 +360,42 @@ class CapturedSteps:
         out: list[torch.Tensor | None] = []
         picked = 0
         for entry in batch:
-            entry.sequence.advance(int(entry.tokens.numel()))
             if entry.wants_logits:
                 assert logits is not None
                 out.append(logits[picked].clone())
                 picked += 1
             else:
                 out.append(None)
+        if not bucket.verified:
+            return self._verify(bucket, batch, slots, out)
+        for entry in batch:
+            entry.sequence.advance(int(entry.tokens.numel()))
         self._replayed += 1
         return out
+
+    def _verify(self, bucket: StepBucket, batch: Sequence[SequenceRows],
+                slots: Sequence[np.ndarray], captured: list[torch.Tensor | None]
+                ) -> list[torch.Tensor | None]:
+        """A bucket's first step, run again on the eager forward over the same slots (which
+        rewrites the step's K/V before any row reads them): the bucket serves from then on only
+        where its logits and K/V were the eager forward's bit for bit; otherwise no step is
+        captured again, and this one's answer is the eager forward's."""
+        written = torch.from_numpy(np.concatenate(slots)).to(self._pool.device)
+        kv = self._pool.storage.flatten(3, 4).index_select(3, written)
+        expected = self._forward.forward(batch)
+        same = torch.equal(kv, self._pool.storage.flatten(3, 4).index_select(3, written))
+        same = same and all((a is None) == (b is None) and (a is None or b is None
+                                                             or torch.equal(a, b))
+                            for a, b in zip(captured, expected, strict=True))
+        self._eager += 1
+        if same:
+            bucket.verified = True
+        else:
+            self.disabled_because = (f"a step of bucket {bucket.key} gave other bits than the "
+                                     "eager forward")
+            logger.error("captured steps turned off: %s; every step runs eagerly from now on",
+                         self.disabled_because)
+        return expected
 
     def _key(self, batch: Sequence[SequenceRows]) -> BucketKey | None:
         """The bucket of ``batch``, or None where it runs eagerly."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,7 +22,7 @@ import torch
 
 from gateway.core.canonical import PromptInput
 from gateway.engine.attention import TiledAttention
-from gateway.engine.captured_steps import CapturedSteps, captured_steps_problem
+from gateway.engine.captured_steps import CapturedSteps, StepBucket, captured_steps_problem
 from gateway.engine.engine import Engine
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
@@ -122,11 +123,60 @@ def test_a_captured_step_gives_the_eager_forwards_logits_and_kv(tiny, device) ->
         for layer in range(tiny.layout.num_layers):
             assert torch.equal(a.keys(layer), b.keys(layer))
             assert torch.equal(a.values(layer), b.values(layer))
-    assert captured.counters.replayed == len(STEPS)
-    assert captured.counters.eager == 0
+    counters = captured.counters
+    # Five buckets -- (4, 4), (8, 8), (12, 4), (8, 0), (20, 4) -- each first step checked
+    # against the eager forward inside (and matching it), the other two served by a bucket.
+    assert (counters.verified, counters.eager, counters.replayed) == (5, 5, 2)
+    assert counters.disabled_because is None
     if device == "cuda":
-        assert captured.counters.captured == 5  # (4, 4), (8, 8), (12, 4), (8, 0), (20, 4)
-        assert captured.counters.capture_failures == 0
+        assert counters.captured == 5
+        assert counters.capture_failures == 0
+
+
+def _off_by_one_ulp(step: Callable[[StepBucket], torch.Tensor | None]
+                    ) -> Callable[[StepBucket], torch.Tensor | None]:
+    """A bucket's step whose logits are one ulp off."""
+    def run(bucket: StepBucket) -> torch.Tensor | None:
+        logits = step(bucket)
+        return None if logits is None else torch.nextafter(logits, logits + 1)
+    return run
+
+
+def _kv_one_ulp_off(step: Callable[[StepBucket], torch.Tensor | None]
+                    ) -> Callable[[StepBucket], torch.Tensor | None]:
+    """A bucket's step that leaves the K/V it wrote one ulp off (its logits right)."""
+    def run(bucket: StepBucket) -> torch.Tensor | None:
+        logits = step(bucket)
+        keys = bucket._pool.storage[0, 0].flatten(1, 2)  # layer 0's K, [kv_heads, slots, d]
+        rows = bucket._slots
+        keys[:, rows] = torch.nextafter(keys[:, rows], keys[:, rows] + 1)
+        return logits
+    return run
+
+
+@pytest.mark.parametrize(("fault", "entries"), [
+    (_off_by_one_ulp, [(0, 1, True), (1, 1, True), (2, 1, True)]),
+    (_kv_one_ulp_off, [(2, 5, False)]),
+], ids=["logits", "kv-of-a-chunk-wanting-no-logits"])
+@interpreted
+def test_a_bucket_whose_first_step_differs_turns_captured_steps_off(tiny, monkeypatch, caplog,
+                                                                     fault, entries) -> None:
+    forward = _forward(tiny, "cpu")
+    _, eager_sequences = _prefilled(forward, tiny, "cpu")
+    pool, captured_sequences = _prefilled(forward, tiny, "cpu")
+    captured = CapturedSteps(forward, pool, max_rows=8, max_positions=MAX_POSITIONS,
+                             capture=False)
+    monkeypatch.setattr(StepBucket, "_step", fault(StepBucket._step))
+    for step in range(2):
+        expected = forward.forward(_step(eager_sequences, entries, step))
+        got = captured.forward(_step(captured_sequences, entries, step))
+        assert all((a is None) == (b is None) and (a is None or b is None or torch.equal(a, b))
+                   for a, b in zip(expected, got, strict=True))
+    for a, b in zip(eager_sequences, captured_sequences, strict=True):
+        assert torch.equal(a.keys(0), b.keys(0))  # the eager forward's K/V in the end
+    assert captured.counters.disabled_because is not None
+    assert (captured.counters.eager, captured.counters.replayed) == (2, 0)
+    assert "captured steps turned off" in caplog.text
 
 
 @interpreted
@@ -161,7 +211,9 @@ def test_steps_it_does_not_cover_run_on_the_eager_forward(tiny) -> None:
     captured.forward(too_many_rows)
     captured.forward(_decode_step(sequences, [1], 2))  # position 40: the last in reach
     captured.forward(_decode_step(sequences, [1], 3))  # position 41: past it
-    assert captured.counters.eager == 3
+    captured.forward(_decode_step(sequences, [0], 4))  # the bucket again, checked already
+    assert captured.counters.verified == 1
+    assert captured.counters.eager == 4  # three out of reach, the bucket's first step
     assert captured.counters.replayed == 1
 
 
