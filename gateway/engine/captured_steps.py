@@ -23,9 +23,10 @@ zero rows the eager forward joins in their place; unused tiles attend nothing an
 nothing. So a captured step computes the eager forward's bits: the same walk of the weights
 (``BatchedForward.run_layers``), the same kernel over the same tiles, the same logits
 (``BatchedForward.logits``). The tests check it bit for bit, logits and K/V, in Triton's
-interpreter on the CPU and compiled on CUDA; and where it runs, each bucket's first step is
-run again on the eager forward and compared, logits and K/V, before the bucket serves: one
-that differs turns captured steps off (speed lost, never an answer).
+interpreter on the CPU and compiled on CUDA; and where it runs, each bucket's first
+``CHECKED_STEPS`` steps are run again on the eager forward and compared, logits and K/V,
+before the bucket serves: one that differs turns captured steps off (speed lost, never an
+answer).
 
 On CUDA a bucket is captured the first time a step needs it (its kernels compiled by two runs
 on a side stream first), into one memory pool shared by every bucket; elsewhere (the tests) the
@@ -54,6 +55,11 @@ logger = logging.getLogger(__name__)
 MIN_REACH = 2048
 """The shortest reach a bucket is made for: positions below it share one table width."""
 
+CHECKED_STEPS = 2
+"""A bucket's first steps checked against the eager forward before it serves: the first is
+the one it was captured on, the second the first replay over other inputs (a value the capture
+baked in would show there)."""
+
 CAPTURED_PREFILL_ROWS = 256
 """Rows a captured step may have besides one per running request: room for a warm request's
 question (a short suffix) beside the decode rows; longer prefill chunks run eagerly."""
@@ -65,11 +71,11 @@ class CapturedCounters:
 
     Attributes:
         replayed: steps served from a bucket's buffers (a graph replay on CUDA).
-        eager: steps served by the eager forward (out of the buckets' reach, or a bucket's
-            first step, checked against it).
+        eager: steps served by the eager forward (out of the buckets' reach, or one of a
+            bucket's first steps, checked against it).
         captured: buckets captured as CUDA graphs.
         capture_failures: buckets whose capture failed (they run uncaptured).
-        verified: buckets whose first step gave the eager forward's bits.
+        verified: buckets whose first ``CHECKED_STEPS`` steps gave the eager forward's bits.
         disabled_because: why no step is captured any more, or None.
     """
 
@@ -124,10 +130,12 @@ class StepBucket:
             read.
         capture: capture the step as a CUDA graph on first use (else run it from the buffers).
         graph_pool: the CUDA graphs' shared memory pool (None: off CUDA).
+        checked_steps: steps checked against the eager forward before it serves.
     """
 
     def __init__(self, forward: BatchedForward, pool: PagePool, key: BucketKey, *,
-                 scratch_slots: Sequence[int], capture: bool, graph_pool: Any = None) -> None:
+                 scratch_slots: Sequence[int], capture: bool, graph_pool: Any = None,
+                 checked_steps: int = CHECKED_STEPS) -> None:
         attention = forward.attention
         assert isinstance(attention, TritonPagedAttention)
         if len(scratch_slots) < key.rows:
@@ -170,12 +178,17 @@ class StepBucket:
         self._graph: Any = None
         self._logits: torch.Tensor | None = None
         self.capture_failed = False
-        self.verified = False
-        """Whether a step of this bucket gave the eager forward's bits (its first is checked)."""
+        self.checks_left = checked_steps
+        """Steps still to be checked against the eager forward before this bucket serves."""
 
     @property
     def is_captured(self) -> bool:
         return self._graph is not None
+
+    @property
+    def verified(self) -> bool:
+        """Whether its first ``CHECKED_STEPS`` steps gave the eager forward's bits."""
+        return self.checks_left == 0
 
     def run(self, batch: Sequence[SequenceRows], slots: Sequence[np.ndarray]
             ) -> torch.Tensor | None:
@@ -300,14 +313,17 @@ class CapturedSteps:
         max_positions: the model's context (positions the buffers reach at most).
         capture: capture CUDA graphs (True on CUDA); False runs the buckets' steps from their
             buffers without graphs (the tests on the CPU).
+        checked_steps: each bucket's first steps checked against the eager forward before it
+            serves (``CHECKED_STEPS``; tests that compare every step themselves pass 0).
 
     Raises:
         PoolExhausted: the pool has no room for the padding rows' scratch pages.
     """
 
     def __init__(self, forward: BatchedForward, pool: PagePool, *, max_rows: int,
-                 max_positions: int, capture: bool) -> None:
+                 max_positions: int, capture: bool, checked_steps: int = CHECKED_STEPS) -> None:
         self._forward = forward
+        self._checked_steps = checked_steps
         self._pool = pool
         self._padding = forward.products.padding
         self._largest = self._padding.rows_for(max(1, max_rows))
@@ -321,7 +337,7 @@ class CapturedSteps:
         self._buckets: dict[BucketKey, StepBucket] = {}
         self._replayed = self._eager = 0
         self.disabled_because: str | None = None
-        """Why no step is captured any more (a bucket's first step differed), or None."""
+        """Why no step is captured any more (a bucket's checked step differed), or None."""
 
     @property
     def device(self) -> torch.device:
@@ -345,7 +361,7 @@ class CapturedSteps:
 
     def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
         """``StepForward.forward``: a step within reach from its bucket, any other on the
-        eager forward (the same bits either way: a bucket's first step is checked)."""
+        eager forward (the same bits either way: a bucket's first steps are checked)."""
         key = self._key(batch) if self.disabled_because is None else None
         if key is None:
             self._eager += 1
@@ -353,7 +369,8 @@ class CapturedSteps:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = StepBucket(self._forward, self._pool, key, capture=self._capture,
-                                scratch_slots=self._scratch_slots, graph_pool=self._graph_pool)
+                                scratch_slots=self._scratch_slots, graph_pool=self._graph_pool,
+                                checked_steps=self._checked_steps)
             self._buckets[key] = bucket
         slots = [entry.sequence.claim(int(entry.tokens.numel())).numpy() for entry in batch]
         logits = bucket.run(batch, slots)
@@ -376,10 +393,10 @@ class CapturedSteps:
     def _verify(self, bucket: StepBucket, batch: Sequence[SequenceRows],
                 slots: Sequence[np.ndarray], captured: list[torch.Tensor | None]
                 ) -> list[torch.Tensor | None]:
-        """A bucket's first step, run again on the eager forward over the same slots (which
-        rewrites the step's K/V before any row reads them): the bucket serves from then on only
-        where its logits and K/V were the eager forward's bit for bit; otherwise no step is
-        captured again, and this one's answer is the eager forward's."""
+        """A step of a bucket not yet verified, run again on the eager forward over the same
+        slots (which rewrites the step's K/V before any row reads them): the bucket serves once
+        ``CHECKED_STEPS`` of its steps gave the eager forward's logits and K/V bit for bit; one
+        that differs turns captured steps off, and its answer is the eager forward's."""
         written = torch.from_numpy(np.concatenate(slots)).to(self._pool.device)
         kv = self._pool.storage.flatten(3, 4).index_select(3, written)
         expected = self._forward.forward(batch)
@@ -389,7 +406,7 @@ class CapturedSteps:
                             for a, b in zip(captured, expected, strict=True))
         self._eager += 1
         if same:
-            bucket.verified = True
+            bucket.checks_left -= 1
         else:
             self.disabled_because = (f"a step of bucket {bucket.key} gave other bits than the "
                                      "eager forward")

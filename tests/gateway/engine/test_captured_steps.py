@@ -22,7 +22,12 @@ import torch
 
 from gateway.core.canonical import PromptInput
 from gateway.engine.attention import TiledAttention
-from gateway.engine.captured_steps import CapturedSteps, StepBucket, captured_steps_problem
+from gateway.engine.captured_steps import (
+    CHECKED_STEPS,
+    CapturedSteps,
+    StepBucket,
+    captured_steps_problem,
+)
 from gateway.engine.engine import Engine
 from gateway.engine.forward import BatchedForward, SequenceRows
 from gateway.engine.kv_sequence import KVSequence
@@ -103,14 +108,16 @@ def _step(sequences: list[KVSequence], entries: list[Entry], step: int) -> list[
             for i, n, wants in entries]
 
 
+@pytest.mark.parametrize("checked_steps", [0, CHECKED_STEPS], ids=["unchecked", "checked"])
 @pytest.mark.parametrize("device", DEVICES)
 @interpreted
-def test_a_captured_step_gives_the_eager_forwards_logits_and_kv(tiny, device) -> None:
+def test_a_captured_step_gives_the_eager_forwards_logits_and_kv(tiny, device,
+                                                                 checked_steps) -> None:
     forward = _forward(tiny, device)
     _, eager_sequences = _prefilled(forward, tiny, device)
     pool, captured_sequences = _prefilled(forward, tiny, device)
     captured = CapturedSteps(forward, pool, max_rows=20, max_positions=MAX_POSITIONS,
-                             capture=device == "cuda")
+                             capture=device == "cuda", checked_steps=checked_steps)
     for step, entries in enumerate(STEPS):
         expected = forward.forward(_step(eager_sequences, entries, step))
         got = captured.forward(_step(captured_sequences, entries, step))
@@ -124,10 +131,12 @@ def test_a_captured_step_gives_the_eager_forwards_logits_and_kv(tiny, device) ->
             assert torch.equal(a.keys(layer), b.keys(layer))
             assert torch.equal(a.values(layer), b.values(layer))
     counters = captured.counters
-    # Five buckets -- (4, 4), (8, 8), (12, 4), (8, 0), (20, 4) -- each first step checked
-    # against the eager forward inside (and matching it), the other two served by a bucket.
-    assert (counters.verified, counters.eager, counters.replayed) == (5, 5, 2)
     assert counters.disabled_because is None
+    # Five buckets: (4, 4) and (8, 8) take two steps each, (12, 4), (8, 0) and (20, 4) one.
+    if checked_steps:  # every step checked inside, the two buckets of two steps verified
+        assert (counters.verified, counters.eager, counters.replayed) == (2, 7, 0)
+    else:  # every step served by its bucket (and compared above)
+        assert (counters.verified, counters.eager, counters.replayed) == (5, 0, 7)
     if device == "cuda":
         assert counters.captured == 5
         assert counters.capture_failures == 0
@@ -211,9 +220,10 @@ def test_steps_it_does_not_cover_run_on_the_eager_forward(tiny) -> None:
     captured.forward(too_many_rows)
     captured.forward(_decode_step(sequences, [1], 2))  # position 40: the last in reach
     captured.forward(_decode_step(sequences, [1], 3))  # position 41: past it
-    captured.forward(_decode_step(sequences, [0], 4))  # the bucket again, checked already
+    captured.forward(_decode_step(sequences, [0], 4))  # the bucket's second step, checked
+    captured.forward(_decode_step(sequences, [0], 5))  # served by the bucket
     assert captured.counters.verified == 1
-    assert captured.counters.eager == 4  # three out of reach, the bucket's first step
+    assert captured.counters.eager == 5  # three out of reach, the bucket's two checked
     assert captured.counters.replayed == 1
 
 
@@ -265,6 +275,7 @@ def test_on_cuda_an_engine_with_captured_steps_answers_as_one_without(tmp_path) 
             if captured:
                 counters = engine.captured_steps
                 assert counters is not None and counters.replayed > 0
+                assert counters.disabled_because is None
                 assert counters.capture_failures == 0
         finally:
             engine.stop(grace_s=5)
