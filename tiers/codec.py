@@ -401,7 +401,12 @@ class BlockCodec:
             _copy_exact_into(payload, packed_of(into))
             return header, into
         else:
-            flat = torch.empty(self._raw_len, dtype=torch.uint8)
+            # For a page on a GPU the private copy is pinned (torch's caching host allocator:
+            # reused, not registered per block), so the copy up is one DMA at the bus's speed
+            # (an H100 took 1 GiB in 20-24 ms from pinned memory, 164 ms from pageable:
+            # docs/gpu.md, "Copies to the GPU").
+            to_gpu = into is not None and packed_of(into).device.type == "cuda"
+            flat = torch.empty(self._raw_len, dtype=torch.uint8, pin_memory=to_gpu)
             private = flat.numpy()
             np.copyto(private, np.frombuffer(payload, dtype=np.uint8))
             self._check_block_tag(header, body, private.data)
