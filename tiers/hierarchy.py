@@ -32,9 +32,10 @@ from policies.base import BlockKey
 from policies.rate import TenantRates
 from tiers.base import BlockExpiry, BlockMeta, BlockStore, RemoteStore, StoreStats
 from tiers.disk import DiskStore
-from tiers.memory import DeviceStore
+from tiers.memory import DeviceStore, HostStore
 from tiers.page_pool import PagedBlock, PoolExhausted
 from tiers.payload import KVBlock
+from tiers.quantized_host import QuantizedHostStore
 
 logger = logging.getLogger(__name__)
 
@@ -281,16 +282,18 @@ class TierHierarchy:
         """Load several blocks of one local tier (a run of a chain), in order, timed together;
         each None if absent or unverifiable. Up to the level's ``parallel_reads`` at once.
 
-        ``into_tier``: as for ``fetch_remote``, for a disk tier (whose blocks are decoded from
-        bytes read); another tier's blocks are served as they are.
+        ``into_tier``: as for ``fetch_remote``: a disk tier's blocks are decoded into that
+        tier's free pages, a host tier's copied (or dequantized) into them; a block of another
+        tier is served as it is.
         """
         if not metas:
             return []
         start = self._clock()
         readers = self._readers.get(tier)
         store = self._levels[tier].store
-        staged = self._staging_pages(into_tier, len(metas)) if isinstance(store, DiskStore) else []
-        if staged and isinstance(store, DiskStore):
+        into_pages = isinstance(store, DiskStore | HostStore | QuantizedHostStore)
+        staged = self._staging_pages(into_tier, len(metas)) if into_pages else []
+        if staged and isinstance(store, DiskStore | HostStore | QuantizedHostStore):
             get_into = store.get
 
             def read(i: int) -> KVBlock | None:

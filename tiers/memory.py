@@ -45,6 +45,7 @@ from tiers.base import BatchDefaults, BlockMeta, StoreStats, TierConfigError
 from tiers.copy_fence import CopyFence, FenceFactory, record_fence
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout
+from tiers.payload_format import packed_of
 
 
 def default_device() -> torch.device:
@@ -331,7 +332,10 @@ class HostStore(BatchDefaults):
                 self._stats.num_bytes += self._slot_bytes
             self._stats.puts += 1
 
-    def get(self, meta: BlockMeta) -> KVBlock | None:
+    def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None:
+        """A copy of the block on ``serve_device``; with ``into`` (a page of the pool the
+        block is meant for, on that device), copied into it and returned as it: one copy, no
+        buffer of its own."""
         # Queued under the lock, with a fence recorded after it: a delete that follows hands
         # the slot back only for reuse once this copy has read it (see the module docstring).
         with self._lock:
@@ -340,7 +344,13 @@ class HostStore(BatchDefaults):
                 self._stats.misses += 1
                 return None
             self._stats.hits += 1
-            block = _copy_to(entry[1], self.serve_device)
+            if into is None:
+                block = _copy_to(entry[1], self.serve_device)
+            else:
+                target = packed_of(into)
+                target.copy_(packed_of(entry[1]), non_blocking=self.is_pinned
+                             and target.device.type == "cuda")
+                block = into
             if self.is_pinned:
                 fence = self._fences(self.serve_device)
                 if fence is not None:

@@ -38,6 +38,7 @@ from tiers.kv_quant import (
 )
 from tiers.memory import SlabPool, default_device, take_slot
 from tiers.payload import KVBlock, KVLayout, PayloadError
+from tiers.payload_format import packed_of
 
 
 class QuantizedHostStore(BatchDefaults):
@@ -165,8 +166,10 @@ class QuantizedHostStore(BatchDefaults):
                 self._stats.num_bytes += self._slot_bytes
             self._stats.puts += 1
 
-    def get(self, meta: BlockMeta) -> KVBlock | None:
-        """The block dequantized to ``layout.dtype`` on ``serve_device``, marked lossy."""
+    def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None:
+        """The block dequantized to ``layout.dtype`` on ``serve_device``, marked lossy; with
+        ``into`` (a page of the pool it is meant for), dequantized into it: no buffer of its
+        own."""
         # Copied under the lock, with a fence recorded after it (as HostStore.get): a delete
         # that follows hands the slot back only for reuse once this copy has read it.
         with self._lock:
@@ -185,6 +188,9 @@ class QuantizedHostStore(BatchDefaults):
         # Dequantized on the serving device, from the copy (stream-ordered after it).
         scales = flat[: self._scales_len].view(SCALE_DTYPE).view(self._rows)
         q = flat[self._scales_len :].view(self._element).view(*self._rows, self.layout.head_dim)
+        if into is not None:
+            dequantize(q, scales, self.layout.dtype, out=packed_of(into))
+            return dataclasses.replace(into, quantization=self.quantization)
         return KVBlock.of_packed(dequantize(q, scales, self.layout.dtype), self.quantization)
 
     def delete(self, key: BlockKey) -> None:

@@ -176,6 +176,18 @@ def test_host_store_copies_blocks_into_its_own_slots() -> None:
     assert got is not None and not torch.all(got.keys[0] == 0.0)
 
 
+def test_a_host_block_read_into_a_page_is_one_copy_into_it() -> None:
+    host = host_store()
+    block = make_block(4)
+    host.put(make_meta(4), block)
+    pool = page_pool()
+    page = pool.block(pool.allocate())
+    with CountCopies() as copies:
+        got = host.get(make_meta(4), into=page)
+    assert got is page and identical(got, block)
+    assert copies.copies == 1
+
+
 def test_host_store_reuses_freed_slots_instead_of_allocating() -> None:
     store = host_store(budget_blocks=2)
     for i in range(10):

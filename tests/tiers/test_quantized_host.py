@@ -18,6 +18,7 @@ from tests.tiers.conftest import TEST_SECRET, blocks_equal, seeded_block_meta, s
 from tiers.base import BlockMeta, BlockStore, CodecError, TierConfigError
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.kv_quant import dequantize, quantize, quantized_bytes_per_token, supported
+from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
 from tiers.quantized_host import QuantizedHostStore
 
@@ -74,6 +75,22 @@ def test_a_block_reads_back_as_the_lossy_codec_decodes_it_bit_for_bit(
     assert got.quantization == quantization and got.keys[0].dtype == dtype
     assert blocks_equal(got, codec_round_trip(kv, quantization, layout))
     assert not blocks_equal(got, kv)  # lossy indeed: the test compares something
+
+
+@pytest.mark.parametrize("quantization", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_block_read_into_a_page_is_dequantized_there_with_the_same_bits(
+        quantization: Quantization, dtype: torch.dtype) -> None:
+    layout = KVLayout(num_layers=2, kv_heads=2, head_dim=8, dtype=dtype)
+    host = store(layout=layout, quantization=quantization)
+    host.put(meta(1), block(1, layout))
+    pool = PagePool(layout, page_tokens=BLOCK_TOKENS, num_pages=2)
+    page = pool.block(pool.allocate())
+    got = host.get(meta(1), into=page)
+    assert got is not None and pool.page_of(got) is page.page
+    assert got.quantization == quantization
+    plain = host.get(meta(1))
+    assert plain is not None and blocks_equal(got, plain)
 
 
 def test_a_block_takes_its_quantized_payload_bytes() -> None:

@@ -216,6 +216,34 @@ def test_a_run_read_from_disk_is_decoded_into_free_pages_of_the_tier_it_is_meant
         opened.close()
 
 
+def test_a_run_read_from_the_host_tier_is_copied_into_free_pages_with_the_same_bits(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    """One copy into the page the device tier keeps, instead of a buffer of the block's own
+    copied into a page after it (a lossy host tier's: tests/tiers/test_quantized_host.py)."""
+    block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4
+    opened = open_cache(config(tmp_path, device_bytes=10 * block_bytes, disk_bytes=0),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    try:
+        p = prompt(15)
+        serve(opened, tiny, p)
+        assert opened.cache.evict("device", 1 << 40)
+        assert opened.hierarchy.flush(timeout_s=10)
+        pool = opened.pool
+        assert pool is not None and pool.num_in_use == 0
+        metas = chain_metas(opened, tiny, p)
+        plain = opened.hierarchy.read_many("host", metas)
+        assert all(block is not None and pool.page_of(block) is None for block in plain)
+        staged = opened.hierarchy.read_many("host", metas, into_tier="device")
+        assert all(block is not None and pool.page_of(block) is not None for block in staged)
+        assert all(x is not None and y is not None and identical(x, y)
+                   for x, y in zip(staged, plain, strict=True))
+        assert all(x is not None and identical(x, y)
+                   for x, y in zip(staged, cold_blocks(tiny, p), strict=False))
+    finally:
+        opened.close()
+
+
 @pytest.mark.redis
 def test_a_chain_from_redis_is_decoded_into_free_pages_of_the_tier_it_is_meant_for(
     tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer
