@@ -128,13 +128,16 @@ class StepBucket:
         key: the bucket's shapes.
         scratch_slots: pool slots the padding rows write into (at least ``key.rows``), never
             read.
+        rope: the rotary cos and sin of positions below ``key.reach`` on the pool's device
+            (shared by the buckets of one reach).
         capture: capture the step as a CUDA graph on first use (else run it from the buffers).
         graph_pool: the CUDA graphs' shared memory pool (None: off CUDA).
         checked_steps: steps checked against the eager forward before it serves.
     """
 
     def __init__(self, forward: BatchedForward, pool: PagePool, key: BucketKey, *,
-                 scratch_slots: Sequence[int], capture: bool, graph_pool: Any = None,
+                 scratch_slots: Sequence[int], rope: tuple[torch.Tensor, torch.Tensor],
+                 capture: bool, graph_pool: Any = None,
                  checked_steps: int = CHECKED_STEPS) -> None:
         attention = forward.attention
         assert isinstance(attention, TritonPagedAttention)
@@ -168,9 +171,7 @@ class StepBucket:
             self._ints, [logit_rows, (rows + 1) * width, rows * (2 + tile)])
         self._table = tables.view(rows + 1, width)
         self._plan = TilePlan(plan.view(rows, 2 + tile), rows, key.reach - 1)
-        cos, sin = forward.rope_tables(key.reach)
-        self._cos = cos[:key.reach].to(device)
-        self._sin = sin[:key.reach].to(device)
+        self._cos, self._sin = rope
         self._copied = (torch.cuda.Event()  # type: ignore[no-untyped-call]
                         if device.type == "cuda" else None)
         self._capture = capture
@@ -335,6 +336,7 @@ class CapturedSteps:
                                for offset in range(bt)]
         self._graph_pool = torch.cuda.graph_pool_handle() if capture else None
         self._buckets: dict[BucketKey, StepBucket] = {}
+        self._ropes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._replayed = self._eager = 0
         self.disabled_because: str | None = None
         """Why no step is captured any more (a bucket's checked step differed), or None."""
@@ -369,8 +371,8 @@ class CapturedSteps:
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = StepBucket(self._forward, self._pool, key, capture=self._capture,
-                                scratch_slots=self._scratch_slots, graph_pool=self._graph_pool,
-                                checked_steps=self._checked_steps)
+                                scratch_slots=self._scratch_slots, rope=self._rope(key.reach),
+                                graph_pool=self._graph_pool, checked_steps=self._checked_steps)
             self._buckets[key] = bucket
         slots = [entry.sequence.claim(int(entry.tokens.numel())).numpy() for entry in batch]
         logits = bucket.run(batch, slots)
@@ -413,6 +415,17 @@ class CapturedSteps:
             logger.error("captured steps turned off: %s; every step runs eagerly from now on",
                          self.disabled_because)
         return expected
+
+    def _rope(self, reach: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin of positions below ``reach`` on the pool's device, one copy
+        per reach (a 128k-token reach of a 128-wide head is 64 MiB in bfloat16)."""
+        tables = self._ropes.get(reach)
+        if tables is None:
+            cos, sin = self._forward.rope_tables(reach)
+            device = self._pool.device
+            tables = (cos[:reach].to(device), sin[:reach].to(device))
+            self._ropes[reach] = tables
+        return tables
 
     def _key(self, batch: Sequence[SequenceRows]) -> BucketKey | None:
         """The bucket of ``batch``, or None where it runs eagerly."""
