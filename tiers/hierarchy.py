@@ -291,11 +291,11 @@ class TierHierarchy:
         start = self._clock()
         readers = self._readers.get(tier)
         store = self._levels[tier].store
-        into_pages = isinstance(store, DiskStore | HostStore | QuantizedHostStore)
-        staged = self._staging_pages(into_tier, len(metas)) if into_pages else []
-        if staged and isinstance(store, DiskStore | HostStore | QuantizedHostStore):
+        staged = []
+        if isinstance(store, DiskStore | HostStore | QuantizedHostStore):
+            staged = self._staging_pages(into_tier, len(metas))
             get_into = store.get
-
+        if staged:
             def read(i: int) -> KVBlock | None:
                 return get_into(metas[i], into=staged[i])
 

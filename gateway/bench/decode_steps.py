@@ -43,7 +43,7 @@ class DecodeRow:
 
 def weight_read_ms(loaded: LoadedModel, numerics: BenchNumerics, repeats: int) -> float:
     """The median time of one pass reading every weight (a sum over each tensor)."""
-    weights = [p for p in loaded.model.parameters()]
+    weights = list(loaded.model.parameters())
     samples = []
     for _ in range(repeats + 1):
         start = numerics.clock()
@@ -60,7 +60,7 @@ def time_decode_steps(loaded: LoadedModel, forward: BatchedForward, numerics: Be
     """Each row count's eager and captured decode step times over sequences of ``context``
     cached tokens (the captured ones in ``captured_pool``, a pool of their own)."""
     most = max(rows)
-    capacity = context + 2 * (repeats + 1) * len(rows) + 8
+    capacity = sequence_capacity(context, repeats, rows)
     vocab = int(loaded.model.config.vocab_size)
     generator = torch.Generator().manual_seed(0)
     eager_pool = _pool(loaded, most, capacity)
@@ -103,6 +103,12 @@ def time_decode_steps(loaded: LoadedModel, forward: BatchedForward, numerics: Be
     return out
 
 
+def sequence_capacity(context: int, repeats: int, rows: Sequence[int]) -> int:
+    """Tokens a sequence needs: its context, then a first and ``repeats`` timed decode steps
+    per row count (the first sequence decodes in every one), with room to spare."""
+    return context + 2 * (repeats + 1) * len(rows) + 8
+
+
 def _pool(loaded: LoadedModel, sequences: int, capacity: int) -> PagePool:
     pages = sequences * -(-capacity // PAGE_TOKENS) + 8
     return PagePool(loaded.layout, page_tokens=PAGE_TOKENS, num_pages=pages,
@@ -122,8 +128,7 @@ def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repea
     problem = captured_steps_problem(forward, loaded.device)
     captured = captured_pool = None
     if problem is None:
-        capacity = context + 2 * (repeats + 1) * len(rows) + 8
-        captured_pool = _pool(loaded, most, capacity)
+        captured_pool = _pool(loaded, most, sequence_capacity(context, repeats, rows))
         captured = CapturedSteps(forward, captured_pool, max_rows=most,
                                   max_positions=loaded.max_context, capture=True)
     out.write(f"decode steps {numerics.describe()}: {model}, {context} cached tokens a "

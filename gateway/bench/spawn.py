@@ -70,11 +70,19 @@ class EngineOptions:
                   "max_queued_per_tenant": self.max_queued_per_tenant,
                   "shadow_fraction": self.shadow_fraction,
                   "captured_steps": self.captured_steps}
-        lines = [f"{name} = {str(value).lower()}" if isinstance(value, bool) else
-                 f"{name} = {value!r}" if isinstance(value, int | float) else
-                 f'{name} = "{value}"' for name, value in values.items() if value is not None]
+        lines = [f"{name} = {_toml_value(value)}" for name, value in values.items()
+                 if value is not None]
         return ["", "[engine]", *lines] if lines else []
 
+
+
+def _toml_value(value: object) -> str:
+    """``value`` as TOML writes it (a bool is ``true``/``false``, not Python's ``True``)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return repr(value)
+    return f'"{value}"'
 
 
 def free_port() -> int:

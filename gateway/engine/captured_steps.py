@@ -342,10 +342,6 @@ class CapturedSteps:
         """Why no step is captured any more (a bucket's checked step differed), or None."""
 
     @property
-    def device(self) -> torch.device:
-        return self._forward.device
-
-    @property
     def scratch_page_ids(self) -> list[int]:
         """The pages the padding rows write into (held while this lives, never read)."""
         return [page.id for page in self._scratch]

@@ -250,7 +250,7 @@ class BatchedForward:
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary cos and sin ``[>= num_positions, head_dim]`` (CPU) every step reads."""
-        self._rope(torch.tensor([max(0, num_positions - 1)]))
+        self._grow_rope(num_positions)
         return self._cos, self._sin
 
     def _layer(self, index: int, layer: Any, hidden: torch.Tensor, cos: torch.Tensor,
@@ -278,7 +278,12 @@ class BatchedForward:
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[rows, head_dim]`` for ``positions``, from tables built in fixed chunks."""
-        needed = (int(positions.max()) // ROPE_CHUNK + 1) * ROPE_CHUNK
+        self._grow_rope(int(positions.max()) + 1)
+        return self._cos[positions], self._sin[positions]
+
+    def _grow_rope(self, num_positions: int) -> None:
+        """Extend the rotary tables, in whole ``ROPE_CHUNK``s, to cover ``num_positions``."""
+        needed = -(-max(1, num_positions) // ROPE_CHUNK) * ROPE_CHUNK
         if self._cos.shape[0] < needed:
             rotary = self._model.model.rotary_emb
             weight = self._model.model.embed_tokens.weight
@@ -291,7 +296,6 @@ class BatchedForward:
                 sin_parts.append(sin[0].cpu())
             self._cos = torch.cat(cos_parts)
             self._sin = torch.cat(sin_parts)
-        return self._cos[positions], self._sin[positions]
 
 
 def projection_weights(model: Any) -> list[torch.Tensor]:
