@@ -80,7 +80,11 @@ def quantize(rows: torch.Tensor, quantization: Quantization) -> tuple[torch.Tens
             such K/V is stored exactly or not at all, never as a garbled copy).
     """
     x = rows.to(torch.float32)
-    scales = x.abs().amax(dim=-1) / _QMAX[quantization]
+    peaks = x.abs().amax(dim=-1)
+    # NOTE: divided by a tensor, not a Python number: CUDA turns division by a host scalar into
+    # a product with its rounded reciprocal, whose bits differ from the CPU's true quotient --
+    # a block quantized on a GPU must decode to exactly what the host's codec gives.
+    scales = peaks / torch.full_like(peaks, _QMAX[quantization])
     if not bool(torch.isfinite(scales).all()):
         raise CodecError("shape", "K/V holds NaN or infinity: it cannot be quantized")
     divisor = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(-1)
