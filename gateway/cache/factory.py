@@ -226,6 +226,19 @@ class OpenedCache:
 
 
 
+def queued_write_bytes(config: CacheConfig) -> int:
+    """The pool's room for pages waiting in the write queues (disk, Redis): a queued write holds
+    the device tier's page itself until its writer has encoded it (no copy on the request's
+    thread), also after the device tier let it go, so each queue may hold up to
+    ``write_queue_bytes`` of pages no budget counts. Without this room a slow disk or Redis
+    leaves running requests without a page (an 8B model's 8k-token chains on an H100,
+    2026-11-27: RESOURCE_EXHAUSTED, every page held, once the device tier had let go of
+    pages its writes still held)."""
+    queues = int(bool(config.disk_bytes and config.disk_path is not None))
+    queues += int(bool(config.redis_url))
+    return queues * config.write_queue_bytes
+
+
 def open_cache(
     config: CacheConfig,
     *,
@@ -242,7 +255,8 @@ def open_cache(
 
     The device tier's blocks are pages of one pool (``tiers.page_pool``) that also holds the
     running requests' own pages: ``device_bytes`` plus ``running_bytes`` (the engine's KV
-    budget and tails, with its margin: ``gateway.engine.kv_sequence.pool_bytes_for``).
+    budget and tails, with its margin: ``gateway.engine.kv_sequence.pool_bytes_for``) plus
+    the pages the write queues may hold (``queued_write_bytes``).
 
     The disk tier's files from an earlier run are re-indexed (headers only) and served again.
     ``tier_events`` (the KV-events publisher, started by the caller, who also closes it after the
@@ -260,7 +274,8 @@ def open_cache(
         device_type=device.type,
     ) for tier in ("exact", "disk", "redis")}
     pool = PagePool.for_budget(layout, page_tokens=config.block_tokens, device=device,
-                               budget_bytes=config.device_bytes + running_bytes)
+                               budget_bytes=(config.device_bytes + running_bytes
+                                             + queued_write_bytes(config)))
     levels = [TierLevel(name="device", store=DeviceStore(pool=pool))]
     budgets = {"device": config.device_bytes}
     if config.host_bytes:

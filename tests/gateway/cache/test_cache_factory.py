@@ -295,3 +295,23 @@ def test_invalid_configurations_are_listed_at_once(tmp_path: Path) -> None:
     message = str(excinfo.value)
     for part in ("block_tokens", "order", "disk_path", "device_bytes"):
         assert part in message
+
+
+def test_the_page_pool_has_room_for_what_the_disk_write_queue_holds_beside_the_tier_and_requests(
+    tiny: LoadedModel, tmp_path: Path
+) -> None:
+    block_bytes = 2 * 2 * 2 * BLOCK * 16 * 4
+    with_queue = open_cache(config(tmp_path / "a", write_queue_bytes=7 * block_bytes),
+                            layout=tiny.layout, deployment_secret=SECRET,
+                            running_bytes=5 * block_bytes)
+    without_disk = open_cache(config(tmp_path / "b", disk_bytes=0),
+                              layout=tiny.layout, deployment_secret=SECRET,
+                              running_bytes=5 * block_bytes)
+    try:
+        assert with_queue.pool is not None and without_disk.pool is not None
+        assert with_queue.pool.num_pages == 3 + 5 + 7  # device tier + running + the disk queue
+        assert without_disk.pool.num_pages == 3 + 5
+    finally:
+        with_queue.close()
+        without_disk.close()
+
