@@ -27,9 +27,12 @@ device's current stream, so ``get`` returns before the bytes have moved. The ret
 are ready for any later work on that stream (the engine's worker uses one stream throughout);
 work on another stream must ``wait_stream`` first. The slot, meanwhile, is still being read: a
 fence is recorded after each such copy (``tiers.copy_fence``), and a deleted block's slot is
-not handed to another block until its fences have completed (``SlabPool.give_back``). Copies
-*into* a slot (a put from the GPU) are waited for before the block becomes readable: an event
-on the source device's stream, not a whole-device synchronisation.
+not handed to another block until its fences have completed (``SlabPool.give_back``). A copy
+*into* a slot from the GPU the tier serves (a demotion from the device tier, on the request's
+path when a hit makes room) is not waited for either: every read of the slot is a copy back to
+that GPU, queued on the same stream after it, and its fence joins the slot's, so the slot is not
+reused before it has been written. A copy from any other device is waited for before the block
+becomes readable (an event on the source's stream, not a whole-device synchronisation).
 """
 
 from __future__ import annotations
@@ -242,6 +245,16 @@ def count_dropped_put(stats: StoreStats) -> None:
     stats.notes["dropped_pool_full"] = int(stats.notes.get("dropped_pool_full", 0)) + 1
 
 
+def _is_same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` alike (an index left out is the current device's)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda" or a.index == b.index:
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+
+
 def take_slot(pool: SlabPool, stats: StoreStats) -> torch.Tensor | None:
     """A free slot of ``pool`` for a put; None (the put dropped, counted in ``stats``) when
     the tier's budget is full. Hold the store's lock."""
@@ -321,13 +334,20 @@ class HostStore(BatchDefaults):
                                 strict=True):
                 dst.copy_(src, non_blocking=non_blocking)
         done = self._fences(source) if self.is_pinned else None
-        if done is not None:
+        in_flight = [done] if done is not None else []
+        if done is not None and not _is_same_device(source, self.serve_device):
             done.wait()  # this copy only: the source device's stream, up to here
+            in_flight = []
+        # From the device it serves, the copy is left in flight: every read of the slot is a
+        # copy back up queued on that device's stream, after this one; the fence stays with the
+        # slot, so that it is not reused before the copy has written it.
         with self._lock:
             if meta.key in self._blocks:  # a concurrent put of the same block won
-                self._pool.give_back(slot)
+                self._pool.give_back(slot, in_flight)
             else:
                 self._blocks[meta.key] = (slot, views)
+                if in_flight:
+                    self._reads[meta.key] = in_flight
                 self._stats.num_blocks += 1
                 self._stats.num_bytes += self._slot_bytes
             self._stats.puts += 1

@@ -119,11 +119,41 @@ def test_a_block_put_from_the_gpu_is_readable_at_once_from_the_pinned_tier() -> 
     block = make_block(7)
     on_gpu = KVBlock(keys=tuple(t.cuda() for t in block.keys),
                      values=tuple(t.cuda() for t in block.values))
-    host.put(make_meta(7), on_gpu)  # device -> pinned host, waited for before it is readable
+    host.put(make_meta(7), on_gpu)  # device -> pinned host, left in flight: reads queue after it
     served = host.get(make_meta(7))
     assert served is not None and served.keys[0].is_cuda
     torch.cuda.synchronize()
     assert identical(on_cpu(served), block)
+
+
+@pytest.mark.gpu
+def test_a_slot_still_being_written_from_the_gpu_is_not_reused_by_a_put_from_the_cpu() -> None:
+    """put from the GPU (left in flight), delete, put another block from the CPU into the one
+    slot: the CPU's copy must wait for the GPU's, or the GPU's lands on top of it."""
+    for round_ in range(50):
+        host = host_on_gpu(budget_blocks=1)
+        first, second = make_block(2 * round_), make_block(2 * round_ + 1)
+        host.put(make_meta(1), KVBlock(keys=tuple(t.cuda() for t in first.keys),
+                                       values=tuple(t.cuda() for t in first.values)))
+        host.delete(make_meta(1).key)
+        host.put(make_meta(2), second)
+        served = host.get(make_meta(2))
+        assert served is not None
+        torch.cuda.synchronize()
+        assert identical(on_cpu(served), second), f"round {round_}: the slot was overwritten"
+
+
+@pytest.mark.gpu
+def test_a_block_put_from_the_gpu_and_served_at_once_holds_what_was_put() -> None:
+    for round_ in range(50):
+        host = host_on_gpu(budget_blocks=2)
+        block = make_block(round_)
+        host.put(make_meta(round_), KVBlock(keys=tuple(t.cuda() for t in block.keys),
+                                            values=tuple(t.cuda() for t in block.values)))
+        served = host.get(make_meta(round_))
+        assert served is not None
+        torch.cuda.synchronize()
+        assert identical(on_cpu(served), block), f"round {round_}"
 
 
 @pytest.mark.gpu
