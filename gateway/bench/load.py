@@ -16,8 +16,8 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 * ``kvgate no_shadow``: as ``kvgate`` with shadow verification off (``shadow_fraction = 0``):
   beside ``kvgate`` (0.01, the default) it measures what the verification costs;
 * ``kvgate shadow_all``: every cache hit verified (``shadow_fraction = 1``): its upper bound;
-* ``kvgate captured``: as ``kvgate`` with ``captured_steps = true`` (steps replayed from CUDA
-  graphs where it runs on CUDA; elsewhere the same as ``kvgate``);
+* ``kvgate eager``: as ``kvgate`` with ``captured_steps = false`` (no step replayed from CUDA
+  graphs, which ``kvgate`` does on CUDA by default; elsewhere the same as ``kvgate``);
 * ``transformers serve CB``: ``transformers serve --continuous-batching`` on the same weights
   (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a).
 
@@ -73,7 +73,7 @@ KVGATE_BASELINE = "kvgate baseline"
 KVGATE_NO_CACHE = "kvgate no_cache"
 KVGATE_NO_SHADOW = "kvgate no_shadow"
 KVGATE_SHADOW_ALL = "kvgate shadow_all"
-KVGATE_CAPTURED = "kvgate captured"
+KVGATE_EAGER = "kvgate eager"
 PEER = "transformers serve CB"
 
 
@@ -92,7 +92,7 @@ class Configuration:
     is_baseline: bool = False
     """The server of ``--baseline PATH`` (another commit's checkout) instead of this one."""
     captured_steps: bool | None = None
-    """``[engine] captured_steps`` (None: the server's default, off)."""
+    """``[engine] captured_steps`` (None: the server's default, on)."""
 
 
 CONFIGURATIONS = (
@@ -100,7 +100,7 @@ CONFIGURATIONS = (
     Configuration(name="baseline", label=KVGATE_BASELINE, is_baseline=True),
     Configuration(name="no_shadow", label=KVGATE_NO_SHADOW, shadow_fraction=0.0),
     Configuration(name="shadow_all", label=KVGATE_SHADOW_ALL, shadow_fraction=1.0),
-    Configuration(name="captured", label=KVGATE_CAPTURED, captured_steps=True),
+    Configuration(name="eager", label=KVGATE_EAGER, captured_steps=False),
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),

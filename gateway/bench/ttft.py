@@ -425,8 +425,8 @@ class TtftOptions:
     skip_slow_tiers: bool = False
     """The spawned gateway's ``[cache] skip_slow_tiers``: False (the bench's default) makes
     every tier row load from its tier; True is what users get by default."""
-    captured_steps: bool = False
-    """The spawned gateway's ``[engine] captured_steps`` (CUDA graphs; docs/gpu.md)."""
+    captured_steps: bool = True
+    """The spawned gateway's ``[engine] captured_steps`` (CUDA graphs on CUDA; docs/gpu.md)."""
 
 
 def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> list[LengthResult]:
@@ -541,10 +541,10 @@ def _endpoint(options: TtftOptions, device_bytes: int, err: TextIO) -> Iterator[
     with spawn_gateway(model=options.model, models_dir=options.data_dir / "models",
                        block_tokens=options.block_tokens, device_bytes=device_bytes,
                        redis_url=options.redis_url, redis_binary=binary, err=err,
-                       device=options.numerics.device_text,
-                       dtype=options.numerics.dtype_name,
+                       device=options.numerics.device_text, dtype=options.numerics.dtype_name,
                        skip_slow_tiers=options.skip_slow_tiers,
-                       engine=EngineOptions(captured_steps=options.captured_steps or None)
+                       engine=EngineOptions(
+                           captured_steps=None if options.captured_steps else False)
                        ) as endpoint:
         yield endpoint
 
@@ -591,7 +591,7 @@ def _print_report(options: TtftOptions, loaded: LoadedModel, results: Sequence[L
     )
     if options.spawn:
         out.write("The spawned gateway " + (
-            "replays steps from CUDA graphs (captured_steps = true) and " * options.captured_steps
+            "runs every step eagerly (captured_steps = false) and " * (not options.captured_steps)
         ) + (
             "skips a tier measured slower than recomputing (skip_slow_tiers = true, the "
             "default): a tier row is what a user gets.\n" if options.skip_slow_tiers else

@@ -78,9 +78,10 @@ def add_bench_ttft(bench_sub: Any) -> None:
                            "true, so a tier row shows what a user gets (recomputed where that "
                            "tier is measured slower than recomputing); without it every tier "
                            "row loads from its tier")
-    ttft.add_argument("--captured-steps", action="store_true",
-                      help="with --spawn: [engine] captured_steps = true (steps replayed from "
-                           "CUDA graphs; off by default, docs/gpu.md)")
+    ttft.add_argument("--eager-steps", action="store_true",
+                      help="with --spawn: [engine] captured_steps = false (every step run "
+                           "eagerly; by default a gateway on CUDA replays its steps from CUDA "
+                           "graphs, docs/gpu.md)")
     ttft.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each gateway call in seconds")
     ttft.add_argument("--plot", type=Path, default=None,
@@ -106,8 +107,9 @@ def add_bench_load(bench_sub: Any) -> None:
               - kvgate no_cache (every request no_cache),
               - kvgate no_shadow, kvgate shadow_all (shadow verification off / of every hit;
                 only when named in --configs),
-              - kvgate captured ([engine] captured_steps = true: steps replayed from CUDA
-                graphs on a GPU; only when named in --configs),
+              - kvgate eager ([engine] captured_steps = false: no step replayed from CUDA
+                graphs, which a gateway on a GPU does by default; only when named in
+                --configs),
               - transformers serve --continuous-batching on the same weights, over its
                 OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a).
             Each configuration x U runs against a fresh server that this command spawns on a

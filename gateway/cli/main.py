@@ -305,7 +305,7 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
         with_peers=not args.no_peers, timeout_s=args.timeout,
         plot=None if args.no_plot else (args.plot or args.data_dir / "bench-ttft.png"),
         numerics=numerics, skip_slow_tiers=args.skip_slow_tiers,
-        captured_steps=args.captured_steps,
+        captured_steps=not args.eager_steps,
     )
     try:
         run_ttft_benchmark(options, out=sys.stdout, err=sys.stderr)

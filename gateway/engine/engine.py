@@ -221,8 +221,9 @@ class Engine:
             return forward
         problem = captured_steps_problem(forward, self._device)
         if problem is not None:
-            logger.warning("captured_steps = true, but steps run uncaptured here: %s",
-                           problem)
+            # On by default: off CUDA there is nothing to capture, which is no one's mistake.
+            log = logger.warning if self._device.type == "cuda" else logger.info
+            log("captured_steps = true, but steps run uncaptured here: %s", problem)
             return forward
         assert isinstance(forward, BatchedForward)
         max_rows = self._config.max_running + CAPTURED_PREFILL_ROWS

@@ -79,7 +79,7 @@ class EngineSettings:
         captured_steps: decode-only steps replayed from CUDA graphs, one per padded row
             count (``gateway.engine.captured_steps``), where the engine runs on CUDA with the
             Triton attention and decode rows share the product; elsewhere it changes nothing
-            (the log says why). Off by default until measured on a GPU (docs/gpu.md).
+            (the log says why). On by default since an H100 measured it (docs/gpu.md).
     """
 
     max_queue: int = 64
@@ -96,7 +96,7 @@ class EngineSettings:
     linear_kernel: LinearKernel = "auto"
     tail_cache_bytes: int = 256 << 20
     shadow_fraction: float = 0.01
-    captured_steps: bool = False
+    captured_steps: bool = True
 
     def problems(self) -> list[str]:
         """What is wrong with these settings, one message per setting (none: usable)."""

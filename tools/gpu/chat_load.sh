@@ -10,7 +10,7 @@ t0=$(date +%s); el() { echo "[t+$(( $(date +%s) - t0 ))s] $*"; }
 el setup; bash .gpu-bundle/on-gpu.sh setup peer-serve model 1b 2>&1 | tail -2
 el load
 timeout 540 kvgate bench load --model /tmp/models/1b --device cuda --dtype bfloat16 \
-  --users 8,32 --configs kvgate,captured,peer --peers-python python3 --no-plot \
+  --users 8,32 --configs kvgate,eager,peer --peers-python python3 --no-plot \
   --data-dir /tmp/kvload > $OUT/chat-load.log 2> $OUT/chat-load.err
 tail -20 $OUT/chat-load.log; tail -5 $OUT/chat-load.err
 el done

@@ -24,7 +24,7 @@ done > $OUT/decode.log; cat $OUT/decode.log
 el ttft-8b  # with captured steps (the 1B rows below run without: both are seen)
 timeout 240 kvgate bench ttft --spawn --device cuda --model /tmp/models/8b --data-dir /tmp/kv8 \
   --lengths 8192 --suffix-tokens 40 --repeats 3 --no-peers --no-plot --skip-slow-tiers \
-  --captured-steps 2>&1 \
+  2>&1 \
   | tail -26 > $OUT/ttft-8b.log
 sed -n 1,18p $OUT/ttft-8b.log
 el profile-warm

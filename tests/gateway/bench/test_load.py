@@ -113,10 +113,10 @@ def test_engine_options_reach_the_spawned_configuration(tmp_path: Path) -> None:
         block_tokens=64, device_bytes=1 << 20, redis_url=None,
         api_key="kvg-bench-Qm3xT8vLp2Zr9Kd4Wn7Y", admin_key="kvg-bench-admin-Hs5Jq1Bc6Vf0Rt3Ue8Ga",
         engine=EngineOptions(route="serial", max_running=20, max_running_per_tenant=20,
-                             captured_steps=True)))
+                             captured_steps=False)))
     engine = load_serve_config(path, env={}).engine
     assert (engine.route, engine.max_running, engine.max_running_per_tenant,
-            engine.captured_steps) == ("serial", 20, 20, True)
+            engine.captured_steps) == ("serial", 20, 20, False)
 
 
 def test_peak_rss_of_this_process_is_read_from_proc() -> None:

@@ -1,4 +1,4 @@
-"""``[engine] captured_steps``: off by default, read from the file, refused unless a boolean."""
+"""``[engine] captured_steps``: on by default, read from the file, refused unless a boolean."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from gateway.config.loader import load_serve_config
 from gateway.config.settings import ConfigError, EngineSettings
 
 
-def test_captured_steps_are_off_by_default_and_read_from_the_file(tmp_path: Path) -> None:
-    assert load_serve_config(None, env={}).engine.captured_steps is False
+def test_captured_steps_are_on_by_default_and_read_from_the_file(tmp_path: Path) -> None:
+    assert load_serve_config(None, env={}).engine.captured_steps is True
     path = tmp_path / "kvgate.toml"
-    path.write_text("[engine]\ncaptured_steps = true\n", encoding="utf-8")
-    assert load_serve_config(path, env={}).engine.captured_steps is True
+    path.write_text("[engine]\ncaptured_steps = false\n", encoding="utf-8")
+    assert load_serve_config(path, env={}).engine.captured_steps is False
 
 
 @pytest.mark.parametrize("value", [1, "yes", None])
