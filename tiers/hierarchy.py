@@ -317,6 +317,8 @@ class TierHierarchy:
         with self._lock:
             is_probe = tier in self._probing
             self._probing.discard(tier)
+            if is_probe and tier in self._slow_since:
+                self._slow_since[tier] = self._clock()  # the next interval counts from here
         bandwidth = self._bandwidth[tier]
         if is_probe:
             # The estimate is stale by a whole interval: the probe's measurement replaces it.
@@ -480,6 +482,12 @@ class TierHierarchy:
 
     def bandwidth(self, tier: str) -> float | None:
         return self._bandwidth[tier].bytes_per_s
+
+    def is_judged_slow(self, tier: str) -> bool:
+        """Whether ``tier`` is judged slower than recomputing: a load let through is a probe,
+        best one block, whose time decides the rest of the chain."""
+        with self._lock:
+            return tier in self._slow_since
 
     def stats(self) -> list[StoreStats]:
         out = [level.store.stats() for level in self._levels.values()]

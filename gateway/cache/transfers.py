@@ -30,7 +30,7 @@ from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from gateway.core.quantization import Quantization
 from gateway.core.tokens import TokenIds
 from policies.base import BlockKey
-from tiers.base import BlockMeta, StoreStats
+from tiers.base import BlockExpiry, BlockMeta, StoreStats
 from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
@@ -267,13 +267,15 @@ class TierTransfers:
     ) -> tuple[list[tuple[BlockRecord, str, BlockMeta]], list[KVBlock | None]]:
         """Read ``plan`` run by run (a tier's consecutive blocks in one call, no lock held), up
         to the first run judged slower than recomputing it or holding a failed read. A tier
-        not measured yet reads one block first: its time decides the rest of the run, so a slow
-        tier costs one block before it is found out."""
+        not measured yet, or judged slow (a probe), reads one block first: its time decides the
+        rest of the run, so a slow tier costs one block before it is found out (Redis, whose
+        one block is mostly a round trip, is measured on a whole chain: ``_fetch_remote``)."""
         read: list[tuple[BlockRecord, str, BlockMeta]] = []
         blocks: list[KVBlock | None] = []
         for tier, run in _runs(plan):
-            pieces = ([run[:1], run[1:]] if len(run) > 1
-                      and self._hierarchy.bandwidth(tier) is None else [run])
+            hierarchy = self._hierarchy
+            pieces = ([run[:1], run[1:]] if len(run) > 1 and (
+                hierarchy.bandwidth(tier) is None or hierarchy.is_judged_slow(tier)) else [run])
             for piece in pieces:
                 if not self._worth_loading(tier, piece, recompute_s_per_token):
                     return read, blocks
@@ -398,10 +400,6 @@ class TierTransfers:
         parent = held[-1] if held else None
         if start >= end or not self.remote_holds(namespace):
             return []
-        recompute_s = (None if recompute_s_per_token is None
-                       else recompute_s_per_token * placement.block_tokens * (end - start))
-        if not self._hierarchy.worth_loading(REMOTE, end - start, None, recompute_s):
-            return []
         fp = placement.fingerprinter(namespace)
         metas = []
         parent_key = keys[start - 1] if start else fp.root_parent
@@ -412,7 +410,7 @@ class TierTransfers:
                                    tokens=fp.block_token_bytes(tokens, i)))
             parent_key = keys[i]
         top = placement.tier_names[0]
-        fetched = self._hierarchy.fetch_remote(metas, into_tier=top)
+        fetched = self._fetch_remote(metas, top, recompute_s_per_token)
         if not fetched:
             return []
         specs = [
@@ -446,6 +444,30 @@ class TierTransfers:
         store = self._hierarchy.store(top)
         return [(record, block if meta is None else store.get(meta) or block)
                 for (record, block), meta in zip(used, placed, strict=True)]
+
+    def _fetch_remote(self, metas: list[BlockMeta], top: str,
+                      recompute_s_per_token: float | None,
+                      ) -> list[tuple[KVBlock, BlockExpiry | None]]:
+        """The longest prefix of ``metas`` worth fetching, fetched. A remote tier judged slow
+        fetches one block first (a probe), whose time decides the rest: a Redis still slow
+        costs one block, not the chain (an 8B model's 8k-token chain took 1.25 s to probe on an
+        H100 where recomputing it took 0.33 s). Not measured yet, it fetches the whole chain:
+        one block's time would be mostly the round trip a pipelined chain pays once."""
+        hierarchy = self._hierarchy
+        per_block_s = (None if recompute_s_per_token is None
+                       else recompute_s_per_token * self._placement.block_tokens)
+        pieces = ([metas[:1], metas[1:]] if len(metas) > 1 and hierarchy.is_judged_slow(REMOTE)
+                  else [metas])
+        fetched: list[tuple[KVBlock, BlockExpiry | None]] = []
+        for piece in pieces:
+            recompute_s = None if per_block_s is None else per_block_s * len(piece)
+            if not hierarchy.worth_loading(REMOTE, len(piece), None, recompute_s):
+                break
+            got = hierarchy.fetch_remote(piece, into_tier=top)
+            fetched.extend(got)
+            if len(got) < len(piece):
+                break
+        return fetched
 
     def forget_remote(self, namespace: Namespace, tokens: TokenIds, *,
                       min_idle_s: float | None = None) -> int:

@@ -219,6 +219,23 @@ def test_a_disk_judged_slow_is_skipped_then_probed_and_used_again_once_fast(
     assert store_notes(disk_cache, "disk")["slow_tier_probes"] == 1
 
 
+def test_a_probe_of_a_disk_still_slow_costs_one_block_not_the_chain(
+    disk_tiers: TierHierarchy, faulty: FaultyFileOps,
+) -> None:
+    disk_cache = PrefixCache(tiers=[slot("device"), slot("disk", write_through=True)],
+                             block_tokens=BLOCK, hierarchy=disk_tiers)
+    stored(disk_cache, PROMPT)
+    assert disk_tiers.flush(timeout_s=10.0)
+    on_disk_only(disk_cache)
+    faulty.delay("read", 0.1, path_contains=".kvb")
+    assert served(disk_cache, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("disk",)
+    on_disk_only(disk_cache)
+    time.sleep(REPROBE_S + 0.05)
+    # The probe reads one block, still slow: the rest is recomputed, not loaded slowly.
+    assert served(disk_cache, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("disk",)
+    assert store_notes(disk_cache, "disk")["slow_tier_probes"] == 1
+
+
 def redis_cache(url: str, *, remote_write: bool) -> tuple[PrefixCache, TierHierarchy]:
     store = RedisStore(CODEC, url=url, socket_timeout_s=2.0, connect_timeout_s=2.0,
                        breaker=CircuitBreaker(reset_after_s=0.2))
@@ -250,6 +267,28 @@ def test_the_load_or_recompute_choice_covers_redis_and_probes_it_again(
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
         reader.evict("device", 10**9)
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
+        assert store_notes(reader, "redis")["slow_tier_probes"] == 1
+    finally:
+        fault_proxy.pass_through()
+        writer_tiers.close()
+        reader_tiers.close()
+
+
+def test_a_probe_of_a_redis_still_slow_fetches_one_block_not_the_chain(
+    fault_proxy: FaultProxy,
+) -> None:
+    writer, writer_tiers = redis_cache(fault_proxy.url, remote_write=True)
+    reader, reader_tiers = redis_cache(fault_proxy.url, remote_write=False)
+    try:
+        stored(writer, PROMPT)
+        assert writer_tiers.flush(timeout_s=10.0)
+        fault_proxy.delay(150)
+        assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
+        reader.evict("device", 10**9)
+        assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ()  # judged slow
+        time.sleep(REPROBE_S + 0.05)
+        # Probed while still slow: one block, the rest recomputed.
+        assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis",)
         assert store_notes(reader, "redis")["slow_tier_probes"] == 1
     finally:
         fault_proxy.pass_through()
