@@ -325,7 +325,7 @@ class HostStore(BatchDefaults):
                 return
         # The copy runs outside the lock; the block becomes readable only once it is complete.
         views = self._views(slot)
-        source = block.keys[0].device
+        source = block.any_tensor.device
         non_blocking = self.is_pinned and source.type == "cuda"
         if block.packed is not None and views.packed is not None:
             views.packed.copy_(block.packed, non_blocking=non_blocking)  # one copy
@@ -414,11 +414,11 @@ def _storage_of(block: KVBlock) -> object:
     (a block's tensors are views of one buffer, or of buffers owned by that block)."""
     if isinstance(block, PagedBlock) and block.page is not None:
         return block.page
-    return int(block.keys[0].untyped_storage().data_ptr())
+    return int(block.any_tensor.untyped_storage().data_ptr())
 
 
 def _is_on(block: KVBlock, device: torch.device) -> bool:
-    tensor = block.keys[0]
+    tensor = block.any_tensor
     return tensor.device.type == device.type and (
         device.index is None or tensor.device.index == device.index
     )
@@ -429,8 +429,8 @@ def _copy_to(block: KVBlock, device: torch.device) -> KVBlock:
     the block is packed, else one per tensor."""
     non_blocking = (
         device.type == "cuda"
-        and block.keys[0].device.type == "cpu"
-        and block.keys[0].is_pinned()
+        and block.any_tensor.device.type == "cpu"
+        and block.any_tensor.is_pinned()
     )
     if block.packed is not None:
         return KVBlock.of_packed(block.packed.to(device, non_blocking=non_blocking, copy=True),

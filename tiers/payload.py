@@ -11,6 +11,7 @@ trusted from stored headers.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -59,8 +60,8 @@ class KVBlock:
     whole block is one copy (a GPU pays per copy launched, not per byte, at these sizes).
     """
 
-    keys: tuple[torch.Tensor, ...]
-    values: tuple[torch.Tensor, ...]
+    keys: Sequence[torch.Tensor]
+    values: Sequence[torch.Tensor]
     quantization: Quantization | None = None
     packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
     _nbytes: int = field(default=0, init=False, compare=False, repr=False)
@@ -88,7 +89,15 @@ class KVBlock:
 
     @property
     def num_tokens(self) -> int:
+        if self.packed is not None:  # [layers, 2, kv_heads, tokens, head_dim]
+            return int(self.packed.shape[3])
         return int(self.keys[0].shape[1])
+
+    @property
+    def any_tensor(self) -> torch.Tensor:
+        """One tensor of the block's memory (its device, its storage): ``packed`` where it has
+        it, so that a page's lazily made layer views stay unmade."""
+        return self.packed if self.packed is not None else self.keys[0]
 
     @property
     def nbytes(self) -> int:

@@ -85,7 +85,7 @@ def test_blocks_stored_after_a_tail_equal_the_cold_computation(stack: Stack) -> 
     cold = engine.cold_blocks(tokens)
     assert len(stored) == len(cold) == len(turn) // BLOCK
     for got, want in zip(stored, cold, strict=True):
-        for a, b in zip(got.keys + got.values, want.keys + want.values, strict=True):
+        for a, b in zip((*got.keys, *got.values), (*want.keys, *want.values), strict=True):
             assert torch.equal(a, b)
 
 

@@ -100,7 +100,7 @@ def test_bfloat16_on_the_cpu_serves_warm_equal_to_cold_with_bfloat16_kv(
     num_served = num_servable_tokens(len(prompt_tokens(tiny_bf16, PROMPT)))
     assert usage.cached_tokens_by_tier == {"device": num_served}
     served = spy.only.blocks
-    assert served and all(t.dtype == torch.bfloat16 for b in served for t in b.keys + b.values)
+    assert served and all(t.dtype == torch.bfloat16 for b in served for t in (*b.keys, *b.values))
     oracle = cold_blocks(tiny_bf16, prompt_tokens(tiny_bf16, PROMPT), len(served),
                          route=engine.route.name)
     assert_blocks_equal(served, oracle)
@@ -152,7 +152,7 @@ def test_auto_on_a_gpu_runs_the_engine_in_bfloat16_warm_equal_to_cold(
     assert usage.cached_tokens_by_tier.get("device", 0) > 0
     served = spy.only.blocks
     assert served and all(t.dtype == torch.bfloat16 and t.is_cuda
-                          for b in served for t in b.keys + b.values)
+                          for b in served for t in (*b.keys, *b.values))
     oracle = cold_blocks(loaded, prompt_tokens(loaded, PROMPT), len(served),
                          route=engine.route.name)
     assert_blocks_equal(served, oracle)
