@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# What the next GPU session runs first (written 2026-11-27 after the H100 run in docs/gpu.md):
+# the issue-24 targets that have never run on a GPU, then the 8B host row in steady state.
+# One call, timeout_s 600. Bundle: EXTRA_PACKAGES="hiredis blake3 starlette uvicorn h11 pyzmq
+# msgspec" PEER_SERVE=1 ../shared/gpu/prepare.sh; copy this file and flood.py into
+# .gpu-bundle/, carry .gpu-bundle, run: bash .gpu-bundle/next.sh
+# The peer's wheels (an older starlette among them) go into a venv of their own, so that
+# kvgate's HTTP front keeps the starlette it needs.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
+t0=$(date +%s); el() { echo "[t+$(( $(date +%s) - t0 ))s] $*"; }
+el setup; bash .gpu-bundle/on-gpu.sh setup model 1b 2>&1 | tail -2
+python3 -m venv --system-site-packages /tmp/peer && /tmp/peer/bin/python -m pip install -q \
+  --no-index --no-deps --no-compile .gpu-bundle/peer-whl/*.whl || echo "no peer venv"
+el chat-load  # 1B shape, 8 and 32 users: kvgate (captured steps, the default) beside transformers serve CB
+timeout 300 kvgate bench load --model /tmp/models/1b --device cuda --dtype bfloat16 \
+  --users 8,32 --configs kvgate,peer --peers-python /tmp/peer/bin/python --no-plot \
+  --data-dir /tmp/kvload > $OUT/chat-load.log 2> $OUT/chat-load.err
+tail -20 $OUT/chat-load.log; tail -3 $OUT/chat-load.err
+el flood  # 64 users with 8k prompts: each answered or refused with RESOURCE_EXHAUSTED
+timeout 120 python3 .gpu-bundle/flood.py /tmp/models/1b cuda 64 8192 2>&1 | tail -8
+el host-row  # the 8B host row past its first samples (pinned slabs grown), 5 repeats
+bash .gpu-bundle/on-gpu.sh model 8b 2>&1 | grep "^model"
+timeout 150 kvgate bench ttft --spawn --device cuda --model /tmp/models/8b --data-dir /tmp/kv8 \
+  --lengths 8192 --suffix-tokens 40 --repeats 5 --no-peers --no-plot --skip-slow-tiers \
+  > $OUT/ttft-8b.log 2>&1; grep -E "host|cold|device|suffix|pinned" $OUT/ttft-8b.log | tail -12
+el done
