@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -194,15 +195,21 @@ def on_disk_only(cache: PrefixCache) -> None:
     cache.evict("device", 10**9)
 
 
-def test_a_disk_judged_slow_is_skipped_then_probed_and_used_again_once_fast(
-    disk_tiers: TierHierarchy, faulty: FaultyFileOps,
-) -> None:
+def on_a_slow_disk(disk_tiers: TierHierarchy, faulty: FaultyFileOps) -> PrefixCache:
+    """A cache whose PROMPT is on disk only, each read of it 0.1 s late."""
     disk_cache = PrefixCache(tiers=[slot("device"), slot("disk", write_through=True)],
                              block_tokens=BLOCK, hierarchy=disk_tiers)
     stored(disk_cache, PROMPT)
     assert disk_tiers.flush(timeout_s=10.0)
     on_disk_only(disk_cache)
     faulty.delay("read", 0.1, path_contains=".kvb")
+    return disk_cache
+
+
+def test_a_disk_judged_slow_is_skipped_then_probed_and_used_again_once_fast(
+    disk_tiers: TierHierarchy, faulty: FaultyFileOps,
+) -> None:
+    disk_cache = on_a_slow_disk(disk_tiers, faulty)
     # The first block measures the disk: slower than recomputing, so the second is recomputed.
     assert served(disk_cache, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("disk",)
     on_disk_only(disk_cache)
@@ -222,12 +229,7 @@ def test_a_disk_judged_slow_is_skipped_then_probed_and_used_again_once_fast(
 def test_a_probe_of_a_disk_still_slow_costs_one_block_not_the_chain(
     disk_tiers: TierHierarchy, faulty: FaultyFileOps,
 ) -> None:
-    disk_cache = PrefixCache(tiers=[slot("device"), slot("disk", write_through=True)],
-                             block_tokens=BLOCK, hierarchy=disk_tiers)
-    stored(disk_cache, PROMPT)
-    assert disk_tiers.flush(timeout_s=10.0)
-    on_disk_only(disk_cache)
-    faulty.delay("read", 0.1, path_contains=".kvb")
+    disk_cache = on_a_slow_disk(disk_tiers, faulty)
     assert served(disk_cache, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("disk",)
     on_disk_only(disk_cache)
     time.sleep(REPROBE_S + 0.05)
@@ -248,15 +250,27 @@ def redis_cache(url: str, *, remote_write: bool) -> tuple[PrefixCache, TierHiera
     return cache, hierarchy
 
 
-def test_the_load_or_recompute_choice_covers_redis_and_probes_it_again(
-    fault_proxy: FaultProxy,
-) -> None:
+@contextmanager
+def a_reader_of_a_slow_redis(fault_proxy: FaultProxy) -> Iterator[PrefixCache]:
+    """A cache with Redis only below its device tier, where another replica stored PROMPT;
+    Redis answers 150 ms late until ``fault_proxy.pass_through()``."""
     writer, writer_tiers = redis_cache(fault_proxy.url, remote_write=True)
     reader, reader_tiers = redis_cache(fault_proxy.url, remote_write=False)
     try:
         stored(writer, PROMPT)
         assert writer_tiers.flush(timeout_s=10.0)
-        fault_proxy.delay(150)  # Redis answers 150 ms late
+        fault_proxy.delay(150)
+        yield reader
+    finally:
+        fault_proxy.pass_through()
+        writer_tiers.close()
+        reader_tiers.close()
+
+
+def test_the_load_or_recompute_choice_covers_redis_and_probes_it_again(
+    fault_proxy: FaultProxy,
+) -> None:
+    with a_reader_of_a_slow_redis(fault_proxy) as reader:
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
         reader.evict("device", 10**9)
         # Measured slower than recomputing: the next request does not even ask Redis.
@@ -268,21 +282,12 @@ def test_the_load_or_recompute_choice_covers_redis_and_probes_it_again(
         reader.evict("device", 10**9)
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
         assert store_notes(reader, "redis")["slow_tier_probes"] == 1
-    finally:
-        fault_proxy.pass_through()
-        writer_tiers.close()
-        reader_tiers.close()
 
 
 def test_a_probe_of_a_redis_still_slow_fetches_one_block_not_the_chain(
     fault_proxy: FaultProxy,
 ) -> None:
-    writer, writer_tiers = redis_cache(fault_proxy.url, remote_write=True)
-    reader, reader_tiers = redis_cache(fault_proxy.url, remote_write=False)
-    try:
-        stored(writer, PROMPT)
-        assert writer_tiers.flush(timeout_s=10.0)
-        fault_proxy.delay(150)
+    with a_reader_of_a_slow_redis(fault_proxy) as reader:
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
         reader.evict("device", 10**9)
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ()  # judged slow
@@ -290,8 +295,4 @@ def test_a_probe_of_a_redis_still_slow_fetches_one_block_not_the_chain(
         # Probed while still slow: one block, the rest recomputed.
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis",)
         assert store_notes(reader, "redis")["slow_tier_probes"] == 1
-    finally:
-        fault_proxy.pass_through()
-        writer_tiers.close()
-        reader_tiers.close()
 
