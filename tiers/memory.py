@@ -323,7 +323,8 @@ class HostStore(BatchDefaults):
             slot = take_slot(self._pool, self._stats)
             if slot is None:
                 return
-        # The copy runs outside the lock; the block becomes readable only once it is complete.
+        # The copy runs outside the lock; the block becomes readable once it is complete, or
+        # at once from the GPU it serves (its readers queue after it there: see below).
         views = self._views(slot)
         source = block.any_tensor.device
         non_blocking = self.is_pinned and source.type == "cuda"

@@ -450,9 +450,10 @@ class TierTransfers:
                       ) -> list[tuple[KVBlock, BlockExpiry | None]]:
         """The longest prefix of ``metas`` worth fetching, fetched. A remote tier judged slow
         fetches one block first (a probe), whose time decides the rest: a Redis still slow
-        costs one block, not the chain (an 8B model's 8k-token chain took 1.25 s to probe on an
-        H100 where recomputing it took 0.33 s). Not measured yet, it fetches the whole chain:
-        one block's time would be mostly the round trip a pipelined chain pays once."""
+        costs one block, not the chain (on an H100 a Redis row of an 8B model's 8k-token chain
+        had a 1.25 s sample, likely such a probe, where recomputing took 0.33 s). Not measured
+        yet, it fetches the whole chain: one block's time would be mostly the round trip a
+        pipelined chain pays once."""
         hierarchy = self._hierarchy
         per_block_s = (None if recompute_s_per_token is None
                        else recompute_s_per_token * self._placement.block_tokens)
