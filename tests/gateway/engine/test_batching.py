@@ -161,7 +161,7 @@ def test_every_block_stored_under_batching_equals_the_cold_computation(stack) ->
             stored = opened.cache.load(lease)
         assert len(stored) == len(cold) == len(prompt) // 16
         for got, want in zip(stored, cold, strict=True):
-            for a, b in zip(got.keys + got.values, want.keys + want.values, strict=True):
+            for a, b in zip((*got.keys, *got.values), (*want.keys, *want.values), strict=True):
                 assert torch.equal(a, b)
 
 
