@@ -133,7 +133,8 @@ def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repea
                                   max_positions=loaded.max_context, capture=True)
     out.write(f"decode steps {numerics.describe()}: {model}, {context} cached tokens a "
               f"sequence, median of {repeats}; route {verdict.attention} attention, "
-              f"{verdict.kernel} products\n")
+              f"{verdict.kernel} products of at least {forward.products.padding.minimum} rows "
+              f"(the padding a row keeps its bits under here)\n")
     if problem is not None:
         out.write(f"captured steps: not here ({problem})\n")
     read_ms = weight_read_ms(loaded, numerics, repeats)
