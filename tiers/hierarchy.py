@@ -10,9 +10,10 @@ weighted estimate of its bytes per second. A block whose load would cost more th
 it is worth recomputing (peers shipped disk tiers whose hits were slower than a fresh prefill);
 the prefix cache asks ``worth_loading`` before loading. A tier judged slow is not read, so its
 estimate would never change again: once per ``reprobe_interval_s`` one load from it is let
-through anyway (a *probe*), and a probe's measurement replaces the stale estimate, so a tier
-that got fast again (a disk that stopped thrashing, a Redis whose network recovered) is used
-again at once, and one that is still slow is judged slow again for another interval.
+through anyway (a *probe*: the prefix cache makes it one block, ``is_judged_slow``), and a
+probe's measurement replaces the stale estimate, so a tier that got fast again (a disk that
+stopped thrashing, a Redis whose network recovered) is used again at once, and one that is
+still slow is judged slow again for another interval, counted from the probe's measurement.
 
 Remote writes go through a background thread with a bounded queue, so a slow or dead Redis never
 sits on the request path; local disk writes are queued by the disk store itself.
