@@ -56,7 +56,6 @@ from gateway.bench.rows import (
     COLD_OF,
     DEVICE,
     DISK,
-    HF_WARM,
     HOST,
     LLAMA_COLD,
     LLAMA_DISK,
@@ -68,12 +67,12 @@ from gateway.bench.rows import (
     Sample,
 )
 from gateway.bench.spawn import Endpoint, EngineOptions, spawn_gateway
+from gateway.bench.ttft_targets import print_targets
 from gateway.client import KvgateClient, StatsReport
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.model import LoadedModel, ModelLoadError, load_model, resolve_source
 
 DEFAULT_LENGTHS = (512, 2048, 4096)
-TARGET_LENGTH = 2048
 
 
 # ---- the gateway ----------------------------------------------------------------------------
@@ -346,54 +345,6 @@ def print_table(result: LengthResult, *, suffix_tokens: int, repeats: int, out: 
         )
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Target:
-    name: str
-    row: str
-    reference: str
-    factor: float
-
-
-TARGETS = (
-    Target(name="warm device <= 1.3x HF recipe warm", row=DEVICE, reference=HF_WARM, factor=1.3),
-    Target(name="warm device <= 5% of cold", row=DEVICE, reference=COLD, factor=0.05),
-    Target(name="warm disk <= 10% of cold", row=DISK, reference=COLD, factor=0.10),
-    Target(name="warm redis <= 12% of cold", row=REDIS, reference=COLD, factor=0.12),
-    Target(name="warm device <= llama.cpp RAM cache", row=DEVICE, reference=LLAMA_RAM,
-           factor=1.0),
-    Target(name="warm host <= llama.cpp RAM cache", row=HOST, reference=LLAMA_RAM, factor=1.0),
-    Target(name="warm disk <= llama.cpp disk cache", row=DISK, reference=LLAMA_DISK,
-           factor=1.0),
-)
-
-
-def print_targets(results: Sequence[LengthResult], out: TextIO) -> dict[str, str]:
-    """PASS / MISS per target at 2,048 tokens (information, not an assertion)."""
-    verdicts: dict[str, str] = {}
-    result = next((r for r in results if r.prefix_tokens == TARGET_LENGTH), None)
-    out.write(f"\ntargets at {TARGET_LENGTH:,} tokens (information only):\n")
-    if result is None:
-        out.write(f"  not measured: add {TARGET_LENGTH} to --lengths\n")
-        return verdicts
-    for target in TARGETS:
-        row, ref = result.row(target.row), result.row(target.reference)
-        value = row.median_s if row is not None else None
-        limit = ref.median_s if ref is not None else None
-        if row is None or value is None:
-            verdict, detail = "n/a", f"{target.row}: not measured"
-        elif not row.is_served_as_meant:
-            verdict, detail = "n/a", f"served from {row.served_text}, not {row.tier}"
-        elif limit is None:
-            verdict, detail = "n/a", f"{target.reference}: not measured"
-        else:
-            bound = limit * target.factor
-            verdict = "PASS" if value <= bound else "MISS"
-            detail = f"{_ms(value)} ms vs {_ms(bound)} ms"
-        verdicts[target.name] = verdict
-        out.write(f"  {verdict:<5} {target.name:<38} {detail}\n")
-    return verdicts
-
-
 # ---- the run -----------------------------------------------------------------------------
 
 
@@ -580,7 +531,7 @@ def _print_report(options: TtftOptions, loaded: LoadedModel, results: Sequence[L
     for result in results:
         print_table(result, suffix_tokens=options.suffix_tokens, repeats=options.repeats,
                     out=out)
-    print_targets(results, out)
+    print_targets(results, out, on_gpu=options.numerics.device.type == "cuda")
     out.write(
         "\nTTFT ms: kvgate rows from the client's call to the first streamed item (gRPC on "
         "loopback), the references in process; server ms: the gateway's own usage.ttft_ms. "
