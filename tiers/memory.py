@@ -335,13 +335,14 @@ class HostStore(BatchDefaults):
                                 strict=True):
                 dst.copy_(src, non_blocking=non_blocking)
         done = self._fences(source) if self.is_pinned else None
-        in_flight = [done] if done is not None else []
-        if done is not None and not _is_same_device(source, self.serve_device):
+        in_flight: list[CopyFence] = []
+        if done is not None and _is_same_device(source, self.serve_device):
+            # Left in flight: every read of the slot is a copy back up queued on that device's
+            # stream, after this one; the fence stays with the slot, so that it is not reused
+            # before the copy has written it.
+            in_flight.append(done)
+        elif done is not None:
             done.wait()  # this copy only: the source device's stream, up to here
-            in_flight = []
-        # From the device it serves, the copy is left in flight: every read of the slot is a
-        # copy back up queued on that device's stream, after this one; the fence stays with the
-        # slot, so that it is not reused before the copy has written it.
         with self._lock:
             if meta.key in self._blocks:  # a concurrent put of the same block won
                 self._pool.give_back(slot, in_flight)
@@ -419,10 +420,7 @@ def _storage_of(block: KVBlock) -> object:
 
 
 def _is_on(block: KVBlock, device: torch.device) -> bool:
-    tensor = block.any_tensor
-    return tensor.device.type == device.type and (
-        device.index is None or tensor.device.index == device.index
-    )
+    return _is_same_device(block.any_tensor.device, device)
 
 
 def _copy_to(block: KVBlock, device: torch.device) -> KVBlock:
