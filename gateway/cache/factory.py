@@ -99,6 +99,11 @@ class CacheConfig:
         skip_slow_tiers: a tier whose loads are measured slower than recomputing is skipped
             (the blocks are recomputed); False always loads (for a busy GPU, where
             recomputing takes compute from every other request).
+        measure_at_start: ``kvgate serve`` measures the disk tier's and Redis's load bandwidth,
+            and the engine's recompute speed, before it serves (``gateway.cache.load_bandwidth``,
+            ``gateway.engine.recompute_speed``), so that the first hit on either tier is judged
+            by ``skip_slow_tiers`` like every later one. Nothing to measure without either
+            tier, or with ``skip_slow_tiers`` off.
         sweep_interval_s: how often expired blocks are removed from every tier.
         session_ttl_s: a session (``CacheOptions.session_id``) ends this long after its last
             request: its own blocks and conversation tail leave every tier, Redis included.
@@ -132,6 +137,7 @@ class CacheConfig:
     # -- lifecycle (issue 11) --
     reprobe_interval_s: float = 10.0
     skip_slow_tiers: bool = True
+    measure_at_start: bool = True
     sweep_interval_s: float = 5.0
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
     max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT
@@ -181,7 +187,8 @@ class CacheConfig:
                               "redis_write_bytes_per_s)")
             elif quota < 0:
                 errors.append(f"tenant_quota of the {tier} tier must be >= 0")
-        for name in ("disk_fsync", "disk_write_through", "remote_write", "skip_slow_tiers"):
+        for name in ("disk_fsync", "disk_write_through", "remote_write", "skip_slow_tiers",
+                     "measure_at_start"):
             if not isinstance(getattr(self, name), bool):
                 errors.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.write_queue_bytes < 1:
@@ -224,6 +231,14 @@ class OpenedCache:
         self.hierarchy.flush(timeout_s=30.0)
         self.hierarchy.close()
 
+
+
+def has_tier_to_measure(config: CacheConfig) -> bool:
+    """Whether start-up measures load and recompute speeds (``measure_at_start``): only a
+    disk tier or Redis can be slower to load from than recomputing, and only where the cache
+    skips slow tiers does the figure decide anything."""
+    lower = bool(config.disk_bytes and config.disk_path is not None) or bool(config.redis_url)
+    return config.measure_at_start and config.skip_slow_tiers and lower
 
 
 def queued_write_bytes(config: CacheConfig) -> int:

@@ -88,6 +88,8 @@ redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
 skip_slow_tiers = true          # a tier slower than recomputing is skipped (false: always load)
 reprobe_interval_s = 10.0       # ... but probed once per interval, used again once it is fast
+measure_at_start = true         # disk's and Redis's load speed and the recompute speed are
+                                #   measured before serving, to judge the first hit too
 sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
 session_ttl_s = 1800.0          # a session (session_id, X-Session-Id) ends this long after its
                                 #   last request: its own blocks and tail leave every tier

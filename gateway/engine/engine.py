@@ -60,6 +60,7 @@ from gateway.engine.loop import StepLoop
 from gateway.engine.loop_records import LoopCounters, LoopSettings
 from gateway.engine.model import LoadedModel
 from gateway.engine.observer import EngineMetrics
+from gateway.engine.recompute_speed import measure_recompute_speed
 from gateway.engine.route_search import (
     EngineRoute,
     attention_problem,
@@ -187,6 +188,13 @@ class Engine:
                     self._cache.sessions.attach_tails(self._tails)
                 loop = self._build_loop(forward)
                 self._loop = loop
+                if self._config.measure_recompute_at_start:
+                    samples = measure_recompute_speed(
+                        forward, self._pool, int(self._loaded.model.config.vocab_size),
+                        block_tokens=self._config.block_tokens, speed=loop.prefill_speed,
+                        step_tokens=self._config.prefill_tokens)
+                    logger.info("recompute speed before serving: %s", ", ".join(
+                        f"{n} tokens in {s * 1e3:.1f} ms" for n, s in samples) or "-")
             except BaseException as exc:  # handed to start()'s caller
                 failures.append(exc)
                 return

@@ -144,6 +144,10 @@ class StepLoop:
         return self._counters
 
     @property
+    def prefill_speed(self) -> PrefillSpeed:
+        return self._prefill_timer.speed
+
+    @property
     def forward(self) -> StepForward:
         return self._forward
 

@@ -153,12 +153,16 @@ class EngineConfig(EngineSettings):
         shadow_fraction: as ``EngineSettings``, but 0 by default here: an engine built in code
             (the tests') computes nothing it did not ask for; ``kvgate serve`` takes
             ``[engine] shadow_fraction``, 0.01 unless set.
+        measure_recompute_at_start: time prefill steps before serving
+            (``gateway.engine.recompute_speed``); ``kvgate serve`` sets it where the cache
+            judges a disk tier or Redis by it (``[cache] measure_at_start``).
     """
 
     block_tokens: int = 64
     max_deadline_s: float = 600.0
     store_generated_blocks: bool = True
     shadow_fraction: float = 0.0
+    measure_recompute_at_start: bool = False
 
     def __post_init__(self) -> None:
         errors = self.problems()
@@ -177,7 +181,7 @@ class EngineConfig(EngineSettings):
 
     @classmethod
     def of(cls, settings: EngineSettings, *, block_tokens: int, max_deadline_s: float,
-           device_type: str = "cpu") -> EngineConfig:
+           device_type: str = "cpu", measure_recompute_at_start: bool = False) -> EngineConfig:
         """The engine's config for the ``[engine]`` ``settings``, with the block size of the
         cache and the deadline cap of the gRPC limits; a ``prefill_step_tokens`` left out
         becomes ``PREFILL_STEP_TOKENS`` of ``device_type`` (the model's device).
@@ -189,7 +193,8 @@ class EngineConfig(EngineSettings):
         if values["prefill_step_tokens"] is None:
             values["prefill_step_tokens"] = PREFILL_STEP_TOKENS.get(device_type,
                                                                     PREFILL_STEP_TOKENS["cpu"])
-        return cls(**values, block_tokens=block_tokens, max_deadline_s=max_deadline_s)
+        return cls(**values, block_tokens=block_tokens, max_deadline_s=max_deadline_s,
+                   measure_recompute_at_start=measure_recompute_at_start)
 
     def search_settings(self) -> SearchSettings:
         """What the route search depends on in this configuration (and the verdict's key)."""

@@ -343,7 +343,8 @@ def _open_cache(config: ServeConfig, opened: _Opened, loaded: LoadedModel, *,
                 device: torch.device, secret: bytes) -> OpenedCache:
     """The cache tiers, open (the disk tier's index recovered), and the KV-events publisher
     (bound first, so that it hears every block the cache holds); both kept in ``opened``."""
-    from gateway.cache.factory import open_cache
+    from gateway.cache.factory import has_tier_to_measure, open_cache
+    from gateway.cache.load_bandwidth import measure_load_bandwidths
     from gateway.engine.kv_sequence import pool_bytes_for
     from gateway.service.kv_events.publisher import open_kv_events
 
@@ -354,6 +355,12 @@ def _open_cache(config: ServeConfig, opened: _Opened, loaded: LoadedModel, *,
                                       config.engine.kv_budget_bytes
                                       + config.engine.tail_cache_bytes),
                                   tier_events=opened.kv_events)
+    if has_tier_to_measure(config.cache):
+        with stage("measuring the load bandwidth of the disk tier and Redis"):
+            for result in measure_load_bandwidths(
+                    opened.cache.hierarchy, loaded.layout, into_tier="device",
+                    block_tokens=config.cache.block_tokens):
+                logger.info("load bandwidth before serving: %s", result.describe())
     return opened.cache
 
 
@@ -362,6 +369,7 @@ def _start_engine(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
                   stop_requested: threading.Event) -> Engine:
     """The engine over ``cache``, its route chosen and its worker started (kept in ``opened``
     first, so that a failed start still stops it), and the router series that read it."""
+    from gateway.cache.factory import has_tier_to_measure
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.verdicts import VerdictStore
 
@@ -380,7 +388,8 @@ def _start_engine(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
         # sections ([cache], [grpc]), so that the places that need them cannot disagree.
         config=EngineConfig.of(config.engine, block_tokens=config.cache.block_tokens,
                                max_deadline_s=config.grpc.max_deadline_s,
-                               device_type=loaded.device.type),
+                               device_type=loaded.device.type,
+                               measure_recompute_at_start=has_tier_to_measure(config.cache)),
         deployment_secret=secret,
         metrics=metrics,
         verdicts=VerdictStore(config.data_dir / "routes", secret),

@@ -523,6 +523,13 @@ class _CacheCollector(Collector):
         load_failures = CounterMetricFamily(f"{PREFIX}_load_failures",
                                             "Loads from this tier that failed (recomputed).",
                                             labels=("tier",))
+        recomputed = CounterMetricFamily(
+            f"{PREFIX}_recomputed_instead", "Loads from this tier skipped because they were "
+            "estimated slower than recomputing the blocks.", labels=("tier",))
+        bandwidth = GaugeMetricFamily(
+            f"{PREFIX}_tier_load_bytes_per_second", "This tier's load bandwidth as the cache "
+            "estimates it (first measured before serving; absent before any load).",
+            labels=("tier",))
         for tier in stats.tiers:
             tier_bytes.add_metric((tier.name,), tier.used_bytes)
             tier_budget.add_metric((tier.name,), tier.budget_bytes)
@@ -532,14 +539,18 @@ class _CacheCollector(Collector):
             promotions.add_metric((tier.name,), tier.promotions)
             demotions.add_metric((tier.name,), tier.demotions)
             load_failures.add_metric((tier.name,), tier.load_failures)
+            recomputed.add_metric((tier.name,), tier.recomputed_instead)
         verification = CounterMetricFamily(
             f"{PREFIX}_verification_failures",
             "Blocks read from a store that failed verification (a counted miss), by reason.",
             labels=("tier", "reason"))
         families: list[CounterMetricFamily | GaugeMetricFamily] = [
             tier_bytes, tier_budget, tier_blocks, evictions, promotions, demotions,
-            load_failures, verification]
+            load_failures, recomputed, verification, bandwidth]
         for store in stats.stores:
+            figure = store.notes.get("load_bytes_per_s")
+            if isinstance(figure, int | float):
+                bandwidth.add_metric((store.name,), float(figure))
             for reason, num in sorted(store.verification_failures.items()):
                 verification.add_metric((store.name, reason), num)
             if store.name == REDIS_STORE:

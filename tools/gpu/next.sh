@@ -19,9 +19,10 @@ timeout 300 kvgate bench load --model /tmp/models/1b --device cuda --dtype bfloa
 tail -20 $OUT/chat-load.log; tail -3 $OUT/chat-load.err
 el flood  # 64 users with 8k prompts: each answered or refused with RESOURCE_EXHAUSTED
 timeout 120 python3 .gpu-bundle/flood.py /tmp/models/1b cuda 64 8192 2>&1 | tail -8
-el host-row  # the 8B host row past its first samples (pinned slabs grown), 5 repeats
+el host-row  # the 8B host row past its first samples (pinned slabs grown), 5 repeats; disk and
+#   Redis rows judged from their first hit by the start-up measurement (gateway/cache/load_bandwidth.py)
 bash .gpu-bundle/on-gpu.sh model 8b 2>&1 | grep "^model"
 timeout 150 kvgate bench ttft --spawn --device cuda --model /tmp/models/8b --data-dir /tmp/kv8 \
   --lengths 8192 --suffix-tokens 40 --repeats 5 --no-peers --no-plot --skip-slow-tiers \
-  > $OUT/ttft-8b.log 2>&1; grep -E "host|cold|device|suffix|pinned" $OUT/ttft-8b.log | tail -12
+  > $OUT/ttft-8b.log 2>&1; grep -E "host|cold|device|suffix|pinned|disk|redis" $OUT/ttft-8b.log | tail -16
 el done

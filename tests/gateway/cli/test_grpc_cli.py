@@ -54,6 +54,9 @@ block_tokens = 16
 device_bytes = "64MiB"
 host_bytes = "64MiB"
 disk_bytes = "64MiB"
+# What a tier serves, not whether it is worth loading: the tiny Llama recomputes a
+# block about as fast as it loads, so the load-or-recompute judgement is a coin toss.
+skip_slow_tiers = false
 """
 
 

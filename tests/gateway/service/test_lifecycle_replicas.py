@@ -45,6 +45,9 @@ redis_timeout_s = 0.5
 redis_retry_after_s = 1.0
 remote_write = true
 sweep_interval_s = 0.2
+# What a tier serves, not whether it is worth loading: the tiny Llama recomputes a
+# block about as fast as it loads, so the load-or-recompute judgement is a coin toss.
+skip_slow_tiers = false
 """
 
 

@@ -10,6 +10,7 @@ from gateway.cache.stats import CacheStats, TierStats
 from gateway.service.http.metrics_page import DEFAULT_MAX_AGE_S, MetricsPage
 from gateway.service.metrics import CACHE_STATS_MAX_AGE_S, GatewayMetrics
 from gateway.service.router_metrics import CacheConfigInfo
+from tiers.base import StoreStats
 
 
 class FakeClock:
@@ -71,3 +72,19 @@ def test_one_scrape_reads_the_cache_stats_once_for_every_collector() -> None:
     assert b"kvgate_tier_bytes" in body and b"vllm:kv_cache_usage_perc" in body
     assert b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5' in body
     assert len(reads) == 1
+
+
+def test_a_tiers_load_bandwidth_and_the_loads_it_skipped_are_series() -> None:
+    disk = TierStats(name="disk", num_blocks=0, used_bytes=0, budget_bytes=1024, hits=0,
+                     inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
+                     recomputed_instead=3, evictions={})
+    stores = (StoreStats(name="disk", notes={"load_bytes_per_s": 1_500_000_000}),
+              StoreStats(name="device"))
+    metrics = GatewayMetrics()
+    metrics.watch_cache(lambda: CacheStats(num_blocks=0, num_namespaces=0,
+                                           num_token_mismatches=0, num_remote_hits=0,
+                                           tiers=(disk,), stores=stores))
+    body = MetricsPage(metrics.public_registry, max_age_s=0).render("")[0]
+    assert b'kvgate_recomputed_instead_total{tier="disk"} 3.0' in body
+    assert b'kvgate_tier_load_bytes_per_second{tier="disk"} 1.5e+09' in body
+    assert b'kvgate_tier_load_bytes_per_second{tier="device"}' not in body  # never measured

@@ -65,6 +65,9 @@ redis_cluster = {"true" if cluster else "false"}
 redis_timeout_s = 0.25
 redis_retry_after_s = 1.0
 remote_write = true
+# What a tier serves, not whether it is worth loading: the tiny Llama recomputes a
+# block about as fast as it loads, so the load-or-recompute judgement is a coin toss.
+skip_slow_tiers = false
 """
 
 

@@ -99,6 +99,20 @@ def test_each_stage_is_logged_and_a_second_start_takes_the_remembered_route(
     assert route.findall(second.stderr) == route.findall(first.stderr)
 
 
+def test_the_disk_tiers_load_and_the_recompute_speed_are_measured_before_serving(
+        model_dir: Path, tmp_path: Path, processes: list[Serve]) -> None:
+    serve = Serve(model_dir, tmp_path / "data", tmp_path / "serve.err")
+    processes.append(serve)
+    serve.wait_for("SERVING")
+    log = serve.stderr
+    assert re.search(r"start-up: measuring the load bandwidth of the disk tier and Redis "
+                     r"\.\.\. *\n.*load bandwidth before serving: disk: [\d,]+ MB/s "
+                     r"\(\d+ blocks", log), log
+    assert re.search(r"recompute speed before serving: 64 tokens in [\d.]+ ms, \d+ tokens in",
+                     log), log
+    assert serve.interrupt_and_time_exit()[1] == 0
+
+
 @pytest.mark.parametrize("stage", ["loading the model", "choosing the engine route",
                                    "start-up probe of the batched forward"])
 def test_a_signal_during_start_up_stops_serve_within_two_seconds(
