@@ -296,7 +296,9 @@ class TierHierarchy:
         if isinstance(store, DiskStore | HostStore | QuantizedHostStore):
             staged = self._staging_pages(into_tier, len(metas))
             get_into = store.get
-        if staged:
+        if isinstance(store, HostStore):  # one lock, one fence for the chain
+            blocks = store.get_many(metas, into=staged)
+        elif staged:
             def read(i: int) -> KVBlock | None:
                 return get_into(metas[i], into=staged[i])
 

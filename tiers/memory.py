@@ -50,6 +50,9 @@ from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout
 from tiers.payload_format import packed_of
 
+MAX_UNPRUNED_READS = 4
+"""Fences a host slot keeps before the finished ones are dropped (``HostStore._add_read``)."""
+
 
 def default_device() -> torch.device:
     """CUDA when torch sees a GPU, else the CPU."""
@@ -376,9 +379,46 @@ class HostStore(BatchDefaults):
             if self.is_pinned:
                 fence = self._fences(self.serve_device)
                 if fence is not None:
-                    reads = [f for f in self._reads.get(meta.key, ()) if not f.is_done()]
-                    self._reads[meta.key] = [*reads, fence]
+                    self._add_read(meta.key, fence)
             return block
+
+    def get_many(self, metas: Sequence[BlockMeta], *,
+                 into: Sequence[KVBlock] = ()) -> list[KVBlock | None]:
+        """``get`` for a chain: block ``i`` copied into ``into[i]`` where there is one. One
+        lock and, from pinned memory, one fence after the last copy for every slot read: on an
+        H100 a host-tier hit of 128 blocks spent 88 us a block in ``get`` (a fence recorded
+        and the slot's earlier fences queried per block), more than its copy."""
+        out: list[KVBlock | None] = []
+        with self._lock:
+            read: list[BlockKey] = []
+            for i, meta in enumerate(metas):
+                entry = self._blocks.get(meta.key)
+                if entry is None:
+                    self._stats.misses += 1
+                    out.append(None)
+                    continue
+                self._stats.hits += 1
+                if i < len(into):
+                    target = packed_of(into[i])
+                    target.copy_(packed_of(entry[1]), non_blocking=self.is_pinned
+                                 and target.device.type == "cuda")
+                    out.append(into[i])
+                else:
+                    out.append(_copy_to(entry[1], self.serve_device))
+                read.append(meta.key)
+            fence = self._fences(self.serve_device) if self.is_pinned and read else None
+            if fence is not None:
+                for key in read:
+                    self._add_read(key, fence)
+        return out
+
+    def _add_read(self, key: BlockKey, fence: CopyFence) -> None:
+        """Keep ``fence`` with ``key``'s slot; the finished ones are dropped only once a few
+        have gathered (a query is a call into the driver). Hold the lock."""
+        reads = self._reads.setdefault(key, [])
+        if len(reads) >= MAX_UNPRUNED_READS:
+            reads[:] = [f for f in reads if not f.is_done()]
+        reads.append(fence)
 
     def delete(self, key: BlockKey) -> None:
         with self._lock:

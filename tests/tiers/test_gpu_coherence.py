@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.tiers.test_memory import BLOCK_TOKENS, LAYOUT, identical, make_block, make_meta
-from tiers.copy_fence import CudaFence, record_fence
+from tiers.copy_fence import CopyFence, CudaFence, record_fence
 from tiers.memory import DeviceStore, HostStore, SlabPool
+from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
 
 
@@ -111,6 +112,34 @@ def test_a_deleted_block_slot_is_not_overwritten_under_a_copy_still_reading_it()
         torch.cuda.synchronize()
         assert identical(on_cpu(served), first), f"round {round_}: the slot was overwritten"
         assert int(host.stats().notes["waits_for_copies"]) <= 1
+
+
+@pytest.mark.gpu
+def test_a_chain_read_from_the_pinned_tier_records_one_fence_for_every_slot_it_read() -> None:
+    recorded: list[CopyFence] = []
+
+    def counting(device: torch.device) -> CopyFence | None:
+        fence = record_fence(device)
+        if fence is not None:
+            recorded.append(fence)
+        return fence
+
+    host = HostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+                     budget_bytes=8 * LAYOUT.block_nbytes(BLOCK_TOKENS), pin=True,
+                     serve_device="cuda", fences=counting)
+    blocks = [make_block(i) for i in range(4)]
+    for i, block in enumerate(blocks):
+        host.put(make_meta(i), block)
+    pool = PagePool(LAYOUT, page_tokens=BLOCK_TOKENS, num_pages=4, device="cuda")
+    pages = [pool.block(pool.allocate()) for _ in range(4)]
+    got = host.get_many([make_meta(i) for i in range(4)], into=pages)
+    assert len(recorded) == 1  # one fence after the last copy, not one per block
+    for i in range(4):
+        host.delete(make_meta(i).key)  # each slot waits for that fence before its reuse
+    assert host.stats().notes["slots_awaiting_copies"] in (0, 4)  # 0: it had finished
+    torch.cuda.synchronize()
+    for block, page in zip(blocks, got, strict=True):
+        assert page is not None and identical(on_cpu(page), block)
 
 
 @pytest.mark.gpu

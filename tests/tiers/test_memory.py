@@ -188,6 +188,34 @@ def test_a_host_block_read_into_a_page_is_one_copy_into_it() -> None:
     assert copies.copies == 1
 
 
+def test_a_host_chain_read_into_pages_is_one_copy_into_each_and_a_gap_a_counted_miss() -> None:
+    host = host_store()
+    blocks = {i: make_block(i) for i in (1, 3)}
+    for i, block in blocks.items():
+        host.put(make_meta(i), block)
+    pool = page_pool()
+    pages = [pool.block(pool.allocate()) for _ in range(3)]
+    with CountCopies() as copies:
+        got = host.get_many([make_meta(1), make_meta(2), make_meta(3)], into=pages)
+    assert got[0] is pages[0] and identical(pages[0], blocks[1])
+    assert got[1] is None
+    assert got[2] is pages[2] and identical(pages[2], blocks[3])
+    assert copies.copies == 2
+    stats = host.stats()
+    assert (stats.hits, stats.misses) == (2, 1)
+
+
+def test_a_host_chain_read_without_pages_is_a_copy_of_each_block() -> None:
+    host = host_store()
+    block = make_block(5)
+    host.put(make_meta(5), block)
+    [got] = host.get_many([make_meta(5)])
+    assert got is not None and identical(got, block)
+    got.keys[0].fill_(0.0)  # the copy is the reader's own
+    again = host.get(make_meta(5))
+    assert again is not None and identical(again, block)
+
+
 def test_host_store_reuses_freed_slots_instead_of_allocating() -> None:
     store = host_store(budget_blocks=2)
     for i in range(10):
