@@ -65,3 +65,13 @@ def test_an_engine_built_in_code_measures_nothing_it_was_not_asked_to(
         assert "recompute speed" not in caplog.text
     finally:
         engine.stop(grace_s=5)
+
+
+def test_the_serial_route_is_measured_the_same_way(
+        tiny: LoadedModel, opened: OpenedCache, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="gateway.engine.engine")
+    engine = make_engine(tiny, opened, route="serial", measure_recompute_at_start=True)
+    try:
+        assert "recompute speed before serving: 16 tokens in" in caplog.text
+    finally:
+        engine.stop(grace_s=5)
