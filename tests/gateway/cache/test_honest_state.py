@@ -251,16 +251,17 @@ def redis_cache(url: str, *, remote_write: bool) -> tuple[PrefixCache, TierHiera
 
 
 @contextmanager
-def a_reader_of_a_slow_redis(fault_proxy: FaultProxy) -> Iterator[PrefixCache]:
-    """A cache with Redis only below its device tier, where another replica stored PROMPT;
-    Redis answers 150 ms late until ``fault_proxy.pass_through()``."""
+def a_reader_of_a_slow_redis(
+        fault_proxy: FaultProxy) -> Iterator[tuple[PrefixCache, TierHierarchy]]:
+    """A cache (and its tiers) with Redis only below its device tier, where another replica
+    stored PROMPT; Redis answers 150 ms late until ``fault_proxy.pass_through()``."""
     writer, writer_tiers = redis_cache(fault_proxy.url, remote_write=True)
     reader, reader_tiers = redis_cache(fault_proxy.url, remote_write=False)
     try:
         stored(writer, PROMPT)
         assert writer_tiers.flush(timeout_s=10.0)
         fault_proxy.delay(150)
-        yield reader
+        yield reader, reader_tiers
     finally:
         fault_proxy.pass_through()
         writer_tiers.close()
@@ -270,7 +271,7 @@ def a_reader_of_a_slow_redis(fault_proxy: FaultProxy) -> Iterator[PrefixCache]:
 def test_the_load_or_recompute_choice_covers_redis_and_probes_it_again(
     fault_proxy: FaultProxy,
 ) -> None:
-    with a_reader_of_a_slow_redis(fault_proxy) as reader:
+    with a_reader_of_a_slow_redis(fault_proxy) as (reader, _):
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
         reader.evict("device", 10**9)
         # Measured slower than recomputing: the next request does not even ask Redis.
@@ -287,7 +288,7 @@ def test_the_load_or_recompute_choice_covers_redis_and_probes_it_again(
 def test_a_probe_of_a_redis_still_slow_fetches_one_block_not_the_chain(
     fault_proxy: FaultProxy,
 ) -> None:
-    with a_reader_of_a_slow_redis(fault_proxy) as reader:
+    with a_reader_of_a_slow_redis(fault_proxy) as (reader, _):
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ("redis", "redis")
         reader.evict("device", 10**9)
         assert served(reader, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ()  # judged slow

@@ -19,11 +19,10 @@ from tests.gateway.cache.test_honest_state import (
     LAYOUT,
     PROMPT,
     RECOMPUTE_S_PER_TOKEN,
+    a_reader_of_a_slow_redis,
     on_a_slow_disk,
-    redis_cache,
     served,
     store_notes,
-    stored,
     tier,
 )
 from tests.redis_harness import FaultProxy, RedisServer
@@ -107,20 +106,11 @@ def test_a_redis_that_cannot_be_reached_is_not_measured_and_start_up_goes_on() -
 def test_a_redis_measured_slow_at_start_up_is_not_loaded_from_on_its_first_hit(
     fault_proxy: FaultProxy,
 ) -> None:
-    writer, writer_tiers = redis_cache(fault_proxy.url, remote_write=True)
-    reader, reader_tiers = redis_cache(fault_proxy.url, remote_write=False)
-    try:
-        stored(writer, PROMPT)
-        assert writer_tiers.flush(timeout_s=10.0)
-        fault_proxy.delay(150)
+    with a_reader_of_a_slow_redis(fault_proxy) as (reader, reader_tiers):
         measured(reader_tiers, max_blocks=2)
         # Without the measurement its whole chain would be fetched (slowly) to find it slow.
         assert served(reader, PROMPT, recompute_s_per_token=RECOMPUTE_S_PER_TOKEN) == ()
         assert store_notes(reader, REMOTE)["recomputed_instead"] == 1
-    finally:
-        fault_proxy.pass_through()
-        writer_tiers.close()
-        reader_tiers.close()
 
 
 def test_a_disk_measured_slow_at_start_up_is_not_read_on_its_first_hit(
