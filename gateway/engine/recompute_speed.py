@@ -10,9 +10,10 @@ Redis waited for the whole chain. Two prefill steps of random tokens, timed afte
 figure ``PrefillSpeed`` fits, and the engine's own steps refine it from the first request on.
 
 The sizes: one block, and a full prefill step where that costs at most ``MAX_STEP_S`` at the
-small step's rate (on a GPU a small step is mostly fixed cost, so only a large one shows the
-slope); elsewhere two blocks (on a CPU every token costs the same matmuls, so a small step
-already shows it, and a 1,024-token step of SmolLM2 would add seconds to every start).
+small step's rate, run once untimed first (on a GPU a small step is mostly fixed cost, so only
+a large one shows the slope); elsewhere two blocks (on a CPU every token costs the same
+matmuls, so a small step already shows it, and a 1,024-token step of SmolLM2 would add seconds
+to every start).
 """
 
 from __future__ import annotations
@@ -55,12 +56,15 @@ def measure_recompute_speed(forward: StepForward, pool: PagePool, vocab_size: in
     try:
         timed(block_tokens)  # warm-up
         small = timed(block_tokens)
-        large_tokens = (step_tokens if small * step_tokens / block_tokens <= MAX_STEP_S
-                        else 2 * block_tokens)
+        if small * step_tokens / block_tokens <= MAX_STEP_S:
+            large_tokens = step_tokens
+            timed(large_tokens)  # a first step this large grows the activations' buffers
+        else:
+            large_tokens = 2 * block_tokens
         samples = [(block_tokens, small), (large_tokens, timed(large_tokens))]
     except PoolExhausted:
         logger.info("recompute speed not measured before serving: the pool had no room for "
-                    "a %d-token step; the first requests' steps measure it", step_tokens)
+                    "its steps; the first requests' steps measure it")
         return []
     for num_tokens, seconds in samples:
         speed.record(num_tokens, seconds)

@@ -553,7 +553,10 @@ class _CacheCollector(Collector):
                 bandwidth.add_metric((store.name,), float(figure))
             for reason, num in sorted(store.verification_failures.items()):
                 verification.add_metric((store.name, reason), num)
-            if store.name == REDIS_STORE:
+            if store.name == REDIS_STORE:  # not a tier of the index: its figure is the store's
+                skipped = store.notes.get("recomputed_instead")
+                if isinstance(skipped, int):
+                    recomputed.add_metric((store.name,), skipped)
                 families.append(CounterMetricFamily(
                     f"{PREFIX}_redis_errors", "Redis operations that failed.",
                     value=store.errors))

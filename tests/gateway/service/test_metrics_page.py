@@ -79,12 +79,14 @@ def test_a_tiers_load_bandwidth_and_the_loads_it_skipped_are_series() -> None:
                      inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
                      recomputed_instead=3, evictions={})
     stores = (StoreStats(name="disk", notes={"load_bytes_per_s": 1_500_000_000}),
-              StoreStats(name="device"))
+              StoreStats(name="device"),
+              StoreStats(name="redis", notes={"recomputed_instead": 2}))
     metrics = GatewayMetrics()
     metrics.watch_cache(lambda: CacheStats(num_blocks=0, num_namespaces=0,
                                            num_token_mismatches=0, num_remote_hits=0,
                                            tiers=(disk,), stores=stores))
     body = MetricsPage(metrics.public_registry, max_age_s=0).render("")[0]
     assert b'kvgate_recomputed_instead_total{tier="disk"} 3.0' in body
+    assert b'kvgate_recomputed_instead_total{tier="redis"} 2.0' in body
     assert b'kvgate_tier_load_bytes_per_second{tier="disk"} 1.5e+09' in body
     assert b'kvgate_tier_load_bytes_per_second{tier="device"}' not in body  # never measured
