@@ -36,6 +36,7 @@ MAX_STEP_S = 1.0
 
 def measure_recompute_speed(forward: StepForward, pool: PagePool, vocab_size: int, *,
                             block_tokens: int, step_tokens: int, speed: PrefillSpeed,
+                            max_step_s: float = MAX_STEP_S,
                             seed: int = 0) -> list[tuple[int, float]]:
     """Time prefill steps of ``forward`` into ``speed``; returns the (tokens, seconds) recorded
     ([] where the pool had no room: the first requests' steps measure it instead)."""
@@ -56,7 +57,7 @@ def measure_recompute_speed(forward: StepForward, pool: PagePool, vocab_size: in
     try:
         timed(block_tokens)  # warm-up
         small = timed(block_tokens)
-        if small * step_tokens / block_tokens <= MAX_STEP_S:
+        if small * step_tokens / block_tokens <= max_step_s:
             large_tokens = step_tokens
             timed(large_tokens)  # a first step this large grows the activations' buffers
         else:

@@ -27,16 +27,22 @@ def pool_of(tiny: LoadedModel, num_pages: int) -> PagePool:
     return PagePool(tiny.layout, page_tokens=BLOCK, num_pages=num_pages, device="cpu")
 
 
-def test_two_prefill_steps_of_different_sizes_give_a_figure_and_keep_no_page(
-        tiny: LoadedModel) -> None:
+def test_a_block_and_a_full_step_give_a_figure_and_keep_no_page(tiny: LoadedModel) -> None:
     pool = pool_of(tiny, 64)
     speed = PrefillSpeed(step_tokens=16 * BLOCK)
     samples = measure_recompute_speed(forward_of(tiny), pool, VOCAB, block_tokens=BLOCK,
-                                      step_tokens=16 * BLOCK, speed=speed)
-    # The tiny model's block takes far under MAX_STEP_S / 16: the large step is a full one.
+                                      step_tokens=16 * BLOCK, speed=speed, max_step_s=3600.0)
     assert [n for n, _ in samples] == [BLOCK, 16 * BLOCK]
     assert speed.num_samples == 2 and speed.s_per_token is not None
     assert pool.num_in_use == 0
+
+
+def test_where_a_full_step_would_take_too_long_two_blocks_are_timed(tiny: LoadedModel) -> None:
+    speed = PrefillSpeed(step_tokens=16 * BLOCK)
+    samples = measure_recompute_speed(forward_of(tiny), pool_of(tiny, 64), VOCAB,
+                                      block_tokens=BLOCK, step_tokens=16 * BLOCK, speed=speed,
+                                      max_step_s=0.0)
+    assert [n for n, _ in samples] == [BLOCK, 2 * BLOCK]
 
 
 def test_a_pool_without_room_for_the_step_leaves_the_figure_to_the_first_requests(
