@@ -134,7 +134,9 @@ def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repea
     out.write(f"decode steps {numerics.describe()}: {model}, {context} cached tokens a "
               f"sequence, median of {repeats}; route {verdict.attention} attention, "
               f"{verdict.kernel} products of at least {forward.products.padding.minimum} rows "
-              f"(the padding a row keeps its bits under here)\n")
+              + "".join(f", {out}x{in_} weights of at least {more.minimum}"
+                        for (out, in_), more in forward.products.wider)
+              + " (the padding a row keeps its bits under here)\n")
     if problem is not None:
         out.write(f"captured steps: not here ({problem})\n")
     read_ms = weight_read_ms(loaded, numerics, repeats)

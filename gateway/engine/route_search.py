@@ -38,6 +38,7 @@ from gateway.engine.row_products import (
     LinearKernel,
     Product,
     RowProducts,
+    Wider,
     candidate_row_products,
 )
 from gateway.engine.triton_attention import TritonPagedAttention, triton_attention_problem
@@ -93,6 +94,7 @@ class RouteVerdict:
         reason: why (as ``EngineRoute.reason``).
         kernel: the linear kernel (batched only).
         padding: its padding (batched only).
+        wider: the weight shapes padded further, each with its padding (batched on CUDA).
         attention: the attention's name in ``ATTENTIONS`` (batched only).
         decode_kv_is_prefill_kv: the probe's finding.
         seconds: what the search and probe took when they ran.
@@ -102,6 +104,7 @@ class RouteVerdict:
     reason: str
     kernel: str = ""
     padding: RowPadding | None = None
+    wider: Wider = ()
     attention: str = ""
     decode_kv_is_prefill_kv: bool = False
     seconds: float = 0.0
@@ -130,6 +133,9 @@ def products_note(products: RowProducts) -> str:
     rows = ("4, 8 or 12+ rows" if padding == CPU_ROW_PADDING else
             f"at least {padding.minimum} rows, in steps of {padding.multiple}"
             + (f", exact from {padding.exact_from}" if padding.exact_from else ""))
+    if products.wider:
+        rows += "; " + ", ".join(f"{out}x{in_} weights from {more.minimum}"
+                                 for (out, in_), more in products.wider)
     if products.shares_decode_rows:
         return (f"projections through {products.kernel}, every row of a step in one product "
                 f"padded to {rows} (decode rows too)")
@@ -167,7 +173,7 @@ def _parts(verdict: RouteVerdict,
            kernels: Mapping[str, Product]) -> tuple[RowProducts, SequenceAttention]:
     """The products and attention a batched verdict names."""
     assert verdict.padding is not None
-    products = RowProducts.of(verdict.kernel, verdict.padding, kernels)
+    products = RowProducts.of(verdict.kernel, verdict.padding, kernels, wider=verdict.wider)
     return products, ATTENTIONS[verdict.attention](products.shares_decode_rows)
 
 
@@ -218,13 +224,16 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
         raise SearchCancelled("the start-up search was stopped before its verdict")
     logger.info("row padding searched in %.1f s: %d candidate(s)%s",
                 time.perf_counter() - started, len(candidates),
-                "".join(f"; {c.kernel} {c.padding.label or 'r4x4e12'}" for c in candidates))
+                "".join(f"; {c.kernel} {c.padding.label or 'r4x4e12'}"
+                        + "".join(f" ({out}x{in_}: {more.label})" for (out, in_), more in c.wider)
+                        for c in candidates))
     attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim)
     first_failure: RouteVerdict | None = None
     for products in candidates:
         for attention_name in attentions:
             verdict = RouteVerdict(name="batched", reason="", kernel=products.kernel,
-                                   padding=products.padding, attention=attention_name)
+                                   padding=products.padding, wider=products.wider,
+                                   attention=attention_name)
             forward = build_forward(loaded, verdict, kernels)
             assert isinstance(forward, BatchedForward)
             what = f"{products_note(products)}; {attention_name} attention"
@@ -233,6 +242,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
             if result.is_invariant:
                 return RouteVerdict(
                     name="batched", kernel=products.kernel, padding=products.padding,
+                    wider=products.wider,
                     attention=attention_name, seconds=seconds,
                     decode_kv_is_prefill_kv=result.decode_kv_is_prefill_kv,
                     reason=f"start-up probe: {result.num_checks} chunked/batched variants "
@@ -242,6 +252,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
             if first_failure is None:
                 first_failure = RouteVerdict(
                     name="batched", kernel=products.kernel, padding=products.padding,
+                    wider=products.wider,
                     attention=attention_name, seconds=seconds,
                     reason=f"configured, probe FAILED: {result.failure}")
     seconds = time.perf_counter() - started

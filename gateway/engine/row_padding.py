@@ -20,7 +20,12 @@ serves where none is).
   every projection of SmolLM2-135M and Llama-3.2-1B shapes kept its rows from 1 to 1,024 rows but
   the 1B shape's down projection (from 256 only); in float32 every count below 1,024 differed.
   There candidates pad to a multiple of ``ROW_STEP`` from a minimum in ``MINIMUM_CANDIDATES`` and
-  every count is checked (a few hundred rows on a GPU cost what four do).
+  every count is checked (a few hundred rows on a GPU cost what four do). Each weight shape
+  gets the first that holds for it (``find_shape_paddings``): a step is padded as its cheapest
+  shape needs, and a shape that needs more pads its own product further
+  (``gateway.engine.row_products``), so a one-row decode step multiplies one row through every
+  projection that keeps a row's bits at one row (on an H100 the 8B shape's decode step
+  multiplied 256 rows through every projection: 2.42x the time its weights take to read).
 """
 
 from __future__ import annotations
@@ -35,8 +40,12 @@ ROW_STEP = 64
 """On CUDA, shared products are padded to a multiple of this many rows (a finite set of row
 counts, each of which the start-up search checks)."""
 
-MINIMUM_CANDIDATES = (64, 128, 256, 512, 1024)
-"""The padding minimums tried on CUDA, smallest first."""
+MINIMUM_CANDIDATES = (1, 64, 128, 256, 512, 1024)
+"""The padding minimums tried on CUDA, smallest first (1: a one-row product runs as it is,
+two rows and more are padded to a multiple of ``ROW_STEP``)."""
+
+Shape = tuple[int, int]
+"""A projection weight's ``(out, in)``: what the kernel choice depends on, with the dtype."""
 
 Product = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``product(rows, weight)``: what a projection computes (``F.linear`` without bias)."""
@@ -185,6 +194,29 @@ def _holds(padding: RowPadding,
             if cancelled() or not torch.equal(product(rows[:count], weight), expected[:count]):
                 return False
     return True
+
+
+def find_shape_paddings(weights: Iterable[torch.Tensor], *, max_rows: int,
+                        candidates: Sequence[RowPadding] | None = None,
+                        product: Product = _linear, counts: CountsToCheck = every_count,
+                        seed: int = 0, cancelled: Callable[[], bool] = lambda: False,
+                        ) -> dict[Shape, RowPadding] | None:
+    """For each weight shape, the first candidate under which its product rows do not depend
+    on the row count (``find_row_padding`` of that shape alone); None when a shape has none.
+
+    Why per shape: on an H100 a one-row product of most of a Llama's projections kept its bits
+    (bfloat16), but one shape's kept them only from 256 rows, and a padding common to all made
+    every one-row decode step multiply 256 rows through every projection."""
+    found: dict[Shape, RowPadding] = {}
+    for weight in {(tuple(w.shape), w.dtype, w.device): w for w in weights}.values():
+        padding = find_row_padding([weight], max_rows=max_rows, candidates=candidates,
+                                   product=product, counts=counts, seed=seed,
+                                   cancelled=cancelled)
+        if padding is None:
+            return None
+        shape = (int(weight.shape[0]), int(weight.shape[1]))
+        found[shape] = max(found.get(shape, padding), padding, key=lambda p: p.minimum)
+    return found
 
 
 def row_padding_for(device: torch.device, weights: Iterable[torch.Tensor], *, max_rows: int,

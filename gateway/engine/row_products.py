@@ -15,10 +15,12 @@ then probes each candidate on the real weights, best first (``gateway.engine.rou
   alike, goes into one product (decode rows share it): a decode row's numbers are then a
   prefill's, so the blocks an answer fills are stored as decoded (the probe checks it).
 - **GEMM** (``F.linear`` on CUDA, cuBLAS): every row of a step, decode rows too, in one product
-  padded as BLAS's below. On a GPU a product of a few hundred rows costs what one row does (it
-  reads the weights once), while a matrix-vector product per decode row reads them once per
-  row: 32 users decoding would read the weights 32 times a step. Only on CUDA, and only where
-  the logits head keeps its rows' bits under the same padding; tried before BLAS.
+  padded as BLAS's below; a weight shape whose rows keep their bits only from more rows pads
+  its own product further (``RowProducts.wider``, found per shape on CUDA). On a GPU a
+  product of a few hundred rows costs what one row does (it reads the weights once), while a
+  matrix-vector product per decode row reads them once per row: 32 users decoding would read
+  the weights 32 times a step. Only on CUDA, and only where some padding keeps the logits
+  head's rows (its rows join the product too); tried before BLAS.
 - **BLAS** (``F.linear``): prefill rows share a padded product and each decode row is a
   matrix-vector product of its own (its numbers are then not a prefill's, and an answer's blocks
   are left for the next turn's prefill to store). On CUDA this is cuBLAS.
@@ -39,7 +41,9 @@ import torch.nn.functional as F
 from gateway.engine.row_padding import (
     CPU_ROW_PADDING,
     RowPadding,
+    Shape,
     find_row_padding,
+    find_shape_paddings,
     row_padding_for,
     sampled_counts,
 )
@@ -78,10 +82,15 @@ KERNELS: Mapping[str, Product] = {"onednn": _onednn, "gemm": _blas, "blas": _bla
 SHARES_DECODE_ROWS = {"onednn": True, "gemm": True, "blas": False}
 """Whether a kernel's decode rows join the shared product (module docstring)."""
 
+Wider = tuple[tuple[Shape, RowPadding], ...]
+"""The weight shapes whose products need more rows than the step's padding gives, each with
+its own padding (found per shape on CUDA: ``find_shape_paddings``)."""
+
 
 @dataclass(frozen=True, slots=True)
 class RowProducts:
-    """The forward's projections: one kernel, one padding, decode rows shared or alone.
+    """The forward's projections: one kernel, one step padding (and further ones for the
+    shapes in ``wider``), decode rows shared or alone.
 
     Attributes:
         kernel: "onednn" or "blas" (a key of ``KERNELS``).
@@ -90,30 +99,39 @@ class RowProducts:
             is a matrix-vector product of its own.
         product_override: the kernel's function where it is not ``KERNELS[kernel]`` (a seam:
             tests pass products that vary with the row count).
+        wider: weight shapes whose shared products are padded further, each to its own
+            padding's count for the step's (zero rows added, their results dropped).
     """
 
     kernel: str
     padding: RowPadding
     shares_decode_rows: bool
     product_override: Product | None = field(default=None, compare=False, repr=False)
+    wider: Wider = ()
+    _wider_of: dict[Shape, RowPadding] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_wider_of", dict(self.wider))
 
     @classmethod
     def of(cls, kernel: str, padding: RowPadding,
-           kernels: Mapping[str, Product] = KERNELS) -> RowProducts:
-        """``kernel``'s products under ``padding``, decode rows shared as
-        ``SHARES_DECODE_ROWS`` says, computed by ``kernels[kernel]``."""
+           kernels: Mapping[str, Product] = KERNELS, wider: Wider = ()) -> RowProducts:
+        """``kernel``'s products under ``padding`` (and ``wider``'s for its shapes), decode
+        rows shared as ``SHARES_DECODE_ROWS`` says, computed by ``kernels[kernel]``."""
         return cls(kernel=kernel, padding=padding,
                    shares_decode_rows=SHARES_DECODE_ROWS.get(kernel, False),
-                   product_override=None if kernels is KERNELS else kernels[kernel])
+                   product_override=None if kernels is KERNELS else kernels[kernel],
+                   wider=wider)
 
     @property
     def label(self) -> str:
         """Its part of the block namespace (empty for the CPU's BLAS, the earliest numerics)."""
+        wider = "".join(f"+{out}x{in_}{padding.label}" for (out, in_), padding in self.wider)
         if self.kernel == "onednn":
-            return f"dnnl-{self.padding.label}"
+            return f"dnnl-{self.padding.label}{wider}"
         if self.kernel == "gemm":
-            return f"gemm-{self.padding.label}"
-        return self.padding.label
+            return f"gemm-{self.padding.label}{wider}"
+        return self.padding.label + wider
 
     @property
     def product(self) -> Product:
@@ -128,15 +146,27 @@ class RowProducts:
         weight: torch.Tensor = linear.weight
         bias: torch.Tensor | None = getattr(linear, "bias", None)
         if num_shared == rows.shape[0]:
-            return self.product(rows, weight, bias)
+            return self._shared(rows, weight, bias)
         out = rows.new_empty(rows.shape[0], weight.shape[0])
         if num_shared:
-            out[:num_shared] = self.product(rows[:num_shared], weight, bias)
+            out[:num_shared] = self._shared(rows[:num_shared], weight, bias)
         for row in range(num_shared, rows.shape[0]):
             torch.mv(weight, rows[row], out=out[row])
         if bias is not None:
             out[num_shared:] += bias
         return out
+
+    def _shared(self, rows: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        """One product of ``rows`` (a count of the step's padding), padded further with zero
+        rows where ``weight``'s shape keeps its rows' bits only from more."""
+        padding = self._wider_of.get((weight.shape[0], weight.shape[1])) if self.wider else None
+        num_rows = rows.shape[0]
+        if padding is None or padding.rows_for(num_rows) == num_rows:
+            return self.product(rows, weight, bias)
+        padded = torch.cat([rows, rows.new_zeros(padding.rows_for(num_rows) - num_rows,
+                                                 rows.shape[1])])
+        return self.product(padded, weight, bias)[:num_rows]
 
 
 BLAS_CPU_PRODUCTS = RowProducts(kernel="blas", padding=CPU_ROW_PADDING, shares_decode_rows=False)
@@ -173,10 +203,10 @@ def _first_line(exc: BaseException) -> str:
 def _search(kernel: str, product: Product, device: torch.device,
             weights: Sequence[torch.Tensor], head: torch.Tensor, *, max_rows: int,
             max_logit_rows: int, cancelled: Callable[[], bool],
-            searched: dict[Product, RowPadding | None]) -> RowPadding | None:
-    """The padding ``kernel``'s shared products need on these weights (None: none holds);
-    ``searched`` keeps the BLAS-style search's answer by product (``gemm`` and ``blas`` are
-    both ``F.linear``: searched once)."""
+            searched: dict[Product, object]) -> tuple[RowPadding, Wider] | None:
+    """The padding ``kernel``'s shared products need on these weights, and the shapes that
+    need more (None: none holds); ``searched`` keeps the BLAS-style search's answer by product
+    (``gemm`` and ``blas`` are both ``F.linear``: searched once)."""
     def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return product(rows, weight, None)
 
@@ -187,19 +217,45 @@ def _search(kernel: str, product: Product, device: torch.device,
                                     product=unbiased, counts=sampled_counts,
                                     cancelled=cancelled) == padding
                    for group, most in ((weights, max_rows), ([head], max_logit_rows))):
-                return padding
+                return padding, ()
             if cancelled():
                 return None
         return None
+    if device.type == "cuda":  # a padding of each shape's own
+        if product not in searched:
+            searched[product] = find_shape_paddings(weights, max_rows=max_rows,
+                                                    product=unbiased, cancelled=cancelled)
+        shapes = searched[product]
+        assert shapes is None or isinstance(shapes, dict)
+        return None if shapes is None else step_and_wider(
+            kernel, shapes, head, unbiased, max_logit_rows=max_logit_rows, cancelled=cancelled)
     if product not in searched:
         searched[product] = row_padding_for(device, weights, max_rows=max_rows,
                                             product=unbiased, cancelled=cancelled)
     found = searched[product]
-    if kernel == "gemm" and found is not None and find_row_padding(
-            [head], max_rows=max_logit_rows, candidates=(found,), product=unbiased,
-            counts=sampled_counts, cancelled=cancelled) != found:
-        return None  # logits rows join the product too: the head must keep them
-    return found
+    assert found is None or isinstance(found, RowPadding)
+    return None if found is None else (found, ())
+
+
+def step_and_wider(kernel: str, shapes: Mapping[Shape, RowPadding], head: torch.Tensor,
+                   product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                   max_logit_rows: int, cancelled: Callable[[], bool] = lambda: False,
+                   ) -> tuple[RowPadding, Wider] | None:
+    """CUDA's products from each weight shape's own padding (``find_shape_paddings``): the
+    step is padded as the cheapest of them and every other shape pads its rows further, so a
+    one-row decode step multiplies one row wherever the shape allows. With ``gemm`` the logits
+    rows join the product too, so the head's shape is searched as well (None: no padding
+    keeps its rows)."""
+    step = min(shapes.values(), key=lambda padding: padding.minimum)
+    every = dict(shapes)
+    if kernel == "gemm":
+        head_padding = find_row_padding([head], max_rows=max_logit_rows, product=product,
+                                        cancelled=cancelled)
+        if head_padding is None:
+            return None  # logits rows join the product too: the head must keep them
+        every[(int(head.shape[0]), int(head.shape[1]))] = head_padding
+    return step, tuple(sorted((shape, padding) for shape, padding in every.items()
+                              if padding != step))
 
 
 def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor],
@@ -227,25 +283,25 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
     names = ["blas"] if kernel == "blas" else list(kernels)
     dtype = weights[0].dtype
     candidates: list[RowProducts] = []
-    searched: dict[Product, RowPadding | None] = {}
+    searched: dict[Product, object] = {}
     for name in names:
         if cancelled():
             break
         problem = kernel_problem(name, device, dtype, kernels)
-        padding: RowPadding | None = None
+        found: tuple[RowPadding, Wider] | None = None
         if problem is None:
             try:
-                padding = _search(name, kernels[name], device, weights, head,
-                                  max_rows=max_rows, max_logit_rows=max(2, max_logit_rows),
-                                  cancelled=cancelled, searched=searched)
+                found = _search(name, kernels[name], device, weights, head,
+                                max_rows=max_rows, max_logit_rows=max(2, max_logit_rows),
+                                cancelled=cancelled, searched=searched)
             except (RuntimeError, NotImplementedError, TypeError) as exc:
                 problem = f"it failed on these weights: {_first_line(exc)}"
             else:
-                if padding is None and not cancelled():
+                if found is None and not cancelled():
                     problem = ("a row's bits change with the row count under every padding "
                                "tried")
-        if padding is not None:
-            candidates.append(RowProducts.of(name, padding, kernels))
+        if found is not None:
+            candidates.append(RowProducts.of(name, found[0], kernels, wider=found[1]))
         elif problem is not None:
             level = logging.WARNING if kernel == name else logging.INFO
             logger.log(level, "linear kernel %s dropped: %s", name, problem)

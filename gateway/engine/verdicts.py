@@ -157,6 +157,7 @@ class VerdictStore:
 def _verdict_fields(verdict: RouteVerdict) -> dict[str, Any]:
     fields = asdict(verdict)
     fields["padding"] = asdict(verdict.padding) if verdict.padding is not None else None
+    fields["wider"] = [[out, in_, asdict(padding)] for (out, in_), padding in verdict.wider]
     return fields
 
 
@@ -165,6 +166,9 @@ def _verdict_from(fields: Mapping[str, Any]) -> RouteVerdict:
     verdict = RouteVerdict(
         name=str(fields["name"]), reason=str(fields["reason"]), kernel=str(fields["kernel"]),
         padding=RowPadding(**padding) if padding is not None else None,
+        # A verdict remembered before shapes had paddings of their own has none.
+        wider=tuple(((int(out), int(in_)), RowPadding(**more))
+                    for out, in_, more in fields.get("wider", ())),
         attention=str(fields["attention"]),
         decode_kv_is_prefill_kv=bool(fields["decode_kv_is_prefill_kv"]),
         seconds=float(fields["seconds"]))

@@ -22,6 +22,7 @@ from gateway.engine.row_padding import (
     RowPadding,
     checked_counts,
     find_row_padding,
+    find_shape_paddings,
     row_padding_for,
     sampled_counts,
 )
@@ -70,6 +71,40 @@ def test_sampled_counts_keep_every_small_count_those_by_each_power_of_two_and_th
 def test_the_search_finds_the_smallest_minimum_from_which_rows_keep_their_bits() -> None:
     found = find_row_padding(WEIGHTS, max_rows=1024, product=_split_below(256))
     assert found == RowPadding(minimum=256, multiple=64)
+
+
+def _exact(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A product no row count changes (each row alone), for what a padding search finds."""
+    return rowwise(rows, weight, None)
+
+
+def _exact_but_below(count: int, out_features: int):
+    """``_exact``, but the weights with ``out_features`` rows round differently below
+    ``count`` rows."""
+    def product(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out = _exact(rows, weight)
+        if weight.shape[0] == out_features and rows.shape[0] < count:
+            return out.to(torch.bfloat16).to(out.dtype)
+        return out
+    return product
+
+
+def test_a_one_row_product_that_keeps_its_bits_is_not_padded() -> None:
+    found = find_row_padding(WEIGHTS, max_rows=256, product=_exact)
+    assert found == RowPadding(minimum=1, multiple=64)
+    assert [found.rows_for(n) for n in (1, 2, 64, 65)] == [1, 64, 64, 128]
+
+
+def test_each_weight_shape_gets_the_first_padding_that_keeps_its_own_rows() -> None:
+    found = find_shape_paddings(WEIGHTS, max_rows=256, product=_exact_but_below(128, 32))
+    assert found == {(48, 32): RowPadding(minimum=1, multiple=64),
+                     (32, 80): RowPadding(minimum=128, multiple=64)}
+
+
+def test_a_shape_no_padding_holds_for_leaves_no_shape_paddings() -> None:
+    candidates = [RowPadding(minimum=64, multiple=64)]
+    assert find_shape_paddings(WEIGHTS, max_rows=256, candidates=candidates,
+                               product=_exact_but_below(256, 48)) is None
 
 
 def test_a_count_that_changes_rows_above_a_minimum_rules_that_minimum_out() -> None:

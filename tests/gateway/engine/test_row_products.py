@@ -19,6 +19,7 @@ from gateway.engine.engine import EngineConfig
 from gateway.engine.forward import BatchedForward, SequenceRows, projection_weights
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.probe import probe_invariance
 from gateway.engine.row_padding import CPU_ROW_PADDING, RowPadding
 from gateway.engine.row_products import (
     BLAS_CPU_PRODUCTS,
@@ -27,6 +28,7 @@ from gateway.engine.row_products import (
     RowProducts,
     candidate_row_products,
     kernel_problem,
+    step_and_wider,
 )
 from tests.gateway.engine.kernels import (
     ROWWISE_KERNELS,
@@ -183,3 +185,84 @@ def test_with_decode_rows_in_the_shared_product_a_decoded_token_writes_a_prefill
     for layer in range(tiny.layout.num_layers):
         assert torch.equal(decoded.keys(layer), prefilled.keys(layer))
         assert torch.equal(decoded.values(layer), prefilled.values(layer))
+
+
+# ---- shapes padded further than the step (CUDA's per-shape search) ----------------------
+
+DOWN = (64, 128)
+"""The tiny Llama's down projection: ``[hidden, intermediate]``."""
+
+
+def _varies_below_for(count: int, shape: tuple[int, int]):
+    """Rows that keep their bits at every count (``rowwise``), except ``shape``'s below
+    ``count`` rows, rounded differently (a kernel splitting small products' reductions)."""
+    def product(rows: torch.Tensor, weight: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        out = rowwise(rows, weight, bias)
+        if tuple(weight.shape) == shape and rows.shape[0] < count:
+            return out.to(torch.bfloat16).to(out.dtype)
+        return out
+    return product
+
+
+def test_a_shape_with_a_padding_of_its_own_multiplies_that_many_rows() -> None:
+    counts: list[tuple[tuple[int, ...], int]] = []
+
+    def recording(rows: torch.Tensor, weight: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+        counts.append((tuple(weight.shape), rows.shape[0]))
+        return rowwise(rows, weight, bias)
+
+    products = RowProducts(kernel="gemm", padding=RowPadding(minimum=1, multiple=64),
+                           shares_decode_rows=True, product_override=recording,
+                           wider=((DOWN, RowPadding(minimum=128, multiple=64)),))
+    down, up = torch.nn.Linear(128, 64, bias=False), torch.nn.Linear(64, 128, bias=False)
+    row = torch.randn(1, 128)
+    got = products.project(down, row, 1)
+    assert torch.equal(got, rowwise(row, down.weight, None))
+    products.project(up, torch.randn(1, 64), 1)
+    assert counts == [(DOWN, 128), ((128, 64), 1)]
+    assert products.label == "gemm-r1x64+64x128r128x64"
+
+
+def test_a_forward_whose_one_shape_needs_more_rows_is_invariant_only_with_them(tiny) -> None:
+    product = _varies_below_for(128, DOWN)
+    step = RowPadding(minimum=1, multiple=64)
+
+    def forward(wider: tuple[tuple[tuple[int, int], RowPadding], ...]) -> BatchedForward:
+        return BatchedForward(tiny.model, attention_for(CPU), RowProducts(
+            kernel="blas", padding=step, shares_decode_rows=False, product_override=product,
+            wider=wider))
+
+    assert not probe_invariance(forward(()), tiny.layout, VOCAB).is_invariant
+    result = probe_invariance(forward(((DOWN, RowPadding(minimum=128, multiple=64)),)),
+                              tiny.layout, VOCAB)
+    assert result.is_invariant, result.failure
+
+
+def test_the_step_is_padded_as_the_cheapest_shape_and_the_others_pad_further() -> None:
+    r1, r128 = RowPadding(minimum=1, multiple=64), RowPadding(minimum=128, multiple=64)
+    shapes = {(64, 64): r1, DOWN: r128, (128, 64): r1}
+    head = torch.randn(VOCAB, 64)
+    exact = _varies_below_for(0, DOWN)
+
+    def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return exact(rows, weight, None)
+
+    assert step_and_wider("blas", shapes, head, unbiased, max_logit_rows=16) == \
+        (r1, ((DOWN, r128),))
+    # gemm: the logits rows join the product, and this head keeps them from one row.
+    assert step_and_wider("gemm", shapes, head, unbiased, max_logit_rows=16) == \
+        (r1, ((DOWN, r128),))
+
+
+def test_with_gemm_a_head_that_needs_more_rows_is_padded_further_too() -> None:
+    r1 = RowPadding(minimum=1, multiple=64)
+    head = torch.randn(VOCAB, 64)
+    varies = _varies_below_for(64, (VOCAB, 64))
+
+    def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return varies(rows, weight, None)
+
+    step, wider = step_and_wider("gemm", {(64, 64): r1}, head, unbiased, max_logit_rows=16)
+    assert step == r1 and wider == (((VOCAB, 64), RowPadding(minimum=64, multiple=64)),)

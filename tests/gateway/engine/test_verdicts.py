@@ -47,6 +47,16 @@ def test_a_saved_verdict_is_loaded_for_the_same_key(tmp_path: Path) -> None:
     assert oct(store.path_for(_key()).stat().st_mode & 0o777) == "0o600"
 
 
+def test_a_verdict_keeps_the_shapes_padded_further_than_the_step(tmp_path: Path) -> None:
+    verdict = RouteVerdict(name="batched", reason="probed", kernel="gemm",
+                           padding=RowPadding(minimum=1, multiple=64),
+                           wider=(((64, 128), RowPadding(minimum=256, multiple=64)),),
+                           attention="triton", seconds=2.0)
+    store = VerdictStore(tmp_path, SECRET)
+    store.save(_key(), verdict)
+    assert store.load(_key()) == verdict
+
+
 def test_another_cpu_torch_or_model_finds_no_verdict(tmp_path: Path) -> None:
     store = VerdictStore(tmp_path, SECRET)
     store.save(_key(), VERDICT)
