@@ -264,5 +264,5 @@ def test_with_gemm_a_head_that_needs_more_rows_is_padded_further_too() -> None:
     def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return varies(rows, weight, None)
 
-    step, wider = step_and_wider("gemm", {(64, 64): r1}, head, unbiased, max_logit_rows=16)
-    assert step == r1 and wider == (((VOCAB, 64), RowPadding(minimum=64, multiple=64)),)
+    assert step_and_wider("gemm", {(64, 64): r1}, head, unbiased, max_logit_rows=16) == \
+        (r1, (((VOCAB, 64), RowPadding(minimum=64, multiple=64)),))
