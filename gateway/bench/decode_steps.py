@@ -133,7 +133,7 @@ def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repea
                                   max_positions=loaded.max_context, capture=True)
     out.write(f"decode steps {numerics.describe()}: {model}, {context} cached tokens a "
               f"sequence, median of {repeats}; route {verdict.attention} attention, "
-              f"{verdict.kernel} products of at least {forward.products.padding.minimum} rows "
+              f"{verdict.kernel} products of at least {forward.products.padding.minimum} rows"
               + "".join(f", {out}x{in_} weights of at least {more.minimum}"
                         for (out, in_), more in forward.products.wider)
               + " (the padding a row keeps its bits under here)\n")

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# What the next GPU session runs first (written 2026-11-27 after the H100 run in docs/gpu.md):
-# the issue-24 targets that have never run on a GPU, then the 8B host row in steady state.
+# The next GPU session's second call (first: next_8b.sh), written 2026-11-27: the issue-24
+# targets that have never run on a GPU (the chat load, the flood), then the host path's profile.
 # One call, timeout_s 600. Bundle: EXTRA_PACKAGES="hiredis blake3 starlette uvicorn h11 pyzmq
-# msgspec" PEER_SERVE=1 ../shared/gpu/prepare.sh; copy this file, flood.py and profile_warm.py into
+# msgspec" PEER_SERVE=1 ../shared/gpu/prepare.sh; copy this file, next_8b.sh, flood.py and profile_warm.py into
 # .gpu-bundle/, carry .gpu-bundle, run: bash .gpu-bundle/next.sh
 # The peer's wheels (an older starlette among them) go into a venv of their own, so that
 # kvgate's HTTP front keeps the starlette it needs.
@@ -19,12 +19,6 @@ timeout 300 kvgate bench load --model /tmp/models/1b --device cuda --dtype bfloa
 tail -20 $OUT/chat-load.log; tail -3 $OUT/chat-load.err
 el flood  # 64 users with 8k prompts: each answered or refused with RESOURCE_EXHAUSTED
 timeout 120 python3 .gpu-bundle/flood.py /tmp/models/1b cuda 64 8192 2>&1 | tail -8
-el host-row  # the 8B host row past its first samples (pinned slabs grown), 5 repeats; disk and
-#   Redis rows judged from their first hit by the start-up measurement (gateway/cache/load_bandwidth.py)
-bash .gpu-bundle/on-gpu.sh model 8b 2>&1 | grep "^model"
-timeout 150 kvgate bench ttft --spawn --device cuda --model /tmp/models/8b --data-dir /tmp/kv8 \
-  --lengths 8192 --suffix-tokens 40 --repeats 5 --no-peers --no-plot --skip-slow-tiers \
-  > $OUT/ttft-8b.log 2>&1; grep -E "host|cold|device|suffix|pinned|disk|redis" $OUT/ttft-8b.log | tail -16
 el host-profile  # the host path after the batched get (one fence a chain) and lazy page views
 timeout 90 python3 .gpu-bundle/profile_warm.py /tmp/models/1b 8192 40 cuda host 2>&1 | \
   grep -E "medians|warm|cold|suffix" | head -6
