@@ -3,9 +3,9 @@
 Each turn: take new submissions, fail the cancelled and the late, admit what the scheduler
 allows (loading each admitted request's cached prefix), run the scheduler's ``StepPlan`` as one
 forward, then sample, stream and finish. A request's blocks are leased from admission until it
-ends, so nothing it reads is evicted under it; its prompt blocks are stored the moment its
-prefill completes (before its first token is sampled, they are what the next request needs),
-and the blocks its answer filled when it ends.
+ends, so nothing it reads is evicted under it; its prompt blocks are stored in the turn its
+prefill completes, just after its first token is sent, and the blocks its answer filled when
+it ends.
 
 A generation the scheduler preempts (a better-priority request of its tenant needs its room)
 hands its K/V to the cache, waits in the queue again and resumes as a hit on its own tokens, to
@@ -49,6 +49,7 @@ from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.jobs import Job
 from gateway.engine.kv_sequence import KVSequence
 from gateway.engine.loop_failures import (
+    error_after_forward,
     is_out_of_memory,
     out_of_memory,
     release_memory,
@@ -437,20 +438,32 @@ class StepLoop:
                 self._fail_alone(active, exc)
 
     def _prompt_done(self, active: ActiveRequest, logits: torch.Tensor | None) -> None:
-        """Store the prompt's new blocks; a warm ends here, a generation samples its first token."""
+        """Store the prompt's new blocks; a warm ends here. A generation's first token goes out
+        before (its client does not wait for a long prompt's placement and demotions) and its
+        answer ends after (a client holding the final message finds the prompt cached)."""
+        job = active.job
+        finish: FinishReason | None = None
+        if isinstance(job.request, GenerateRequest):
+            assert logits is not None, "a generation's last prompt token always wants logits"
+            finish = self._sample(active, logits)
         if self._blocks is not None:
             self._blocks.store_prompt_blocks(active)
-        self._wake_parked(active.job.id)
-        job = active.job
+        self._wake_parked(job.id)
         if isinstance(job.request, WarmRequest):
             self._finish_warm(active)
             return
-        assert logits is not None, "a generation's last prompt token always wants logits"
         with self._lock:
             self._scheduler.start_decoding(job.id)
-        self._next_token(active, logits)
+        if finish is not None:
+            self._finish_generate(active, finish)
 
     def _next_token(self, active: ActiveRequest, logits: torch.Tensor) -> None:
+        finish = self._sample(active, logits)
+        if finish is not None:
+            self._finish_generate(active, finish)
+
+    def _sample(self, active: ActiveRequest, logits: torch.Tensor) -> FinishReason | None:
+        """Pick and send the next token; why the answer ends there, or None (it goes on)."""
         job = active.job
         request = job.request
         assert isinstance(request, GenerateRequest)
@@ -475,8 +488,7 @@ class StepLoop:
                 finish = "length"
         if finish is None:
             active.next_token = token
-            return
-        self._finish_generate(active, finish)
+        return finish
 
     def _finish_generate(self, active: ActiveRequest, finish: FinishReason) -> None:
         job = active.job
@@ -548,28 +560,10 @@ class StepLoop:
                 active.job.done.set()
 
     def _fail_alone(self, active: ActiveRequest, exc: Exception) -> None:
-        """End ``active`` alone with ``exc``, raised by what the loop does with its own output
-        (sampling, detokenizing, stop matching, storing its blocks).
-
-        Only the shared forward fails a whole step: anything after it belongs to one request,
-        so its failure is that request's (issue 22: one request's temperature of 1e-45 ended
-        every request in flight). The others' rows were computed without it (the forward is
-        invariant), so what they are served does not change.
-        """
+        """End ``active`` alone with ``exc``, raised after the forward (``error_after_forward``);
+        one ended already (its own end raised) has its outcome: it is only released again."""
         job = active.job
-        error: BaseException
-        if is_out_of_memory(exc):
-            logger.warning("request %d ran out of memory on %s after its forward: it is "
-                           "refused, the engine goes on", job.id, self._device)
-            error = out_of_memory(self._device, "this request", exc)
-            release_memory(self._device)
-        else:  # a bug, or a value nothing checked
-            logger.error("request %d failed after its forward; the others in the step go on",
-                         job.id, exc_info=exc)
-            error = RuntimeError(f"internal error handling this request's output "
-                                 f"({type(exc).__name__})")
-            error.__cause__ = exc
-        # Ended already (its own end raised): its caller has its outcome; only release again.
+        error = error_after_forward(exc, self._device, job.id)
         self._end(active, None if job.done.is_set() else error)
 
     def _fail(self, job: Job, exc: BaseException) -> None:

@@ -8,11 +8,15 @@ to do next.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from gateway.core.errors import DeadlineExceeded, GatewayError, QueueFull, RequestCancelled
 from gateway.engine.jobs import Job
 from tiers.page_pool import PoolExhausted
+
+logger = logging.getLogger("gateway.engine.loop")  # the loop's words, in the loop's log
 
 
 def why_stopped(job: Job) -> GatewayError:
@@ -43,3 +47,27 @@ def release_memory(device: torch.device) -> None:
     """Give the allocator's cached blocks back after an out-of-memory (CUDA keeps them)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+def error_after_forward(exc: Exception, device: torch.device, job_id: int) -> BaseException:
+    """What request ``job_id`` is told when what the loop does with its own output (sampling,
+    detokenizing, stop matching, storing its blocks) raised ``exc``.
+
+    Only the shared forward fails a whole step: anything after it belongs to one request, so
+    its failure is that request's (issue 22: one request's temperature of 1e-45 ended every
+    request in flight). The others' rows were computed without it (the forward is invariant),
+    so what they are served does not change.
+    """
+    if is_out_of_memory(exc):
+        logger.warning("request %d ran out of memory on %s after its forward: it is refused, "
+                       "the engine goes on", job_id, device)
+        error: BaseException = out_of_memory(device, "this request", exc)
+        release_memory(device)
+        return error
+    # A bug, or a value nothing checked.
+    logger.error("request %d failed after its forward; the others in the step go on", job_id,
+                 exc_info=exc)
+    error = RuntimeError(f"internal error handling this request's output "
+                         f"({type(exc).__name__})")
+    error.__cause__ = exc
+    return error
