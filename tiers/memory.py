@@ -361,33 +361,18 @@ class HostStore(BatchDefaults):
         """A copy of the block on ``serve_device``; with ``into`` (a page of the pool the
         block is meant for, on that device), copied into it and returned as it: one copy, no
         buffer of its own."""
-        # Queued under the lock, with a fence recorded after it: a delete that follows hands
-        # the slot back only for reuse once this copy has read it (see the module docstring).
-        with self._lock:
-            entry = self._blocks.get(meta.key)
-            if entry is None:
-                self._stats.misses += 1
-                return None
-            self._stats.hits += 1
-            if into is None:
-                block = _copy_to(entry[1], self.serve_device)
-            else:
-                target = packed_of(into)
-                target.copy_(packed_of(entry[1]), non_blocking=self.is_pinned
-                             and target.device.type == "cuda")
-                block = into
-            if self.is_pinned:
-                fence = self._fences(self.serve_device)
-                if fence is not None:
-                    self._add_read(meta.key, fence)
-            return block
+        return self.get_many([meta], into=() if into is None else (into,))[0]
 
     def get_many(self, metas: Sequence[BlockMeta], *,
                  into: Sequence[KVBlock] = ()) -> list[KVBlock | None]:
         """``get`` for a chain: block ``i`` copied into ``into[i]`` where there is one. One
         lock and, from pinned memory, one fence after the last copy for every slot read: on an
         H100 a host-tier hit of 128 blocks spent 88 us a block in ``get`` (a fence recorded
-        and the slot's earlier fences queried per block), more than its copy."""
+        and the slot's earlier fences queried per block), more than its copy.
+
+        The copies are queued under the lock, each slot's fence recorded after them: a delete
+        that follows hands a slot back only for reuse once the copy has read it (see the module
+        docstring)."""
         out: list[KVBlock | None] = []
         with self._lock:
             read: list[BlockKey] = []
