@@ -34,7 +34,7 @@ from policies.rate import TenantRates
 from tiers.base import BlockExpiry, BlockMeta, BlockStore, RemoteStore, StoreStats
 from tiers.disk import DiskStore
 from tiers.memory import DeviceStore, HostStore
-from tiers.page_pool import PagedBlock, PoolExhausted
+from tiers.page_pool import PagedBlock, PoolExhausted, await_arrival
 from tiers.payload import KVBlock
 from tiers.quantized_host import QuantizedHostStore
 
@@ -329,6 +329,7 @@ class TierHierarchy:
         bandwidth.record(num_bytes, seconds)
 
     def write(self, tier: str, meta: BlockMeta, block: KVBlock) -> None:
+        await_arrival(block)  # a page a host hit may still be filling, layer by layer
         self._levels[tier].store.put(meta, block)
 
     def delete(self, tier: str, key: BlockKey) -> None:
@@ -393,6 +394,8 @@ class TierHierarchy:
         if there is none or the queue is full."""
         if self._writer is None or not items:
             return False
+        for _, block in items:
+            await_arrival(block)  # read on the writer's thread, after what is queued here
         return self._writer.submit(items)
 
     def forget_remote(self, metas: Sequence[BlockMeta], *,

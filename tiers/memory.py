@@ -46,6 +46,7 @@ import torch
 from policies.base import BlockKey
 from tiers.base import BatchDefaults, BlockMeta, StoreStats, TierConfigError
 from tiers.copy_fence import CopyFence, FenceFactory, record_fence
+from tiers.layer_arrivals import LayerArrivals, SlabRun
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout
 from tiers.payload_format import packed_of
@@ -178,6 +179,7 @@ class SlabPool:
         self.slots_per_slab = max(1, slab_bytes // slot_bytes)
         self.pin = pin
         self._slabs: list[torch.Tensor] = []
+        self._where: dict[int, tuple[int, int]] = {}  # slot address -> (slab, index in it)
         self._free: list[torch.Tensor] = []
         self._fenced: deque[tuple[torch.Tensor, list[CopyFence]]] = deque()  # oldest first
         self._num_slots = 0
@@ -236,9 +238,19 @@ class SlabPool:
             return
         slab = torch.empty(count * self.slot_bytes, dtype=torch.uint8, pin_memory=self.pin)
         self._slabs.append(slab)
-        self._free.extend(slab.narrow(0, i * self.slot_bytes, self.slot_bytes)
-                          for i in range(count))
+        slots = [slab.narrow(0, i * self.slot_bytes, self.slot_bytes) for i in range(count)]
+        self._where.update((slot.data_ptr(), (len(self._slabs) - 1, i))
+                           for i, slot in enumerate(slots))
+        self._free.extend(slots)
         self._num_slots += count
+
+    def locate(self, slot: torch.Tensor) -> tuple[int, int]:
+        """The slab ``slot`` was carved from (its number) and the slot's index in it."""
+        return self._where[slot.data_ptr()]
+
+    def slab(self, number: int) -> torch.Tensor:
+        """Slab ``number``: flat bytes, ``slot_bytes`` a slot."""
+        return self._slabs[number]
 
 
 def count_dropped_put(stats: StoreStats) -> None:
@@ -278,6 +290,7 @@ class HostStore(BatchDefaults):
         serve_device: where ``get`` delivers blocks (the model's device by default).
         fences: records a fence after a queued copy (``tiers.copy_fence``; tests inject
             their own).
+        slab_bytes: memory allocated (and pinned) at a time.
     """
 
     def __init__(
@@ -290,6 +303,7 @@ class HostStore(BatchDefaults):
         serve_device: torch.device | str | None = None,
         name: str = "host",
         fences: FenceFactory = record_fence,
+        slab_bytes: int = 64 << 20,
     ) -> None:
         self.name = name
         self.serve_device = (
@@ -304,6 +318,7 @@ class HostStore(BatchDefaults):
         self._pool = SlabPool(
             slot_bytes=self._slot_bytes,
             max_slots=budget_bytes // self._slot_bytes,
+            slab_bytes=slab_bytes,
             pin=self.is_pinned,
         )
         self._blocks: dict[BlockKey, tuple[torch.Tensor, KVBlock]] = {}
@@ -374,8 +389,11 @@ class HostStore(BatchDefaults):
         that follows hands a slot back only for reuse once the copy has read it (see the module
         docstring)."""
         out: list[KVBlock | None] = []
+        arrivals = _arrivals_of(into)
+        runs: dict[int, tuple[list[int], list[int]]] = {}  # slab -> (slots, pages)
         with self._lock:
             read: list[BlockKey] = []
+            layered: list[BlockKey] = []
             for i, meta in enumerate(metas):
                 entry = self._blocks.get(meta.key)
                 if entry is None:
@@ -383,6 +401,14 @@ class HostStore(BatchDefaults):
                     out.append(None)
                     continue
                 self._stats.hits += 1
+                if i < len(into) and arrivals is not None:
+                    slab, index = self._pool.locate(entry[0])
+                    slots, pages = runs.setdefault(slab, ([], []))
+                    slots.append(index)
+                    pages.append(_page_id_of(into[i]))
+                    out.append(into[i])
+                    layered.append(meta.key)
+                    continue
                 if i < len(into):
                     target = packed_of(into[i])
                     target.copy_(packed_of(entry[1]), non_blocking=self.is_pinned
@@ -395,7 +421,22 @@ class HostStore(BatchDefaults):
             if fence is not None:
                 for key in read:
                     self._add_read(key, fence)
+            if arrivals is not None and runs:
+                # Layer by layer on the pool's own stream (``tiers.layer_arrivals``).
+                fence = arrivals.fill([SlabRun(self._typed_slab(slab), slots, pages)
+                                       for slab, (slots, pages) in runs.items()])
+                if fence is not None:
+                    for key in layered:
+                        self._add_read(key, fence)
         return out
+
+    def _typed_slab(self, number: int) -> torch.Tensor:
+        """Slab ``number`` as ``[slots, layers, 2, kv_heads, tokens, head_dim]``."""
+        layout = self.layout
+        slab = self._pool.slab(number)
+        return slab.view(layout.dtype).view(
+            slab.numel() // self._slot_bytes, layout.num_layers, 2, layout.kv_heads,
+            self.block_tokens, layout.head_dim)
 
     def _add_read(self, key: BlockKey, fence: CopyFence) -> None:
         """Keep ``fence`` with ``key``'s slot; the finished ones are dropped only once a few
@@ -433,6 +474,23 @@ class HostStore(BatchDefaults):
                 self._pool.give_back(slot, self._reads.pop(key, ()))
             self._blocks.clear()
             self._stats.num_blocks = self._stats.num_bytes = 0
+
+
+def _arrivals_of(into: Sequence[KVBlock]) -> LayerArrivals | None:
+    """The layered copies of the pool every page of ``into`` belongs to, where that pool
+    takes them (``[cache] layered_host_loads``); None: copy each block whole."""
+    pools = set()
+    for block in into:
+        if not isinstance(block, PagedBlock) or block.page is None:
+            return None
+        pools.add(block.page.pool)
+    return pools.pop().arrivals if len(pools) == 1 else None
+
+
+def _page_id_of(block: KVBlock) -> int:
+    """The id of the pool page ``block`` is."""
+    assert isinstance(block, PagedBlock) and block.page is not None
+    return block.page.id
 
 
 def _storage_of(block: KVBlock) -> object:

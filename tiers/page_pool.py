@@ -23,6 +23,11 @@ list when the last handle is gone (CPython frees it at once: reference counting)
 never reused while anything can still read it. Page 0 is never handed out: it stays zero and
 pads a gather to whole attention tiles.
 
+Pages still being filled: with ``[cache] layered_host_loads`` a host-tier hit is copied into
+its pages layer by layer on a stream of its own (``tiers.layer_arrivals``, the pool's
+``arrivals``); whoever reads a page waits first (``await_layer``, ``await_all``), and a page let
+go meanwhile is parked rather than handed out.
+
 NOTE: on a CPU the tensor is allocated with ``torch.empty``: the operating system commits its
 memory page by page as pages are first written, so a large budget costs nothing until used. A
 page is zeroed when handed out unless its taker writes all of it at once (positions not yet
@@ -35,11 +40,14 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 
 from tiers.payload import KVBlock, KVLayout
+
+if TYPE_CHECKING:
+    from tiers.layer_arrivals import LayerArrivals
 
 
 class PoolExhausted(RuntimeError):
@@ -132,6 +140,20 @@ class PagePool:
         self.storage[:, :, :, 0].zero_()
         self._free: deque[int] = deque(range(num_pages, 0, -1))
         self._lock = threading.Lock()
+        self.arrivals: LayerArrivals | None = None
+        """Copies into pages still in flight (``tiers.layer_arrivals``); None: every copy into
+        a page is queued on the stream that reads it."""
+
+    def await_layer(self, layer: int) -> None:
+        """Make the current stream wait for copies into ``layer`` of any page still in flight
+        (a step, before the layer reads its pages)."""
+        if self.arrivals is not None:
+            self.arrivals.await_layer(layer)
+
+    def await_all(self) -> None:
+        """Make the current stream wait for every copy into a page still in flight."""
+        if self.arrivals is not None:
+            self.arrivals.await_all()
 
     @classmethod
     def for_budget(cls, layout: KVLayout, *, page_tokens: int, budget_bytes: int,
@@ -158,6 +180,8 @@ class PagePool:
         Raises:
             PoolExhausted: every page is held.
         """
+        if not self._free and self.arrivals is not None:
+            self.arrivals.await_all()  # the pages parked meanwhile come back
         with self._lock:
             try:
                 page_id = self._free.pop()
@@ -172,6 +196,12 @@ class PagePool:
     def _give_back(self, page_id: int) -> None:
         # NOTE: no lock: a handle can die in any thread, also one inside ``allocate`` (its
         # last reference dropped by the collector), and deque.append is atomic.
+        arrivals = self.arrivals
+        if arrivals is None or not arrivals.park(page_id):
+            self._free.append(page_id)
+
+    def release_parked(self, page_id: int) -> None:
+        """Hand out ``page_id`` again: the copies in flight when it was parked are waited for."""
         self._free.append(page_id)
 
     def block(self, page: Page) -> PagedBlock:
@@ -195,6 +225,8 @@ class PagePool:
         if start + n > self.page_tokens:
             raise ValueError(f"{n} tokens from {start} do not fit a page of {self.page_tokens}")
         layers = self.storage[:, :, :, page.id, start:start + n]
+        if isinstance(block, PagedBlock) and block.page is not None and block.page.pool is self:
+            self.await_all()  # a page of this pool may still be arriving
         if block.packed is not None:
             layers.copy_(block.packed)  # one copy (launch) for the whole block
             return
@@ -205,6 +237,7 @@ class PagePool:
     def copy_page(self, source: Page, num_tokens: int) -> Page:
         """A new page holding the first ``num_tokens`` tokens of ``source`` (copy-on-write)."""
         page = self.allocate(zeroed=num_tokens < self.page_tokens)
+        self.await_all()  # ``source`` may still be arriving
         self.storage[:, :, :, page.id, :num_tokens].copy_(
             self.storage[:, :, :, source.id, :num_tokens])
         return page
@@ -222,11 +255,19 @@ class PagePool:
     def gather(self, layer: int, kind: int, page_ids: torch.Tensor) -> torch.Tensor:
         """K (``kind`` 0) or V (1) of ``layer`` for ``page_ids`` in order, as one
         ``[kv_heads, len(page_ids) * page_tokens, head_dim]`` tensor (a copy)."""
+        self.await_layer(layer)
         return gather_pages(self.storage[layer, kind], page_ids)
 
     def _check(self, page: Page) -> None:
         if page.pool is not self:
             raise ValueError("the page belongs to another pool")
+
+
+def await_arrival(block: KVBlock) -> None:
+    """Make the current stream wait for any copy still filling ``block``'s page, where it is a
+    page (``tiers.layer_arrivals``): before its bytes are read into another tier."""
+    if isinstance(block, PagedBlock) and block.page is not None:
+        block.page.pool.await_all()
 
 
 def gather_pages(pages: torch.Tensor, page_ids: torch.Tensor) -> torch.Tensor:

@@ -38,6 +38,7 @@ from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
 from tiers.hierarchy import TierHierarchy, TierLevel
+from tiers.layer_arrivals import LayerArrivals, LayeredLoadsUnavailable
 from tiers.memory import DeviceStore, HostStore
 from tiers.page_pool import PagePool
 from tiers.payload import KVLayout
@@ -104,6 +105,11 @@ class CacheConfig:
             ``gateway.engine.recompute_speed``), so that the first hit on either tier is judged
             by ``skip_slow_tiers`` like every later one. Nothing to measure without either
             tier, or with ``skip_slow_tiers`` off.
+        layered_host_loads: on a GPU, a host-tier hit is copied into its pages layer by layer
+            on a stream of its own, and a step waits for each layer only before it reads it
+            (``tiers.layer_arrivals``): the copy runs beside the step instead of before it.
+            Off by default until timed on a GPU; an exact host tier only; on a CPU it copies
+            the same bytes at once (no gain there).
         sweep_interval_s: how often expired blocks are removed from every tier.
         session_ttl_s: a session (``CacheOptions.session_id``) ends this long after its last
             request: its own blocks and conversation tail leave every tier, Redis included.
@@ -138,6 +144,7 @@ class CacheConfig:
     reprobe_interval_s: float = 10.0
     skip_slow_tiers: bool = True
     measure_at_start: bool = True
+    layered_host_loads: bool = False
     sweep_interval_s: float = 5.0
     session_ttl_s: float = DEFAULT_SESSION_TTL_S
     max_sessions_per_tenant: int = DEFAULT_MAX_SESSIONS_PER_TENANT
@@ -188,7 +195,7 @@ class CacheConfig:
             elif quota < 0:
                 errors.append(f"tenant_quota of the {tier} tier must be >= 0")
         for name in ("disk_fsync", "disk_write_through", "remote_write", "skip_slow_tiers",
-                     "measure_at_start"):
+                     "measure_at_start", "layered_host_loads"):
             if not isinstance(getattr(self, name), bool):
                 errors.append(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.write_queue_bytes < 1:
@@ -239,6 +246,17 @@ def has_tier_to_measure(config: CacheConfig) -> bool:
     skips slow tiers does the figure decide anything."""
     lower = bool(config.disk_bytes and config.disk_path is not None) or bool(config.redis_url)
     return config.measure_at_start and config.skip_slow_tiers and lower
+
+
+def layer_arrivals_for(pool: PagePool) -> LayerArrivals | None:
+    """Layered host loads into ``pool`` (``layered_host_loads``), or None, with a warning
+    saying why, where this device cannot read pinned memory in place."""
+    try:
+        return LayerArrivals(pool)
+    except LayeredLoadsUnavailable as error:
+        logger.warning("layered_host_loads is on, but host-tier hits are copied whole: %s",
+                       error)
+        return None
 
 
 def queued_write_bytes(config: CacheConfig) -> int:
@@ -295,6 +313,8 @@ def open_cache(
     budgets = {"device": config.device_bytes}
     if config.host_bytes:
         host_format = lossy.get("host")
+        if config.layered_host_loads and host_format is None:
+            pool.arrivals = layer_arrivals_for(pool)
         levels.append(TierLevel(name="host", store=HostStore(
             layout=layout, block_tokens=config.block_tokens, budget_bytes=config.host_bytes,
             pin=device.type == "cuda", serve_device=device) if host_format is None else

@@ -90,6 +90,7 @@ skip_slow_tiers = true          # a tier slower than recomputing is skipped (fal
 reprobe_interval_s = 10.0       # ... but probed once per interval, used again once it is fast
 measure_at_start = true         # disk's and Redis's load speed and the recompute speed are
                                 #   measured before serving, to judge the first hit too
+layered_host_loads = false      # GPU: host hits copied layer by layer beside the step (untimed)
 sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
 session_ttl_s = 1800.0          # a session (session_id, X-Session-Id) ends this long after its
                                 #   last request: its own blocks and tail leave every tier

@@ -199,6 +199,7 @@ class StepBucket:
         if self._copied is not None:  # the last step's copies have left the host buffers
             self._copied.synchronize()
         self._fill(batch, slots)
+        self._pool.await_all()  # a replay reads every layer's pages (tiers.layer_arrivals)
         self._longs.copy_(self._long_host, non_blocking=True)
         self._ints.copy_(self._int_host, non_blocking=True)
         if self._copied is not None:

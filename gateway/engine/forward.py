@@ -177,9 +177,13 @@ class BatchedForward:
         cos, sin = cos.to(device), sin.to(device)
         positions = positions.to(device)
         writes = StepWrites.claim([rows.sequence for rows in batch], spans, device)
+        # Pages a host-tier hit may still be filling, layer by layer (tiers.layer_arrivals).
+        pools = list({id(rows.sequence.pool): rows.sequence.pool for rows in batch}.values())
 
         def attend(index: int, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:
+            for pool in pools:
+                pool.await_layer(index)
             if writes is not None:
                 writes.write(index, k, v)
             items = []
@@ -194,6 +198,8 @@ class BatchedForward:
 
         with torch.inference_mode():
             hidden = self.run_layers(ids, cos, sin, num_shared, attend)
+            for pool in pools:
+                pool.await_all()  # what comes after the step reads every page as it is
             for rows, n in zip(batch, lengths, strict=True):
                 rows.sequence.advance(n)
             wanted = [end - 1 for (_, end), rows in zip(spans, batch, strict=True)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The next GPU session's second call (first: next_8b.sh), written 2026-11-27: the issue-24
-# targets that have never run on a GPU (the chat load, the flood), then the host path's profile.
+# targets that have never run on a GPU (the chat load, the flood), then the host path's profile,
+# whole and layer by layer (layered_host_loads, built 2026-11-27 without a GPU), and its tests.
 # One call, timeout_s 600. Bundle: EXTRA_PACKAGES="hiredis blake3 starlette uvicorn h11 pyzmq
 # msgspec" PEER_SERVE=1 ../shared/gpu/prepare.sh; copy this file, next_8b.sh, flood.py and profile_warm.py into
 # .gpu-bundle/, carry .gpu-bundle, run: bash .gpu-bundle/next.sh
@@ -22,4 +23,9 @@ timeout 120 python3 .gpu-bundle/flood.py /tmp/models/1b cuda 64 8192 2>&1 | tail
 el host-profile  # the host path after the batched get (one fence a chain) and lazy page views
 timeout 90 python3 .gpu-bundle/profile_warm.py /tmp/models/1b 8192 40 cuda host 2>&1 | \
   grep -E "medians|warm|cold|suffix" | head -6
+el host-layered  # [cache] layered_host_loads: the copy by layer on its own stream, beside the step
+timeout 90 python3 .gpu-bundle/profile_warm.py /tmp/models/1b 8192 40 cuda host-layered 2>&1 | \
+  grep -E "medians|warm|cold|suffix|layered" | head -6
+timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/tiers/test_layer_arrivals.py \
+  tests/gateway/engine/test_parity.py -k "layer" 2>&1 | tail -3
 el done

@@ -9,7 +9,8 @@ a device tier only (as `kvgate serve` builds both, model and pages on DEVICE, de
 warms a random prefix, and times, medians of 9 after 3 warm-ups:
   - warm: Generate of prefix + a new suffix, max_tokens 1 (the usage's own ttft_ms), served
     from TIER: "device" (default), or "host" (the cache then has a host tier, pinned on CUDA,
-    and the device tier's copies are evicted down to it before each request);
+    and the device tier's copies are evicted down to it before each request), or
+    "host-layered" (the same, with ``[cache] layered_host_loads``: the copy beside the step);
   - cold: the same with no_cache;
   - suffix forward: the engine's batched forward of the suffix over a sequence already
     holding the prefix (what a warm start cannot do without);
@@ -51,15 +52,18 @@ def main(argv: list[str]) -> None:
     num_suffix = int(argv[3]) if len(argv) > 3 else 40
     device = torch.device(argv[4] if len(argv) > 4 else "cuda")
     tier = argv[5] if len(argv) > 5 else "device"
-    if tier not in ("device", "host"):
-        raise SystemExit(f"TIER must be device or host, got {tier!r}")
+    if tier not in ("device", "host", "host-layered"):
+        raise SystemExit(f"TIER must be device, host or host-layered, got {tier!r}")
+    layered = tier == "host-layered"
+    tier = "host" if layered else tier
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     workdir = Path(tempfile.mkdtemp(prefix="profile-warm-"))
     loaded = load_model(model_dir, cache_dir=workdir / "models", device=device, dtype=dtype)
     block_tokens = 64
     prefix_bytes = loaded.layout.block_nbytes(block_tokens) * (num_prefix // block_tokens + 2)
     opened = open_cache(CacheConfig(block_tokens=block_tokens, device_bytes=2 * prefix_bytes,
-                                    host_bytes=2 * prefix_bytes if tier == "host" else 0),
+                                    host_bytes=2 * prefix_bytes if tier == "host" else 0,
+                                    layered_host_loads=layered),
                         layout=loaded.layout, deployment_secret=SECRET, device=device,
                         running_bytes=4 * prefix_bytes)
     config = EngineConfig.of(EngineSettings(), block_tokens=block_tokens, max_deadline_s=600.0,
@@ -70,6 +74,8 @@ def main(argv: list[str]) -> None:
     engine.start()
     print(f"engine on {device} ({engine.route.name}: {engine.route.reason}) started in "
           f"{time.perf_counter() - began:.1f} s", flush=True)
+    if layered:  # off with a warning where the device cannot read pinned memory in place
+        print(f"layered host loads: {opened.pool is not None and opened.pool.arrivals is not None}")
     rng = random.Random(0)
     vocab = min(int(loaded.tokenizer.vocab_size), 30000)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,8 @@ from tests.gateway.engine.parity import (
 from tests.gateway.engine.shared_engine import SharedEngine
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
+from tiers.copy_fence import CopyFence
+from tiers.layer_arrivals import LayerArrivals, SlabRun
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -80,11 +82,11 @@ def open_tiers(tiny: LoadedModel, root: Path, **overrides: object) -> OpenedCach
 
 
 def shared_without_disk(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory,
-                        name: str) -> Iterator[SharedEngine]:
+                        name: str, **overrides: object) -> Iterator[SharedEngine]:
     """Device and host tiers, no disk: one engine (restarted when needed) for a module's tests
     of one tier."""
     shared = SharedEngine(
-        lambda: start_shared(tiny, tmp_path_factory.mktemp(name), disk_bytes=0),
+        lambda: start_shared(tiny, tmp_path_factory.mktemp(name), disk_bytes=0, **overrides),
         block_tokens=BLOCK)
     yield shared
     shared.close()
@@ -100,6 +102,13 @@ def device_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
 def host_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[SharedEngine]:
     yield from shared_without_disk(tiny, tmp_path_factory, "host")
+
+
+@pytest.fixture(scope="module")
+def layered_host_engines(tiny: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+                         ) -> Iterator[SharedEngine]:
+    """Host hits copied into their pages layer by layer (``tiers.layer_arrivals``)."""
+    yield from shared_without_disk(tiny, tmp_path_factory, "layered", layered_host_loads=True)
 
 
 def start_shared(tiny: LoadedModel, root: Path, **overrides: object
@@ -180,8 +189,35 @@ def test_served_from_the_device_tier_equals_cold(
 def test_served_from_the_host_tier_after_demotion_equals_cold(
     tiny: LoadedModel, host_engines: SharedEngine, monkeypatch: pytest.MonkeyPatch, name: str,
 ) -> None:
+    assert_host_hit_equals_cold(tiny, host_engines, monkeypatch, PROMPT_BY_ID[name])
+
+
+@pytest.mark.parametrize("name", SERVABLE)
+def test_served_from_the_host_tier_layer_by_layer_equals_cold(
+    tiny: LoadedModel, layered_host_engines: SharedEngine, monkeypatch: pytest.MonkeyPatch,
+    name: str,
+) -> None:
+    filled: list[int] = []
+    fill = LayerArrivals.fill
+
+    def counted(self: LayerArrivals, runs: Sequence[SlabRun]) -> CopyFence | None:
+        filled.append(sum(len(run.slots) for run in runs))
+        return fill(self, runs)
+
+    monkeypatch.setattr(LayerArrivals, "fill", counted)
     prompt = PROMPT_BY_ID[name]
-    engine, opened = host_engines.any(prompt_tokens(tiny, prompt))
+    assert_host_hit_equals_cold(tiny, layered_host_engines, monkeypatch, prompt,
+                                before_warm=filled.clear)
+    num_blocks = num_servable_tokens(len(prompt_tokens(tiny, prompt))) // BLOCK
+    assert sum(filled) == num_blocks  # every block the warm run read arrived by layer
+
+
+def assert_host_hit_equals_cold(tiny: LoadedModel, engines: SharedEngine,
+                                monkeypatch: pytest.MonkeyPatch, prompt: PromptInput, *,
+                                before_warm: Callable[[], object] | None = None) -> None:
+    """Run ``prompt`` cold, demote its blocks to the host tier, and serve it from there
+    (``before_warm`` called just before)."""
+    engine, opened = engines.any(prompt_tokens(tiny, prompt))
     run(engine, prompt)
     cold = run(engine, prompt, no_cache=True)[:2]  # queued behind it: its blocks are stored
     num_stored = opened.cache.stats().num_blocks
@@ -191,6 +227,8 @@ def test_served_from_the_host_tier_after_demotion_equals_cold(
     assert tier_blocks(opened, "device") == 0
     assert opened.cache.stats().num_blocks == num_stored  # ... for host, none was dropped
     spy = ServedSpy(opened.cache).install(monkeypatch)
+    if before_warm is not None:
+        before_warm()
     assert_warm_equals_cold(tiny, engine, spy, prompt, cold, tier="host", held_by=("host",))
 
 
