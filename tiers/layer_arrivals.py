@@ -35,14 +35,12 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tiers.copy_fence import CopyFence, CudaFence
-
-if TYPE_CHECKING:
-    from tiers.page_pool import PagePool
+from tiers.page_pool import PagePool
 
 
 class LayeredLoadsUnavailable(RuntimeError):
@@ -90,7 +88,8 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 class LayerArrivals:
-    """The copies into one pool's pages still in flight, by layer.
+    """The copies into one pool's pages still in flight, by layer (the pool's
+    ``PageArrivals``).
 
     Args:
         pool: the pages the copies fill (the device tier's, and the running requests').
@@ -134,10 +133,11 @@ class LayerArrivals:
         if not runs:
             return None
         if not self._is_cuda:
+            indexed = [(run.slab, torch.tensor(run.slots), torch.tensor(run.pages))
+                       for run in runs]
             for layer in range(self._pool.layout.num_layers):
-                for run in runs:
-                    self._copy_layer(layer, run.slab, torch.tensor(run.slots),
-                                     torch.tensor(run.pages))
+                for slab, slots, pages in indexed:
+                    self._copy_layer(layer, slab, slots, pages)
             return None
         with self._lock:
             stream = self._stream

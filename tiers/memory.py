@@ -484,7 +484,10 @@ def _arrivals_of(into: Sequence[KVBlock]) -> LayerArrivals | None:
         if not isinstance(block, PagedBlock) or block.page is None:
             return None
         pools.add(block.page.pool)
-    return pools.pop().arrivals if len(pools) == 1 else None
+    if len(pools) != 1:
+        return None
+    arrivals = pools.pop().arrivals
+    return arrivals if isinstance(arrivals, LayerArrivals) else None
 
 
 def _page_id_of(block: KVBlock) -> int:

@@ -40,14 +40,30 @@ import threading
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, overload
+from typing import Protocol, overload
 
 import torch
 
 from tiers.payload import KVBlock, KVLayout
 
-if TYPE_CHECKING:
-    from tiers.layer_arrivals import LayerArrivals
+
+class PageArrivals(Protocol):
+    """Copies into a pool's pages still in flight (``tiers.layer_arrivals.LayerArrivals``):
+    the seam the pool and its readers wait through, so the pool knows nothing of how they
+    are made."""
+
+    def await_layer(self, layer: int) -> None:
+        """Make the current stream wait for the copies into ``layer`` queued so far."""
+        ...
+
+    def await_all(self) -> None:
+        """Make the current stream wait for every copy queued so far; parked pages return."""
+        ...
+
+    def park(self, page_id: int) -> bool:
+        """Keep ``page_id`` from being handed out while copies are in flight; False if none
+        are (the page is free at once)."""
+        ...
 
 
 class PoolExhausted(RuntimeError):
@@ -140,7 +156,7 @@ class PagePool:
         self.storage[:, :, :, 0].zero_()
         self._free: deque[int] = deque(range(num_pages, 0, -1))
         self._lock = threading.Lock()
-        self.arrivals: LayerArrivals | None = None
+        self.arrivals: PageArrivals | None = None
         """Copies into pages still in flight (``tiers.layer_arrivals``); None: every copy into
         a page is queued on the stream that reads it."""
 

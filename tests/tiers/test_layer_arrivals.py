@@ -82,7 +82,7 @@ def test_on_a_cpu_nothing_is_left_in_flight_and_a_page_given_back_is_free_at_onc
     store = host()
     store.put(make_meta(0), make_block(0))
     pool = pool_of(layered=True)
-    assert pool.arrivals is not None
+    assert isinstance(pool.arrivals, LayerArrivals)
     got = read_into(store, pool, [0])
     assert not pool.arrivals.is_pending
     free = pool.num_free
@@ -107,12 +107,12 @@ def test_on_a_gpu_a_chain_arrives_by_layer_with_the_bytes_of_whole_copies() -> N
     pool = pool_of(device="cuda", layered=True)
     chain = [7, 2, 4, 0, 5]
     got = read_into(store, pool, chain)
-    assert pool.arrivals is not None and pool.arrivals.is_pending
+    assert isinstance(pool.arrivals, LayerArrivals) and pool.arrivals.is_pending
     pool.await_all()
     torch.cuda.synchronize()
     assert not pool.arrivals.is_pending
-    for k, block in zip(chain, got, strict=True):
-        assert block is not None and identical(on_cpu(block), blocks[k])
+    for k, arrived in zip(chain, got, strict=True):
+        assert arrived is not None and identical(on_cpu(arrived), blocks[k])
 
 
 @pytest.mark.gpu
