@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from gateway.cache.load_plan import PlannedRead
 from gateway.cache.radix_index import BlockRecord
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import Namespace
@@ -59,11 +60,13 @@ class Lease:
 
     Holds one reference on every matched block until the cache releases it (done by the
     context manager of ``PrefixCache.acquire``). Remembers the prompt's block keys so that
-    inserting the rest of the prompt later hashes nothing twice. The lease owns the list of
+    inserting the rest of the prompt later hashes nothing twice, and where each held block
+    could be read when it was matched (``plan``, made in the same stay under the cache's lock,
+    so that loading the prefix asks placement nothing before its reads). The lease owns the list of
     records it holds; the cache changes it only through the methods below.
     """
 
-    __slots__ = ("namespace", "tokens", "keys", "match", "_records", "_is_released")
+    __slots__ = ("namespace", "tokens", "keys", "match", "plan", "_records", "_is_released")
 
     def __init__(
         self,
@@ -73,11 +76,13 @@ class Lease:
         keys: list[BlockKey],
         match: PrefixMatch,
         records: list[BlockRecord],
+        plan: tuple[PlannedRead, ...] = (),
     ) -> None:
         self.namespace = namespace
         self.tokens = tokens
         self.keys = keys
         self.match = match
+        self.plan = plan
         self._records = records
         self._is_released = False
 

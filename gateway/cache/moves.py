@@ -5,7 +5,8 @@ concerns bytes -- copy an evicted block into the tier below (a demotion), delete
 new or promoted block -- becomes one ``ByteMove``, queued in the order decided (a victim's copy
 comes after the moves that made room for it below, and before its deletion above). The caller
 takes the queue before it lets go of the lock; ``TierTransfers.run`` carries the moves out after
-and settles each under the lock again. A step is a record: neither side calls the other back.
+and posts what became of them (``MoveOutcomes``), which placement settles at its next stay under
+the lock. A step is a record: neither side calls the other back.
 
 Until a move is settled, the (block, tier) it touches is *moving*: placement neither reads nor
 places a copy there, so a reader never finds a copy whose bytes have not landed, and a deletion
@@ -14,6 +15,8 @@ never removes bytes placed again meanwhile.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.cache.radix_index import BlockRecord
@@ -63,6 +66,10 @@ class MoveQueue:
         """Moves queued or taken and not settled."""
         return sum(self._slot_to_num_moving.values())
 
+    def __bool__(self) -> bool:
+        """Whether any move is not settled (cheaper than ``len``)."""
+        return bool(self._slot_to_num_moving)
+
     def push(self, move: ByteMove) -> None:
         """Queue ``move``; its (block, tier) is moving from now until ``settled``."""
         slot = (move.key, move.tier)
@@ -86,3 +93,35 @@ class MoveQueue:
             self._slot_to_num_moving[slot] = left
         else:
             del self._slot_to_num_moving[slot]
+
+
+class MoveOutcomes:
+    """The moves the transfers carried out (or could not), waiting for placement's next stay.
+
+    The transfers post here after the bytes have landed, with no lock held and without
+    calling placement; placement settles what is posted first thing whenever it takes its
+    lock (``TierPlacement.locked``). Until then the move's block keeps its reference and its
+    new copy is not read, as before any move settles: nothing can see the difference, since
+    everything that reads or changes who holds what takes the lock first. (SGLang's scheduler
+    takes its cache controller's finished loads the same way, at its next step.) Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._posted: list[tuple[ByteMove, bool]] = []
+
+    def post(self, moves: Sequence[ByteMove], done: Sequence[bool]) -> None:
+        """``moves`` were carried out, in order: ``done[i]`` says whether the i-th was (a move
+        after the last of ``done``, cut short by an error, was not)."""
+        with self._lock:
+            self._posted.extend(
+                (move, i < len(done) and done[i]) for i, move in enumerate(moves))
+
+    def take(self) -> list[tuple[ByteMove, bool]]:
+        """What was posted since the last call, in order."""
+        with self._lock:
+            posted, self._posted = self._posted, []
+        return posted
+
+    def __bool__(self) -> bool:
+        return bool(self._posted)

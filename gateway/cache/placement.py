@@ -7,19 +7,17 @@ pin is never a victim; a block leaves a tier only after its children there, and 
 tier only when it has no children (or can move down); a record held by no tier and used by no
 one leaves the index. It decides; it never moves a byte. What its decisions mean for the bytes
 -- a victim copied into the tier below (a demotion), a copy deleted, a new block written -- it
-queues as ``ByteMove`` steps (``gateway.cache.moves``); the caller takes them (``take_moves``)
-before it lets go of the lock and has ``TierTransfers`` carry them out after, so that no store
-is read or written under the lock and nothing here calls back into the transfers (they ask;
-this module never does). Until settled (``settle``), a copy or write holds one reference on its
-block, and a copy that is moving is neither read (``readable_tier``) nor placed again.
+queues as ``ByteMove`` steps (``gateway.cache.moves``), which the caller takes (``take_moves``)
+before it lets go of the lock; ``TierTransfers`` carries them out after and posts how they went
+(``move_outcomes``), settled here at the next stay. No store is read or written under the lock,
+and nothing here calls the transfers. Until settled, a copy or write holds one reference on its
+block, and a moving copy is neither read (``plan_reads``) nor placed again. A warm load asks
+twice: its plan, made while its lease is acquired, and ``settle_load`` after its reads.
 
-The prefix cache (leases, matching, inserts), the transfers, admin selection and restart
-adoption all build on the methods here. Because every change of what a tier holds passes through
-``mark_held``, ``forget_copy`` and eviction here, this is also where an observer
-(``gateway.cache.base.TierEvents``: the KV-events publisher routers listen to) is told of them.
-Every method but ``locked`` expects its caller to hold ``locked()``; the public ones of
-``PrefixCache`` take it themselves.
-"""
+Every change of what a tier holds passes through ``mark_held``, ``forget_copy`` and eviction,
+so an observer (``gateway.cache.base.TierEvents``: the KV-events publisher) is told of them
+here. Every method but ``locked``, ``settle_load`` and those that say so expects its caller to
+hold ``locked()``."""
 
 from __future__ import annotations
 
@@ -31,7 +29,9 @@ from functools import partial
 
 from gateway.cache.base import TierEvents
 from gateway.cache.expiry import ExpiryQueue
-from gateway.cache.moves import ByteMove, MoveQueue
+from gateway.cache.load_plan import LoadReport, PlannedRead, SettledLoad
+from gateway.cache.moves import ByteMove, MoveOutcomes, MoveQueue
+from gateway.cache.placement_checks import check_placement
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, TierStats
 from gateway.cache.tier_slot import TierSlot
@@ -101,6 +101,7 @@ class TierPlacement:
         self._num_remote_hits = 0
         self._events = events
         self._moves = MoveQueue()
+        self._outcomes = MoveOutcomes()
 
     @property
     def block_tokens(self) -> int:
@@ -138,20 +139,15 @@ class TierPlacement:
         return self._num_remote_hits
 
     def fingerprinter(self, namespace: Namespace) -> BlockFingerprinter:
-        """The (memoised) block keys of ``namespace``."""
-        with self._lock:
-            fp = self._fingerprinters.get(namespace.digest)
-            if fp is None:
-                fp = BlockFingerprinter(namespace, self._block_tokens, key_bytes=self._key_bytes)
-                self._fingerprinters[namespace.digest] = fp
-            return fp
+        """The (memoised) block keys of ``namespace``; no lock: ``setdefault`` keeps one."""
+        fp = self._fingerprinters.get(namespace.digest)
+        if fp is None:
+            fp = self._fingerprinters.setdefault(namespace.digest, BlockFingerprinter(
+                namespace, self._block_tokens, key_bytes=self._key_bytes))
+        return fp
 
     def slot(self, tier: str) -> TierSlot:
-        """The tier named ``tier``.
-
-        Raises:
-            ValueError: no such tier (the message lists them).
-        """
+        """The tier named ``tier`` (ValueError, naming the tiers, if there is none)."""
         bit = self._bit_of.get(tier)
         if bit is None:
             raise ValueError(f"unknown tier {tier!r}; tiers are {list(self._bit_of)}")
@@ -159,10 +155,19 @@ class TierPlacement:
 
     # ---- who holds what ------------------------------------------------------------------
 
+    @property
+    def move_outcomes(self) -> MoveOutcomes:
+        """Where the transfers post the moves they carried out; settled at the next stay."""
+        return self._outcomes
+
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the cache's (reentrant) lock: a step of several placement calls is atomic."""
+        """Hold the cache's (reentrant) lock: a step of several placement calls is atomic.
+        The moves carried out since the last stay are settled first."""
         with self._lock:
+            if self._outcomes:
+                for move, is_done in self._outcomes.take():
+                    self.settle(move, is_done=is_done)
             yield
 
     @property
@@ -218,14 +223,6 @@ class TierPlacement:
                 return tier.name
         raise IndexInvariantError("a block in the index is held by no tier")
 
-    def readable_tier(self, record: BlockRecord) -> str | None:
-        """The fastest tier whose copy of ``record`` can be read now: held, and not moving
-        (its bytes may not have landed yet); None if there is none."""
-        for tier in self._tiers:
-            if record.tier_mask & self._bit_of[tier.name] and not self.is_moving(record, tier.name):
-                return tier.name
-        return None
-
     def is_moving(self, record: BlockRecord, tier: str) -> bool:
         """Whether a step decided for ``record``'s bytes in ``tier`` is not settled yet."""
         return self._moves.is_moving(record.key, tier)
@@ -262,6 +259,45 @@ class TierPlacement:
             tokens=record.tokens,
             expiry=self.expiry(record),
         )
+
+    def plan_reads(self, records: Sequence[BlockRecord]) -> tuple[PlannedRead, ...]:
+        """Where each of ``records`` (a held chain) can be read now, fastest first, up to the
+        first no tier can serve (its bytes moving, or held nowhere)."""
+        plan: list[PlannedRead] = []
+        bits = self._bit_of.items()
+        moving = self._moves.is_moving if self._moves else None
+        for record in records:
+            tiers = tuple([name for name, bit in bits if record.tier_mask & bit and not (
+                moving is not None and moving(record.key, name))])
+            if not tiers:
+                break
+            plan.append(PlannedRead(record, tiers, self.meta(record)))
+        return tuple(plan)
+
+    def settle_load(self, report: LoadReport, *, promote_into: str | None) -> SettledLoad:
+        """Take in what a load's reads brought, in one stay under the lock (it takes it):
+        failed copies forgotten, blocks from a slower tier placed in ``promote_into`` (writes
+        queued), hits and recomputing counted, the blocks not served let go."""
+        with self.locked():
+            for record, tier in report.failed:
+                self._counters[tier].load_failures += 1
+                if self.holds(record, tier):
+                    self.forget_copy(record, tier)
+            promoted: list[int] = []
+            for i, (read, tier, block) in enumerate(report.served):
+                read.record.num_hits += 1
+                if (promote_into is not None and tier != promote_into
+                        and not self.holds(read.record, promote_into)
+                        and self.place(read.record, promote_into)):
+                    self.queue_write(read.record, promote_into, block, write_through=False)
+                    self._counters[promote_into].promotions += 1  # counted where it went
+                    promoted.append(i)
+            for tier in {tier for _, tier, _ in report.served}:
+                self._counters[tier].hits += 1
+            if report.recomputed_in is not None:
+                self._counters[report.recomputed_in].recomputed_instead += 1
+            self.unhold(report.let_go)
+            return SettledLoad(moves=self.take_moves(), promoted=promoted)
 
     def place(self, record: BlockRecord, tier: str) -> bool:
         """Admit ``record`` into ``tier``, evicting (and so demoting) others to make room;
@@ -457,7 +493,7 @@ class TierPlacement:
     def evict(self, tier: str, num_bytes: int, *, tenant: str | None = None) -> EvictionResult:
         """Free at least ``num_bytes`` in ``tier`` (``tenant``'s blocks only, when given); the
         byte moves it decides are queued (``take_moves``)."""
-        with self._lock:
+        with self.locked():
             slot = self.slot(tier)
             return slot.policy.evict(
                 num_bytes,
@@ -474,7 +510,7 @@ class TierPlacement:
         A block in use or pinned stays; a parent whose children stay keeps the copies they
         need (it is never served: a lookup stops at an expired block) and is looked at again.
         """
-        with self._lock:
+        with self.locked():
             now = self._clock()
             expired = self._expiry.pop_expired(now, lambda r: self._index.get(r.key) is r)
             removed = 0
@@ -541,7 +577,7 @@ class TierPlacement:
 
     def set_quota(self, owner: str, num_bytes: int | None) -> None:
         """Cap what ``owner`` may hold in every tier (None: no cap)."""
-        with self._lock:
+        with self.locked():
             for slot in self._tiers:
                 slot.policy.set_quota(owner, num_bytes)
 
@@ -549,48 +585,16 @@ class TierPlacement:
 
     def tier_stats(self) -> tuple[TierStats, ...]:
         """Each tier's policy view and counters."""
-        return tuple(
-            TierStats(
-                name=slot.name,
-                num_blocks=slot.policy.num_entries,
-                used_bytes=slot.policy.used_bytes,
-                budget_bytes=slot.policy.budget_bytes,
-                hits=self._counters[slot.name].hits,
-                inserts=self._counters[slot.name].inserts,
-                refused=self._counters[slot.name].refused,
-                promotions=self._counters[slot.name].promotions,
-                demotions=self._counters[slot.name].demotions,
-                load_failures=self._counters[slot.name].load_failures,
-                recomputed_instead=self._counters[slot.name].recomputed_instead,
-                evictions=dict(self._counters[slot.name].evictions),
-            )
-            for slot in self._tiers
-        )
+        return tuple(TierStats.of(slot.name, slot.policy, self._counters[slot.name])
+                     for slot in self._tiers)
 
     def check_invariants(self) -> None:
-        """Assert index structure and its agreement with every tier's policy (tests only).
+        """Assert the index's structure and its agreement with every tier's policy (tests
+        only; ``gateway.cache.placement_checks``).
 
         Raises:
             IndexInvariantError: the first disagreement found.
         """
-        with self._lock:
-            self._index.check_invariants()
-            if self._moves:
-                raise IndexInvariantError(
-                    f"{len(self._moves)} byte moves decided and never carried out")
-            for slot in self._tiers:
-                bit = self._bit_of[slot.name]
-                held = {r.key for r in self._index.records() if r.tier_mask & bit}
-                tracked = set(slot.policy.keys())
-                if held != tracked:
-                    raise IndexInvariantError(
-                        f"tier {slot.name}: {len(held)} blocks held, {len(tracked)} tracked"
-                    )
-            for record in self._index.records():
-                if record.tier_mask == 0 and not (
-                    self._index.has_children(record) or record.refcount
-                ):
-                    raise IndexInvariantError("a block held by no tier outlived its use")
-                parent = record.parent
-                if parent is not None and parent.key not in self._index:
-                    raise IndexInvariantError("a block outlived its parent")
+        with self.locked():
+            check_placement(self._index, [(slot, self._bit_of[slot.name]) for slot in self._tiers],
+                            num_moving=len(self._moves))

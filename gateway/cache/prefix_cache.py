@@ -222,7 +222,9 @@ class PrefixCache:
             placement.hold(records)
             if met_expired:
                 placement.sweep_expired()
-        lease = Lease(namespace=namespace, tokens=tokens, keys=keys, match=match, records=records)
+            plan = placement.plan_reads(records) if placement.carries_bytes else ()
+        lease = Lease(namespace=namespace, tokens=tokens, keys=keys, match=match, records=records,
+                      plan=plan)
         try:
             yield lease
         finally:
@@ -266,15 +268,17 @@ class PrefixCache:
         first = min(max(0, start), limit)
         blocks: list[KVBlock] = []
         tiers: list[str] = []
-        if len(lease.records) > first:
-            loaded = transfers.load(lease.records[first:limit], recompute_s_per_token)
+        records = lease.records
+        if len(records) > first:
+            plan = lease.plan[first:limit]
+            loaded = transfers.load(plan, recompute_s_per_token,
+                                    let_go=records[first + len(plan):])
             blocks = [block for block, _ in loaded]
             tiers = [tier for _, tier in loaded]
-            with self._placement.locked():
-                self._placement.unhold(lease.cut(first + len(blocks)))
+            lease.cut(first + len(blocks))  # the load let their references go
         num_held = len(lease.records)
-        if (use_remote and transfers.remote_holds(lease.namespace)
-                and max(num_held, first) < limit):
+        if (max(num_held, first) < limit and use_remote
+                and transfers.remote_holds(lease.namespace)):
             fetched = transfers.extend_from_remote(
                 lease.namespace, lease.tokens, lease.keys, lease.records,
                 min(limit, len(lease.keys)), recompute_s_per_token)
@@ -282,25 +286,11 @@ class PrefixCache:
             used = fetched[max(0, first - num_held):]
             blocks.extend(block for _, block in used)
             tiers.extend(REMOTE for _ in used)
-        before: list[str] = []
-        if first:
-            with self._placement.locked():
-                before = [self._placement.readable_tier(r) or "" for r in lease.records[:first]]
+        before = [read.tiers[0] for read in lease.plan[:first]]
+        before.extend("" for _ in range(len(before), min(first, len(lease.records))))
         lease.match = self._make_match(lease.records, (*before, *tiers), len(lease.keys),
                                        lease.match.num_token_mismatches)
-        self._count_hits(lease.records[first:], tiers)
         return blocks
-
-    def _count_hits(self, records: Sequence[BlockRecord], tiers: Sequence[str]) -> None:
-        """A request was served ``records`` from ``tiers``: one hit per block on its record
-        (``ListPrefixes``), one per request on each local tier that served any of them."""
-        placement = self._placement
-        with placement.locked():
-            for record in records:
-                record.num_hits += 1
-            for tier in dict.fromkeys(tiers):
-                if tier != REMOTE:
-                    placement.counters(tier).hits += 1
 
     # ---- writing ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from policies.stack import TierPolicy
 from tiers.base import StoreStats
 
 
@@ -47,6 +48,17 @@ class TierStats:
     load_failures: int
     recomputed_instead: int
     evictions: dict[str, int]
+
+    @classmethod
+    def of(cls, name: str, policy: TierPolicy, counters: TierCounters) -> TierStats:
+        """A tier's figures from its policy's view and its counters."""
+        return cls(
+            name=name, num_blocks=policy.num_entries, used_bytes=policy.used_bytes,
+            budget_bytes=policy.budget_bytes, hits=counters.hits, inserts=counters.inserts,
+            refused=counters.refused, promotions=counters.promotions,
+            demotions=counters.demotions, load_failures=counters.load_failures,
+            recomputed_instead=counters.recomputed_instead,
+            evictions=dict(counters.evictions))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

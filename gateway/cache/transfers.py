@@ -12,7 +12,10 @@ to a tier goes through ``Placement.place`` (admission, which may evict and so de
 and every step that follows for the bytes -- this copy's write, the victims' demotions and
 deletions -- placement queues as ``ByteMove``s under its lock; this module takes them before it
 lets go of the lock and carries them out after (``run``), in order, so that no store is read or
-written under the lock. It never touches a policy, a reference count or a lease itself.
+written under the lock, then posts how they went for placement to settle at its next stay
+(``MoveOutcomes``) rather than calling it again. A warm load reads the plan its lease was
+acquired with, lock-free, and tells placement what came in once (``settle_load``). It never
+touches a policy, a reference count or a lease itself.
 ``TierPlacement`` satisfies ``Placement``; the protocol lives here so that this module needs
 nothing of the cache above it.
 """
@@ -23,9 +26,9 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Protocol
 
-from gateway.cache.moves import ByteMove
+from gateway.cache.load_plan import LoadReport, PlannedRead, SettledLoad
+from gateway.cache.moves import ByteMove, MoveOutcomes
 from gateway.cache.radix_index import BlockRecord, BlockSpec, RadixIndex
-from gateway.cache.stats import TierCounters
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from gateway.core.quantization import Quantization
 from gateway.core.tokens import TokenIds
@@ -38,7 +41,8 @@ from tiers.payload import KVBlock
 class Placement(Protocol):
     """The deciding side of the cache, as the transfers ask it (``PrefixCache``).
 
-    Every method but ``locked`` expects the caller to hold ``locked()``.
+    Every method but ``locked``, ``settle_load`` and the properties expects the caller to hold
+    ``locked()``.
     """
 
     @property
@@ -52,17 +56,17 @@ class Placement(Protocol):
         ...
 
     @property
-    def write_through_tiers(self) -> tuple[str, ...]:
-        """Tiers that receive a copy of every newly inserted block."""
-        ...
-
-    @property
     def index(self) -> RadixIndex:
         """The radix index (read it, or insert into it, holding ``locked()``)."""
         ...
 
     def locked(self) -> AbstractContextManager[None]:
         """The cache's (reentrant) lock."""
+        ...
+
+    @property
+    def move_outcomes(self) -> MoveOutcomes:
+        """Where ``run`` posts the moves it carried out (settled at placement's next stay)."""
         ...
 
     def now(self) -> float:
@@ -73,16 +77,8 @@ class Placement(Protocol):
         """The block keys of ``namespace``."""
         ...
 
-    def readable_tier(self, record: BlockRecord) -> str | None:
-        """The fastest tier whose copy of ``record`` can be read now."""
-        ...
-
     def holds(self, record: BlockRecord, tier: str) -> bool:
         """Whether ``tier`` holds a copy of ``record``."""
-        ...
-
-    def meta(self, record: BlockRecord) -> BlockMeta:
-        """The identity a store files ``record`` under."""
         ...
 
     def place(self, record: BlockRecord, tier: str) -> bool:
@@ -94,20 +90,16 @@ class Placement(Protocol):
         """Queue ``block``'s write into ``tier`` (placed there); returns its identity."""
         ...
 
+    def plan_reads(self, records: Sequence[BlockRecord]) -> tuple[PlannedRead, ...]:
+        """Where each of a held chain's blocks can be read now, fastest first."""
+        ...
+
+    def settle_load(self, report: LoadReport, *, promote_into: str | None) -> SettledLoad:
+        """Take in what a load's reads brought, in one stay under the lock."""
+        ...
+
     def take_moves(self) -> list[ByteMove]:
         """The byte moves decided since the last call, in order."""
-        ...
-
-    def settle(self, move: ByteMove, *, is_done: bool) -> None:
-        """``move`` was carried out, or could not be."""
-        ...
-
-    def forget_copy(self, record: BlockRecord, tier: str) -> None:
-        """``tier`` no longer holds ``record`` (its bytes are already gone)."""
-        ...
-
-    def counters(self, tier: str) -> TierCounters:
-        """``tier``'s counters."""
         ...
 
     def hold(self, records: Iterable[BlockRecord]) -> None:
@@ -146,6 +138,9 @@ class TierTransfers:
     ) -> None:
         self._hierarchy = hierarchy
         self._placement = placement
+        self._top = placement.tier_names[0]
+        self._block_tokens = placement.block_tokens
+        self._outcomes = placement.move_outcomes
         self._remote_write = remote_write and hierarchy.remote is not None
         self._promote_on_hit = promote_on_hit
         self._remote_quantization = remote_quantization
@@ -177,9 +172,10 @@ class TierTransfers:
     # ---- writing ------------------------------------------------------------------------
 
     def run(self, moves: Sequence[ByteMove]) -> None:
-        """Carry out ``moves`` (``Placement.take_moves``), in order, without the lock, then
-        settle them under it. A copy whose source is gone is not done (placement forgets the
-        copy it made room for); a step an error cut short is settled as not done."""
+        """Carry out ``moves`` (``Placement.take_moves``), in order, without the lock, then post
+        what became of them for placement to settle at its next stay (``MoveOutcomes``). A
+        copy whose source is gone is not done (placement forgets the copy it made room for); a
+        step an error cut short is posted as not done."""
         if not moves:
             return
         done: list[bool] = []
@@ -187,9 +183,7 @@ class TierTransfers:
             for move in moves:
                 done.append(self._carry_out(move))
         finally:
-            with self._placement.locked():
-                for i, move in enumerate(moves):
-                    self._placement.settle(move, is_done=i < len(done) and done[i])
+            self._outcomes.post(moves, done)
 
     def _carry_out(self, move: ByteMove) -> bool:
         hierarchy = self._hierarchy
@@ -217,165 +211,88 @@ class TierTransfers:
     # ---- loading ------------------------------------------------------------------------
 
     def load(
-        self, records: Sequence[BlockRecord], recompute_s_per_token: float | None
+        self, plan: Sequence[PlannedRead], recompute_s_per_token: float | None, *,
+        let_go: Sequence[BlockRecord] = (),
     ) -> list[tuple[KVBlock, str]]:
-        """The payloads of ``records`` (a held chain) in order, each with the tier it came
-        from, up to the first that is missing, fails verification, or would load slower than
-        recomputing it (``recompute_s_per_token``, from the worker).
+        """The payloads of ``plan`` (a held chain, planned by ``Placement.plan_reads``) in
+        order, each with the tier it came from, up to the first block that no planned tier
+        serves or that would load slower than recomputing it (``recompute_s_per_token``, from
+        the worker). The chain's blocks not served, and ``let_go``, lose their references.
 
-        The whole chain in three steps: placement is asked once where each block can be read;
-        each tier's run is read in one call with no lock held (a disk reads several blocks at
-        once), if it is worth loading; placement is told once what came in (promotions,
-        failures). A block that fails in its tier is retried from the next tier that holds it,
-        one by one from there.
+        Every read happens with no lock held; placement is told once, at the end, what came
+        in (``Placement.settle_load``: promotions, failed copies, hits), and the moves it
+        decides are carried out after (``run``).
         """
-        plan, blocks = self._read_chain(self._plan_load(records), recompute_s_per_token)
-        loaded, promoted, failed_at = self._settle_load(plan, blocks)
-        if promoted:
+        placement = self._placement
+        report = self._read_plan(plan, recompute_s_per_token)
+        report.let_go = [read.record for read in plan[len(report.served):]]
+        report.let_go.extend(let_go)
+        settled = placement.settle_load(
+            report, promote_into=self._top if self._promote_on_hit else None)
+        self.run(settled.moves)
+        loaded = [(block, tier) for _, tier, block in report.served]
+        if settled.promoted:
             # Serve the fastest tier's copies where it kept them (pages read in place).
-            top = self._hierarchy.store(self._placement.tier_names[0])
-            kept = top.get_many([plan[i][2] for i in promoted])
-            for i, block in zip(promoted, kept, strict=True):
+            kept = self._hierarchy.store(self._top).get_many(
+                [report.served[i][0].meta for i in settled.promoted])
+            for i, block in zip(settled.promoted, kept, strict=True):
                 if block is not None:
                     loaded[i] = (block, loaded[i][1])
-        if failed_at is not None:
-            for record in records[failed_at:]:
-                one = self._load_one(record, recompute_s_per_token)
-                if one is None:
-                    break
-                loaded.append(one)
         return loaded
 
-    def _plan_load(
-        self, records: Sequence[BlockRecord]
-    ) -> list[tuple[BlockRecord, str, BlockMeta]]:
-        """Each record with the tier to read it from and its identity, up to the first that no
-        tier can serve now (one pass under the lock)."""
-        placement = self._placement
-        plan: list[tuple[BlockRecord, str, BlockMeta]] = []
-        with placement.locked():
-            for record in records:
-                tier = placement.readable_tier(record)
-                if tier is None:
-                    break
-                plan.append((record, tier, placement.meta(record)))
-        return plan
+    def _read_plan(self, plan: Sequence[PlannedRead],
+                   recompute_s_per_token: float | None) -> LoadReport:
+        """Read ``plan`` with no lock held: each tier's run of consecutive blocks in one call
+        while every read succeeds; after a failed copy, block by block, each from its planned
+        tiers in order (a copy that fails is tried in the next tier that holds it).
 
-    def _read_chain(
-        self, plan: Sequence[tuple[BlockRecord, str, BlockMeta]],
-        recompute_s_per_token: float | None,
-    ) -> tuple[list[tuple[BlockRecord, str, BlockMeta]], list[KVBlock | None]]:
-        """Read ``plan`` run by run (a tier's consecutive blocks in one call, no lock held), up
-        to the first run judged slower than recomputing it or holding a failed read. A tier
-        not measured yet, or judged slow (a probe), reads one block first: its time decides the
-        rest of the run, so a slow tier costs one block before it is found out (Redis, whose
-        one block is mostly a round trip, is measured on a whole chain: ``_fetch_remote``)."""
-        read: list[tuple[BlockRecord, str, BlockMeta]] = []
-        blocks: list[KVBlock | None] = []
+        A tier not measured yet, or judged slow (a probe), reads one block of a run first: its
+        time decides the rest of the run, so a slow tier costs one block before it is found
+        out (Redis, whose one block is mostly a round trip, is measured on a whole chain:
+        ``_fetch_remote``)."""
+        report = LoadReport()
+        hierarchy = self._hierarchy
+        into = self._top if self._promote_on_hit else None
         for tier, run in _runs(plan):
-            hierarchy = self._hierarchy
             pieces = ([run[:1], run[1:]] if len(run) > 1 and (
                 hierarchy.bandwidth(tier) is None or hierarchy.is_judged_slow(tier)) else [run])
             for piece in pieces:
                 if not self._worth_loading(tier, piece, recompute_s_per_token):
-                    return read, blocks
-                got = self._hierarchy.read_many(
-                    tier, [meta for _, _, meta in piece],
-                    into_tier=self._placement.tier_names[0] if self._promote_on_hit else None)
-                read.extend(piece)
-                blocks.extend(got)
-                if any(block is None for block in got):
-                    return read, blocks
-        return read, blocks
+                    report.recomputed_in = tier
+                    return report
+                got = hierarchy.read_many(tier, [read.meta for read in piece], into_tier=into)
+                for read, block in zip(piece, got, strict=True):
+                    if block is None:
+                        return self._read_one_by_one(plan, len(report.served),
+                                                     recompute_s_per_token, report)
+                    report.served.append((read, tier, block))
+        return report
 
-    def _worth_loading(self, tier: str, piece: Sequence[tuple[BlockRecord, str, BlockMeta]],
-                       recompute_s_per_token: float | None) -> bool:
-        """Whether to read ``piece`` from ``tier`` rather than recompute it (counted if not)."""
-        placement = self._placement
-        recompute_s = (None if recompute_s_per_token is None
-                       else recompute_s_per_token * placement.block_tokens * len(piece))
-        num_bytes = sum(record.num_bytes for record, _, _ in piece)
-        if self._hierarchy.worth_loading(tier, len(piece), num_bytes, recompute_s):
-            return True
-        with placement.locked():
-            placement.counters(tier).recomputed_instead += 1
-        return False
-
-    def _settle_load(
-        self, plan: Sequence[tuple[BlockRecord, str, BlockMeta]],
-        blocks: Sequence[KVBlock | None],
-    ) -> tuple[list[tuple[KVBlock, str]], list[int], int | None]:
-        """Tell placement what the reads brought, in one pass: promote what came from a slower
-        tier, forget a copy that failed. Returns what loaded, the indices promoted, and the
-        index of the first failure (None when every read block came in)."""
-        placement = self._placement
-        loaded: list[tuple[KVBlock, str]] = []
-        promoted: list[int] = []
-        failed_at: int | None = None
-        with placement.locked():
-            for index, ((record, tier, _), block) in enumerate(
-                    zip(plan, blocks, strict=True)):
-                if block is None:
-                    placement.counters(tier).load_failures += 1
-                    placement.forget_copy(record, tier)
-                    failed_at = index
+    def _read_one_by_one(self, plan: Sequence[PlannedRead], start: int,
+                         recompute_s_per_token: float | None, report: LoadReport) -> LoadReport:
+        """Read ``plan[start:]`` one block at a time (after a failed copy), each from its
+        planned tiers in order, up to the first that none of them serves."""
+        for read in plan[start:]:
+            for tier in read.tiers:
+                if not self._worth_loading(tier, [read], recompute_s_per_token):
+                    report.recomputed_in = tier
+                    return report
+                block = self._hierarchy.read(tier, read.meta)
+                if block is not None:
+                    report.served.append((read, tier, block))
                     break
-                if self._promote(record, block, tier):
-                    promoted.append(index)
-                loaded.append((block, tier))
-            moves = placement.take_moves()
-        self.run(moves)
-        return loaded, promoted, failed_at
+                report.failed.append((read.record, tier))
+            else:
+                return report
+        return report
 
-    def _load_one(
-        self, record: BlockRecord, recompute_s_per_token: float | None
-    ) -> tuple[KVBlock, str] | None:
-        """One block from the fastest tier that serves it (after a failed read: the next)."""
-        placement = self._placement
-        while True:
-            with placement.locked():
-                tier = placement.readable_tier(record)
-                if tier is None:
-                    return None
-                meta = placement.meta(record)
-            recompute_s = (None if recompute_s_per_token is None
-                           else recompute_s_per_token * placement.block_tokens)
-            if not self._hierarchy.worth_loading(tier, 1, record.num_bytes, recompute_s):
-                with placement.locked():
-                    placement.counters(tier).recomputed_instead += 1
-                return None
-            # No lock while reading: the lease's reference keeps the block in this tier.
-            block = self._hierarchy.read(tier, meta)
-            is_promoted = False
-            with placement.locked():
-                if block is None:
-                    placement.counters(tier).load_failures += 1
-                    placement.forget_copy(record, tier)
-                    moves = placement.take_moves()
-                else:
-                    is_promoted = self._promote(record, block, tier)
-                    moves = placement.take_moves()
-            self.run(moves)
-            if block is None:
-                continue  # try the next tier that holds it
-            if is_promoted:
-                # Serve the fastest tier's copy where it kept one (a page of the pool that
-                # requests read in place).
-                block = self._hierarchy.store(placement.tier_names[0]).get(meta) or block
-            return block, tier
-
-    def _promote(self, record: BlockRecord, block: KVBlock, tier: str) -> bool:
-        """Place a block read from a slower ``tier`` in the fastest one (its write queued);
-        whether it was."""
-        placement = self._placement
-        top = placement.tier_names[0]
-        if not self._promote_on_hit or tier == top or placement.holds(record, top):
-            return False
-        if not placement.place(record, top):
-            return False
-        placement.queue_write(record, top, block, write_through=False)
-        placement.counters(top).promotions += 1  # counted where the copy went
-        return True
+    def _worth_loading(self, tier: str, piece: Sequence[PlannedRead],
+                       recompute_s_per_token: float | None) -> bool:
+        """Whether to read ``piece`` from ``tier`` rather than recompute it."""
+        recompute_s = (None if recompute_s_per_token is None
+                       else recompute_s_per_token * self._block_tokens * len(piece))
+        num_bytes = sum(read.record.num_bytes for read in piece)
+        return self._hierarchy.worth_loading(tier, len(piece), num_bytes, recompute_s)
 
     # ---- the remote tier ----------------------------------------------------------------
 
@@ -409,7 +326,7 @@ class TierTransfers:
                                    owner=namespace.scope.owner,
                                    tokens=fp.block_token_bytes(tokens, i)))
             parent_key = keys[i]
-        top = placement.tier_names[0]
+        top = self._top
         fetched = self._fetch_remote(metas, top, recompute_s_per_token)
         if not fetched:
             return []
@@ -434,6 +351,7 @@ class TierTransfers:
                     if not placement.place(record, top):
                         break
                     meta = placement.queue_write(record, top, block, write_through=False)
+                record.num_hits += 1
                 used.append((record, block))
                 placed.append(meta)
             placement.unhold(chain[len(used):])
@@ -456,7 +374,7 @@ class TierTransfers:
         pipelined chain pays once."""
         hierarchy = self._hierarchy
         per_block_s = (None if recompute_s_per_token is None
-                       else recompute_s_per_token * self._placement.block_tokens)
+                       else recompute_s_per_token * self._block_tokens)
         pieces = ([metas[:1], metas[1:]] if len(metas) > 1 and hierarchy.is_judged_slow(REMOTE)
                   else [metas])
         fetched: list[tuple[KVBlock, BlockExpiry | None]] = []
@@ -500,13 +418,12 @@ class TierTransfers:
         self._hierarchy.refresh_remote_expiry(metas)
 
 
-def _runs(plan: Sequence[tuple[BlockRecord, str, BlockMeta]]
-          ) -> list[tuple[str, list[tuple[BlockRecord, str, BlockMeta]]]]:
-    """``plan`` cut into runs of consecutive entries read from the same tier."""
-    runs: list[tuple[str, list[tuple[BlockRecord, str, BlockMeta]]]] = []
-    for entry in plan:
-        if runs and runs[-1][0] == entry[1]:
-            runs[-1][1].append(entry)
+def _runs(plan: Sequence[PlannedRead]) -> list[tuple[str, list[PlannedRead]]]:
+    """``plan`` cut into runs of consecutive blocks whose fastest planned tier is the same."""
+    runs: list[tuple[str, list[PlannedRead]]] = []
+    for read in plan:
+        if runs and runs[-1][0] == read.tiers[0]:
+            runs[-1][1].append(read)
         else:
-            runs.append((entry[1], [entry]))
+            runs.append((read.tiers[0], [read]))
     return runs

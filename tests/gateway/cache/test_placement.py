@@ -97,14 +97,29 @@ def test_an_eviction_decides_its_demotion_and_queues_the_byte_moves_in_order() -
         assert [(m.key, m.source, m.tier, m.is_delete) for m in moves] == [
             (first.key, "device", "host", False), (first.key, None, "device", True)]
         assert placement.tiers_in([first]) == ("host",)
-        assert placement.readable_tier(first) is None  # its bytes have not landed in host
+        assert placement.plan_reads([first]) == ()  # its bytes have not landed in host
         assert first.refcount == 1  # the copy holds it until settled
         assert not placement.place(first, "device")  # nor is it placed back meanwhile
         for move in moves:
             placement.settle(move, is_done=True)
-        assert placement.readable_tier(first) == "host" and first.refcount == 0
+        assert placement.plan_reads([first])[0].tiers == ("host",) and first.refcount == 0
         assert placement.counters("device").demotions == 1
     assert [s.num_blocks for s in hierarchy.stats()] == [0, 0]  # no byte was moved here
+    placement.check_invariants()
+
+
+def test_moves_posted_by_the_transfers_are_settled_when_the_lock_is_next_taken() -> None:
+    placement, _ = device_host(device_blocks=1, host_blocks=4)
+    (first,) = chain(placement, b"a")
+    (second,) = chain(placement, b"b")
+    with placement.locked():
+        assert placement.place(first, "device") and placement.place(second, "device")
+        moves = placement.take_moves()
+    placement.move_outcomes.post(moves, [True] * len(moves))  # what TierTransfers.run does
+    assert first.refcount == 1  # posted, not settled yet
+    with placement.locked():
+        assert first.refcount == 0 and placement.counters("device").demotions == 1
+        assert placement.plan_reads([first])[0].tiers == ("host",)
     placement.check_invariants()
 
 
