@@ -3,7 +3,9 @@
 ``kvgate_kv_bytes_in_use`` is what the running requests hold at a moment (their block tables'
 pages, a cached prefix they share counted once; before the page pool, the buffers they
 reserved). Polled every 50 ms -- what a router's scraper does -- while a load runs, its peak is
-the figure ``kvgate bench load`` prints beside TTFT and req/s.
+the figure ``kvgate bench load`` prints beside TTFT and req/s. ``kvgate_kv_tokens_in_use`` is
+the tokens in those pages (a shared page counted once): its peak is the floor of any cache that
+keeps each distinct token once, printed under the table beside the bytes' growth with users.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from types import TracebackType
 from prometheus_client.parser import text_string_to_metric_families
 
 METRIC = "kvgate_kv_bytes_in_use"
+TOKENS_METRIC = "kvgate_kv_tokens_in_use"
 
 
 def read_gauge(text: str, name: str = METRIC) -> float | None:
@@ -28,7 +31,8 @@ def read_gauge(text: str, name: str = METRIC) -> float | None:
 class KVHeldPoller:
     """Polls ``http://host:port/metrics`` on a thread until the ``with`` block ends.
 
-    ``peak_bytes`` is None where the server exposes no such gauge (or no metrics at all).
+    ``peak_bytes`` (``peak_tokens``) is None where the server exposes no such gauge (or no
+    metrics at all).
     """
 
     def __init__(self, host: str, port: int | None, *, interval_s: float = 0.05) -> None:
@@ -36,6 +40,7 @@ class KVHeldPoller:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-held-poller", daemon=True)
         self.peak_bytes: int | None = None
+        self.peak_tokens: int | None = None
 
     def __enter__(self) -> KVHeldPoller:
         if self._port is not None:
@@ -69,6 +74,11 @@ class KVHeldPoller:
         except (OSError, http.client.HTTPException):
             connection.close()
             return
-        value = read_gauge(body) if response.status == 200 else None
+        if response.status != 200:
+            return
+        value = read_gauge(body)
         if value is not None:
             self.peak_bytes = max(self.peak_bytes or 0, int(value))
+        tokens = read_gauge(body, TOKENS_METRIC)
+        if tokens is not None:
+            self.peak_tokens = max(self.peak_tokens or 0, int(tokens))

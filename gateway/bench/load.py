@@ -119,6 +119,8 @@ class LoadResult:
     peak_rss_bytes: int | None = None
     peak_kv_bytes: int | None = None
     """The most KV bytes its running requests held at once (``gateway.bench.kv_held``)."""
+    peak_kv_tokens: int | None = None
+    """The most distinct tokens those pages held at once (the floor of the bytes)."""
     note: str | None = None
     server: str = ""
 
@@ -387,7 +389,7 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
             result.replies, result.wall_s = run_users(
                 session, num_users=n, rounds=options.rounds, system=system,
                 num_rules=options.num_rules)
-        result.peak_kv_bytes = poller.peak_bytes
+        result.peak_kv_bytes, result.peak_kv_tokens = poller.peak_bytes, poller.peak_tokens
         result.peak_rss_bytes = (process_tree_peak_rss(endpoint.pid)
                                  if endpoint.pid is not None else None)
     return route
@@ -477,6 +479,30 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         "prefix counted once).\n")
     for label, route in routes.items():
         out.write(f"{label}: engine route {route}\n")
+    for line in kv_growth_lines(results):
+        out.write(line + "\n")
+
+
+def kv_growth_lines(results: Sequence[LoadResult]) -> list[str]:
+    """For each configuration measured alone and with more users: its peak KV bytes, and the
+    peak distinct tokens in them, against one user's. The tokens' ratio is the floor of the
+    bytes' for any cache that keeps each distinct token once (each user's own conversation is
+    its own); the bytes add the pages' unfilled slots."""
+    lines = []
+    by_label: dict[str, dict[int, tuple[int, int]]] = {}
+    for r in results:
+        if r.note is None and r.peak_kv_bytes and r.peak_kv_tokens:
+            by_label.setdefault(r.label, {})[r.num_users] = (r.peak_kv_bytes, r.peak_kv_tokens)
+    for label, rows in by_label.items():
+        one = rows.get(1)
+        if one is None or len(rows) < 2:
+            continue
+        ratios = ", ".join(f"{n} users {num_bytes / one[0]:.2f}x bytes / "
+                           f"{num_tokens / one[1]:.2f}x tokens"
+                           for n, (num_bytes, num_tokens) in sorted(rows.items()) if n != 1)
+        lines.append(f"{label}: KV held against one user's (peak bytes; peak distinct tokens, "
+                     f"{one[1]:,} alone): {ratios}")
+    return lines
 
 
 def print_admission(options: LoadOptions, out: TextIO) -> None:

@@ -340,7 +340,7 @@ class Engine:
         ``kv_cache_usage_perc``: cached pages no request lists count as free)."""
         if self._loop is None:
             return 0.0
-        return self._loop.kv_bytes_held() / (self._pool.num_pages * self._pool.page_nbytes)
+        return self._loop.kv_held()[0] / (self._pool.num_pages * self._pool.page_nbytes)
 
     @property
     def route(self) -> EngineRoute:

@@ -576,15 +576,25 @@ class StepLoop:
     def _note_queue_depth(self) -> None:  # and the KV bytes the running requests hold
         if self._metrics is not None:
             self._metrics.set_queue_depth(self._scheduler.num_waiting)
-            self._metrics.set_kv_bytes_in_use(self.kv_bytes_held())
+            num_bytes, num_tokens = self.kv_held()
+            self._metrics.set_kv_in_use(num_bytes, num_tokens=num_tokens)
 
     @property
     def num_running(self) -> int:
         """Requests the scheduler has admitted and not finished (a len(): any thread)."""
         return self._scheduler.num_running
 
-    def kv_bytes_held(self) -> int:
-        """Bytes of the pages the running requests' tables list, a page shared by several
-        (a cached prefix) counted once."""
-        pages = {page for active in list(self._active.values()) for page in active.seq.page_ids}
-        return len(pages) * self._pool.page_nbytes
+    def kv_held(self) -> tuple[int, int]:
+        """The bytes of the pages the running requests' tables list, and the tokens those pages
+        hold, a page shared by several (a cached prefix) counted once. The tokens are the floor
+        of any cache that keeps each distinct token once; the bytes add the pages' unfilled
+        slots (a sequence's last page, a partial block it copied to write into)."""
+        page_tokens = self._pool.page_tokens
+        filled: dict[int, int] = {}
+        for active in list(self._active.values()):
+            seq = active.seq
+            for i, page in enumerate(seq.page_ids):
+                tokens = min(page_tokens, max(0, seq.length - i * page_tokens))
+                if tokens > filled.get(page, -1):
+                    filled[page] = tokens
+        return len(filled) * self._pool.page_nbytes, sum(filled.values())

@@ -12,7 +12,7 @@ from typing import Protocol
 
 class EngineMetrics(Protocol):
     """Receives the outcome of every generation, each step, the queue depth and wait, the KV
-    bytes in use, inter-token gaps, preemptions and shadow verifications.
+    held, inter-token gaps, preemptions and shadow verifications.
 
     NOTE: the step loop calls these on its one thread, once per step or token: each must be
     cheap (a counter or histogram update), never I/O.
@@ -31,8 +31,9 @@ class EngineMetrics(Protocol):
     def set_queue_depth(self, depth: int) -> None:
         """The number of requests waiting for the engine."""
 
-    def set_kv_bytes_in_use(self, num_bytes: int) -> None:
-        """The KV buffer bytes the running requests reserve now (set as that changes)."""
+    def set_kv_in_use(self, num_bytes: int, *, num_tokens: int) -> None:
+        """What the running requests hold now (set as that changes): ``num_bytes`` of pages,
+        filled with ``num_tokens`` distinct tokens (a shared page counted once)."""
 
     def record_step(self, *, num_requests: int, num_tokens: int) -> None:
         """One step (one forward) of ``num_requests`` requests computing ``num_tokens``."""

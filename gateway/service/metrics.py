@@ -206,6 +206,10 @@ class GatewayMetrics:
         self._kv_in_use = self._shared(Gauge(
             f"{PREFIX}_kv_bytes_in_use", "KV bytes the running requests hold: the pages of "
             "their block tables, a cached prefix they share counted once.", registry=None))
+        self._kv_tokens_in_use = self._shared(Gauge(
+            f"{PREFIX}_kv_tokens_in_use", "Tokens in the pages of kvgate_kv_bytes_in_use, a "
+            "shared page counted once: what a cache keeping each distinct token once would "
+            "hold.", registry=None))
         self._kv_budget_gauge = self._shared(Gauge(
             f"{PREFIX}_kv_budget_bytes", "The KV bytes the running requests' own pages may "
             "reserve together ([engine] kv_budget_bytes).", registry=None))
@@ -311,9 +315,10 @@ class GatewayMetrics:
         self._queue_depth.set(depth)
         self._queue_depth_now = depth
 
-    def set_kv_bytes_in_use(self, num_bytes: int) -> None:
-        """KV bytes the running requests reserve now."""
+    def set_kv_in_use(self, num_bytes: int, *, num_tokens: int) -> None:
+        """KV bytes the running requests hold now, and the distinct tokens in them."""
         self._kv_in_use.set(num_bytes)
+        self._kv_tokens_in_use.set(num_tokens)
         self._kv_bytes_now = num_bytes
 
     def record_step(self, *, num_requests: int, num_tokens: int) -> None:

@@ -20,7 +20,7 @@ import torch
 from gateway.bench.admission import measure_admission
 from gateway.bench.chat_workload import Conversation, question, system_prompt
 from gateway.bench.kv_held import read_gauge
-from gateway.bench.load import LoadResult, percentile, plot_results
+from gateway.bench.load import LoadResult, kv_growth_lines, percentile, plot_results
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_config
 from gateway.config.loader import load_serve_config
@@ -142,6 +142,16 @@ def test_the_peak_kv_held_is_read_from_the_servers_gauge() -> None:
                   "kvgate_kv_bytes_in_use 3.5e+06\nkvgate_kv_budget_bytes 2.0e+09\n")
     assert read_gauge(exposition) == 3.5e6
     assert read_gauge("kvgate_kv_budget_bytes 1\n") is None
+
+
+def test_kv_growth_with_users_is_printed_as_bytes_and_as_distinct_tokens() -> None:
+    results = [LoadResult(label="kvgate", num_users=1, peak_kv_bytes=100, peak_kv_tokens=1000),
+               LoadResult(label="kvgate", num_users=8, peak_kv_bytes=180, peak_kv_tokens=1700),
+               LoadResult(label="peer", num_users=1, note="n/a (run make bench-peers)"),
+               LoadResult(label="alone", num_users=8, peak_kv_bytes=5, peak_kv_tokens=5)]
+    assert kv_growth_lines(results) == [
+        "kvgate: KV held against one user's (peak bytes; peak distinct tokens, 1,000 alone): "
+        "8 users 1.80x bytes / 1.70x tokens"]
 
 
 def test_admission_is_measured_both_ways_on_whole_blocks() -> None:

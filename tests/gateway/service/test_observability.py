@@ -32,7 +32,8 @@ from tests.tiny_llama import save_tiny_llama
 
 NEW_METRICS = (
     "kvgate_step_requests", "kvgate_step_tokens", "kvgate_queue_wait_seconds",
-    "kvgate_kv_bytes_in_use", "kvgate_kv_budget_bytes", "kvgate_completion_tokens",
+    "kvgate_kv_bytes_in_use", "kvgate_kv_tokens_in_use", "kvgate_kv_budget_bytes",
+    "kvgate_completion_tokens",
     "kvgate_inter_token_latency_seconds",
 )
 """Families (as the parser names them: a counter without ``_total``) that dashboards and alert
@@ -152,6 +153,7 @@ def test_requests_leave_access_lines_a_stats_line_and_metrics_on_the_api_port(
         n - 1 for n in completions)
     assert samples[("kvgate_kv_budget_bytes", ())] == 2 << 30
     assert samples[("kvgate_kv_bytes_in_use", ())] == 0  # nothing runs now
+    assert samples[("kvgate_kv_tokens_in_use", ())] == 0
     assert samples[("kvgate_prompt_tokens_total", (("source", "cache"), ("tier", "device")))] > 0
     assert "careful assistant" not in text and key not in text
 

@@ -164,6 +164,22 @@ def test_num_running_counts_a_request_the_engine_is_decoding(served: Served) -> 
     assert 0 < _value(seen, "vllm:kv_cache_usage_perc") < 1  # its pages, in use
 
 
+def test_the_tokens_in_use_fill_every_page_in_use_but_the_last(served: Served) -> None:
+    """One generation runs alone: its pages are full but its last (kvgate_kv_tokens_in_use is
+    the floor that kvgate_kv_bytes_in_use pays whole pages over)."""
+    seen = None
+    for _ in range(8):  # see the test above: a generation may end before it is seen
+        seen = _scrape_while_decoding(served)
+        if seen is not None:
+            break
+    assert seen is not None, "no generation was seen running in 8 tries"
+    [held] = seen["kvgate_kv_bytes_in_use"]
+    [tokens] = seen["kvgate_kv_tokens_in_use"]
+    pages = held.value / served.loaded.layout.block_nbytes(BLOCK)
+    assert pages >= 1 and pages == int(pages)
+    assert (pages - 1) * BLOCK < tokens.value <= pages * BLOCK
+
+
 def _scrape_while_decoding(served: Served) -> dict[str, list[Any]] | None:
     """One scrape that shows a long generation running (its engine decoding), or None if it
     ended first."""
