@@ -1,7 +1,7 @@
 """The conversations of ``kvgate bench load``: many users chatting under one system prompt.
 
 Every user gets the same system prompt -- a support assistant's numbered rules (60 by default,
-~1.2k tokens with SmolLM2's tokenizer), real English built deterministically from a few lists
+1,614 tokens with SmolLM2's tokenizer), real English built deterministically from a few lists
 -- then asks a short question of their own each round; the answer each system gave is appended
 before the next question, as a chat client does. Nothing is random: every system measured gets
 the same system prompt and the same questions (the answers are each system's own).

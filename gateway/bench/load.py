@@ -1,7 +1,7 @@
 """``kvgate bench load``: many users chatting at once under one system prompt.
 
 U users (``--users 1,4,8``) each chat R rounds (``--rounds 4``) under one shared system prompt
-(``gateway.bench.chat_workload``: 60 numbered rules, ~1.2k tokens); each round sends the
+(``gateway.bench.chat_workload``: 60 numbered rules, ~1.6k tokens); each round sends the
 conversation so far plus a new short question and streams a greedy answer of ``--max-tokens``
 tokens, which the next round appends. Users start together; each user's rounds are sequential.
 The clients are threads of this process; every server is a separate process it spawns on a free

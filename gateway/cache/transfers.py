@@ -263,6 +263,7 @@ class TierTransfers:
                 got = hierarchy.read_many(tier, [read.meta for read in piece], into_tier=into)
                 for read, block in zip(piece, got, strict=True):
                     if block is None:
+                        report.failed.append((read.record, tier))
                         return self._read_one_by_one(plan, len(report.served),
                                                      recompute_s_per_token, report)
                     report.served.append((read, tier, block))
@@ -271,9 +272,13 @@ class TierTransfers:
     def _read_one_by_one(self, plan: Sequence[PlannedRead], start: int,
                          recompute_s_per_token: float | None, report: LoadReport) -> LoadReport:
         """Read ``plan[start:]`` one block at a time (after a failed copy), each from its
-        planned tiers in order, up to the first that none of them serves."""
+        planned tiers in order but those that failed it already, up to the first that none of
+        them serves."""
+        failed = {(id(record), tier) for record, tier in report.failed}
         for read in plan[start:]:
             for tier in read.tiers:
+                if (id(read.record), tier) in failed:
+                    continue
                 if not self._worth_loading(tier, [read], recompute_s_per_token):
                     report.recomputed_in = tier
                     return report

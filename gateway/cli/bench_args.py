@@ -99,7 +99,7 @@ def add_bench_load(bench_sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent("""\
             U users (--users) each chat --rounds rounds under one shared system prompt of
-            --rules numbered rules (~1.2k tokens for 60): each round appends the previous
+            --rules numbered rules (~1.6k tokens for 60): each round appends the previous
             answer and a short new question, and streams --max-tokens greedy tokens. Users
             start together; each user's rounds are sequential. Configurations, back to back:
               - kvgate (engine route auto: batched when the start-up probe passes),
