@@ -12,6 +12,7 @@ not served. A record here is data: neither side calls the other through it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from gateway.cache.moves import ByteMove
 from gateway.cache.radix_index import BlockRecord
@@ -19,9 +20,11 @@ from tiers.base import BlockMeta
 from tiers.payload import KVBlock
 
 
-@dataclass(frozen=True, slots=True)
-class PlannedRead:
+class PlannedRead(NamedTuple):
     """One block of a held chain and where it can be read.
+
+    A named tuple rather than a frozen dataclass: one is made per block of every acquire, and
+    a tuple is several times cheaper to make.
 
     Attributes:
         record: the block (held by the lease that planned it: nothing evicts it).
