@@ -286,8 +286,9 @@ class PrefixCache:
             used = fetched[max(0, first - num_held):]
             blocks.extend(block for _, block in used)
             tiers.extend(REMOTE for _ in used)
-        before = [read.tiers[0] for read in lease.plan[:first]]
-        before.extend("" for _ in range(len(before), min(first, len(lease.records))))
+        num_before = min(first, len(lease.records))
+        before = [read.tiers[0] for read in lease.plan[:num_before]]
+        before.extend("" for _ in range(len(before), num_before))
         lease.match = self._make_match(lease.records, (*before, *tiers), len(lease.keys),
                                        lease.match.num_token_mismatches)
         return blocks

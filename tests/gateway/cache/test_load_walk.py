@@ -196,3 +196,20 @@ def test_a_warm_lease_takes_the_lock_three_times_acquire_settle_release(
         assert stays == ["acquire", "settle_load", "_release"]
     finally:
         hierarchy.close()
+
+
+def test_a_lease_loaded_twice_reads_only_the_blocks_it_still_holds(tmp_path: Path) -> None:
+    """The plan is cut with the lease: a second load neither reads nor lets go of a block the
+    first one let go."""
+    cache, hierarchy = three_tier_cache(tmp_path / "kv")
+    try:
+        stored_in(cache, hierarchy, "device", PROMPT)
+        with cache.acquire(NS, PROMPT) as lease:
+            assert len(cache.load(lease, max_blocks=3)) == 3
+            again = cache.load(lease)
+            assert len(again) == 3 and len(lease.plan) == len(lease.records) == 3
+            assert all(identical(b, block_for(PROMPT, i)) for i, b in enumerate(again))
+        assert cache.total_refcount() == 0
+        cache.check_invariants()
+    finally:
+        hierarchy.close()
