@@ -63,8 +63,9 @@ class Lease:
     inserting the rest of the prompt later hashes nothing twice, and where each held block
     could be read when it was matched (``plan``, made in the same stay under the cache's lock,
     so that loading the prefix asks placement nothing before its reads; it covers the first
-    held blocks, up to the first that no tier could serve). The lease owns the list of records
-    it holds; the cache changes it only through the methods below.
+    held blocks, up to the first that no tier could serve; None for a lease not meant to
+    load). The lease owns the list of records it holds; the cache changes it only through the
+    methods below.
     """
 
     __slots__ = ("namespace", "tokens", "keys", "match", "plan", "_records", "_is_released")
@@ -77,7 +78,7 @@ class Lease:
         keys: list[BlockKey],
         match: PrefixMatch,
         records: list[BlockRecord],
-        plan: tuple[PlannedRead, ...] = (),
+        plan: tuple[PlannedRead, ...] | None = None,
     ) -> None:
         self.namespace = namespace
         self.tokens = tokens
@@ -102,7 +103,8 @@ class Lease:
         now owns (and must release)."""
         rest = self._records[num_blocks:]
         del self._records[num_blocks:]
-        self.plan = self.plan[:num_blocks]
+        if self.plan is not None:
+            self.plan = self.plan[:num_blocks]
         return rest
 
     def extend(self, records: Iterable[BlockRecord]) -> None:

@@ -203,8 +203,13 @@ class PrefixCache:
     # ---- leases -------------------------------------------------------------------------
 
     @contextmanager
-    def acquire(self, namespace: Namespace, tokens: TokenIds) -> Iterator[Lease]:
+    def acquire(self, namespace: Namespace, tokens: TokenIds, *,
+                to_load: bool = True) -> Iterator[Lease]:
         """Match ``tokens`` and hold their cached prefix until the ``with`` block ends.
+
+        ``to_load``: plan where each block will be read (``Lease.plan``, in the same stay
+        under the lock), for ``load``; False for a lease that only stores after its prefix
+        (planning a long chain is a ``BlockMeta`` a block, on the engine's thread).
 
         A match counts as an access in every tier holding the block (LRU recency, TTL
         restart). It is not a hit: only blocks ``load`` serves to a request are counted as
@@ -222,7 +227,8 @@ class PrefixCache:
             placement.hold(records)
             if met_expired:
                 placement.sweep_expired()
-            plan = placement.plan_reads(records) if placement.carries_bytes else ()
+            plan = (placement.plan_reads(records) if to_load and placement.carries_bytes
+                    else None)
         lease = Lease(namespace=namespace, tokens=tokens, keys=keys, match=match, records=records,
                       plan=plan)
         try:
@@ -264,6 +270,8 @@ class PrefixCache:
             raise ValueError("load needs a cache that carries bytes (a TierHierarchy)")
         if lease.is_released:
             raise IndexInvariantError("load through a released lease")
+        if lease.plan is None:
+            raise IndexInvariantError("load through a lease acquired with to_load=False")
         limit = len(lease.keys) if max_blocks is None else max(0, max_blocks)
         first = min(max(0, start), limit)
         blocks: list[KVBlock] = []

@@ -20,7 +20,7 @@ whole attention tiles long (padded with the pool's zero page).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -33,6 +33,28 @@ def pool_bytes_for(running_bytes: int) -> int:
     """A pool's bytes for ``running_bytes`` of running requests' pages, with room on top for
     pages held past a request's end for a moment (a queued disk write, a shadow sample)."""
     return running_bytes + running_bytes // 16
+
+
+def distinct_held(tables: Iterable[tuple[Sequence[int], int]], page_tokens: int
+                  ) -> tuple[int, int]:
+    """The distinct pages of ``tables`` (each a block table's page ids and its length in
+    tokens) and the tokens in them, a page several tables list counted once with the most
+    tokens any of them has in it.
+
+    The tokens are the floor of any cache that keeps each distinct token once; the pages add
+    their unfilled slots (a table's last page, a partial block copied to write into). Called
+    every turn of the engine: a table's full pages go into a set at once, and only its last,
+    partly filled ones (and any reserved ahead) are looked at one by one.
+    """
+    full: set[int] = set()
+    partial: dict[int, int] = {}  # page -> the most tokens a table has in it
+    for ids, length in tables:
+        num_full = min(len(ids), length // page_tokens)
+        full.update(ids[:num_full])
+        for i in range(num_full, len(ids)):
+            partial[ids[i]] = max(partial.get(ids[i], 0), length - i * page_tokens)
+    rest = [tokens for page, tokens in partial.items() if page not in full]
+    return len(full) + len(rest), len(full) * page_tokens + sum(rest)
 
 
 class LayerPages:

@@ -47,7 +47,7 @@ from gateway.core.requests import (
 from gateway.engine.detokenizer import Detokenizer
 from gateway.engine.forward import SequenceRows, StepForward
 from gateway.engine.jobs import Job
-from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.kv_sequence import KVSequence, distinct_held
 from gateway.engine.loop_failures import (
     error_after_forward,
     is_out_of_memory,
@@ -585,16 +585,9 @@ class StepLoop:
         return self._scheduler.num_running
 
     def kv_held(self) -> tuple[int, int]:
-        """The bytes of the pages the running requests' tables list, and the tokens those pages
-        hold, a page shared by several (a cached prefix) counted once. The tokens are the floor
-        of any cache that keeps each distinct token once; the bytes add the pages' unfilled
-        slots (a sequence's last page, a partial block it copied to write into)."""
-        page_tokens = self._pool.page_tokens
-        filled: dict[int, int] = {}
-        for active in list(self._active.values()):
-            seq = active.seq
-            for i, page in enumerate(seq.page_ids):
-                tokens = min(page_tokens, max(0, seq.length - i * page_tokens))
-                if tokens > filled.get(page, -1):
-                    filled[page] = tokens
-        return len(filled) * self._pool.page_nbytes, sum(filled.values())
+        """The bytes of the pages the running requests' tables list, and the tokens in them,
+        a page shared by several (a cached prefix) counted once (``distinct_held``)."""
+        num_pages, num_tokens = distinct_held(
+            [(active.seq.page_ids, active.seq.length) for active in list(self._active.values())],
+            self._pool.page_tokens)
+        return num_pages * self._pool.page_nbytes, num_tokens

@@ -217,7 +217,7 @@ class RequestBlocks:
         num_full = min(len(everything), active.seq.length) // bt
         if num_full <= first:
             return
-        with self._cache.acquire(namespace, everything) as lease:
+        with self._cache.acquire(namespace, everything, to_load=False) as lease:
             stored = lease.match.num_blocks  # past ``first`` where it was preempted and resumed
             if stored < first:
                 return  # the prompt's blocks are not all stored: nothing to continue
@@ -237,7 +237,7 @@ class RequestBlocks:
         if num_full == 0 or length == num_full * bt:
             return
         # The record of the block the tail continues (just stored): insert hands back no records.
-        with self._cache.acquire(namespace, everything[:num_full * bt]) as lease:
+        with self._cache.acquire(namespace, everything[:num_full * bt], to_load=False) as lease:
             if lease.match.num_blocks != num_full:
                 return  # the blocks it continues are not all stored
             parent = lease.records[-1]

@@ -22,6 +22,7 @@ import pytest
 
 import gateway.cache
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
+from gateway.core.errors import IndexInvariantError
 from gateway.core.tokens import TokenIds, as_token_ids
 from policies.registry import TierPolicyConfig, build_tier_policy
 from tests.gateway.cache.test_honest_state import BLOCK, CODEC, LAYOUT, NBYTES, NS
@@ -207,9 +208,24 @@ def test_a_lease_loaded_twice_reads_only_the_blocks_it_still_holds(tmp_path: Pat
         with cache.acquire(NS, PROMPT) as lease:
             assert len(cache.load(lease, max_blocks=3)) == 3
             again = cache.load(lease)
+            assert lease.plan is not None
             assert len(again) == 3 and len(lease.plan) == len(lease.records) == 3
             assert all(identical(b, block_for(PROMPT, i)) for i, b in enumerate(again))
         assert cache.total_refcount() == 0
         cache.check_invariants()
+    finally:
+        hierarchy.close()
+
+
+def test_a_lease_acquired_only_to_store_after_it_is_not_planned_and_cannot_load(
+        tmp_path: Path) -> None:
+    cache, hierarchy = three_tier_cache(tmp_path / "kv")
+    try:
+        stored_in(cache, hierarchy, "device", PROMPT)
+        with cache.acquire(NS, PROMPT, to_load=False) as lease:
+            assert lease.plan is None and lease.match.num_blocks == 8
+            with pytest.raises(IndexInvariantError, match="to_load=False"):
+                cache.load(lease)
+        assert cache.total_refcount() == 0
     finally:
         hierarchy.close()

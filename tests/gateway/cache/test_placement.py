@@ -108,12 +108,20 @@ def test_an_eviction_decides_its_demotion_and_queues_the_byte_moves_in_order() -
     placement.check_invariants()
 
 
-def test_moves_posted_by_the_transfers_are_settled_when_the_lock_is_next_taken() -> None:
+def first_demoted_by_a_second() -> tuple[TierPlacement, BlockRecord]:
+    """A one-block device tier given a second block: the first's demotion to host is queued
+    (its copy, then its deletion), not taken."""
     placement, _ = device_host(device_blocks=1, host_blocks=4)
     (first,) = chain(placement, b"a")
     (second,) = chain(placement, b"b")
     with placement.locked():
         assert placement.place(first, "device") and placement.place(second, "device")
+    return placement, first
+
+
+def test_moves_posted_by_the_transfers_are_settled_when_the_lock_is_next_taken() -> None:
+    placement, first = first_demoted_by_a_second()
+    with placement.locked():
         moves = placement.take_moves()
     placement.move_outcomes.post(moves, [True] * len(moves))  # what TierTransfers.run does
     assert first.refcount == 1  # posted, not settled yet
@@ -124,11 +132,8 @@ def test_moves_posted_by_the_transfers_are_settled_when_the_lock_is_next_taken()
 
 
 def test_a_demotion_whose_source_is_gone_forgets_the_copy_it_made_room_for() -> None:
-    placement, _ = device_host(device_blocks=1, host_blocks=4)
-    (first,) = chain(placement, b"a")
-    (second,) = chain(placement, b"b")
+    placement, first = first_demoted_by_a_second()
     with placement.locked():
-        assert placement.place(first, "device") and placement.place(second, "device")
         for move in placement.take_moves():
             placement.settle(move, is_done=False)
         assert first.key not in placement.index
@@ -137,10 +142,6 @@ def test_a_demotion_whose_source_is_gone_forgets_the_copy_it_made_room_for() -> 
 
 
 def test_a_move_never_carried_out_breaks_the_invariants() -> None:
-    placement, _ = device_host(device_blocks=1, host_blocks=4)
-    (first,) = chain(placement, b"a")
-    (second,) = chain(placement, b"b")
-    with placement.locked():
-        assert placement.place(first, "device") and placement.place(second, "device")
+    placement, _ = first_demoted_by_a_second()
     with pytest.raises(IndexInvariantError, match="never carried out"):
         placement.check_invariants()

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.kv_sequence import KVSequence, distinct_held
 from tests.copy_count import CountCopies
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout, PayloadError
@@ -298,3 +298,28 @@ def test_a_packed_block_from_a_slower_tier_is_copied_into_its_page_in_one_copy()
     assert counted.copies == len(packed)  # not one per layer and kind
     for index, block in enumerate(blocks):
         assert same(seq.block(index, BLOCK), block)
+
+
+def test_pages_shared_by_tables_are_held_once_with_their_tokens() -> None:
+    prefix = [1, 2]  # two full pages of 3 tokens, listed by both tables
+    tables = [(prefix + [3, 4], 11), (prefix + [5], 7), (prefix, 6)]
+    # pages 1, 2 full; 3 full (6..9); 4 holds 2 tokens; 5 holds 1
+    assert distinct_held(tables, page_tokens=BLOCK) == (5, 3 * 3 + 2 + 1)
+
+
+def test_a_page_reserved_ahead_is_held_without_tokens() -> None:
+    assert distinct_held([([1, 2, 3], 4)], page_tokens=BLOCK) == (3, 4)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(1, 12), max_size=6, unique=True),
+                          st.integers(0, 20)), max_size=5))
+def test_what_is_held_matches_a_count_page_by_page(
+        tables: list[tuple[list[int], int]]) -> None:
+    """Against the reference: each page of each table with the tokens the table has in it,
+    the most any table has kept per page."""
+    filled: dict[int, int] = {}
+    for ids, length in tables:
+        for i, page in enumerate(ids):
+            filled[page] = max(filled.get(page, 0), min(BLOCK, max(0, length - i * BLOCK)))
+    assert distinct_held(tables, page_tokens=BLOCK) == (len(filled), sum(filled.values()))
