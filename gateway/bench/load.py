@@ -375,7 +375,8 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
                        redis_binary=None, err=err, engine=engine, label="load",
                        device=options.numerics.device_text,
                        dtype=options.numerics.dtype_name,
-                       source=options.baseline if config.is_baseline else None) as endpoint:
+                       source=options.baseline if config.is_baseline else None,
+                       calls_per_key=n) as endpoint:
         route = endpoint.route or "? (the start line names none)"
         result.server = "route " + route.split(" ", 1)[0]
 

@@ -26,6 +26,7 @@ from typing import TextIO
 
 from gateway.bench.rows import BenchError
 from gateway.cache.factory import CacheConfig
+from gateway.config.limits import LimitSettings
 
 SPAWN_TENANT = "bench"
 
@@ -136,12 +137,15 @@ def redis_on_loopback(binary: str, workdir: Path) -> Iterator[str]:
 def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
                  api_key: str, admin_key: str, engine: EngineOptions | None = None,
                  device: str = "auto", dtype: str = "auto", skip_slow_tiers: bool = True,
-                 other_tenant_keys: Mapping[str, str] | None = None) -> str:
+                 other_tenant_keys: Mapping[str, str] | None = None,
+                 calls_per_key: int | None = None) -> str:
     """The ``kvgate serve`` configuration of a spawned gateway (TOML); ``device`` and ``dtype``
     as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved);
     ``skip_slow_tiers`` False makes every load come from the tier that holds the block;
     ``other_tenant_keys`` (tenant -> key) are keys of other tenants beside the benchmark's own
-    (a router's, which it registers workers with)."""
+    (a router's, which it registers workers with); ``calls_per_key``: the calls the benchmark's
+    one key has in flight at most (its users), where that is more than the server's default
+    ``[limits] max_calls_per_key``, which would refuse the users past it."""
     lines = [
         "[server]",
         f'device = "{device}"',
@@ -155,6 +159,7 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         "",
         *(engine.toml_lines() if engine is not None else []),
         "",
+        *_limits_lines(calls_per_key),
         "[cache]",
         f"block_tokens = {block_tokens}",
         f"device_bytes = {device_bytes}",
@@ -191,6 +196,17 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
     return "\n".join(lines)
 
 
+def _limits_lines(calls_per_key: int | None) -> list[str]:
+    """``[limits]`` for a benchmark whose one key has ``calls_per_key`` calls in flight; none
+    where the server's defaults admit them (a --baseline checkout reads the same file)."""
+    defaults = LimitSettings()
+    if calls_per_key is None or calls_per_key <= defaults.max_calls_per_key:
+        return []
+    return ["[limits]", f"max_calls_per_key = {calls_per_key}",
+            f"max_calls = {max(defaults.max_calls, calls_per_key + defaults.max_lookups + 1)}",
+            ""]
+
+
 @contextmanager
 def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_bytes: int,
                   redis_url: str | None, redis_binary: str | None, err: TextIO,
@@ -199,7 +215,8 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                   dtype: str = "auto", source: Path | None = None,
                   skip_slow_tiers: bool = True, api_key: str | None = None,
                   deployment_secret: str | None = None,
-                  other_tenant_keys: Mapping[str, str] | None = None) -> Iterator[Endpoint]:
+                  other_tenant_keys: Mapping[str, str] | None = None,
+                  calls_per_key: int | None = None) -> Iterator[Endpoint]:
     """``kvgate serve`` (and a ``redis-server``) on free loopback ports, with a temporary data
     directory whose ``models`` is ``models_dir`` (no second GGUF conversion); stopped by pid.
     ``label`` names the benchmark in progress lines and the temporary directory; the server runs
@@ -208,7 +225,7 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
     one (first on its ``PYTHONPATH``), to measure two versions side by side. Replicas of one
     cluster share the tenant's ``api_key`` and the ``deployment_secret`` (hex), so that each
     reads the blocks the others wrote to their Redis; by default both are the server's own.
-    ``other_tenant_keys``: as ``spawn_config``'s.
+    ``other_tenant_keys`` and ``calls_per_key``: as ``spawn_config``'s.
     """
     root = Path(tempfile.mkdtemp(prefix=f"kvgate-bench-{label}-"))
     try:
@@ -224,7 +241,8 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                                            redis_url=url, api_key=api_key, admin_key=admin_key,
                                            engine=engine, device=device, dtype=dtype,
                                            skip_slow_tiers=skip_slow_tiers,
-                                           other_tenant_keys=other_tenant_keys),
+                                           other_tenant_keys=other_tenant_keys,
+                                           calls_per_key=calls_per_key),
                               encoding="utf-8")
             config.chmod(0o600)
             model_arg = model if model == "bundled" else str(Path(model).expanduser().resolve())

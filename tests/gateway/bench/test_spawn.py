@@ -49,6 +49,17 @@ def test_keys_at_the_servers_default_are_left_out_for_an_older_baseline() -> Non
     text = spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
                         api_key=API_KEY, admin_key=ADMIN_KEY)
     assert "write_queue_bytes" not in text and "skip_slow_tiers" not in text
+    assert "[limits]" not in text
+
+
+def test_a_load_of_more_users_than_the_default_key_admits_raises_its_limit(
+        tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
+                                 api_key=API_KEY, admin_key=ADMIN_KEY, calls_per_key=80))
+    limits = load_serve_config(path, env={}).limits
+    assert limits.max_calls_per_key == 80
+    assert limits.max_calls > 80 + limits.max_lookups
 
 
 def test_a_spawned_gateway_may_load_from_every_tier(tmp_path: Path) -> None:
