@@ -72,6 +72,26 @@ class EvictResult:
     bytes_by_tier: dict[str, int]
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PromptBlocks:
+    """A prompt an eviction selects, with the keys of its full blocks (``prompt_blocks``).
+
+    NOTE: the keys are computed when this is built, before the cache's lock is taken: hashing
+    a long prompt's chain inside ``placement.locked()`` would hold every request's lease back
+    for as long (issue 44).
+    """
+
+    namespace: Namespace
+    tokens: TokenIds
+    keys: tuple[BlockKey, ...]
+
+
+def prompt_blocks(cache: PrefixCache, namespace: Namespace, tokens: TokenIds) -> PromptBlocks:
+    """``tokens`` in ``namespace`` with their block keys, hashed here (without the lock)."""
+    keys = cache.fingerprinter(namespace).block_keys(tokens)
+    return PromptBlocks(namespace=namespace, tokens=tokens, keys=tuple(keys))
+
+
 class EvictionPublisher(Protocol):
     """Tells the other replicas what was evicted (``gateway.cache.invalidation.EvictionFeed``)."""
 
@@ -204,7 +224,7 @@ def evict_where(
     cache: PrefixCache,
     *,
     owner: str | None = None,
-    under: tuple[Namespace, TokenIds] | None = None,
+    under: PromptBlocks | None = None,
     key: BlockKey | None = None,
     idle_s: float | None = None,
     tier: str | None = None,
@@ -219,7 +239,8 @@ def evict_where(
     Args:
         cache: the cache to evict from.
         owner: blocks of this tenant (or "shared").
-        under: blocks of the prompt ``tokens`` in ``namespace`` and everything after it.
+        under: blocks of this prompt and everything after it (its keys hashed beforehand:
+            nothing is hashed under the lock).
         key: one block, everything after it, and the ancestors only it continues from
             (``chain_of``).
         idle_s: blocks not used for at least this many seconds.
@@ -239,15 +260,13 @@ def evict_where(
         index = placement.index
         selected: list[BlockRecord]
         if under is not None:
-            namespace, tokens = under
-            keys = cache.fingerprinter(namespace).block_keys(tokens)
-            _, records, _ = cache.match_records(namespace, tokens, keys)
-            if not records or len(records) < len(keys):
+            _, records, _ = cache.match_records(under.namespace, under.tokens, list(under.keys))
+            if not records or len(records) < len(under.keys):
                 selected = []
             else:
                 # The prefix's own blocks and everything built on it; blocks of the prefix
                 # that other prompts still continue from stay (they are not leaves).
-                selected = records[:-1] + list(index.subtree(namespace, records[-1]))
+                selected = records[:-1] + list(index.subtree(under.namespace, records[-1]))
         elif key is not None:
             start = index.get(key)
             selected = [] if start is None else chain_of(index, start)
@@ -385,9 +404,10 @@ class CacheAdmin:
                               older_than_s=older_than_s, tier=tier, everything=everything,
                               tag=tag)
         before = cache.stats().num_blocks
+        selections = self._selections(event)
         if event.tier in (None, REMOTE):
-            self._evict_remote(event)
-        freed = self._evict_local(event)
+            self._evict_remote(event, selections)
+        freed = self._evict_local(event, selections)
         result = EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
                              bytes_by_tier=freed)
         if self._feed is not None and not self._feed.publish(event):
@@ -409,16 +429,18 @@ class CacheAdmin:
         try:
             if event.tier is not None and event.tier not in (*self._cache.tier_names, REMOTE):
                 raise InvalidRequest("it names a tier this replica does not have")
-            freed = self._evict_local(event)
+            freed = self._evict_local(event, self._selections(event))
         except InvalidRequest as exc:  # e.g. a tier this replica does not have
             logger.warning("an eviction from another replica does not apply here: %s", exc)
             return
         logger.info("applied an eviction from another replica: %s bytes freed",
                     sum(freed.values()))
 
-    def _selections(self, event: EvictionEvent) -> list[tuple[Namespace, TokenIds] | None]:
+    def _selections(self, event: EvictionEvent) -> list[PromptBlocks | None]:
         """The prompts ``event.prefix_text`` names (module docstring of ``evict``), or
-        ``[None]`` when it names none."""
+        ``[None]`` when it names none. Tokenised and hashed here, before any lock is taken;
+        the text is bounded like a prompt (at the Admin edge, and ``EventBounds`` for an event
+        read from the stream)."""
         if event.prefix_text is None or event.tenant is None:
             return [None]
         namespace = self._keys.namespace(_scope_of(event.tenant))
@@ -427,24 +449,26 @@ class CacheAdmin:
                         add_generation_prompt=False),
             PromptInput(prompt=event.prefix_text),
         )
-        out: list[tuple[Namespace, TokenIds] | None] = []
-        lossy = self._cache.lossy_namespace(namespace)
+        out: list[PromptBlocks | None] = []
+        cache = self._cache
+        lossy = cache.lossy_namespace(namespace)
         for prompt in renderings:
             try:
                 tokens = self._keys.prompt_tokens(prompt)
             except InvalidRequest:
                 continue  # e.g. no chat template: only the raw rendering
-            out.append((namespace, tokens))
+            out.append(prompt_blocks(cache, namespace, tokens))
             if lossy is not None:  # and the lossy copies of the same prompt
-                out.append((lossy, tokens))
+                out.append(prompt_blocks(cache, lossy, tokens))
         return out
 
-    def _evict_local(self, event: EvictionEvent) -> dict[str, int]:
+    def _evict_local(self, event: EvictionEvent,
+                     selections: Sequence[PromptBlocks | None]) -> dict[str, int]:
         if event.tier == REMOTE:
             return {}
         key = None if event.key_hex is None else _key_of(event.key_hex)
         freed: dict[str, int] = {}
-        for under in self._selections(event):
+        for under in selections:
             for name, num_bytes in evict_where(
                 self._cache, owner=event.tenant, under=under, key=key,
                 idle_s=event.older_than_s, tier=event.tier, tag=event.tag,
@@ -452,7 +476,8 @@ class CacheAdmin:
                 freed[name] = freed.get(name, 0) + num_bytes
         return freed
 
-    def _evict_remote(self, event: EvictionEvent) -> None:
+    def _evict_remote(self, event: EvictionEvent,
+                      selections: Sequence[PromptBlocks | None]) -> None:
         """The shared tier: what one replica evicts must not come back from Redis. What the
         event selects is resolved here (namespaces, chains); ``remote_admin`` removes it."""
         transfers = self._cache.transfers
@@ -467,7 +492,8 @@ class CacheAdmin:
             lossy = [lossy for ns in exact if (lossy := self._cache.lossy_namespace(ns))]
             scope_namespaces = list(dict.fromkeys([*exact, *lossy]))
         chain_keys = None if event.key_hex is None else self._chain_keys(_key_of(event.key_hex))
-        evict_remote(self._cache, event, selections=self._selections(event),
+        prompts = [None if s is None else (s.namespace, s.tokens) for s in selections]
+        evict_remote(self._cache, event, selections=prompts,
                      scope_namespaces=scope_namespaces, chain_keys=chain_keys)
 
     def _chain_keys(self, key: BlockKey) -> list[BlockKey]:

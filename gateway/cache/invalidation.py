@@ -16,6 +16,12 @@ remembered id (first start, no disk tier: nothing survived) starts from the newe
 
 A replica that cannot reach Redis keeps serving from its local tiers; it catches up when Redis
 is back. Its own events are skipped (it evicted locally before publishing).
+
+Anyone who can write Redis can write the stream. So every field of an entry is checked, and
+each bounded like what a request may send (``EventBounds``: prefix text like a prompt), before
+anything of it is tokenised or hashed; an entry that fails is counted, logged with the field
+that was wrong (``MalformedEvent``) and skipped. What an entry costs a replica is then reading
+it from Redis, and at most one prompt's tokenising and lookup.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,6 +37,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Protocol, TypeVar
 
+from gateway.core.errors import MalformedEvent
+from gateway.core.fingerprint import KEY_BYTES
 from gateway.core.sessions import session_id_problem
 from gateway.core.tags import tag_problem
 from tiers.redis_events import REDIS_FAULTS, Event
@@ -37,6 +46,38 @@ from tiers.redis_events import REDIS_FAULTS, Event
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+KEY_HEX_CHARS = 2 * KEY_BYTES
+"""A block key in hex: what ``CacheAdmin.evict`` publishes (the whole key, never a beginning)."""
+
+_KEY_HEX = re.compile(rf"[0-9a-f]{{{KEY_HEX_CHARS}}}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventBounds:
+    """The most each free-text field of an event read from the stream may carry.
+
+    NOTE: applying an event tokenises its prefix text and hashes the keys of its blocks, like
+    serving a prompt of that text; bounded like a prompt (``max_prefix_chars`` is the served
+    prompts' ``limits.max_prompt_chars``), an event costs a replica at most what one request
+    does. A prefix over a replica's bound names nothing that replica holds: every prompt it
+    cached was within the bound, and a prefix selects only when all of its blocks are cached.
+
+    Attributes:
+        max_prefix_chars: characters of ``prefix_text`` (``limits.max_prompt_chars``).
+        max_tenant_chars: characters of ``tenant`` (a tenant id's bound).
+        max_name_chars: characters of ``tier``, ``origin`` and ``older_than_s`` (what kvgate
+            writes there is short: a tier's name, a replica's random id, a number).
+    """
+
+    max_prefix_chars: int
+    max_tenant_chars: int
+    max_name_chars: int = 64
+
+    def __post_init__(self) -> None:
+        if min(self.max_prefix_chars, self.max_tenant_chars, self.max_name_chars) < 1:
+            raise ValueError("every bound of an event's fields must be >= 1")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -83,40 +124,52 @@ class EvictionEvent:
         return out
 
     @classmethod
-    def from_fields(cls, entry: Mapping[str, str]) -> EvictionEvent | None:
-        """The event of a stream entry, or None if it is not one this build understands.
+    def from_fields(cls, entry: Mapping[str, str], bounds: EventBounds) -> EvictionEvent:
+        """The event of a stream entry.
 
-        Anyone who can write Redis can write the stream, so every field is checked here: a
-        value of the wrong type, a key that is not hex, a flag other than "1" or an age that
-        is not a non-negative number make the entry None (skipped), never an exception.
+        Anyone who can write Redis can write the stream, so every field is checked here, before
+        anything is tokenised or hashed: its size against ``bounds``, its form (a key is a
+        whole block key in hex, a flag is "1", an age a non-negative number, a tag and a session
+        id follow their rules), and which fields go together (prefix text and a session name
+        their tenant).
+
+        Raises:
+            MalformedEvent: not an eviction this build reads; the message names the field.
         """
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in entry.items()):
+            raise MalformedEvent("a field's name or value is not text")
         if entry.get("kind") != "evict":
-            return None
+            raise MalformedEvent("its kind is not an eviction this build reads")
         known = {f.name for f in fields(cls)}
-        if set(entry) - known - {"kind"}:
-            return None
-        if not all(isinstance(value, str) for value in entry.values()):
-            return None
+        unknown = sorted(set(entry) - known - {"kind"})
+        if unknown:
+            shown = ", ".join(repr(name[:32]) for name in unknown[:3])
+            raise MalformedEvent(f"{len(unknown)} fields this build does not read ({shown})")
+        _check_sizes(entry, bounds)
         key_hex = entry.get("key_hex")
-        if key_hex is not None and not is_hex(key_hex):
-            return None
+        if key_hex is not None and not _KEY_HEX.fullmatch(key_hex):
+            raise MalformedEvent(f"key_hex is not a block key ({KEY_HEX_CHARS} hex digits)")
         if entry.get("everything") not in (None, "1"):
-            return None
+            raise MalformedEvent('everything is not "1"')
         tag = entry.get("tag")
         if tag is not None and tag_problem(tag) is not None:
-            return None
+            raise MalformedEvent("tag is not a tag")
+        if "prefix_text" in entry and "tenant" not in entry:
+            raise MalformedEvent("prefix_text without the tenant it belongs to")
         session = entry.get("session")
-        if session is not None and (session_id_problem(session) is not None
-                                    or set(entry) - {"kind", "origin", "tenant", "session"}
-                                    or "tenant" not in entry):
-            return None  # a reset names a tenant's session and nothing else
+        if session is not None:
+            if session_id_problem(session) is not None:
+                raise MalformedEvent("session is not a session id")
+            if set(entry) - {"kind", "origin", "tenant", "session"} or "tenant" not in entry:
+                # a reset names a tenant's session and nothing else
+                raise MalformedEvent("a session reset with other selectors, or no tenant")
         try:
             older = entry.get("older_than_s")
             older_than_s = None if older is None else float(older)
         except ValueError:
-            return None
+            raise MalformedEvent("older_than_s is not a number") from None
         if older_than_s is not None and not (math.isfinite(older_than_s) and older_than_s >= 0):
-            return None
+            raise MalformedEvent("older_than_s is not a number of seconds >= 0")
         return cls(tenant=entry.get("tenant"), prefix_text=entry.get("prefix_text"),
                    key_hex=key_hex, older_than_s=older_than_s,
                    tier=entry.get("tier"), everything=entry.get("everything") == "1",
@@ -152,15 +205,19 @@ class EvictionFeed:
         log: the shared stream.
         apply: applies an event to the local tiers (``CacheAdmin.apply_event``).
         origin: this replica's id (random per process).
+        bounds: the most an event's fields may carry; an event over them is malformed, skipped
+            before anything of it is tokenised.
         cursor_path: where the id of the last handled event is kept (None: not kept).
         retry_s: how long to wait after a Redis fault before reading again.
     """
 
     def __init__(self, log: EventLog, apply: Callable[[EvictionEvent], None], *, origin: str,
-                 cursor_path: Path | None = None, retry_s: float = 1.0) -> None:
+                 bounds: EventBounds, cursor_path: Path | None = None,
+                 retry_s: float = 1.0) -> None:
         self._log = log
         self._apply = apply
         self.origin = origin
+        self._bounds = bounds
         self._cursor_path = cursor_path
         self._retry_s = retry_s
         self._stop = threading.Event()
@@ -259,19 +316,21 @@ class EvictionFeed:
 
         NOTE: anyone who can write Redis can write the stream, and one event that raised
         would end the reader: this replica would never hear of another eviction. So nothing
-        an event does escapes here. The log names the event's id and the error's type only:
-        an event's fields (prefix text) and an error's message may carry prompt text.
+        an event does escapes here. The log names the event's id, the field that was wrong and
+        the error's type only: an event's fields (prefix text) and an error's message may carry
+        prompt text.
         """
         try:
-            event = EvictionEvent.from_fields(entry)
+            event = EvictionEvent.from_fields(entry, self._bounds)
+        except MalformedEvent as exc:
+            logger.warning("skipping event %s on %s: not an eviction this build reads: %s "
+                           "(written by a newer kvgate, or by someone else who can write "
+                           "Redis: check its ACL)", event_id, self._log.where, exc)
+            self.num_malformed += 1
+            return
         except Exception as exc:  # whatever it is, the reader goes on (NOTE)
             logger.warning("skipping event %s on %s: cannot read it (%s)", event_id,
                            self._log.where, type(exc).__name__)
-            self.num_malformed += 1
-            return
-        if event is None:
-            logger.warning("skipping event %s on %s: not an eviction this build reads",
-                           event_id, self._log.where)
             self.num_malformed += 1
             return
         if event.origin == self.origin:
@@ -341,13 +400,21 @@ class EvictionFeed:
                            exc.strerror)
 
 
-def is_hex(text: str) -> bool:
-    """Whether ``text`` is a block key as hex (what ``bytes.fromhex`` reads)."""
-    try:
-        bytes.fromhex(text)
-    except ValueError:
-        return False
-    return True
+def _check_sizes(entry: Mapping[str, str], bounds: EventBounds) -> None:
+    """Refuse a free-text field over its bound (``EventBounds``); says which and by how much.
+
+    Raises:
+        MalformedEvent: a field over its bound, or an empty tenant.
+    """
+    for name, most in (("prefix_text", bounds.max_prefix_chars),
+                       ("tenant", bounds.max_tenant_chars),
+                       ("tier", bounds.max_name_chars), ("origin", bounds.max_name_chars),
+                       ("older_than_s", bounds.max_name_chars)):
+        value = entry.get(name)
+        if value is not None and len(value) > most:
+            raise MalformedEvent(f"{name} has {len(value)} characters, more than {most}")
+    if entry.get("tenant") == "":
+        raise MalformedEvent("tenant is empty")
 
 
 def _id_key(event_id: str) -> tuple[int, int]:

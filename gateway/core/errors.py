@@ -15,7 +15,9 @@ Hierarchy::
  ├── AuthError
  │    ├── Unauthenticated     no key, a malformed header or an unknown key (UNAUTHENTICATED)
  │    └── PermissionDenied    a known key asking for what only admin keys may do
-     └── IndexInvariantError     the radix index found its own state inconsistent (a bug)
+     ├── IndexInvariantError     the radix index found its own state inconsistent (a bug)
+     └── MalformedEvent          an entry on the shared eviction stream that this build does not
+                                 read (skipped and counted by the reader; never reaches a client)
 
 Messages are written for a person: they say what was wrong and what would be accepted. The gRPC
 servicer maps these to status codes in one place (``gateway.service.status_mapping``).
@@ -65,6 +67,13 @@ class EvictionNotPublished(EngineDraining):
 
 class IndexInvariantError(GatewayError):
     """The radix index or a block's reference count is inconsistent: always a bug."""
+
+
+class MalformedEvent(GatewayError):
+    """An entry on the shared eviction stream (``gateway.cache.invalidation``) that is not an
+    eviction this build reads: a field too large, of the wrong form, or unknown. Anyone who can
+    write Redis can write the stream, so the message names the field and what was wrong with
+    it, never its value (a prefix text or session id may be personal data)."""
 
 
 class AuthError(GatewayError):

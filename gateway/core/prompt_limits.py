@@ -61,6 +61,22 @@ def check_prompt_size(size: PromptSize, limits: PromptLimits) -> None:
             f"together); send at most {limits.max_chars} (limits.max_prompt_chars)")
 
 
+def check_prefix_size(prefix_text: str, limits: PromptLimits) -> None:
+    """Refuse an admin eviction's prefix text over the bound of a prompt's characters.
+
+    The text is tokenised and its blocks hashed like a prompt's (as a system message and as a
+    raw prompt), here and on every replica the eviction is published to, so it is bounded like
+    one; a longer prefix could not select anything, since no cached prompt is longer.
+
+    Raises:
+        InvalidRequest: too many characters; the message names the limit.
+    """
+    if len(prefix_text) > limits.max_chars:
+        raise InvalidRequest(
+            f"prefix_text has {len(prefix_text)} characters; a prefix is bounded like a "
+            f"prompt: send at most {limits.max_chars} (limits.max_prompt_chars)")
+
+
 def measure(prompt: PromptInput) -> PromptSize:
     """The size of a ``PromptInput`` (for fronts that build one before checking)."""
     num_chars = len(prompt.prompt) if isinstance(prompt.prompt, str) else 0

@@ -410,7 +410,8 @@ def _open_admin(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
     of other replicas' evictions, read up to now (for ``_CATCH_UP_S`` at most)."""
     from gateway.cache.admin import CacheAdmin
     from gateway.cache.factory import eviction_cursor_path
-    from gateway.cache.invalidation import EvictionFeed
+    from gateway.cache.invalidation import EventBounds, EvictionFeed
+    from gateway.config.keys import MAX_TENANT_CHARS
 
     admin: CacheAdmin
     feed: EvictionFeed | None = None
@@ -419,6 +420,10 @@ def _open_admin(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
         # while down are applied before it serves).
         opened.feed = feed = EvictionFeed(cache.events, lambda event: admin.apply_event(event),
                                           origin=secrets.token_hex(8),
+                                          # An event's prefix text is bounded like a prompt.
+                                          bounds=EventBounds(
+                                              max_prefix_chars=config.limits.max_prompt_chars,
+                                              max_tenant_chars=MAX_TENANT_CHARS),
                                           cursor_path=eviction_cursor_path(config.cache))
     opened.admin = admin = CacheAdmin(cache.cache, keys=engine, feed=feed)
     if feed is not None:

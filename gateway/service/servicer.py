@@ -30,7 +30,12 @@ from gateway.core.admin_reports import PrefixInfo, SessionInfo
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest, NotFound
 from gateway.core.fingerprint import Scope
-from gateway.core.prompt_limits import PromptLimits, PromptSize, check_prompt_size
+from gateway.core.prompt_limits import (
+    PromptLimits,
+    PromptSize,
+    check_prefix_size,
+    check_prompt_size,
+)
 from gateway.core.requests import (
     CacheOptions,
     GenerateRequest,
@@ -477,6 +482,8 @@ class AdminServicer:
             admin_tenant(criteria["tenant"], "tenant", allow_shared=True)
         if "tag" in criteria:
             checked_tag(criteria["tag"])
+        if "prefix_text" in criteria:
+            check_prefix_size(criteria["prefix_text"], self._limits.prompt)
         if not criteria and not request.everything:
             raise InvalidRequest("name what to evict (tenant, prefix_text, key_hex, "
                                  "older_than_s, tier, tag) or set everything")

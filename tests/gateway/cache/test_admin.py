@@ -7,21 +7,31 @@ keep these to the selection rules; the engine-keyed path is covered in
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin, evict_where, list_prefixes
-from gateway.cache.invalidation import EvictionEvent
+from gateway.cache.admin import CacheAdmin, evict_where, list_prefixes, prompt_blocks
+from gateway.cache.invalidation import EventBounds, EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import CanonicalizationError, InvalidRequest
-from gateway.core.fingerprint import Namespace, NamespaceSpec, Scope, derive_namespace
+from gateway.core.fingerprint import (
+    BlockFingerprinter,
+    Namespace,
+    NamespaceSpec,
+    Scope,
+    derive_namespace,
+)
 from gateway.core.tokens import TokenIds, as_token_ids
+from policies.base import BlockKey
 from policies.registry import TierPolicyConfig, build_tier_policy
 
 BLOCK = 2
 BLOCK_BYTES = 10
+EVENT_BOUNDS = EventBounds(max_prefix_chars=262_144, max_tenant_chars=128)
+"""The bounds of a gateway with the default ``[limits]``, for events read from a stream."""
 
 
 class FakeClock:
@@ -105,7 +115,7 @@ def test_evicting_a_prefix_takes_what_follows_it_and_keeps_what_others_share(
     cache = make_cache(clock)
     store(cache, ALICE, toks(1, 2, 3, 4, 5, 6))
     store(cache, ALICE, toks(1, 2, 7, 8))
-    freed = evict_where(cache, under=(ALICE, toks(1, 2, 3, 4)))
+    freed = evict_where(cache, under=prompt_blocks(cache, ALICE, toks(1, 2, 3, 4)))
     assert freed == {"device": 2 * BLOCK_BYTES}  # (3, 4) and (5, 6); (1, 2) is still shared
     assert cache.lookup(ALICE, toks(1, 2, 7, 8)).num_blocks == 2
     assert cache.lookup(ALICE, toks(1, 2, 3, 4)).num_blocks == 1
@@ -151,6 +161,46 @@ def test_admin_evicts_by_prefix_text_in_the_tenants_namespace(clock: FakeClock) 
     assert cache.lookup(BOB, tokens).num_blocks == 3
     assert admin.list_prefixes(tenant="bob", limit=5)[0].preview == ",".join(
         str(int(t)) for t in tokens[:BLOCK])
+
+
+def lock_is_free(cache: PrefixCache) -> bool:
+    """Whether another thread can take the cache's lock (the one every request's lease needs)
+    now; it waits up to 10 s for it, so a lock held by the caller reads False."""
+    taken = threading.Event()
+
+    def take() -> None:
+        with cache.placement.locked():
+            taken.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    return taken.wait(10.0)
+
+
+def test_a_prefix_is_tokenised_and_its_keys_hashed_with_the_cache_lock_free(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = make_cache(clock)
+    text = "abcdef"
+    store(cache, ALICE, KEYS.prompt_tokens(PromptInput(prompt=text)))
+    probes: list[tuple[str, bool]] = []
+
+    class ProbingKeys(FakeKeys):
+        def prompt_tokens(self, prompt: PromptInput) -> TokenIds:
+            probes.append(("tokenise", lock_is_free(cache)))
+            return super().prompt_tokens(prompt)
+
+    block_keys = BlockFingerprinter.block_keys
+
+    def probing_block_keys(self: BlockFingerprinter, tokens: TokenIds,
+                           **kwargs: object) -> list[BlockKey]:
+        probes.append(("hash", lock_is_free(cache)))
+        return block_keys(self, tokens, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(BlockFingerprinter, "block_keys", probing_block_keys)
+    assert CacheAdmin(cache, keys=ProbingKeys()).evict(tenant="alice",
+                                                       prefix_text=text).num_blocks == 3
+    # The chat rendering (refused: no template), the raw one, and its chain of keys.
+    assert probes == [("tokenise", True), ("tokenise", True), ("hash", True)]
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
 """The eviction feed (``gateway.cache.invalidation``) on a real Redis stream: what one replica
 publishes, the others apply; a replica catches up on what it missed while away, and empties its
-local tiers when the stream no longer reaches back that far.
+local tiers when the stream no longer reaches back that far. What anyone who can write Redis
+writes there is checked and bounded before it is tokenised, and skipped if it fails.
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ import pytest
 import redis
 
 from gateway.cache.admin import CacheAdmin, list_prefixes
-from gateway.cache.invalidation import EvictionEvent, EvictionFeed
+from gateway.cache.invalidation import KEY_HEX_CHARS, EvictionEvent, EvictionFeed
+from gateway.core.canonical import PromptInput
+from gateway.core.errors import MalformedEvent
+from gateway.core.tokens import TokenIds
 from tests.gateway.cache import test_admin as admin_helpers
 from tests.redis_harness import RedisServer
 from tiers.redis_events import RedisEventLog
 
 STREAM = "kvgate:events"
+BOUNDS = admin_helpers.EVENT_BOUNDS
+KEY_HEX = "ab01" * (KEY_HEX_CHARS // 4)
 
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -35,7 +41,7 @@ class Replica:
         self.applied: list[EvictionEvent] = []
         self._apply = apply
         self.feed = EvictionFeed(RedisEventLog(url, name=STREAM, block_s=0.2),
-                                 self._record, origin=origin, cursor_path=cursor)
+                                 self._record, origin=origin, bounds=BOUNDS, cursor_path=cursor)
 
     def _record(self, event: EvictionEvent) -> None:
         if self._apply is not None:
@@ -64,26 +70,106 @@ def replicas(redis_server: RedisServer, tmp_path: Path) -> Iterator[Callable[...
 
 
 def test_an_event_survives_the_stream_with_every_selector() -> None:
-    event = EvictionEvent(tenant="acme", prefix_text="You are: ü", key_hex="ab01",
+    event = EvictionEvent(tenant="acme", prefix_text="You are: ü", key_hex=KEY_HEX,
                           older_than_s=90.5, tier="disk", everything=False, origin="r1")
-    assert EvictionEvent.from_fields(event.to_fields()) == event
-    assert EvictionEvent.from_fields({"kind": "evict", "older_than_s": "nan"}) is None
-    assert EvictionEvent.from_fields({"kind": "something-newer"}) is None
+    assert EvictionEvent.from_fields(event.to_fields(), BOUNDS) == event
+    with pytest.raises(MalformedEvent, match="older_than_s"):
+        EvictionEvent.from_fields({"kind": "evict", "older_than_s": "nan"}, BOUNDS)
+    with pytest.raises(MalformedEvent, match="kind"):
+        EvictionEvent.from_fields({"kind": "something-newer"}, BOUNDS)
 
 
 @pytest.mark.parametrize("entry", [
     {"key_hex": "not-hex"},
+    {"key_hex": "ab01"},  # a beginning of a key: the publisher sends the whole key
+    {"key_hex": KEY_HEX.upper()},
+    {"key_hex": KEY_HEX + "00"},
+    {"key_hex": " " + KEY_HEX[1:]},
     {"everything": "yes"},
     {"older_than_s": "soon"},
     {"older_than_s": "-1"},
+    {"older_than_s": "1" * 100},
     {"tenant": 7},
+    {"tenant": ""},
+    {"tenant": "t" * 129},
+    {"tier": "disk" * 20},
+    {"origin": "r" * 65},
     {"key_hex": b"ab01"},
     {"unknown": "1"},
+    {"prefix_text": "a system prompt"},  # no tenant: never "every tenant's blocks"
+    {"tenant": "acme", "prefix_text": "x" * (BOUNDS.max_prefix_chars + 1)},
 ])
-def test_an_entry_with_a_field_of_the_wrong_type_or_value_is_no_event(
+def test_an_entry_with_a_field_of_the_wrong_type_value_or_size_is_malformed(
     entry: dict[str, object],
 ) -> None:
-    assert EvictionEvent.from_fields({"kind": "evict", **entry}) is None  # type: ignore[dict-item]
+    with pytest.raises(MalformedEvent):
+        EvictionEvent.from_fields({"kind": "evict", **entry}, BOUNDS)  # type: ignore[dict-item]
+
+
+def test_a_malformed_entry_says_which_field_and_its_size_never_its_text() -> None:
+    text = "secret " * 40_000
+    with pytest.raises(MalformedEvent) as excinfo:
+        EvictionEvent.from_fields({"kind": "evict", "tenant": "acme", "prefix_text": text},
+                                  BOUNDS)
+    assert str(excinfo.value) == (f"prefix_text has {len(text)} characters, more than "
+                                  f"{BOUNDS.max_prefix_chars}")
+
+
+def test_a_prefix_of_a_prompts_bound_is_an_event() -> None:
+    text = "x" * BOUNDS.max_prefix_chars
+    event = EvictionEvent.from_fields({"kind": "evict", "tenant": "acme", "prefix_text": text},
+                                      BOUNDS)
+    assert event.prefix_text == text
+
+
+class CountingKeys(admin_helpers.FakeKeys):
+    """``PromptKeys`` that remembers the length of every text it tokenised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokenised_chars: list[int] = []
+
+    def prompt_tokens(self, prompt: PromptInput) -> TokenIds:
+        if isinstance(prompt.prompt, str):
+            self.tokenised_chars.append(len(prompt.prompt))
+        return super().prompt_tokens(prompt)
+
+
+def test_an_oversized_event_on_the_stream_is_skipped_untokenised_and_the_reader_goes_on(
+    replicas: Callable[..., Replica], redis_server: RedisServer,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Replica B applies events to a real cache through CacheAdmin, as a gateway does.
+    keys = CountingKeys()
+    cache = admin_helpers.make_cache(admin_helpers.FakeClock())
+    system = "You are the support assistant of Acme."
+    admin_helpers.store(cache, admin_helpers.ALICE,
+                        keys.prompt_tokens(PromptInput(prompt=system)))
+    admin_helpers.store(cache, admin_helpers.BOB, admin_helpers.toks(5, 6, 7, 8))
+    keys.tokenised_chars.clear()
+    admin = CacheAdmin(cache, keys=keys)
+    b = replicas("b", apply=admin.apply_event)
+    # Anyone who can write Redis (the deployment's ACL user suffices) writes 8 MB of prefix.
+    oversized = system * (8 * 2**20 // len(system))
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        client.xadd(STREAM, {"kind": "evict", "tenant": "alice", "prefix_text": oversized,
+                             "origin": "x"})
+        client.xadd(STREAM, {"kind": "evict", "tenant": "alice", "prefix_text": system,
+                             "origin": "x"})
+    finally:
+        client.close()
+    with caplog.at_level(logging.WARNING, logger="gateway.cache"):
+        # Both handled (a generous bound: before issue 44's fix, tokenising the 8 MB took
+        # seconds); what matters is how each was handled.
+        wait_for(lambda: b.feed.num_applied + b.feed.num_malformed == 2, timeout_s=120.0)
+    assert (b.feed.num_malformed, b.feed.num_applied, b.feed.num_failed) == (1, 1, 0)
+    assert keys.tokenised_chars == [len(system)]  # the oversized text was never tokenised
+    assert b.feed.is_reading and b.feed.behind_reason(max_quiet_s=30.0) is None
+    assert {info.owner for info in list_prefixes(cache)} == {"bob"}  # the valid one applied
+    assert (f"prefix_text has {len(oversized)} characters, more than "
+            f"{BOUNDS.max_prefix_chars}") in caplog.text
+    assert "support assistant" not in caplog.text
 
 
 def test_a_malformed_event_is_counted_and_skipped_and_later_evictions_still_apply(
@@ -100,8 +186,8 @@ def test_a_malformed_event_is_counted_and_skipped_and_later_evictions_still_appl
     # Anyone who can write Redis writes straight into the stream.
     client = redis.Redis.from_url(redis_server.url)
     try:
-        for entry in ({"kind": "evict", "key_hex": "zz", "prefix_text": "my secret prompt",
-                       "origin": "x"},
+        for entry in ({"kind": "evict", "key_hex": "zz", "tenant": "alice",
+                       "prefix_text": "my secret prompt", "origin": "x"},
                       {"kind": "evict", "everything": "yes", "origin": "x"},
                       {"kind": "evict", "older_than_s": "soon", "origin": "x"},
                       {"kind": "evict", "surprise": "1", "origin": "x"}):

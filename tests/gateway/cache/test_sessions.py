@@ -21,7 +21,7 @@ from gateway.cache.session_admin import SessionAdmin, drop_expired_sessions
 from gateway.cache.sessions import SessionLimits
 from gateway.config.loader import load_serve_config
 from gateway.config.settings import ConfigError
-from gateway.core.errors import InvalidRequest, NotFound
+from gateway.core.errors import InvalidRequest, MalformedEvent, NotFound
 from gateway.core.fingerprint import Namespace
 from gateway.core.sessions import session_id_problem
 from gateway.core.tokens import TokenIds
@@ -30,6 +30,7 @@ from tests.gateway.cache.test_admin import (
     ALICE,
     BLOCK_BYTES,
     BOB,
+    EVENT_BOUNDS,
     KEYS,
     FakeClock,
     store,
@@ -238,7 +239,7 @@ def test_a_reset_is_published_with_its_tenant_and_session_only(clock: FakeClock)
     [event] = feed.events
     assert event.to_fields() == {"kind": "evict", "origin": "", "tenant": "alice",
                                  "session": "chat-1"}
-    assert EvictionEvent.from_fields(event.to_fields()) == event
+    assert EvictionEvent.from_fields(event.to_fields(), EVENT_BOUNDS) == event
 
 
 @pytest.mark.parametrize("fields", [
@@ -248,7 +249,8 @@ def test_a_reset_is_published_with_its_tenant_and_session_only(clock: FakeClock)
     {"kind": "evict", "tenant": "alice", "session": "chat-1", "tag": "docs-v3"},
 ])
 def test_a_session_event_naming_anything_else_is_skipped(fields: dict[str, str]) -> None:
-    assert EvictionEvent.from_fields(fields) is None
+    with pytest.raises(MalformedEvent):
+        EvictionEvent.from_fields(fields, EVENT_BOUNDS)
 
 
 @pytest.mark.parametrize("session_id", ["", "a b", "x" * 129, "chat/1", "~chat", "é"])

@@ -12,12 +12,13 @@ import pytest
 from gateway.cache.admin import CacheAdmin, list_prefixes
 from gateway.cache.invalidation import EvictionEvent
 from gateway.core.canonical import PromptInput
-from gateway.core.errors import InvalidRequest
+from gateway.core.errors import InvalidRequest, MalformedEvent
 from gateway.core.fingerprint import Scope
 from gateway.core.tags import tag_problem
 from tests.gateway.cache.test_admin import (
     ALICE,
     BOB,
+    EVENT_BOUNDS,
     KEYS,
     FakeClock,
     make_cache,
@@ -105,8 +106,9 @@ def test_a_tag_eviction_reaches_another_replica_through_the_event_stream(
     clock: FakeClock,
 ) -> None:
     event = EvictionEvent(tag="docs-v3", tenant="alice").with_origin("replica-1")
-    assert EvictionEvent.from_fields(event.to_fields()) == event
-    assert EvictionEvent.from_fields({"kind": "evict", "tag": "no spaces"}) is None
+    assert EvictionEvent.from_fields(event.to_fields(), EVENT_BOUNDS) == event
+    with pytest.raises(MalformedEvent, match="tag is not a tag"):
+        EvictionEvent.from_fields({"kind": "evict", "tag": "no spaces"}, EVENT_BOUNDS)
     cache = make_cache(clock)
     admin = CacheAdmin(cache, keys=KEYS)
     store(cache, ALICE, toks(1, 2))

@@ -14,6 +14,7 @@ import pytest
 
 from gateway.cli.admin import parse_duration
 from gateway.cli.main import main
+from gateway.config.limits import LimitSettings
 from tests.gateway.grpc_harness import (
     ADMIN_KEY,
     KEY_A,
@@ -296,6 +297,20 @@ def test_an_unknown_ambiguous_or_bad_key_is_an_error_that_says_why(
     assert main(_admin(gateway, "evict", "--key", "xyz", "--yes")) == 1
     assert "key_hex must be hex digits" in capsys.readouterr().err
     assert sorted(_all_keys(gateway)) == sorted(keys)
+
+
+def test_evict_with_a_prefix_longer_than_a_prompt_fails_in_one_line_that_names_the_limit(
+    gateway: RunningGateway, capsys: pytest.CaptureFixture[str],
+) -> None:
+    most = LimitSettings().max_prompt_chars
+    prefix = "You are a helpful assistant. " * (most // 29 + 1)
+    assert main(_admin(gateway, "evict", "--tenant", "tenant-a", "--prefix", prefix,
+                       "--yes")) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert (f"prefix_text has {len(prefix)} characters; a prefix is bounded like a prompt: "
+            f"send at most {most} (limits.max_prompt_chars)") in captured.err
+    assert "helpful assistant" not in captured.err + captured.out
 
 
 def test_admin_commands_that_change_nothing_say_why_and_exit_3(

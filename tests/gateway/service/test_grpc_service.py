@@ -464,6 +464,16 @@ def test_admin_lists_pins_evicts_and_flushes(
     assert tenant_a.lookup(prompt_a).cached_tokens == 0
 
 
+def test_an_eviction_by_a_prefix_longer_than_a_prompt_is_invalid_argument(
+    admin: KvgateClient,
+) -> None:
+    most = LimitSettings().max_prompt_chars  # this gateway's limits.max_prompt_chars
+    with pytest.raises(InvalidArgument, match=rf"prefix_text has {most + 1} characters; a prefix "
+                       rf"is bounded like a prompt: send at most {most} "
+                       r"\(limits.max_prompt_chars\)"):
+        admin.evict(tenant="tenant-a", prefix_text="x" * (most + 1))
+
+
 # ---- disconnects, deadlines, concurrency --------------------------------------------------
 
 

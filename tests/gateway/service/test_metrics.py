@@ -280,12 +280,13 @@ def test_kvgate_serve_serves_metrics_from_its_config_and_stops_on_sigterm(
 
 
 def test_the_eviction_feed_series_say_what_its_reader_did(redis_server) -> None:
-    from gateway.cache.invalidation import EvictionEvent, EvictionFeed
+    from gateway.cache.invalidation import EventBounds, EvictionEvent, EvictionFeed
     from tiers.redis_events import RedisEventLog
 
     applied: list[EvictionEvent] = []
+    bounds = EventBounds(max_prefix_chars=1000, max_tenant_chars=128)
     feed = EvictionFeed(RedisEventLog(redis_server.url, name="kvgate:evictions", block_s=0.2),
-                        applied.append, origin="b")
+                        applied.append, origin="b", bounds=bounds)
     metrics = GatewayMetrics()
     metrics.watch_feed(feed)
 
@@ -303,7 +304,7 @@ def test_the_eviction_feed_series_say_what_its_reader_did(redis_server) -> None:
         assert feed.settled.wait(5)
         redis_server.client().xadd("kvgate:evictions", {"kind": "evict", "key_hex": "zz"})
         EvictionFeed(RedisEventLog(redis_server.url, name="kvgate:evictions"), print,
-                     origin="a").publish(EvictionEvent(tenant="alice"))
+                     origin="a", bounds=bounds).publish(EvictionEvent(tenant="alice"))
         deadline = time.monotonic() + 5
         while not applied and time.monotonic() < deadline:
             time.sleep(0.02)
