@@ -153,9 +153,9 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     import torch
 
     from gateway.engine.engine import EngineConfig
-    from gateway.engine.model import load_model
-    from gateway.engine.route_search import search_route
-    from gateway.engine.verdicts import cpu_identity
+    from gateway.engine.models.loading import load_model
+    from gateway.engine.parity.route_search import search_route
+    from gateway.engine.parity.verdicts import cpu_identity
     from tests.tiny_llama import save_tiny_llama
 
     lines = [f"kvgate machine: {cpu_identity()}", f"kvgate torch: {torch.__version__}, "

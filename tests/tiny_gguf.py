@@ -1,7 +1,8 @@
 """The tiny random Llama (``tests.tiny_llama``) written as a float32 GGUF file.
 
 The bundled model is a GGUF that takes ~15 s to convert; this one converts in well under a
-second, so tests of the GGUF path (``gateway.engine.model``'s conversion cache) need not wait.
+second, so tests of the GGUF path (``gateway.engine.models.loading``'s conversion cache) need not
+wait.
 Written with the ``gguf`` library (the one transformers reads GGUFs with); its weights are the
 tiny Llama's, so transformers dequantises them back bit for bit (the q/k projections are stored
 in GGUF's rotary order, which transformers undoes).

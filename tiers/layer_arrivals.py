@@ -15,7 +15,8 @@ reads pinned host memory in place, by unified addressing), and one ``index_copy_
 into their pages: two launches per layer and slab, not 2 x N copies.
 
 Who reads a page before its bytes have arrived waits for them first: a step, per layer and at
-its end (``gateway.engine.forward``); a captured step before its replay; a tier a page's bytes
+its end (``gateway.engine.forward.batched``); a captured step before its replay; a tier a page's
+bytes
 are written to (``TierHierarchy.write`` and ``write_remote``: demotions, disk and Redis
 writes); the pool's own copies out of a page (copy-on-write, gathers). Handing a page out as a
 block reads nothing: the load path serves the device tier's copy of what it promoted, and the

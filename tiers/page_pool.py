@@ -4,7 +4,7 @@ Why a pool: a cached prefix used to be copied into buffers of each request that 
 and ~78 MB for 1.7k tokens of SmolLM2 in float32, per request), so eight users under one system
 prompt held eight copies of it. Here a page is one cache block (``page_tokens`` tokens) of K
 and V for every layer, and the device tier's blocks *are* pages: a request that hits them puts
-their ids in its block table (``gateway.engine.kv_sequence``) and copies nothing.
+their ids in its block table (``gateway.engine.kv.sequence``) and copies nothing.
 
 Layout: one tensor ``[layers, 2, kv_heads, pages, page_tokens, head_dim]`` (2: K then V), so that
 one layer's K (or V) is one contiguous ``[kv_heads, pages, page_tokens, head_dim]``: attention

@@ -3,7 +3,7 @@
 A block payload is the K and V tensors of every attention layer for ``block_tokens`` tokens,
 each shaped ``[kv_heads, block_tokens, head_dim]``. Payloads held by a tier are shared by every
 request that reads the block, so they are treated as read-only: a request copies them into its
-own buffers (``gateway.engine.kv_sequence``) and never writes through them.
+own buffers (``gateway.engine.kv.sequence``) and never writes through them.
 
 Shapes and sizes are always checked against a ``KVLayout`` taken from the model's config, never
 trusted from stored headers.

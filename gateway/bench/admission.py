@@ -1,6 +1,6 @@
 """What admitting a warm turn costs: its cached prefix listed from the pool, or copied.
 
-A request admitted on a hit builds its block table (``gateway.engine.kv_sequence``): the device
+A request admitted on a hit builds its block table (``gateway.engine.kv.sequence``): the device
 tier's pages are listed, nothing is copied. Before the page pool, every admission copied the
 cached prefix into buffers of the request's own; that copy is measured beside it here, in the
 same run, as copying the same blocks into pages of the request's own (what a block from a slower
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gateway.engine.kv_sequence import KVSequence
+from gateway.engine.kv.sequence import KVSequence
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
 

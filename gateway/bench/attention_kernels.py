@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-from gateway.engine.triton_attention import TilePlan, TritonPagedAttention
+from gateway.engine.attention.triton_paged import TilePlan, TritonPagedAttention
 
 SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128), "smol": (9, 3, 64)}
 """(query heads, KV heads, head dim) of the checkpoints in docs/gpu.md."""

@@ -20,10 +20,15 @@ from typing import TextIO
 import torch
 
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
-from gateway.engine.forward import BatchedForward, SequenceRows
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, forward_logits, load_model, make_sequence_cache
-from gateway.engine.route_search import SearchSettings, build_forward, search_route
+from gateway.engine.forward.batched import BatchedForward, SequenceRows
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import (
+    LoadedModel,
+    forward_logits,
+    load_model,
+    make_sequence_cache,
+)
+from gateway.engine.parity.route_search import SearchSettings, build_forward, search_route
 
 SERIAL_CHUNK = 256
 

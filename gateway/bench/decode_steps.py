@@ -4,7 +4,7 @@ Why: a GPU decode step of a small model is bound by its launches, not its arithm
 issue 24's target for it is relative to the time of reading the weights once (decode per
 token at one user within 2x of it). This times, in one process and interleaved, the eager
 batched forward's decode step and the same step from a captured bucket
-(``gateway.engine.captured_steps``), for several row counts over sequences of ``--context``
+(``gateway.engine.forward.captured_steps``), for several row counts over sequences of ``--context``
 cached tokens, beside the time one pass over every weight takes here; where steps cannot be
 captured (a CPU, another attention) it says why and times the eager step alone. Every figure
 is the median of ``--repeats`` steps, each ending once the device is done.
@@ -22,11 +22,11 @@ from typing import TextIO
 import torch
 
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
-from gateway.engine.captured_steps import CapturedSteps, captured_steps_problem
-from gateway.engine.forward import BatchedForward, SequenceRows, StepForward
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.route_search import SearchSettings, build_forward, search_route
+from gateway.engine.forward.batched import BatchedForward, SequenceRows, StepForward
+from gateway.engine.forward.captured_steps import CapturedSteps, captured_steps_problem
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.parity.route_search import SearchSettings, build_forward, search_route
 from tiers.page_pool import PagePool
 
 PAGE_TOKENS = 64

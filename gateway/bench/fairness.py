@@ -1,6 +1,7 @@
 """``kvgate bench fairness``: one tenant's first-token time while another tenant floods.
 
-The engine schedules tenants by deficit (``gateway.engine.scheduler``), so a tenant that sends a
+The engine schedules tenants by deficit (``gateway.engine.scheduling.scheduler``), so a tenant that
+sends a
 few short requests should see its first token about as soon as when it runs alone, however many
 long requests another tenant keeps queued. This measures it on the real engine and model, in
 process (no network: what is measured is the scheduler and the step loop, not gRPC):
@@ -32,7 +33,7 @@ from gateway.core.errors import RequestCancelled
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import load_model
+from gateway.engine.models.loading import load_model
 
 QUIET = Scope.of_tenant("quiet")
 FLOOD = Scope.of_tenant("flood")

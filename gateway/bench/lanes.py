@@ -3,7 +3,8 @@
 One app backend (one tenant, one key) serves two kinds of traffic: bulk users with long prompts
 and interactive users with short chats. Across tenants the scheduler's fair share already keeps
 a quiet tenant's first token near its time alone (``kvgate bench fairness``); inside one tenant
-only ``priority`` can (``gateway.engine.scheduler``, docs/design.md "Priority lanes"). The target:
+only ``priority`` can (``gateway.engine.scheduling.scheduler``, docs/design.md "Priority lanes").
+The target:
 the interactive TTFT p99 under the bulk flood at most 1.5x its p99 alone, the bulk still
 finishing. Three phases on one engine and cache, in process (no network: what is measured is
 the scheduler, the preemptions and the step loop):
@@ -43,8 +44,8 @@ from gateway.core.errors import RequestCancelled
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.kv_sequence import pool_bytes_for
-from gateway.engine.model import load_model
+from gateway.engine.kv.sequence import pool_bytes_for
+from gateway.engine.models.loading import load_model
 
 BACKEND = Scope.of_tenant("backend")
 INTERACTIVE_USERS = 2

@@ -65,7 +65,7 @@ from gateway.bench.rows import BenchError
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_gateway
 from gateway.client import KvgateClient
 from gateway.core.requests import TokenDelta, Usage
-from gateway.engine.model import converted_checkpoint, resolve_source
+from gateway.engine.models.loading import converted_checkpoint, resolve_source
 
 KVGATE = "kvgate"
 KVGATE_SERIAL = "kvgate serial"
@@ -321,7 +321,7 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
 
     Raises:
         BenchError: a server did not start, or a request failed.
-        gateway.engine.model.ModelLoadError: the model cannot be found or converted.
+        gateway.engine.models.loading.ModelLoadError: the model cannot be found or converted.
     """
     if not options.users or min(options.users) < 1 or options.rounds < 1 \
             or options.max_tokens < 1:
@@ -508,7 +508,7 @@ def kv_growth_lines(results: Sequence[LoadResult]) -> list[str]:
 
 def print_admission(options: LoadOptions, out: TextIO) -> None:
     """The admission micro-benchmark (``gateway.bench.admission``) on the model's KV layout."""
-    from gateway.engine.model import load_model  # imports transformers: only here
+    from gateway.engine.models.loading import load_model  # imports transformers: only here
 
     layout = load_model(options.model, cache_dir=options.data_dir / "models",
                         device=options.numerics.device, dtype=options.numerics.dtype).layout

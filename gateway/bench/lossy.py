@@ -70,9 +70,9 @@ from gateway.core.fingerprint import Scope
 from gateway.core.quantization import Quantization
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.kv_sequence import pool_bytes_for
-from gateway.engine.model import LoadedModel, compute_block_kv, load_model
-from gateway.engine.verdicts import VerdictStore, cpu_identity
+from gateway.engine.kv.sequence import pool_bytes_for
+from gateway.engine.models.loading import LoadedModel, compute_block_kv, load_model
+from gateway.engine.parity.verdicts import VerdictStore, cpu_identity
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.kv_quant import quantized_bytes_per_token
 from tiers.payload import KVBlock, KVLayout

@@ -22,8 +22,8 @@ import torch
 
 from gateway.bench.prompts import PROSE
 from gateway.core.canonical import PromptInput, canonicalize
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, compute_block_kv, make_sequence_cache
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import LoadedModel, compute_block_kv, make_sequence_cache
 from policies.base import BlockKey
 from tiers.base import BlockMeta
 from tiers.codec import BlockCodec

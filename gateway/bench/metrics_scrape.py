@@ -42,8 +42,8 @@ from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import EngineOptions, spawn_gateway
-from gateway.engine.model import resolve_source
-from gateway.engine.verdicts import cpu_identity
+from gateway.engine.models.loading import resolve_source
+from gateway.engine.parity.verdicts import cpu_identity
 
 ROUTER_SERIES = b"vllm:num_requests_running"
 """A series every scrape must carry (what a router reads first)."""
@@ -204,7 +204,7 @@ def run_metrics_benchmark(options: MetricsBenchOptions, *, out: TextIO,
 
     Raises:
         BenchError: the server did not start, a request or a scrape failed.
-        gateway.engine.model.ModelLoadError: the model cannot be found or converted.
+        gateway.engine.models.loading.ModelLoadError: the model cannot be found or converted.
     """
     if options.users < 1 or options.rounds < 1 or options.max_tokens < 1 \
             or options.interval_s <= 0 or options.idle_s < 0:

@@ -40,7 +40,7 @@ from gateway.bench.rows import (
     Row,
     Sample,
 )
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 
 PEERS_VENV = ".venv-peers"
 LLAMA_CPP_THREADS = 2

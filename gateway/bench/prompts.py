@@ -6,7 +6,7 @@ speeds than text), cut to exact token counts; every system measured gets the sam
 
 from __future__ import annotations
 
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 
 PROSE = (
     "The lighthouse keeper kept a ledger of every ship that passed the headland, noting the "

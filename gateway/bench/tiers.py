@@ -42,8 +42,8 @@ import torch
 
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.plotting import new_figure, save_figure
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import compute_block_kv, load_model
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import compute_block_kv, load_model
 from policies.base import BlockKey
 from tiers.base import BlockMeta
 from tiers.codec import BlockCodec, derive_mac_key

@@ -70,7 +70,7 @@ from gateway.bench.spawn import Endpoint, EngineOptions, spawn_gateway
 from gateway.bench.ttft_targets import print_targets
 from gateway.client import KvgateClient, StatsReport
 from gateway.core.requests import TokenDelta, Usage
-from gateway.engine.model import LoadedModel, ModelLoadError, load_model, resolve_source
+from gateway.engine.models.loading import LoadedModel, ModelLoadError, load_model, resolve_source
 
 DEFAULT_LENGTHS = (512, 2048, 4096)
 
@@ -386,7 +386,7 @@ def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> lis
     Raises:
         BenchError: a process did not start, or a length does not fit the model.
         gateway.client.KvgateError: a call to the gateway failed.
-        gateway.engine.model.ModelLoadError: the model cannot be loaded.
+        gateway.engine.models.loading.ModelLoadError: the model cannot be loaded.
     """
     if options.repeats < 1 or not options.lengths or options.suffix_tokens < 1:
         raise BenchError("--repeats, --lengths and --suffix-tokens must be positive")

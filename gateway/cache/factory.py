@@ -102,7 +102,8 @@ class CacheConfig:
             recomputing takes compute from every other request).
         measure_at_start: ``kvgate serve`` measures the disk tier's and Redis's load bandwidth,
             and the engine's recompute speed, before it serves (``gateway.cache.load_bandwidth``,
-            ``gateway.engine.recompute_speed``), so that the first hit on either tier is judged
+            ``gateway.engine.parity.recompute_speed``), so that the first hit on either tier is
+            judged
             by ``skip_slow_tiers`` like every later one. Nothing to measure without either
             tier, or with ``skip_slow_tiers`` off.
         layered_host_loads: on a GPU, a host-tier hit is copied into its pages layer by layer
@@ -288,7 +289,7 @@ def open_cache(
 
     The device tier's blocks are pages of one pool (``tiers.page_pool``) that also holds the
     running requests' own pages: ``device_bytes`` plus ``running_bytes`` (the engine's KV
-    budget and tails, with its margin: ``gateway.engine.kv_sequence.pool_bytes_for``) plus
+    budget and tails, with its margin: ``gateway.engine.kv.sequence.pool_bytes_for``) plus
     the pages the write queues may hold (``queued_write_bytes``).
 
     The disk tier's files from an earlier run are re-indexed (headers only) and served again.

@@ -88,7 +88,7 @@ class SessionEntry:
 
 
 class SessionTails(Protocol):
-    """The conversation tails sessions kept (``gateway.engine.tail_cache.TailCache``)."""
+    """The conversation tails sessions kept (``gateway.engine.kv.tail_cache.TailCache``)."""
 
     def session_tail(self, owner: str, session_id: str) -> tuple[int, int]:
         """Tokens and bytes of the tails only this session kept and used."""

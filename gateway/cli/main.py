@@ -284,7 +284,7 @@ def _bench_ttft(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
     from gateway.bench.rows import BenchError
     from gateway.bench.ttft import TtftOptions, run_ttft_benchmark
     from gateway.client import KvgateError
-    from gateway.engine.model import ModelLoadError
+    from gateway.engine.models.loading import ModelLoadError
 
     try:
         lengths = tuple(int(s) for s in args.lengths.split(",") if s.strip())
@@ -319,7 +319,7 @@ def _bench_load(args: argparse.Namespace) -> int:
     from gateway.bench.load import LoadOptions, run_load_benchmark
     from gateway.bench.rows import BenchError
     from gateway.client import KvgateError
-    from gateway.engine.model import ModelLoadError
+    from gateway.engine.models.loading import ModelLoadError
 
     try:
         users = tuple(int(s) for s in args.users.split(",") if s.strip())
@@ -350,7 +350,7 @@ def _bench_metrics(args: argparse.Namespace) -> int:
     from gateway.bench.metrics_scrape import MetricsBenchOptions, run_metrics_benchmark
     from gateway.bench.rows import BenchError
     from gateway.client import KvgateError
-    from gateway.engine.model import ModelLoadError
+    from gateway.engine.models.loading import ModelLoadError
 
     numerics = resolve_bench_numerics(args, command="kvgate bench metrics", err=sys.stderr)
     if isinstance(numerics, int):
@@ -370,7 +370,7 @@ def _bench_metrics(args: argparse.Namespace) -> int:
 def _bench_cluster(args: argparse.Namespace) -> int:
     from gateway.bench.cluster import ClusterOptions, run_cluster_benchmark
     from gateway.bench.rows import BenchError
-    from gateway.engine.model import ModelLoadError
+    from gateway.engine.models.loading import ModelLoadError
 
     redis = shutil.which("redis-server")
     if redis is None:
@@ -395,7 +395,7 @@ def _bench_cluster(args: argparse.Namespace) -> int:
 def _bench_lossy(args: argparse.Namespace) -> int:
     from gateway.bench.lossy import LossyOptions, run_lossy_benchmark
     from gateway.bench.rows import BenchError
-    from gateway.engine.model import ModelLoadError
+    from gateway.engine.models.loading import ModelLoadError
 
     numerics = resolve_bench_numerics(args, command="kvgate bench lossy", err=sys.stderr)
     if isinstance(numerics, int):

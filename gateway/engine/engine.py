@@ -1,7 +1,8 @@
 """The engine: the public face of the request path below the servicer.
 
 ``Engine`` validates and canonicalises requests, and hands them to one ``StepLoop``
-(``gateway.engine.loop``) that runs many at once on one model: each step batches the decode
+(``gateway.engine.scheduling.loop``) that runs many at once on one model: each step batches the
+decode
 rows of every running request with prefill chunks of the admitted ones (``Scheduler``: fair
 across tenants, bounded per tenant). The gRPC threads only validate, submit and stream.
 
@@ -47,33 +48,33 @@ from gateway.core.requests import (
 )
 from gateway.core.sessions import session_problems
 from gateway.core.tokens import TokenIds
-from gateway.engine.captured_steps import (
+from gateway.engine.forward.batched import BatchedForward, SequenceRows, StepForward
+from gateway.engine.forward.captured_steps import (
     CAPTURED_PREFILL_ROWS,
     CapturedCounters,
     CapturedSteps,
     captured_steps_problem,
 )
-from gateway.engine.forward import BatchedForward, SequenceRows, StepForward
-from gateway.engine.jobs import Job, RequestHandle, WarmHandle
-from gateway.engine.kv_sequence import KVSequence, pool_bytes_for
-from gateway.engine.loop import StepLoop
-from gateway.engine.loop_records import LoopCounters, LoopSettings
-from gateway.engine.model import LoadedModel
-from gateway.engine.observer import EngineMetrics
-from gateway.engine.recompute_speed import measure_recompute_speed
-from gateway.engine.route_search import (
+from gateway.engine.kv.sequence import KVSequence, pool_bytes_for
+from gateway.engine.kv.tail_cache import TailCache, TailCounters
+from gateway.engine.linear.row_products import KERNELS, Product
+from gateway.engine.models.loading import LoadedModel
+from gateway.engine.output.observer import EngineMetrics
+from gateway.engine.parity.recompute_speed import measure_recompute_speed
+from gateway.engine.parity.route_search import (
     EngineRoute,
     attention_problem,
     build_forward,
     route_of,
     search_route,
 )
-from gateway.engine.row_products import KERNELS, Product
-from gateway.engine.scheduler import Scheduler
+from gateway.engine.parity.shadow import EvictBlocks, ShadowCounters, ShadowVerifier
+from gateway.engine.parity.verdicts import VerdictStore, verdict_key
+from gateway.engine.scheduling.jobs import Job, RequestHandle, WarmHandle
+from gateway.engine.scheduling.loop import StepLoop
+from gateway.engine.scheduling.loop_records import LoopCounters, LoopSettings
+from gateway.engine.scheduling.scheduler import Scheduler
 from gateway.engine.settings import EngineConfig as EngineConfig
-from gateway.engine.shadow import EvictBlocks, ShadowCounters, ShadowVerifier
-from gateway.engine.tail_cache import TailCache, TailCounters
-from gateway.engine.verdicts import VerdictStore, verdict_key
 from policies.base import BlockKey
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
@@ -224,7 +225,7 @@ class Engine:
     def _with_captured_steps(self, forward: StepForward) -> StepForward:
         """``forward``, its steps of up to ``max_running`` + ``CAPTURED_PREFILL_ROWS`` rows
         replayed from CUDA graphs where ``captured_steps`` asks and the route allows
-        (``gateway.engine.captured_steps``)."""
+        (``gateway.engine.forward.captured_steps``)."""
         if not self._config.captured_steps:
             return forward
         problem = captured_steps_problem(forward, self._device)
@@ -243,7 +244,7 @@ class Engine:
 
     def _build_loop(self, forward: StepForward) -> StepLoop:
         # Preempted requests resume to the same answer only where decoding writes a prefill's
-        # K/V (``gateway.engine.preemption``): elsewhere priorities order, never preempt.
+        # K/V (``gateway.engine.scheduling.preemption``): elsewhere priorities order, never preempt.
         limits = self._config.schedule_limits(
             is_serial=self._route.name == "serial",
             can_preempt=self._route.decode_kv_is_prefill_kv and self._route.name != "serial")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from gateway.engine.route_search import SearchSettings
-from gateway.engine.row_products import LinearKernel
-from gateway.engine.scheduler import ScheduleLimits
+from gateway.engine.linear.row_products import LinearKernel
+from gateway.engine.parity.route_search import SearchSettings
+from gateway.engine.scheduling.scheduler import ScheduleLimits
 
 ROUTES = ("auto", "batched", "serial")
 
@@ -65,19 +65,21 @@ class EngineSettings:
             requests may hold, in (0, 1]; a tenant with nothing running may still start one
             request of any size. Not lent to a tenant alone (nothing is preempted for another
             tenant: one arriving would wait for its requests to end); one tenant only: set 1.0
-            (``gateway.engine.scheduler``).
+            (``gateway.engine.scheduling.scheduler``).
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
             (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
-            "onednn" or "blas" (``gateway.engine.row_products``). Part of the cache namespace.
+            "onednn" or "blas" (``gateway.engine.linear.row_products``). Part of the cache
+            namespace.
         tail_cache_bytes: memory for conversation tails (the K/V after a conversation's last
-            full block, kept for its next turn; ``gateway.engine.tail_cache``, only where
+            full block, kept for its next turn; ``gateway.engine.kv.tail_cache``, only where
             decoding writes the K/V a prefill writes); 0 keeps none.
         shadow_fraction: the fraction of cache hits recomputed cold while the engine is idle
-            and compared bit for bit, in [0, 1] (``gateway.engine.shadow``); a block that
+            and compared bit for bit, in [0, 1] (``gateway.engine.parity.shadow``); a block that
             differs is logged, evicted everywhere and counted
             (``kvgate_shadow_divergences_total``); 0 turns it off.
         captured_steps: decode-only steps replayed from CUDA graphs, one per padded row
-            count (``gateway.engine.captured_steps``), where the engine runs on CUDA with the
+            count (``gateway.engine.forward.captured_steps``), where the engine runs on CUDA with
+            the
             Triton attention and decode rows share the product; elsewhere it changes nothing
             (the log says why). On by default since an H100 measured it (docs/gpu.md).
     """
@@ -154,7 +156,7 @@ class EngineConfig(EngineSettings):
             (the tests') computes nothing it did not ask for; ``kvgate serve`` takes
             ``[engine] shadow_fraction``, 0.01 unless set.
         measure_recompute_at_start: time prefill steps before serving
-            (``gateway.engine.recompute_speed``); ``kvgate serve`` sets it where the cache
+            (``gateway.engine.parity.recompute_speed``); ``kvgate serve`` sets it where the cache
             judges a disk tier or Redis by it (``[cache] measure_at_start``).
     """
 

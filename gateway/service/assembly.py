@@ -59,7 +59,7 @@ if TYPE_CHECKING:
     from gateway.cache.invalidation import EvictionFeed
     from gateway.cache.prefix_cache import PrefixCache
     from gateway.engine.engine import Engine
-    from gateway.engine.model import LoadedModel
+    from gateway.engine.models.loading import LoadedModel
     from gateway.service.admission import Admission
     from gateway.service.http.server import HttpFront
     from gateway.service.kv_events.publisher import KVEventPublisher
@@ -252,7 +252,8 @@ def serve(
         serving: set once the gateway serves (the signal handler stops interrupting then).
 
     Raises:
-        ServeError, gateway.config.settings.ConfigError, gateway.engine.model.ModelLoadError:
+        ServeError, gateway.config.settings.ConfigError,
+        gateway.engine.models.loading.ModelLoadError:
             it could not start.
     """
     ensure_private_dir(config.data_dir)
@@ -320,12 +321,12 @@ def _load_model(config: ServeConfig) -> tuple[LoadedModel, torch.device, torch.d
 
     Raises:
         ServeError: the device or dtype cannot be used here.
-        gateway.engine.model.ModelLoadError: the model cannot be loaded.
+        gateway.engine.models.loading.ModelLoadError: the model cannot be loaded.
     """
     # NOTE: imported once listening, so that health answers (NOT_SERVING) during the import.
     from gateway.config.device import DeviceError, resolve_device
     from gateway.config.dtype import DtypeError, resolve_dtype
-    from gateway.engine.model import load_model
+    from gateway.engine.models.loading import load_model
 
     try:
         device = resolve_device(config.device)
@@ -345,7 +346,7 @@ def _open_cache(config: ServeConfig, opened: _Opened, loaded: LoadedModel, *,
     (bound first, so that it hears every block the cache holds); both kept in ``opened``."""
     from gateway.cache.factory import has_tier_to_measure, open_cache
     from gateway.cache.load_bandwidth import measure_load_bandwidths
-    from gateway.engine.kv_sequence import pool_bytes_for
+    from gateway.engine.kv.sequence import pool_bytes_for
     from gateway.service.kv_events.publisher import open_kv_events
 
     with stage("opening the cache tiers (recovering the disk tier's index)"):
@@ -371,7 +372,7 @@ def _start_engine(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
     first, so that a failed start still stops it), and the router series that read it."""
     from gateway.cache.factory import has_tier_to_measure
     from gateway.engine.engine import Engine, EngineConfig
-    from gateway.engine.verdicts import VerdictStore
+    from gateway.engine.parity.verdicts import VerdictStore
 
     def evict_everywhere(keys: Sequence[BlockKey]) -> None:
         # A block shadow verification found divergent leaves every tier and every replica

@@ -27,7 +27,7 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.fingerprint import Scope
 from gateway.core.prompt_limits import PromptLimits
 from gateway.core.requests import TokenDelta, Usage
-from gateway.engine.jobs import RequestHandle
+from gateway.engine.scheduling.jobs import RequestHandle
 
 MAX_TOOLS = 128
 """Most tool schemas one prompt may carry."""

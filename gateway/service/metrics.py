@@ -339,7 +339,8 @@ class GatewayMetrics:
         self._preemptions.inc()
 
     def record_shadow_check(self, *, num_blocks: int, divergent_tiers: Sequence[str]) -> None:
-        """One shadow verification of ``num_blocks`` served blocks (``gateway.engine.shadow``)."""
+        """One shadow verification of ``num_blocks`` served blocks
+        (``gateway.engine.parity.shadow``)."""
         self._shadow_checks.inc()
         self._shadow_blocks.inc(num_blocks)
         for tier in divergent_tiers:

@@ -1,6 +1,8 @@
 """The tree shows the architecture: imports point down the layers of docs/design.md, "Layout".
 
     cli → bench → service → config → engine → cache → core      (gateway/)
+    inside gateway/engine/: engine.py, settings.py → scheduling → parity → models → forward
+        → attention → kv → linear → output
     gateway.client → core and the generated stubs only (it imports nothing of the server)
     tiers → policies and gateway.core only;  policies → gateway.core only
 
@@ -16,6 +18,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("cli", "bench", "service", "config", "engine", "cache", "core")
+ENGINE_LAYERS = ("scheduling", "parity", "models", "forward", "attention", "kv", "linear",
+                 "output")
+"""gateway/engine/'s sub-packages, top to bottom (gateway/engine/__init__.py says what each
+holds); the modules directly in gateway/engine/ (the ``Engine`` and its settings) sit above
+them all."""
 MAX_MODULE_LINES = 600
 GENERATED = {"kvgate_pb2.py", "kvgate_pb2_grpc.py", "kvgate_pb2.pyi"}
 
@@ -85,6 +92,43 @@ def test_no_hand_written_module_is_over_the_size_limit(path: Path) -> None:
     num_lines = len(path.read_text().splitlines())
     assert num_lines <= MAX_MODULE_LINES, (
         f"{path.relative_to(ROOT)} has {num_lines} lines (> {MAX_MODULE_LINES}): split it")
+
+
+def _engine_layer(path: Path) -> str | None:
+    """The engine sub-package of a source file; "" for a module directly in gateway/engine/;
+    None outside gateway/engine/."""
+    rel = path.relative_to(ROOT).parts
+    if rel[:2] != ("gateway", "engine"):
+        return None
+    return rel[2] if len(rel) > 3 else ""
+
+
+def _engine_allowed(path: Path, target: str) -> bool:
+    layer = _engine_layer(path)
+    parts = target.split(".")
+    if layer is None or parts[:2] != ["gateway", "engine"]:
+        return True
+    if layer == "":  # the Engine and its settings: above every sub-package
+        return True
+    if len(parts) < 3 or parts[2] not in ENGINE_LAYERS:  # gateway.engine.engine, .settings
+        return False
+    return ENGINE_LAYERS.index(parts[2]) >= ENGINE_LAYERS.index(layer)
+
+
+_ENGINE_MODULES = [p for p in _modules() if _engine_layer(p) is not None]
+
+
+@pytest.mark.parametrize("path", _ENGINE_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_engine_imports_point_down_its_sub_packages(path: Path) -> None:
+    upward = [f"line {line}: {target}" for line, target in _imports(path)
+              if not _engine_allowed(path, target)]
+    assert not upward, f"{path.relative_to(ROOT)} imports against the engine's layers: {upward}"
+
+
+def test_the_engine_layers_are_its_sub_packages() -> None:
+    engine = ROOT / "gateway" / "engine"
+    packages = {p.name for p in engine.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == set(ENGINE_LAYERS)
 
 
 def test_the_layers_are_the_packages_of_gateway() -> None:

@@ -26,7 +26,7 @@ from gateway.config.keys import KeyEntry
 from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.metrics import GatewayMetrics

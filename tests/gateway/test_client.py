@@ -23,8 +23,8 @@ from gateway.client import (
     Unavailable,
 )
 from gateway.core.requests import GenerateRequest, TokenDelta, Usage
-from gateway.engine.jobs import RequestHandle
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
+from gateway.engine.scheduling.jobs import RequestHandle
 from tests.gateway.grpc_harness import (
     KEY_A,
     LONG_PROMPT,

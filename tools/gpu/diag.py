@@ -1,13 +1,18 @@
 """Where does batch/chunk invariance break on CUDA? Linear rows by M, mv vs gemm, tiled attention
 by query count; plus engine step costs. Writes $OUT/diag.json."""
-import json, os, time
+import json
+import os
+import time
+
 import torch
 import torch.nn.functional as F
-from gateway.engine.attention import TiledAttention, AttentionItem
-from gateway.engine.forward import BatchedForward, SequenceRows
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import load_model
-from gateway.engine.probe import probe_invariance
+
+from gateway.engine.attention.tiled import TiledAttention
+from gateway.engine.forward.batched import BatchedForward, SequenceRows
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import load_model
+from gateway.engine.parity.probe import probe_invariance
+
 
 def timed(fn, reps=5):
     fn(); torch.cuda.synchronize(); ts = []

@@ -1,16 +1,21 @@
 """GPU experiment: where the batched forward's time goes (profile), and a candidate attention
 through torch's memory-efficient kernel in fixed shapes (128-query calls, keys in multiples of
 512, float mask): does the start-up probe pass with it, and what does it cost? -> $OUT/exp.json"""
-import json, math, os, sys, time
+import json
+import math
+import os
+import time
+
 import torch
 import torch.nn.functional as F
-from gateway.engine.attention import TiledAttention
-from gateway.engine.forward import BatchedForward, SequenceRows, projection_weights
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import load_model
-from gateway.engine.probe import probe_invariance
-from gateway.engine.row_padding import row_padding_for
-from gateway.engine.row_products import RowProducts
+
+from gateway.engine.attention.tiled import TiledAttention
+from gateway.engine.forward.batched import BatchedForward, SequenceRows, projection_weights
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.linear.row_padding import row_padding_for
+from gateway.engine.linear.row_products import RowProducts
+from gateway.engine.models.loading import load_model
+from gateway.engine.parity.probe import probe_invariance
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 QC, KB = 128, 512
@@ -85,7 +90,7 @@ for kind, dt in kinds:
         for k in (1, 8):
             row[f"{aname}_decode{k}_ms"] = timed(lambda: fw.forward([SequenceRows(sequence=s, tokens=torch.randint(0, vocab, (1,)), wants_logits=True, is_decode=True) for s in seqs[:k]]), reps=7)
         if kind == "smol" and dt == "bfloat16" and DEV == "cuda":
-            from torch.profiler import profile, ProfilerActivity
+            from torch.profiler import ProfilerActivity, profile
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 prefill(N)(); sync()
             table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60)

@@ -7,12 +7,17 @@ in chunks of CHUNK_TOKENS (median of 3 after 2 warm-ups), then prints torch.prof
 of one run by GPU time and by CPU time (a forward whose CPU time exceeds its GPU time is bound
 by launches).
 """
-import sys, time, torch
-from gateway.engine.forward import BatchedForward, SequenceRows
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import load_model
-from gateway.engine.route_search import SearchSettings, build_forward, search_route
+import sys
+import time
 from pathlib import Path
+
+import torch
+
+from gateway.engine.forward.batched import SequenceRows
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import load_model
+from gateway.engine.parity.route_search import SearchSettings, build_forward, search_route
+
 model, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 dev = torch.device("cuda")
 loaded = load_model(model, cache_dir=Path("/tmp/kvdata/models"), device=dev, dtype=torch.bfloat16)
@@ -29,7 +34,8 @@ ts = []
 for _ in range(3):
     t = time.perf_counter(); run(); ts.append(time.perf_counter() - t)
 print(f"cold {n} in chunks of {size}: {sorted(ts)[1]*1000:.1f} ms")
-from torch.profiler import profile, ProfilerActivity
+from torch.profiler import ProfilerActivity, profile
+
 with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
     run()
 print(p.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))

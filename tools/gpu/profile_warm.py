@@ -36,11 +36,11 @@ from gateway.cache.factory import CacheConfig, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, Usage
-from gateway.engine import loop as engine_loop
 from gateway.engine.engine import Engine
-from gateway.engine.forward import SequenceRows
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import load_model
+from gateway.engine.forward.batched import SequenceRows
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import load_model
+from gateway.engine.scheduling import loop as engine_loop
 from gateway.engine.settings import EngineConfig, EngineSettings
 
 SECRET = b"profile-warm-secret-of-32-bytes!"

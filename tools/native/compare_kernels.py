@@ -1,6 +1,6 @@
 """Another source of the paged attention kernel against this checkout's: the same bits? how fast?
 
-    git show COMMIT:gateway/engine/native/paged_attention.c > /tmp/other.c
+    git show COMMIT:gateway/engine/attention/native/paged_attention.c > /tmp/other.c
     python tools/native/compare_kernels.py /tmp/other.c [--cases 60] [--repeats 100]
 
 Why: the kernel's numbers are part of the block namespace (``paged_attention.NUMERICS``). A
@@ -26,8 +26,14 @@ from pathlib import Path
 
 import torch
 
-from gateway.engine.native.build import BASE_FLAGS, SOURCE_DIR, compiler, cpu_flags, isa_flags
-from gateway.engine.paged_attention import PagedKernel
+from gateway.engine.attention.native.build import (
+    BASE_FLAGS,
+    SOURCE_DIR,
+    compiler,
+    cpu_flags,
+    isa_flags,
+)
+from gateway.engine.attention.paged import PagedKernel
 
 TIMED = (("a 40-token suffix over 2,048 cached", [(2048, 40)]),
          ("a decode step of 8 x 1,500", [(1500 + i, 1) for i in range(8)]),

@@ -28,8 +28,8 @@ from gateway.bench.numerics import resolve_numerics
 from gateway.bench.prompts import SuffixSource, make_prefix
 from gateway.bench.spawn import redis_on_loopback
 from gateway.core.requests import Usage
-from gateway.engine import loop as engine_loop
-from gateway.engine.model import load_model
+from gateway.engine.models.loading import load_model
+from gateway.engine.scheduling import loop as engine_loop
 
 ROWS = ("disk", "disk:int8", "redis", "redis:int8")
 

@@ -29,7 +29,7 @@ from gateway.bench.rows import (
     Row,
     Sample,
 )
-from gateway.engine.model import load_model
+from gateway.engine.models.loading import load_model
 from tests.gateway.bench.cli_run import run_bench
 from tests.tiny_llama import save_tiny_llama
 

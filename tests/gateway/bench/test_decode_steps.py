@@ -11,12 +11,12 @@ import pytest
 
 from gateway.bench.decode_steps import main, run_decode_benchmark, time_decode_steps
 from gateway.bench.numerics import resolve_numerics
-from gateway.engine.captured_steps import CapturedSteps
-from gateway.engine.forward import BatchedForward
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.row_padding import RowPadding
-from gateway.engine.row_products import RowProducts
-from gateway.engine.triton_attention import TritonPagedAttention
+from gateway.engine.attention.triton_paged import TritonPagedAttention
+from gateway.engine.forward.batched import BatchedForward
+from gateway.engine.forward.captured_steps import CapturedSteps
+from gateway.engine.linear.row_padding import RowPadding
+from gateway.engine.linear.row_products import RowProducts
+from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.kernels import rowwise
 from tests.gateway.engine.triton_interpreter import interpreted
 from tests.tiny_llama import save_tiny_llama

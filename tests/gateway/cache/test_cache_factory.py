@@ -16,7 +16,7 @@ import torch
 from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids
-from gateway.engine.model import LoadedModel, compute_block_kv, load_model
+from gateway.engine.models.loading import LoadedModel, compute_block_kv, load_model
 from policies.base import BlockKey
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama

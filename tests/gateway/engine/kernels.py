@@ -15,20 +15,20 @@ from collections.abc import Mapping
 import torch
 import torch.nn.functional as F
 
-from gateway.engine.attention import SequenceAttention
+from gateway.engine.attention.tiled import SequenceAttention
 from gateway.engine.engine import EngineConfig
-from gateway.engine.forward import BatchedForward, projection_weights
-from gateway.engine.model import LoadedModel
-from gateway.engine.probe import probe_invariance
-from gateway.engine.route_search import search_route
-from gateway.engine.row_padding import RowPadding
-from gateway.engine.row_products import (
+from gateway.engine.forward.batched import BatchedForward, projection_weights
+from gateway.engine.linear.row_padding import RowPadding
+from gateway.engine.linear.row_products import (
     KERNELS,
     LinearKernel,
     Product,
     RowProducts,
     candidate_row_products,
 )
+from gateway.engine.models.loading import LoadedModel
+from gateway.engine.parity.probe import probe_invariance
+from gateway.engine.parity.route_search import search_route
 
 
 def rowwise(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

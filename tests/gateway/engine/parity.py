@@ -26,10 +26,10 @@ from gateway.core.canonical import PromptInput, canonicalize
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.forward import BatchedForward, SequenceRows
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, compute_block_kv, load_model
-from gateway.engine.route_search import RouteVerdict, build_forward, search_route
+from gateway.engine.forward.batched import BatchedForward, SequenceRows
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import LoadedModel, compute_block_kv, load_model
+from gateway.engine.parity.route_search import RouteVerdict, build_forward, search_route
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
 

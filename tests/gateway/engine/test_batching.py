@@ -1,6 +1,7 @@
 """Many requests at once: the same answers as alone, warm still equal to cold, fair, cancellable.
 
-The engine batches every running request into each step (``gateway.engine.loop``); these tests
+The engine batches every running request into each step (``gateway.engine.scheduling.loop``); these
+tests
 run requests concurrently from threads on the tiny Llama and compare against the same requests
 run alone, token for token and K/V bit for bit.
 """
@@ -29,7 +30,7 @@ from gateway.core.requests import (
     WarmRequest,
 )
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.kernels import batched_kernels
 from tests.gateway.engine.parity import SECRET, cache_config
 from tests.tiny_llama import save_tiny_llama

@@ -1,5 +1,5 @@
 """Steps from static buffers (CUDA graphs on a GPU) compute the eager forward's bits
-(gateway.engine.captured_steps, docs/gpu.md "Captured steps").
+(gateway.engine.forward.captured_steps, docs/gpu.md "Captured steps").
 
 Two copies of the same sequences take the same steps (decode rows, questions, chunks), one
 through the eager ``BatchedForward``, the other through ``CapturedSteps``; logits and K/V must
@@ -21,20 +21,20 @@ import pytest
 import torch
 
 from gateway.core.canonical import PromptInput
-from gateway.engine.attention import TiledAttention
-from gateway.engine.captured_steps import (
+from gateway.engine.attention.tiled import TiledAttention
+from gateway.engine.attention.triton_paged import TritonPagedAttention
+from gateway.engine.engine import Engine
+from gateway.engine.forward.batched import BatchedForward, SequenceRows
+from gateway.engine.forward.captured_steps import (
     CHECKED_STEPS,
     CapturedSteps,
     StepBucket,
     captured_steps_problem,
 )
-from gateway.engine.engine import Engine
-from gateway.engine.forward import BatchedForward, SequenceRows
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.row_padding import RowPadding
-from gateway.engine.row_products import RowProducts
-from gateway.engine.triton_attention import TritonPagedAttention
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.linear.row_padding import RowPadding
+from gateway.engine.linear.row_products import RowProducts
+from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.kernels import rowwise
 from tests.gateway.engine.parity import PROMPT_BY_ID, make_engine, run
 from tests.gateway.engine.triton_interpreter import interpreted

@@ -1,6 +1,7 @@
 """A conversation's next turn starts where its last answer's K/V end, and still equals cold.
 
-The engine keeps the K/V after a prompt + answer's last full block (``gateway.engine.tail_cache``)
+The engine keeps the K/V after a prompt + answer's last full block
+(``gateway.engine.kv.tail_cache``)
 where decoding writes a prefill's K/V; the next turn, which sends the answer back, then computes
 only the last answer token and its new message.
 """
@@ -18,7 +19,7 @@ from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.engine.engine import Engine
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.test_batching import (
     ALICE,
     BOB,

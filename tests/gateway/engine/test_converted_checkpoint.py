@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from gateway.engine.model import (
+from gateway.engine.models.loading import (
     BUNDLED,
     converted_checkpoint,
     fingerprint_source,

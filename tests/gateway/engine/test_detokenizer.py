@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gateway.core.tokenizer import HFTokenizerAdapter, Tokenizer
 from gateway.core.tokens import TokenIds
-from gateway.engine.detokenizer import MAX_PENDING_TOKENS, Detokenizer
+from gateway.engine.output.detokenizer import MAX_PENDING_TOKENS, Detokenizer
 from tests.tiny_llama import save_tiny_llama
 from tests.tokenizer_fixture import make_test_tokenizer
 

@@ -18,7 +18,7 @@ from gateway.config.dtype import resolve_dtype
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupRequest
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.parity import (
     ALICE,
     BLOCK,

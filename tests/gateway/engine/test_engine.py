@@ -28,9 +28,9 @@ from gateway.core.requests import (
     WarmRequest,
 )
 from gateway.engine.engine import Engine
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, forward_logits
-from gateway.engine.model import make_sequence_cache as sequence_cache
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import LoadedModel, forward_logits
+from gateway.engine.models.loading import make_sequence_cache as sequence_cache
 from tests.gateway.engine.parity import (
     ALICE,
     BLOCK,

@@ -9,7 +9,7 @@ parts (the model, the writes, the cold runs, the cold K/V) are computed once per
 tests share a restart until one needs a prompt whose blocks the current one has moved
 (``tests.gateway.engine.shared_engine``). The writing engine's start searches the route; the
 restarts take the verdict it remembered beside the disk directory, as ``kvgate serve`` does
-with its data directory (``gateway.engine.verdicts``).
+with its data directory (``gateway.engine.parity.verdicts``).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import Usage
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import BUNDLED, LoadedModel, load_model
-from gateway.engine.verdicts import VerdictStore
+from gateway.engine.models.loading import BUNDLED, LoadedModel, load_model
+from gateway.engine.parity.verdicts import VerdictStore
 from tests.gateway.engine.parity import (
     ServedSpy,
     assert_blocks_equal,

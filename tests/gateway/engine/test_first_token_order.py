@@ -26,7 +26,7 @@ from gateway.core.requests import (
     Usage,
 )
 from gateway.engine.engine import Engine
-from gateway.engine.jobs import RequestHandle
+from gateway.engine.scheduling.jobs import RequestHandle
 from tests.gateway.engine.parity import ALICE, BLOCK
 
 PROMPT = PromptInput(token_ids=[(7 * i) % 400 for i in range(4 * BLOCK + 3)])

@@ -1,6 +1,6 @@
 """The fixed-shape flash attention: a prefill row's bits never depend on its chunk, a decode
 row's never on what is attended beside it (docs/design.md, "Parity";
-gateway.engine.flash_attention).
+gateway.engine.attention.flash).
 
 Bit for bit (``torch.equal``), on random queries and keys with SmolLM2's head shape (9 query
 heads over 3 KV heads), across the 512-position key block.
@@ -14,12 +14,13 @@ import random
 import pytest
 import torch
 
-from gateway.engine.attention import CAPACITY_ALIGNMENT, TILE, AttentionItem, TiledAttention
-from gateway.engine.attention_choice import attention_for
-from gateway.engine.flash_attention import KEY_BLOCK, FlashBlockAttention
-from gateway.engine.forward import BatchedForward
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.probe import probe_invariance
+from gateway.engine.attention.choice import attention_for
+from gateway.engine.attention.flash import KEY_BLOCK, FlashBlockAttention
+from gateway.engine.attention.tiled import TILE, AttentionItem, TiledAttention
+from gateway.engine.forward.batched import BatchedForward
+from gateway.engine.kv.sequence import CAPACITY_ALIGNMENT
+from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.parity.probe import probe_invariance
 from tests.gateway.engine.kernels import ROWWISE
 from tests.tiny_llama import VOCAB, save_tiny_llama
 

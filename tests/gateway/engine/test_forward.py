@@ -12,11 +12,11 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from gateway.engine.attention import TILE, AttentionItem, TiledAttention, padded_row_count
-from gateway.engine.forward import BatchedForward, SequenceRows, UnsupportedModel
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.probe import probe_invariance
+from gateway.engine.attention.tiled import TILE, AttentionItem, TiledAttention, padded_row_count
+from gateway.engine.forward.batched import BatchedForward, SequenceRows, UnsupportedModel
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.parity.probe import probe_invariance
 from tests.gateway.engine.kernels import ROWWISE, machine_products
 from tests.tiny_llama import VOCAB, save_tiny_llama
 

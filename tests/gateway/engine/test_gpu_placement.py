@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gateway.cache.factory import open_cache
-from gateway.engine.model import load_model
+from gateway.engine.models.loading import load_model
 from tests.gateway.engine.parity import (
     PROMPT_BY_ID,
     SECRET,

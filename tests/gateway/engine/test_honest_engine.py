@@ -22,7 +22,7 @@ from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import WarmRequest
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from policies.registry import TierPolicyConfig, build_tier_policy
 from tests.gateway.engine.parity import BLOCK, SECRET, cache_config, make_engine, run
 from tests.tiers.faulty_fs import FaultyFileOps

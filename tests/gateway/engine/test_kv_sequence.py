@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.engine.kv_sequence import KVSequence, distinct_held
+from gateway.engine.kv.sequence import KVSequence, distinct_held
 from tests.copy_count import CountCopies
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout, PayloadError

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.test_batching import BOB, SYSTEM, collect, random_prompt, request, start
 from tests.tiny_llama import save_tiny_llama
 

@@ -1,7 +1,7 @@
 """A Llama read without transformers computes what transformers' model computes, bit for bit.
 
 Blocks cached by a gateway that loaded the model through transformers must stay valid for one
-that read it with ``gateway.engine.llama_modules`` (and back): the same checkpoint is loaded
+that read it with ``gateway.engine.models.llama_modules`` (and back): the same checkpoint is loaded
 both ways and run through ``BatchedForward`` -- chunked prefill beside another sequence, then
 decode rows -- and every logit and every K/V must be ``torch.equal``, in float32 and bfloat16,
 for the default RoPE and Llama 3's (with tied embeddings and projection biases).
@@ -20,13 +20,13 @@ import pytest
 import torch
 from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
 
-from gateway.engine import transformers_api
-from gateway.engine.attention import TiledAttention
-from gateway.engine.forward import BatchedForward, SequenceRows
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.llama_checkpoint import read_llama_config
-from gateway.engine.llama_modules import LlamaModules
-from gateway.engine.model import BUNDLED, LoadedModel, converted_checkpoint, load_model
+from gateway.engine.attention.tiled import TiledAttention
+from gateway.engine.forward.batched import BatchedForward, SequenceRows
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models import transformers_api
+from gateway.engine.models.llama_checkpoint import read_llama_config
+from gateway.engine.models.llama_modules import LlamaModules
+from gateway.engine.models.loading import BUNDLED, LoadedModel, converted_checkpoint, load_model
 from tests.gateway.engine.kernels import ROWWISE
 from tests.tiny_llama import save_tiny_llama
 from tests.tokenizer_fixture import make_hf_tokenizer
@@ -195,7 +195,7 @@ def test_a_llama_checkpoint_loads_without_importing_transformers(
         checkpoints: dict[str, Path]) -> None:
     script = (
         "import sys\n"
-        "from gateway.engine.model import load_model\n"
+        "from gateway.engine.models.loading import load_model\n"
         f"loaded = load_model({str(checkpoints['default rope'])!r})\n"
         "loaded.tokenizer.render_chat([{'role': 'user', 'content': 'hi'}], None, True)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n")

@@ -31,7 +31,7 @@ from gateway.core.requests import (
 )
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from policies.base import BlockKey
 from tests.gateway.engine.parity import ALICE, BLOCK, SECRET, cache_config, make_engine
 from tests.redis_harness import RedisServer

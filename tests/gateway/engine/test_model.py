@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gateway.engine.model import (
+from gateway.engine.models.loading import (
     BUNDLED,
     LoadedModel,
     ModelLoadError,

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.engine.native import build
-from gateway.engine.native.build import NativeBuildError
+from gateway.engine.attention.native import build
+from gateway.engine.attention.native.build import NativeBuildError
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="no C compiler on this machine")

@@ -18,9 +18,9 @@ import torch
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import QueueFull
 from gateway.engine.engine import Engine
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.loop_failures import is_out_of_memory
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.scheduling.loop_failures import is_out_of_memory
 from tests.gateway.engine.parity import BLOCK, make_engine, run
 from tests.tiny_llama import save_tiny_llama
 

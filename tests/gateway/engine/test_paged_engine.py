@@ -10,7 +10,7 @@ import pytest
 from gateway.cache.factory import OpenedCache
 from gateway.core.errors import QueueFull
 from gateway.engine.engine import Engine
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from tests.gateway.engine.parity import PROMPT_BY_ID, make_engine, run
 from tiers.page_pool import PagePool
 

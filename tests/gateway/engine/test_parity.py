@@ -27,7 +27,7 @@ import pytest
 from gateway.cache.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.engine.engine import Engine
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from tests.gateway.engine.parity import (
     BLOCK,
     PARITY_PROMPTS,

@@ -21,7 +21,7 @@ from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta, Usage
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from gateway.service.metrics import GatewayMetrics
 from tests.gateway.engine.kernels import batched_kernels
 from tests.gateway.engine.parity import SECRET, cache_config

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.engine.prefill_speed import WINDOW, PrefillSpeed, StepTimer
+from gateway.engine.parity.prefill_speed import WINDOW, PrefillSpeed, StepTimer
 
 
 def test_no_step_yet_gives_no_figure() -> None:

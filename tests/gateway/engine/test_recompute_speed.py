@@ -1,4 +1,5 @@
-"""The recompute speed measured before serving (``gateway.engine.recompute_speed``): the cache's
+"""The recompute speed measured before serving (``gateway.engine.parity.recompute_speed``): the
+cache's
 first hit on a disk or Redis tier is judged against it."""
 
 from __future__ import annotations
@@ -8,11 +9,11 @@ import logging
 import pytest
 
 from gateway.cache.factory import OpenedCache
-from gateway.engine.attention import TiledAttention
-from gateway.engine.forward import BatchedForward
-from gateway.engine.model import LoadedModel
-from gateway.engine.prefill_speed import PrefillSpeed
-from gateway.engine.recompute_speed import measure_recompute_speed
+from gateway.engine.attention.tiled import TiledAttention
+from gateway.engine.forward.batched import BatchedForward
+from gateway.engine.models.loading import LoadedModel
+from gateway.engine.parity.prefill_speed import PrefillSpeed
+from gateway.engine.parity.recompute_speed import measure_recompute_speed
 from tests.gateway.engine.kernels import ROWWISE
 from tests.gateway.engine.parity import BLOCK, make_engine
 from tests.tiny_llama import VOCAB

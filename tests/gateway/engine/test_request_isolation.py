@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-import gateway.engine.loop as loop_module
+import gateway.engine.scheduling.loop as loop_module
 from gateway.cache.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
@@ -28,12 +28,12 @@ from gateway.core.requests import (
     TokenDelta,
     Usage,
 )
-from gateway.engine.detokenizer import Detokenizer
 from gateway.engine.engine import Engine
-from gateway.engine.jobs import RequestHandle
-from gateway.engine.loop_records import ActiveRequest
-from gateway.engine.request_blocks import RequestBlocks
-from gateway.engine.sampling import Sampler
+from gateway.engine.output.detokenizer import Detokenizer
+from gateway.engine.output.sampling import Sampler
+from gateway.engine.scheduling.jobs import RequestHandle
+from gateway.engine.scheduling.loop_records import ActiveRequest
+from gateway.engine.scheduling.request_blocks import RequestBlocks
 
 ALICE = Scope.of_tenant("alice")
 OTHERS = [Scope.of_tenant("bob"), Scope.of_tenant("carol"), Scope.of_tenant("dave")]

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from gateway.engine import route_search
-from gateway.engine.attention import AttentionItem, TiledAttention
-from gateway.engine.model import LoadedModel
+from gateway.engine.attention.tiled import AttentionItem, TiledAttention
+from gateway.engine.models.loading import LoadedModel
+from gateway.engine.parity import route_search
 from gateway.engine.settings import EngineConfig
 from tests.gateway.engine.kernels import ROWWISE_KERNELS
 

@@ -12,11 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gateway.engine.attention_choice import attention_for
-from gateway.engine.forward import BatchedForward, projection_weights
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.probe import probe_invariance
-from gateway.engine.row_padding import (
+from gateway.engine.attention.choice import attention_for
+from gateway.engine.forward.batched import BatchedForward, projection_weights
+from gateway.engine.linear.row_padding import (
     CPU_PADDINGS,
     CPU_ROW_PADDING,
     RowPadding,
@@ -26,7 +24,9 @@ from gateway.engine.row_padding import (
     row_padding_for,
     sampled_counts,
 )
-from gateway.engine.row_products import RowProducts
+from gateway.engine.linear.row_products import RowProducts
+from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.parity.probe import probe_invariance
 from tests.gateway.engine.kernels import rowwise
 from tests.tiny_llama import VOCAB, save_tiny_llama
 

@@ -14,14 +14,12 @@ import logging
 import pytest
 import torch
 
-from gateway.engine.attention_choice import attention_for
+from gateway.engine.attention.choice import attention_for
 from gateway.engine.engine import EngineConfig
-from gateway.engine.forward import BatchedForward, SequenceRows, projection_weights
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.probe import probe_invariance
-from gateway.engine.row_padding import CPU_ROW_PADDING, RowPadding
-from gateway.engine.row_products import (
+from gateway.engine.forward.batched import BatchedForward, SequenceRows, projection_weights
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding
+from gateway.engine.linear.row_products import (
     BLAS_CPU_PRODUCTS,
     KERNELS,
     ONEDNN_ROW_PADDING,
@@ -30,6 +28,8 @@ from gateway.engine.row_products import (
     kernel_problem,
     step_and_wider,
 )
+from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.parity.probe import probe_invariance
 from tests.gateway.engine.kernels import (
     ROWWISE_KERNELS,
     raising,
@@ -88,7 +88,7 @@ def test_decode_rows_join_the_padded_product_of_blas_only_on_a_gpu() -> None:
 
 
 def test_on_the_cpu_the_real_kernels_never_offer_gemm(tiny, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger="gateway.engine.row_products"):
+    with caplog.at_level(logging.INFO, logger="gateway.engine.linear.row_products"):
         found = _candidates(tiny, kernels=KERNELS)
     assert "gemm" not in [p.kernel for p in found]
     assert any("gemm dropped" in r.getMessage() for r in caplog.records)
@@ -108,7 +108,7 @@ def test_linear_kernel_blas_offers_blas_only(tiny) -> None:
 
 def test_a_kernel_the_machine_cannot_run_is_dropped_with_one_line_naming_why(
         tiny, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="gateway.engine.row_products"):
+    with caplog.at_level(logging.INFO, logger="gateway.engine.linear.row_products"):
         found = _candidates(tiny, kernels={"onednn": raising, "blas": rowwise})
     assert [p.kernel for p in found] == ["blas"]
     lines = [r.getMessage() for r in caplog.records if "dropped" in r.getMessage()]
@@ -117,7 +117,7 @@ def test_a_kernel_the_machine_cannot_run_is_dropped_with_one_line_naming_why(
 
 def test_asking_for_onednn_where_it_cannot_run_warns_and_offers_blas(
         tiny, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="gateway.engine.row_products"):
+    with caplog.at_level(logging.WARNING, logger="gateway.engine.linear.row_products"):
         found = _candidates(tiny, "onednn", kernels={"onednn": raising, "blas": rowwise})
     assert [p.kernel for p in found] == ["blas"]
     assert any(r.levelno == logging.WARNING and "onednn" in r.getMessage()
@@ -133,7 +133,7 @@ def test_a_kernel_whose_small_products_differ_gets_a_coarser_padding(tiny) -> No
 
 def test_a_kernel_whose_rows_change_under_every_padding_is_dropped(
         tiny, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="gateway.engine.row_products"):
+    with caplog.at_level(logging.INFO, logger="gateway.engine.linear.row_products"):
         found = _candidates(tiny, kernels={"onednn": rowwise, "blas": varies_with_count})
     assert [p.kernel for p in found] == ["onednn"]
     assert any("blas dropped" in r.getMessage() and "every padding" in r.getMessage()

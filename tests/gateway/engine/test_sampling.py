@@ -1,4 +1,5 @@
-"""The sampler (``gateway.engine.sampling``): greedy is argmax, and every value validation accepts
+"""The sampler (``gateway.engine.output.sampling``): greedy is argmax, and every value validation
+accepts
 gives a token, never NaN probabilities (issue 22: ``temperature = 1e-45`` made softmax NaN and
 ``torch.multinomial`` raised)."""
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from gateway.core.requests import MIN_SAMPLING_TEMPERATURE, SamplingParams
-from gateway.engine.sampling import Sampler
+from gateway.engine.output.sampling import Sampler
 
 VOCAB = 64
 FLOAT32_MAX = torch.finfo(torch.float32).max

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.core.errors import QueueFull
-from gateway.engine.scheduler import ScheduledChunk, ScheduleLimits, Scheduler
+from gateway.engine.scheduling.scheduler import ScheduledChunk, ScheduleLimits, Scheduler
 
 KV = 1_000
 

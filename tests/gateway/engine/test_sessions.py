@@ -31,7 +31,7 @@ from gateway.core.requests import (
     WarmRequest,
 )
 from gateway.engine.engine import Engine
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from tests.gateway.engine.parity import BLOCK, SECRET, cache_config, make_engine
 from tests.redis_harness import RedisServer
 from tiers.base import BlockMeta

@@ -20,8 +20,8 @@ from gateway.cache.factory import OpenedCache
 from gateway.core.fingerprint import NamespaceSpec, derive_namespace
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel
-from gateway.engine.shadow import ShadowCounters, ShadowVerifier
+from gateway.engine.models.loading import LoadedModel
+from gateway.engine.parity.shadow import ShadowCounters, ShadowVerifier
 from gateway.service.metrics import GatewayMetrics
 from policies.base import BlockKey
 from tests.gateway.engine.parity import (
@@ -125,7 +125,7 @@ def test_a_corrupted_device_block_is_caught_logged_evicted_and_counted(
         assert stored is not None
         bits = stored.values[1].view(torch.int32)
         bits[0, 3, 5] ^= 1  # one bit of the device tier's own copy, in place
-        caplog.set_level(logging.ERROR, logger="gateway.engine.shadow")
+        caplog.set_level(logging.ERROR, logger="gateway.engine.parity.shadow")
 
         _, _, usage = run(engine, prompt)  # served the corrupted block from the device tier
         assert usage.cached_tokens_by_tier == {"device": 5 * BLOCK}
@@ -133,7 +133,8 @@ def test_a_corrupted_device_block_is_caught_logged_evicted_and_counted(
 
         assert counters.num_checked == 1 and counters.num_divergent_checks == 1
         assert counters.num_divergent_blocks == 1  # that block alone differs
-        logged = [r.getMessage() for r in caplog.records if r.name == "gateway.engine.shadow"]
+        logged = [r.getMessage() for r in caplog.records if r.name ==
+        "gateway.engine.parity.shadow"]
         assert len(logged) == 1 and f"key {bad_key.hex()} from tier device" in logged[0]
         # Evicted by key as an operator's `admin evict --key` is: the block, everything built
         # on it, and the blocks before it that no other prompt continues from (here block 0).

@@ -8,8 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.step_writes import StepWrites, join_rows
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.kv.step_writes import StepWrites, join_rows
 from tests.gateway.engine.test_kv_sequence import BLOCK, LAYOUT, cached_pages, new_pool
 
 HEADS, DIM = LAYOUT.kv_heads, LAYOUT.head_dim

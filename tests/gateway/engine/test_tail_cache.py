@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.core.fingerprint import Namespace, Scope
-from gateway.engine.tail_cache import TailCache
+from gateway.engine.kv.tail_cache import TailCache
 from tests.gateway.cache.test_radix_index import insert
 from tiers.payload import KVBlock
 

@@ -1,6 +1,6 @@
 """The Triton paged attention: close to exact attention, and a row's bits its own whatever is
 launched beside it, however its prompt is chunked and wherever its pages lie
-(gateway.engine.triton_attention, docs/gpu.md "The Triton paged attention").
+(gateway.engine.attention.triton_paged, docs/gpu.md "The Triton paged attention").
 
 On the CPU the kernel runs in Triton's interpreter (numpy), in a child process where this one
 compiles (tests/gateway/engine/triton_interpreter.py); so that it takes seconds, most tests use
@@ -20,11 +20,9 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from gateway.engine.attention import AttentionItem
-from gateway.engine.attention_choice import attention_for
-from gateway.engine.kv_sequence import KVSequence
-from gateway.engine.route_search import ATTENTIONS, attention_problem
-from gateway.engine.triton_attention import (
+from gateway.engine.attention.choice import attention_for
+from gateway.engine.attention.tiled import AttentionItem
+from gateway.engine.attention.triton_paged import (
     NUMERICS,
     KernelShape,
     TilePlan,
@@ -33,6 +31,8 @@ from gateway.engine.triton_attention import (
     splits_apart,
     triton_attention_problem,
 )
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.parity.route_search import ATTENTIONS, attention_problem
 from tests.gateway.engine.triton_interpreter import interpreted, interprets_here
 from tiers.page_pool import PagePool
 from tiers.payload import KVLayout
@@ -325,7 +325,7 @@ def test_the_plan_puts_each_position_in_the_slot_its_position_names() -> None:
 
 def test_without_triton_the_problem_says_so(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "triton", None)
-    monkeypatch.delitem(sys.modules, "gateway.engine.triton_paged_kernel", raising=False)
+    monkeypatch.delitem(sys.modules, "gateway.engine.attention.triton_kernel", raising=False)
     problem = triton_attention_problem(torch.device("cuda"))
     assert problem is not None and problem.startswith("triton is not installed")
 
@@ -355,7 +355,7 @@ def test_the_kernel_compiles_for_cuda(dtype, capability, phase) -> None:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from gateway.engine.triton_paged_kernel import kernel
+    from gateway.engine.attention.triton_kernel import kernel
 
     pointers = {name: f"*{dtype}" for name in ("out_ptr", "q_ptr", "k_ptr", "v_ptr")}
     signature = {**pointers, "table_ptr": "*i32", "plan_ptr": "*i32", "part_ptr": "*fp32",

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel, load_model
-from gateway.engine.route_search import RouteVerdict, SearchSettings
-from gateway.engine.row_padding import RowPadding
-from gateway.engine.verdicts import VerdictStore, verdict_key
+from gateway.engine.linear.row_padding import RowPadding
+from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.parity.route_search import RouteVerdict, SearchSettings
+from gateway.engine.parity.verdicts import VerdictStore, verdict_key
 from tests.gateway.engine.kernels import rowwise
 from tests.gateway.engine.parity import SECRET
 from tests.tiny_llama import save_tiny_llama
@@ -74,7 +74,7 @@ def test_an_altered_verdict_is_ignored_with_a_warning(
     document["body"] = document["body"].replace('"serial"', '"x"').replace(
         '"minimum": 4', '"minimum": 1')
     path.write_text(json.dumps(document))
-    with caplog.at_level(logging.WARNING, logger="gateway.engine.verdicts"):
+    with caplog.at_level(logging.WARNING, logger="gateway.engine.parity.verdicts"):
         assert store.load(_key()) is None
     assert "tag does not match" in caplog.text
 
@@ -126,7 +126,7 @@ def test_a_second_start_takes_the_remembered_route_without_searching(tiny, tmp_p
 
 
 def test_a_cancelled_search_raises_and_remembers_nothing(tiny, tmp_path) -> None:
-    from gateway.engine.route_search import SearchCancelled
+    from gateway.engine.parity.route_search import SearchCancelled
 
     store = VerdictStore(tmp_path / "routes", SECRET)
     engine = Engine(loaded=tiny, cache=None, config=EngineConfig(block_tokens=16),

@@ -34,7 +34,7 @@ def interprets_here() -> bool:
     """Whether a Triton kernel launched in this process is interpreted."""
     if "triton.language" not in sys.modules:
         return os.environ.get("TRITON_INTERPRET", "") not in ("", "0")
-    from gateway.engine.triton_paged_kernel import language_interpreted
+    from gateway.engine.attention.triton_kernel import language_interpreted
 
     return language_interpreted()
 

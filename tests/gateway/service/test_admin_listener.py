@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.client import KvgateClient, RetryPolicy
 from gateway.config.settings import ServeConfig
 from gateway.engine.engine import EngineConfig
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from gateway.service.auth import Authenticator
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.server import GatewayServer, ServeError

@@ -22,7 +22,7 @@ from gateway.client import InvalidArgument, ResourceExhausted
 from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings
 from gateway.engine.engine import EngineConfig
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from gateway.service.pb import kvgate_pb2 as pb
 from tests.gateway.grpc_harness import (
     ADMIN_KEY,

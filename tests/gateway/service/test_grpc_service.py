@@ -38,7 +38,7 @@ from gateway.config.limits import LimitSettings
 from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.engine import EngineConfig
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from gateway.service.auth import Authenticator
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.server import GatewayServer, ServeError

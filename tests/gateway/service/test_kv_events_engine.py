@@ -12,7 +12,7 @@ import zmq
 from gateway.cache.factory import open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.tokens import as_token_ids
-from gateway.engine.model import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, load_model
 from gateway.service.kv_events.publisher import KVEventPublisher
 from tests.gateway.engine.parity import BLOCK, SECRET, cache_config, make_engine, run
 from tests.gateway.service.kv_events_router import TOPIC, BlockStored, Subscriber, wire_hash

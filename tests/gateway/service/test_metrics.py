@@ -22,7 +22,7 @@ from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import CacheConfig, open_cache
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from gateway.service.http.text_exposition import TextExposition
 from gateway.service.metrics import GatewayMetrics, failure_reason
 from tests.gateway.cli.test_grpc_cli import CONFIG, GatewayProcess

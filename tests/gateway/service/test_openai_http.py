@@ -27,7 +27,7 @@ import pytest
 from gateway.config.limits import LimitSettings
 from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.engine.engine import Engine, EngineConfig
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from gateway.service.admission import Admission, CallKind
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.cache.factory import CacheConfig
 from gateway.config.settings import HttpSettings, ServeConfig
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from gateway.service.assembly import watch_router
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot

@@ -163,7 +163,7 @@ def test_an_interruption_a_library_turns_into_an_error_of_its_own_still_stops_se
     place (a CI run, 2026-11-27): the operator asked to stop, so serve stops with 0, not 1."""
     import gateway.service.assembly as assembly
     from gateway.cli.main import main
-    from gateway.engine.model import ModelLoadError
+    from gateway.engine.models.loading import ModelLoadError
 
     def a_load_cut_short_by_sigint(*args: object, **kwargs: object) -> None:
         try:
@@ -187,7 +187,7 @@ def test_a_load_failure_with_no_signal_is_still_reported_as_a_failure(
     import gateway.service.assembly as assembly
     from gateway.cli.common import EXIT_FAILED
     from gateway.cli.main import main
-    from gateway.engine.model import ModelLoadError
+    from gateway.engine.models.loading import ModelLoadError
 
     def a_load_that_fails(*args: object, **kwargs: object) -> None:
         raise ModelLoadError("cannot load 'x': no config.json")

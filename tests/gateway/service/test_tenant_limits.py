@@ -27,7 +27,7 @@ from gateway.cache.factory import CacheConfig
 from gateway.client import KvgateError, ResourceExhausted
 from gateway.config.limits import LimitSettings
 from gateway.core.requests import TokenDelta
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from tests.gateway.grpc_harness import BLOCK, KEY_A, KEY_B, start_gateway, tiny_model, wait_until
 from tests.redis_harness import RedisServer
 

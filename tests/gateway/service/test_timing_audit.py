@@ -23,7 +23,7 @@ import pytest
 
 from gateway.client import KvgateClient
 from gateway.core.requests import Usage
-from gateway.engine.model import LoadedModel
+from gateway.engine.models.loading import LoadedModel
 from tests.gateway.grpc_harness import (
     BLOCK,
     KEY_A,

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from gateway.cache.factory import CacheConfig
 from gateway.client import KvgateClient, KvgateError, RetryPolicy
 from gateway.config.settings import GrpcSettings, ServeConfig
-from gateway.engine.model import load_model
+from gateway.engine.models.loading import load_model
 from gateway.service.assembly import serve
 from gateway.service.server import ServeError
 from gateway.service.servicer import GATEWAY_SERVICE

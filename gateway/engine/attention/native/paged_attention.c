@@ -1,0 +1,327 @@
+/* Attention over paged K/V, read in place through block tables (gateway/engine/attention/paged.py).
+
+Why C: torch's CPU kernels take one contiguous K and V per sequence, so every step gathered each
+sequence's pages into a transient copy, layer by layer: ~20 ms of a 135 ms decode step of eight
+1.5k-token sequences of SmolLM2. This reads the pages where they are.
+
+Why every operation is spelled out: a query row's bits must depend on that row alone (its query,
+its position, its own sequence's keys and values up to that position), never on the other rows
+of the call, on how its prompt was chunked, or on the machine. So each row is computed by the
+same sequence of IEEE operations, whatever else is in the call:
+  - a score is a dot product over head_dim in eight lanes (lane l sums dims l, l+8, ... with
+    fused multiply-adds, in order), the lanes then added in a fixed tree;
+  - the maximum is exact (any order);
+  - a weight is exp(max(score - max, EXP_FLOOR)) by a fixed polynomial (exp_lanes), the same
+    code for every lane, so a weight's bits do not depend on which lane computed it;
+  - the sum of weights runs in eight lanes (lane j % 8 sums keys j, j+8, ... in order), then
+    the fixed tree; the weighted values are fused multiply-adds over keys in order;
+  - the output is that sum divided by the weight sum.
+Keys after the row's position are never read. Fused multiply-add is exactly rounded by
+definition, so the hardware instruction and the C library's fmaf give the same bits: the
+numbers are the same on every machine, with or without AVX2/FMA (only the speed differs).
+Compiled with -ffp-contract=off and without -ffast-math: the compiler may not fuse or reorder.
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+#define EXP_FLOOR (-80.0f)
+
+static inline v8 load8(const float *p) {
+    v8 r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
+/* a * b + c, rounded once. */
+static inline v8 fma8(v8 a, v8 b, v8 c) {
+#if defined(__AVX__) && defined(__FMA__)
+    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    v8 r;
+    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
+}
+
+/* The lanes added in a fixed tree. */
+static inline float tree8(v8 a) {
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+}
+
+/* exp(x) for x in [EXP_FLOOR, 0]: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two parts so
+   n ln2 is exact), then e^r = 1 + r + r^2 P(r) (Cephes' expf polynomial, ~1 ulp), times 2^n
+   built in the exponent bits (n >= -116: always a normal float). */
+static inline v8 exp_lanes(v8 x) {
+    const v8 log2e = splat8(1.44269504088896341f);
+    v8 t = x * log2e - splat8(0.5f);
+    i8 n = __builtin_convertvector(t, i8); /* truncation toward zero: round to nearest, x <= 0 */
+    v8 nf = __builtin_convertvector(n, v8);
+    v8 r = fma8(nf, splat8(-0.693359375f), x);
+    r = fma8(nf, splat8(2.12194440e-4f), r);
+    v8 p = splat8(1.9875691500e-4f);
+    p = fma8(p, r, splat8(1.3981999507e-3f));
+    p = fma8(p, r, splat8(8.3334519073e-3f));
+    p = fma8(p, r, splat8(4.1665795894e-2f));
+    p = fma8(p, r, splat8(1.6666665459e-1f));
+    p = fma8(p, r, splat8(5.0000001201e-1f));
+    v8 rr = r * r;
+    p = fma8(p, rr, r) + splat8(1.0f);
+    i8 bits = (n + 127) << 23;
+    v8 scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#define MAX_ROWS 4
+/* Rows of one sequence attended together: each key and value is read once for all of them
+   (from cache, page by page), while every row's numbers are computed exactly as if alone. */
+
+/* The score of one query row against four keys, side by side (four independent chains). */
+static inline void scores4(const float *qh, const float *key, int head_dim, float *out) {
+    v8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
+    for (int c = 0; c < head_dim / 8; c++) {
+        const v8 qc = load8(qh + 8 * c);
+        a0 = fma8(qc, load8(key + 8 * c), a0);
+        a1 = fma8(qc, load8(key + head_dim + 8 * c), a1);
+        a2 = fma8(qc, load8(key + 2 * head_dim + 8 * c), a2);
+        a3 = fma8(qc, load8(key + 3 * head_dim + 8 * c), a3);
+    }
+    out[0] = tree8(a0);
+    out[1] = tree8(a1);
+    out[2] = tree8(a2);
+    out[3] = tree8(a3);
+}
+
+/* tree8 of eight vectors at once, out[i] = tree8(a[i]) bit for bit: the same additions of the
+   same pairs (a sum's bits do not depend on the order of its two operands), done across
+   vectors instead of lane by lane: (l, l+4), then (l, l+2) of those, then the last two. */
+static inline void tree8x8(const v8 *a, float *out) {
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 pairs[4];
+    for (int i = 0; i < 4; i++) {
+        const __m256 x = (__m256)a[2 * i], y = (__m256)a[2 * i + 1];
+        pairs[i] = _mm256_add_ps(_mm256_permute2f128_ps(x, y, 0x20),
+                                 _mm256_permute2f128_ps(x, y, 0x31));
+    }
+    /* pairs[i]: a[2i]'s (0+4, 1+5, 2+6, 3+7) in the low half, a[2i+1]'s in the high half. */
+    const __m256 quads0 = _mm256_add_ps(
+        _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm256_shuffle_ps(pairs[0], pairs[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 quads1 = _mm256_add_ps(
+        _mm256_shuffle_ps(pairs[2], pairs[3], _MM_SHUFFLE(1, 0, 1, 0)),
+        _mm256_shuffle_ps(pairs[2], pairs[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* quads: per vector, (0+4)+(2+6) then (1+5)+(3+7); low halves a[0], a[2] | a[4], a[6]. */
+    const __m256 sums = _mm256_add_ps(
+        _mm256_shuffle_ps(quads0, quads1, _MM_SHUFFLE(2, 0, 2, 0)),
+        _mm256_shuffle_ps(quads0, quads1, _MM_SHUFFLE(3, 1, 3, 1)));
+    /* sums: a[0], a[2], a[4], a[6], a[1], a[3], a[5], a[7]. */
+    _mm256_storeu_ps(out, _mm256_permutevar8x32_ps(sums, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3,
+                                                                           7)));
+#else
+    for (int i = 0; i < 8; i++) out[i] = tree8(a[i]);
+#endif
+}
+
+/* The score of one query row against eight keys, side by side (eight independent chains, each
+   the one score1 computes). */
+static inline void scores8(const float *qh, const float *key, int head_dim, float *out) {
+    v8 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = splat8(0.0f);
+    for (int c = 0; c < head_dim / 8; c++) {
+        const v8 qc = load8(qh + 8 * c);
+        for (int i = 0; i < 8; i++) acc[i] = fma8(qc, load8(key + i * head_dim + 8 * c), acc[i]);
+    }
+    tree8x8(acc, out);
+}
+
+static inline float score1(const float *qh, const float *key, int head_dim) {
+    v8 acc = splat8(0.0f);
+    for (int c = 0; c < head_dim / 8; c++) acc = fma8(load8(qh + 8 * c), load8(key + 8 * c), acc);
+    return tree8(acc);
+}
+
+/* Scores into weights in place: w = exp(max(s - max, EXP_FLOOR)), 0 from n to `padded`;
+   returns the weights' sum (eight lanes by key index, then the fixed tree). */
+static float weigh(float *s, int64_t n, int64_t padded) {
+    float max = s[0];
+    for (int64_t j = 1; j < n; j++) max = s[j] > max ? s[j] : max;
+    for (int64_t j = n; j < padded; j++) s[j] = -INFINITY;
+    v8 lanes = splat8(0.0f);
+    const v8 mv = splat8(max), floor = splat8(EXP_FLOOR);
+    for (int64_t j = 0; j < padded; j += 8) {
+        v8 x = load8(s + j) - mv;
+        v8 hidden = (v8)(x < floor);
+        x = (v8)(((i8)x & ~(i8)hidden) | ((i8)floor & (i8)hidden));
+        v8 w = exp_lanes(x);
+        if (j + 8 > n) {
+            for (int l = 0; l < 8; l++)
+                if (j + l >= n) w[l] = 0.0f;
+        }
+        store8(s + j, w);
+        lanes = lanes + w;
+    }
+    return tree8(lanes);
+}
+
+/* `rows` consecutive query rows of one sequence (rows <= MAX_ROWS), for the `rep` query heads
+   of one KV head.
+
+   q: rows * rep rows of head_dim (already scaled); k_head/v_head: this KV head's pages
+   ([pages, page_tokens, head_dim]); table: the sequence's page ids; n[r]: keys row r sees (its
+   position + 1); scores: scratch of rows * rep * `padded` floats, padded >= every n[r] rounded
+   up to 8; acc: scratch of rows * rep * head_dim floats; out[r]: row r's output, rep rows of
+   head_dim. */
+static inline __attribute__((always_inline)) void
+attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
+            const float *v_head, int64_t page_stride, int page_tokens, const int64_t *table,
+            const int64_t *n, int64_t padded, float *scores, float *acc, float *denominator,
+            float *const *out) {
+    int64_t longest = 0;
+    for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
+    const int chunks = head_dim / 8;
+    /* Scores, page by page: a page's keys are read from memory once for every row. */
+    for (int64_t start = 0; start < longest; start += page_tokens) {
+        const float *kp = k_head + table[start / page_tokens] * page_stride;
+        for (int r = 0; r < rows; r++) {
+            if (start >= n[r]) continue;
+            const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
+            for (int h = 0; h < rep; h++) {
+                const float *qh = q + ((int64_t)r * rep + h) * head_dim;
+                float *s = scores + ((int64_t)r * rep + h) * padded + start;
+                int64_t t = 0;
+                for (; t + 8 <= count; t += 8) scores8(qh, kp + t * head_dim, head_dim, s + t);
+                for (; t + 4 <= count; t += 4) scores4(qh, kp + t * head_dim, head_dim, s + t);
+                for (; t < count; t++) s[t] = score1(qh, kp + t * head_dim, head_dim);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < rep; h++)
+            denominator[r * rep + h] = weigh(scores + ((int64_t)r * rep + h) * padded, n[r],
+                                             (n[r] + 7) / 8 * 8);
+    /* Weighted values, page by page; each accumulator sums its keys in order across pages. */
+    memset(acc, 0, sizeof(float) * (size_t)rows * rep * head_dim);
+    for (int64_t start = 0; start < longest; start += page_tokens) {
+        const float *vp = v_head + table[start / page_tokens] * page_stride;
+        for (int r = 0; r < rows; r++) {
+            if (start >= n[r]) continue;
+            const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
+            for (int h = 0; h < rep; h++) {
+                const float *w = scores + ((int64_t)r * rep + h) * padded + start;
+                float *a = acc + ((int64_t)r * rep + h) * head_dim;
+                for (int c0 = 0; c0 < chunks; c0 += 8) {
+                    const int cn = chunks - c0 < 8 ? chunks - c0 : 8;
+                    v8 part[8];
+                    for (int c = 0; c < cn; c++) part[c] = load8(a + 8 * (c0 + c));
+                    for (int64_t t = 0; t < count; t++) {
+                        const v8 wt = splat8(w[t]);
+                        const float *value = vp + t * head_dim + 8 * c0;
+                        for (int c = 0; c < cn; c++) part[c] = fma8(wt, load8(value + 8 * c), part[c]);
+                    }
+                    for (int c = 0; c < cn; c++) store8(a + 8 * (c0 + c), part[c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        for (int h = 0; h < rep; h++) {
+            const v8 d = splat8(denominator[r * rep + h]);
+            const float *a = acc + ((int64_t)r * rep + h) * head_dim;
+            float *o = out[r] + (int64_t)h * head_dim;
+            for (int c = 0; c < chunks; c++) store8(o + 8 * c, load8(a + 8 * c) / d);
+        }
+}
+
+/* Every row of a layer's step, in one call.
+
+   keys/values: one layer's K and V storage, [kv_heads, pages, page_tokens, head_dim] with
+   `head_stride` floats between KV heads; tables: [items, table_stride] page ids; queries/out:
+   [rows, kv_heads * rep, head_dim], contiguous; row_item/row_position: per row (an item's rows
+   consecutive). Returns 0, or -1 when scratch memory could not be had. */
+int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t head_stride,
+                               int kv_heads, int rep, int page_tokens, int head_dim,
+                               const int64_t *tables, int64_t table_stride,
+                               const float *queries, const int64_t *row_item,
+                               const int64_t *row_position, int64_t rows, float scale,
+                               float *out) {
+    int64_t longest = 0;
+    for (int64_t r = 0; r < rows; r++)
+        if (row_position[r] + 1 > longest) longest = row_position[r] + 1;
+    const int64_t padded = (longest + 7) / 8 * 8;
+    const int64_t page_stride = (int64_t)page_tokens * head_dim;
+    const int heads = kv_heads * rep;
+    /* Blocks of up to MAX_ROWS consecutive rows of one item. */
+    int64_t *block_start = malloc(sizeof(int64_t) * (size_t)(rows + 1));
+    if (block_start == NULL) return -1;
+    int64_t blocks = 0;
+    for (int64_t r = 0; r < rows;) {
+        block_start[blocks++] = r;
+        int64_t end = r + 1;
+        while (end < rows && end - r < MAX_ROWS && row_item[end] == row_item[r]) end++;
+        r = end;
+    }
+    block_start[blocks] = rows;
+    const int64_t tasks = blocks * kv_heads;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* NOTE: every thread reaches the loop (a work-sharing loop must be met by all of
+           them); one without scratch takes its share and skips it, and the call fails. */
+        const size_t per_row = (size_t)rep * (size_t)(padded + 2 * head_dim + 1);
+        float *scratch = malloc(sizeof(float) * per_row * MAX_ROWS);
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (scratch == NULL) continue;
+            const int64_t first = block_start[task / kv_heads];
+            const int count = (int)(block_start[task / kv_heads + 1] - first);
+            const int g = (int)(task % kv_heads);
+            float *scores = scratch;
+            float *acc = scores + (size_t)MAX_ROWS * rep * padded;
+            float *q = acc + (size_t)MAX_ROWS * rep * head_dim;
+            float *denominator = q + (size_t)MAX_ROWS * rep * head_dim;
+            int64_t n[MAX_ROWS];
+            float *row_out[MAX_ROWS];
+            for (int r = 0; r < count; r++) {
+                const int64_t row = first + r;
+                const float *src = queries + (row * heads + (int64_t)g * rep) * head_dim;
+                for (int i = 0; i < rep * head_dim; i++) q[r * rep * head_dim + i] = src[i] * scale;
+                n[r] = row_position[row] + 1;
+                row_out[r] = out + (row * heads + (int64_t)g * rep) * head_dim;
+            }
+            const float *k_head = keys + g * head_stride, *v_head = values + g * head_stride;
+            const int64_t *table = tables + row_item[first] * table_stride;
+            /* The common head sizes as constants: the compiler then keeps the accumulators in
+               registers and the keys' offsets in the instructions (speed only: every path runs
+               the same operations in the same order). */
+            if (head_dim == 64)
+                attend_rows(q, count, rep, 64, k_head, v_head, page_stride, page_tokens, table, n,
+                            padded, scores, acc, denominator, row_out);
+            else if (head_dim == 128)
+                attend_rows(q, count, rep, 128, k_head, v_head, page_stride, page_tokens, table,
+                            n, padded, scores, acc, denominator, row_out);
+            else
+                attend_rows(q, count, rep, head_dim, k_head, v_head, page_stride, page_tokens,
+                            table, n, padded, scores, acc, denominator, row_out);
+        }
+        free(scratch);
+    }
+    free(block_start);
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,335 @@
+"""Attention whose numbers for a token depend only on that token's own sequence.
+
+Why own the attention (docs/design.md, "Parity"): torch's SDPA and a plain matmul-softmax give a
+query row different bits depending on how many other rows share the call and how long the key
+range is, so a block prefilled in one chunk would differ from the same block prefilled in
+pieces, and a request's answer would change with what runs beside it. Here every reduction has
+a fixed shape, fixed by absolute positions only:
+
+- keys are cut into fixed tiles of ``TILE`` positions (tile t holds positions 64t..64t+63);
+  the scores of a query against a tile are one ``[rows, head_dim] @ [head_dim, TILE]`` product
+  (a reduction over ``head_dim`` only), and its tile's weighted values one
+  ``[rows, TILE] @ [TILE, head_dim]`` product (a reduction over exactly ``TILE`` keys);
+- keys after the query's own position are masked to ``-inf`` (so they weigh exactly 0), and
+  so are the tiles a longer chunk brings in: they add exact zeros;
+- the softmax uses the exact maximum over all visible scores (a max is exact in any order),
+  and the tiles are combined along a binary tree over tile indices (``fold_tile_sum``), so
+  extra all-zero tiles at the end add exact zeros and change nothing.
+
+NOTE: a matmul row's bits depend on how many rows share the product when there are few: on this
+CPU build (torch 2.13, measured for every shape of SmolLM2 and the tiny test Llama) M = 4, 8
+and every M >= 12 give the same bits, while M = 1-3, 5-7 and 9-11 each give others. Every
+product here and in ``gateway.engine.forward.batched`` is padded to such a row count
+(``padded_row_count``). Whether
+all of this holds on a given machine is not assumed: ``gateway.engine.parity.probe`` checks it on
+the
+real weights at start-up, and the engine falls back to the serial exact route where it fails.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from gateway.engine.kv.sequence import CAPACITY_ALIGNMENT
+from gateway.engine.linear.row_padding import CPU_ROW_PADDING
+
+TILE = 64
+"""Key positions per tile: the fixed length of every reduction over keys."""
+
+
+def padded_row_count(num_rows: int) -> int:
+    """The row count to pad a product of ``num_rows`` (>= 1) rows to on the CPU (4, 8, or any
+    count from 12): ``gateway.engine.linear.row_padding.CPU_ROW_PADDING``."""
+    return CPU_ROW_PADDING.rows_for(num_rows)
+
+EXP_FLOOR = -80.0
+"""Scores more than this below a row's maximum weigh exp(-80) ~ 2e-35 instead of less: a change
+far below float32's resolution of the row's sum, and it keeps exp off its slow underflow path."""
+
+if CAPACITY_ALIGNMENT % TILE:
+    raise AssertionError("KV buffers must hold whole tiles: CAPACITY_ALIGNMENT % TILE != 0")
+
+NUMERICS = f"t{TILE}f"
+"""This attention's part of the block namespace: tiles of TILE keys, folded combination. Any
+change to the numbers it produces must change this name, so old cached K/V is never mixed in."""
+
+FEW_QUERIES = 4
+"""Items with up to this many queries (decode rows, short chunks) are attended together."""
+
+QUERY_GROUP = 256
+"""Query positions attended at once in a long chunk (bounds the scores' memory)."""
+
+
+class LayerKV(Protocol):
+    """One layer's K and V of one sequence, as an attention reads them.
+
+    A paged sequence (``gateway.engine.kv.sequence.LayerPages``) can be read in place through
+    its block table or gathered into contiguous tensors; an attention takes what it needs.
+    """
+
+    def keys(self) -> torch.Tensor:
+        """``[kv_heads, capacity, head_dim]``; positions up to the item's last hold its keys
+        (RoPE applied), the rest is finite (zeros or stale)."""
+        ...
+
+    def values(self) -> torch.Tensor:
+        """Like ``keys``."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class ContiguousKV:
+    """K and V already in contiguous tensors (tests, oracles, the probe's own buffers)."""
+
+    key_tensor: torch.Tensor
+    value_tensor: torch.Tensor
+
+    def keys(self) -> torch.Tensor:
+        return self.key_tensor
+
+    def values(self) -> torch.Tensor:
+        return self.value_tensor
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionItem:
+    """One sequence's part of a step's attention.
+
+    Attributes:
+        queries: the new tokens' queries ``[n, heads, head_dim]`` (RoPE applied).
+        kv: the sequence's K and V of this layer.
+        positions: the absolute position of each query, ``[n]``.
+        is_decode: one query, a sampled token fed back: its numbers need only be its own (the
+            same whatever else is attended), not those a prefill of the token would give.
+        first_position: where the forward knows it on the host, ``positions[0]``, the
+            queries then being consecutive positions from it (an attention that plans its
+            launch on the host reads it instead of the device tensor); None elsewhere.
+    """
+
+    queries: torch.Tensor
+    kv: LayerKV
+    positions: torch.Tensor
+    is_decode: bool = False
+    first_position: int | None = None
+
+    @classmethod
+    def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           positions: torch.Tensor, *, is_decode: bool = False) -> AttentionItem:
+        """An item over contiguous K and V ``[kv_heads, capacity, head_dim]``."""
+        return cls(queries, ContiguousKV(keys, values), positions, is_decode)
+
+
+class SequenceAttention(Protocol):
+    """Attention of each sequence's new queries over its own keys (one implementation per
+    device), for all the sequences of a step at once.
+
+    Every implementation keeps the invariance contract: the output row of a query depends only
+    on that query, its position and its own sequence's keys/values at positions up to it --
+    never on the other items, nor on how many queries its item has.
+
+    Attributes:
+        numerics: the implementation's part of the block namespace: K/V computed through
+            another implementation (other numbers) are never mixed in.
+    """
+
+    numerics: str
+
+    def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
+        """Per item, its queries attended: ``[n, heads, head_dim]``."""
+        ...
+
+
+class TiledAttention:
+    """The CPU implementation: fixed tiles, exact max, a fixed folded combination of tiles.
+
+    Items with few queries (decode rows) are attended together, one vectorised pass over all
+    of them (a decode step of 8 sequences would otherwise run ~40 small tensor operations per
+    sequence and layer); items with many go one by one in groups of ``QUERY_GROUP`` queries.
+    Both paths apply the same operations to each row, so a row's bits do not depend on which
+    path it took (the start-up probe checks this too: decode beside others vs prefill alone).
+    """
+
+    numerics = NUMERICS
+
+    def __call__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 positions: torch.Tensor) -> torch.Tensor:
+        """One sequence's attention (``attend`` of one item)."""
+        return self.attend([AttentionItem.of(queries, keys, values, positions)])[0]
+
+    def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(items)
+        few: dict[int, list[int]] = {}
+        for index, item in enumerate(items):
+            n = item.queries.shape[0]
+            if n <= FEW_QUERIES:
+                few.setdefault(n, []).append(index)
+            else:
+                out[index] = self._one(item)
+        for indices in few.values():
+            for index, attended in zip(indices, self._together([items[i] for i in indices]),
+                                       strict=True):
+                out[index] = attended
+        return [attended for attended in out if attended is not None]
+
+    def _one(self, item: AttentionItem) -> torch.Tensor:
+        queries = item.queries
+        keys, values = item.kv.keys(), item.kv.values()
+        n, num_heads, head_dim = queries.shape
+        rep = num_heads // keys.shape[0]
+        out = torch.empty_like(queries)
+        scale = 1.0 / math.sqrt(head_dim)
+        for start in range(0, n, QUERY_GROUP):
+            end = min(n, start + QUERY_GROUP)
+            out[start:end] = self._group(queries[start:end] * scale, keys, values,
+                                         item.positions[start:end], rep)
+        return out
+
+    @staticmethod
+    def _group(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               positions: torch.Tensor, rep: int) -> torch.Tensor:
+        n, num_heads, head_dim = queries.shape
+        kv_heads = keys.shape[0]
+        num_tiles = _num_tiles(positions, keys)
+        span = num_tiles * TILE
+        rows, row_positions = _rows(queries, positions, kv_heads)
+        # Scores [kv_heads, rows, span]: a reduction over head_dim only. NOTE: one product over
+        # the whole span gave the same bits as one per tile here (the probe re-checks it).
+        scores = torch.matmul(rows, keys[:, :span].transpose(-1, -2))
+        # Only the tiles from the group's first query on can hold a later key: mask that band.
+        first = int(positions.min()) // TILE * TILE
+        _weigh(scores[:, :, first:], scores,
+               torch.arange(first, span, device=keys.device) > row_positions.reshape(-1, 1))
+        weights = scores.view(kv_heads, rows.shape[1], num_tiles, TILE)
+        tile_values = values[:, :span].view(kv_heads, num_tiles, TILE, head_dim)
+        # Per tile: weighted values [kv_heads, tiles, rows, d] (exactly TILE keys each); one
+        # product per KV head reads the weights in place (strided) instead of copying them into
+        # tile-major order (the same bits as the copying product: the probe checks it).
+        width = _tree_width(num_tiles)
+        partial = scores.new_empty(kv_heads, width, rows.shape[1], head_dim + 1)
+        partial[:, num_tiles:] = 0
+        for head in range(kv_heads):
+            torch.bmm(weights[head].transpose(0, 1), tile_values[head],
+                      out=partial[head, :num_tiles, :, :head_dim])
+        # The tile's weight sum rides along as one more column [kv_heads, tiles, rows].
+        partial[:, :num_tiles, :, head_dim] = weights.sum(dim=-1).transpose(1, 2)
+        summed = fold_tile_sum(partial, dim=1)
+        return _combine(summed[..., :head_dim], summed[..., head_dim:], n, rep)
+
+    @staticmethod
+    def _together(items: Sequence[AttentionItem]) -> list[torch.Tensor]:
+        """Items of the same (small) query count, each row through ``_group``'s operations."""
+        first_item = items[0]
+        keys = [item.kv.keys() for item in items]
+        values = [item.kv.values() for item in items]
+        n, num_heads, head_dim = first_item.queries.shape
+        kv_heads = keys[0].shape[0]
+        rep = num_heads // kv_heads
+        count = len(items)
+        tiles = [_num_tiles(item.positions, item_keys)
+                 for item, item_keys in zip(items, keys, strict=True)]
+        max_tiles = max(tiles)
+        queries = torch.stack([item.queries for item in items]) * (1.0 / math.sqrt(head_dim))
+        rows, row_positions = _rows(queries.reshape(count * n, num_heads, head_dim),
+                                    torch.cat([item.positions for item in items]), kv_heads,
+                                    items=count)
+        padded_rows = rows.shape[2]
+        scores = keys[0].new_zeros(count, kv_heads, padded_rows, max_tiles * TILE)
+        for b in range(count):
+            span = tiles[b] * TILE
+            scores[b, :, :, :span] = torch.matmul(rows[b], keys[b][:, :span].transpose(-1, -2))
+        hidden = (torch.arange(max_tiles * TILE, device=scores.device)
+                  > row_positions.unsqueeze(-1)).unsqueeze(1)  # [items, 1, rows, span]
+        _weigh(scores, scores, hidden)
+        weights = scores.view(count, kv_heads, padded_rows, max_tiles, TILE)
+        partial = scores.new_zeros(count, kv_heads, _tree_width(max_tiles), padded_rows,
+                                   head_dim + 1)
+        for b in range(count):
+            used = tiles[b]
+            tile_values = values[b][:, :used * TILE].view(kv_heads, used, TILE, head_dim)
+            partial[b, :, :used, :, :head_dim] = torch.matmul(
+                weights[b, :, :, :used].transpose(1, 2), tile_values)
+        partial[:, :, :max_tiles, :, head_dim] = weights.sum(dim=-1).transpose(2, 3)
+        summed = fold_tile_sum(partial, dim=2)
+        attended = _combine(summed[..., :head_dim], summed[..., head_dim:], n,
+                            rep)  # [items, n, heads, d]
+        return list(attended.unbind(0))
+
+
+def _num_tiles(positions: torch.Tensor, keys: torch.Tensor) -> int:
+    num_tiles = int(positions.max()) // TILE + 1
+    if num_tiles * TILE > keys.shape[1]:
+        raise ValueError(f"keys hold {keys.shape[1]} positions; tiles need {num_tiles * TILE} "
+                         f"(capacity must be a multiple of {TILE})")
+    return num_tiles
+
+
+def _rows(queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, *,
+          items: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per KV head, its query heads' rows ``[kv_heads, rows, d]`` padded to
+    ``padded_row_count``, and each row's position ``[rows]``. With ``items``, ``queries`` holds
+    that many items' queries one after the other, and both get a leading items dimension."""
+    total, num_heads, head_dim = queries.shape
+    groups = items or 1
+    n = total // groups
+    rep = num_heads // kv_heads
+    rows = queries.reshape(groups, n, kv_heads, rep, head_dim).permute(0, 2, 1, 3, 4)
+    rows = rows.reshape(groups, kv_heads, n * rep, head_dim)
+    row_positions = positions.reshape(groups, n).repeat_interleave(rep, dim=1)
+    num_rows = n * rep
+    if padded_row_count(num_rows) > num_rows:
+        pad = padded_row_count(num_rows) - num_rows
+        rows = torch.cat([rows, rows.new_zeros(groups, kv_heads, pad, head_dim)], dim=2)
+        row_positions = torch.cat([row_positions, row_positions.new_zeros(groups, pad)], dim=1)
+    if items is None:
+        return rows[0], row_positions[0]
+    return rows, row_positions
+
+
+def _weigh(band: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor) -> None:
+    """Turn ``scores`` into unnormalised softmax weights in place; ``band`` is the part of it
+    that ``hidden`` (broadcast over it) says may hold keys after the query."""
+    band.masked_fill_(hidden, float("-inf"))
+    scores.sub_(scores.amax(dim=-1, keepdim=True))
+    # exp of a score far below the max is slow on CPU (its special-case path for results that
+    # underflow runs ~5x slower); clamping first keeps every exp on the fast path, and hidden
+    # keys are zeroed after.
+    scores.clamp_(min=EXP_FLOOR).exp_()
+    band.masked_fill_(hidden, 0.0)
+
+
+def _combine(numerator: torch.Tensor, denominator: torch.Tensor, n: int,
+             rep: int) -> torch.Tensor:
+    """``[..., kv_heads, rows, d]`` sums back to ``[..., n, heads, d]`` attended queries."""
+    *lead, kv_heads, _, head_dim = numerator.shape
+    attended = (numerator / denominator)[..., :n * rep, :]
+    attended = attended.reshape(*lead, kv_heads, n, rep, head_dim).transpose(-4, -3)
+    return attended.reshape(*lead, n, kv_heads * rep, head_dim)
+
+
+def _tree_width(num_tiles: int) -> int:
+    """The power of two at or above ``num_tiles``: the width ``fold_tile_sum`` folds."""
+    return 1 << max(0, num_tiles - 1).bit_length()
+
+
+def fold_tile_sum(partial: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum ``partial`` over its tile dimension ``dim`` (a power of two wide, zero past the last
+    tile) by folding it in half until one tile is left, in place.
+
+    Why this order: tile i is added to tile i + width/2, then to i + width/4, ... -- a binary
+    tree fixed by tile indices alone. The tiles a longer chunk brings in (keys after the query,
+    weight exactly 0) and a wider power of two only fold exact zeros into the same tree, so a
+    query's sum is the same whatever the chunk; and it takes log2(width) vectorised additions on
+    views, without copies (a row-by-row sequential sum took one operation per tile).
+    """
+    width = partial.shape[dim]
+    if width & (width - 1):
+        raise ValueError(f"the tile dimension must be a power of two wide, got {width}")
+    while width > 1:
+        width //= 2
+        partial.narrow(dim, 0, width).add_(partial.narrow(dim, width, width))
+    return partial.select(dim, 0)

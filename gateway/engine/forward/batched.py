@@ -1,0 +1,322 @@
+"""One batched forward over the new tokens of many sequences, each token's numbers its own.
+
+Why not call the transformers model: its forward takes one padded batch, builds masks and runs
+SDPA, so a row's bits depend on the batch, the chunking and the padding. This module walks the
+same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary positions,
+q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
+row-wise parts (norms, projections, MLP) and ``SequenceAttention`` for each sequence over its
+own KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
+are enough rows, so each forward's rows are padded to such a count (docs/design.md, "Parity").
+
+Which kernel multiplies the rows, how many rows it needs, and whether decode rows (a sampled
+token fed back) join the shared product is ``gateway.engine.linear.row_products``' choice, made
+once at
+start-up: on a CPU with oneDNN every row of the step is in one product of at least 2 rows, so a
+decode row's numbers are a prefill's and an answer's blocks are stored as decoded; with BLAS
+each decode row is a matrix-vector product of its own (a lone row padded to MKL's 4 costs more),
+whose numbers are not a prefill's (``gateway.engine.parity.probe`` reports which holds). Logits rows
+follow decode rows.
+
+It only touches the modules' weights and forward methods, never transformers' APIs
+(``gateway.engine.models.transformers_api`` stays the only importer of ``transformers``; the modules
+are ``gateway.engine.models.llama_modules``' where the checkpoint is read without it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.kv.step_writes import StepWrites, join_rows
+from gateway.engine.linear.row_products import RowProducts
+
+ROPE_CHUNK = 4096
+"""Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
+
+SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
+
+
+class UnsupportedModel(ValueError):
+    """The model's architecture is not one this forward knows how to walk."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SequenceRows:
+    """The new tokens of one sequence in a step.
+
+    Attributes:
+        sequence: its KV buffers; the tokens continue it (their first position is its length).
+        tokens: the token ids, ``[n]``.
+        wants_logits: whether the step returns the logits of the last token.
+        is_decode: the one token sampled last step, fed back: its row is a product of its own
+            (fast alone, and the same whatever runs beside it), its K/V not the prefill's.
+    """
+
+    sequence: KVSequence
+    tokens: torch.Tensor
+    wants_logits: bool
+    is_decode: bool = False
+
+
+LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""``attend(layer, q, k, v)``: write one layer's K/V of the step's rows where they belong and
+return the rows' attention ``[rows, heads, head_dim]`` (zero for padding rows)."""
+
+
+class StepForward(Protocol):
+    """Runs one step's rows: writes their K/V into their sequences, returns wanted logits."""
+
+    def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
+        """Per entry of ``batch``, the float32 logits of its last token, or None."""
+        ...
+
+
+def architecture_problem(model: Any) -> str | None:
+    """Why ``model`` cannot run through ``BatchedForward``, or None."""
+    names = set(getattr(model.config, "architectures", None) or [type(model).__name__])
+    if not names & SUPPORTED_ARCHITECTURES:
+        return f"architecture {sorted(names)} is not one of {sorted(SUPPORTED_ARCHITECTURES)}"
+    if getattr(model.config, "rope_scaling", None) not in (None, {}) and (
+            model.config.rope_scaling.get("rope_type", "default") not in ("default", "llama3")):
+        return f"rope scaling {model.config.rope_scaling!r} is not supported"
+    return None
+
+
+class BatchedForward:
+    """Runs the rows of several sequences through a Llama-architecture model in one pass.
+
+    Args:
+        model: a loaded ``LlamaForCausalLM`` (eval mode).
+        attention: the per-sequence attention (one implementation per device kind).
+        products: how rows are multiplied by the weights (found on the machine at start-up:
+            ``gateway.engine.parity.route_search``).
+
+    Raises:
+        UnsupportedModel: ``architecture_problem(model)`` says why.
+    """
+
+    def __init__(self, model: Any, attention: SequenceAttention,
+                 products: RowProducts) -> None:
+        problem = architecture_problem(model)
+        if problem is not None:
+            raise UnsupportedModel(problem)
+        config = model.config
+        self._model = model
+        self._attention = attention
+        self._products = products
+        self._num_heads = int(config.num_attention_heads)
+        self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._num_heads)
+        self._head_dim = int(getattr(config, "head_dim", None)
+                             or config.hidden_size // config.num_attention_heads)
+        dtype = model.model.embed_tokens.weight.dtype
+        self._cos = torch.empty(0, self._head_dim, dtype=dtype)
+        self._sin = torch.empty(0, self._head_dim, dtype=dtype)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model (and so every sequence's KV buffers) lives."""
+        device: torch.device = self._model.model.embed_tokens.weight.device
+        return device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._model.model.layers)
+
+    def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
+        """Run one step: write every row's K/V into its sequence and return the wanted logits.
+
+        Returns:
+            Per entry of ``batch``, the float32 logits ``[vocab]`` of its last token, or None.
+
+        Raises:
+            ValueError: an entry has no tokens, or its sequence cannot hold them.
+        """
+        if not batch:
+            return []
+        lengths = [int(rows.tokens.numel()) for rows in batch]
+        if min(lengths) < 1:
+            raise ValueError("every sequence in a step needs at least one token")
+        if any(rows.is_decode and n != 1 for rows, n in zip(batch, lengths, strict=True)):
+            raise ValueError("a decode entry feeds back exactly one token")
+        for rows, n in zip(batch, lengths, strict=True):
+            if rows.sequence.length + n > rows.sequence.capacity:
+                raise ValueError(f"{n} tokens do not fit a sequence of {rows.sequence.length}/"
+                                 f"{rows.sequence.capacity}")
+        model = self._model.model
+        device = model.embed_tokens.weight.device
+        # Rows: every prefill entry's tokens, then (when decode rows share the product) every
+        # decode entry's, padding up to a row count that keeps their bits, then (otherwise) one
+        # row per decode entry, each a product of its own.
+        products = self._products
+        spans: list[tuple[int, int]] = [(0, 0)] * len(batch)
+        id_parts: list[torch.Tensor] = []
+        position_parts: list[torch.Tensor] = []
+        offset = num_shared = 0
+        groups = ((False, True),) if products.shares_decode_rows else ((False,), (True,))
+        for index, group in enumerate(groups):
+            for i, (rows, n) in enumerate(zip(batch, lengths, strict=True)):
+                if rows.is_decode in group:
+                    spans[i] = (offset, offset + n)
+                    offset += n
+                    id_parts.append(rows.tokens.reshape(-1).to(device="cpu", dtype=torch.long))
+                    position_parts.append(torch.arange(rows.sequence.length,
+                                                       rows.sequence.length + n))
+            if index == 0:
+                num_pad = products.padding.rows_for(offset) - offset
+                id_parts.append(torch.zeros(num_pad, dtype=torch.long))
+                position_parts.append(torch.zeros(num_pad, dtype=torch.long))
+                offset += num_pad
+                num_shared = offset
+        ids = torch.cat(id_parts).to(device)
+        positions = torch.cat(position_parts)
+        cos, sin = self._rope(positions)
+        cos, sin = cos.to(device), sin.to(device)
+        positions = positions.to(device)
+        writes = StepWrites.claim([rows.sequence for rows in batch], spans, device)
+        # Pages a host-tier hit may still be filling, layer by layer (tiers.layer_arrivals).
+        pools = list({id(rows.sequence.pool): rows.sequence.pool for rows in batch}.values())
+
+        def attend(index: int, q: torch.Tensor, k: torch.Tensor,
+                   v: torch.Tensor) -> torch.Tensor:
+            for pool in pools:
+                pool.await_layer(index)
+            if writes is not None:
+                writes.write(index, k, v)
+            items = []
+            for rows, (start, end) in zip(batch, spans, strict=True):
+                seq = rows.sequence
+                if writes is None:
+                    seq.write(index, k[start:end].transpose(0, 1),
+                              v[start:end].transpose(0, 1))
+                items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
+                                           is_decode=rows.is_decode, first_position=seq.length))
+            return join_rows(self._attention.attend(items), spans, q)
+
+        with torch.inference_mode():
+            hidden = self.run_layers(ids, cos, sin, num_shared, attend)
+            for pool in pools:
+                pool.await_all()  # what comes after the step reads every page as it is
+            for rows, n in zip(batch, lengths, strict=True):
+                rows.sequence.advance(n)
+            wanted = [end - 1 for (_, end), rows in zip(spans, batch, strict=True)
+                      if rows.wants_logits]
+            if not wanted:
+                return [None] * len(batch)
+            picked = hidden[torch.tensor(wanted, device=device)]
+            num_logit_rows = 0
+            if products.shares_decode_rows:
+                num_logit_rows = products.padding.rows_for(len(wanted))
+                picked = torch.cat([picked, picked.new_zeros(num_logit_rows - len(wanted),
+                                                             picked.shape[1])])
+            logits = self.logits(picked, num_logit_rows)
+        out: list[torch.Tensor | None] = []
+        row = 0
+        for rows in batch:
+            if rows.wants_logits:
+                out.append(logits[row].clone())
+                row += 1
+            else:
+                out.append(None)
+        return out
+
+    def run_layers(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   num_shared: int, attend: LayerAttention) -> torch.Tensor:
+        """The hidden states ``[rows, hidden]`` after every layer, for the step's rows:
+        token ``ids``, rotary ``cos``/``sin`` of their positions, the first ``num_shared`` rows
+        in the shared product, each layer's attention (and K/V writes) done by ``attend``.
+        The one walk of the weights every forward of this model takes (``forward`` here and
+        the captured steps of ``gateway.engine.forward.captured_steps``)."""
+        hidden: torch.Tensor = self._model.model.embed_tokens(ids)
+        for index, layer in enumerate(self._model.model.layers):
+            hidden = self._layer(index, layer, hidden, cos, sin, num_shared, attend)
+        return hidden
+
+    def logits(self, picked: torch.Tensor, num_logit_rows: int) -> torch.Tensor:
+        """The float32 logits of the hidden rows ``picked`` (padding rows zero), the first
+        ``num_logit_rows`` in the shared product. The final norm sees the padded rows, as
+        every layer's norms do."""
+        normed = self._model.model.norm(picked)
+        return self._products.project(self._model.lm_head, normed, num_logit_rows).float()
+
+    @property
+    def products(self) -> RowProducts:
+        return self._products
+
+    @property
+    def attention(self) -> SequenceAttention:
+        return self._attention
+
+    @property
+    def head_dim(self) -> int:
+        return self._head_dim
+
+    def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary cos and sin ``[>= num_positions, head_dim]`` (CPU) every step reads."""
+        self._grow_rope(num_positions)
+        return self._cos, self._sin
+
+    def _layer(self, index: int, layer: Any, hidden: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, num_shared: int, attend: LayerAttention) -> torch.Tensor:
+        attn = layer.self_attn
+        normed = layer.input_layernorm(hidden)
+        num_rows = hidden.shape[0]
+        project = self._products.project
+        q = project(attn.q_proj, normed, num_shared).view(num_rows, self._num_heads,
+                                                          self._head_dim)
+        k = project(attn.k_proj, normed, num_shared).view(num_rows, self._kv_heads,
+                                                          self._head_dim)
+        v = project(attn.v_proj, normed, num_shared).view(num_rows, self._kv_heads,
+                                                          self._head_dim)
+        q = _rotate(q, cos, sin)
+        k = _rotate(k, cos, sin)
+        attended = attend(index, q, k, v)
+        hidden = hidden + project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
+        mlp = layer.mlp
+        normed = layer.post_attention_layernorm(hidden)
+        gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
+                 * project(mlp.up_proj, normed, num_shared))
+        out: torch.Tensor = hidden + project(mlp.down_proj, gated, num_shared)
+        return out
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[rows, head_dim]`` for ``positions``, from tables built in fixed chunks."""
+        self._grow_rope(int(positions.max()) + 1)
+        return self._cos[positions], self._sin[positions]
+
+    def _grow_rope(self, num_positions: int) -> None:
+        """Extend the rotary tables, in whole ``ROPE_CHUNK``s, to cover ``num_positions``."""
+        needed = -(-max(1, num_positions) // ROPE_CHUNK) * ROPE_CHUNK
+        if self._cos.shape[0] < needed:
+            rotary = self._model.model.rotary_emb
+            weight = self._model.model.embed_tokens.weight
+            cos_parts, sin_parts = [self._cos], [self._sin]
+            for start in range(self._cos.shape[0], needed, ROPE_CHUNK):
+                ids = torch.arange(start, start + ROPE_CHUNK, device=weight.device).unsqueeze(0)
+                with torch.inference_mode():
+                    cos, sin = rotary(weight[:1].unsqueeze(0), ids)
+                cos_parts.append(cos[0].cpu())
+                sin_parts.append(sin[0].cpu())
+            self._cos = torch.cat(cos_parts)
+            self._sin = torch.cat(sin_parts)
+
+
+def projection_weights(model: Any) -> list[torch.Tensor]:
+    """The weights of one layer's projections: every shape the shared products multiply by
+    (all layers of a Llama have the same shapes)."""
+    layer = model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    return [module.weight for module in (attention.q_proj, attention.k_proj, attention.v_proj,
+                                         attention.o_proj, mlp.gate_proj, mlp.up_proj,
+                                         mlp.down_proj)]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[rows, heads, d]`` (Llama's rotate-half form)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

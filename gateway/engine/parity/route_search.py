@@ -1,0 +1,307 @@
+"""Which route the engine computes on, found on this machine: every candidate forward is tried
+on the real weights, best first, and the first the start-up probe finds invariant serves.
+
+Why a search and not a table: whether a row's bits survive batching depends on the kernels
+torch picks for these shapes, in this dtype, on this CPU or GPU (docs/design.md, "Parity"); a table
+measured on one machine was wrong on the next (an Intel Xeon with AMX needed other row counts
+than the AMD EPYC it was measured on; an AVX2 CPU has no bfloat16 inner product in oneDNN).
+The candidates are the linear kernels with the padding their search found
+(``gateway.engine.linear.row_products``) crossed with the attentions the device can run (the
+fixed-shape flash kernel, then the tiled one). Where none passes, the serial exact route serves
+and says why. ``RouteVerdict`` is what the search decided, small enough to be remembered
+(``gateway.engine.parity.verdicts``) so that a second start on the same machine skips it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from gateway.engine.attention.flash import FlashBlockAttention, flash_kernel_problem
+from gateway.engine.attention.paged import PagedAttention, paged_kernel_problem
+from gateway.engine.attention.tiled import SequenceAttention, TiledAttention
+from gateway.engine.attention.triton_paged import TritonPagedAttention, triton_attention_problem
+from gateway.engine.forward.batched import (
+    BatchedForward,
+    StepForward,
+    architecture_problem,
+    projection_weights,
+)
+from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding
+from gateway.engine.linear.row_products import (
+    KERNELS,
+    LinearKernel,
+    Product,
+    RowProducts,
+    Wider,
+    candidate_row_products,
+)
+from gateway.engine.models.loading import LoadedModel, SerialForward
+from gateway.engine.parity.probe import ProbeCancelled, ProbeResult, probe_invariance
+
+logger = logging.getLogger(__name__)
+
+ATTENTIONS: Mapping[str, Callable[[bool], SequenceAttention]] = {
+    "paged": lambda decode_as_prefill: PagedAttention(),
+    "flash": lambda decode_as_prefill: FlashBlockAttention(decode_as_prefill=decode_as_prefill),
+    "triton": lambda decode_as_prefill: TritonPagedAttention(),
+    "tiled": lambda decode_as_prefill: TiledAttention(),
+}
+"""The batched forward's attentions by name, best first (each probed where it can run)."""
+
+
+class SearchCancelled(Exception):
+    """The search was asked to stop (the process is shutting down) before it had a verdict."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EngineRoute:
+    """How this engine computes, and why.
+
+    Attributes:
+        name: "batched" (the invariant batched forward) or "serial" (transformers, one
+            request at a time, block-aligned chunks).
+        reason: why this route (the probe's finding, the configuration, the architecture).
+        probe_s: seconds the start-up search and probe took (0 when they did not run).
+        decode_kv_is_prefill_kv: decoding writes the K/V a prefill writes (the probe found), so
+            an answer's blocks are stored as decoded; otherwise they are recomputed first.
+        attention: the batched forward's numerics (attention and products); empty on the
+            serial route.
+    """
+
+    name: str
+    reason: str
+    probe_s: float = 0.0
+    decode_kv_is_prefill_kv: bool = False
+    attention: str = ""
+
+    @property
+    def numerics(self) -> str:
+        """The route's part of the block namespace (its K/V differ from the other's)."""
+        return f"{self.name}-{self.attention}" if self.name == "batched" else self.name
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RouteVerdict:
+    """What the search decided: enough to rebuild the forward without searching again.
+
+    Attributes:
+        name: "batched" or "serial".
+        reason: why (as ``EngineRoute.reason``).
+        kernel: the linear kernel (batched only).
+        padding: its padding (batched only).
+        wider: the weight shapes padded further, each with its padding (batched on CUDA).
+        attention: the attention's name in ``ATTENTIONS`` (batched only).
+        decode_kv_is_prefill_kv: the probe's finding.
+        seconds: what the search and probe took when they ran.
+    """
+
+    name: str
+    reason: str
+    kernel: str = ""
+    padding: RowPadding | None = None
+    wider: Wider = ()
+    attention: str = ""
+    decode_kv_is_prefill_kv: bool = False
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchSettings:
+    """What the search depends on besides the model and the machine.
+
+    Attributes:
+        route: "auto", "batched" (even where the probe fails, warned) or "serial".
+        linear_kernel: "auto", "onednn" or "blas".
+        max_rows: the most rows one step's shared product can have.
+        max_logit_rows: the most logits rows one step wants.
+    """
+
+    route: str = "auto"
+    linear_kernel: LinearKernel = "auto"
+    max_rows: int = 1024
+    max_logit_rows: int = 16
+
+
+def products_note(products: RowProducts) -> str:
+    """What the route's reason says of the forward's projections."""
+    padding = products.padding
+    rows = ("4, 8 or 12+ rows" if padding == CPU_ROW_PADDING else
+            f"at least {padding.minimum} rows, in steps of {padding.multiple}"
+            + (f", exact from {padding.exact_from}" if padding.exact_from else ""))
+    if products.wider:
+        rows += "; " + ", ".join(f"{out}x{in_} weights from {more.minimum}"
+                                 for (out, in_), more in products.wider)
+    if products.shares_decode_rows:
+        return (f"projections through {products.kernel}, every row of a step in one product "
+                f"padded to {rows} (decode rows too)")
+    return (f"projections through {products.kernel}, prefill rows padded to {rows}, decode rows "
+            "alone")
+
+
+def attention_problem(name: str, device: torch.device, dtype: torch.dtype,
+                      head_dim: int = 64) -> str | None:
+    """Why attention ``name`` cannot run on ``device`` in ``dtype`` for heads of ``head_dim``,
+    or None."""
+    if name == "paged":
+        return paged_kernel_problem(device, dtype, head_dim)
+    if name == "flash":
+        return flash_kernel_problem(device)
+    if name == "triton":  # CUDA only: interpreted on a CPU it is far too slow to try
+        return triton_attention_problem(device) if device.type == "cuda" else "CUDA only"
+    return None
+
+
+def attention_names(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> list[str]:
+    """The attentions ``device`` can run in ``dtype`` for heads of ``head_dim``, best first
+    (one log line for each it cannot)."""
+    names = []
+    for name in ATTENTIONS:
+        problem = attention_problem(name, device, dtype, head_dim)
+        if problem is None:
+            names.append(name)
+        else:
+            logger.info("attention %s dropped: %s", name, problem)
+    return names
+
+
+def _parts(verdict: RouteVerdict,
+           kernels: Mapping[str, Product]) -> tuple[RowProducts, SequenceAttention]:
+    """The products and attention a batched verdict names."""
+    assert verdict.padding is not None
+    products = RowProducts.of(verdict.kernel, verdict.padding, kernels, wider=verdict.wider)
+    return products, ATTENTIONS[verdict.attention](products.shares_decode_rows)
+
+
+def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
+                  kernels: Mapping[str, Product] = KERNELS) -> StepForward:
+    """The forward ``verdict`` names, on ``loaded``'s weights."""
+    if verdict.name != "batched":
+        return SerialForward(loaded)
+    products, attention = _parts(verdict, kernels)
+    return BatchedForward(loaded.model, attention, products)
+
+
+def route_of(verdict: RouteVerdict, kernels: Mapping[str, Product] = KERNELS) -> EngineRoute:
+    """The ``EngineRoute`` a verdict serves as (its namespace part included)."""
+    numerics = ""
+    if verdict.name == "batched":
+        products, attention = _parts(verdict, kernels)
+        numerics = "-".join(part for part in (attention.numerics, products.label) if part)
+    return EngineRoute(name=verdict.name, reason=verdict.reason, probe_s=verdict.seconds,
+                       decode_kv_is_prefill_kv=verdict.decode_kv_is_prefill_kv,
+                       attention=numerics)
+
+
+def search_route(loaded: LoadedModel, settings: SearchSettings, *,
+                 kernels: Mapping[str, Product] = KERNELS,
+                 cancelled: Callable[[], bool] = lambda: False) -> RouteVerdict:
+    """Try every candidate forward on ``loaded``'s weights here; the first invariant one wins.
+
+    Raises:
+        SearchCancelled: ``cancelled()`` said so before a verdict.
+    """
+    if settings.route == "serial":
+        return RouteVerdict(name="serial", reason="configured (route = serial)")
+    model = loaded.model
+    problem = architecture_problem(model)
+    if problem is not None:
+        return RouteVerdict(name="serial",
+                            reason=f"the batched forward cannot run this model: {problem}")
+    started = time.perf_counter()
+    device = loaded.device
+    logger.info("searching the row padding of each linear kernel (%s, %s)", device,
+                str(loaded.layout.dtype).removeprefix("torch."))
+    candidates = candidate_row_products(
+        device, projection_weights(model), model.lm_head.weight, max_rows=settings.max_rows,
+        max_logit_rows=settings.max_logit_rows, kernel=settings.linear_kernel, kernels=kernels,
+        cancelled=cancelled)
+    if cancelled():
+        raise SearchCancelled("the start-up search was stopped before its verdict")
+    logger.info("row padding searched in %.1f s: %d candidate(s)%s",
+                time.perf_counter() - started, len(candidates),
+                "".join(f"; {c.kernel} {c.padding.label or 'r4x4e12'}"
+                        + "".join(f" ({out}x{in_}: {more.label})" for (out, in_), more in c.wider)
+                        for c in candidates))
+    attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim)
+    first_failure: RouteVerdict | None = None
+    for products in candidates:
+        for attention_name in attentions:
+            verdict = RouteVerdict(name="batched", reason="", kernel=products.kernel,
+                                   padding=products.padding, wider=products.wider,
+                                   attention=attention_name)
+            forward = build_forward(loaded, verdict, kernels)
+            assert isinstance(forward, BatchedForward)
+            what = f"{products_note(products)}; {attention_name} attention"
+            result = _probe(forward, loaded, what, cancelled)
+            seconds = time.perf_counter() - started
+            if result.is_invariant:
+                return RouteVerdict(
+                    name="batched", kernel=products.kernel, padding=products.padding,
+                    wider=products.wider,
+                    attention=attention_name, seconds=seconds,
+                    decode_kv_is_prefill_kv=result.decode_kv_is_prefill_kv,
+                    reason=f"start-up probe: {result.num_checks} chunked/batched variants "
+                           f"equal one-shot bit for bit; {what}")
+            logger.info("the batched forward with %s is not invariant here: %s", what,
+                        result.failure)
+            if first_failure is None:
+                first_failure = RouteVerdict(
+                    name="batched", kernel=products.kernel, padding=products.padding,
+                    wider=products.wider,
+                    attention=attention_name, seconds=seconds,
+                    reason=f"configured, probe FAILED: {result.failure}")
+    seconds = time.perf_counter() - started
+    if first_failure is None:
+        failure = ("no linear kernel keeps a projection row's bits whatever the row count "
+                   "under any padding tried on this device")
+    else:
+        failure = first_failure.reason.removeprefix("configured, probe FAILED: ")
+    if settings.route == "batched" and first_failure is not None:
+        logger.warning("route = batched although the probe failed (%s): warm may differ "
+                       "from cold", failure)
+        return first_failure
+    logger.warning("the batched forward is not invariant here (%s): serving one request at "
+                   "a time on the serial exact route", failure)
+    return RouteVerdict(name="serial", seconds=seconds,
+                        reason=f"start-up probe failed: {failure}")
+
+
+def _probe(forward: BatchedForward, loaded: LoadedModel, what: str,
+           cancelled: Callable[[], bool]) -> ProbeResult:
+    """The probe's verdict on ``forward``; a candidate that raises is not invariant (logged),
+    never the end of start-up: the next candidate is tried."""
+    try:
+        return _run_probe(forward, loaded, what, cancelled)
+    except (RuntimeError, ValueError, MemoryError, OSError) as exc:
+        logger.warning("the batched forward with %s raised in the start-up probe: %s: %s",
+                       what, type(exc).__name__, exc)
+        return ProbeResult(is_invariant=False, num_checks=0, seconds=0.0,
+                           failure=f"it raised {type(exc).__name__}: {exc}")
+
+
+def _run_probe(forward: BatchedForward, loaded: LoadedModel, what: str,
+               cancelled: Callable[[], bool]) -> ProbeResult:
+    started = time.perf_counter()
+    last_said = [started]
+
+    def progress(done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - last_said[0] >= 1.0:
+            logger.info("start-up probe: %d/%d checks passed (%.1f s)", done, total,
+                        now - started)
+            last_said[0] = now
+
+    logger.info("start-up probe of the batched forward with %s", what)
+    try:
+        result = probe_invariance(forward, loaded.layout, int(loaded.model.config.vocab_size),
+                                  cancelled=cancelled, on_check=progress)
+    except ProbeCancelled as exc:
+        raise SearchCancelled(str(exc)) from None
+    logger.info("start-up probe done in %.1f s: %s", time.perf_counter() - started,
+                "invariant" if result.is_invariant else "not invariant")
+    return result
