@@ -2,8 +2,7 @@
 
 The bundled model is a GGUF that takes ~15 s to convert; this one converts in well under a
 second, so tests of the GGUF path (``gateway.engine.models.loading``'s conversion cache) need not
-wait.
-Written with the ``gguf`` library (the one transformers reads GGUFs with); its weights are the
+wait. Written with the ``gguf`` library (the one transformers reads GGUFs with); its weights are the
 tiny Llama's, so transformers dequantises them back bit for bit (the q/k projections are stored
 in GGUF's rotary order, which transformers undoes).
 """

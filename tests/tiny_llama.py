@@ -3,8 +3,7 @@
 Vocabulary 512, hidden 64, 2 layers, 4 heads, 2 KV heads (docs/reliability.md, "Harness"), saved
 with ``save_pretrained`` beside the offline test tokenizer and loaded back through
 ``gateway.engine.models.loading.load_model``, so tests exercise the real loading path in well under
-a
-second.
+a second.
 Its outputs are meaningless; its arithmetic is a real transformer's, which is what parity tests
 need.
 """

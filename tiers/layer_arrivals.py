@@ -16,8 +16,7 @@ into their pages: two launches per layer and slab, not 2 x N copies.
 
 Who reads a page before its bytes have arrived waits for them first: a step, per layer and at
 its end (``gateway.engine.forward.batched``); a captured step before its replay; a tier a page's
-bytes
-are written to (``TierHierarchy.write`` and ``write_remote``: demotions, disk and Redis
+bytes are written to (``TierHierarchy.write`` and ``write_remote``: demotions, disk and Redis
 writes); the pool's own copies out of a page (copy-on-write, gathers). Handing a page out as a
 block reads nothing: the load path serves the device tier's copy of what it promoted, and the
 step that reads it waits per layer. A page whose last holder lets go while copies are pending

@@ -1,8 +1,8 @@
 """``kvgate bench fairness``: one tenant's first-token time while another tenant floods.
 
 The engine schedules tenants by deficit (``gateway.engine.scheduling.scheduler``), so a tenant that
-sends a
-few short requests should see its first token about as soon as when it runs alone, however many
+sends a few short requests should see its first token about as soon as when it runs alone, however
+many
 long requests another tenant keeps queued. This measures it on the real engine and model, in
 process (no network: what is measured is the scheduler and the step loop, not gRPC):
 

@@ -4,8 +4,7 @@ One app backend (one tenant, one key) serves two kinds of traffic: bulk users wi
 and interactive users with short chats. Across tenants the scheduler's fair share already keeps
 a quiet tenant's first token near its time alone (``kvgate bench fairness``); inside one tenant
 only ``priority`` can (``gateway.engine.scheduling.scheduler``, docs/design.md "Priority lanes").
-The target:
-the interactive TTFT p99 under the bulk flood at most 1.5x its p99 alone, the bulk still
+The target: the interactive TTFT p99 under the bulk flood at most 1.5x its p99 alone, the bulk still
 finishing. Three phases on one engine and cache, in process (no network: what is measured is
 the scheduler, the preemptions and the step loop):
 

@@ -103,8 +103,7 @@ class CacheConfig:
         measure_at_start: ``kvgate serve`` measures the disk tier's and Redis's load bandwidth,
             and the engine's recompute speed, before it serves (``gateway.cache.load_bandwidth``,
             ``gateway.engine.parity.recompute_speed``), so that the first hit on either tier is
-            judged
-            by ``skip_slow_tiers`` like every later one. Nothing to measure without either
+            judged by ``skip_slow_tiers`` like every later one. Nothing to measure without either
             tier, or with ``skip_slow_tiers`` off.
         layered_host_loads: on a GPU, a host-tier hit is copied into its pages layer by layer
             on a stream of its own, and a step waits for each layer only before it reads it

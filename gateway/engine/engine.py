@@ -2,8 +2,7 @@
 
 ``Engine`` validates and canonicalises requests, and hands them to one ``StepLoop``
 (``gateway.engine.scheduling.loop``) that runs many at once on one model: each step batches the
-decode
-rows of every running request with prefill chunks of the admitted ones (``Scheduler``: fair
+decode rows of every running request with prefill chunks of the admitted ones (``Scheduler``: fair
 across tenants, bounded per tenant). The gRPC threads only validate, submit and stream.
 
 Warm equals cold bit for bit because every forward is invariant (``BatchedForward``: a token's

@@ -79,8 +79,7 @@ class EngineSettings:
             (``kvgate_shadow_divergences_total``); 0 turns it off.
         captured_steps: decode-only steps replayed from CUDA graphs, one per padded row
             count (``gateway.engine.forward.captured_steps``), where the engine runs on CUDA with
-            the
-            Triton attention and decode rows share the product; elsewhere it changes nothing
+            the Triton attention and decode rows share the product; elsewhere it changes nothing
             (the log says why). On by default since an H100 measured it (docs/gpu.md).
     """
 

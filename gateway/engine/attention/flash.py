@@ -26,8 +26,8 @@ alone: unpadded, its numbers are its own, not a prefill's; with ``decode_as_pref
 padded with zero queries to ``DECODE_QUERIES`` (4), the fewest rows whose block gives a row the
 bits a block of 32 gives, so that its numbers are a prefill's -- what the forward wants when its
 projections treat decode rows as prefill rows too (``gateway.engine.linear.row_products``). One
-decode
-row over 1,800 keys of SmolLM2 costs ~0.42 ms per layer padded, ~0.21 ms unpadded. The start-up
+decode row over 1,800 keys of SmolLM2 costs ~0.42 ms per layer padded, ~0.21 ms unpadded. The
+start-up
 probe (``gateway.engine.parity.probe``) checks all of this on the real weights; if a torch build
 computes otherwise, the engine serves on the serial route.
 """

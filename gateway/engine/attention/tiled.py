@@ -22,8 +22,7 @@ and every M >= 12 give the same bits, while M = 1-3, 5-7 and 9-11 each give othe
 product here and in ``gateway.engine.forward.batched`` is padded to such a row count
 (``padded_row_count``). Whether
 all of this holds on a given machine is not assumed: ``gateway.engine.parity.probe`` checks it on
-the
-real weights at start-up, and the engine falls back to the serial exact route where it fails.
+the real weights at start-up, and the engine falls back to the serial exact route where it fails.
 """
 
 from __future__ import annotations

@@ -107,8 +107,8 @@ def _numerics_by_head_dim(split_keys: int) -> str:
 
 NUMERICS = _numerics_by_head_dim(SPLIT_KEYS)
 """The default kernel's part of the block namespace (see
-``gateway.engine.attention.tiled.NUMERICS``):
-its split size and its shape for each head size (a model has one)."""
+``gateway.engine.attention.tiled.NUMERICS``): its split size and its shape for each head size (a
+model has one)."""
 
 
 class TritonPagedAttention:

@@ -10,8 +10,8 @@ are enough rows, so each forward's rows are padded to such a count (docs/design.
 
 Which kernel multiplies the rows, how many rows it needs, and whether decode rows (a sampled
 token fed back) join the shared product is ``gateway.engine.linear.row_products``' choice, made
-once at
-start-up: on a CPU with oneDNN every row of the step is in one product of at least 2 rows, so a
+once at start-up: on a CPU with oneDNN every row of the step is in one product of at least 2 rows,
+so a
 decode row's numbers are a prefill's and an answer's blocks are stored as decoded; with BLAS
 each decode row is a matrix-vector product of its own (a lone row padded to MKL's 4 costs more),
 whose numbers are not a prefill's (``gateway.engine.parity.probe`` reports which holds). Logits rows

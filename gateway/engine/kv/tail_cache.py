@@ -5,8 +5,7 @@ previous turn's last full block (on average half a block, here ~32 tokens, plus 
 end) before the new message; the next turn of a conversation is the one request that always
 continues exactly there. When the forward is invariant and decoding writes the K/V a prefill
 writes (``gateway.engine.parity.probe``), those positions' K/V are exactly what a cold prefill of
-the
-same tokens computes, so the engine keeps them, in its own memory and for a bounded number of
+the same tokens computes, so the engine keeps them, in its own memory and for a bounded number of
 bytes, and the next turn starts after them.
 
 Identity: a tail continues one cached block, the ``BlockRecord`` of the conversation's last full

@@ -9,8 +9,7 @@ the model's own weight shapes and dtype, for the first of a few candidate paddin
 every row count it can produce gives a row the bits the largest count gives
 (``find_row_padding``), and then probes the whole forward on the real weights
 (``gateway.engine.parity.probe``). No candidate holds: that kernel is not used (the serial exact
-route
-serves where none is).
+route serves where none is).
 
 - On a CPU the candidates are ``CPU_PADDINGS``, smallest first: 4, 8 or 12+ rows (what MKL's
   sgemm needed on this project's AMD EPYC), then multiples of 16, 32 and 64. Checking every
@@ -25,8 +24,7 @@ serves where none is).
   gets the first that holds for it (``find_shape_paddings``): a step is padded as its cheapest
   shape needs, and a shape that needs more pads its own product further
   (``gateway.engine.linear.row_products``), so a one-row decode step multiplies one row through
-  every
-  projection that keeps a row's bits at one row (on an H100 the 8B shape's decode step
+  every projection that keeps a row's bits at one row (on an H100 the 8B shape's decode step
   multiplied 256 rows through every projection: 2.42x the time its weights take to read).
 """
 

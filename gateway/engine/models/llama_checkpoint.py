@@ -48,8 +48,7 @@ class UnsupportedCheckpoint(ValueError):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LlamaConfig:
     """What ``gateway.engine.forward.batched`` and the engine read of a Llama config, with the
-    values
-    transformers 5.23 gives them (its attribute names, so both loads look alike).
+    values transformers 5.23 gives them (its attribute names, so both loads look alike).
 
     Attributes:
         rope_parameters: standardised as transformers does: ``rope_type`` and ``rope_theta``

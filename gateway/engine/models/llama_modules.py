@@ -1,8 +1,7 @@
 """A Llama checkpoint's weights as a tree of torch modules, built without transformers.
 
 Why: the batched forward (``gateway.engine.forward.batched``) walks a model's modules itself and
-calls
-only their weights, the two norms, the activation and the rotary embedding; loading
+calls only their weights, the two norms, the activation and the rotary embedding; loading
 transformers' ``LlamaForCausalLM`` for that costs about 2 s of every start in imports alone.
 This tree has exactly the attribute names that forward (and the engine) read --
 ``config``, ``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``,

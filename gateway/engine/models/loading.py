@@ -12,12 +12,10 @@ checkpoint directory works as well.
 A Llama checkpoint in safetensors -- the converted bundled model among them -- is read without
 importing transformers, which alone costs ~2 s of every start: its weights become
 ``gateway.engine.models.llama_modules.LlamaModules`` (the modules the batched forward walks,
-computing
-bit for bit what transformers' ``LlamaForCausalLM`` computes) and its tokenizer a
+computing bit for bit what transformers' ``LlamaForCausalLM`` computes) and its tokenizer a
 ``gateway.core.file_tokenizer.FileTokenizer``. transformers is imported only where it is still
 needed (``gateway.engine.models.transformers_api``, the one module that imports it): converting a
-GGUF,
-a checkpoint those readers do not cover (it is then loaded by ``from_pretrained``), and the
+GGUF, a checkpoint those readers do not cover (it is then loaded by ``from_pretrained``), and the
 serial exact route and the cold references, which run transformers' own model --
 ``LoadedModel.transformers_model()`` builds it over the same tensors on first use, so a start
 whose remembered route is the batched one never imports transformers at all.

@@ -49,5 +49,4 @@ class EngineMetrics(Protocol):
 
     def record_shadow_check(self, *, num_blocks: int, divergent_tiers: Sequence[str]) -> None:
         """One shadow verification (``gateway.engine.parity.shadow``) of ``num_blocks`` served
-        blocks;
-        ``divergent_tiers`` names the tier of each that differed from cold ([] if none)."""
+        blocks; ``divergent_tiers`` names the tier of each that differed from cold ([] if none)."""

@@ -4,8 +4,7 @@ load-or-recompute judgement at a replica's first hit.
 Why: the cache loads from disk or Redis only where that is no slower than recomputing
 (``tiers.hierarchy``, ``worth_loading``), the recompute side from the engine's own prefill steps
 (``gateway.engine.parity.prefill_speed``). Before its first prefill a replica had no figure and
-loaded
-whatever the tier's speed, so a fresh replica whose first request found its prefix in a slow
+loaded whatever the tier's speed, so a fresh replica whose first request found its prefix in a slow
 Redis waited for the whole chain. Two prefill steps of random tokens, timed after a warm-up step
 (kernels compiled, buffers grown: a remembered route skipped the start-up probe), give the
 figure ``PrefillSpeed`` fits, and the engine's own steps refine it from the first request on.

@@ -1,8 +1,7 @@
 """Many requests at once: the same answers as alone, warm still equal to cold, fair, cancellable.
 
 The engine batches every running request into each step (``gateway.engine.scheduling.loop``); these
-tests
-run requests concurrently from threads on the tiny Llama and compare against the same requests
+tests run requests concurrently from threads on the tiny Llama and compare against the same requests
 run alone, token for token and K/V bit for bit.
 """
 

@@ -1,8 +1,8 @@
 """A conversation's next turn starts where its last answer's K/V end, and still equals cold.
 
 The engine keeps the K/V after a prompt + answer's last full block
-(``gateway.engine.kv.tail_cache``)
-where decoding writes a prefill's K/V; the next turn, which sends the answer back, then computes
+(``gateway.engine.kv.tail_cache``) where decoding writes a prefill's K/V; the next turn, which sends
+the answer back, then computes
 only the last answer token and its new message.
 """
 

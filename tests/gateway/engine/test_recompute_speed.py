@@ -1,6 +1,5 @@
 """The recompute speed measured before serving (``gateway.engine.parity.recompute_speed``): the
-cache's
-first hit on a disk or Redis tier is judged against it."""
+cache's first hit on a disk or Redis tier is judged against it."""
 
 from __future__ import annotations
 

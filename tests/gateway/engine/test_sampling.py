@@ -1,6 +1,6 @@
 """The sampler (``gateway.engine.output.sampling``): greedy is argmax, and every value validation
-accepts
-gives a token, never NaN probabilities (issue 22: ``temperature = 1e-45`` made softmax NaN and
+accepts gives a token, never NaN probabilities (issue 22: ``temperature = 1e-45`` made softmax NaN
+and
 ``torch.multinomial`` raised)."""
 
 from __future__ import annotations

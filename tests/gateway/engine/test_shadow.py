@@ -133,8 +133,8 @@ def test_a_corrupted_device_block_is_caught_logged_evicted_and_counted(
 
         assert counters.num_checked == 1 and counters.num_divergent_checks == 1
         assert counters.num_divergent_blocks == 1  # that block alone differs
-        logged = [r.getMessage() for r in caplog.records if r.name ==
-        "gateway.engine.parity.shadow"]
+        logged = [r.getMessage() for r in caplog.records
+                  if r.name == "gateway.engine.parity.shadow"]
         assert len(logged) == 1 and f"key {bad_key.hex()} from tier device" in logged[0]
         # Evicted by key as an operator's `admin evict --key` is: the block, everything built
         # on it, and the blocks before it that no other prompt continues from (here block 0).
