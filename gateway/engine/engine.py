@@ -286,7 +286,8 @@ class Engine:
         key = None
         if self._verdicts is not None:
             key = verdict_key(fingerprint=loaded.fingerprint, dtype=loaded.layout.dtype,
-                              device=self._device, settings=settings)
+                              device=self._device, settings=settings,
+                              walk=loaded.batched_walk)
             remembered = self._verdicts.load(key)
             problem = None
             if remembered is not None and remembered.name == "batched":

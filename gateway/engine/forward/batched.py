@@ -2,8 +2,9 @@
 
 Why not call the transformers model: its forward takes one padded batch, builds masks and runs
 SDPA, so a row's bits depend on the batch, the chunking and the padding. This module walks the
-same weights (a Llama-architecture ``*ForCausalLM``: embeddings, RMSNorm, rotary positions,
-q/k/v/o projections, gated MLP) with the rows of every sequence side by side for the
+same weights (a Llama-shaped ``*ForCausalLM``: embeddings, RMSNorm, rotary positions, q/k/v/o
+projections, gated MLP; what a family's layers do beyond that, such as Qwen3's per-head q/k
+norms, its ``DecoderFeatures`` say) with the rows of every sequence side by side for the
 row-wise parts (norms, projections, MLP) and ``SequenceAttention`` for each sequence over its
 own KV buffers. Everything row-wise keeps a row's bits whatever else shares the product once there
 are enough rows, so each forward's rows are padded to such a count (docs/design.md, "Parity").
@@ -31,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
+from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
 from gateway.engine.linear.row_products import RowProducts
@@ -38,11 +40,10 @@ from gateway.engine.linear.row_products import RowProducts
 ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
 
-SUPPORTED_ARCHITECTURES = frozenset({"LlamaForCausalLM"})
-
 
 class UnsupportedModel(ValueError):
-    """The model's architecture is not one this forward knows how to walk."""
+    """The model is not one this forward knows how to walk (no ``DecoderFeatures`` for it, or
+    features that do not match its modules)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,36 +77,40 @@ class StepForward(Protocol):
         ...
 
 
-def architecture_problem(model: Any) -> str | None:
-    """Why ``model`` cannot run through ``BatchedForward``, or None."""
-    names = set(getattr(model.config, "architectures", None) or [type(model).__name__])
-    if not names & SUPPORTED_ARCHITECTURES:
-        return f"architecture {sorted(names)} is not one of {sorted(SUPPORTED_ARCHITECTURES)}"
-    if getattr(model.config, "rope_scaling", None) not in (None, {}) and (
-            model.config.rope_scaling.get("rope_type", "default") not in ("default", "llama3")):
-        return f"rope scaling {model.config.rope_scaling!r} is not supported"
-    return None
-
-
 class BatchedForward:
-    """Runs the rows of several sequences through a Llama-architecture model in one pass.
+    """Runs the rows of several sequences through a Llama-shaped model in one pass.
 
     Args:
-        model: a loaded ``LlamaForCausalLM`` (eval mode).
+        model: a loaded ``*ForCausalLM`` module tree (eval mode) with transformers' attribute
+            names (``model.layers[i].self_attn.q_proj``...).
         attention: the per-sequence attention (one implementation per device kind).
         products: how rows are multiplied by the weights (found on the machine at start-up:
             ``gateway.engine.parity.route_search``).
+        features: what its layers do beyond Llama's (its family's description,
+            ``LoadedModel.features``); None: the module tree's own ``features`` (the trees
+            ``gateway.engine.models`` builds carry theirs).
 
     Raises:
-        UnsupportedModel: ``architecture_problem(model)`` says why.
+        UnsupportedModel: no features are given or carried, or they do not fit the modules.
     """
 
-    def __init__(self, model: Any, attention: SequenceAttention,
-                 products: RowProducts) -> None:
-        problem = architecture_problem(model)
-        if problem is not None:
-            raise UnsupportedModel(problem)
+    def __init__(self, model: Any, attention: SequenceAttention, products: RowProducts,
+                 features: DecoderFeatures | None = None) -> None:
+        features = features if features is not None else getattr(model, "features", None)
+        if not isinstance(features, DecoderFeatures):
+            raise UnsupportedModel(
+                f"{type(model).__name__} carries no DecoderFeatures: load it through "
+                "gateway.engine.models.loading, whose families describe what each layer does")
+        layers = model.model.layers
+        if len(features.layers) != len(layers):
+            raise UnsupportedModel(f"{features.family} describes {len(features.layers)} layers, "
+                                   f"the model has {len(layers)}")
+        for index, (layer, wanted) in enumerate(zip(layers, features.layers, strict=True)):
+            if wanted.qk_norm and not all(hasattr(layer.self_attn, name)
+                                          for name in ("q_norm", "k_norm")):
+                raise UnsupportedModel(f"layer {index} has no q_norm and k_norm to apply")
         config = model.config
+        self._features = features
         self._model = model
         self._attention = attention
         self._products = products
@@ -233,7 +238,8 @@ class BatchedForward:
         the captured steps of ``gateway.engine.forward.captured_steps``)."""
         hidden: torch.Tensor = self._model.model.embed_tokens(ids)
         for index, layer in enumerate(self._model.model.layers):
-            hidden = self._layer(index, layer, hidden, cos, sin, num_shared, attend)
+            hidden = self._layer(index, layer, self._features.layers[index], hidden, cos, sin,
+                                 num_shared, attend)
         return hidden
 
     def logits(self, picked: torch.Tensor, num_logit_rows: int) -> torch.Tensor:
@@ -248,6 +254,10 @@ class BatchedForward:
         return self._products
 
     @property
+    def features(self) -> DecoderFeatures:
+        return self._features
+
+    @property
     def attention(self) -> SequenceAttention:
         return self._attention
 
@@ -260,8 +270,9 @@ class BatchedForward:
         self._grow_rope(num_positions)
         return self._cos, self._sin
 
-    def _layer(self, index: int, layer: Any, hidden: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor, num_shared: int, attend: LayerAttention) -> torch.Tensor:
+    def _layer(self, index: int, layer: Any, features: LayerFeatures, hidden: torch.Tensor,
+               cos: torch.Tensor, sin: torch.Tensor, num_shared: int,
+               attend: LayerAttention) -> torch.Tensor:
         attn = layer.self_attn
         normed = layer.input_layernorm(hidden)
         num_rows = hidden.shape[0]
@@ -272,6 +283,9 @@ class BatchedForward:
                                                           self._head_dim)
         v = project(attn.v_proj, normed, num_shared).view(num_rows, self._kv_heads,
                                                           self._head_dim)
+        if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         attended = attend(index, q, k, v)
@@ -307,7 +321,7 @@ class BatchedForward:
 
 def projection_weights(model: Any) -> list[torch.Tensor]:
     """The weights of one layer's projections: every shape the shared products multiply by
-    (all layers of a Llama have the same shapes)."""
+    (all layers of the families the forward walks have the same shapes)."""
     layer = model.model.layers[0]
     attention, mlp = layer.self_attn, layer.mlp
     return [module.weight for module in (attention.q_proj, attention.k_proj, attention.v_proj,

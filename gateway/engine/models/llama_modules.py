@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.llama_checkpoint import LlamaConfig
 
 
@@ -195,11 +196,15 @@ class LlamaModules(nn.Module):
         weights: its tensors by state-dict name, already in the run's dtype and device
             (``llama_checkpoint.read_llama_weights``); ``lm_head`` is the embedding table
             when ``config.tie_word_embeddings``, as transformers ties it.
+        features: what its layers do (its family's ``DecoderFeatures``), read by the batched
+            forward; None where no family runs it batched.
     """
 
-    def __init__(self, config: LlamaConfig, weights: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, config: LlamaConfig, weights: Mapping[str, torch.Tensor],
+                 features: DecoderFeatures | None = None) -> None:
         super().__init__()
         self.config = config
+        self.features = features
         self.model = LlamaBody(config, weights)
         if config.tie_word_embeddings:
             self.lm_head = Linear(weights["model.embed_tokens.weight"], None)

@@ -51,7 +51,9 @@ from gateway.core.errors import GatewayError
 from gateway.core.file_tokenizer import FileTokenizer, UnsupportedTokenizer
 from gateway.core.tokenizer import HFTokenizerAdapter, Tokenizer
 from gateway.engine.forward.batched import SequenceRows
+from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.models.families import describe
 from gateway.engine.models.llama_checkpoint import (
     UnsupportedCheckpoint,
     read_llama_config,
@@ -141,6 +143,8 @@ class LoadedModel:
             read without transformers, else transformers' model itself. Either has
             transformers' attribute names (``config``, ``model.layers``, ``lm_head``...).
         transformers: transformers' model of the same weights (``transformers_model()``).
+        features: what its layers do, as its family describes them (``families.describe``);
+            None where the batched forward cannot run it, and ``batched_problem`` says why.
     """
 
     model: Any
@@ -151,12 +155,22 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     name: str
     transformers: TransformersModel = field(compare=False, repr=False)
+    features: DecoderFeatures | None = None
+    batched_problem: str | None = None
 
     @property
     def device(self) -> torch.device:
         """Where the weights live: token ids go there, and the K/V are computed there."""
         device: torch.device = self.model.get_input_embeddings().weight.device
         return device
+
+    @property
+    def batched_walk(self) -> str:
+        """What the batched forward walks of this model, in words (part of a remembered route
+        verdict's key): its family's features, or why it walks none."""
+        if self.features is not None:
+            return repr(self.features)
+        return f"not batched: {self.batched_problem}"
 
     def transformers_model(self) -> Any:
         """transformers' ``*ForCausalLM`` over the same weights (built, importing transformers,
@@ -265,7 +279,9 @@ def _read_llama_modules(directory: Path, dtype: torch.dtype,
     except UnsupportedCheckpoint as exc:
         logger.info("loading %s through transformers: %s", directory, exc)
         return None
-    return LlamaModules(config, weights)
+    described = describe(config)
+    return LlamaModules(config, weights,
+                        described if isinstance(described, DecoderFeatures) else None)
 
 
 def _read_tokenizer(directory: Path) -> tuple[Tokenizer, int | None]:
@@ -305,6 +321,7 @@ def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | No
                   or config.hidden_size // config.num_attention_heads),
         dtype=dtype,
     )
+    described = describe(config)
     eos = config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
     if tokenizer_eos is not None and tokenizer_eos not in eos_ids:
@@ -318,6 +335,8 @@ def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | No
         eos_token_ids=eos_ids,
         name=name,
         transformers=transformers,
+        features=described if isinstance(described, DecoderFeatures) else None,
+        batched_problem=None if isinstance(described, DecoderFeatures) else described,
     )
 
 

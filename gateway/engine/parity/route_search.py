@@ -28,7 +28,6 @@ from gateway.engine.attention.triton_paged import TritonPagedAttention, triton_a
 from gateway.engine.forward.batched import (
     BatchedForward,
     StepForward,
-    architecture_problem,
     projection_weights,
 )
 from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding
@@ -183,7 +182,7 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
     if verdict.name != "batched":
         return SerialForward(loaded)
     products, attention = _parts(verdict, kernels)
-    return BatchedForward(loaded.model, attention, products)
+    return BatchedForward(loaded.model, attention, products, loaded.features)
 
 
 def route_of(verdict: RouteVerdict, kernels: Mapping[str, Product] = KERNELS) -> EngineRoute:
@@ -208,10 +207,9 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     if settings.route == "serial":
         return RouteVerdict(name="serial", reason="configured (route = serial)")
     model = loaded.model
-    problem = architecture_problem(model)
-    if problem is not None:
-        return RouteVerdict(name="serial",
-                            reason=f"the batched forward cannot run this model: {problem}")
+    if loaded.batched_problem is not None or loaded.features is None:
+        return RouteVerdict(name="serial", reason="the batched forward cannot run this model: "
+                                                  f"{loaded.batched_problem}")
     started = time.perf_counter()
     device = loaded.device
     logger.info("searching the row padding of each linear kernel (%s, %s)", device,
@@ -236,7 +234,8 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                                    attention=attention_name)
             forward = build_forward(loaded, verdict, kernels)
             assert isinstance(forward, BatchedForward)
-            what = f"{products_note(products)}; {attention_name} attention"
+            what = (f"{loaded.features.family} layers; {products_note(products)}; "
+                    f"{attention_name} attention")
             result = _probe(forward, loaded, what, cancelled)
             seconds = time.perf_counter() - started
             if result.is_invariant:

@@ -76,10 +76,12 @@ def machine_identity(device: torch.device) -> dict[str, str]:
 
 
 def verdict_key(*, fingerprint: str, dtype: torch.dtype, device: torch.device,
-                settings: SearchSettings,
-                machine: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Everything a verdict for this model, dtype, device and settings depends on."""
-    key = {"model": fingerprint, "dtype": str(dtype), "device": device.type,
+                settings: SearchSettings, machine: Mapping[str, str] | None = None,
+                walk: str = "") -> dict[str, str]:
+    """Everything a verdict for this model, dtype, device and settings depends on; ``walk``:
+    what the batched forward would walk of the model (its family's features, or why it cannot),
+    so that a build whose families read the same weights otherwise searches again."""
+    key = {"model": fingerprint, "dtype": str(dtype), "device": device.type, "walk": walk,
            **{f"setting.{k}": str(v) for k, v in asdict(settings).items()},
            **(machine if machine is not None else machine_identity(device))}
     return key

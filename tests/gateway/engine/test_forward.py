@@ -14,6 +14,7 @@ import torch
 
 from gateway.engine.attention.tiled import TILE, AttentionItem, TiledAttention, padded_row_count
 from gateway.engine.forward.batched import BatchedForward, SequenceRows, UnsupportedModel
+from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models.loading import LoadedModel, load_model
 from gateway.engine.parity.probe import probe_invariance
@@ -191,12 +192,18 @@ def test_tokens_beyond_a_sequences_capacity_are_refused(forward, tiny) -> None:
     assert seq.length == 0
 
 
-def test_a_model_of_another_architecture_is_refused(tiny) -> None:
-    class Other:
+def test_a_model_no_family_describes_is_refused(tiny) -> None:
+    class GPT2LMHeadModel:
         config = type("Config", (), {"architectures": ["GPT2LMHeadModel"]})()
 
-    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
-        BatchedForward(Other(), TiledAttention(), ROWWISE)
+    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel carries no DecoderFeatures"):
+        BatchedForward(GPT2LMHeadModel(), TiledAttention(), ROWWISE)
+
+
+def test_features_for_another_number_of_layers_are_refused(tiny) -> None:
+    three = DecoderFeatures.uniform("llama", 3, LayerFeatures())
+    with pytest.raises(UnsupportedModel, match="describes 3 layers, the model has 2"):
+        BatchedForward(tiny.model, TiledAttention(), ROWWISE, three)
 
 
 def test_tiled_attention_equals_softmax_attention_within_float_rounding() -> None:

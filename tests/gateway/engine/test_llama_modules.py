@@ -72,7 +72,7 @@ def _tokens(n: int, seed: int) -> torch.Tensor:
 
 def _run(model: Any, loaded: LoadedModel) -> tuple[list[torch.Tensor], list[KVSequence]]:
     """Every logit of a chunked prefill beside another sequence, then of six decode steps."""
-    forward = BatchedForward(model, TiledAttention(), ROWWISE)
+    forward = BatchedForward(model, TiledAttention(), ROWWISE, loaded.features)
     mine = KVSequence.alone(loaded.layout, 300)
     other = KVSequence.alone(loaded.layout, 300)
     tokens, others = _tokens(200, 1), _tokens(200, 2)
@@ -219,7 +219,7 @@ def test_the_bundled_model_gives_the_same_logits_and_kv_on_either_load(
     runs = []
     for model in (ours.model, theirs):
         sequence = KVSequence.alone(ours.layout, 64)
-        logits = BatchedForward(model, TiledAttention(), ROWWISE).forward(
+        logits = BatchedForward(model, TiledAttention(), ROWWISE, ours.features).forward(
             [SequenceRows(sequence=sequence, tokens=tokens, wants_logits=True)])
         runs.append((logits[0], sequence))
     assert runs[0][0] is not None and runs[1][0] is not None

@@ -122,7 +122,8 @@ def test_a_second_start_takes_the_remembered_route_without_searching(tiny, tmp_p
     assert list((tmp_path / "routes").iterdir()) == [
         store.path_for(verdict_key(fingerprint=tiny.fingerprint, dtype=torch.float32,
                                    device=torch.device("cpu"),
-                                   settings=EngineConfig(block_tokens=16).search_settings()))]
+                                   settings=EngineConfig(block_tokens=16).search_settings(),
+                                   walk=tiny.batched_walk))]
 
 
 def test_a_cancelled_search_raises_and_remembers_nothing(tiny, tmp_path) -> None:

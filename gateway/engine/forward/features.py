@@ -1,0 +1,48 @@
+"""What the batched forward must know of a model's layers beyond Llama's walk: the features a
+family's layers use, as one record the family fills in and the forward reads.
+
+Why a record and not a look at the modules: the same attribute can mean different arithmetic in
+different families (Qwen3's ``q_norm`` normalises each head, OLMo 2's the whole projection), so
+the forward never guesses from what a module tree happens to hold. A family
+(``gateway.engine.models.families``) reads its config and says what each layer does; the forward
+walks exactly that, and a feature it does not know is refused before any of it runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerFeatures:
+    """What one decoder layer does beyond Llama's (every field off: a Llama layer).
+
+    Attributes:
+        qk_norm: q and k are normalised per head (an RMSNorm over the head dimension,
+            ``self_attn.q_norm`` and ``self_attn.k_norm``) before their rotation: Qwen3.
+    """
+
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DecoderFeatures:
+    """A model's layers as the batched forward walks them.
+
+    Attributes:
+        family: the family that described them (``gateway.engine.models.families``), for
+            messages and the route note.
+        layers: one record per decoder layer, in order.
+    """
+
+    family: str
+    layers: tuple[LayerFeatures, ...]
+
+    def __post_init__(self) -> None:
+        if not self.layers:
+            raise ValueError("a decoder has at least one layer")
+
+    @classmethod
+    def uniform(cls, family: str, num_layers: int, layer: LayerFeatures) -> DecoderFeatures:
+        """Every one of ``num_layers`` layers alike."""
+        return cls(family=family, layers=(layer,) * num_layers)

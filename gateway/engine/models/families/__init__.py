@@ -1,0 +1,40 @@
+"""The registered model families (``base.ModelFamily``): one module each, one line here.
+
+``describe(config)`` is what loading asks: the features the batched forward walks for this
+config, or why it cannot (an architecture no family answers for, or a feature its family does
+not run exactly): the serial exact route then serves, and says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.engine.forward.features import DecoderFeatures
+from gateway.engine.models.families.base import ModelFamily
+from gateway.engine.models.families.llama import LLAMA
+from gateway.engine.models.families.qwen3 import QWEN3
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    LLAMA,
+    QWEN3,
+)
+
+
+def family_for(architectures: Any) -> ModelFamily | None:
+    """The family answering for any of ``architectures`` (``config.architectures``), or None."""
+    names = set(architectures or ())
+    return next((f for f in FAMILIES if names & set(f.architectures)), None)
+
+
+def describe(config: Any) -> DecoderFeatures | str:
+    """The features of a model with ``config``, or in one line why the batched forward cannot
+    run it."""
+    names = list(getattr(config, "architectures", None) or [])
+    family = family_for(names)
+    if family is None:
+        known = ", ".join(a for f in FAMILIES for a in f.architectures)
+        return f"architecture {sorted(names)} is not one of the registered families ({known})"
+    problem = family.problem(config)
+    if problem is not None:
+        return f"{family.name}: {problem}"
+    return family.features(config)

@@ -1,0 +1,66 @@
+"""Tiny random checkpoints of every registered model family, built the way users' checkpoints
+are made: the family's transformers config class, ``from_config``, ``save_pretrained``, beside
+the offline test tokenizer. Nothing is downloaded.
+
+Every family in ``gateway.engine.models.families.FAMILIES`` needs a builder here: the conformance
+suite asserts it, so a family cannot be registered without running the suite.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+from tests.tokenizer_fixture import make_hf_tokenizer
+
+LAYERS = 3
+"""Enough layers that a family's per-layer features (a window on some, not others) show."""
+
+
+def _shape(tokenizer: Any) -> dict[str, Any]:
+    """The sizes every tiny family shares: 64 wide, 4 heads of 16, 2 KV heads; the tokenizer's
+    own vocabulary (no padded output rows the engine never samples and transformers would)."""
+    return {
+        "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "max_position_embeddings": 2048,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "tie_word_embeddings": False,
+    }
+
+
+def _save(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
+    torch.manual_seed(seed)
+    auto: Any = AutoModelForCausalLM  # its from_config is unannotated
+    model = auto.from_config(config, dtype=torch.float32)
+    # Random norms (transformers starts them at one): a feature that is skipped must show.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+def save_llama(directory: Path, seed: int = 0) -> Path:
+    tokenizer = make_hf_tokenizer()
+    return _save(LlamaConfig(**_shape(tokenizer)), directory, tokenizer, seed)
+
+
+def save_qwen3(directory: Path, seed: int = 0) -> Path:
+    tokenizer = make_hf_tokenizer()
+    return _save(Qwen3Config(**_shape(tokenizer)), directory, tokenizer, seed)
+
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "llama": save_llama,
+    "qwen3": save_qwen3,
+}
+"""Family name -> a builder of its tiny checkpoint."""
