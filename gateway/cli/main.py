@@ -421,6 +421,7 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.config.loader import load_serve_config
     from gateway.config.settings import ConfigError
     from gateway.core.errors import GatewayError
+    from gateway.engine.models.loading import UnservableModel
     from gateway.service.assembly import serve
     from gateway.service.server import ServeError
     from gateway.service.startup import StartInterrupted, StopSignals
@@ -463,6 +464,9 @@ def _serve(args: argparse.Namespace) -> int:
             sys.stderr.write(f"kvgate serve: stopped before serving ({signals.interruption}; "
                              f"the stage it cut short ended with: {exc})\n")
             return 0
+        if isinstance(exc, UnservableModel):  # what the gateway cannot serve exactly
+            sys.stderr.write(f"kvgate serve: {exc}\n")
+            return EXIT_USAGE
         if isinstance(exc, (ConfigError, ServeError, GatewayError)):
             sys.stderr.write(f"kvgate serve: {exc}\n")
             return EXIT_FAILED

@@ -60,6 +60,7 @@ from gateway.engine.models.llama_checkpoint import (
     read_llama_weights,
 )
 from gateway.engine.models.llama_modules import LlamaModules
+from gateway.engine.models.refusals import unservable_reason
 from tiers.payload import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,11 @@ _SAFETENSORS_FLOATS = frozenset({"F8_E4M3", "F8_E5M2", "F16", "BF16", "F32", "F6
 
 class ModelLoadError(GatewayError):
     """The model cannot be found or loaded; the message says what to install or pass."""
+
+
+class UnservableModel(ModelLoadError):
+    """The checkpoint loads, but kvgate cannot serve it exactly (``refusals``): refused at start-up,
+    in one line, before its weights are read."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -243,9 +249,12 @@ def load_model(
         device: where the model runs.
 
     Raises:
+        UnservableModel: the checkpoint is one kvgate cannot serve exactly (``refusals``).
         ModelLoadError: the model cannot be found or loaded.
     """
     source = resolve_source(model)
+    if source.gguf_file is None and (reason := unservable_reason(source.directory)) is not None:
+        raise UnservableModel(f"cannot serve {model} exactly: {reason}")
     fingerprint = fingerprint_source(source)
     load_dir, gguf_file = source.directory, source.gguf_file
     if gguf_file is not None and cache_dir is not None:

@@ -17,13 +17,6 @@ def rotary_problem(config: Any) -> str | None:
     return None
 
 
-def quantization_problem(config: Any) -> str | None:
-    """Quantized weights are multiplied by kernels whose rows do not keep their bits."""
-    if getattr(config, "quantization_config", None):
-        return "quantized weights (quantization_config)"
-    return None
-
-
 def sliding_window_problem(config: Any) -> str | None:
     """Layers that attend to the last window of positions only (not yet in the forward)."""
     kinds = set(getattr(config, "layer_types", None) or ())

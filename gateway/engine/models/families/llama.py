@@ -8,8 +8,6 @@ from typing import Any
 
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import (
-    first_problem,
-    quantization_problem,
     rotary_problem,
 )
 
@@ -20,7 +18,7 @@ class LlamaFamily:
     architectures: tuple[str, ...] = ("LlamaForCausalLM",)
 
     def problem(self, config: Any) -> str | None:
-        return first_problem(quantization_problem(config), rotary_problem(config))
+        return rotary_problem(config)
 
     def features(self, config: Any) -> DecoderFeatures:
         return DecoderFeatures.uniform(self.name, int(config.num_hidden_layers), LayerFeatures())

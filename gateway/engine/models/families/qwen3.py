@@ -11,7 +11,6 @@ from typing import Any
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import (
     first_problem,
-    quantization_problem,
     rotary_problem,
     sliding_window_problem,
 )
@@ -23,8 +22,7 @@ class Qwen3Family:
     architectures: tuple[str, ...] = ("Qwen3ForCausalLM",)
 
     def problem(self, config: Any) -> str | None:
-        return first_problem(quantization_problem(config), rotary_problem(config),
-                             sliding_window_problem(config))
+        return first_problem(rotary_problem(config), sliding_window_problem(config))
 
     def features(self, config: Any) -> DecoderFeatures:
         return DecoderFeatures.uniform(self.name, int(config.num_hidden_layers),
