@@ -291,8 +291,10 @@ class Engine:
             remembered = self._verdicts.load(key)
             problem = None
             if remembered is not None and remembered.name == "batched":
-                problem = attention_problem(remembered.attention, self._device,
-                                            loaded.layout.dtype, loaded.layout.head_dim)
+                problem = attention_problem(
+                    remembered.attention, self._device, loaded.layout.dtype,
+                    loaded.layout.head_dim,
+                    windowed=loaded.features is not None and loaded.features.has_windows)
             if remembered is not None and problem is not None:
                 logger.warning("the remembered route's %s attention cannot run now (%s): "
                                "searching again", remembered.attention, problem)

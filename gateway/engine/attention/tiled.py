@@ -108,6 +108,8 @@ class AttentionItem:
         first_position: where the forward knows it on the host, ``positions[0]``, the
             queries then being consecutive positions from it (an attention that plans its
             launch on the host reads it instead of the device tensor); None elsewhere.
+        window: the layer's sliding window: a query at position p attends keys
+            p - window < k <= p only (the keys before weigh exactly 0); None: every key up to p.
     """
 
     queries: torch.Tensor
@@ -115,12 +117,14 @@ class AttentionItem:
     positions: torch.Tensor
     is_decode: bool = False
     first_position: int | None = None
+    window: int | None = None
 
     @classmethod
     def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           positions: torch.Tensor, *, is_decode: bool = False) -> AttentionItem:
+           positions: torch.Tensor, *, is_decode: bool = False,
+           window: int | None = None) -> AttentionItem:
         """An item over contiguous K and V ``[kv_heads, capacity, head_dim]``."""
-        return cls(queries, ContiguousKV(keys, values), positions, is_decode)
+        return cls(queries, ContiguousKV(keys, values), positions, is_decode, window=window)
 
 
 class SequenceAttention(Protocol):
@@ -185,12 +189,12 @@ class TiledAttention:
         for start in range(0, n, QUERY_GROUP):
             end = min(n, start + QUERY_GROUP)
             out[start:end] = self._group(queries[start:end] * scale, keys, values,
-                                         item.positions[start:end], rep)
+                                         item.positions[start:end], rep, item.window)
         return out
 
     @staticmethod
     def _group(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               positions: torch.Tensor, rep: int) -> torch.Tensor:
+               positions: torch.Tensor, rep: int, window: int | None = None) -> torch.Tensor:
         n, num_heads, head_dim = queries.shape
         kv_heads = keys.shape[0]
         num_tiles = _num_tiles(positions, keys)
@@ -199,10 +203,12 @@ class TiledAttention:
         # Scores [kv_heads, rows, span]: a reduction over head_dim only. NOTE: one product over
         # the whole span gave the same bits as one per tile here (the probe re-checks it).
         scores = torch.matmul(rows, keys[:, :span].transpose(-1, -2))
-        # Only the tiles from the group's first query on can hold a later key: mask that band.
-        first = int(positions.min()) // TILE * TILE
+        # Only the tiles from the group's first query on can hold a later key: mask that band
+        # (with a window, every key: those before a row's window are hidden too).
+        first = 0 if window is not None else int(positions.min()) // TILE * TILE
         _weigh(scores[:, :, first:], scores,
-               torch.arange(first, span, device=keys.device) > row_positions.reshape(-1, 1))
+               _hidden(torch.arange(first, span, device=keys.device),
+                       row_positions.reshape(-1, 1), window))
         weights = scores.view(kv_heads, rows.shape[1], num_tiles, TILE)
         tile_values = values[:, :span].view(kv_heads, num_tiles, TILE, head_dim)
         # Per tile: weighted values [kv_heads, tiles, rows, d] (exactly TILE keys each); one
@@ -241,8 +247,12 @@ class TiledAttention:
         for b in range(count):
             span = tiles[b] * TILE
             scores[b, :, :, :span] = torch.matmul(rows[b], keys[b][:, :span].transpose(-1, -2))
-        hidden = (torch.arange(max_tiles * TILE, device=scores.device)
-                  > row_positions.unsqueeze(-1)).unsqueeze(1)  # [items, 1, rows, span]
+        windows = {item.window for item in items}
+        if len(windows) > 1:
+            raise ValueError("the items of one layer's attention share its window")
+        hidden = _hidden(torch.arange(max_tiles * TILE, device=scores.device),
+                         row_positions.unsqueeze(-1), windows.pop()
+                         ).unsqueeze(1)  # [items, 1, rows, span]
         _weigh(scores, scores, hidden)
         weights = scores.view(count, kv_heads, padded_rows, max_tiles, TILE)
         partial = scores.new_zeros(count, kv_heads, _tree_width(max_tiles), padded_rows,
@@ -287,6 +297,16 @@ def _rows(queries: torch.Tensor, positions: torch.Tensor, kv_heads: int, *,
     if items is None:
         return rows[0], row_positions[0]
     return rows, row_positions
+
+
+def _hidden(keys: torch.Tensor, rows: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Which key positions ``keys`` each row position ``rows`` (broadcast) may not see: those
+    after it, and with a ``window``, those at or before ``row - window``. A row always sees its
+    own position, so its maximum is finite."""
+    hidden = keys > rows
+    if window is not None:
+        hidden |= keys <= rows - window
+    return hidden
 
 
 def _weigh(band: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor) -> None:

@@ -47,10 +47,13 @@ import triton.language as tl
 _NEG_INF = tl.constexpr(float("-inf"))
 """A score that weighs exactly 0 (a constexpr: a kernel may read no other global)."""
 
+NO_WINDOW = 1 << 30
+"""The ``window`` of a layer without one: more positions than any sequence holds."""
+
 
 def _attend_tile(q: tl.tensor, k_head: tl.tensor, v_head: tl.tensor, table: tl.tensor,
                  start: tl.tensor, last: tl.tensor, position: tl.tensor, d: tl.tensor,
-                 scale: tl.tensor, m_split: tl.tensor, l_split: tl.tensor,
+                 scale: tl.tensor, window: tl.tensor, m_split: tl.tensor, l_split: tl.tensor,
                  acc_split: tl.tensor, stride_kvp: tl.tensor, stride_kvt: tl.tensor,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE_KEYS: tl.constexpr,
                  PAGE: tl.constexpr, DOT_F32: tl.constexpr) -> tuple[tl.tensor, tl.tensor,
@@ -71,8 +74,9 @@ def _attend_tile(q: tl.tensor, k_head: tl.tensor, v_head: tl.tensor, table: tl.t
         scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
     else:
         scores = tl.dot(q, tl.trans(k))
-    # A key after a row's own position weighs exactly 0 for that row.
-    visible = key[None, :] <= position[:, None]
+    # A key after a row's own position weighs exactly 0 for that row, and so does one before
+    # its sliding window (``window``: every position when the layer has none).
+    visible = (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - window)
     scores = tl.where(visible, scores * scale, _NEG_INF)
     # The running max is -inf only for rows with no visible key yet: 0 keeps their exp2
     # arguments -inf (weights 0), never -inf - -inf. exp2(-inf) = 0 and exp2(0) = 1 exactly
@@ -111,7 +115,8 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
                      stride_or: tl.tensor, stride_oh: tl.tensor, stride_kvh: tl.tensor,
                      stride_kvp: tl.tensor, stride_kvt: tl.tensor, stride_table: tl.tensor,
                      stride_plan: tl.tensor, stride_pr: tl.tensor, stride_ph: tl.tensor,
-                     stride_ps: tl.tensor, scale: tl.tensor, REP: tl.constexpr,
+                     stride_ps: tl.tensor, scale: tl.tensor, window: tl.tensor,
+                     REP: tl.constexpr,
                      REP_PAD: tl.constexpr, QPOS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_D: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
                      PAGE: tl.constexpr, PHASE: tl.constexpr, DOT_F32: tl.constexpr) -> None:
@@ -130,7 +135,9 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
     0: the same functions take a key tile in and fold a split.
 
     K and V pages share their strides; ``scale`` is 1/sqrt(head_dim) * log2(e) (base-2
-    scores); ``part_ptr`` is ``[rows, heads, splits, BLOCK_D + 2]`` float32 (phases 1 and 2).
+    scores); ``window`` the layer's sliding window (a key ``position - window < key`` is
+    visible; ``NO_WINDOW`` where it has none); ``part_ptr`` is ``[rows, heads, splits,
+    BLOCK_D + 2]`` float32 (phases 1 and 2).
     """
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -171,8 +178,9 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
     if PHASE == 0:
         for start in range(0, last + 1, TILE_KEYS):
             m_split, l_split, acc_split = _attend_tile(
-                q, k_head, v_head, table, start, last, position, d, scale, m_split, l_split,
-                acc_split, stride_kvp, stride_kvt, HEAD_DIM, BLOCK_D, TILE_KEYS, PAGE, DOT_F32)
+                q, k_head, v_head, table, start, last, position, d, scale, window, m_split,
+                l_split, acc_split, stride_kvp, stride_kvt, HEAD_DIM, BLOCK_D, TILE_KEYS, PAGE,
+                DOT_F32)
             if ((start + TILE_KEYS) % SPLIT_KEYS == 0) | (start + TILE_KEYS > last):
                 m_all, l_all, acc_all = _fold_split(m_all, l_all, acc_all, m_split, l_split,
                                                     acc_split)
@@ -185,7 +193,7 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
             for start in range(split_start, tl.minimum(split_start + SPLIT_KEYS, last + 1),
                                TILE_KEYS):
                 m_split, l_split, acc_split = _attend_tile(
-                    q, k_head, v_head, table, start, last, position, d, scale, m_split,
+                    q, k_head, v_head, table, start, last, position, d, scale, window, m_split,
                     l_split, acc_split, stride_kvp, stride_kvt, HEAD_DIM, BLOCK_D, TILE_KEYS,
                     PAGE, DOT_F32)
             split_part = parts + tl.program_id(2) * stride_ps

@@ -190,8 +190,11 @@ class TritonPagedAttention:
                 positions = torch.cat([torch.arange(first, first + n) for first, n in spans])
                 plan = TilePlan.of(positions, _row_items(counts), tile, device)
                 self._last_plan = (spans, device, tile, plan)
+        windows = {item.window for item in items}
+        if len(windows) > 1:
+            raise ValueError("the items of one layer's attention share its window")
         attended = self._launch(torch.cat([item.queries for item in items]), key_pages,
-                                value_pages, table, plan, shape)
+                                value_pages, table, plan, shape, windows.pop())
         return list(torch.split(attended, counts))
 
     def attend_paged(self, queries: torch.Tensor, key_pages: torch.Tensor,
@@ -222,20 +225,21 @@ class TritonPagedAttention:
 
     def attend_planned(self, queries: torch.Tensor, key_pages: torch.Tensor,
                        value_pages: torch.Tensor, table: torch.Tensor,
-                       plan: TilePlan) -> torch.Tensor:
+                       plan: TilePlan, window: int | None = None) -> torch.Tensor:
         """``attend_paged`` for rows planned once with ``TilePlan.of`` in tiles of
         ``shape_for(head_dim).tile_positions`` (benchmarks, and launches repeated over the same
-        rows): no host work but the launch."""
+        rows, the captured steps): no host work but the launch; ``window`` the layer's sliding
+        window (``AttentionItem.window``)."""
         _check(queries, key_pages, value_pages, table)
         shape = self.shape_for(int(queries.shape[2]))
         if plan.tensor.shape[1] != 2 + shape.tile_positions:
             raise ValueError(f"the plan has tiles of {plan.tensor.shape[1] - 2} positions, the "
                              f"kernel {shape.tile_positions} for heads of {queries.shape[2]}")
-        return self._launch(queries, key_pages, value_pages, table, plan, shape)
+        return self._launch(queries, key_pages, value_pages, table, plan, shape, window)
 
     def _launch(self, queries: torch.Tensor, key_pages: torch.Tensor,
                 value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan,
-                shape: KernelShape) -> torch.Tensor:
+                shape: KernelShape, window: int | None = None) -> torch.Tensor:
         num_rows, num_heads, head_dim = queries.shape
         kv_heads, _, page_tokens, _ = key_pages.shape
         rep = num_heads // kv_heads
@@ -243,7 +247,11 @@ class TritonPagedAttention:
         out = torch.empty_like(queries, memory_format=torch.contiguous_format)
         if num_rows == 0:
             return out
-        from gateway.engine.attention.triton_kernel import kernel, language_interpreted
+        from gateway.engine.attention.triton_kernel import (
+            NO_WINDOW,
+            kernel,
+            language_interpreted,
+        )
 
         interpreted = language_interpreted()
         if not interpreted and queries.device.type != "cuda":
@@ -261,7 +269,8 @@ class TritonPagedAttention:
                      queries.stride(0), queries.stride(1), out.stride(0), out.stride(1),
                      key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
                      table.stride(0), plan.tensor.stride(0), parts.stride(0), parts.stride(1),
-                     parts.stride(2), 1.0 / math.sqrt(head_dim) * math.log2(math.e))
+                     parts.stride(2), 1.0 / math.sqrt(head_dim) * math.log2(math.e),
+                     NO_WINDOW if window is None else window)
         shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=shape.tile_positions, HEAD_DIM=head_dim,
                       BLOCK_D=block_d, TILE_KEYS=shape.tile_keys, SPLIT_KEYS=self.split_keys,
                       PAGE=page_tokens, DOT_F32=interpreted or queries.dtype == torch.float32,

@@ -192,6 +192,7 @@ class BatchedForward:
                 pool.await_layer(index)
             if writes is not None:
                 writes.write(index, k, v)
+            window = self._features.layers[index].window
             items = []
             for rows, (start, end) in zip(batch, spans, strict=True):
                 seq = rows.sequence
@@ -199,7 +200,8 @@ class BatchedForward:
                     seq.write(index, k[start:end].transpose(0, 1),
                               v[start:end].transpose(0, 1))
                 items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
-                                           is_decode=rows.is_decode, first_position=seq.length))
+                                           is_decode=rows.is_decode, first_position=seq.length,
+                                           window=window))
             return join_rows(self._attention.attend(items), spans, q)
 
         with torch.inference_mode():

@@ -282,16 +282,15 @@ class StepBucket:
     def _step(self) -> torch.Tensor | None:
         """The step, from the buffers alone: every shape fixed, no host read."""
         pool, attention, table, plan = self._pool, self._attention, self._table, self._plan
-        slots = self._slots
+        slots, forward = self._slots, self._forward
         storage = pool.storage
 
         def attend(index: int, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:
             pool.scatter(index, slots, k.transpose(0, 1), v.transpose(0, 1))
             return attention.attend_planned(q, storage[index, 0], storage[index, 1], table,
-                                            plan)
+                                            plan, forward.features.layers[index].window)
 
-        forward = self._forward
         cos = self._cos.index_select(0, self._positions)
         sin = self._sin.index_select(0, self._positions)
         hidden = forward.run_layers(self._ids, cos, sin, self.key.rows, attend)

@@ -20,9 +20,17 @@ class LayerFeatures:
     Attributes:
         qk_norm: q and k are normalised per head (an RMSNorm over the head dimension,
             ``self_attn.q_norm`` and ``self_attn.k_norm``) before their rotation: Qwen3.
+        window: a query at position p attends the keys at positions p - window < k <= p only
+            (a sliding window, as transformers' masks have it); None: every key up to p.
+            Mistral, Qwen3 with ``use_sliding_window``, and the local layers of Gemma 2/3.
     """
 
     qk_norm: bool = False
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"a sliding window holds at least one position, not {self.window}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,6 +49,11 @@ class DecoderFeatures:
     def __post_init__(self) -> None:
         if not self.layers:
             raise ValueError("a decoder has at least one layer")
+
+    @property
+    def has_windows(self) -> bool:
+        """Whether any layer attends a sliding window (an attention must then keep windows)."""
+        return any(layer.window is not None for layer in self.layers)
 
     @classmethod
     def uniform(cls, family: str, num_layers: int, layer: LayerFeatures) -> DecoderFeatures:

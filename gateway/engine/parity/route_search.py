@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gateway.engine.attention.flash import WINDOW_PROBLEM as FLASH_WINDOW_PROBLEM
 from gateway.engine.attention.flash import FlashBlockAttention, flash_kernel_problem
 from gateway.engine.attention.paged import PagedAttention, paged_kernel_problem
 from gateway.engine.attention.tiled import SequenceAttention, TiledAttention
@@ -143,9 +144,11 @@ def products_note(products: RowProducts) -> str:
 
 
 def attention_problem(name: str, device: torch.device, dtype: torch.dtype,
-                      head_dim: int = 64) -> str | None:
-    """Why attention ``name`` cannot run on ``device`` in ``dtype`` for heads of ``head_dim``,
-    or None."""
+                      head_dim: int = 64, *, windowed: bool = False) -> str | None:
+    """Why attention ``name`` cannot run on ``device`` in ``dtype`` for heads of ``head_dim``
+    (and, ``windowed``, layers with a sliding window), or None."""
+    if name == "flash" and windowed:
+        return FLASH_WINDOW_PROBLEM
     if name == "paged":
         return paged_kernel_problem(device, dtype, head_dim)
     if name == "flash":
@@ -155,12 +158,13 @@ def attention_problem(name: str, device: torch.device, dtype: torch.dtype,
     return None
 
 
-def attention_names(device: torch.device, dtype: torch.dtype, head_dim: int = 64) -> list[str]:
-    """The attentions ``device`` can run in ``dtype`` for heads of ``head_dim``, best first
-    (one log line for each it cannot)."""
+def attention_names(device: torch.device, dtype: torch.dtype, head_dim: int = 64, *,
+                    windowed: bool = False) -> list[str]:
+    """The attentions ``device`` can run in ``dtype`` for heads of ``head_dim`` (and,
+    ``windowed``, sliding windows), best first (one log line for each it cannot)."""
     names = []
     for name in ATTENTIONS:
-        problem = attention_problem(name, device, dtype, head_dim)
+        problem = attention_problem(name, device, dtype, head_dim, windowed=windowed)
         if problem is None:
             names.append(name)
         else:
@@ -225,7 +229,8 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                 "".join(f"; {c.kernel} {c.padding.label or 'r4x4e12'}"
                         + "".join(f" ({out}x{in_}: {more.label})" for (out, in_), more in c.wider)
                         for c in candidates))
-    attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim)
+    attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim,
+                                 windowed=loaded.features.has_windows)
     first_failure: RouteVerdict | None = None
     for products in candidates:
         for attention_name in attentions:

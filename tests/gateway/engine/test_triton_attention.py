@@ -363,7 +363,7 @@ def test_the_kernel_compiles_for_cuda(dtype, capability, phase) -> None:
                                              "stride_kvp", "stride_kvt", "stride_table",
                                              "stride_plan", "stride_pr", "stride_ph",
                                              "stride_ps")},
-                 "stride_kvh": "i64", "scale": "fp32"}
+                 "stride_kvh": "i64", "scale": "fp32", "window": "i32"}
     constants = {"REP": 3, "REP_PAD": 4, "QPOS": 16, "HEAD_DIM": 64, "BLOCK_D": 64,
                  "TILE_KEYS": 64, "SPLIT_KEYS": 512, "PAGE": 16, "PHASE": phase,
                  "DOT_F32": dtype == "fp32"}

@@ -16,7 +16,9 @@ same sequence of IEEE operations, whatever else is in the call:
   - the sum of weights runs in eight lanes (lane j % 8 sums keys j, j+8, ... in order), then
     the fixed tree; the weighted values are fused multiply-adds over keys in order;
   - the output is that sum divided by the weight sum.
-Keys after the row's position are never read. Fused multiply-add is exactly rounded by
+Keys after the row's position are never read, nor, with a sliding window, keys before it
+(position - window < key <= position): they weigh exactly 0, and a page wholly before the window
+is skipped (which keys a row reads depends on its position alone). Fused multiply-add is exactly rounded by
 definition, so the hardware instruction and the C library's fmaf give the same bits: the
 numbers are the same on every machine, with or without AVX2/FMA (only the speed differs).
 Compiled with -ffp-contract=off and without -ffast-math: the compiler may not fuse or reorder.
@@ -153,22 +155,23 @@ static inline float score1(const float *qh, const float *key, int head_dim) {
     return tree8(acc);
 }
 
-/* Scores into weights in place: w = exp(max(s - max, EXP_FLOOR)), 0 from n to `padded`;
-   returns the weights' sum (eight lanes by key index, then the fixed tree). */
-static float weigh(float *s, int64_t n, int64_t padded) {
-    float max = s[0];
-    for (int64_t j = 1; j < n; j++) max = s[j] > max ? s[j] : max;
+/* Scores into weights in place: w = exp(max(s - max, EXP_FLOOR)) for keys lo..n-1, 0 from n
+   to `padded` and before lo (a sliding window; 0 without one); returns the weights' sum (eight
+   lanes by key index, then the fixed tree). Lanes before lo's group of eight are never read. */
+static float weigh(float *s, int64_t lo, int64_t n, int64_t padded) {
+    float max = s[lo];
+    for (int64_t j = lo + 1; j < n; j++) max = s[j] > max ? s[j] : max;
     for (int64_t j = n; j < padded; j++) s[j] = -INFINITY;
     v8 lanes = splat8(0.0f);
     const v8 mv = splat8(max), floor = splat8(EXP_FLOOR);
-    for (int64_t j = 0; j < padded; j += 8) {
+    for (int64_t j = lo / 8 * 8; j < padded; j += 8) {
         v8 x = load8(s + j) - mv;
         v8 hidden = (v8)(x < floor);
         x = (v8)(((i8)x & ~(i8)hidden) | ((i8)floor & (i8)hidden));
         v8 w = exp_lanes(x);
-        if (j + 8 > n) {
+        if (j + 8 > n || j < lo) {
             for (int l = 0; l < 8; l++)
-                if (j + l >= n) w[l] = 0.0f;
+                if (j + l >= n || j + l < lo) w[l] = 0.0f;
         }
         store8(s + j, w);
         lanes = lanes + w;
@@ -181,14 +184,14 @@ static float weigh(float *s, int64_t n, int64_t padded) {
 
    q: rows * rep rows of head_dim (already scaled); k_head/v_head: this KV head's pages
    ([pages, page_tokens, head_dim]); table: the sequence's page ids; n[r]: keys row r sees (its
-   position + 1); scores: scratch of rows * rep * `padded` floats, padded >= every n[r] rounded
+   position + 1); lo[r]: its first key (0, or with a window position + 1 - window); scores: scratch of rows * rep * `padded` floats, padded >= every n[r] rounded
    up to 8; acc: scratch of rows * rep * head_dim floats; out[r]: row r's output, rep rows of
    head_dim. */
 static inline __attribute__((always_inline)) void
 attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
             const float *v_head, int64_t page_stride, int page_tokens, const int64_t *table,
-            const int64_t *n, int64_t padded, float *scores, float *acc, float *denominator,
-            float *const *out) {
+            const int64_t *lo, const int64_t *n, int64_t padded, float *scores, float *acc,
+            float *denominator, float *const *out) {
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
     const int chunks = head_dim / 8;
@@ -196,7 +199,7 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
     for (int64_t start = 0; start < longest; start += page_tokens) {
         const float *kp = k_head + table[start / page_tokens] * page_stride;
         for (int r = 0; r < rows; r++) {
-            if (start >= n[r]) continue;
+            if (start >= n[r] || start + page_tokens <= lo[r]) continue;
             const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
             for (int h = 0; h < rep; h++) {
                 const float *qh = q + ((int64_t)r * rep + h) * head_dim;
@@ -210,15 +213,16 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
     }
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < rep; h++)
-            denominator[r * rep + h] = weigh(scores + ((int64_t)r * rep + h) * padded, n[r],
-                                             (n[r] + 7) / 8 * 8);
+            denominator[r * rep + h] = weigh(scores + ((int64_t)r * rep + h) * padded, lo[r],
+                                             n[r], (n[r] + 7) / 8 * 8);
     /* Weighted values, page by page; each accumulator sums its keys in order across pages. */
     memset(acc, 0, sizeof(float) * (size_t)rows * rep * head_dim);
     for (int64_t start = 0; start < longest; start += page_tokens) {
         const float *vp = v_head + table[start / page_tokens] * page_stride;
         for (int r = 0; r < rows; r++) {
-            if (start >= n[r]) continue;
+            if (start >= n[r] || start + page_tokens <= lo[r]) continue;
             const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
+            const int64_t first = lo[r] > start ? lo[r] - start : 0; /* the window's first key */
             for (int h = 0; h < rep; h++) {
                 const float *w = scores + ((int64_t)r * rep + h) * padded + start;
                 float *a = acc + ((int64_t)r * rep + h) * head_dim;
@@ -226,7 +230,7 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
                     const int cn = chunks - c0 < 8 ? chunks - c0 : 8;
                     v8 part[8];
                     for (int c = 0; c < cn; c++) part[c] = load8(a + 8 * (c0 + c));
-                    for (int64_t t = 0; t < count; t++) {
+                    for (int64_t t = first; t < count; t++) {
                         const v8 wt = splat8(w[t]);
                         const float *value = vp + t * head_dim + 8 * c0;
                         for (int c = 0; c < cn; c++) part[c] = fma8(wt, load8(value + 8 * c), part[c]);
@@ -250,13 +254,14 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
    keys/values: one layer's K and V storage, [kv_heads, pages, page_tokens, head_dim] with
    `head_stride` floats between KV heads; tables: [items, table_stride] page ids; queries/out:
    [rows, kv_heads * rep, head_dim], contiguous; row_item/row_position: per row (an item's rows
-   consecutive). Returns 0, or -1 when scratch memory could not be had. */
+   consecutive); window: the layer's sliding window (keys position - window < key <= position),
+   0 for none. Returns 0, or -1 when scratch memory could not be had. */
 int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t head_stride,
                                int kv_heads, int rep, int page_tokens, int head_dim,
                                const int64_t *tables, int64_t table_stride,
                                const float *queries, const int64_t *row_item,
                                const int64_t *row_position, int64_t rows, float scale,
-                               float *out) {
+                               int64_t window, float *out) {
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++)
         if (row_position[r] + 1 > longest) longest = row_position[r] + 1;
@@ -296,13 +301,14 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
             float *acc = scores + (size_t)MAX_ROWS * rep * padded;
             float *q = acc + (size_t)MAX_ROWS * rep * head_dim;
             float *denominator = q + (size_t)MAX_ROWS * rep * head_dim;
-            int64_t n[MAX_ROWS];
+            int64_t n[MAX_ROWS], lo[MAX_ROWS];
             float *row_out[MAX_ROWS];
             for (int r = 0; r < count; r++) {
                 const int64_t row = first + r;
                 const float *src = queries + (row * heads + (int64_t)g * rep) * head_dim;
                 for (int i = 0; i < rep * head_dim; i++) q[r * rep * head_dim + i] = src[i] * scale;
                 n[r] = row_position[row] + 1;
+                lo[r] = window > 0 && n[r] > window ? n[r] - window : 0;
                 row_out[r] = out + (row * heads + (int64_t)g * rep) * head_dim;
             }
             const float *k_head = keys + g * head_stride, *v_head = values + g * head_stride;
@@ -311,14 +317,14 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
                registers and the keys' offsets in the instructions (speed only: every path runs
                the same operations in the same order). */
             if (head_dim == 64)
-                attend_rows(q, count, rep, 64, k_head, v_head, page_stride, page_tokens, table, n,
-                            padded, scores, acc, denominator, row_out);
+                attend_rows(q, count, rep, 64, k_head, v_head, page_stride, page_tokens, table, lo,
+                            n, padded, scores, acc, denominator, row_out);
             else if (head_dim == 128)
                 attend_rows(q, count, rep, 128, k_head, v_head, page_stride, page_tokens, table,
-                            n, padded, scores, acc, denominator, row_out);
+                            lo, n, padded, scores, acc, denominator, row_out);
             else
                 attend_rows(q, count, rep, head_dim, k_head, v_head, page_stride, page_tokens,
-                            table, n, padded, scores, acc, denominator, row_out);
+                            table, lo, n, padded, scores, acc, denominator, row_out);
         }
         free(scratch);
     }

@@ -1,7 +1,7 @@
 """Qwen3 (``Qwen3ForCausalLM``): Llama's layer with q and k normalised per head before their
-rotation (``q_norm``, ``k_norm``). Read through transformers' ``from_pretrained``, so its config
-takes transformers' own defaults. Sliding-window layers (``use_sliding_window``) are refused
-until the attention backends keep windows (issue 43, item 5)."""
+rotation (``q_norm``, ``k_norm``), and with ``use_sliding_window`` a sliding window on the layers
+from ``max_window_layers`` on (``layer_types``, as transformers fills it in). Read through
+transformers' ``from_pretrained``, so its config takes transformers' own defaults."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import (
     first_problem,
+    layer_windows,
     rotary_problem,
-    sliding_window_problem,
+    window_problem,
 )
 
 
@@ -22,11 +23,11 @@ class Qwen3Family:
     architectures: tuple[str, ...] = ("Qwen3ForCausalLM",)
 
     def problem(self, config: Any) -> str | None:
-        return first_problem(rotary_problem(config), sliding_window_problem(config))
+        return first_problem(rotary_problem(config), window_problem(config))
 
     def features(self, config: Any) -> DecoderFeatures:
-        return DecoderFeatures.uniform(self.name, int(config.num_hidden_layers),
-                                       LayerFeatures(qk_norm=True))
+        return DecoderFeatures(family=self.name, layers=tuple(
+            LayerFeatures(qk_norm=True, window=window) for window in layer_windows(config)))
 
 
 QWEN3 = Qwen3Family()

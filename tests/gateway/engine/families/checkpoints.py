@@ -13,12 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
 from tests.tokenizer_fixture import make_hf_tokenizer
 
 LAYERS = 3
 """Enough layers that a family's per-layer features (a window on some, not others) show."""
+WINDOW = 24
+"""A sliding window shorter than the suite's prompts (70 tokens and more), so that it masks."""
 
 
 def _shape(tokenizer: Any) -> dict[str, Any]:
@@ -59,8 +61,30 @@ def save_qwen3(directory: Path, seed: int = 0) -> Path:
     return _save(Qwen3Config(**_shape(tokenizer)), directory, tokenizer, seed)
 
 
+def save_qwen3_windowed(directory: Path, seed: int = 0) -> Path:
+    """Qwen3 with ``use_sliding_window``: the layers from ``max_window_layers`` (1) on windowed,
+    the first global."""
+    tokenizer = make_hf_tokenizer()
+    config = Qwen3Config(**_shape(tokenizer), use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1)
+    return _save(config, directory, tokenizer, seed)
+
+
+def save_mistral(directory: Path, seed: int = 0) -> Path:
+    tokenizer = make_hf_tokenizer()
+    return _save(MistralConfig(**_shape(tokenizer), sliding_window=WINDOW), directory,
+                 tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
+    "mistral": save_mistral,
 }
 """Family name -> a builder of its tiny checkpoint."""
+
+VARIANTS: dict[str, Callable[[Path], Path]] = {
+    "qwen3-windowed": save_qwen3_windowed,
+}
+"""More checkpoints the suite runs, where a family has a feature its main checkpoint lacks
+(name: family-feature)."""

@@ -29,7 +29,7 @@ from gateway.engine.forward.batched import SequenceRows
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models.families import FAMILIES
 from gateway.engine.models.loading import LoadedModel, load_model
-from tests.gateway.engine.families.checkpoints import BUILDERS
+from tests.gateway.engine.families.checkpoints import BUILDERS, VARIANTS
 from tests.gateway.engine.parity import (
     ALICE,
     BLOCK,
@@ -45,6 +45,7 @@ from tests.gateway.engine.parity import (
 )
 
 FAMILY_NAMES = [family.name for family in FAMILIES]
+CHECKPOINTS = {**BUILDERS, **VARIANTS}
 LOGIT_TOLERANCE = 1e-4
 """float32, 3 layers: how far our walk's logits may be from transformers' (other kernels, the
 same arithmetic). Greedy tokens are compared only where the top two are further apart."""
@@ -56,11 +57,11 @@ def test_every_registered_family_has_a_tiny_checkpoint() -> None:
     assert set(BUILDERS) == set(FAMILY_NAMES)
 
 
-@pytest.fixture(scope="module", params=FAMILY_NAMES)
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
 def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
            ) -> LoadedModel:
     name = request.param
-    return load_model(str(BUILDERS[name](tmp_path_factory.mktemp(name) / "model")))
+    return load_model(str(CHECKPOINTS[name](tmp_path_factory.mktemp(name) / "model")))
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,54 @@
+"""What each family reads of a config (``families.describe``): the features of every layer, or
+in one line why the batched forward cannot run it -- checked on transformers' own config
+classes, whose defaults are the ones a user's checkpoint gets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import GPT2Config, MistralConfig, Qwen3Config
+
+from gateway.engine.forward.features import DecoderFeatures
+from gateway.engine.models.families import describe
+
+SHAPE: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "head_dim": 16}
+
+
+def _windows(config: object) -> tuple[int | None, ...]:
+    features = describe(config)
+    assert isinstance(features, DecoderFeatures), features
+    return tuple(layer.window for layer in features.layers)
+
+
+def test_qwen3_windows_the_layers_from_max_window_layers_on() -> None:
+    config = Qwen3Config(**SHAPE, use_sliding_window=True, sliding_window=512,
+                         max_window_layers=2, architectures=["Qwen3ForCausalLM"])
+    assert _windows(config) == (None, None, 512, 512)
+
+
+def test_qwen3_without_use_sliding_window_attends_every_key() -> None:
+    config = Qwen3Config(**SHAPE, architectures=["Qwen3ForCausalLM"])
+    assert _windows(config) == (None,) * 4
+
+
+def test_mistral_windows_every_layer_where_its_config_sets_a_window() -> None:
+    config = MistralConfig(**SHAPE, sliding_window=4096, architectures=["MistralForCausalLM"])
+    assert _windows(config) == (4096,) * 4
+    unwindowed = MistralConfig(**SHAPE, sliding_window=None,
+                               architectures=["MistralForCausalLM"])
+    assert _windows(unwindowed) == (None,) * 4
+
+
+def test_an_architecture_no_family_answers_for_is_named() -> None:
+    problem = describe(GPT2Config(architectures=["GPT2LMHeadModel"]))
+    assert isinstance(problem, str)
+    assert problem.startswith("architecture ['GPT2LMHeadModel'] is not one of the registered "
+                              "families")
+
+
+def test_a_partial_rotary_embedding_is_refused_by_its_family() -> None:
+    config = Qwen3Config(**SHAPE, architectures=["Qwen3ForCausalLM"])
+    config.rope_parameters = {**dict(config.rope_parameters or {}),
+                              "partial_rotary_factor": 0.5}
+    assert describe(config) == "qwen3: partial rotary embeddings (partial_rotary_factor 0.5)"
