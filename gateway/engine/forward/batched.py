@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
+from gateway.engine.forward.experts import expert_mlp, expert_weights
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
@@ -109,6 +110,13 @@ class BatchedForward:
             if wanted.qk_norm and not all(hasattr(layer.self_attn, name)
                                           for name in ("q_norm", "k_norm")):
                 raise UnsupportedModel(f"layer {index} has no q_norm and k_norm to apply")
+            experts = getattr(layer.mlp, "experts", None)
+            if (wanted.experts is not None) != (experts is not None) or (
+                    experts is not None and not all(
+                        hasattr(experts, name) for name in ("gate_up_proj", "down_proj"))):
+                raise UnsupportedModel(f"layer {index}'s MLP is not the "
+                                       f"{'mixture of experts' if wanted.experts else 'dense MLP'} "
+                                       f"{features.family} describes")
         config = model.config
         self._features = features
         self._model = model
@@ -292,11 +300,19 @@ class BatchedForward:
         k = _rotate(k, cos, sin)
         attended = attend(index, q, k, v)
         hidden = hidden + project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
-        mlp = layer.mlp
         normed = layer.post_attention_layernorm(hidden)
+        out: torch.Tensor = hidden + self._mlp(layer.mlp, features, normed, num_shared)
+        return out
+
+    def _mlp(self, mlp: Any, features: LayerFeatures, normed: torch.Tensor,
+             num_shared: int) -> torch.Tensor:
+        """The layer's MLP of its normed rows: dense and gated, or a mixture of experts."""
+        if features.experts is not None:
+            return expert_mlp(mlp, features.experts, normed, num_shared, self._products)
+        project = self._products.project
         gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
                  * project(mlp.up_proj, normed, num_shared))
-        out: torch.Tensor = hidden + project(mlp.down_proj, gated, num_shared)
+        out: torch.Tensor = project(mlp.down_proj, gated, num_shared)
         return out
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -322,13 +338,20 @@ class BatchedForward:
 
 
 def projection_weights(model: Any) -> list[torch.Tensor]:
-    """The weights of one layer's projections: every shape the shared products multiply by
-    (all layers of the families the forward walks have the same shapes)."""
-    layer = model.model.layers[0]
-    attention, mlp = layer.self_attn, layer.mlp
-    return [module.weight for module in (attention.q_proj, attention.k_proj, attention.v_proj,
-                                         attention.o_proj, mlp.gate_proj, mlp.up_proj,
-                                         mlp.down_proj)]
+    """One weight of every shape the shared products multiply by: each layer's attention
+    projections and its MLP's (a dense one's, or one expert's and the router's), a shape once."""
+    by_shape: dict[tuple[int, ...], torch.Tensor] = {}
+    for layer in model.model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        weights = [module.weight for module in (attention.q_proj, attention.k_proj,
+                                                attention.v_proj, attention.o_proj)]
+        if hasattr(mlp, "experts"):
+            weights += expert_weights(mlp)
+        else:
+            weights += [module.weight for module in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        for weight in weights:
+            by_shape.setdefault(tuple(weight.shape), weight)
+    return list(by_shape.values())
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

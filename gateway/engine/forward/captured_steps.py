@@ -111,6 +111,9 @@ def captured_steps_problem(forward: Any, device: torch.device) -> str | None:
     if not isinstance(forward.attention, TritonPagedAttention):
         return (f"the {type(forward.attention).__name__} reads K/V per sequence; only the "
                 "Triton paged attention reads every row's pages through one table")
+    if forward.features.has_experts:
+        return ("a mixture of experts chooses its products by the tokens' routing, which a "
+                "captured step cannot replay")
     if not forward.products.shares_decode_rows:
         return (f"the {forward.products.kernel} products multiply each decode row alone, so a "
                 "step has no padded row count to capture")

@@ -14,6 +14,28 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ExpertRouting:
+    """A layer whose MLP is a sparse mixture of experts (Qwen3-MoE): ``mlp.gate`` (a router
+    whose ``weight`` is ``[experts, hidden]``) scores each token, its ``top_k`` experts' gated MLPs
+    (``mlp.experts.gate_up_proj`` ``[experts, 2 * inner, hidden]`` and ``down_proj``
+    ``[experts, hidden, inner]``, ``mlp.experts.act_fn``) run on it, and their outputs, weighted
+    by the router's softmax (renormalised over the top ``top_k`` where ``normalize``), are
+    summed in expert order.
+
+    Attributes:
+        top_k: experts per token.
+        normalize: the top-k weights are divided by their sum (``norm_topk_prob``).
+    """
+
+    top_k: int
+    normalize: bool
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"a token is routed to at least one expert, not {self.top_k}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LayerFeatures:
     """What one decoder layer does beyond Llama's (every field off: a Llama layer).
 
@@ -23,10 +45,13 @@ class LayerFeatures:
         window: a query at position p attends the keys at positions p - window < k <= p only
             (a sliding window, as transformers' masks have it); None: every key up to p.
             Mistral, Qwen3 with ``use_sliding_window``, and the local layers of Gemma 2/3.
+        experts: the MLP is a sparse mixture of experts routed so (``ExpertRouting``); None: a
+            dense gated MLP.
     """
 
     qk_norm: bool = False
     window: int | None = None
+    experts: ExpertRouting | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -54,6 +79,11 @@ class DecoderFeatures:
     def has_windows(self) -> bool:
         """Whether any layer attends a sliding window (an attention must then keep windows)."""
         return any(layer.window is not None for layer in self.layers)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether any layer routes tokens to experts (data-dependent work: no captured step)."""
+        return any(layer.experts is not None for layer in self.layers)
 
     @classmethod
     def uniform(cls, family: str, num_layers: int, layer: LayerFeatures) -> DecoderFeatures:

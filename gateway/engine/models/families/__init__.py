@@ -14,11 +14,13 @@ from gateway.engine.models.families.base import ModelFamily
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
 from gateway.engine.models.families.qwen3 import QWEN3
+from gateway.engine.models.families.qwen3_moe import QWEN3_MOE
 
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,
     QWEN3,
     MISTRAL,
+    QWEN3_MOE,
 )
 
 

@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+)
 
 from tests.tokenizer_fixture import make_hf_tokenizer
 
@@ -76,10 +82,19 @@ def save_mistral(directory: Path, seed: int = 0) -> Path:
                  tokenizer, seed)
 
 
+def save_qwen3_moe(directory: Path, seed: int = 0) -> Path:
+    """8 experts, 2 a token, renormalised; the first layer dense (``mlp_only_layers``)."""
+    tokenizer = make_hf_tokenizer()
+    config = Qwen3MoeConfig(**_shape(tokenizer), num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])
+    return _save(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
     "mistral": save_mistral,
+    "qwen3_moe": save_qwen3_moe,
 }
 """Family name -> a builder of its tiny checkpoint."""
 

@@ -107,6 +107,33 @@ def test_logits_agree_with_transformers_at_every_position(loaded: LoadedModel) -
     assert difference <= LOGIT_TOLERANCE
 
 
+def test_a_sequence_alone_has_the_bits_it_has_beside_eight_others(loaded: LoadedModel) -> None:
+    """Prefill and a decode step, alone and in one step with eight other sequences (every
+    row-wise part of the layer, experts' routing and products included, keeps a row's bits)."""
+    forward = engine_forward(loaded, torch.device("cpu"))
+    mine = torch.tensor(_prompt(7, 30))
+
+    def run_steps(others: int) -> list[torch.Tensor]:
+        rng = random.Random(others)
+        sequences = [KVSequence.alone(loaded.layout, 256) for _ in range(others + 1)]
+        prompts = [mine] + [torch.tensor(_prompt(100 + i, rng.randrange(3, 90)))
+                            for i in range(others)]
+        first = forward.forward([SequenceRows(sequence=s, tokens=p, wants_logits=True)
+                                 for s, p in zip(sequences, prompts, strict=True)])
+        assert first[0] is not None
+        token = first[0].argmax().reshape(1)
+        second = forward.forward([SequenceRows(sequence=sequences[0], tokens=token,
+                                               wants_logits=True, is_decode=True)]
+                                 + [SequenceRows(sequence=s, tokens=p[-1:], wants_logits=True,
+                                                 is_decode=True)
+                                    for s, p in zip(sequences[1:], prompts[1:], strict=True)])
+        assert second[0] is not None
+        return [first[0], second[0]]
+
+    alone, beside = run_steps(0), run_steps(8)
+    assert all(torch.equal(a, b) for a, b in zip(alone, beside, strict=True))
+
+
 def test_greedy_tokens_equal_transformers_generate_until_a_near_tie(
         loaded: LoadedModel, served: tuple[Engine, OpenedCache]) -> None:
     engine, _ = served

@@ -1,0 +1,71 @@
+"""A sparse mixture of experts in the batched forward, each token's numbers its own.
+
+Why not transformers' experts module: it gathers each expert's tokens from the whole step into
+one product, so a token's bits would depend on how many others chose the same expert. Here every
+product is the row products' own (``gateway.engine.linear.row_products``): an expert's rows from
+the shared part of the step go into one product padded to a row count that keeps each row's
+bits, the rows computed alone (decode rows, where they do not share) stay alone; the router's
+softmax and top-k are row-wise; and a token's expert outputs are added in expert order, as
+transformers adds them. So a token's output depends on that token alone, whatever else is in
+the step (tests/gateway/engine/families/: a token alone equals it in a batch of others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gateway.engine.forward.features import ExpertRouting
+from gateway.engine.linear.row_products import RowProducts
+
+
+@dataclass(frozen=True, slots=True)
+class _Weight:
+    """One expert's slice of a fused expert tensor, as the row products read a projection."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+
+def expert_mlp(mlp: Any, routing: ExpertRouting, rows: torch.Tensor, num_shared: int,
+               products: RowProducts) -> torch.Tensor:
+    """The MoE block's output for the step's ``rows`` ``[rows, hidden]``, the first
+    ``num_shared`` in shared products (``RowProducts.project``'s convention)."""
+    logits = products.project(mlp.gate, rows, num_shared)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top_weights, top_experts = torch.topk(probs, routing.top_k, dim=-1)
+    if routing.normalize:
+        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    top_weights = top_weights.to(logits.dtype)
+    experts = mlp.experts
+    out = torch.zeros_like(rows)
+    for expert in torch.unique(top_experts).tolist():  # ascending: the order of the sums
+        row_index, slot = torch.where(top_experts == expert)
+        shared = row_index < num_shared
+        inputs, count = _padded(rows, row_index[shared], row_index[~shared], products)
+        gate, up = products.project(_Weight(experts.gate_up_proj[expert]), inputs,
+                                    count).chunk(2, dim=-1)
+        hidden = experts.act_fn(gate) * up
+        outputs = products.project(_Weight(experts.down_proj[expert]), hidden, count)
+        real = torch.cat([outputs[:int(shared.sum())], outputs[count:]])
+        order = torch.cat([row_index[shared], row_index[~shared]])
+        slots = torch.cat([slot[shared], slot[~shared]])
+        out.index_add_(0, order, real * top_weights[order, slots, None])
+    return out
+
+
+def _padded(rows: torch.Tensor, shared: torch.Tensor, alone: torch.Tensor,
+            products: RowProducts) -> tuple[torch.Tensor, int]:
+    """An expert's rows: those from the shared part padded with zero rows to a count that keeps
+    their bits (the count returned), then those computed alone."""
+    count = products.padding.rows_for(int(shared.numel())) if shared.numel() else 0
+    padding = rows.new_zeros(count - int(shared.numel()), rows.shape[1])
+    return torch.cat([rows[shared], padding, rows[alone]]), count
+
+
+def expert_weights(mlp: Any) -> list[torch.Tensor]:
+    """One expert's weights of an MoE block and its router's: the shapes its products take."""
+    experts = mlp.experts
+    return [mlp.gate.weight, experts.gate_up_proj[0], experts.down_proj[0]]

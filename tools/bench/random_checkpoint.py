@@ -1,0 +1,72 @@
+"""Random checkpoints of SmolLM2's shape in other families, for ``kvgate bench load --model``
+(issue 43, item 8): the same sizes, SmolLM2's tokenizer and vocabulary, one family's layers.
+
+    python tools/bench/random_checkpoint.py FAMILY OUT_DIR [--data-dir DIR]
+
+FAMILY: llama, qwen3 or gemma3 (five layers of every six windowed to 512 positions). SmolLM2's
+shape: 576 wide, 30 layers, 9 heads, 3 KV heads of 64, an MLP of 1,536; float32.
+
+Why the end tokens' output rows are zero: random weights can emit an end token at any step, and
+a server that stops there answers fewer tokens than asked, which no two servers then compare.
+With those rows zero, an end token's logit is exactly 0 while the others are random around it:
+greedy decoding (the bench's) picks one of ~49k other tokens, so every server runs the asked
+number of tokens without an option of its own to ignore the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from gateway.engine.models.loading import BUNDLED, converted_checkpoint
+
+SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+         "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,
+         "max_position_embeddings": 8192, "tie_word_embeddings": False}
+FAMILIES = {
+    "llama": {},
+    "qwen3": {},
+    "gemma3_text": {"sliding_window": 512, "sliding_window_pattern": 6},
+}
+
+
+def build(family: str, out: Path, data_dir: Path) -> Path:
+    bundled = converted_checkpoint(BUNDLED, data_dir / "models")
+    assert bundled is not None
+    tokenizer = AutoTokenizer.from_pretrained(bundled)
+    model_type = "gemma3_text" if family == "gemma3" else family
+    config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer),
+                                  bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id,
+                                  pad_token_id=tokenizer.pad_token_id, **SHAPE,
+                                  **FAMILIES[model_type])
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ends = {tokenizer.eos_token_id, *(config.eos_token_id if isinstance(config.eos_token_id, list)
+                                      else [config.eos_token_id])} - {None}
+    with torch.no_grad():
+        for token in ends:
+            model.lm_head.weight[token] = 0.0
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", choices=["llama", "qwen3", "gemma3"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--data-dir", type=Path, default=Path("data"),
+                        help="where the bundled model's converted copy is (or goes)")
+    args = parser.parse_args(argv)
+    print(build(args.family, args.out, args.data_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
