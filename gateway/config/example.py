@@ -52,6 +52,7 @@ route = "auto"                  # "auto": batched if the start-up probe finds it
 linear_kernel = "auto"          # "auto": oneDNN on a CPU where it keeps rows' bits, else "blas"
 step_tokens = 256               # tokens one step computes (decode rows + prefill chunks)
 # prefill_step_tokens = 1024    # ... while none decodes (default: 1024 on a CPU, 8192 on a GPU)
+max_lone_step_s = 1.0           # ... cut to this long at the measured speed (others wait that long)
 max_running = 16                # requests running at once
 max_running_per_tenant = 8      # one tenant cannot take the engine
 max_queued_per_tenant = 32      # nor the queue: more are refused (RESOURCE_EXHAUSTED)

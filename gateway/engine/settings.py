@@ -56,6 +56,9 @@ class EngineSettings:
         prefill_step_tokens: tokens a step computes at most while no request is decoding (no
             one waits for a next token, and larger chunks prefill faster); None (the
             default): ``PREFILL_STEP_TOKENS`` of the engine's device (``EngineConfig.of``).
+        max_lone_step_s: how long one of those large steps may take at the engine's measured
+            prefill speed: a tenant arriving while it runs waits that long before its prompt is
+            prefilled (``gateway.engine.scheduling.scheduler``).
         max_running: requests running at once.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more: RESOURCE_EXHAUSTED.
@@ -89,6 +92,7 @@ class EngineSettings:
     route: str = "auto"
     step_tokens: int = 256
     prefill_step_tokens: int | None = None
+    max_lone_step_s: float = 1.0
     max_running: int = 16
     max_running_per_tenant: int = 8
     max_queued_per_tenant: int = 32
@@ -109,6 +113,8 @@ class EngineSettings:
                 continue
             if not is_int(value) or value < 1:
                 errors.append(f"engine.{name} must be an integer >= 1, got {value!r}")
+        if not is_positive(self.max_lone_step_s):
+            errors.append(f"engine.max_lone_step_s must be > 0, got {self.max_lone_step_s!r}")
         share = self.max_kv_share_per_tenant
         if not is_positive(share) or share > 1:
             errors.append(f"engine.max_kv_share_per_tenant must be a fraction in (0, 1], got "
@@ -212,4 +218,5 @@ class EngineConfig(EngineSettings):
             max_queued_per_tenant=self.max_queued_per_tenant, max_queued=self.max_queue,
             kv_budget_bytes=self.kv_budget_bytes,
             max_kv_share_per_tenant=self.max_kv_share_per_tenant, is_serial=is_serial,
+            max_lone_step_s=self.max_lone_step_s,
             block_tokens=self.block_tokens, can_preempt=can_preempt)

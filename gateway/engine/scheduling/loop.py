@@ -257,7 +257,7 @@ class StepLoop:
                 self._metrics.record_queue_wait(self._clock() - job.submitted)
             self._admit(job)
         with self._lock:
-            plan = self._scheduler.plan()
+            plan = self._scheduler.plan(self._prefill_timer.s_per_token)
         if plan.chunks:
             self._step(plan)
 

@@ -31,7 +31,9 @@ Fair shares of what is scarce (issue 22): the KV budget and the running slots.
   enough running requests end, before a flooding tenant's queued ones, and a large request is
   not starved by a stream of small ones; the cost is that nothing slips past it meanwhile.
 - **Prefill steps while others wait.** ``prefill_step_tokens`` (large steps while nothing
-  decodes) applies only while one tenant alone has requests in the engine; with two or more,
+  decodes, cut to what takes ``max_lone_step_s`` at the measured prefill speed, so that a tenant
+  arriving during one waits at most that long) applies only while one tenant alone has
+  requests in the engine; with two or more,
   steps keep to ``step_tokens``, so a newcomer's first chunk waits at most one step of the
   flood's, and the deficit order gives it the next step. That step grows to hold the whole of
   the neediest request's prompt when it fits ``prefill_step_tokens``: a newcomer's short chat
@@ -78,6 +80,10 @@ class ScheduleLimits:
             token, and a larger chunk prefills faster (measured: 2,048 tokens in chunks of
             1,024 took 1.05x transformers' one shot, in chunks of 256 1.22x). Never less than
             ``step_tokens``.
+        max_lone_step_s: how long such a large step may take at the engine's measured prefill
+            speed (``plan``'s ``s_per_token``): a tenant arriving during it waits for it to end
+            before its own prompt is prefilled (issue 44: another tenant's first token waited
+            4.2-4.6 s behind a flood's 1,024-token steps on 2 cores). None: no bound.
         max_running: requests running at once, all tenants together.
         max_running_per_tenant: requests one tenant runs at once.
         max_queued_per_tenant: requests one tenant may have waiting; more are refused.
@@ -105,6 +111,7 @@ class ScheduleLimits:
     is_serial: bool = False
     block_tokens: int = 64
     can_preempt: bool = True
+    max_lone_step_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         for name in ("step_tokens", "prefill_step_tokens", "max_running",
@@ -115,6 +122,16 @@ class ScheduleLimits:
         if not 0 < self.max_kv_share_per_tenant <= 1:
             raise ValueError("max_kv_share_per_tenant must be in (0, 1], got "
                              f"{self.max_kv_share_per_tenant}")
+        if self.max_lone_step_s is not None and not self.max_lone_step_s > 0:
+            raise ValueError(f"max_lone_step_s must be > 0, got {self.max_lone_step_s}")
+
+    def lone_step_tokens(self, s_per_token: float | None) -> int:
+        """A lone tenant's prefill step: ``prefill_step_tokens``, cut to what takes
+        ``max_lone_step_s`` at ``s_per_token`` (never below ``step_tokens``)."""
+        if self.max_lone_step_s is None or not s_per_token or s_per_token <= 0:
+            return max(self.step_tokens, self.prefill_step_tokens)
+        timed = int(self.max_lone_step_s / s_per_token)
+        return max(self.step_tokens, min(self.prefill_step_tokens, timed))
 
     @property
     def kv_bytes_per_tenant(self) -> int:
@@ -379,8 +396,10 @@ class Scheduler:
         entry.prefill_left = max(0, entry.prefill_left - num_tokens)
         entry.prefilled += num_tokens
 
-    def plan(self) -> StepPlan:
-        """The next step: every decoding request's row, then prefill chunks by deficit."""
+    def plan(self, s_per_token: float | None = None) -> StepPlan:
+        """The next step: every decoding request's row, then prefill chunks by deficit;
+        ``s_per_token``: the engine's prefill speed so far (None before its first figure), which
+        bounds a lone tenant's large steps in time (``ScheduleLimits.max_lone_step_s``)."""
         limits = self._limits
         chunks: list[ScheduledChunk] = []
         for entry in self._running.values():
@@ -396,7 +415,7 @@ class Scheduler:
                                                     *e.rank))
         step = limits.step_tokens
         if is_alone and not chunks:
-            step = max(limits.step_tokens, limits.prefill_step_tokens)
+            step = limits.lone_step_tokens(s_per_token)
         elif (by_need and not limits.is_serial
               and len(chunks) + by_need[0].prefill_left <= limits.prefill_step_tokens):
             # The neediest request (fewest tokens given to its tenant: a newcomer beside a

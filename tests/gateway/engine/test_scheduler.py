@@ -348,3 +348,14 @@ def test_a_refused_newcomer_leaves_a_lone_tenant_its_large_prefill_steps() -> No
     with pytest.raises(QueueFull, match="max_queued"):
         s.submit(3, tenant="b", prompt_tokens=10, kv_bytes=KV)
     assert s.plan().num_tokens == 400
+
+
+def test_a_lone_tenants_large_step_is_cut_to_what_takes_its_time_bound() -> None:
+    """A tenant arriving while a flood's step runs waits for its end (issue 44): at 1 ms a
+    token, 0.5 s holds 500 tokens, not the 1,024 of ``prefill_step_tokens``."""
+    s = scheduler(step_tokens=256, prefill_step_tokens=1024, max_lone_step_s=0.5)
+    s.submit(1, tenant="flood", prompt_tokens=4000, kv_bytes=KV)
+    s.admit()
+    assert s.plan(s_per_token=0.001).num_tokens == 500
+    assert s.plan(s_per_token=None).num_tokens == 1024  # no figure yet: no bound
+    assert s.plan(s_per_token=0.1).num_tokens == 256  # never below step_tokens
