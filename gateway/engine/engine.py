@@ -294,7 +294,8 @@ class Engine:
                 problem = attention_problem(
                     remembered.attention, self._device, loaded.layout.dtype,
                     loaded.layout.head_dim,
-                    windowed=loaded.features is not None and loaded.features.has_windows)
+                    windowed=loaded.features is not None and (
+                        loaded.features.has_windows or loaded.features.has_custom_scale))
             if remembered is not None and problem is not None:
                 logger.warning("the remembered route's %s attention cannot run now (%s): "
                                "searching again", remembered.attention, problem)

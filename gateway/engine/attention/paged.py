@@ -56,14 +56,15 @@ class PagedKernel:
 
     def __call__(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: torch.Tensor,
                  queries: torch.Tensor, row_item: torch.Tensor, row_position: torch.Tensor,
-                 out: torch.Tensor, window: int | None = None) -> None:
+                 out: torch.Tensor, window: int | None = None,
+                 scale: float | None = None) -> None:
         kv_heads, _, page_tokens, head_dim = key_pages.shape
         rep = queries.shape[1] // kv_heads
         failed = self._function(
             key_pages.data_ptr(), value_pages.data_ptr(), key_pages.stride(0), kv_heads, rep,
             page_tokens, head_dim, tables.data_ptr(), tables.stride(0), queries.data_ptr(),
             row_item.data_ptr(), row_position.data_ptr(), queries.shape[0],
-            1.0 / math.sqrt(head_dim), window or 0, out.data_ptr())
+            1.0 / math.sqrt(head_dim) if scale is None else scale, window or 0, out.data_ptr())
         if failed:
             raise MemoryError("the paged attention kernel could not allocate its scratch memory")
 
@@ -136,13 +137,14 @@ class PagedAttention:
             raise ValueError(f"queries {tuple(items[0].queries.shape)} do not fit K/V pages "
                              f"{tuple(key_pages.shape)} (head_dim a multiple of 8)")
         windows = {item.window for item in items}
-        if len(windows) > 1:
-            raise ValueError("the items of one layer's attention share its window")
+        scales = {item.scale for item in items}
+        if len(windows) > 1 or len(scales) > 1:
+            raise ValueError("the items of one layer's attention share its window and scale")
         rows = self._rows(items, sources, page_tokens)
         queries = torch.cat([item.queries for item in items]).to(torch.float32).contiguous()
         out = torch.empty_like(queries)
         kernel(key_pages, value_pages, rows.tables, queries, rows.row_item, rows.positions, out,
-               windows.pop())
+               windows.pop(), scales.pop())
         return list(torch.split(out, rows.counts))
 
     def _rows(self, items: Sequence[AttentionItem],

@@ -110,6 +110,7 @@ class AttentionItem:
             launch on the host reads it instead of the device tensor); None elsewhere.
         window: the layer's sliding window: a query at position p attends keys
             p - window < k <= p only (the keys before weigh exactly 0); None: every key up to p.
+        scale: what the scores are multiplied by; None: ``head_dim ** -0.5``.
     """
 
     queries: torch.Tensor
@@ -118,13 +119,22 @@ class AttentionItem:
     is_decode: bool = False
     first_position: int | None = None
     window: int | None = None
+    scale: float | None = None
+
+    @property
+    def score_scale(self) -> float:
+        """The scores' factor: ``scale``, or ``head_dim ** -0.5``."""
+        if self.scale is not None:
+            return self.scale
+        return 1.0 / math.sqrt(int(self.queries.shape[-1]))
 
     @classmethod
     def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           positions: torch.Tensor, *, is_decode: bool = False,
-           window: int | None = None) -> AttentionItem:
+           positions: torch.Tensor, *, is_decode: bool = False, window: int | None = None,
+           scale: float | None = None) -> AttentionItem:
         """An item over contiguous K and V ``[kv_heads, capacity, head_dim]``."""
-        return cls(queries, ContiguousKV(keys, values), positions, is_decode, window=window)
+        return cls(queries, ContiguousKV(keys, values), positions, is_decode, window=window,
+                   scale=scale)
 
 
 class SequenceAttention(Protocol):
@@ -185,7 +195,7 @@ class TiledAttention:
         n, num_heads, head_dim = queries.shape
         rep = num_heads // keys.shape[0]
         out = torch.empty_like(queries)
-        scale = 1.0 / math.sqrt(head_dim)
+        scale = item.score_scale
         for start in range(0, n, QUERY_GROUP):
             end = min(n, start + QUERY_GROUP)
             out[start:end] = self._group(queries[start:end] * scale, keys, values,
@@ -238,7 +248,10 @@ class TiledAttention:
         tiles = [_num_tiles(item.positions, item_keys)
                  for item, item_keys in zip(items, keys, strict=True)]
         max_tiles = max(tiles)
-        queries = torch.stack([item.queries for item in items]) * (1.0 / math.sqrt(head_dim))
+        scales = {item.score_scale for item in items}
+        if len(scales) > 1:
+            raise ValueError("the items of one layer's attention share its scale")
+        queries = torch.stack([item.queries for item in items]) * scales.pop()
         rows, row_positions = _rows(queries.reshape(count * n, num_heads, head_dim),
                                     torch.cat([item.positions for item in items]), kv_heads,
                                     items=count)

@@ -191,10 +191,11 @@ class TritonPagedAttention:
                 plan = TilePlan.of(positions, _row_items(counts), tile, device)
                 self._last_plan = (spans, device, tile, plan)
         windows = {item.window for item in items}
-        if len(windows) > 1:
-            raise ValueError("the items of one layer's attention share its window")
+        scales = {item.scale for item in items}
+        if len(windows) > 1 or len(scales) > 1:
+            raise ValueError("the items of one layer's attention share its window and scale")
         attended = self._launch(torch.cat([item.queries for item in items]), key_pages,
-                                value_pages, table, plan, shape, windows.pop())
+                                value_pages, table, plan, shape, windows.pop(), scales.pop())
         return list(torch.split(attended, counts))
 
     def attend_paged(self, queries: torch.Tensor, key_pages: torch.Tensor,
@@ -225,21 +226,23 @@ class TritonPagedAttention:
 
     def attend_planned(self, queries: torch.Tensor, key_pages: torch.Tensor,
                        value_pages: torch.Tensor, table: torch.Tensor,
-                       plan: TilePlan, window: int | None = None) -> torch.Tensor:
+                       plan: TilePlan, window: int | None = None,
+                       scale: float | None = None) -> torch.Tensor:
         """``attend_paged`` for rows planned once with ``TilePlan.of`` in tiles of
         ``shape_for(head_dim).tile_positions`` (benchmarks, and launches repeated over the same
-        rows, the captured steps): no host work but the launch; ``window`` the layer's sliding
-        window (``AttentionItem.window``)."""
+        rows, the captured steps): no host work but the launch; ``window`` and ``scale`` the
+        layer's (``AttentionItem``'s)."""
         _check(queries, key_pages, value_pages, table)
         shape = self.shape_for(int(queries.shape[2]))
         if plan.tensor.shape[1] != 2 + shape.tile_positions:
             raise ValueError(f"the plan has tiles of {plan.tensor.shape[1] - 2} positions, the "
                              f"kernel {shape.tile_positions} for heads of {queries.shape[2]}")
-        return self._launch(queries, key_pages, value_pages, table, plan, shape, window)
+        return self._launch(queries, key_pages, value_pages, table, plan, shape, window, scale)
 
     def _launch(self, queries: torch.Tensor, key_pages: torch.Tensor,
                 value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan,
-                shape: KernelShape, window: int | None = None) -> torch.Tensor:
+                shape: KernelShape, window: int | None = None,
+                scale: float | None = None) -> torch.Tensor:
         num_rows, num_heads, head_dim = queries.shape
         kv_heads, _, page_tokens, _ = key_pages.shape
         rep = num_heads // kv_heads
@@ -269,7 +272,8 @@ class TritonPagedAttention:
                      queries.stride(0), queries.stride(1), out.stride(0), out.stride(1),
                      key_pages.stride(0), key_pages.stride(1), key_pages.stride(2),
                      table.stride(0), plan.tensor.stride(0), parts.stride(0), parts.stride(1),
-                     parts.stride(2), 1.0 / math.sqrt(head_dim) * math.log2(math.e),
+                     parts.stride(2),
+                     (1.0 / math.sqrt(head_dim) if scale is None else scale) * math.log2(math.e),
                      NO_WINDOW if window is None else window)
         shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=shape.tile_positions, HEAD_DIM=head_dim,
                       BLOCK_D=block_d, TILE_KEYS=shape.tile_keys, SPLIT_KEYS=self.split_keys,

@@ -200,7 +200,8 @@ class BatchedForward:
                 pool.await_layer(index)
             if writes is not None:
                 writes.write(index, k, v)
-            window = self._features.layers[index].window
+            layer_features = self._features.layers[index]
+            window, scale = layer_features.window, layer_features.attention_scale
             items = []
             for rows, (start, end) in zip(batch, spans, strict=True):
                 seq = rows.sequence
@@ -209,7 +210,7 @@ class BatchedForward:
                               v[start:end].transpose(0, 1))
                 items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
                                            is_decode=rows.is_decode, first_position=seq.length,
-                                           window=window))
+                                           window=window, scale=scale))
             return join_rows(self._attention.attend(items), spans, q)
 
         with torch.inference_mode():

@@ -291,8 +291,9 @@ class StepBucket:
         def attend(index: int, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:
             pool.scatter(index, slots, k.transpose(0, 1), v.transpose(0, 1))
+            features = forward.features.layers[index]
             return attention.attend_planned(q, storage[index, 0], storage[index, 1], table,
-                                            plan, forward.features.layers[index].window)
+                                            plan, features.window, features.attention_scale)
 
         cos = self._cos.index_select(0, self._positions)
         sin = self._sin.index_select(0, self._positions)

@@ -47,11 +47,18 @@ class LayerFeatures:
             Mistral, Qwen3 with ``use_sliding_window``, and the local layers of Gemma 2/3.
         experts: the MLP is a sparse mixture of experts routed so (``ExpertRouting``); None: a
             dense gated MLP.
+        attention_scale: what a query's scores are multiplied by (Gemma's
+            ``query_pre_attn_scalar ** -0.5``); None: ``head_dim ** -0.5``.
+        rope: the layer type the model's rotary embedding takes for this layer (Gemma 3's local
+            and global layers rotate with other bases: ``rotary_emb(x, positions, rope)``);
+            None: the one rotation every layer shares.
     """
 
     qk_norm: bool = False
     window: int | None = None
     experts: ExpertRouting | None = None
+    attention_scale: float | None = None
+    rope: str | None = None
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:
@@ -79,6 +86,16 @@ class DecoderFeatures:
     def has_windows(self) -> bool:
         """Whether any layer attends a sliding window (an attention must then keep windows)."""
         return any(layer.window is not None for layer in self.layers)
+
+    @property
+    def has_custom_scale(self) -> bool:
+        """Whether any layer scales its scores otherwise than by ``head_dim ** -0.5``."""
+        return any(layer.attention_scale is not None for layer in self.layers)
+
+    @property
+    def rope_kinds(self) -> tuple[str | None, ...]:
+        """The rotations the layers use, in order of first use."""
+        return tuple(dict.fromkeys(layer.rope for layer in self.layers))
 
     @property
     def has_experts(self) -> bool:

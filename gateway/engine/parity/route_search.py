@@ -230,7 +230,8 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                         + "".join(f" ({out}x{in_}: {more.label})" for (out, in_), more in c.wider)
                         for c in candidates))
     attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim,
-                                 windowed=loaded.features.has_windows)
+                                 windowed=(loaded.features.has_windows
+                                           or loaded.features.has_custom_scale))
     first_failure: RouteVerdict | None = None
     for products in candidates:
         for attention_name in attentions:
