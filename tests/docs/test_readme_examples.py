@@ -89,7 +89,8 @@ class Gateway:
                          (f"127.0.0.1:{README_HTTP_PORT}", f"127.0.0.1:{self.http_port}"),
                          (f'"127.0.0.1", {README_GRPC_PORT}', f'"127.0.0.1", {self.grpc_port}'),
                          (f"max_tokens={README_MAX_TOKENS}", f"max_tokens={ANSWER_TOKENS}")):
-            if old.startswith("127.0.0.1:") and "OpenAI(" not in source:
+            if old.startswith("127.0.0.1:") and not any(
+                    client in source for client in ("OpenAI(", "Anthropic(")):
                 continue
             if old.startswith('"127.0.0.1"') and "KvgateClient(" not in source:
                 continue
@@ -190,6 +191,15 @@ def test_the_openai_sdk_example_runs_and_its_second_run_is_cached(gateway: Gatew
     kvgate = printed[1]
     assert kvgate.startswith("{'cached_tokens_by_tier': {'device': "), printed
     assert "'ttft_ms': " in kvgate, printed
+
+
+def test_the_anthropic_sdk_example_runs_and_its_second_run_is_cached(gateway: Gateway) -> None:
+    printed = run_twice(gateway.localise(readme_block("python", "from anthropic import")))
+    read, created = (int(number) for number in printed[0].split())
+    assert read > 0 and created == 0, printed
+    kvgate = printed[1]
+    assert kvgate.startswith(f"{{'cached_tokens_by_tier': {{'device': {read}}}"), printed
+    assert "'cache_creation_ttl_s': 3600.0" in kvgate, printed
 
 
 def test_the_grpcurl_request_matches_the_proto_and_is_served(gateway: Gateway) -> None:
