@@ -198,6 +198,8 @@ def test_unmarked_prompt_is_cached_with_the_gateways_own_ttl(stack: Stack, claud
     assert usage.cache_creation.ephemeral_1h_input_tokens == 0
     assert usage.kvgate["cache_creation_ttl_s"] is None
     assert set(ttls) == {EngineConfig().default_ttl_s}
+    # What the refused requests below are checked with sees a stored prompt's system prefix.
+    assert cached_tokens(stack, [{"role": "system", "content": system}]) > 0
 
 
 # ---- refused inputs ---------------------------------------------------------------------
