@@ -74,12 +74,8 @@ from gateway.service.http.openai_requests import (
 from gateway.service.http.openai_responses import Rendering
 from gateway.service.http.pending_bodies import PendingBodies
 from gateway.service.http.responses_rendering import ResponsesRendering
-from gateway.service.http.responses_requests import (
-    ResponsesCall,
-    continued,
-    conversation,
-    parse_responses,
-)
+from gateway.service.http.responses_requests import ResponsesCall, parse_responses
+from gateway.service.http.responses_route import StoredResponsesRoute
 from gateway.service.http.stored_responses import MemoryResponses
 
 if TYPE_CHECKING:
@@ -147,7 +143,8 @@ class OpenAIFront:
             engine's model).
         session_from_user: a body's ``user`` names its session too (``with_session``).
         responses: where ``POST /v1/responses`` keeps what it is asked to ``store`` (None: a
-            store of 1,000 responses per tenant, kept an hour after their last use).
+            store of 1,000 responses and 64 Mi characters per tenant, kept an hour after their
+            last use).
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
@@ -160,8 +157,10 @@ class OpenAIFront:
                  session_from_user: bool = False,
                  responses: MemoryResponses | None = None) -> None:
         self._engines = engines
-        self._responses = responses if responses is not None else MemoryResponses(
-            max_per_tenant=1000, default_ttl_s=3600.0)
+        self._stored = StoredResponsesRoute(
+            responses if responses is not None else MemoryResponses(
+                max_per_tenant=1000, max_chars_per_tenant=64 << 20, default_ttl_s=3600.0),
+            authenticator, limits.prompt, self._error)
         self._session_from_user = session_from_user
         self._served = served_model_name
         self._access = access
@@ -190,7 +189,7 @@ class OpenAIFront:
                       methods=["POST"]),
                 Route("/v1/responses", partial(self._generate, "responses"),
                       methods=["POST"]),
-                Route("/v1/responses/{id}", self._stored_response, methods=["GET", "DELETE"]),
+                Route("/v1/responses/{id}", self._stored.handle, methods=["GET", "DELETE"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
@@ -269,7 +268,7 @@ class OpenAIFront:
                                 user_field="metadata.user_id" if kind == "messages" else "user")
             check_model(call.model, self._names(engine))
             if isinstance(call, ResponsesCall) and call.previous_response_id is not None:
-                call = self._continued(call, principal)
+                call = self._stored.continued(call, principal)
             if self._admission is not None:  # the same per-key limits as over gRPC
                 slot = self._admission.admit(principal, CallKind.GENERATE)
             response = await self._generate_admitted(engine, kind, call, request, slot, access)
@@ -336,8 +335,8 @@ class OpenAIFront:
         if isinstance(call, OpenAICall):
             return Rendering(kind=call.kind, model=model, include_usage=call.include_usage)
         if isinstance(call, ResponsesCall):
-            return ResponsesRendering(model=model, call=call,
-                                      on_done=partial(self._keep, call) if call.store else None)
+            keep = partial(self._stored.keep, call) if call.store else None
+            return ResponsesRendering(model=model, call=call, on_done=keep)
         warmed = 0
         if call.caching.longer is not None and not call.request.cache.no_cache:
             warmed = await self._until_gone(request, partial(
@@ -345,46 +344,6 @@ class OpenAIFront:
                 scope=call.request.scope, deadline=call.request.deadline))
         return MessagesRendering(model=model, caching=call.caching,
                                  stop_sequences=call.stop_sequences, warmed_tokens=warmed)
-
-    # ---- stored responses -------------------------------------------------------------
-
-    def _continued(self, call: ResponsesCall, principal: Principal) -> ResponsesCall:
-        """``call`` after the conversation its ``previous_response_id`` names.
-
-        Raises:
-            HttpFailure: the caller's tenant kept no such response (404, as for any id).
-        """
-        assert call.previous_response_id is not None
-        stored = self._responses.get(principal.tenant, call.previous_response_id)
-        if stored is None:
-            raise HttpFailure(status=404, type="invalid_request_error",
-                              code="previous_response_not_found", param="previous_response_id",
-                              message=f"Previous response with id "
-                                      f"'{call.previous_response_id}' not found.")
-        return continued(call, stored.messages, self._limits.prompt)
-
-    def _keep(self, call: ResponsesCall, body: dict[str, object], text: str) -> None:
-        """Keep a finished response and its conversation, for its tenant only."""
-        self._responses.put(id=str(body["id"]), tenant=call.request.scope.owner,
-                            messages=[*conversation(call), {"role": "assistant",
-                                                            "content": text}],
-                            body=body, ttl_s=call.ttl_s)
-
-    async def _stored_response(self, request: Request) -> Response:
-        """``GET`` or ``DELETE /v1/responses/{id}``: the caller's tenant's responses only."""
-        try:
-            principal = self._auth.authenticate(request.headers.items(), is_http=True)
-            response_id = request.path_params["id"]
-            if request.method == "DELETE":
-                if self._responses.delete(principal.tenant, response_id):
-                    return JSONResponse({"id": response_id, "object": "response.deleted",
-                                         "deleted": True})
-            elif (stored := self._responses.get(principal.tenant, response_id)) is not None:
-                return JSONResponse(dict(stored.body))
-            raise HttpFailure(status=404, type="invalid_request_error", code="not_found",
-                              message=f"No response with id '{response_id}' found.")
-        except Exception as exc:
-            return self._error(exc, request)
 
     async def _events(self, kind: Api, rendering: AnswerRendering, generation: Generation,
                       first: Event | None, slot: CallSlot | None = None,

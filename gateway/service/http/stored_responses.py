@@ -9,8 +9,11 @@ as it was sent.
 
 ``MemoryResponses`` keeps them in this replica's memory: a restart forgets them, and another
 replica does not see them (issue 47 asks for Redis, where configured, and the disk otherwise,
-under the blocks' MAC: not built yet). Each tenant keeps at most ``max_per_tenant``; one more
-drops the tenant's least recently used. A response expires ``ttl_s`` after its last use, as
+under the blocks' MAC: not built yet). Each tenant keeps at most ``max_per_tenant`` responses
+and ``max_chars_per_tenant`` characters of conversation (a conversation may be as long as a
+prompt may, ``[limits] max_prompt_chars``, so the count alone would let one tenant hold
+gigabytes); past either, the tenant's least recently used are dropped (never the one just
+kept). A response expires ``ttl_s`` after its last use, as
 its blocks do (kvgate's TTLs slide), or after the TTL its request gave
 (``prompt_cache_retention``).
 """
@@ -50,16 +53,22 @@ class MemoryResponses:
     """Stored responses in this process, per tenant, least recently used dropped first.
 
     Args:
-        max_per_tenant: the most one tenant keeps.
+        max_per_tenant: the most responses one tenant keeps.
+        max_chars_per_tenant: the most characters of conversation (answers included) one
+            tenant keeps.
         default_ttl_s: the TTL of a response whose request named none (None: no expiry).
         clock: the store's time (``time.monotonic``; tests pass a fake one).
     """
 
-    def __init__(self, *, max_per_tenant: int, default_ttl_s: float | None,
+    def __init__(self, *, max_per_tenant: int, max_chars_per_tenant: int,
+                 default_ttl_s: float | None,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if max_per_tenant < 1:
-            raise ValueError(f"max_per_tenant must be >= 1, got {max_per_tenant}")
+        if max_per_tenant < 1 or max_chars_per_tenant < 1:
+            raise ValueError(f"max_per_tenant and max_chars_per_tenant must be >= 1, got "
+                             f"{max_per_tenant} and {max_chars_per_tenant}")
         self._max = max_per_tenant
+        self._max_chars = max_chars_per_tenant
+        self._chars_by_tenant: dict[str, int] = {}
         self._default_ttl_s = default_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
@@ -73,10 +82,12 @@ class MemoryResponses:
                                 ttl_s=ttl, expires_at=self._due(ttl))
         with self._lock:
             kept = self._by_tenant.setdefault(tenant, OrderedDict())
+            self._forget(tenant, kept, id)
             kept[id] = stored
-            kept.move_to_end(id)
-            while len(kept) > self._max:
-                kept.popitem(last=False)
+            self._chars_by_tenant[tenant] = self._chars_by_tenant.get(tenant, 0) + _chars(stored)
+            while len(kept) > 1 and (len(kept) > self._max
+                                     or self._chars_by_tenant[tenant] > self._max_chars):
+                self._forget(tenant, kept, next(iter(kept)))
 
     def get(self, tenant: str, id: str) -> StoredResponse | None:
         """``tenant``'s response ``id``, its expiry refreshed; None if it has none such (another
@@ -87,7 +98,7 @@ class MemoryResponses:
             if stored is None or kept is None:
                 return None
             if stored.expires_at is not None and stored.expires_at <= self._clock():
-                del kept[id]
+                self._forget(tenant, kept, id)
                 return None
             stored = replace(stored, expires_at=self._due(stored.ttl_s))
             kept[id] = stored
@@ -98,9 +109,29 @@ class MemoryResponses:
         """Drop ``tenant``'s response ``id``; whether it had one (expired ones count as gone)."""
         with self._lock:
             kept = self._by_tenant.get(tenant)
-            stored = None if kept is None else kept.pop(id, None)
+            stored = None if kept is None else self._forget(tenant, kept, id)
         return stored is not None and (stored.expires_at is None
                                        or stored.expires_at > self._clock())
 
+    def chars_of(self, tenant: str) -> int:
+        """The characters of conversation ``tenant`` keeps now."""
+        with self._lock:
+            return self._chars_by_tenant.get(tenant, 0)
+
+    def _forget(self, tenant: str, kept: OrderedDict[str, StoredResponse],
+                id: str) -> StoredResponse | None:
+        """Drop ``id`` from ``kept`` and its characters from the tenant's count (hold the
+        lock)."""
+        stored = kept.pop(id, None)
+        if stored is not None:
+            self._chars_by_tenant[tenant] -= _chars(stored)
+        return stored
+
     def _due(self, ttl_s: float | None) -> float | None:
         return None if ttl_s is None else self._clock() + ttl_s
+
+
+def _chars(stored: StoredResponse) -> int:
+    """What a response counts against its tenant's characters: its conversation's contents
+    (the answer among them; the answer's copy in ``body`` is of the same size)."""
+    return sum(len(message.get("content", "")) for message in stored.messages)

@@ -1,4 +1,5 @@
-"""``MemoryResponses`` on a fake clock: tenants apart, expiry sliding, least recently used out."""
+"""``MemoryResponses`` on a fake clock: tenants apart, expiry sliding, least recently used out
+past a count or a number of characters."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ class Clock:
         return self.now
 
 
-def store(clock: Clock, *, max_per_tenant: int = 3, ttl_s: float | None = 10.0) -> MemoryResponses:
-    return MemoryResponses(max_per_tenant=max_per_tenant, default_ttl_s=ttl_s, clock=clock)
+def store(clock: Clock, *, max_per_tenant: int = 3, max_chars: int = 1000,
+          ttl_s: float | None = 10.0) -> MemoryResponses:
+    return MemoryResponses(max_per_tenant=max_per_tenant, max_chars_per_tenant=max_chars,
+                           default_ttl_s=ttl_s, clock=clock)
 
 
 def test_a_response_is_found_by_its_tenant_only() -> None:
@@ -68,3 +71,27 @@ def test_deleting_an_expired_response_says_it_was_gone() -> None:
     responses.put(id="resp_1", tenant="a", messages=TURN, body={})
     clock.now = 10.0
     assert responses.delete("a", "resp_1") is False
+
+
+def test_past_the_character_budget_the_tenants_least_recently_used_go_first() -> None:
+    responses = store(Clock(), max_per_tenant=10, max_chars=20)
+    chat = ({"role": "user", "content": "x" * 6}, {"role": "assistant", "content": "y" * 2})
+    for name in ("resp_1", "resp_2"):  # 8 characters each
+        responses.put(id=name, tenant="a", messages=chat, body={})
+    responses.put(id="resp_b", tenant="b", messages=chat, body={})
+    assert responses.chars_of("a") == 16
+    responses.put(id="resp_3", tenant="a", messages=chat, body={})  # 24 > 20: resp_1 goes
+    assert [name for name in ("resp_1", "resp_2", "resp_3")
+            if responses.get("a", name) is not None] == ["resp_2", "resp_3"]
+    assert responses.chars_of("a") == 16 and responses.chars_of("b") == 8
+    responses.delete("a", "resp_2")
+    assert responses.chars_of("a") == 8
+
+
+def test_one_response_over_the_budget_alone_is_kept_and_pushes_out_the_rest() -> None:
+    responses = store(Clock(), max_chars=10)
+    responses.put(id="resp_1", tenant="a", messages=TURN, body={})
+    big = ({"role": "user", "content": "z" * 50},)
+    responses.put(id="resp_big", tenant="a", messages=big, body={})
+    assert responses.get("a", "resp_1") is None
+    assert responses.get("a", "resp_big") is not None and responses.chars_of("a") == 50
