@@ -11,12 +11,16 @@ and ``assistant``; content a string or ``text`` blocks), ``system`` (a string or
 blocks), ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``,
 ``metadata.user_id`` (it names the request's session where ``[http] session_from_user`` says
 so, as OpenAI's ``user`` does), ``cache_control`` on text blocks and at the top level
-(``cache_breakpoints``).
+(``cache_breakpoints``), custom ``tools`` (rendered by the chat template as the OpenAI route
+renders function tools: the same schemas, the same prompt) with ``tool_choice`` ``auto`` or
+``none``.
 
-Refused, each with a 400 saying why: images and documents (the model reads text), tool
-definitions, tool use and tool results (kvgate returns the model's text, never tool calls),
-thinking, a last ``assistant`` message (prefilling the answer: the chat template closes the
-assistant's turn), citations, and any field or block type Anthropic's API does not have.
+Refused, each with a 400 saying why: images and documents (the model reads text), tool use
+and tool results in messages and a forced ``tool_choice`` (kvgate returns the model's text,
+never tool calls), server tools, a breakpoint on a tool (the template decides where tool
+definitions go), thinking, a last ``assistant`` message (prefilling the answer: the chat
+template closes the assistant's turn), citations, and any field or block type Anthropic's API
+does not have.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
 from gateway.core.prompt_limits import PromptLimits, check_prompt_size, measure
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
-from gateway.service.edge import EdgeLimits, deadline_within, scope_of
+from gateway.service.edge import EdgeLimits, check_num_tools, deadline_within, scope_of
 from gateway.service.http.cache_breakpoints import (
     Breakpoint,
     CachePlan,
@@ -41,13 +45,10 @@ from gateway.service.http.errors import InvalidParam
 from gateway.service.http.json_fields import optional_field, type_name
 
 _FIELDS = frozenset({"model", "max_tokens", "messages", "system", "temperature", "top_p",
-                     "top_k", "stop_sequences", "stream", "metadata", "cache_control"})
+                     "top_k", "stop_sequences", "stream", "metadata", "cache_control", "tools",
+                     "tool_choice"})
 
 _REFUSED_FIELDS = {
-    "tools": "tool definitions are not supported: kvgate returns the model's text and never "
-             "tool calls",
-    "tool_choice": "tool use is not supported: kvgate returns the model's text and never tool "
-                   "calls",
     "thinking": "extended thinking is not supported",
     "mcp_servers": "MCP servers are not supported",
     "container": "containers are not supported",
@@ -133,8 +134,10 @@ def parse_messages(body: Mapping[str, Any], principal: Principal, *,
         breakpoints.append(Breakpoint(ttl=parse_cache_control(fields["cache_control"],
                                                               "cache_control"),
                                       where="cache_control"))
-    caching = plan_of(breakpoints, messages, parts, limits)
-    prompt = PromptInput(messages=messages)
+    tools = _tools(fields.get("tools"))
+    _tool_choice(fields.get("tool_choice"))
+    caching = plan_of(breakpoints, messages, parts, limits, tools=tools)
+    prompt = PromptInput(messages=messages, tools=tools)
     try:  # bounded before the chat template renders or anything is tokenised
         check_prompt_size(measure(prompt), limits.prompt)
     except InvalidRequest as exc:
@@ -229,6 +232,59 @@ def _blocks(value: object, where: str, message: int,
                                           message=message, num_parts=j + 1))
         texts.append(text)
     return texts
+
+
+def _tools(value: object) -> list[Mapping[str, object]] | None:
+    """Anthropic's tool definitions as the chat template's function schemas: the same
+    ``{"type": "function", "function": {name, description, parameters}}`` the OpenAI route
+    takes, so the same tools through either route render the same prompt."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise InvalidParam("tools", f"tools: must be a list of tool definitions, got "
+                                    f"{type_name(value)}")
+    try:
+        check_num_tools(len(value))
+    except InvalidRequest as exc:
+        raise InvalidParam("tools", f"tools: {exc}") from None
+    schemas: list[Mapping[str, object]] = []
+    for i, tool in enumerate(value):
+        at = f"tools.{i}"
+        if not isinstance(tool, dict):
+            raise InvalidParam(at, f"{at}: must be a tool definition object, got "
+                                   f"{type_name(tool)}")
+        if tool.get("type", "custom") != "custom":
+            raise InvalidParam(f"{at}.type", f"{at}: server tools ({tool.get('type')!r}) are not "
+                                             "supported; define a custom tool")
+        if tool.get("cache_control") is not None:
+            raise InvalidParam(f"{at}.cache_control", f"{at}.cache_control: a breakpoint on a "
+                               "tool is not supported (the chat template decides where tool "
+                               "definitions go in the prompt); mark the system prompt's last "
+                               "block instead")
+        unknown = sorted(set(tool) - {"type", "name", "description", "input_schema",
+                                      "cache_control"})
+        if unknown:
+            raise InvalidParam(at, f"{at}: unsupported keys {unknown}; a tool is {{name, "
+                                   "description, input_schema}}")
+        name, schema = tool.get("name"), tool.get("input_schema")
+        if not isinstance(name, str) or not name:
+            raise InvalidParam(f"{at}.name", f"{at}.name: Field required (a string)")
+        if not isinstance(schema, dict):
+            raise InvalidParam(f"{at}.input_schema", f"{at}.input_schema: must be a JSON schema "
+                                                     f"object, got {type_name(schema)}")
+        function: dict[str, object] = {"name": name, "parameters": schema}
+        if tool.get("description") is not None:
+            function["description"] = tool["description"]
+        schemas.append({"type": "function", "function": function})
+    return schemas or None
+
+
+def _tool_choice(value: object) -> None:
+    kind = value.get("type") if isinstance(value, dict) else value
+    if value is not None and kind not in ("auto", "none"):
+        raise InvalidParam("tool_choice", "tool_choice: may be {\"type\": \"auto\"} or "
+                           "{\"type\": \"none\"}: kvgate returns the model's text and "
+                           "cannot force a tool call")
 
 
 def _stop_sequences(value: object) -> tuple[str, ...]:

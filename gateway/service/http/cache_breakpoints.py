@@ -24,7 +24,7 @@ read still refreshes it). Without any breakpoint the gateway's own TTL applies
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -119,7 +119,8 @@ def parse_cache_control(value: object, where: str) -> EphemeralTtl:
 
 
 def plan_of(breakpoints: Sequence[Breakpoint], messages: Sequence[dict[str, str]],
-            parts: Sequence[Sequence[str]], limits: EdgeLimits) -> CachePlan:
+            parts: Sequence[Sequence[str]], limits: EdgeLimits, *,
+            tools: Sequence[Mapping[str, object]] | None = None) -> CachePlan:
     """The TTLs of a prompt's breakpoints, in prompt order (the top-level one last).
 
     Args:
@@ -128,6 +129,8 @@ def plan_of(breakpoints: Sequence[Breakpoint], messages: Sequence[dict[str, str]
         parts: each message's text blocks (its content is them joined by ``"\\n"``).
         limits: the edge's TTL bound (a gateway whose ``max_ttl_s`` is under an hour refuses
             ``1h``).
+        tools: the prompt's tool schemas (the chat template renders them into the prefix, so
+            the cut prompt carries them too).
 
     Raises:
         InvalidParam: more than ``MAX_BREAKPOINTS``, a longer TTL after a shorter one, or a
@@ -160,7 +163,8 @@ def plan_of(breakpoints: Sequence[Breakpoint], messages: Sequence[dict[str, str]
     marked = dict(messages[cut.message],
                   content="\n".join(parts[cut.message][:cut.num_parts]))
     return CachePlan(ttl=last.ttl,
-                     longer=PromptInput(messages=[*head, marked], add_generation_prompt=False))
+                     longer=PromptInput(messages=[*head, marked], tools=tools,
+                                        add_generation_prompt=False))
 
 
 def warm_longer_prefix(engine: PrefixEngine, prompt: PromptInput, plan: CachePlan, *,

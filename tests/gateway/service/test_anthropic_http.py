@@ -160,6 +160,20 @@ def test_messages_and_chat_completions_give_the_same_tokens(stack: Stack, claude
     assert chat.choices[0].message.content == "".join(block.text for block in message.content)
 
 
+def test_tools_are_the_same_prompt_as_over_chat_completions(stack: Stack, claude: Any) -> None:
+    schema = {"type": "object", "properties": {"order": {"type": "string"}}}
+    system = unique(LONG_PROMPT)
+    message = ask(claude, system, tools=[{"name": "refund", "description": "Refund an order.",
+                                          "input_schema": schema}])
+    chat = stack.sdk().chat.completions.create(
+        model=MODEL, max_tokens=1, tools=[{"type": "function", "function": {
+            "name": "refund", "description": "Refund an order.", "parameters": schema}}],
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": QUESTION}])
+    assert chat.usage.prompt_tokens == prompt_total(message.usage)
+    assert chat.usage.prompt_tokens_details.cached_tokens == (
+        message.usage.cache_creation_input_tokens) > 0
+
+
 def test_5m_breakpoint_blocks_keep_300s_and_1h_blocks_3600s(stack: Stack, claude: Any) -> None:
     system = unique(LONG_PROMPT)
     question = f"{LONG_PROMPT} {QUESTION}"

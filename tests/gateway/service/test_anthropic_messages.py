@@ -118,3 +118,32 @@ def test_errors_are_anthropics_envelope_with_the_routes_status(exc: Exception, s
 def test_x_api_key_is_checked_as_a_bearer_token() -> None:
     assert credentials([("x-api-key", "k1"), ("anthropic-version", "2023-06-01")]) == [
         ("authorization", "Bearer k1"), ("anthropic-version", "2023-06-01")]
+
+
+REFUND = {"name": "refund", "description": "Refund an order.",
+          "input_schema": {"type": "object", "properties": {"order": {"type": "string"}}}}
+
+
+def test_tools_are_the_chat_templates_function_schemas_and_stay_in_a_warmed_cut() -> None:
+    call = parse(tools=[REFUND], tool_choice={"type": "auto"},
+                 system=[text("rules", "1h")],
+                 messages=[{"role": "user", "content": [text("question", "5m")]}])
+    schema = {"type": "function", "function": {
+        "name": "refund", "description": "Refund an order.",
+        "parameters": REFUND["input_schema"]}}
+    assert call.request.prompt.tools == [schema]
+    assert call.caching.longer is not None and call.caching.longer.tools == [schema]
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{**REFUND, "cache_control": {"type": "ephemeral"}}]}, "tools.0.cache_control"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
+    ({"tools": [REFUND], "tool_choice": {"type": "any"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t1", "content": "done"}]}]},
+     "messages.0.content.0.type"),
+])
+def test_what_would_need_a_tool_call_is_refused(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(InvalidParam) as raised:
+        parse(**body)
+    assert raised.value.param == param
