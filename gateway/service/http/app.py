@@ -24,7 +24,9 @@ Anthropic's ``POST /v1/messages`` takes the same path: its key may come as ``x-a
 (``anthropic_requests.credentials``), its body is parsed by ``anthropic_requests``, its answer
 and errors are shaped by ``anthropic_responses``, and a request whose 1-hour breakpoint comes
 before a 5-minute one warms the 1-hour prefix first, in its call slot
-(``cache_breakpoints.warm_longer_prefix``).
+(``cache_breakpoints.warm_longer_prefix``). OpenAI's ``POST /v1/responses`` too: a request
+naming ``previous_response_id`` gets the conversation its tenant kept before its own turn, and
+an answer it asked to ``store`` is kept once it is whole (``responses_route``).
 
 The engine's handle blocks, so each wait for an event runs on a worker thread
 (``anyio.to_thread``, bounded by a limiter of ``max_connections``), abandoned -- and the request
