@@ -16,13 +16,19 @@ from typing import Any
 import anthropic
 import pytest
 
+from gateway.cache.factory import CacheConfig
+from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupRequest
 from gateway.engine.engine import EngineConfig
-from tests.gateway.grpc_harness import BLOCK, KEY_A, LONG_PROMPT
+from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
+from gateway.service.http.server import HttpFront
+from tests.gateway.grpc_harness import BLOCK, KEY_A, KEYS, LONG_PROMPT, start_gateway, wait_until
 from tests.gateway.service import test_openai_http
 from tests.gateway.service.test_openai_http import MODEL, Stack, unique
+from tests.redis_harness import RedisServer
 
 loaded = test_openai_http.loaded
 stack = test_openai_http.stack
@@ -214,6 +220,41 @@ def test_unmarked_prompt_is_cached_with_the_gateways_own_ttl(stack: Stack, claud
     assert set(ttls) == {EngineConfig().default_ttl_s}
     # What the refused requests below are checked with sees a stored prompt's system prefix.
     assert cached_tokens(stack, [{"role": "system", "content": system}]) > 0
+
+
+def test_in_redis_5m_blocks_expire_within_300s_and_1h_blocks_within_3600s(
+        loaded: Any, redis_server: RedisServer) -> None:
+    """A gateway of its own, with Redis as its shared tier: the TTL travels with the blocks."""
+    engines = EngineSlot()
+    running = start_gateway(loaded, engines=engines, cache_config=CacheConfig(
+        block_tokens=BLOCK, device_bytes=64 << 20, host_bytes=64 << 20,
+        redis_url=redis_server.url))
+    front = HttpFront(ServeConfig(host="127.0.0.1", port=0, keys=KEYS,
+                                  http=HttpSettings(port=0)), Authenticator(KEYS), engines)
+    front.start()
+    try:
+        with anthropic.Anthropic(base_url=front.url.removesuffix("/v1"), api_key=KEY_A,
+                                 max_retries=0, timeout=60.0) as client:
+            usage = ask(client, [marked(unique(LONG_PROMPT), "1h")], messages=[
+                {"role": "user", "content": [marked(f"{LONG_PROMPT} {QUESTION}", "5m")]}]).usage
+        num_hour = usage.cache_creation.ephemeral_1h_input_tokens // BLOCK
+        num_five = usage.cache_creation.ephemeral_5m_input_tokens // BLOCK
+        assert num_hour >= 2 and num_five >= 2
+        with redis_server.client() as redis_client:
+            def ttls_ms() -> list[int]:
+                return sorted(int(redis_client.pttl(key))
+                              for key in redis_client.keys("kvgate:*:*"))
+
+            # Written off the request path: wait for the prompt's blocks (and the answer's).
+            assert wait_until(lambda: len(ttls_ms()) >= num_hour + num_five, timeout_s=10.0)
+            ttls = ttls_ms()
+        hours = [ttl for ttl in ttls if ttl > 300_000]
+        assert len(hours) == num_hour and all(ttl <= 3_600_000 for ttl in hours), ttls
+        assert all(0 < ttl <= 300_000 for ttl in ttls if ttl <= 300_000), ttls
+        assert len(ttls) - len(hours) >= num_five, ttls
+    finally:
+        front.stop(timeout_s=5.0)
+        running.stop()
 
 
 # ---- refused inputs ---------------------------------------------------------------------
