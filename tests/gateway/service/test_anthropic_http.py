@@ -68,6 +68,17 @@ def prompt_total(usage: Any) -> int:
                + usage.cache_creation_input_tokens)
 
 
+def readable(num_tokens: int) -> int:
+    """The tokens of a prompt's full blocks a request can read (its last token is always
+    computed: a prompt of whole blocks reads all but its last block)."""
+    return (num_tokens - 1) // BLOCK * BLOCK
+
+
+def created(num_tokens: int) -> int:
+    """The tokens of a prompt's full blocks, what a cold request stores."""
+    return num_tokens // BLOCK * BLOCK
+
+
 def block_ttls(stack: Stack, messages: list[dict[str, str]]) -> list[float | None]:
     """The TTL of each cached block of the chat ``messages`` in tenant A's scope, in order."""
     engine = stack.engine
@@ -97,7 +108,8 @@ def test_second_identical_request_reads_what_the_first_created(claude: Any) -> N
     assert first.cache_read_input_tokens == 0 and first.cache_creation_input_tokens > 0
     assert first.cache_creation.ephemeral_5m_input_tokens == first.cache_creation_input_tokens
     assert second.cache_creation_input_tokens == 0
-    assert second.cache_read_input_tokens == first.cache_creation_input_tokens
+    assert first.cache_creation_input_tokens == created(prompt_total(first))
+    assert second.cache_read_input_tokens >= readable(prompt_total(second))
     assert prompt_total(second) == prompt_total(first)
     assert second.kvgate["cached_tokens_by_tier"] == {"device": second.cache_read_input_tokens}
 
@@ -113,7 +125,8 @@ def test_second_identical_stream_reads_what_the_first_created(claude: Any) -> No
     first, second = streamed(), streamed()
     assert first.cache_read_input_tokens == 0 and first.cache_creation_input_tokens > 0
     assert second.cache_creation_input_tokens == 0
-    assert second.cache_read_input_tokens == first.cache_creation_input_tokens
+    assert first.cache_creation_input_tokens == created(prompt_total(first))
+    assert second.cache_read_input_tokens >= readable(prompt_total(second))
     assert prompt_total(second) == prompt_total(first)
 
 
@@ -161,9 +174,22 @@ def test_messages_and_chat_completions_give_the_same_tokens(stack: Stack, claude
                                               {"role": "user", "content": QUESTION}])
     assert chat.usage.prompt_tokens == prompt_total(message.usage)
     # The chat read every block the message stored: the same tokens, the same keys.
-    assert chat.usage.prompt_tokens_details.cached_tokens == (
-        message.usage.cache_creation_input_tokens)
+    assert message.usage.cache_creation_input_tokens == created(chat.usage.prompt_tokens)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= readable(chat.usage.prompt_tokens)
     assert chat.choices[0].message.content == "".join(block.text for block in message.content)
+
+
+def test_messages_responses_and_grpc_read_the_same_blocks(stack: Stack, claude: Any) -> None:
+    system = unique(LONG_PROMPT)
+    message = ask(claude, system, max_tokens=4)
+    response = stack.sdk().responses.create(model=MODEL, instructions=system, input=QUESTION,
+                                            max_output_tokens=4, store=False)
+    looked = stack.running.client(KEY_A).lookup(messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": QUESTION}])
+    assert response.usage.input_tokens == looked.prompt_tokens == prompt_total(message.usage)
+    assert message.usage.cache_creation_input_tokens == created(looked.prompt_tokens) > 0
+    assert response.usage.input_tokens_details.cached_tokens >= readable(looked.prompt_tokens)
+    assert looked.cached_tokens == created(looked.prompt_tokens)  # a lookup computes nothing
 
 
 def test_tools_are_the_same_prompt_as_over_chat_completions(stack: Stack, claude: Any) -> None:
@@ -176,8 +202,9 @@ def test_tools_are_the_same_prompt_as_over_chat_completions(stack: Stack, claude
             "name": "refund", "description": "Refund an order.", "parameters": schema}}],
         messages=[{"role": "system", "content": system}, {"role": "user", "content": QUESTION}])
     assert chat.usage.prompt_tokens == prompt_total(message.usage)
-    assert chat.usage.prompt_tokens_details.cached_tokens == (
-        message.usage.cache_creation_input_tokens) > 0
+    assert message.usage.cache_creation_input_tokens == created(chat.usage.prompt_tokens)
+    assert chat.usage.prompt_tokens_details.cached_tokens >= readable(
+        chat.usage.prompt_tokens) > 0
 
 
 def test_5m_breakpoint_blocks_keep_300s_and_1h_blocks_3600s(stack: Stack, claude: Any) -> None:
