@@ -116,6 +116,8 @@ body_timeout_s = 5.0            # ... and then its whole body (408); no call slo
 retry_after_s = 1               # Retry-After of a 429 or 503 answer
 metrics = true                  # GET /metrics here: no authentication, no per-tenant series
 session_from_user = false       # true: a body's `user` names the session (as X-Session-Id does)
+max_stored_responses_per_tenant = 1000   # POST /v1/responses with store, kept in memory here
+max_stored_response_chars_per_tenant = 67108864   # ... and their characters, per tenant
 # served_model_name = "my-model"  # the model id of /v1/models and responses (a list: aliases
                                 #   requests may use too); default: --model's directory name
 

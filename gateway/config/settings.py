@@ -239,6 +239,15 @@ class HttpSettings:
             ``X-Session-Id`` header does, which wins where both are sent): for apps that send
             one ``user`` per conversation. Off by default: ``user`` is often a person, whose
             conversations are many.
+        max_stored_responses_per_tenant: responses (``POST /v1/responses`` with ``store``)
+            one tenant keeps for ``previous_response_id`` and ``GET``, in this replica's
+            memory; one more drops the tenant's least recently used. Each is kept
+            ``[engine] default_ttl_s`` after its last use (a day with
+            ``prompt_cache_retention: "24h"``).
+        max_stored_response_chars_per_tenant: characters of stored conversations (answers
+            included) one tenant keeps; past it, its least recently used responses are
+            dropped (a conversation may be as long as a prompt, so the count alone would let
+            one tenant hold gigabytes).
     """
 
     enabled: bool = True
@@ -254,6 +263,8 @@ class HttpSettings:
     metrics: bool = True
     served_model_name: tuple[str, ...] = ()
     session_from_user: bool = False
+    max_stored_responses_per_tenant: int = 1000
+    max_stored_response_chars_per_tenant: int = 64 * MiB
 
     @property
     def address(self) -> str:
@@ -270,7 +281,9 @@ class HttpSettings:
         if not is_int(self.port) or not 0 <= self.port <= 65535:
             errors.append(f"http.port must be 0 to 65535, got {self.port!r}")
         for name in ("max_body_bytes", "max_connections", "max_waiting_connections",
-                     "max_pending_bodies_per_tenant", "retry_after_s"):
+                     "max_pending_bodies_per_tenant", "retry_after_s",
+                     "max_stored_responses_per_tenant",
+                     "max_stored_response_chars_per_tenant"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 errors.append(f"http.{name} must be an integer >= 1, got {value!r}")

@@ -159,6 +159,10 @@ class Usage:
     shared scope (its tier withheld). A tier that served lossy copies is named with their
     format (``disk:int8``), and then ``lossy`` is true: the answer was computed on quantized
     K/V, not the model's own (promise 1 does not hold for it).
+
+    ``stored_tokens`` counts the prompt's tokens in the full blocks this request stored in the
+    cache (new blocks only: none that it found cached, none of its answer's), what Anthropic's
+    ``cache_creation_input_tokens`` reports; 0 with ``no_cache`` or where the cache refused them.
     """
 
     prompt_tokens: int
@@ -169,6 +173,7 @@ class Usage:
     total_ms: float
     finish_reason: FinishReason
     lossy: bool = False
+    stored_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

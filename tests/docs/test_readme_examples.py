@@ -88,8 +88,16 @@ class Gateway:
         for old, new in ((README_KEY_FILE, str(self.data_dir / "dev-api-key")),
                          (f"127.0.0.1:{README_HTTP_PORT}", f"127.0.0.1:{self.http_port}"),
                          (f'"127.0.0.1", {README_GRPC_PORT}', f'"127.0.0.1", {self.grpc_port}'),
-                         (f"max_tokens={README_MAX_TOKENS}", f"max_tokens={ANSWER_TOKENS}")):
-            if old.startswith("127.0.0.1:") and "OpenAI(" not in source:
+                         (f"max_tokens={README_MAX_TOKENS}", f"max_tokens={ANSWER_TOKENS}"),
+                         (f"max_output_tokens={README_MAX_TOKENS}",
+                          f"max_output_tokens={ANSWER_TOKENS}")):
+            is_responses = "responses.create" in source
+            if old.startswith("max_tokens=") and is_responses:
+                continue  # the Responses API names it max_output_tokens
+            if old.startswith("max_output_tokens=") and not is_responses:
+                continue
+            if old.startswith("127.0.0.1:") and not any(
+                    client in source for client in ("OpenAI(", "Anthropic(")):
                 continue
             if old.startswith('"127.0.0.1"') and "KvgateClient(" not in source:
                 continue
@@ -190,6 +198,21 @@ def test_the_openai_sdk_example_runs_and_its_second_run_is_cached(gateway: Gatew
     kvgate = printed[1]
     assert kvgate.startswith("{'cached_tokens_by_tier': {'device': "), printed
     assert "'ttft_ms': " in kvgate, printed
+
+
+def test_the_responses_example_runs_and_its_second_turn_is_cached(gateway: Gateway) -> None:
+    printed = run_twice(gateway.localise(readme_block("python", "responses.create")))
+    prompt, cached = (int(number) for number in printed[0].split())
+    assert 0 < cached < prompt, printed
+
+
+def test_the_anthropic_sdk_example_runs_and_its_second_run_is_cached(gateway: Gateway) -> None:
+    printed = run_twice(gateway.localise(readme_block("python", "from anthropic import")))
+    read, created = (int(number) for number in printed[0].split())
+    assert read > 0 and created == 0, printed
+    kvgate = printed[1]
+    assert kvgate.startswith(f"{{'cached_tokens_by_tier': {{'device': {read}}}"), printed
+    assert "'cache_creation_ttl_s': 3600.0" in kvgate, printed
 
 
 def test_the_grpcurl_request_matches_the_proto_and_is_served(gateway: Gateway) -> None:

@@ -507,6 +507,7 @@ class StepLoop:
             total_ms=(self._clock() - job.submitted) * 1e3,
             finish_reason=finish,
             lossy=active.lossy,
+            stored_tokens=active.stored_new * self._settings.block_tokens,
         )
         settings = self._settings
         storing = (self._blocks if settings.store_generated_blocks and active.generated

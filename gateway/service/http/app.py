@@ -1,4 +1,5 @@
-"""The ASGI application of the HTTP front: routes, and the path of one OpenAI request.
+"""The ASGI application of the HTTP front: routes, and the path of one OpenAI or Anthropic
+request.
 
 One request, in this order (the gRPC servicer's order, so the surfaces refuse alike):
 
@@ -19,6 +20,14 @@ One request, in this order (the gRPC servicer's order, so the surfaces refuse al
    request and frees its blocks (``edge.Generation``). An error before the first token is still
    an HTTP status; after it, an error is an ``error`` event in the stream.
 
+Anthropic's ``POST /v1/messages`` takes the same path: its key may come as ``x-api-key``
+(``anthropic_requests.credentials``), its body is parsed by ``anthropic_requests``, its answer
+and errors are shaped by ``anthropic_responses``, and a request whose 1-hour breakpoint comes
+before a 5-minute one warms the 1-hour prefix first, in its call slot
+(``cache_breakpoints.warm_longer_prefix``). OpenAI's ``POST /v1/responses`` too: a request
+naming ``previous_response_id`` gets the conversation its tenant kept before its own turn, and
+an answer it asked to ``store`` is kept once it is whole (``responses_route``).
+
 The engine's handle blocks, so each wait for an event runs on a worker thread
 (``anyio.to_thread``, bounded by a limiter of ``max_connections``), abandoned -- and the request
 cancelled -- when the client disconnects.
@@ -33,7 +42,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -52,10 +61,13 @@ from gateway.service.admission import Admission, CallKind, CallSlot
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits, Generation
 from gateway.service.engine_slot import EngineSlot
-from gateway.service.http.errors import HttpFailure, error_answer
+from gateway.service.http.anthropic_requests import MessagesCall, credentials, parse_messages
+from gateway.service.http.anthropic_responses import MessagesRendering, anthropic_error_answer
+from gateway.service.http.base import AnswerRendering, ErrorShape
+from gateway.service.http.cache_breakpoints import warm_longer_prefix
+from gateway.service.http.errors import ErrorAnswer, HttpFailure, error_answer
 from gateway.service.http.metrics_page import MetricsPage
 from gateway.service.http.openai_requests import (
-    Kind,
     OpenAICall,
     check_model,
     parse_call,
@@ -63,6 +75,10 @@ from gateway.service.http.openai_requests import (
 )
 from gateway.service.http.openai_responses import Rendering
 from gateway.service.http.pending_bodies import PendingBodies
+from gateway.service.http.responses_rendering import ResponsesRendering
+from gateway.service.http.responses_requests import ResponsesCall, parse_responses
+from gateway.service.http.responses_route import StoredResponsesRoute
+from gateway.service.http.stored_responses import MemoryResponses
 
 if TYPE_CHECKING:
     from gateway.engine.engine import Engine
@@ -71,6 +87,18 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Event = TokenDelta | Usage
+Api = Literal["chat", "completion", "messages", "responses"]
+"""The generating routes: OpenAI's chat and text completions and responses, Anthropic's
+messages."""
+Call = OpenAICall | MessagesCall | ResponsesCall
+
+ERROR_SHAPES: dict[Api, ErrorShape] = {
+    "chat": error_answer,
+    "completion": error_answer,
+    "messages": anthropic_error_answer,
+    "responses": error_answer,
+}
+"""The shape of each route's errors (the status is the same whichever)."""
 
 INLINE_PARSE_BYTES = 64 << 10
 """Bodies up to this size are parsed on the event loop (well under a millisecond); bigger ones
@@ -116,6 +144,9 @@ class OpenAIFront:
         served_model_name: the model ids to answer to (``served_model_names``; empty: the
             engine's model).
         session_from_user: a body's ``user`` names its session too (``with_session``).
+        responses: where ``POST /v1/responses`` keeps what it is asked to ``store`` (None: a
+            store of 1,000 responses and 64 Mi characters per tenant, kept an hour after their
+            last use).
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
@@ -125,8 +156,13 @@ class OpenAIFront:
                  access: AccessLog | None = None,
                  metrics: CollectorRegistry | None = None,
                  served_model_name: tuple[str, ...] = (),
-                 session_from_user: bool = False) -> None:
+                 session_from_user: bool = False,
+                 responses: MemoryResponses | None = None) -> None:
         self._engines = engines
+        self._stored = StoredResponsesRoute(
+            responses if responses is not None else MemoryResponses(
+                max_per_tenant=1000, max_chars_per_tenant=64 << 20, default_ttl_s=3600.0),
+            authenticator, limits.prompt, self._error)
         self._session_from_user = session_from_user
         self._served = served_model_name
         self._access = access
@@ -151,6 +187,11 @@ class OpenAIFront:
                       methods=["POST"]),
                 Route("/v1/completions", partial(self._generate, "completion"),
                       methods=["POST"]),
+                Route("/v1/messages", partial(self._generate, "messages"),
+                      methods=["POST"]),
+                Route("/v1/responses", partial(self._generate, "responses"),
+                      methods=["POST"]),
+                Route("/v1/responses/{id}", self._stored.handle, methods=["GET", "DELETE"]),
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/v1/models/{model:path}", self._model, methods=["GET"]),
                 Route("/health", self._health, methods=["GET"]),
@@ -211,23 +252,28 @@ class OpenAIFront:
             return self._error(exc, request)
         return JSONResponse(self._model_object(names[0]))
 
-    async def _generate(self, kind: Kind, request: Request) -> Response:
+    async def _generate(self, kind: Api, request: Request) -> Response:
         slot: CallSlot | None = None
         streaming = False
         access = AccessCall(self._access, f"http.{kind}")
         response: Response | None = None
         try:
-            principal = self._auth.authenticate(request.headers.items(), is_http=True)
+            headers = request.headers.items()
+            principal = self._auth.authenticate(
+                credentials(headers) if kind == "messages" else headers, is_http=True)
             access.tenant = principal.tenant
             engine = self._engine()
             with self._pending.hold(principal.tenant):
                 call = await self._call(kind, request, principal)
             call = with_session(call, request.headers.get("x-session-id"),
-                                from_user=self._session_from_user)
-            check_model(call, self._names(engine))
+                                from_user=self._session_from_user,
+                                user_field="metadata.user_id" if kind == "messages" else "user")
+            check_model(call.model, self._names(engine))
+            if isinstance(call, ResponsesCall) and call.previous_response_id is not None:
+                call = self._stored.continued(call, principal)
             if self._admission is not None:  # the same per-key limits as over gRPC
                 slot = self._admission.admit(principal, CallKind.GENERATE)
-            response = await self._generate_admitted(engine, call, request, slot, access)
+            response = await self._generate_admitted(engine, kind, call, request, slot, access)
             streaming = isinstance(response, StreamingResponse)
             return response
         except ClientGone:
@@ -235,7 +281,7 @@ class OpenAIFront:
             response = Response(status_code=499)
             return response
         except Exception as exc:
-            response = self._error(exc, request)
+            response = self._error(exc, request, kind)
             return response
         finally:
             if slot is not None and not streaming:  # a stream releases it when it ends
@@ -243,16 +289,17 @@ class OpenAIFront:
             if not streaming:  # a stream writes its line when it ends
                 access.end(str(response.status_code) if response is not None else "499")
 
-    async def _generate_admitted(self, engine: Engine, call: OpenAICall, request: Request,
+    async def _generate_admitted(self, engine: Engine, kind: Api, call: Call, request: Request,
                                  slot: CallSlot | None, access: AccessCall) -> Response:
         try:
+            rendering = await self._rendering(engine, call, request)
             handle = await self._in_thread(engine.generate, call.request)
+        except ClientGone:
+            logger.debug("%s: the client went away; request cancelled", request.url.path)
+            return Response(status_code=499)
         except Exception as exc:
-            return self._error(exc, request)
+            return self._error(exc, request, kind)
         generation = Generation(handle)
-        # NOTE: the first served name, whichever alias the request used (as vLLM answers).
-        rendering = Rendering(kind=call.kind, model=self._names(engine)[0],
-                              include_usage=call.include_usage)
         try:
             first = await self._until_gone(request, generation.next_item)
             if not call.stream:
@@ -267,8 +314,8 @@ class OpenAIFront:
             return Response(status_code=499)
         except Exception as exc:
             generation.cancel_unless_delivered()
-            return self._error(exc, request)
-        events = self._events(call, rendering, generation, first, slot, access)
+            return self._error(exc, request, kind)
+        events = self._events(kind, rendering, generation, first, slot, access)
         if slot is not None:  # also when the stream never starts (the client left first)
             weakref.finalize(events, slot.release)
         return StreamingResponse(events,
@@ -277,7 +324,30 @@ class OpenAIFront:
 
     # ---- the stream -------------------------------------------------------------------
 
-    async def _events(self, call: OpenAICall, rendering: Rendering, generation: Generation,
+    async def _rendering(self, engine: Engine, call: Call, request: Request) -> AnswerRendering:
+        """How the answer is written; for a Messages call whose 1-hour breakpoint comes before
+        a 5-minute one, after its 1-hour prefix is warmed (``warm_longer_prefix``).
+
+        Raises:
+            ClientGone: the client went away during the warm.
+            GatewayError: the warm was refused or failed.
+        """
+        # NOTE: the first served name, whichever alias the request used (as vLLM answers).
+        model = self._names(engine)[0]
+        if isinstance(call, OpenAICall):
+            return Rendering(kind=call.kind, model=model, include_usage=call.include_usage)
+        if isinstance(call, ResponsesCall):
+            keep = partial(self._stored.keep, call) if call.store else None
+            return ResponsesRendering(model=model, call=call, on_done=keep)
+        warmed = 0
+        if call.caching.longer is not None and not call.request.cache.no_cache:
+            warmed = await self._until_gone(request, partial(
+                warm_longer_prefix, engine, call.request.prompt, call.caching,
+                scope=call.request.scope, deadline=call.request.deadline))
+        return MessagesRendering(model=model, caching=call.caching,
+                                 stop_sequences=call.stop_sequences, warmed_tokens=warmed)
+
+    async def _events(self, kind: Api, rendering: AnswerRendering, generation: Generation,
                       first: Event | None, slot: CallSlot | None = None,
                       access: AccessCall | None = None) -> AsyncIterator[str]:
         """The SSE events of a stream whose first event has arrived.
@@ -301,10 +371,10 @@ class OpenAIFront:
                 item = await self._in_thread(generation.next_item)
             status = "200"
         except Exception as exc:  # after the headers: an error event ends the stream
-            answer = error_answer(exc, where=f"{call.kind} stream",
-                                  retry_after_s=self._retry_after_s)
+            answer = ERROR_SHAPES[kind](exc, where=f"{kind} stream",
+                                        retry_after_s=self._retry_after_s)
             status = f"200+{answer.status}"  # the error event's status, inside a 200 stream
-            yield f"data: {json.dumps(answer.body, ensure_ascii=False)}\n\n"
+            yield rendering.stream_error(answer)
         finally:
             generation.cancel_unless_delivered()
             if slot is not None:
@@ -322,7 +392,7 @@ class OpenAIFront:
             raise EngineDraining("the server is shutting down; retry on another replica")
         return self._engines.get()
 
-    async def _call(self, kind: Kind, request: Request, principal: Principal) -> OpenAICall:
+    async def _call(self, kind: Api, request: Request, principal: Principal) -> Call:
         """The request's body read, parsed and validated: off the event loop if it is big."""
         raw = await self._body(request)
         if len(raw) <= INLINE_PARSE_BYTES:
@@ -392,7 +462,7 @@ class OpenAIFront:
             raise ClientGone()
         return outcome[0]
 
-    def _answer(self, rendering: Rendering, items: list[Event | None]) -> Response:
+    def _answer(self, rendering: AnswerRendering, items: list[Event | None]) -> Response:
         text = "".join(item.text for item in items if isinstance(item, TokenDelta))
         usage = next(item for item in items if isinstance(item, Usage))
         return JSONResponse(rendering.completion(text, usage))
@@ -400,18 +470,22 @@ class OpenAIFront:
     def _model_object(self, name: str) -> dict[str, object]:
         return {"id": name, "object": "model", "created": self._started, "owned_by": "kvgate"}
 
-    def _error(self, exc: BaseException, request: Request) -> Response:
-        answer = error_answer(exc, where=request.url.path, retry_after_s=self._retry_after_s)
+    def _error(self, exc: BaseException, request: Request, kind: Api = "chat") -> Response:
+        answer: ErrorAnswer = ERROR_SHAPES[kind](exc, where=request.url.path,
+                                                 retry_after_s=self._retry_after_s)
         return JSONResponse(answer.body, status_code=answer.status, headers=answer.headers)
 
     async def _http_exception(self, request: Request, exc: HTTPException) -> Response:
-        """Starlette's own 404 and 405, in OpenAI's error shape."""
+        """Starlette's own 404 and 405, in OpenAI's error shape (Anthropic's under
+        ``/v1/messages``)."""
         failure = HttpFailure(status=exc.status_code, type="invalid_request_error",
                               code="not_found" if exc.status_code == 404 else "bad_method",
                               message=f"{request.method} {request.url.path}: {exc.detail}; "
                                       "kvgate serves POST /v1/chat/completions, POST "
-                                      "/v1/completions, GET /v1/models and GET /health")
-        return self._error(failure, request)
+                                      "/v1/completions, POST /v1/messages, POST /v1/responses, "
+                                      "GET /v1/models and GET /health")
+        kind: Api = "messages" if request.url.path.startswith("/v1/messages") else "chat"
+        return self._error(failure, request, kind)
 
 
 def _too_large(limit: int) -> HttpFailure:
@@ -420,8 +494,8 @@ def _too_large(limit: int) -> HttpFailure:
                                "bytes ([http] max_body_bytes); send a shorter prompt")
 
 
-def _parsed_call(kind: Kind, raw: bytes, principal: Principal, limits: EdgeLimits, *,
-                 is_off_loop: bool = False) -> OpenAICall:
+def _parsed_call(kind: Api, raw: bytes, principal: Principal, limits: EdgeLimits, *,
+                 is_off_loop: bool = False) -> Call:
     """The call a body asks for.
 
     NOTE: off the event loop, numbers are parsed by Python functions rather than by the
@@ -431,7 +505,7 @@ def _parsed_call(kind: Kind, raw: bytes, principal: Principal, limits: EdgeLimit
 
     Raises:
         HttpFailure: not one JSON object (400).
-        InvalidParam: what ``parse_call`` refuses.
+        InvalidParam: what ``parse_call`` (``parse_messages``) refuses.
     """
     try:
         body = json.loads(raw, parse_constant=_reject_constant,
@@ -445,6 +519,10 @@ def _parsed_call(kind: Kind, raw: bytes, principal: Principal, limits: EdgeLimit
     if not isinstance(body, dict):
         raise HttpFailure(status=400, type="invalid_request_error", code="invalid_argument",
                           message="the request body must be one JSON object")
+    if kind == "messages":
+        return parse_messages(body, principal, limits=limits)
+    if kind == "responses":
+        return parse_responses(body, principal, limits=limits)
     return parse_call(kind, body, principal, limits=limits)
 
 

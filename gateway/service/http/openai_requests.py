@@ -38,7 +38,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
@@ -59,6 +59,7 @@ from gateway.service.edge import (
     scope_of,
 )
 from gateway.service.http.errors import HttpFailure, InvalidParam
+from gateway.service.http.json_fields import is_int, is_number, optional_field, type_name
 
 Kind = Literal["chat", "completion"]
 
@@ -73,8 +74,8 @@ _CHAT_ONLY = frozenset({"messages", "tools", "tool_choice", "max_completion_toke
 _COMPLETION_ONLY = frozenset({"prompt"})
 
 _NEUTRAL: dict[str, Callable[[Any], bool]] = {
-    "presence_penalty": lambda v: _is_number(v) and v == 0,
-    "frequency_penalty": lambda v: _is_number(v) and v == 0,
+    "presence_penalty": lambda v: is_number(v) and v == 0,
+    "frequency_penalty": lambda v: is_number(v) and v == 0,
     "logprobs": lambda v: v is False or v == 0,
     "top_logprobs": lambda v: v == 0 and not isinstance(v, bool),
     "logit_bias": lambda v: v == {},
@@ -140,7 +141,7 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
     if fields.get("n", 1) != 1 or isinstance(fields.get("n"), bool):
         raise InvalidParam("n", f"`n` must be 1 (one choice per request), got {fields['n']!r}; "
                                 "send the request again for another sample")
-    stream = _optional(fields, "stream", bool, "true or false")
+    stream = optional_field(fields, "stream", bool, "true or false")
     include_usage = _stream_options(fields, bool(stream))
     extension = _extension(fields)
     if kind == "chat":
@@ -150,19 +151,19 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
         max_tokens = _chat_max_tokens(fields)
     else:
         prompt = _completion_prompt(fields.get("prompt"), limits.prompt)
-        max_tokens = _optional(fields, "max_tokens", int, "an integer")
+        max_tokens = optional_field(fields, "max_tokens", int, "an integer")
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens
     try:  # bounded before the chat template renders or anything is tokenised
         check_prompt_size(measure(prompt), limits.prompt)
     except InvalidRequest as exc:
         raise InvalidParam("messages" if kind == "chat" else "prompt", str(exc)) from None
     sampling = _sampling(fields, max_tokens, extension)
-    ttl = _optional(extension, "ttl_s", float, "a number of seconds", where="kvgate.ttl_s")
+    ttl = optional_field(extension, "ttl_s", float, "a number of seconds", where="kvgate.ttl_s")
     try:
         ttl = checked_ttl(ttl, limits)
     except InvalidRequest as exc:
         raise InvalidParam("kvgate.ttl_s", str(exc)) from None
-    timeout = _optional(extension, "timeout_s", float, "a number of seconds",
+    timeout = optional_field(extension, "timeout_s", float, "a number of seconds",
                         where="kvgate.timeout_s")
     if timeout is not None and not (math.isfinite(timeout) and timeout > 0):
         raise InvalidParam("kvgate.timeout_s", f"kvgate.timeout_s must be more than 0 seconds, "
@@ -171,10 +172,10 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
     if scope_name not in ("tenant", "shared"):
         raise InvalidParam("kvgate.scope", f"kvgate.scope must be \"tenant\" or \"shared\", got "
                                            f"{scope_name!r}")
-    no_cache = _optional(extension, "no_cache", bool, "true or false", where="kvgate.no_cache")
-    allow_lossy = _optional(extension, "allow_lossy", bool, "true or false (a JSON boolean)",
+    no_cache = optional_field(extension, "no_cache", bool, "true or false", where="kvgate.no_cache")
+    allow_lossy = optional_field(extension, "allow_lossy", bool, "true or false (a JSON boolean)",
                             where="kvgate.allow_lossy")
-    priority = _optional(fields, "priority", int, "an integer (lower is served first)")
+    priority = optional_field(fields, "priority", int, "an integer (lower is served first)")
     if priority is not None and (problem := priority_problem(priority)) is not None:
         raise InvalidParam("priority", problem)
     request = GenerateRequest(
@@ -189,7 +190,24 @@ def parse_call(kind: Kind, body: Mapping[str, Any], principal: Principal, *,
                       include_usage=include_usage, user=fields.get("user"))
 
 
-def with_session(call: OpenAICall, header: str | None, *, from_user: bool) -> OpenAICall:
+class SessionCall(Protocol):
+    """A validated call of any route: its engine request and the body field that may name its
+    session (OpenAI's ``user``, Anthropic's ``metadata.user_id``)."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def request(self) -> GenerateRequest: ...
+
+    @property
+    def user(self) -> object: ...
+
+
+C = TypeVar("C", bound=SessionCall)
+
+
+def with_session(call: C, header: str | None, *, from_user: bool,
+                 user_field: str = "user") -> C:
     """``call`` in the session its ``X-Session-Id`` header names, or, with ``[http]
     session_from_user``, its ``user`` field (the header wins where both are sent); ``call``
     unchanged when neither names one (``gateway.core.sessions``).
@@ -197,6 +215,12 @@ def with_session(call: OpenAICall, header: str | None, *, from_user: bool) -> Op
     ``user`` names a session only where a session may be: a request with ``kvgate.no_cache``
     or in the shared scope keeps its ``user`` and has no session; the header is explicit, and
     there it is a 400.
+
+    Args:
+        call: an OpenAI or Anthropic call.
+        header: the ``X-Session-Id`` header, if sent.
+        from_user: ``[http] session_from_user``.
+        user_field: the body field ``call.user`` came from, as errors name it.
 
     Raises:
         InvalidParam: the header, or ``user`` where it names the session, is not a session id;
@@ -210,18 +234,18 @@ def with_session(call: OpenAICall, header: str | None, *, from_user: bool) -> Op
         if use is not None:
             raise InvalidParam(where, f"the {where} header: {use}")
     elif from_user and call.user is not None and use is None:
-        where = "user"
+        where = user_field
         if not isinstance(call.user, str):
-            raise InvalidParam(where, f"`user` names the request's session on this gateway "
+            raise InvalidParam(where, f"`{where}` names the request's session on this gateway "
                                       f"([http] session_from_user) and must be a string, got "
-                                      f"{_type(call.user)}")
+                                      f"{type_name(call.user)}")
         session_id = call.user
     else:
         return call
     problem = session_id_problem(session_id)
     if problem is not None:
         named = ("the X-Session-Id header" if where == "X-Session-Id" else
-                 "`user` (it names the request's session here: [http] session_from_user)")
+                 f"`{where}` (it names the request's session here: [http] session_from_user)")
         raise InvalidParam(where, f"{named}: {problem}")
     return replace(call, request=replace(request, cache=replace(request.cache,
                                                                 session_id=session_id)))
@@ -253,7 +277,7 @@ def _messages(value: object, limits: PromptLimits) -> list[dict[str, str]]:
     if value is None:
         raise InvalidParam("messages", "`messages` is required: a list of {role, content}")
     if not isinstance(value, list):
-        raise InvalidParam("messages", f"`messages` must be a list, got {_type(value)}")
+        raise InvalidParam("messages", f"`messages` must be a list, got {type_name(value)}")
     if not value:
         raise InvalidParam("messages", "`messages` is empty; send at least one message")
     if len(value) > limits.max_messages:  # before each one is read
@@ -266,7 +290,7 @@ def _message(index: int, message: object) -> dict[str, str]:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise InvalidParam(where, f"{where} must be an object with `role` and `content`, got "
-                                  f"{_type(message)}")
+                                  f"{type_name(message)}")
     role = message.get("role")
     if role not in _ROLES:
         raise InvalidParam(f"{where}.role", f"{where}.role must be one of "
@@ -296,12 +320,12 @@ def _content(where: str, content: object) -> str:
                            "list of text parts)")
     if not isinstance(content, list):
         raise InvalidParam(f"{where}.content", f"{where}.content must be a string or a list of "
-                           f"text parts, got {_type(content)}")
+                           f"text parts, got {type_name(content)}")
     texts = []
     for j, part in enumerate(content):
         at = f"{where}.content[{j}]"
         if not isinstance(part, dict):
-            raise InvalidParam(at, f"{at} must be a content part object, got {_type(part)}")
+            raise InvalidParam(at, f"{at} must be a content part object, got {type_name(part)}")
         kind = part.get("type")
         if kind != "text":
             raise InvalidParam(at, f"{at} is a {kind!r} part; kvgate serves a text-only model: "
@@ -313,7 +337,7 @@ def _content(where: str, content: object) -> str:
                                "{type: text, text}")
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidParam(at, f"{at}.text must be a string, got {_type(text)}")
+            raise InvalidParam(at, f"{at}.text must be a string, got {type_name(text)}")
         texts.append(text)
     return "\n".join(texts)
 
@@ -322,14 +346,16 @@ def _tools(value: object) -> list[Mapping[str, object]] | None:
     if value is None:
         return None
     if not isinstance(value, list):
-        raise InvalidParam("tools", f"`tools` must be a list of tool objects, got {_type(value)}")
+        raise InvalidParam("tools", f"`tools` must be a list of tool objects, got "
+                                    f"{type_name(value)}")
     try:
         check_num_tools(len(value))
     except InvalidRequest as exc:
         raise InvalidParam("tools", str(exc)) from None
     for i, tool in enumerate(value):
         if not isinstance(tool, dict):
-            raise InvalidParam(f"tools[{i}]", f"tools[{i}] must be an object, got {_type(tool)}")
+            raise InvalidParam(f"tools[{i}]", f"tools[{i}] must be an object, got "
+                                              f"{type_name(tool)}")
         if tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
             raise InvalidParam(f"tools[{i}]", f"tools[{i}] must be {{\"type\": \"function\", "
                                "\"function\": {name, description, parameters}}: only function "
@@ -342,12 +368,12 @@ def _tool_choice(fields: Mapping[str, Any]) -> None:
     if choice not in ("auto", "none"):
         raise InvalidParam("tool_choice", "`tool_choice` may be \"auto\" or \"none\": kvgate "
                            "returns the model's text and cannot force a tool call")
-    _optional(fields, "parallel_tool_calls", bool, "true or false")
+    optional_field(fields, "parallel_tool_calls", bool, "true or false")
 
 
 def _chat_max_tokens(fields: Mapping[str, Any]) -> int:
-    legacy = _optional(fields, "max_tokens", int, "an integer")
-    current = _optional(fields, "max_completion_tokens", int, "an integer")
+    legacy = optional_field(fields, "max_tokens", int, "an integer")
+    current = optional_field(fields, "max_completion_tokens", int, "an integer")
     if legacy is not None and current is not None and legacy != current:
         raise InvalidParam("max_completion_tokens", f"`max_tokens` ({legacy}) and "
                            f"`max_completion_tokens` ({current}) disagree; send one of them")
@@ -369,7 +395,7 @@ def _completion_prompt(value: object, limits: PromptLimits) -> PromptInput:
         raise InvalidParam("prompt", f"`prompt` holds {len(value)} items; send at most "
                                      f"{limits.max_chars} token ids (limits.max_prompt_chars: "
                                      "a token id counts as one character)")
-    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+    if isinstance(value, list) and value and all(is_int(t) for t in value):
         return PromptInput(token_ids=[int(t) for t in value])
     if isinstance(value, list) and len(value) == 1:
         return _completion_prompt(value[0], limits)
@@ -377,16 +403,16 @@ def _completion_prompt(value: object, limits: PromptLimits) -> PromptInput:
         raise InvalidParam("prompt", f"`prompt` holds {len(value)} prompts; send one per request "
                            "(batches are not supported)")
     raise InvalidParam("prompt", "`prompt` must be a string or a list of token ids, got "
-                       f"{_type(value)}")
+                       f"{type_name(value)}")
 
 
 def _sampling(fields: Mapping[str, Any], max_tokens: int,
               extension: Mapping[str, Any]) -> SamplingParams:
     defaults = SamplingParams()
-    temperature = _optional(fields, "temperature", float, "a number")
-    top_p = _optional(fields, "top_p", float, "a number")
-    top_k = _optional(extension, "top_k", int, "an integer", where="kvgate.top_k")
-    seed = _optional(fields, "seed", int, "an integer")
+    temperature = optional_field(fields, "temperature", float, "a number")
+    top_p = optional_field(fields, "top_p", float, "a number")
+    top_k = optional_field(extension, "top_k", int, "an integer", where="kvgate.top_k")
+    seed = optional_field(fields, "seed", int, "an integer")
     stop = fields.get("stop")
     if isinstance(stop, str):
         stops: tuple[str, ...] = (stop,)
@@ -396,7 +422,7 @@ def _sampling(fields: Mapping[str, Any], max_tokens: int,
         stops = ()
     else:
         raise InvalidParam("stop", f"`stop` must be a string or a list of strings, got "
-                                   f"{_type(stop)}")
+                                   f"{type_name(stop)}")
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=defaults.temperature if temperature is None else temperature,
@@ -421,12 +447,12 @@ def _stream_options(fields: Mapping[str, Any], stream: bool) -> bool:
         raise InvalidParam("stream_options", "`stream_options` goes with `stream: true`")
     if not isinstance(options, dict):
         raise InvalidParam("stream_options", f"`stream_options` must be an object, got "
-                                             f"{_type(options)}")
+                                             f"{type_name(options)}")
     unknown = sorted(set(options) - {"include_usage"})
     if unknown:
         raise InvalidParam("stream_options", f"stream_options has unsupported keys {unknown}; "
                                              "kvgate knows include_usage")
-    return bool(_optional(options, "include_usage", bool, "true or false",
+    return bool(optional_field(options, "include_usage", bool, "true or false",
                           where="stream_options.include_usage"))
 
 
@@ -434,7 +460,7 @@ def _extension(fields: Mapping[str, Any]) -> dict[str, Any]:
     extension = fields.get("kvgate", {})
     if not isinstance(extension, dict):
         raise InvalidParam("kvgate", f"`kvgate` must be an object of kvgate's options, got "
-                                     f"{_type(extension)}")
+                                     f"{type_name(extension)}")
     unknown = sorted(set(extension) - _EXTENSION_KEYS)
     if unknown:
         raise InvalidParam("kvgate", f"kvgate has unknown keys {unknown}; known: "
@@ -442,38 +468,10 @@ def _extension(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in extension.items() if value is not None}
 
 
-def _optional(fields: Mapping[str, Any], name: str, kind: type, words: str, *,
-              where: str | None = None) -> Any:
-    """``fields[name]`` if it is of ``kind`` (an int counts as a float), None if absent."""
-    value = fields.get(name)
-    if value is None:
-        return None
-    is_kind = (isinstance(value, bool) if kind is bool
-               else _is_int(value) if kind is int
-               else _is_number(value) and math.isfinite(value))
-    if not is_kind:
-        raise InvalidParam(where or name, f"`{where or name}` must be {words}, got {value!r}")
-    return float(value) if kind is float else value
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _type(value: object) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(value),
-                                                                        type(value).__name__)
-
-
-def check_model(call: OpenAICall, served: tuple[str, ...]) -> None:
-    """Raise a 404 ``model_not_found`` unless ``call`` asks for one of the ``served`` names."""
-    if call.model not in served:
+def check_model(model: str, served: tuple[str, ...]) -> None:
+    """Raise a 404 ``model_not_found`` unless ``model`` is one of the ``served`` names."""
+    if model not in served:
         raise HttpFailure(status=404, type="invalid_request_error", code="model_not_found",
                           param="model",
-                          message=f"the model {call.model!r} is not served here; this gateway "
+                          message=f"the model {model!r} is not served here; this gateway "
                                   f"serves {served[0]!r} (GET /v1/models)")

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.core.requests import Usage
+from gateway.service.http.errors import ErrorAnswer
 from gateway.service.http.openai_requests import Kind
 
 _OPENAI_FINISH = {"eos": "stop", "stop": "stop", "length": "length"}
@@ -47,13 +48,19 @@ def usage_object(usage: Usage) -> dict[str, object]:
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "kvgate": {
-            "cached_tokens_by_tier": dict(sorted(usage.cached_tokens_by_tier.items())),
-            "ttft_ms": round(usage.ttft_ms, 3),
-            "total_ms": round(usage.total_ms, 3),
-            "finish_reason": usage.finish_reason,
-            "exact": not usage.lossy,
-        },
+        "kvgate": kvgate_usage(usage),
+    }
+
+
+def kvgate_usage(usage: Usage) -> dict[str, object]:
+    """What kvgate reports beside a hosted API's usage: the cached prompt tokens per tier, the
+    time to first token and in all, the engine's finish reason, whether the answer is exact."""
+    return {
+        "cached_tokens_by_tier": dict(sorted(usage.cached_tokens_by_tier.items())),
+        "ttft_ms": round(usage.ttft_ms, 3),
+        "total_ms": round(usage.total_ms, 3),
+        "finish_reason": usage.finish_reason,
+        "exact": not usage.lossy,
     }
 
 
@@ -124,6 +131,11 @@ class Rendering:
                                "usage": usage_object(usage)}))
         events.append(DONE_EVENT)
         return events
+
+    def stream_error(self, answer: ErrorAnswer) -> str:
+        """The ``data: {"error": ...}`` event that ends a stream which failed after it began
+        (the OpenAI SDK raises it as an ``APIError``)."""
+        return f"data: {json.dumps(answer.body, ensure_ascii=False)}\n\n"
 
     def _chunk(self, delta: dict[str, object] | str, finish: str | None) -> str:
         choice: dict[str, object]

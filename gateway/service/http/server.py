@@ -42,6 +42,7 @@ from gateway.service.http.connections import (
     limits_within,
     open_file_limit,
 )
+from gateway.service.http.stored_responses import MemoryResponses
 from gateway.service.server import ServeError, check_plaintext_listener
 
 logger = logging.getLogger(__name__)
@@ -84,6 +85,10 @@ class HttpFront:
             metrics=metrics if settings.metrics else None,
             served_model_name=settings.served_model_name,
             session_from_user=settings.session_from_user,
+            responses=MemoryResponses(
+                max_per_tenant=settings.max_stored_responses_per_tenant,
+                max_chars_per_tenant=settings.max_stored_response_chars_per_tenant,
+                default_ttl_s=config.engine.default_ttl_s),
         )
         self.guard: ConnectionGuard | None = None
         self._server: uvicorn.Server | None = None

@@ -101,6 +101,17 @@ def test_no_cache_stores_nothing(engine: Engine, opened: OpenedCache) -> None:
     assert opened.cache.stats().num_blocks == 0
 
 
+def test_usage_counts_the_prompt_tokens_a_generation_stored(engine: Engine,
+                                                             tiny: LoadedModel) -> None:
+    prompt = PROMPTS[1]
+    num_full = len(prompt_tokens(tiny, prompt)) // BLOCK
+    assert num_full >= 2
+    assert run(engine, prompt, no_cache=True)[2].stored_tokens == 0
+    assert run(engine, prompt)[2].stored_tokens == num_full * BLOCK
+    again = run(engine, prompt)[2]  # every block found cached: nothing new stored
+    assert again.stored_tokens == 0 and again.cached_tokens == num_full * BLOCK
+
+
 def test_warm_stores_pins_and_lookup_reports_it(engine: Engine, opened: OpenedCache) -> None:
     prompt = PROMPTS[7]
     result = engine.warm(WarmRequest(prompt=prompt, scope=ALICE, pin=True))

@@ -1,0 +1,251 @@
+"""OpenAI Responses request bodies (``POST /v1/responses``) -> the engine's ``GenerateRequest``.
+
+As on the other routes, every field is served or refused with a 400 naming it. The prompt is a
+chat: ``instructions`` as its system message, then the conversation ``previous_response_id``
+names (what that response's request sent and what it answered, ``stored_responses``), then
+``input``. So a conversation continued through ``previous_response_id`` is the same tokens as
+the same turns sent whole, or through ``/v1/chat/completions``: its earlier turns are cached
+blocks, and only the new turn is computed. OpenAI does not carry a previous response's
+``instructions`` over, and neither does kvgate: each request's own are the system message.
+
+Served: ``model``, ``input`` (a string, or message items: ``role`` user, system, developer
+or assistant, ``content`` a string or ``input_text`` / ``output_text`` parts), ``instructions``,
+``previous_response_id``, ``store`` (default true), ``max_output_tokens``, ``temperature``,
+``top_p``, ``stream``, ``metadata`` (echoed), ``prompt_cache_key`` (accepted: never part of a
+block key, and not a session), ``prompt_cache_retention`` (``in_memory`` / ``in-memory``: the
+gateway's own TTL; ``24h``: a day), ``truncation: "disabled"``, ``tool_choice`` ``auto`` or
+``none`` and empty ``tools``. Refused: images, files and audio, tools, function calls and
+their outputs, reasoning, ``background``, ``conversation`` and anything else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from gateway.config.keys import Principal
+from gateway.core.canonical import PromptInput
+from gateway.core.errors import InvalidRequest
+from gateway.core.prompt_limits import PromptLimits, check_prompt_size, measure
+from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
+from gateway.service.edge import EdgeLimits, checked_ttl, deadline_within, scope_of
+from gateway.service.http.errors import InvalidParam
+from gateway.service.http.json_fields import optional_field, type_name
+
+RETENTION_TTL_S: dict[str, float | None] = {"in_memory": None, "in-memory": None,
+                                            "24h": 24 * 3600.0}
+"""``prompt_cache_retention``: the gateway's own TTL (None), or a day."""
+
+_FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store",
+                     "max_output_tokens", "temperature", "top_p", "stream", "metadata",
+                     "prompt_cache_key", "prompt_cache_retention", "truncation", "tool_choice",
+                     "tools", "parallel_tool_calls"})
+_ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+_TEXT_PARTS = frozenset({"input_text", "output_text"})
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ResponsesCall:
+    """A validated ``POST /v1/responses`` request.
+
+    Attributes:
+        model: the model name the client asked for.
+        request: what the engine runs (its prompt is whole once ``continued``).
+        stream: answer with the Responses API's server-sent events.
+        store: keep the response for ``previous_response_id`` and ``GET``.
+        previous_response_id: the response this one continues (None: a new conversation).
+        instructions: the system message, if any.
+        turn: the messages this request adds (its ``input``).
+        ttl_s: the TTL ``prompt_cache_retention`` asks (None: the gateway's own).
+        metadata: echoed in the response.
+        max_output_tokens: as sent (echoed).
+        user: None (the Responses API names no session in its body; ``X-Session-Id`` does).
+    """
+
+    model: str
+    request: GenerateRequest
+    stream: bool
+    store: bool
+    previous_response_id: str | None
+    instructions: str | None
+    turn: tuple[Mapping[str, str], ...]
+    ttl_s: float | None = None
+    metadata: Mapping[str, object] | None = None
+    max_output_tokens: int | None = None
+    user: object = None
+
+
+def parse_responses(body: Mapping[str, Any], principal: Principal, *,
+                    limits: EdgeLimits) -> ResponsesCall:
+    """The engine request of a ``/v1/responses`` body (its earlier turns added by
+    ``continued`` where ``previous_response_id`` names some).
+
+    Raises:
+        InvalidParam: a field is missing, of the wrong type, out of range or not supported.
+    """
+    fields = {name: value for name, value in body.items() if value is not None}
+    unknown = sorted(set(fields) - _FIELDS)
+    if unknown:
+        raise InvalidParam(unknown[0], f"`{unknown[0]}` is not supported by kvgate on "
+                                       "/v1/responses; leave it out")
+    model = fields.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidParam("model", "`model` is required: the name GET /v1/models lists")
+    _refuse_tools(fields)
+    instructions = fields.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidParam("instructions", f"`instructions` must be a string, got "
+                                           f"{type_name(instructions)}")
+    turn = _input(fields.get("input"), limits.prompt)
+    previous = fields.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidParam("previous_response_id", "`previous_response_id` must be the id of a "
+                                                   "stored response")
+    retention = fields.get("prompt_cache_retention", "in_memory")
+    if retention not in RETENTION_TTL_S:
+        raise InvalidParam("prompt_cache_retention", "`prompt_cache_retention` must be "
+                           f"\"in_memory\" or \"24h\", got {retention!r}")
+    try:
+        ttl = checked_ttl(RETENTION_TTL_S[retention], limits)
+    except InvalidRequest as exc:
+        raise InvalidParam("prompt_cache_retention", str(exc)) from None
+    key = fields.get("prompt_cache_key")
+    if key is not None and not isinstance(key, str):
+        raise InvalidParam("prompt_cache_key", f"`prompt_cache_key` must be a string, got "
+                                               f"{type_name(key)}")
+    metadata = fields.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise InvalidParam("metadata", f"`metadata` must be an object, got "
+                                       f"{type_name(metadata)}")
+    if fields.get("truncation", "disabled") != "disabled":
+        raise InvalidParam("truncation", "`truncation` may only be \"disabled\": kvgate never "
+                                         "drops part of a conversation")
+    store = optional_field(fields, "store", bool, "true or false")
+    max_output_tokens = optional_field(fields, "max_output_tokens", int, "an integer")
+    sampling = _sampling(fields, max_output_tokens)
+    request = GenerateRequest(
+        prompt=_prompt(instructions, (), turn, limits.prompt),
+        scope=scope_of(principal, is_shared=False),
+        sampling=sampling,
+        cache=CacheOptions(ttl_s=ttl),
+        deadline=deadline_within(limits, None),
+    )
+    return ResponsesCall(model=model, request=request,
+                         stream=bool(optional_field(fields, "stream", bool, "true or false")),
+                         store=True if store is None else store,
+                         previous_response_id=previous, instructions=instructions,
+                         turn=tuple(turn), ttl_s=ttl, metadata=metadata,
+                         max_output_tokens=max_output_tokens)
+
+
+def continued(call: ResponsesCall, earlier: Sequence[Mapping[str, str]],
+              limits: PromptLimits) -> ResponsesCall:
+    """``call`` with the conversation it continues (``earlier``) before its own turn.
+
+    Raises:
+        InvalidParam: the whole conversation is over the prompt's limits.
+    """
+    prompt = _prompt(call.instructions, earlier, call.turn, limits)
+    return replace(call, request=replace(call.request, prompt=prompt))
+
+
+def conversation(call: ResponsesCall) -> list[dict[str, str]]:
+    """The messages of ``call``'s prompt without its instructions (what a stored response
+    keeps, the answer then appended)."""
+    messages = [{"role": str(message["role"]), "content": str(message["content"])}
+                for message in call.request.prompt.messages or ()]
+    return messages[1:] if call.instructions is not None else messages
+
+
+def _prompt(instructions: str | None, earlier: Sequence[Mapping[str, str]],
+            turn: Sequence[Mapping[str, str]], limits: PromptLimits) -> PromptInput:
+    head = [] if instructions is None else [{"role": "system", "content": instructions}]
+    messages = [*head, *earlier, *turn]
+    if len(messages) > limits.max_messages:
+        raise InvalidParam("input", f"the conversation has {len(messages)} messages; at most "
+                                    f"{limits.max_messages} (limits.max_messages)")
+    prompt = PromptInput(messages=messages)
+    try:  # bounded before the chat template renders or anything is tokenised
+        check_prompt_size(measure(prompt), limits)
+    except InvalidRequest as exc:
+        raise InvalidParam("input", str(exc)) from None
+    return prompt
+
+
+def _input(value: object, limits: PromptLimits) -> list[Mapping[str, str]]:
+    if value is None:
+        raise InvalidParam("input", "`input` is required: a string or a list of message items")
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise InvalidParam("input", f"`input` must be a string or a non-empty list of message "
+                                    f"items, got {type_name(value)}")
+    if len(value) > limits.max_messages:  # before each one is read
+        raise InvalidParam("input", f"`input` has {len(value)} items; send at most "
+                                    f"{limits.max_messages} (limits.max_messages)")
+    return [_item(f"input[{i}]", item) for i, item in enumerate(value)]
+
+
+def _item(where: str, item: object) -> Mapping[str, str]:
+    if not isinstance(item, dict):
+        raise InvalidParam(where, f"{where} must be a message item, got {type_name(item)}")
+    kind = item.get("type", "message")
+    if kind != "message":
+        raise InvalidParam(f"{where}.type", f"{where} is a {kind!r} item; kvgate takes message "
+                           "items only (it returns the model's text, never tool calls)")
+    unknown = sorted(set(item) - {"type", "role", "content", "id", "status"})
+    if unknown:
+        raise InvalidParam(where, f"{where} has unsupported keys {unknown}")
+    role = item.get("role")
+    if role not in _ROLES:
+        raise InvalidParam(f"{where}.role", f"{where}.role must be one of {', '.join(_ROLES)}, "
+                                            f"got {role!r}")
+    content = item.get("content")
+    if isinstance(content, str):
+        return {"role": _ROLES[role], "content": content}
+    if not isinstance(content, list) or not content:
+        raise InvalidParam(f"{where}.content", f"{where}.content must be a string or a list of "
+                                               "text parts")
+    texts = []
+    for j, part in enumerate(content):
+        at = f"{where}.content[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+            kind = part.get("type") if isinstance(part, dict) else type_name(part)
+            raise InvalidParam(at, f"{at} is a {kind!r} part; kvgate serves a text-only model: "
+                                   "send input_text parts (images, files and audio are not "
+                                   "supported)")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidParam(f"{at}.text", f"{at}.text must be a string, got "
+                                             f"{type_name(text)}")
+        texts.append(text)
+    return {"role": _ROLES[role], "content": "\n".join(texts)}
+
+
+def _refuse_tools(fields: Mapping[str, Any]) -> None:
+    if fields.get("tools", []) != []:
+        raise InvalidParam("tools", "`tools` are not supported on /v1/responses: kvgate returns "
+                                    "the model's text and never tool calls")
+    if fields.get("tool_choice", "auto") not in ("auto", "none"):
+        raise InvalidParam("tool_choice", "`tool_choice` may be \"auto\" or \"none\"")
+    optional_field(fields, "parallel_tool_calls", bool, "true or false")
+
+
+def _sampling(fields: Mapping[str, Any], max_tokens: int | None) -> SamplingParams:
+    defaults = SamplingParams()
+    temperature = optional_field(fields, "temperature", float, "a number")
+    top_p = optional_field(fields, "top_p", float, "a number")
+    params = SamplingParams(
+        max_tokens=defaults.max_tokens if max_tokens is None else max_tokens,
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_p=defaults.top_p if top_p is None else top_p,
+    )
+    problems = params.problems()
+    if problems:
+        param = next((name for name, said in (("max_output_tokens", "max_tokens"),
+                                              ("temperature", "temperature"),
+                                              ("top_p", "top_p"))
+                      if problems[0].startswith(said)), "")
+        raise InvalidParam(param, "invalid sampling: " + "; ".join(problems))
+    return params
