@@ -33,7 +33,7 @@ import torch
 
 from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
 from gateway.engine.forward.experts import expert_mlp, expert_weights
-from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.forward.features import NORM_PLACEMENTS, DecoderFeatures, LayerFeatures
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
 from gateway.engine.linear.row_products import RowProducts
@@ -110,6 +110,10 @@ class BatchedForward:
             if wanted.qk_norm and not all(hasattr(layer.self_attn, name)
                                           for name in ("q_norm", "k_norm")):
                 raise UnsupportedModel(f"layer {index} has no q_norm and k_norm to apply")
+            missing = [name for name in NORM_PLACEMENTS[wanted.norms] if not hasattr(layer, name)]
+            if missing:
+                raise UnsupportedModel(f"layer {index} has no {', '.join(missing)} for its "
+                                       f"{wanted.norms} norms")
             experts = getattr(layer.mlp, "experts", None)
             if (wanted.experts is not None) != (experts is not None) or (
                     experts is not None and not all(
@@ -127,8 +131,11 @@ class BatchedForward:
         self._head_dim = int(getattr(config, "head_dim", None)
                              or config.hidden_size // config.num_attention_heads)
         dtype = model.model.embed_tokens.weight.dtype
-        self._cos = torch.empty(0, self._head_dim, dtype=dtype)
-        self._sin = torch.empty(0, self._head_dim, dtype=dtype)
+        # One rotation per kind the layers use, side by side: [positions, kinds * head_dim]
+        # (one kind for most models: the tables every step reads, as they always were).
+        self._rope_kinds = features.rope_kinds
+        self._cos = torch.empty(0, len(self._rope_kinds) * self._head_dim, dtype=dtype)
+        self._sin = torch.empty(0, len(self._rope_kinds) * self._head_dim, dtype=dtype)
 
     @property
     def device(self) -> torch.device:
@@ -277,7 +284,8 @@ class BatchedForward:
         return self._head_dim
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary cos and sin ``[>= num_positions, head_dim]`` (CPU) every step reads."""
+        """The rotary cos and sin ``[>= num_positions, kinds * head_dim]`` (CPU) every step
+        reads: one ``head_dim`` slice per rotation kind (``DecoderFeatures.rope_kinds``)."""
         self._grow_rope(num_positions)
         return self._cos, self._sin
 
@@ -285,7 +293,8 @@ class BatchedForward:
                cos: torch.Tensor, sin: torch.Tensor, num_shared: int,
                attend: LayerAttention) -> torch.Tensor:
         attn = layer.self_attn
-        normed = layer.input_layernorm(hidden)
+        norms = features.norms  # where the norms sit (LayerFeatures.norms)
+        normed = hidden if norms == "post" else layer.input_layernorm(hidden)
         num_rows = hidden.shape[0]
         project = self._products.project
         q = project(attn.q_proj, normed, num_shared).view(num_rows, self._num_heads,
@@ -297,12 +306,23 @@ class BatchedForward:
         if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
+        if len(self._rope_kinds) > 1:  # this layer's kind of rotation
+            at = self._rope_kinds.index(features.rope) * self._head_dim
+            cos, sin = cos[:, at:at + self._head_dim], sin[:, at:at + self._head_dim]
         q = _rotate(q, cos, sin)
         k = _rotate(k, cos, sin)
         attended = attend(index, q, k, v)
-        hidden = hidden + project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
-        normed = layer.post_attention_layernorm(hidden)
-        out: torch.Tensor = hidden + self._mlp(layer.mlp, features, normed, num_shared)
+        attention_out = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
+        if norms == "pre":
+            hidden = hidden + attention_out
+            normed = layer.post_attention_layernorm(hidden)
+        else:  # the attention's output is normed before the residual add
+            hidden = hidden + layer.post_attention_layernorm(attention_out)
+            normed = hidden if norms == "post" else layer.pre_feedforward_layernorm(hidden)
+        mlp_out = self._mlp(layer.mlp, features, normed, num_shared)
+        if norms != "pre":
+            mlp_out = layer.post_feedforward_layernorm(mlp_out)
+        out: torch.Tensor = hidden + mlp_out
         return out
 
     def _mlp(self, mlp: Any, features: LayerFeatures, normed: torch.Tensor,
@@ -331,9 +351,11 @@ class BatchedForward:
             for start in range(self._cos.shape[0], needed, ROPE_CHUNK):
                 ids = torch.arange(start, start + ROPE_CHUNK, device=weight.device).unsqueeze(0)
                 with torch.inference_mode():
-                    cos, sin = rotary(weight[:1].unsqueeze(0), ids)
-                cos_parts.append(cos[0].cpu())
-                sin_parts.append(sin[0].cpu())
+                    kinds = [rotary(weight[:1].unsqueeze(0), ids) if kind is None
+                             else rotary(weight[:1].unsqueeze(0), ids, kind)
+                             for kind in self._rope_kinds]
+                cos_parts.append(torch.cat([cos[0] for cos, _ in kinds], dim=-1).cpu())
+                sin_parts.append(torch.cat([sin[0] for _, sin in kinds], dim=-1).cpu())
             self._cos = torch.cat(cos_parts)
             self._sin = torch.cat(sin_parts)
 

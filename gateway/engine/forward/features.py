@@ -12,6 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+NORM_PLACEMENTS = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+}
+"""Where a layer's norms sit (``LayerFeatures.norms``), and the modules each placement reads."""
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExpertRouting:
@@ -52,6 +60,13 @@ class LayerFeatures:
         rope: the layer type the model's rotary embedding takes for this layer (Gemma 3's local
             and global layers rotate with other bases: ``rotary_emb(x, positions, rope)``);
             None: the one rotation every layer shares.
+        norms: where the layer's RMSNorms sit (``NORM_PLACEMENTS``): "pre" (Llama:
+            ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP);
+            "sandwich" (Gemma 2/3: ``input_layernorm`` before attention and
+            ``post_attention_layernorm`` on its output, ``pre_feedforward_layernorm`` before the
+            MLP and ``post_feedforward_layernorm`` on its output, each before the residual add);
+            "post" (OLMo 2: no norm before either, ``post_attention_layernorm`` and
+            ``post_feedforward_layernorm`` on their outputs).
     """
 
     qk_norm: bool = False
@@ -59,8 +74,11 @@ class LayerFeatures:
     experts: ExpertRouting | None = None
     attention_scale: float | None = None
     rope: str | None = None
+    norms: str = "pre"
 
     def __post_init__(self) -> None:
+        if self.norms not in NORM_PLACEMENTS:
+            raise ValueError(f"norms is one of {sorted(NORM_PLACEMENTS)}, not {self.norms!r}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"a sliding window holds at least one position, not {self.window}")
 

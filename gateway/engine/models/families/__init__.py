@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
+from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
 from gateway.engine.models.families.qwen3 import QWEN3
@@ -21,6 +22,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN3,
     MISTRAL,
     QWEN3_MOE,
+    GEMMA3,
 )
 
 

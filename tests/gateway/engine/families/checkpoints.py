@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Qwen3Config,
@@ -90,11 +91,24 @@ def save_qwen3_moe(directory: Path, seed: int = 0) -> Path:
     return _save(config, directory, tokenizer, seed)
 
 
+def save_gemma3(directory: Path, seed: int = 0) -> Path:
+    """Local (windowed, their own rotation base) and global layers alternating, scores scaled
+    by a ``query_pre_attn_scalar`` other than the head size."""
+    tokenizer = make_hf_tokenizer()
+    shape = {**_shape(tokenizer), "tie_word_embeddings": True}
+    config = Gemma3TextConfig(**shape, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention", "full_attention",
+                                           "sliding_attention"])
+    config.architectures = ["Gemma3ForCausalLM"]
+    return _save(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
     "mistral": save_mistral,
     "qwen3_moe": save_qwen3_moe,
+    "gemma3": save_gemma3,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
