@@ -13,12 +13,14 @@ from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
+from gateway.engine.models.families.qwen2 import QWEN2
 from gateway.engine.models.families.qwen3 import QWEN3
 
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,
     QWEN3,
     MISTRAL,
+    QWEN2,
 )
 
 

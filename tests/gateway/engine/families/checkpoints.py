@@ -13,7 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from tests.tokenizer_fixture import make_hf_tokenizer
 
@@ -40,11 +46,14 @@ def _save(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
     torch.manual_seed(seed)
     auto: Any = AutoModelForCausalLM  # its from_config is unannotated
     model = auto.from_config(config, dtype=torch.float32)
-    # Random norms (transformers starts them at one): a feature that is skipped must show.
+    # Random norms and biases (transformers starts them at one and zero): a feature that is
+    # skipped must show.
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.uniform_(-0.5, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -76,15 +85,31 @@ def save_mistral(directory: Path, seed: int = 0) -> Path:
                  tokenizer, seed)
 
 
+def save_qwen2(directory: Path, seed: int = 0) -> Path:
+    """Biased q, k and v projections (Qwen2's own, always on)."""
+    tokenizer = make_hf_tokenizer()
+    return _save(Qwen2Config(**_shape(tokenizer)), directory, tokenizer, seed)
+
+
+def save_qwen2_windowed(directory: Path, seed: int = 0) -> Path:
+    """Qwen2 with ``use_sliding_window``: the layers from ``max_window_layers`` (1) on windowed."""
+    tokenizer = make_hf_tokenizer()
+    config = Qwen2Config(**_shape(tokenizer), use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1)
+    return _save(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
     "mistral": save_mistral,
+    "qwen2": save_qwen2,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
 VARIANTS: dict[str, Callable[[Path], Path]] = {
     "qwen3-windowed": save_qwen3_windowed,
+    "qwen2-windowed": save_qwen2_windowed,
 }
 """More checkpoints the suite runs, where a family has a feature its main checkpoint lacks
 (name: family-feature)."""

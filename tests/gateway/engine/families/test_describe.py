@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import GPT2Config, MistralConfig, Qwen3Config
+from transformers import GPT2Config, MistralConfig, Qwen2Config, Qwen3Config
 
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families import describe
@@ -30,6 +30,13 @@ def test_qwen3_windows_the_layers_from_max_window_layers_on() -> None:
 def test_qwen3_without_use_sliding_window_attends_every_key() -> None:
     config = Qwen3Config(**SHAPE, architectures=["Qwen3ForCausalLM"])
     assert _windows(config) == (None,) * 4
+
+
+def test_qwen2_windows_the_layers_from_max_window_layers_on_with_use_sliding_window() -> None:
+    windowed = Qwen2Config(**SHAPE, use_sliding_window=True, sliding_window=512,
+                           max_window_layers=3, architectures=["Qwen2ForCausalLM"])
+    assert _windows(windowed) == (None, None, None, 512)
+    assert _windows(Qwen2Config(**SHAPE, architectures=["Qwen2ForCausalLM"])) == (None,) * 4
 
 
 def test_mistral_windows_every_layer_where_its_config_sets_a_window() -> None:
