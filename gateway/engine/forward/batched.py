@@ -288,8 +288,9 @@ class BatchedForward:
         if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
-        q = _rotate(q, cos, sin)
-        k = _rotate(k, cos, sin)
+        if features.rotary:
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
         attended = attend(index, q, k, v)
         hidden = hidden + project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
         mlp = layer.mlp

@@ -23,10 +23,15 @@ class LayerFeatures:
         window: a query at position p attends the keys at positions p - window < k <= p only
             (a sliding window, as transformers' masks have it); None: every key up to p.
             Mistral, Qwen3 with ``use_sliding_window``, and the local layers of Gemma 2/3.
+        rotary: q and k are rotated by their positions (rotary embeddings); False: a "NoPE"
+            layer, whose attention sees positions only through causal order (SmolLM3's every
+            fourth layer, ``no_rope_layers``). Its K are cached unrotated, as transformers
+            keeps them.
     """
 
     qk_norm: bool = False
     window: int | None = None
+    rotary: bool = True
 
     def __post_init__(self) -> None:
         if self.window is not None and self.window < 1:

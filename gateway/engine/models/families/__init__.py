@@ -15,12 +15,14 @@ from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
 from gateway.engine.models.families.qwen2 import QWEN2
 from gateway.engine.models.families.qwen3 import QWEN3
+from gateway.engine.models.families.smollm3 import SMOLLM3
 
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,
     QWEN3,
     MISTRAL,
     QWEN2,
+    SMOLLM3,
 )
 
 

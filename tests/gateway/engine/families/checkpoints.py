@@ -19,6 +19,7 @@ from transformers import (
     MistralConfig,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 from tests.tokenizer_fixture import make_hf_tokenizer
@@ -99,17 +100,35 @@ def save_qwen2_windowed(directory: Path, seed: int = 0) -> Path:
     return _save(config, directory, tokenizer, seed)
 
 
+def save_smollm3(directory: Path, seed: int = 0) -> Path:
+    """The middle layer NoPE (``no_rope_layers`` 0), the others rotating."""
+    tokenizer = make_hf_tokenizer()
+    return _save(SmolLM3Config(**_shape(tokenizer), no_rope_layers=[1, 0, 1], pad_token_id=None),
+                 directory, tokenizer, seed)
+
+
+def save_smollm3_windowed(directory: Path, seed: int = 0) -> Path:
+    """SmolLM3 with ``use_sliding_window``: its NoPE layer windowed, as transformers fills in
+    ``layer_types``."""
+    tokenizer = make_hf_tokenizer()
+    config = SmolLM3Config(**_shape(tokenizer), no_rope_layers=[1, 0, 1], pad_token_id=None,
+                           use_sliding_window=True, sliding_window=WINDOW)
+    return _save(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
     "mistral": save_mistral,
     "qwen2": save_qwen2,
+    "smollm3": save_smollm3,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
 VARIANTS: dict[str, Callable[[Path], Path]] = {
     "qwen3-windowed": save_qwen3_windowed,
     "qwen2-windowed": save_qwen2_windowed,
+    "smollm3-windowed": save_smollm3_windowed,
 }
 """More checkpoints the suite runs, where a family has a feature its main checkpoint lacks
 (name: family-feature)."""

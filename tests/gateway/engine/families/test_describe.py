@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import GPT2Config, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import GPT2Config, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
 
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families import describe
@@ -37,6 +37,24 @@ def test_qwen2_windows_the_layers_from_max_window_layers_on_with_use_sliding_win
                            max_window_layers=3, architectures=["Qwen2ForCausalLM"])
     assert _windows(windowed) == (None, None, None, 512)
     assert _windows(Qwen2Config(**SHAPE, architectures=["Qwen2ForCausalLM"])) == (None,) * 4
+
+
+def test_smollm3_rotates_every_layer_but_each_fourth_and_windows_those_with_sliding() -> None:
+    eight = {**SHAPE, "num_hidden_layers": 8}
+    config = SmolLM3Config(**eight, architectures=["SmolLM3ForCausalLM"])
+    features = describe(config)
+    assert isinstance(features, DecoderFeatures), features
+    assert [layer.rotary for layer in features.layers] == [True, True, True, False] * 2
+    windowed = SmolLM3Config(**eight, use_sliding_window=True,
+                             sliding_window=512, architectures=["SmolLM3ForCausalLM"])
+    assert _windows(windowed) == (None, None, None, 512) * 2
+
+
+def test_smollm3_without_a_rotary_flag_for_each_layer_is_named() -> None:
+    config = SmolLM3Config(**SHAPE, architectures=["SmolLM3ForCausalLM"])
+    config.no_rope_layers = [1, 1]
+    assert describe(config) == ("smollm3: no_rope_layers ([1, 1]) does not say of each of its "
+                                "4 layers whether it rotates")
 
 
 def test_mistral_windows_every_layer_where_its_config_sets_a_window() -> None:

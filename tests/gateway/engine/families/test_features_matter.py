@@ -20,9 +20,10 @@ from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.families.checkpoints import BUILDERS
 from tests.gateway.engine.parity import engine_forward
 
-PROMPT = [(7 * i + 5) % 400 for i in range(40)]
-FAR = 1e-2
-"""Far beyond the suite's 1e-4: what a skipped feature costs the last token's logits."""
+PROMPT = [(7 * i + 5) % 400 for i in range(90)]
+FAR = 1e-3
+"""Ten times the suite's 1e-4: what a skipped feature costs at least (a tiny random model's logits
+are small, so a wrong layer moves them little, but far more than two walks of one model differ)."""
 
 
 def _load(name: str, directory: Path) -> LoadedModel:
@@ -62,3 +63,12 @@ def test_qwen2s_biases_are_applied(tmp_path: Path) -> None:
     assert _difference(loaded) <= 1e-4
     assert _difference(loaded, products=dataclasses.replace(
         products, product_override=dropped)) > FAR
+
+
+def test_smollm3s_nope_layers_are_not_rotated(tmp_path: Path) -> None:
+    loaded = _load("smollm3", tmp_path)
+    assert loaded.features is not None
+    assert [layer.rotary for layer in loaded.features.layers] == [True, False, True]
+    rotating = _changed(loaded.features, lambda layer: dataclasses.replace(layer, rotary=True))
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=rotating) > FAR
