@@ -105,19 +105,24 @@ class BatchedForward:
         if len(features.layers) != len(layers):
             raise UnsupportedModel(f"{features.family} describes {len(features.layers)} layers, "
                                    f"the model has {len(layers)}")
-        for index, (layer, wanted) in enumerate(zip(layers, features.layers, strict=True)):
-            if wanted.qk_norm and not all(hasattr(layer.self_attn, name)
-                                          for name in ("q_norm", "k_norm")):
-                raise UnsupportedModel(f"layer {index} has no q_norm and k_norm to apply")
         config = model.config
+        head_dim = int(getattr(config, "head_dim", None)
+                       or config.hidden_size // config.num_attention_heads)
+        num_heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        for index, (layer, wanted) in enumerate(zip(layers, features.layers, strict=True)):
+            qk_widths = ((head_dim, head_dim) if wanted.qk_norm
+                         else (num_heads * head_dim, kv_heads * head_dim))
+            problem = _norms_problem(layer, wanted, qk_widths)
+            if problem is not None:
+                raise UnsupportedModel(f"layer {index} {problem} ({features.family} layers)")
         self._features = features
         self._model = model
         self._attention = attention
         self._products = products
-        self._num_heads = int(config.num_attention_heads)
-        self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._num_heads)
-        self._head_dim = int(getattr(config, "head_dim", None)
-                             or config.hidden_size // config.num_attention_heads)
+        self._num_heads = num_heads
+        self._kv_heads = kv_heads
+        self._head_dim = head_dim
         dtype = model.model.embed_tokens.weight.dtype
         self._cos = torch.empty(0, self._head_dim, dtype=dtype)
         self._sin = torch.empty(0, self._head_dim, dtype=dtype)
@@ -276,15 +281,19 @@ class BatchedForward:
                cos: torch.Tensor, sin: torch.Tensor, num_shared: int,
                attend: LayerAttention) -> torch.Tensor:
         attn = layer.self_attn
-        normed = layer.input_layernorm(hidden)
+        is_pre_norm = features.norms == "pre"
+        normed = layer.input_layernorm(hidden) if is_pre_norm else hidden
         num_rows = hidden.shape[0]
         project = self._products.project
-        q = project(attn.q_proj, normed, num_shared).view(num_rows, self._num_heads,
-                                                          self._head_dim)
-        k = project(attn.k_proj, normed, num_shared).view(num_rows, self._kv_heads,
-                                                          self._head_dim)
-        v = project(attn.v_proj, normed, num_shared).view(num_rows, self._kv_heads,
-                                                          self._head_dim)
+        q = project(attn.q_proj, normed, num_shared)
+        k = project(attn.k_proj, normed, num_shared)
+        v = project(attn.v_proj, normed, num_shared)
+        if features.qk_projection_norm:  # every head at once, before the split (OLMo 2)
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q = q.view(num_rows, self._num_heads, self._head_dim)
+        k = k.view(num_rows, self._kv_heads, self._head_dim)
+        v = v.view(num_rows, self._kv_heads, self._head_dim)
         if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
@@ -292,12 +301,25 @@ class BatchedForward:
             q = _rotate(q, cos, sin)
             k = _rotate(k, cos, sin)
         attended = attend(index, q, k, v)
-        hidden = hidden + project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
-        mlp = layer.mlp
-        normed = layer.post_attention_layernorm(hidden)
+        out = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
+        if not is_pre_norm:
+            out = layer.post_attention_layernorm(out)
+        hidden = hidden + out
+        normed = layer.post_attention_layernorm(hidden) if is_pre_norm else hidden
+        out = self._mlp(layer.mlp, features, normed, num_shared)
+        if not is_pre_norm:
+            out = layer.post_feedforward_layernorm(out)
+        residual: torch.Tensor = hidden + out
+        return residual
+
+    def _mlp(self, mlp: Any, features: LayerFeatures, normed: torch.Tensor,
+             num_shared: int) -> torch.Tensor:
+        """The layer's MLP of its (normed) rows: dense and gated."""
+        del features  # every feature so far is outside the MLP
+        project = self._products.project
         gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
                  * project(mlp.up_proj, normed, num_shared))
-        out: torch.Tensor = hidden + project(mlp.down_proj, gated, num_shared)
+        out: torch.Tensor = project(mlp.down_proj, gated, num_shared)
         return out
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,6 +342,41 @@ class BatchedForward:
                 sin_parts.append(sin[0].cpu())
             self._cos = torch.cat(cos_parts)
             self._sin = torch.cat(sin_parts)
+
+
+def walked_norms(features: LayerFeatures) -> tuple[tuple[str, str], ...]:
+    """The norms ``BatchedForward._layer`` applies to a layer with ``features``, as (where,
+    name): "layer" for the decoder layer's own modules, "attention" for ``self_attn``'s."""
+    placed = (("input_layernorm", "post_attention_layernorm") if features.norms == "pre"
+              else ("post_attention_layernorm", "post_feedforward_layernorm"))
+    qk = (("q_norm", "k_norm") if features.qk_norm or features.qk_projection_norm else ())
+    return (tuple(("layer", name) for name in placed)
+            + tuple(("attention", name) for name in qk))
+
+
+def _norms_problem(layer: Any, features: LayerFeatures,
+                   qk_widths: tuple[int, int]) -> str | None:
+    """Why the forward cannot walk ``layer``'s norms as ``features`` say, or None: a norm it
+    applies is missing, or a norm the layer has is not one it applies (a feature the family did
+    not describe: walking past it would be silently wrong), or its q and k norms are not
+    ``qk_widths`` wide (per head for Qwen3's, over the projection for OLMo 2's)."""
+    modules = {"layer": layer, "attention": layer.self_attn}
+    wanted = walked_norms(features)
+    missing = [name for where, name in wanted if not hasattr(modules[where], name)]
+    if missing:
+        return f"has no {' and '.join(missing)} to apply"
+    present = {(where, name) for where, module in modules.items()
+               for name, _ in module.named_children() if name.endswith("norm")}
+    unwalked = sorted(name for _, name in present - set(wanted))
+    if unwalked:
+        return f"has {', '.join(unwalked)}, which its features do not apply"
+    if features.qk_norm or features.qk_projection_norm:
+        for name, width in zip(("q_norm", "k_norm"), qk_widths, strict=True):
+            weight = getattr(getattr(modules["attention"], name), "weight", None)
+            if weight is not None and weight.shape[-1] != width:
+                return (f"has a {name} over {weight.shape[-1]} numbers, not "
+                        f"{'per head' if features.qk_norm else 'over the projection'} ({width})")
+    return None
 
 
 def projection_weights(model: Any) -> list[torch.Tensor]:

@@ -11,6 +11,11 @@ walks exactly that, and a feature it does not know is refused before any of it r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+NormPlacement = Literal["pre", "post"]
+"""Where a layer normalises around its attention and its MLP (``LayerFeatures.norms``)."""
+NORM_PLACEMENTS: tuple[NormPlacement, ...] = ("pre", "post")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,13 +32,28 @@ class LayerFeatures:
             layer, whose attention sees positions only through causal order (SmolLM3's every
             fourth layer, ``no_rope_layers``). Its K are cached unrotated, as transformers
             keeps them.
+        qk_projection_norm: q and k are normalised over their whole projection (every head at
+            once: ``self_attn.q_norm`` over heads x head_dim) before they are split into heads
+            and rotated: OLMo 2. Not Qwen3's per-head ``qk_norm``: the same module names, other
+            arithmetic (one of the two at most).
+        norms: "pre": the attention's and the MLP's inputs are normalised (``input_layernorm``,
+            then ``post_attention_layernorm`` before the MLP: Llama's); "post": their outputs
+            are, before each residual add (``post_attention_layernorm`` after the attention,
+            ``post_feedforward_layernorm`` after the MLP), and their inputs not: OLMo 2.
     """
 
     qk_norm: bool = False
     window: int | None = None
     rotary: bool = True
+    qk_projection_norm: bool = False
+    norms: NormPlacement = "pre"
 
     def __post_init__(self) -> None:
+        if self.qk_norm and self.qk_projection_norm:
+            raise ValueError("q and k are normalised per head or over the projection, not both")
+        if self.norms not in NORM_PLACEMENTS:
+            raise ValueError(f"norms are placed {' or '.join(NORM_PLACEMENTS)}, "
+                             f"not {self.norms!r}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"a sliding window holds at least one position, not {self.window}")
 

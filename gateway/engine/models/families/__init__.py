@@ -13,6 +13,7 @@ from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
+from gateway.engine.models.families.olmo2 import OLMO2
 from gateway.engine.models.families.qwen2 import QWEN2
 from gateway.engine.models.families.qwen3 import QWEN3
 from gateway.engine.models.families.smollm3 import SMOLLM3
@@ -23,6 +24,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     MISTRAL,
     QWEN2,
     SMOLLM3,
+    OLMO2,
 )
 
 

@@ -17,6 +17,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
@@ -116,12 +117,18 @@ def save_smollm3_windowed(directory: Path, seed: int = 0) -> Path:
     return _save(config, directory, tokenizer, seed)
 
 
+def save_olmo2(directory: Path, seed: int = 0) -> Path:
+    tokenizer = make_hf_tokenizer()
+    return _save(Olmo2Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
     "mistral": save_mistral,
     "qwen2": save_qwen2,
     "smollm3": save_smollm3,
+    "olmo2": save_olmo2,
 }
 """Family name -> a builder of its tiny checkpoint."""
 

@@ -6,9 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import GPT2Config, MistralConfig, Qwen2Config, Qwen3Config, SmolLM3Config
+import pytest
+from transformers import (
+    GPT2Config,
+    MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
+    Qwen3Config,
+    SmolLM3Config,
+)
 
-from gateway.engine.forward.features import DecoderFeatures
+from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.models.families import describe
 
 SHAPE: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
@@ -57,6 +65,12 @@ def test_smollm3_without_a_rotary_flag_for_each_layer_is_named() -> None:
                                 "4 layers whether it rotates")
 
 
+def test_olmo2_normalises_after_each_sublayer_and_q_and_k_over_the_projection() -> None:
+    features = describe(Olmo2Config(**SHAPE, architectures=["Olmo2ForCausalLM"]))
+    assert isinstance(features, DecoderFeatures), features
+    assert features.layers == (LayerFeatures(qk_projection_norm=True, norms="post"),) * 4
+
+
 def test_mistral_windows_every_layer_where_its_config_sets_a_window() -> None:
     config = MistralConfig(**SHAPE, sliding_window=4096, architectures=["MistralForCausalLM"])
     assert _windows(config) == (4096,) * 4
@@ -77,3 +91,10 @@ def test_a_partial_rotary_embedding_is_refused_by_its_family() -> None:
     config.rope_parameters = {**dict(config.rope_parameters or {}),
                               "partial_rotary_factor": 0.5}
     assert describe(config) == "qwen3: partial rotary embeddings (partial_rotary_factor 0.5)"
+
+
+def test_layer_features_that_contradict_themselves_are_refused() -> None:
+    with pytest.raises(ValueError, match="per head or over the projection, not both"):
+        LayerFeatures(qk_norm=True, qk_projection_norm=True)
+    with pytest.raises(ValueError, match="norms are placed pre or post, not 'sandwich'"):
+        LayerFeatures(norms="sandwich")  # type: ignore[arg-type]
