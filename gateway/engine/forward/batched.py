@@ -107,13 +107,6 @@ class BatchedForward:
             raise UnsupportedModel(f"{features.family} describes {len(features.layers)} layers, "
                                    f"the model has {len(layers)}")
         for index, (layer, wanted) in enumerate(zip(layers, features.layers, strict=True)):
-            if wanted.qk_norm and not all(hasattr(layer.self_attn, name)
-                                          for name in ("q_norm", "k_norm")):
-                raise UnsupportedModel(f"layer {index} has no q_norm and k_norm to apply")
-            missing = [name for name in NORM_PLACEMENTS[wanted.norms] if not hasattr(layer, name)]
-            if missing:
-                raise UnsupportedModel(f"layer {index} has no {', '.join(missing)} for its "
-                                       f"{wanted.norms} norms")
             experts = getattr(layer.mlp, "experts", None)
             if (wanted.experts is not None) != (experts is not None) or (
                     experts is not None and not all(
@@ -122,14 +115,23 @@ class BatchedForward:
                                        f"{'mixture of experts' if wanted.experts else 'dense MLP'} "
                                        f"{features.family} describes")
         config = model.config
+        head_dim = int(getattr(config, "head_dim", None)
+                       or config.hidden_size // config.num_attention_heads)
+        num_heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or num_heads)
+        for index, (layer, wanted) in enumerate(zip(layers, features.layers, strict=True)):
+            qk_widths = ((head_dim, head_dim) if wanted.qk_norm
+                         else (num_heads * head_dim, kv_heads * head_dim))
+            problem = _norms_problem(layer, wanted, qk_widths)
+            if problem is not None:
+                raise UnsupportedModel(f"layer {index} {problem} ({features.family} layers)")
         self._features = features
         self._model = model
         self._attention = attention
         self._products = products
-        self._num_heads = int(config.num_attention_heads)
-        self._kv_heads = int(getattr(config, "num_key_value_heads", None) or self._num_heads)
-        self._head_dim = int(getattr(config, "head_dim", None)
-                             or config.hidden_size // config.num_attention_heads)
+        self._num_heads = num_heads
+        self._kv_heads = kv_heads
+        self._head_dim = head_dim
         dtype = model.model.embed_tokens.weight.dtype
         # One rotation per kind the layers use, side by side: [positions, kinds * head_dim]
         # (one kind for most models: the tables every step reads, as they always were).
@@ -297,20 +299,24 @@ class BatchedForward:
         normed = hidden if norms == "post" else layer.input_layernorm(hidden)
         num_rows = hidden.shape[0]
         project = self._products.project
-        q = project(attn.q_proj, normed, num_shared).view(num_rows, self._num_heads,
-                                                          self._head_dim)
-        k = project(attn.k_proj, normed, num_shared).view(num_rows, self._kv_heads,
-                                                          self._head_dim)
-        v = project(attn.v_proj, normed, num_shared).view(num_rows, self._kv_heads,
-                                                          self._head_dim)
+        q = project(attn.q_proj, normed, num_shared)
+        k = project(attn.k_proj, normed, num_shared)
+        v = project(attn.v_proj, normed, num_shared)
+        if features.qk_projection_norm:  # every head at once, before the split (OLMo 2)
+            q = attn.q_norm(q)
+            k = attn.k_norm(k)
+        q = q.view(num_rows, self._num_heads, self._head_dim)
+        k = k.view(num_rows, self._kv_heads, self._head_dim)
+        v = v.view(num_rows, self._kv_heads, self._head_dim)
         if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
         if len(self._rope_kinds) > 1:  # this layer's kind of rotation
             at = self._rope_kinds.index(features.rope) * self._head_dim
             cos, sin = cos[:, at:at + self._head_dim], sin[:, at:at + self._head_dim]
-        q = _rotate(q, cos, sin)
-        k = _rotate(k, cos, sin)
+        if features.rotary:
+            q = _rotate(q, cos, sin)
+            k = _rotate(k, cos, sin)
         attended = attend(index, q, k, v)
         attention_out = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
         if norms == "pre":
@@ -358,6 +364,40 @@ class BatchedForward:
                 sin_parts.append(torch.cat([sin[0] for _, sin in kinds], dim=-1).cpu())
             self._cos = torch.cat(cos_parts)
             self._sin = torch.cat(sin_parts)
+
+
+def walked_norms(features: LayerFeatures) -> tuple[tuple[str, str], ...]:
+    """The norms ``BatchedForward._layer`` applies to a layer with ``features``, as (where,
+    name): "layer" for the decoder layer's own modules, "attention" for ``self_attn``'s."""
+    placed = NORM_PLACEMENTS[features.norms]
+    qk = (("q_norm", "k_norm") if features.qk_norm or features.qk_projection_norm else ())
+    return (tuple(("layer", name) for name in placed)
+            + tuple(("attention", name) for name in qk))
+
+
+def _norms_problem(layer: Any, features: LayerFeatures,
+                   qk_widths: tuple[int, int]) -> str | None:
+    """Why the forward cannot walk ``layer``'s norms as ``features`` say, or None: a norm it
+    applies is missing, or a norm the layer has is not one it applies (a feature the family did
+    not describe: walking past it would be silently wrong), or its q and k norms are not
+    ``qk_widths`` wide (per head for Qwen3's, over the projection for OLMo 2's)."""
+    modules = {"layer": layer, "attention": layer.self_attn}
+    wanted = walked_norms(features)
+    missing = [name for where, name in wanted if not hasattr(modules[where], name)]
+    if missing:
+        return f"has no {' and '.join(missing)} to apply"
+    present = {(where, name) for where, module in modules.items()
+               for name, _ in module.named_children() if name.endswith("norm")}
+    unwalked = sorted(name for _, name in present - set(wanted))
+    if unwalked:
+        return f"has {', '.join(unwalked)}, which its features do not apply"
+    if features.qk_norm or features.qk_projection_norm:
+        for name, width in zip(("q_norm", "k_norm"), qk_widths, strict=True):
+            weight = getattr(getattr(modules["attention"], name), "weight", None)
+            if weight is not None and weight.shape[-1] != width:
+                return (f"has a {name} over {weight.shape[-1]} numbers, not "
+                        f"{'per head' if features.qk_norm else 'over the projection'} ({width})")
+    return None
 
 
 def projection_weights(model: Any) -> list[torch.Tensor]:

@@ -11,8 +11,12 @@ walks exactly that, and a feature it does not know is refused before any of it r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-NORM_PLACEMENTS = {
+NormPlacement = Literal["pre", "sandwich", "post"]
+"""Where a layer normalises around its attention and its MLP (``LayerFeatures.norms``)."""
+
+NORM_PLACEMENTS: dict[str, tuple[str, ...]] = {
     "pre": ("input_layernorm", "post_attention_layernorm"),
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                  "post_feedforward_layernorm"),
@@ -67,6 +71,14 @@ class LayerFeatures:
             MLP and ``post_feedforward_layernorm`` on its output, each before the residual add);
             "post" (OLMo 2: no norm before either, ``post_attention_layernorm`` and
             ``post_feedforward_layernorm`` on their outputs).
+        rotary: q and k are rotated by their positions (rotary embeddings); False: a "NoPE"
+            layer, whose attention sees positions only through causal order (SmolLM3's every
+            fourth layer, ``no_rope_layers``). Its K are cached unrotated, as transformers
+            keeps them.
+        qk_projection_norm: q and k are normalised over their whole projection (every head at
+            once: ``self_attn.q_norm`` over heads x head_dim) before they are split into heads
+            and rotated: OLMo 2. Not Qwen3's per-head ``qk_norm``: the same module names, other
+            arithmetic (one of the two at most).
     """
 
     qk_norm: bool = False
@@ -74,11 +86,16 @@ class LayerFeatures:
     experts: ExpertRouting | None = None
     attention_scale: float | None = None
     rope: str | None = None
-    norms: str = "pre"
+    norms: NormPlacement = "pre"
+    rotary: bool = True
+    qk_projection_norm: bool = False
 
     def __post_init__(self) -> None:
+        if self.qk_norm and self.qk_projection_norm:
+            raise ValueError("q and k are normalised per head or over the projection, not both")
         if self.norms not in NORM_PLACEMENTS:
-            raise ValueError(f"norms is one of {sorted(NORM_PLACEMENTS)}, not {self.norms!r}")
+            raise ValueError(f"norms are placed {' or '.join(NORM_PLACEMENTS)}, "
+                             f"not {self.norms!r}")
         if self.window is not None and self.window < 1:
             raise ValueError(f"a sliding window holds at least one position, not {self.window}")
 

@@ -14,8 +14,11 @@ from gateway.engine.models.families.base import ModelFamily
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
+from gateway.engine.models.families.olmo2 import OLMO2
+from gateway.engine.models.families.qwen2 import QWEN2
 from gateway.engine.models.families.qwen3 import QWEN3
 from gateway.engine.models.families.qwen3_moe import QWEN3_MOE
+from gateway.engine.models.families.smollm3 import SMOLLM3
 
 FAMILIES: tuple[ModelFamily, ...] = (
     LLAMA,
@@ -23,6 +26,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
     MISTRAL,
     QWEN3_MOE,
     GEMMA3,
+    QWEN2,
+    SMOLLM3,
+    OLMO2,
 )
 
 

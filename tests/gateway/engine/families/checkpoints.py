@@ -18,8 +18,11 @@ from transformers import (
     Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
+    SmolLM3Config,
 )
 
 from tests.tokenizer_fixture import make_hf_tokenizer
@@ -47,11 +50,14 @@ def _save(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
     torch.manual_seed(seed)
     auto: Any = AutoModelForCausalLM  # its from_config is unannotated
     model = auto.from_config(config, dtype=torch.float32)
-    # Random norms (transformers starts them at one): a feature that is skipped must show.
+    # Random norms and biases (transformers starts them at one and zero): a feature that is
+    # skipped must show.
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.uniform_(-0.5, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -103,17 +109,57 @@ def save_gemma3(directory: Path, seed: int = 0) -> Path:
     return _save(config, directory, tokenizer, seed)
 
 
+def save_qwen2(directory: Path, seed: int = 0) -> Path:
+    """Biased q, k and v projections (Qwen2's own, always on)."""
+    tokenizer = make_hf_tokenizer()
+    return _save(Qwen2Config(**_shape(tokenizer)), directory, tokenizer, seed)
+
+
+def save_qwen2_windowed(directory: Path, seed: int = 0) -> Path:
+    """Qwen2 with ``use_sliding_window``: the layers from ``max_window_layers`` (1) on windowed."""
+    tokenizer = make_hf_tokenizer()
+    config = Qwen2Config(**_shape(tokenizer), use_sliding_window=True, sliding_window=WINDOW,
+                         max_window_layers=1)
+    return _save(config, directory, tokenizer, seed)
+
+
+def save_smollm3(directory: Path, seed: int = 0) -> Path:
+    """The middle layer NoPE (``no_rope_layers`` 0), the others rotating."""
+    tokenizer = make_hf_tokenizer()
+    return _save(SmolLM3Config(**_shape(tokenizer), no_rope_layers=[1, 0, 1], pad_token_id=None),
+                 directory, tokenizer, seed)
+
+
+def save_smollm3_windowed(directory: Path, seed: int = 0) -> Path:
+    """SmolLM3 with ``use_sliding_window``: its NoPE layer windowed, as transformers fills in
+    ``layer_types``."""
+    tokenizer = make_hf_tokenizer()
+    config = SmolLM3Config(**_shape(tokenizer), no_rope_layers=[1, 0, 1], pad_token_id=None,
+                           use_sliding_window=True, sliding_window=WINDOW)
+    return _save(config, directory, tokenizer, seed)
+
+
+def save_olmo2(directory: Path, seed: int = 0) -> Path:
+    tokenizer = make_hf_tokenizer()
+    return _save(Olmo2Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
     "mistral": save_mistral,
     "qwen3_moe": save_qwen3_moe,
     "gemma3": save_gemma3,
+    "qwen2": save_qwen2,
+    "smollm3": save_smollm3,
+    "olmo2": save_olmo2,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
 VARIANTS: dict[str, Callable[[Path], Path]] = {
     "qwen3-windowed": save_qwen3_windowed,
+    "qwen2-windowed": save_qwen2_windowed,
+    "smollm3-windowed": save_smollm3_windowed,
 }
 """More checkpoints the suite runs, where a family has a feature its main checkpoint lacks
 (name: family-feature)."""

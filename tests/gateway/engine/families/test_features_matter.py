@@ -1,0 +1,104 @@
+"""Each family's checkpoint exercises what its family adds: walked without it (a feature off in
+its ``DecoderFeatures``, or the biases its projections carry dropped), the batched forward's
+logits are far from transformers', so the conformance suite's agreement is not luck of a
+feature that changes nothing on a tiny random model. And features that do not fit a layer's
+norms (one missing, or one the layer has that they do not apply) are refused before any step
+runs: a family that describes less than its layers do is never walked past a norm."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.engine.forward.batched import BatchedForward, SequenceRows, UnsupportedModel
+from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.kv.sequence import KVSequence
+from gateway.engine.linear.row_products import Product, RowProducts
+from gateway.engine.models.loading import LoadedModel, load_model
+from tests.gateway.engine.families.checkpoints import BUILDERS
+from tests.gateway.engine.parity import engine_forward
+
+PROMPT = [(7 * i + 5) % 400 for i in range(90)]
+FAR = 1e-3
+"""Ten times the suite's 1e-4: what a skipped feature costs at least (a tiny random model's logits
+are small, so a wrong layer moves them little, but far more than two walks of one model differ)."""
+
+
+def _load(name: str, directory: Path) -> LoadedModel:
+    return load_model(str(BUILDERS[name](directory / name)))
+
+
+def _difference(loaded: LoadedModel, *, features: DecoderFeatures | None = None,
+                products: RowProducts | None = None) -> float:
+    """How far the last token's logits of one prefill are from transformers'."""
+    chosen = engine_forward(loaded, torch.device("cpu"))
+    forward = BatchedForward(loaded.model, chosen.attention, products or chosen.products,
+                             features or loaded.features)
+    tokens = torch.tensor(PROMPT)
+    ours = forward.forward([SequenceRows(sequence=KVSequence.alone(loaded.layout, len(PROMPT)),
+                                         tokens=tokens, wants_logits=True)])[0]
+    assert ours is not None
+    with torch.inference_mode():
+        theirs = loaded.transformers_model()(tokens.reshape(1, -1)).logits[0, -1].float()
+    return float((ours - theirs).abs().max())
+
+
+def _changed(features: DecoderFeatures,
+             change: Callable[[LayerFeatures], LayerFeatures]) -> DecoderFeatures:
+    return dataclasses.replace(features, layers=tuple(change(layer) for layer in features.layers))
+
+
+def test_qwen2s_biases_are_applied(tmp_path: Path) -> None:
+    loaded = _load("qwen2", tmp_path)
+    products = engine_forward(loaded, torch.device("cpu")).products
+    product = products.product
+
+    def unbiased(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                 ) -> torch.Tensor:
+        return product(rows, weight, None)
+
+    dropped: Product = unbiased
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, products=dataclasses.replace(
+        products, product_override=dropped)) > FAR
+
+
+def test_smollm3s_nope_layers_are_not_rotated(tmp_path: Path) -> None:
+    loaded = _load("smollm3", tmp_path)
+    assert loaded.features is not None
+    assert [layer.rotary for layer in loaded.features.layers] == [True, False, True]
+    rotating = _changed(loaded.features, lambda layer: dataclasses.replace(layer, rotary=True))
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=rotating) > FAR
+
+
+@pytest.mark.parametrize(("family", "change", "refusal"), [
+    ("qwen3", lambda layer: LayerFeatures(),
+     "layer 0 has k_norm, q_norm, which its features do not apply"),
+    ("qwen3", lambda layer: LayerFeatures(qk_projection_norm=True),
+     r"layer 0 has a q_norm over 16 numbers, not over the projection \(64\)"),
+    ("olmo2", lambda layer: LayerFeatures(),
+     "layer 0 has no input_layernorm to apply"),
+    ("olmo2", lambda layer: dataclasses.replace(layer, qk_projection_norm=False),
+     "layer 0 has k_norm, q_norm, which its features do not apply"),
+    ("olmo2", lambda layer: dataclasses.replace(layer, qk_projection_norm=False, qk_norm=True),
+     r"layer 0 has a q_norm over 64 numbers, not per head \(16\)"),
+    ("llama", lambda layer: LayerFeatures(norms="post"),
+     "layer 0 has no post_feedforward_layernorm to apply"),
+], ids=["qwen3-as-llama", "qwen3-qk-over-projection", "olmo2-as-llama", "olmo2-without-qk",
+        "olmo2-qk-per-head", "llama-post-norms"])
+def test_features_that_do_not_fit_a_layers_norms_are_refused_before_a_step(
+        tmp_path: Path, family: str, change: Callable[[LayerFeatures], LayerFeatures],
+        refusal: str) -> None:
+    """Every norm a layer has is one its features apply, and the other way round: a family
+    that describes less than its layers do is refused, never walked past a norm."""
+    loaded = _load(family, tmp_path)
+    assert loaded.features is not None
+    chosen = engine_forward(loaded, torch.device("cpu"))
+    with pytest.raises(UnsupportedModel, match=f"^{refusal} \\({family} layers\\)$"):
+        BatchedForward(loaded.model, chosen.attention, chosen.products,
+                       _changed(loaded.features, change))
