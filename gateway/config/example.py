@@ -114,7 +114,8 @@ max_pending_bodies_per_tenant = 16   # bodies one tenant may be sending at once 
 header_timeout_s = 5.0          # a connection must send a request head this soon, or is closed
 body_timeout_s = 5.0            # ... and then its whole body (408); no call slot until it has
 retry_after_s = 1               # Retry-After of a 429 or 503 answer
-metrics = true                  # GET /metrics here: no authentication, no per-tenant series
+metrics = true                  # GET /metrics here: no per-tenant series; open unless
+                                #   [metrics] scrape_token_file is set
 session_from_user = false       # true: a body's `user` names the session (as X-Session-Id does)
 max_stored_responses_per_tenant = 1000   # POST /v1/responses with store, kept in memory here
 max_stored_response_chars_per_tenant = 67108864   # ... and their characters, per tenant
@@ -122,9 +123,14 @@ max_stored_response_chars_per_tenant = 67108864   # ... and their characters, pe
                                 #   requests may use too); default: --model's directory name
 
 [metrics]                       # every series, per tenant too: http://HOST:PORT/metrics
-enabled = false                 # no authentication, per-tenant series: operators only
+enabled = false                 # per-tenant series: operators only
 host = "127.0.0.1"
 port = 9464
+# scrape_token_file = "/run/secrets/kvgate-metrics-token"  # both /metrics (this port's and
+                                #   [http]'s) then need `Authorization: Bearer <token>` (401
+                                #   otherwise); or KVGATE_METRICS_TOKEN(_FILE). Unset: open,
+                                #   and an open /metrics shows each request's prompt size and
+                                #   cache hit on a quiet replica (docs/security.md)
 
 [logging]                       # docs/operations.md, "Logs"
 access_log = true               # one line per request (logger kvgate.access); never prompts

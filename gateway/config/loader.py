@@ -64,7 +64,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,7 @@ from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
     KeyEntry,
     admin_tenant_clashes,
+    key_digest,
     key_problem,
     parse_key_list,
     tenant_id_problem,
@@ -109,6 +110,8 @@ DEFAULT_DISK_BYTES = 8 * GiB
 ENV_API_KEYS = "KVGATE_API_KEYS"
 ENV_ADMIN_KEYS = "KVGATE_ADMIN_KEYS"
 ENV_REDIS_URL = "KVGATE_REDIS_URL"
+ENV_METRICS_TOKEN = "KVGATE_METRICS_TOKEN"
+"""The scrape token both ``/metrics`` require (``[metrics] scrape_token_file`` in a file)."""
 FILE_SUFFIX = "_FILE"
 """``KVGATE_API_KEYS_FILE`` / ``KVGATE_ADMIN_KEYS_FILE`` / ``KVGATE_REDIS_URL_FILE``: the same
 values read from a file (a mounted Secret; refused if other users may read it); key lists one
@@ -185,7 +188,7 @@ def load_serve_config(
                 errors.append(f"engine.{sized}: {exc}")
                 del engine_table[sized]
     engine = _build(EngineSettings, "engine", engine_table, errors)
-    metrics = _build(MetricsSettings, "metrics", _table(raw, "metrics", errors), errors)
+    metrics = _metrics_settings(_table(raw, "metrics", errors), env or {}, errors)
     logging_settings = _build(LoggingSettings, "logging", _table(raw, "logging", errors), errors)
     errors.extend(logging_settings.problems())
     events = _build(EventsSettings, "events", _table(raw, "events", errors), errors)
@@ -383,6 +386,45 @@ def _build(cls: Any, section: str, table: Mapping[str, Any], errors: list[str]) 
     known = frozenset(f.name for f in fields(cls))
     _unknown_keys(section, table, known, errors)
     return cls(**{k: v for k, v in table.items() if k in known})
+
+
+def _metrics_settings(table: Mapping[str, Any], env: Mapping[str, str],
+                      errors: list[str]) -> MetricsSettings:
+    """``[metrics]``, with the scrape token read from ``KVGATE_METRICS_TOKEN``, else the file
+    ``KVGATE_METRICS_TOKEN_FILE`` names, else ``scrape_token_file`` (a file refused if others
+    may read it, as every secret file), and kept as its digest."""
+    values = dict(table)
+    if "scrape_token_digest" in values:
+        errors.append("[metrics] scrape_token_digest is not a setting: give the token in "
+                      f"scrape_token_file, {ENV_METRICS_TOKEN} or {ENV_METRICS_TOKEN}{FILE_SUFFIX}")
+        del values["scrape_token_digest"]
+    if values.get("scrape_token_file") is not None:
+        values["scrape_token_file"] = Path(str(values["scrape_token_file"])).expanduser()
+    settings: MetricsSettings = _build(MetricsSettings, "metrics", values, errors)
+    token, source = env.get(ENV_METRICS_TOKEN, "").strip(), ENV_METRICS_TOKEN
+    file_name = env.get(ENV_METRICS_TOKEN + FILE_SUFFIX, "")
+    path = Path(file_name) if file_name else settings.scrape_token_file
+    if not token and path is not None:
+        source = (ENV_METRICS_TOKEN + FILE_SUFFIX if file_name
+                  else "metrics.scrape_token_file")
+        try:
+            token = read_secret_file(path).strip()
+        except ConfigError as exc:
+            errors.append(f"{source}: {exc}")
+            return settings
+        except OSError as exc:
+            errors.append(f"{source}: cannot read {path}: {exc.strerror}")
+            return settings
+        if not token:
+            errors.append(f"{source}: {path} is empty")
+            return settings
+    if not token:
+        return settings
+    problem = key_problem(token)
+    if problem is not None:
+        errors.append(f"the metrics scrape token in {source} {problem}")
+        return settings
+    return replace(settings, scrape_token_digest=key_digest(token))
 
 
 def _cache_config(table: Mapping[str, Any], data_dir: Path,

@@ -170,19 +170,27 @@ class MetricsSettings:
     """The Prometheus endpoint with every series (``gateway.service.metrics``), on a port of
     its own.
 
-    Off by default: it has no authentication and shows per-tenant counters, so an operator
-    turns it on and decides who can reach it. The API port's ``GET /metrics`` (``[http]
-    metrics``, on by default) serves the same series without the per-tenant ones.
+    Off by default: it shows per-tenant counters, so an operator turns it on and decides who
+    can reach it. The API port's ``GET /metrics`` (``[http] metrics``, on by default) serves
+    the same series without the per-tenant ones. Both are open unless a scrape token is set
+    (``gateway.service.scrape_token``).
 
     Attributes:
         enabled: serve ``/metrics`` over HTTP.
         host: where to listen (loopback by default; a scraper elsewhere needs a routable one).
         port: the port (0 picks a free one, logged at start).
+        scrape_token_file: a file holding the token that both ``/metrics`` then require as
+            ``Authorization: Bearer <token>`` (``KVGATE_METRICS_TOKEN`` or
+            ``KVGATE_METRICS_TOKEN_FILE`` win over it); None: no token, both open.
+        scrape_token_digest: the token's ``key_digest``, read by the loader from the file or
+            the environment (never set in a config file); None: no token.
     """
 
     enabled: bool = False
     host: str = DEFAULT_METRICS_HOST
     port: int = DEFAULT_METRICS_PORT
+    scrape_token_file: Path | None = None
+    scrape_token_digest: bytes | None = None
 
     def problems(self) -> list[str]:
         errors = []

@@ -48,6 +48,7 @@ from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
+from gateway.service.scrape_token import scrape_token_of
 from gateway.service.server import GatewayServer, ServeError, check_plaintext_listener
 from gateway.service.startup import stage
 
@@ -157,13 +158,15 @@ def start_metrics(config: ServeConfig, metrics: GatewayMetrics, cache: PrefixCac
     if not settings.enabled:
         return
     try:
-        port = metrics.start(settings.host, settings.port)
+        port = metrics.start(settings.host, settings.port,
+                             scrape_token=scrape_token_of(settings))
     except OSError as exc:
         raise ServeError(f"cannot serve metrics on {settings.host}:{settings.port} ({exc}); "
                          "is another process using the port?") from exc
-    if not is_loopback(settings.host):
+    if not is_loopback(settings.host) and settings.scrape_token_digest is None:
         logger.warning("the metrics endpoint on %s has no authentication and shows per-tenant "
-                       "counters: let only your scraper reach it", settings.host)
+                       "counters: let only your scraper reach it, or set [metrics] "
+                       "scrape_token_file", settings.host)
     logger.info("metrics on http://%s:%d/metrics", settings.host, port)
 
 

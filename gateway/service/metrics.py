@@ -39,11 +39,13 @@ The API port's ``/metrics`` carries no tenant id either (docs/security.md, "Surf
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -56,7 +58,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import start_http_server
+from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from gateway.cache.stats import CacheStats
@@ -66,6 +68,7 @@ from gateway.service.router_metrics import (
     RouterCounts,
     VllmCollector,
 )
+from gateway.service.scrape_token import ScrapeToken, guarded_wsgi
 
 logger = logging.getLogger(__name__)
 
@@ -370,8 +373,12 @@ class GatewayMetrics:
         time: events by outcome, whether its reader runs, seconds since it last read."""
         self._shared(_FeedCollector(feed))
 
-    def start(self, host: str, port: int) -> int:
+    def start(self, host: str, port: int, *, scrape_token: ScrapeToken | None = None) -> int:
         """Serve ``/metrics`` (every series) over HTTP on ``host:port`` (0 picks a free port).
+
+        Args:
+            host, port: where to listen.
+            scrape_token: what a scrape must send (None: nothing; 401 otherwise).
 
         Returns:
             The bound port.
@@ -379,7 +386,15 @@ class GatewayMetrics:
         Raises:
             OSError: the address cannot be bound.
         """
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+        app = make_wsgi_app(self.registry)
+        if scrape_token is not None:
+            app = guarded_wsgi(app, scrape_token)
+        server_class = type("_MetricsServer", (ThreadingWSGIServer,),
+                            {"address_family": socket.getaddrinfo(host, port)[0][0]})
+        server: WSGIServer = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        thread = threading.Thread(target=server.serve_forever, name="kvgate-metrics",
+                                  daemon=True)
+        thread.start()
         self._server, self._thread = server, thread
         self.port = int(server.server_port)
         return self.port
@@ -393,6 +408,13 @@ class GatewayMetrics:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
             self._thread = None
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No line on stderr per scrape (``wsgiref``'s default), as ``prometheus_client``'s own."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
+        pass
 
 
 _FAILURE_REASONS: tuple[tuple[type[BaseException], str], ...] = (

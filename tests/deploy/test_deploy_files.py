@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from gateway.config.loader import load_serve_config
+from gateway.config.settings import ConfigError
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S = DEPLOY / "k8s"
@@ -113,7 +114,7 @@ def test_k8s_manifests_parse_and_have_the_expected_objects() -> None:
             ("NetworkPolicy", "kvgate"), ("NetworkPolicy", "kvgate-redis")} <= set(objects)
     secret = objects[("Secret", "kvgate-secrets")]["stringData"]
     assert set(secret) == {"deployment-secret", "api-keys", "admin-keys", "redis-password",
-                           "redis-url"}
+                           "redis-url", "metrics-token"}
     assert secret["redis-url"].startswith("rediss://")
     service = objects[("Service", "kvgate")]
     deployment = objects[("Deployment", "kvgate")]
@@ -165,6 +166,7 @@ def test_k8s_keys_come_only_from_the_secret_as_env_or_files() -> None:
     assert secret_volume["secretName"] == "kvgate-secrets"
     paths = {f"{mounts['secret']}/{item['path']}" for item in secret_volume["items"]}
     assert env["KVGATE_REDIS_URL_FILE"]["value"] in paths
+    assert env["KVGATE_METRICS_TOKEN_FILE"]["value"] in paths
     template = objects[("ConfigMap", "kvgate-config")]["data"]["kvgate.toml"]
     assert "key =" not in template and "redis_url =" not in template
 
@@ -349,3 +351,25 @@ def test_the_shadow_divergence_alert_fires_on_the_metric_the_gateway_exports() -
     metrics.record_shadow_check(num_blocks=3, divergent_tiers=["device"])
     assert metrics.registry.get_sample_value(
         "kvgate_shadow_divergences_total", {"tier": "device"}) == 1.0
+
+
+def test_k8s_and_prometheus_send_the_metrics_scrape_token_kvgate_reads(tmp_path: Path) -> None:
+    """The scrape token (issue 44, LOW): kvgate reads it from the Secret's metrics-token, the
+    ServiceMonitor sends that key, and prometheus.yml's jobs send a token file."""
+    objects = _k8s_objects()
+    (container,) = objects[("Deployment", "kvgate")]["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVGATE_METRICS_TOKEN_FILE"] == "/etc/kvgate/secret/metrics-token"
+    (monitor,) = _docs(K8S / "monitoring" / "servicemonitor.yaml")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "kvgate-secrets", "key": "metrics-token"}}
+    placeholder = objects[("Secret", "kvgate-secrets")]["stringData"]["metrics-token"]
+    with pytest.raises(ConfigError, match="metrics scrape token"):
+        load_serve_config(None, env={"KVGATE_METRICS_TOKEN_FILE": str(
+            _secret_file(tmp_path, "metrics-token", placeholder))})
+    scrape = yaml.safe_load((DEPLOY / "observability" / "prometheus.yml").read_text(
+        encoding="utf-8"))
+    for job in scrape["scrape_configs"]:
+        assert job["authorization"]["type"] == "Bearer", job["job_name"]
+        assert job["authorization"]["credentials_file"], job["job_name"]

@@ -73,8 +73,13 @@ def test_promtool_checks_the_alert_rules(promtool: str) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_promtool_checks_the_scrape_config_and_the_rules_it_loads(promtool: str) -> None:
-    done = _run(promtool, "check", "config", SCRAPE_CONFIG)
+def test_promtool_checks_the_scrape_config_and_the_rules_it_loads(promtool: str,
+                                                                  tmp_path: Path) -> None:
+    # promtool checks that the scrape token's credentials_file exists: a copy beside one.
+    for name in (SCRAPE_CONFIG, ALERTS):
+        shutil.copy(name, tmp_path / Path(name).name)
+    (tmp_path / "kvgate-metrics-token").write_text("token\n", encoding="utf-8")
+    done = _run(promtool, "check", "config", tmp_path / Path(SCRAPE_CONFIG).name)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "1 rule files found" in done.stdout
 

@@ -79,6 +79,8 @@ from gateway.service.http.responses_rendering import ResponsesRendering
 from gateway.service.http.responses_requests import ResponsesCall, parse_responses
 from gateway.service.http.responses_route import StoredResponsesRoute
 from gateway.service.http.stored_responses import MemoryResponses
+from gateway.service.scrape_token import CHALLENGE, ScrapeToken
+from gateway.service.scrape_token import REFUSAL as SCRAPE_REFUSAL
 
 if TYPE_CHECKING:
     from gateway.engine.engine import Engine
@@ -139,8 +141,9 @@ class OpenAIFront:
         max_pending_bodies_per_tenant: bodies one tenant may be sending at once
             (``gateway.service.http.pending_bodies``).
         access: where each chat and completion leaves its line (None: nowhere).
-        metrics: the registry ``GET /metrics`` renders, unauthenticated: it must hold no
-            per-tenant series (None: no such route).
+        metrics: the registry ``GET /metrics`` renders: it must hold no per-tenant series
+            (None: no such route).
+        scrape_token: what a scrape of ``/metrics`` must send (None: nothing, it is open).
         served_model_name: the model ids to answer to (``served_model_names``; empty: the
             engine's model).
         session_from_user: a body's ``user`` names its session too (``with_session``).
@@ -155,6 +158,7 @@ class OpenAIFront:
                  max_pending_bodies_per_tenant: int = 16,
                  access: AccessLog | None = None,
                  metrics: CollectorRegistry | None = None,
+                 scrape_token: ScrapeToken | None = None,
                  served_model_name: tuple[str, ...] = (),
                  session_from_user: bool = False,
                  responses: MemoryResponses | None = None) -> None:
@@ -167,6 +171,7 @@ class OpenAIFront:
         self._served = served_model_name
         self._access = access
         self._metrics = MetricsPage(metrics) if metrics is not None else None
+        self._scrape_token = scrape_token
         self._auth = authenticator
         self._admission = admission
         self._limits = limits
@@ -228,6 +233,10 @@ class OpenAIFront:
         scrapers together (``MetricsPage``).
         """
         assert self._metrics is not None
+        if (self._scrape_token is not None
+                and not self._scrape_token.allows(request.headers.get("authorization"))):
+            return Response(SCRAPE_REFUSAL + "\n", status_code=401, media_type="text/plain",
+                            headers={"WWW-Authenticate": CHALLENGE})
         body, content_type = self._metrics.render(request.headers.get("accept", ""))
         return Response(body, headers={"Content-Type": content_type})
 

@@ -43,6 +43,7 @@ from gateway.service.http.connections import (
     open_file_limit,
 )
 from gateway.service.http.stored_responses import MemoryResponses
+from gateway.service.scrape_token import scrape_token_of
 from gateway.service.server import ServeError, check_plaintext_listener
 
 logger = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class HttpFront:
             admission=admission,
             access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
             metrics=metrics if settings.metrics else None,
+            scrape_token=scrape_token_of(config.metrics),
             served_model_name=settings.served_model_name,
             session_from_user=settings.session_from_user,
             responses=MemoryResponses(
