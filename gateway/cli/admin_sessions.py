@@ -19,7 +19,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any, TextIO
 
-from gateway.cli.common import EXIT_UNCHANGED, UsageError, format_bytes, render_table
+from gateway.cli.common import (
+    EXIT_UNCHANGED,
+    UsageError,
+    format_bytes,
+    printable,
+    render_table,
+)
 from gateway.client import KvgateClient
 from gateway.core.sessions import session_id_problem
 
@@ -74,7 +80,7 @@ def _reset(client: KvgateClient, args: argparse.Namespace, out: TextIO, err: Tex
     if args.json:
         out.write(json.dumps(asdict(reset)) + "\n")
     else:
-        out.write(f"reset session {args.session_id!r} of {reset.tenant}: freed "
+        out.write(f"reset session {args.session_id!r} of {printable(reset.tenant)}: freed "
                   f"{reset.num_blocks} blocks and {format_bytes(reset.tail_bytes)} of tail here\n")
         if reset.bytes_by_tier:
             out.write(render_table(["tier", "freed"],

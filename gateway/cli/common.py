@@ -147,8 +147,37 @@ def api_key_of(api_key: str | None, env: Mapping[str, str], *, host: str,
 # ---- output --------------------------------------------------------------------------------
 
 
+def printable(text: str) -> str:
+    """``text`` safe to write to an operator's terminal: every character that is not printable
+    -- C0 and C1 controls (ESC begins the escape sequences that retitle a window, move the
+    cursor, rewrite the screen or, in some terminals, write files), DEL, bidirectional and
+    other format characters, line and paragraph separators -- as a Python-style escape
+    (``\\x1b``, ``\\u202e``). Every table and line of the client commands that shows text a
+    client chose (prefix previews, tags, session ids, tenants) goes through here.
+
+    NOTE: a backslash is left as it is, so that escaping twice changes nothing (a preview
+    passes ``first_words`` and then a table); a text that holds ``\\x1b`` literally reads the
+    same as one holding ESC, which shows nothing harmful either way.
+    """
+    if text.isprintable():
+        return text
+    return "".join(_escaped(char) for char in text)
+
+
+def _escaped(char: str) -> str:
+    if char.isprintable():
+        return char
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table: left-aligned text, columns padded to their widest cell."""
+    """A plain-text table: left-aligned text, columns padded to their widest cell, every cell
+    through ``printable`` (cells hold client-chosen text)."""
+    headers = [printable(cell) for cell in headers]
+    rows = [[printable(cell) for cell in row] for row in rows]
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip()
              for line in (headers, *rows)]
@@ -167,6 +196,7 @@ def format_bytes(num_bytes: int) -> str:
 
 
 def first_words(text: str, limit: int = 40) -> str:
-    """``text`` on one line, cut to ``limit`` characters with ``...``."""
+    """``text`` on one line, cut to ``limit`` characters with ``...``, through ``printable``
+    (the cut counts characters before escaping)."""
     words = " ".join(text.split())
-    return words if len(words) <= limit else words[: limit - 3].rstrip() + "..."
+    return printable(words if len(words) <= limit else words[: limit - 3].rstrip() + "...")
