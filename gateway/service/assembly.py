@@ -199,6 +199,8 @@ def start_http(config: ServeConfig, authenticator: Authenticator,
     http = HttpFront(config, authenticator, engines, admission,
                      metrics=metrics.public_registry if metrics is not None else None)
     http.start()
+    if metrics is not None:
+        metrics.watch_accept_errors(http.num_accept_errors)
     logger.info("OpenAI-compatible HTTP on %s (503 until the model has loaded)", http.url)
     return http
 

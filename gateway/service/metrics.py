@@ -250,6 +250,14 @@ class GatewayMetrics:
                           "the dtype of its weights and K/V.", registry=None)).info(
             {"device": device, "dtype": dtype})
 
+    def watch_accept_errors(self, num_failed: Callable[[], int]) -> None:
+        """``kvgate_http_accept_errors_total``: the HTTP front's accepts that failed for want of
+        descriptors (``gateway.service.http.accept_errors``), read at scrape time."""
+        self._shared(_CountCollector(
+            f"{PREFIX}_http_accept_errors", "Connections the HTTP front could not accept for "
+            "want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM); logged once per "
+            "burst.", num_failed))
+
     def watch_cache(self, cache_stats: Callable[[], CacheStats]) -> None:
         """Series of the cache's tiers and stores, read from ``cache_stats()`` at scrape time."""
         self._cache_stats = _Snapshot(cache_stats, max_age_s=CACHE_STATS_MAX_AGE_S)
@@ -470,6 +478,19 @@ class _Recent(Collector):
 
     def collect(self) -> Iterator[Any]:
         yield from self._families()
+
+
+class _CountCollector(Collector):
+    """One counter read from ``read()`` at scrape time."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self._name, self._documentation, self._read = name, documentation, read
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self._name, self._documentation, value=self._read())
 
 
 class _RatioCollector(Collector):

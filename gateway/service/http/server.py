@@ -18,6 +18,7 @@ bodies by the front (``[http] max_body_bytes``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import socket
@@ -35,6 +36,7 @@ from gateway.service.admission import Admission
 from gateway.service.auth import Authenticator
 from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
+from gateway.service.http.accept_errors import AcceptErrorLog
 from gateway.service.http.app import OpenAIFront
 from gateway.service.http.connections import (
     ConnectionGuard,
@@ -93,6 +95,7 @@ class HttpFront:
                 default_ttl_s=config.engine.default_ttl_s),
         )
         self.guard: ConnectionGuard | None = None
+        self.accept_errors: AcceptErrorLog | None = None
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.port: int | None = None
@@ -132,7 +135,8 @@ class HttpFront:
             ssl_keyfile=str(key) if key is not None else None,
         )
         server = uvicorn.Server(uv_config)
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]},
+        self.accept_errors = AcceptErrorLog()
+        thread = threading.Thread(target=_serve, args=(server, sock, self.accept_errors),
                                   name="kvgate-http", daemon=True)
         thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
@@ -145,6 +149,10 @@ class HttpFront:
         self._server, self._thread, self.guard = server, thread, guard
         self.port = int(sock.getsockname()[1])
         return self.port
+
+    def num_accept_errors(self) -> int:
+        """Connections not accepted for want of descriptors since start (0 before start)."""
+        return self.accept_errors.num_failed if self.accept_errors is not None else 0
 
     def begin_shutdown(self) -> None:
         """Refuse new requests (503) and stop listening; requests in flight go on."""
@@ -162,6 +170,16 @@ class HttpFront:
                 self._thread.join(timeout=5.0)
             self._thread = None
         self._server = None
+
+
+def _serve(server: uvicorn.Server, sock: socket.socket, accept_errors: AcceptErrorLog) -> None:
+    """``server.run`` (uvicorn's), on a loop whose exception handler is ``accept_errors``."""
+
+    async def serve() -> None:
+        asyncio.get_running_loop().set_exception_handler(accept_errors)
+        await server.serve(sockets=[sock])
+
+    asyncio.run(serve())
 
 
 def _bind(host: str, port: int) -> socket.socket:
