@@ -59,7 +59,9 @@ max_queued_per_tenant = 32      # nor the queue: more are refused (RESOURCE_EXHA
 kv_budget_bytes = "2GiB"        # KV buffers of the running requests, all together
 max_kv_share_per_tenant = 0.5   # of it, one tenant's (1.0 when serving one tenant only)
 tail_cache_bytes = "256MiB"     # K/V after a conversation's last full block, for its next turn
-shadow_fraction = 0.01          # of cache hits, recomputed cold when idle and compared bit for bit
+shadow_fraction = 0.01          # of cache hits, recomputed cold when idle and compared bit for bit;
+                                #   a request arriving meanwhile waits up to 64 tokens' compute
+                                #   (1.0 doubles idle compute: docs/parity.md)
 captured_steps = true           # steps replayed as CUDA graphs (CUDA + Triton attention only)
 
 [limits]                        # per API key, checked on the call's headers, before any work

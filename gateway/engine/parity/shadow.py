@@ -15,9 +15,13 @@ alert rule in ``deploy/observability/alerts.yaml`` goes up.
 
 Why here, on the engine's worker thread: the forward is not thread-safe, and the worker is the
 only thread that runs it. Why only when idle: a verification never delays a request by more than
-the one chunk that was running when the request arrived (``chunk_tokens``); while the engine is
-never idle, samples wait in a small bounded queue and the ones that do not fit are dropped and
-counted (``num_dropped``), never computed on the hot path.
+the one chunk that was running when the request arrived; while the engine is never idle, samples
+wait in a small bounded queue and the ones that do not fit are dropped and counted
+(``num_dropped``), never computed on the hot path. That chunk is at most
+``MAX_IDLE_CHUNK_TOKENS`` (a whole block at least), not a step: at ``shadow_fraction = 1.0`` a
+step's 256 tokens of SmolLM2 on two CPU cores delayed another tenant's first token by ~1 s
+(issue 44); a quarter of that chunk costs a quarter of that wait, and the recompute only more
+idle turns (the batched forward is chunk-invariant, and every chunk still ends on a block).
 
 NOTE: a sample keeps references to the served blocks, not copies: a tier hands out its payloads
 read-only (``tiers.payload``), the device tier the very tensors it holds (a bit flipped in them
@@ -50,6 +54,10 @@ logger = logging.getLogger(__name__)
 
 MAX_PENDING = 4
 """Samples waiting for idle capacity; more are dropped (counted)."""
+
+MAX_IDLE_CHUNK_TOKENS = 64
+"""Tokens one idle turn recomputes at most (rounded down to whole blocks, one block at least):
+what a request arriving meanwhile waits for, whatever ``chunk_tokens`` the engine offers."""
 
 EvictBlocks = Callable[[Sequence[BlockKey]], None]
 """Evicts blocks (with their chains: ``gateway.cache.admin.chain_of``) by key, everywhere the
@@ -133,7 +141,8 @@ class ShadowVerifier:
         pool: where the cold recompute's pages come from (the engine's pool).
         block_tokens: tokens per block.
         chunk_tokens: tokens one idle turn recomputes at most (a multiple of ``block_tokens``;
-            ``block_tokens`` on the serial route, whose oracle is block-aligned).
+            ``block_tokens`` on the serial route, whose oracle is block-aligned); lowered to
+            ``MAX_IDLE_CHUNK_TOKENS`` in whole blocks where it is more.
         evict: evicts divergent blocks by key, everywhere.
         metrics: where checks and divergences are recorded (None: nowhere).
         seed: seeds the sampling (reproducible runs and tests).
@@ -153,7 +162,9 @@ class ShadowVerifier:
         self._forward = forward
         self._pool = pool
         self._block_tokens = block_tokens
-        self._chunk_tokens = chunk_tokens
+        self._chunk_tokens = min(chunk_tokens,
+                                 max(block_tokens, MAX_IDLE_CHUNK_TOKENS // block_tokens
+                                     * block_tokens))
         self._evict = evict
         self._metrics = metrics
         self._rng = random.Random(seed)

@@ -20,8 +20,9 @@ from gateway.cache.factory import OpenedCache
 from gateway.core.fingerprint import NamespaceSpec, derive_namespace
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine, EngineConfig
+from gateway.engine.forward.batched import SequenceRows, StepForward
 from gateway.engine.models.loading import LoadedModel
-from gateway.engine.parity.shadow import ShadowCounters, ShadowVerifier
+from gateway.engine.parity.shadow import MAX_IDLE_CHUNK_TOKENS, ShadowCounters, ShadowVerifier
 from gateway.service.metrics import GatewayMetrics
 from policies.base import BlockKey
 from tests.gateway.engine.parity import (
@@ -152,6 +153,41 @@ def test_a_corrupted_device_block_is_caught_logged_evicted_and_counted(
         assert counters.num_divergent_blocks == 1
     finally:
         engine.stop()
+
+
+class _ChunkRecorder:
+    """The verifier's forward, recording the tokens of each call (one call per idle turn)."""
+
+    def __init__(self, forward: StepForward) -> None:
+        self._forward = forward
+        self.chunks: list[int] = []
+
+    def forward(self, rows: Sequence[SequenceRows]) -> object:
+        self.chunks.append(sum(len(row.tokens) for row in rows))
+        return self._forward.forward(rows)
+
+
+def test_an_idle_turn_recomputes_at_most_max_idle_chunk_tokens_and_still_equals_cold(
+        tiny: LoadedModel, opened: OpenedCache) -> None:
+    """What another tenant's request waits for when it arrives during a verification is one
+    idle turn: at most ``MAX_IDLE_CHUNK_TOKENS``, not a step (256), which at
+    ``shadow_fraction = 1.0`` cost another tenant ~1 s of first token with SmolLM2 on two CPU
+    cores (issue 44, LOW). The finer chunks still verify equal to cold."""
+    engine = start(tiny, opened, 1.0)
+    try:
+        verifier = engine._shadow  # noqa: SLF001 -- the engine's own verifier, spied on
+        assert verifier is not None
+        recorder = _ChunkRecorder(verifier._forward)  # noqa: SLF001
+        verifier._forward = recorder  # type: ignore[assignment]  # noqa: SLF001
+        prompt = PROMPT_BY_ID["over-4-blocks"]  # 5 blocks cached: 80 tokens to recompute
+        run(engine, prompt)
+        _, _, usage = run(engine, prompt)
+        assert usage.cached_tokens == 5 * BLOCK
+        counters = wait_checked(engine, 1)
+    finally:
+        engine.stop()
+    assert counters.num_checked == 1 and counters.num_divergent_blocks == 0
+    assert recorder.chunks == [MAX_IDLE_CHUNK_TOKENS, 5 * BLOCK - MAX_IDLE_CHUNK_TOKENS]
 
 
 def test_fraction_0_verifies_nothing(tiny: LoadedModel, opened: OpenedCache) -> None:
