@@ -39,13 +39,11 @@ The API port's ``/metrics`` carries no tenant id either (docs/security.md, "Surf
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CollectorRegistry,
@@ -58,17 +56,17 @@ from prometheus_client import (
     ProcessCollector,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.exposition import ThreadingWSGIServer, make_wsgi_app
 from prometheus_client.registry import Collector
 
 from gateway.cache.stats import CacheStats
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
+from gateway.service.metrics_listener import MetricsListener
 from gateway.service.router_metrics import (
     CacheConfigInfo,
     RouterCounts,
     VllmCollector,
 )
-from gateway.service.scrape_token import ScrapeToken, guarded_wsgi
+from gateway.service.scrape_token import ScrapeToken
 
 logger = logging.getLogger(__name__)
 
@@ -234,8 +232,7 @@ class GatewayMetrics:
         self.public_registry.register(GCCollector(registry=self.registry))
         if cache_stats is not None:
             self.watch_cache(cache_stats)
-        self._server: Any = None
-        self._thread: threading.Thread | None = None
+        self._listener: MetricsListener | None = None
         self.port: int | None = None
 
     def _shared(self, collector: C) -> C:
@@ -382,11 +379,8 @@ class GatewayMetrics:
         self._shared(_FeedCollector(feed))
 
     def start(self, host: str, port: int, *, scrape_token: ScrapeToken | None = None) -> int:
-        """Serve ``/metrics`` (every series) over HTTP on ``host:port`` (0 picks a free port).
-
-        Args:
-            host, port: where to listen.
-            scrape_token: what a scrape must send (None: nothing; 401 otherwise).
+        """Serve ``/metrics`` (every series) over HTTP on ``host:port`` (0 picks a free port),
+        answering only ``scrape_token``'s bearer where one is given.
 
         Returns:
             The bound port.
@@ -394,35 +388,15 @@ class GatewayMetrics:
         Raises:
             OSError: the address cannot be bound.
         """
-        app = make_wsgi_app(self.registry)
-        if scrape_token is not None:
-            app = guarded_wsgi(app, scrape_token)
-        server_class = type("_MetricsServer", (ThreadingWSGIServer,),
-                            {"address_family": socket.getaddrinfo(host, port)[0][0]})
-        server: WSGIServer = make_server(host, port, app, server_class, handler_class=_QuietHandler)
-        thread = threading.Thread(target=server.serve_forever, name="kvgate-metrics",
-                                  daemon=True)
-        thread.start()
-        self._server, self._thread = server, thread
-        self.port = int(server.server_port)
+        self._listener = MetricsListener(self.registry, scrape_token=scrape_token)
+        self.port = self._listener.start(host, port)
         return self.port
 
     def stop(self) -> None:
         """Stop serving and close the socket (idempotent)."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5.0)
-            self._thread = None
-
-
-class _QuietHandler(WSGIRequestHandler):
-    """No line on stderr per scrape (``wsgiref``'s default), as ``prometheus_client``'s own."""
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass
+        if self._listener is not None:
+            self._listener.stop()
+            self._listener = None
 
 
 _FAILURE_REASONS: tuple[tuple[type[BaseException], str], ...] = (
