@@ -236,8 +236,8 @@ class HttpSettings:
             keys together); one more gets 429 before its body is read, so that one tenant's
             slow or stalled bodies cannot hold the connections other tenants need.
         retry_after_s: the ``Retry-After`` seconds of a 429 or 503 answer.
-        metrics: serve ``GET /metrics`` here, without authentication and without per-tenant
-            series (``[metrics]`` serves every series on a port of its own).
+        metrics: serve ``GET /metrics`` here, without per-tenant series (``[metrics]`` serves
+            every series on a port of its own), open unless ``[metrics]`` sets a scrape token.
         served_model_name: the model ids the API answers to, as vLLM's
             ``--served-model-name``: the first is the one ``/v1/models``, ``/health`` and every
             response report (and the ``model_name`` label of the ``vllm:*`` series); a request
