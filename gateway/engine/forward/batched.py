@@ -33,13 +33,19 @@ import torch
 
 from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
 from gateway.engine.forward.experts import expert_mlp, expert_weights
-from gateway.engine.forward.features import NORM_PLACEMENTS, DecoderFeatures, LayerFeatures
+from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.forward.layer_modules import layer_problem
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
 from gateway.engine.linear.row_products import RowProducts
 
 ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
+
+
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+"""The projections a layer may have, separate or fused, in the order the products search them."""
 
 
 class UnsupportedModel(ValueError):
@@ -122,7 +128,7 @@ class BatchedForward:
         for index, (layer, wanted) in enumerate(zip(layers, features.layers, strict=True)):
             qk_widths = ((head_dim, head_dim) if wanted.qk_norm
                          else (num_heads * head_dim, kv_heads * head_dim))
-            problem = _norms_problem(layer, wanted, qk_widths)
+            problem = layer_problem(layer, wanted, qk_widths)
             if problem is not None:
                 raise UnsupportedModel(f"layer {index} {problem} ({features.family} layers)")
         self._features = features
@@ -132,12 +138,15 @@ class BatchedForward:
         self._num_heads = num_heads
         self._kv_heads = kv_heads
         self._head_dim = head_dim
+        self._qkv_widths = (num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         dtype = model.model.embed_tokens.weight.dtype
-        # One rotation per kind the layers use, side by side: [positions, kinds * head_dim]
-        # (one kind for most models: the tables every step reads, as they always were).
+        # One rotation per kind the layers use, side by side: [positions, sum of the kinds'
+        # rotary widths] (one kind for most models: the tables every step reads).
         self._rope_kinds = features.rope_kinds
         self._cos = torch.empty(0, len(self._rope_kinds) * self._head_dim, dtype=dtype)
         self._sin = torch.empty(0, len(self._rope_kinds) * self._head_dim, dtype=dtype)
+        # (start, width) of each kind's columns, set by the first chunk built (_grow_rope).
+        self._rope_spans = _spans([self._head_dim] * len(self._rope_kinds))
 
     @property
     def device(self) -> torch.device:
@@ -286,8 +295,9 @@ class BatchedForward:
         return self._head_dim
 
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary cos and sin ``[>= num_positions, kinds * head_dim]`` (CPU) every step
-        reads: one ``head_dim`` slice per rotation kind (``DecoderFeatures.rope_kinds``)."""
+        """The rotary cos and sin ``[>= num_positions, widths]`` (CPU) every step reads: one
+        slice per rotation kind (``DecoderFeatures.rope_kinds``), as wide as its rotary
+        embedding's tables (a head, or its rotated part)."""
         self._grow_rope(num_positions)
         return self._cos, self._sin
 
@@ -295,13 +305,18 @@ class BatchedForward:
                cos: torch.Tensor, sin: torch.Tensor, num_shared: int,
                attend: LayerAttention) -> torch.Tensor:
         attn = layer.self_attn
-        norms = features.norms  # where the norms sit (LayerFeatures.norms)
-        normed = hidden if norms == "post" else layer.input_layernorm(hidden)
+        norms = features.norms
+        normed = _norm(layer, norms.before_attention, hidden)
         num_rows = hidden.shape[0]
         project = self._products.project
-        q = project(attn.q_proj, normed, num_shared)
-        k = project(attn.k_proj, normed, num_shared)
-        v = project(attn.v_proj, normed, num_shared)
+        if features.fused_qkv:  # one product, its columns q | k | v (Phi-3)
+            qkv = project(attn.qkv_proj, normed, num_shared)
+            q, k, v = (part.contiguous()
+                       for part in torch.split(qkv, list(self._qkv_widths), dim=-1))
+        else:
+            q = project(attn.q_proj, normed, num_shared)
+            k = project(attn.k_proj, normed, num_shared)
+            v = project(attn.v_proj, normed, num_shared)
         if features.qk_projection_norm:  # every head at once, before the split (OLMo 2)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
@@ -311,34 +326,34 @@ class BatchedForward:
         if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
-        if len(self._rope_kinds) > 1:  # this layer's kind of rotation
-            at = self._rope_kinds.index(features.rope) * self._head_dim
-            cos, sin = cos[:, at:at + self._head_dim], sin[:, at:at + self._head_dim]
+        if len(self._rope_kinds) > 1:  # this layer's kind of rotation, its own width
+            at, width = self._rope_spans[self._rope_kinds.index(features.rope)]
+            cos, sin = cos[:, at:at + width], sin[:, at:at + width]
         if features.rotary:
-            q = _rotate(q, cos, sin)
-            k = _rotate(k, cos, sin)
+            rotate = _rotate_pairs if features.rotary_interleaved else _rotate
+            q = _partially(rotate, q, cos, sin)
+            k = _partially(rotate, k, cos, sin)
         attended = attend(index, q, k, v)
-        attention_out = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
-        if norms == "pre":
-            hidden = hidden + attention_out
-            normed = layer.post_attention_layernorm(hidden)
-        else:  # the attention's output is normed before the residual add
-            hidden = hidden + layer.post_attention_layernorm(attention_out)
-            normed = hidden if norms == "post" else layer.pre_feedforward_layernorm(hidden)
-        mlp_out = self._mlp(layer.mlp, features, normed, num_shared)
-        if norms != "pre":
-            mlp_out = layer.post_feedforward_layernorm(mlp_out)
-        out: torch.Tensor = hidden + mlp_out
-        return out
+        out = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
+        hidden = hidden + _norm(layer, norms.after_attention, out)
+        normed = _norm(layer, norms.before_mlp, hidden)
+        out = self._mlp(layer.mlp, features, normed, num_shared)
+        residual: torch.Tensor = hidden + _norm(layer, norms.after_mlp, out)
+        return residual
 
     def _mlp(self, mlp: Any, features: LayerFeatures, normed: torch.Tensor,
              num_shared: int) -> torch.Tensor:
-        """The layer's MLP of its normed rows: dense and gated, or a mixture of experts."""
+        """The layer's MLP of its normed rows: dense and gated (its gate and up one product or
+        two), or a mixture of experts."""
         if features.experts is not None:
             return expert_mlp(mlp, features.experts, normed, num_shared, self._products)
         project = self._products.project
-        gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
-                 * project(mlp.up_proj, normed, num_shared))
+        if features.fused_gate_up:  # one product, its columns gate | up (Phi-3, GLM-4)
+            gate, up = project(mlp.gate_up_proj, normed, num_shared).chunk(2, dim=-1)
+            gated = up * mlp.activation_fn(gate)
+        else:
+            gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
+                     * project(mlp.up_proj, normed, num_shared))
         out: torch.Tensor = project(mlp.down_proj, gated, num_shared)
         return out
 
@@ -353,68 +368,75 @@ class BatchedForward:
         if self._cos.shape[0] < needed:
             rotary = self._model.model.rotary_emb
             weight = self._model.model.embed_tokens.weight
-            cos_parts, sin_parts = [self._cos], [self._sin]
+            # The first chunk sets the tables' width: each kind's a head's, or fewer where
+            # it rotates only part of each head (GLM-4, Phi-3 partial), side by side.
+            cos_parts = [self._cos] if self._cos.shape[0] else []
+            sin_parts = [self._sin] if self._sin.shape[0] else []
             for start in range(self._cos.shape[0], needed, ROPE_CHUNK):
                 ids = torch.arange(start, start + ROPE_CHUNK, device=weight.device).unsqueeze(0)
                 with torch.inference_mode():
                     kinds = [rotary(weight[:1].unsqueeze(0), ids) if kind is None
                              else rotary(weight[:1].unsqueeze(0), ids, kind)
                              for kind in self._rope_kinds]
+                self._rope_spans = _spans([cos.shape[-1] for cos, _ in kinds])
                 cos_parts.append(torch.cat([cos[0] for cos, _ in kinds], dim=-1).cpu())
                 sin_parts.append(torch.cat([sin[0] for _, sin in kinds], dim=-1).cpu())
             self._cos = torch.cat(cos_parts)
             self._sin = torch.cat(sin_parts)
 
 
-def walked_norms(features: LayerFeatures) -> tuple[tuple[str, str], ...]:
-    """The norms ``BatchedForward._layer`` applies to a layer with ``features``, as (where,
-    name): "layer" for the decoder layer's own modules, "attention" for ``self_attn``'s."""
-    placed = NORM_PLACEMENTS[features.norms]
-    qk = (("q_norm", "k_norm") if features.qk_norm or features.qk_projection_norm else ())
-    return (tuple(("layer", name) for name in placed)
-            + tuple(("attention", name) for name in qk))
-
-
-def _norms_problem(layer: Any, features: LayerFeatures,
-                   qk_widths: tuple[int, int]) -> str | None:
-    """Why the forward cannot walk ``layer``'s norms as ``features`` say, or None: a norm it
-    applies is missing, or a norm the layer has is not one it applies (a feature the family did
-    not describe: walking past it would be silently wrong), or its q and k norms are not
-    ``qk_widths`` wide (per head for Qwen3's, over the projection for OLMo 2's)."""
-    modules = {"layer": layer, "attention": layer.self_attn}
-    wanted = walked_norms(features)
-    missing = [name for where, name in wanted if not hasattr(modules[where], name)]
-    if missing:
-        return f"has no {' and '.join(missing)} to apply"
-    present = {(where, name) for where, module in modules.items()
-               for name, _ in module.named_children() if name.endswith("norm")}
-    unwalked = sorted(name for _, name in present - set(wanted))
-    if unwalked:
-        return f"has {', '.join(unwalked)}, which its features do not apply"
-    if features.qk_norm or features.qk_projection_norm:
-        for name, width in zip(("q_norm", "k_norm"), qk_widths, strict=True):
-            weight = getattr(getattr(modules["attention"], name), "weight", None)
-            if weight is not None and weight.shape[-1] != width:
-                return (f"has a {name} over {weight.shape[-1]} numbers, not "
-                        f"{'per head' if features.qk_norm else 'over the projection'} ({width})")
-    return None
-
-
 def projection_weights(model: Any) -> list[torch.Tensor]:
     """One weight of every shape the shared products multiply by: each layer's attention
-    projections and its MLP's (a dense one's, or one expert's and the router's), a shape once."""
+    projections and its MLP's, separate or fused (``qkv_proj``, ``gate_up_proj``), or one
+    expert's and the router's, a shape once (layers may differ: dense and expert MLPs)."""
     by_shape: dict[tuple[int, ...], torch.Tensor] = {}
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        weights = [module.weight for module in (attention.q_proj, attention.k_proj,
-                                                attention.v_proj, attention.o_proj)]
+        weights = [getattr(attention, name).weight
+                   for name in ATTENTION_PROJECTIONS if hasattr(attention, name)]
         if hasattr(mlp, "experts"):
             weights += expert_weights(mlp)
         else:
-            weights += [module.weight for module in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+            weights += [getattr(mlp, name).weight
+                        for name in MLP_PROJECTIONS if hasattr(mlp, name)]
         for weight in weights:
             by_shape.setdefault(tuple(weight.shape), weight)
     return list(by_shape.values())
+
+
+def _spans(widths: list[int]) -> tuple[tuple[int, int], ...]:
+    """(start, width) of tables of ``widths`` laid side by side."""
+    starts = [sum(widths[:i]) for i in range(len(widths))]
+    return tuple(zip(starts, widths, strict=True))
+
+
+def _norm(layer: Any, name: str | None, rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` through the layer's norm ``name`` (None: no norm there, the rows as they are)."""
+    if name is None:
+        return rows
+    out: torch.Tensor = getattr(layer, name)(rows)
+    return out
+
+
+def _partially(rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+               x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``rotate`` of each head's first ``cos.shape[-1]`` numbers, the rest passed as they are
+    (a partial rotation, as transformers' GLM and Phi-3 apply it); the whole head where the
+    tables are as wide as it."""
+    width = cos.shape[-1]
+    if width == x.shape[-1]:
+        return rotate(x, cos, sin)
+    return torch.cat([rotate(x[..., :width], cos, sin), x[..., width:]], dim=-1)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding of ``x`` ``[rows, heads, d]`` turning neighbouring pairs
+    (2i, 2i + 1) by the i-th frequency (GLM's form: the tables' first half, each entry twice)."""
+    half = cos.shape[-1] // 2
+    cos = cos[..., :half].repeat_interleave(2, dim=-1)
+    sin = sin[..., :half].repeat_interleave(2, dim=-1)
+    rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

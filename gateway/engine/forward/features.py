@@ -11,18 +11,44 @@ walks exactly that, and a feature it does not know is refused before any of it r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-NormPlacement = Literal["pre", "sandwich", "post"]
-"""Where a layer normalises around its attention and its MLP (``LayerFeatures.norms``)."""
 
-NORM_PLACEMENTS: dict[str, tuple[str, ...]] = {
-    "pre": ("input_layernorm", "post_attention_layernorm"),
-    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                 "post_feedforward_layernorm"),
-    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
-}
-"""Where a layer's norms sit (``LayerFeatures.norms``), and the modules each placement reads."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerNorms:
+    """Which of a decoder layer's own norms normalise where around its attention and its MLP
+    (a module name of the layer; None: no norm there). A norm before a sublayer normalises its
+    input; one after it, its output before the residual add.
+
+    Why names and not a kind of placement: the same name means other places in other families
+    (Llama's ``post_attention_layernorm`` normalises the MLP's input, OLMo 2's and Gemma's the
+    attention's output), so a family says which module sits where.
+    """
+
+    before_attention: str | None = "input_layernorm"
+    after_attention: str | None = None
+    before_mlp: str | None = "post_attention_layernorm"
+    after_mlp: str | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The modules, in the order the layer applies them."""
+        return tuple(name for name in (self.before_attention, self.after_attention,
+                                       self.before_mlp, self.after_mlp) if name is not None)
+
+
+PRE_NORMS = LayerNorms()
+"""Llama's: each sublayer's input normalised (``input_layernorm``, ``post_attention_layernorm``)."""
+POST_NORMS = LayerNorms(before_attention=None, after_attention="post_attention_layernorm",
+                        before_mlp=None, after_mlp="post_feedforward_layernorm")
+"""OLMo 2's: each sublayer's output normalised before the residual add, its input not."""
+GLM4_NORMS = LayerNorms(after_attention="post_self_attn_layernorm",
+                        after_mlp="post_mlp_layernorm")
+"""GLM-4's: each sublayer's input and its output normalised ("sandwich" norms)."""
+GEMMA3_NORMS = LayerNorms(after_attention="post_attention_layernorm",
+                          before_mlp="pre_feedforward_layernorm",
+                          after_mlp="post_feedforward_layernorm")
+"""Gemma 2/3's: GLM-4's sandwich under other names (``post_attention_layernorm`` on the
+attention's output, ``pre_feedforward_layernorm`` before the MLP)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -64,21 +90,28 @@ class LayerFeatures:
         rope: the layer type the model's rotary embedding takes for this layer (Gemma 3's local
             and global layers rotate with other bases: ``rotary_emb(x, positions, rope)``);
             None: the one rotation every layer shares.
-        norms: where the layer's RMSNorms sit (``NORM_PLACEMENTS``): "pre" (Llama:
-            ``input_layernorm`` before attention, ``post_attention_layernorm`` before the MLP);
-            "sandwich" (Gemma 2/3: ``input_layernorm`` before attention and
-            ``post_attention_layernorm`` on its output, ``pre_feedforward_layernorm`` before the
-            MLP and ``post_feedforward_layernorm`` on its output, each before the residual add);
-            "post" (OLMo 2: no norm before either, ``post_attention_layernorm`` and
-            ``post_feedforward_layernorm`` on their outputs).
         rotary: q and k are rotated by their positions (rotary embeddings); False: a "NoPE"
             layer, whose attention sees positions only through causal order (SmolLM3's every
             fourth layer, ``no_rope_layers``). Its K are cached unrotated, as transformers
-            keeps them.
+            keeps them. Where the rotary embedding's tables are narrower than a head (a partial
+            rotation, GLM-4's half), only the head's first numbers turn, the rest pass.
         qk_projection_norm: q and k are normalised over their whole projection (every head at
             once: ``self_attn.q_norm`` over heads x head_dim) before they are split into heads
             and rotated: OLMo 2. Not Qwen3's per-head ``qk_norm``: the same module names, other
             arithmetic (one of the two at most).
+        norms: which norm modules normalise where (``LayerNorms``): Llama's ``PRE_NORMS``,
+            OLMo 2's ``POST_NORMS`` (after each sublayer instead of before it), GLM-4's
+            ``GLM4_NORMS`` and Gemma 2/3's ``GEMMA3_NORMS`` (before and after).
+        rotary_interleaved: the rotation turns pairs of neighbouring numbers (2i, 2i + 1) of a
+            head, each pair by the i-th frequency (transformers' GLM ``rotate_half`` over
+            ``cos[..., :half]`` repeated twice), not Llama's halves (i, i + half): GLM-4.
+        fused_qkv: q, k and v are one product (``self_attn.qkv_proj``, its output q | k | v,
+            split by the heads' widths) instead of three: Phi-3. One product of the fused weight
+            is what the checkpoint's model computes; its rows keep their bits as any shape's do
+            (the padding is searched over it, ``projection_weights``).
+        fused_gate_up: the MLP's gate and up projections are one product
+            (``mlp.gate_up_proj``, its output gate | up, in halves; the activation is
+            ``mlp.activation_fn``): Phi-3 and GLM-4.
     """
 
     qk_norm: bool = False
@@ -86,16 +119,18 @@ class LayerFeatures:
     experts: ExpertRouting | None = None
     attention_scale: float | None = None
     rope: str | None = None
-    norms: NormPlacement = "pre"
+    norms: LayerNorms = PRE_NORMS
     rotary: bool = True
     qk_projection_norm: bool = False
+    rotary_interleaved: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
 
     def __post_init__(self) -> None:
         if self.qk_norm and self.qk_projection_norm:
             raise ValueError("q and k are normalised per head or over the projection, not both")
-        if self.norms not in NORM_PLACEMENTS:
-            raise ValueError(f"norms are placed {' or '.join(NORM_PLACEMENTS)}, "
-                             f"not {self.norms!r}")
+        if self.rotary_interleaved and not self.rotary:
+            raise ValueError("a layer that does not rotate has no rotation form")
         if self.window is not None and self.window < 1:
             raise ValueError(f"a sliding window holds at least one position, not {self.window}")
 

@@ -12,9 +12,11 @@ from typing import Any
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
 from gateway.engine.models.families.gemma3 import GEMMA3
+from gateway.engine.models.families.glm4 import GLM4
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
 from gateway.engine.models.families.olmo2 import OLMO2
+from gateway.engine.models.families.phi3 import PHI3
 from gateway.engine.models.families.qwen2 import QWEN2
 from gateway.engine.models.families.qwen3 import QWEN3
 from gateway.engine.models.families.qwen3_moe import QWEN3_MOE
@@ -29,6 +31,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN2,
     SMOLLM3,
     OLMO2,
+    PHI3,
+    GLM4,
 )
 
 

@@ -7,14 +7,39 @@ from typing import Any
 
 
 def rotary_problem(config: Any) -> str | None:
-    """A rotation over only part of each head (``partial_rotary_factor`` < 1) is not the
-    forward's: it rotates whole heads."""
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    factor = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) \
-        or getattr(config, "partial_rotary_factor", None) or 1.0
+    """A rotation over only part of each head (``partial_rotary_factor`` < 1), for a family
+    whose transformers model rotates whole heads, or frequencies that change with the length."""
+    rope = _rope_parameters(config)
+    factor = rope.get("partial_rotary_factor") or getattr(config, "partial_rotary_factor", None) \
+        or 1.0
     if factor != 1.0:
         return f"partial rotary embeddings (partial_rotary_factor {factor})"
+    return rotary_frequencies_problem(config)
+
+
+def rotary_frequencies_problem(config: Any) -> str | None:
+    """Frequencies transformers recomputes from the length (``LENGTH_DEPENDENT_ROPE_TYPES``)."""
+    rope = _rope_parameters(config)
+    # One rope's parameters, or one per layer type (Gemma 3's {"sliding_attention": {...}}).
+    kinds = [rope.get("rope_type")] + [value.get("rope_type") for value in rope.values()
+                                       if isinstance(value, dict)]
+    kind = next((kind for kind in kinds if kind in LENGTH_DEPENDENT_ROPE_TYPES), None)
+    if kind is not None:
+        return (f"a rotary embedding whose frequencies change with the sequence's length "
+                f"(rope_type {kind}): a position's keys would depend on how long the sequence "
+                "grew, not on the position alone")
     return None
+
+
+def _rope_parameters(config: Any) -> dict[str, Any]:
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    return rope if isinstance(rope, dict) else {}
+
+
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
+"""transformers' rope types that recompute their frequencies from the longest position in the
+call (``dynamic_rope_update``): the forward's rotary tables, built once per chunk of positions,
+and the cache's keys, computed once per position, cannot follow them."""
 
 
 def sliding_window_problem(config: Any) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.forward.features import GEMMA3_NORMS, DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import (
     first_problem,
     layer_windows,
@@ -43,7 +43,7 @@ class Gemma3Family:
         scale = float(config.query_pre_attn_scalar) ** -0.5
         return DecoderFeatures(family=self.name, layers=tuple(
             LayerFeatures(qk_norm=True, window=window, attention_scale=scale, rope=kind,
-                          norms="sandwich")
+                          norms=GEMMA3_NORMS)
             for window, kind in zip(layer_windows(config), config.layer_types, strict=True)))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.forward.features import POST_NORMS, DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import (
     first_problem,
     rotary_problem,
@@ -26,7 +26,7 @@ class Olmo2Family:
 
     def features(self, config: Any) -> DecoderFeatures:
         return DecoderFeatures.uniform(self.name, int(config.num_hidden_layers), LayerFeatures(
-            qk_projection_norm=True, norms="post"))
+            qk_projection_norm=True, norms=POST_NORMS))
 
 
 OLMO2 = Olmo2Family()

@@ -16,9 +16,11 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     Gemma3TextConfig,
+    Glm4Config,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     Qwen3MoeConfig,
@@ -144,6 +146,28 @@ def save_olmo2(directory: Path, seed: int = 0) -> Path:
     return _save(Olmo2Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer, seed)
 
 
+def save_phi3(directory: Path, seed: int = 0) -> Path:
+    """Fused qkv_proj and gate_up_proj; a sliding window on every layer, as Phi-3 mini 4k's."""
+    tokenizer = make_hf_tokenizer()
+    config = Phi3Config(**_shape(tokenizer), pad_token_id=None, sliding_window=WINDOW)
+    return _save(config, directory, tokenizer, seed)
+
+
+def save_glm4(directory: Path, seed: int = 0) -> Path:
+    """Sandwich norms, biased q/k/v, fused gate_up_proj, half of each head rotated in pairs
+    (transformers' default ``partial_rotary_factor`` 0.5)."""
+    tokenizer = make_hf_tokenizer()
+    return _save(Glm4Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer, seed)
+
+
+def save_phi3_partial(directory: Path, seed: int = 0) -> Path:
+    """Phi-3 rotating the first half of each head only (``partial_rotary_factor``), no window."""
+    tokenizer = make_hf_tokenizer()
+    partial: dict[str, Any] = {"partial_rotary_factor": 0.5}  # a kwarg its config reads
+    config = Phi3Config(**_shape(tokenizer), pad_token_id=None, **partial)
+    return _save(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
@@ -153,6 +177,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "qwen2": save_qwen2,
     "smollm3": save_smollm3,
     "olmo2": save_olmo2,
+    "phi3": save_phi3,
+    "glm4": save_glm4,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
@@ -160,6 +186,7 @@ VARIANTS: dict[str, Callable[[Path], Path]] = {
     "qwen3-windowed": save_qwen3_windowed,
     "qwen2-windowed": save_qwen2_windowed,
     "smollm3-windowed": save_smollm3_windowed,
+    "phi3-partial": save_phi3_partial,
 }
 """More checkpoints the suite runs, where a family has a feature its main checkpoint lacks
 (name: family-feature)."""

@@ -8,15 +8,24 @@ from typing import Any
 
 import pytest
 from transformers import (
+    Gemma3TextConfig,
+    Glm4Config,
     GPT2Config,
+    LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
     SmolLM3Config,
 )
 
-from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.forward.features import (
+    GLM4_NORMS,
+    POST_NORMS,
+    DecoderFeatures,
+    LayerFeatures,
+)
 from gateway.engine.models.families import describe
 
 SHAPE: dict[str, Any] = {"num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
@@ -68,7 +77,51 @@ def test_smollm3_without_a_rotary_flag_for_each_layer_is_named() -> None:
 def test_olmo2_normalises_after_each_sublayer_and_q_and_k_over_the_projection() -> None:
     features = describe(Olmo2Config(**SHAPE, architectures=["Olmo2ForCausalLM"]))
     assert isinstance(features, DecoderFeatures), features
-    assert features.layers == (LayerFeatures(qk_projection_norm=True, norms="post"),) * 4
+    assert features.layers == (LayerFeatures(qk_projection_norm=True, norms=POST_NORMS),) * 4
+
+
+def test_phi3_fuses_its_projections_and_windows_every_layer_where_its_config_sets_one() -> None:
+    features = describe(Phi3Config(**SHAPE, sliding_window=2047,
+                                   architectures=["Phi3ForCausalLM"]))
+    assert isinstance(features, DecoderFeatures), features
+    assert features.layers == (LayerFeatures(window=2047, fused_qkv=True,
+                                             fused_gate_up=True),) * 4
+
+
+def test_phi3_rotating_part_of_each_head_is_its_own_llama_rotating_part_is_refused() -> None:
+    partial = {**SHAPE, "partial_rotary_factor": 0.5}
+    assert isinstance(describe(Phi3Config(**partial, architectures=["Phi3ForCausalLM"])),
+                      DecoderFeatures)
+    assert describe(LlamaConfig(**partial, architectures=["LlamaForCausalLM"])) == (
+        "llama: partial rotary embeddings (partial_rotary_factor 0.5)")
+
+
+@pytest.mark.parametrize(("config", "family", "kind"), [
+    (Phi3Config(**SHAPE, max_position_embeddings=131072, original_max_position_embeddings=4096,
+                rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                 "short_factor": [1.0] * 8, "long_factor": [2.0] * 8},
+                architectures=["Phi3ForCausalLM"]), "phi3", "longrope"),
+    (LlamaConfig(**SHAPE, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                           "rope_theta": 10000.0},
+                 architectures=["LlamaForCausalLM"]), "llama", "dynamic"),
+    (Gemma3TextConfig(**SHAPE, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}},
+        architectures=["Gemma3ForCausalLM"]), "gemma3", "dynamic"),
+], ids=["phi3-longrope", "llama-dynamic", "gemma3-dynamic-global-layers"])
+def test_a_rotary_embedding_that_changes_with_the_length_is_refused(config: Any, family: str,
+                                                                    kind: str) -> None:
+    assert describe(config) == (
+        f"{family}: a rotary embedding whose frequencies change with the sequence's length "
+        f"(rope_type {kind}): a position's keys would depend on how long the sequence grew, "
+        "not on the position alone")
+
+
+def test_glm4_sandwiches_its_sublayers_and_rotates_pairs_of_part_of_each_head() -> None:
+    features = describe(Glm4Config(**SHAPE, architectures=["Glm4ForCausalLM"]))
+    assert isinstance(features, DecoderFeatures), features
+    assert features.layers == (LayerFeatures(norms=GLM4_NORMS, fused_gate_up=True,
+                                             rotary_interleaved=True),) * 4
 
 
 def test_mistral_windows_every_layer_where_its_config_sets_a_window() -> None:
@@ -96,5 +149,5 @@ def test_a_partial_rotary_embedding_is_refused_by_its_family() -> None:
 def test_layer_features_that_contradict_themselves_are_refused() -> None:
     with pytest.raises(ValueError, match="per head or over the projection, not both"):
         LayerFeatures(qk_norm=True, qk_projection_norm=True)
-    with pytest.raises(ValueError, match="norms are placed pre or sandwich or post, not 'mid'"):
-        LayerFeatures(norms="mid")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="a layer that does not rotate has no rotation form"):
+        LayerFeatures(rotary=False, rotary_interleaved=True)

@@ -2,8 +2,9 @@
 its ``DecoderFeatures``, or the biases its projections carry dropped), the batched forward's
 logits are far from transformers', so the conformance suite's agreement is not luck of a
 feature that changes nothing on a tiny random model. And features that do not fit a layer's
-norms (one missing, or one the layer has that they do not apply) are refused before any step
-runs: a family that describes less than its layers do is never walked past a norm."""
+modules (a norm or projection missing, or one the layer has that they do not apply) are refused
+before any step runs: a family that describes less than its layers do is never walked past a
+norm."""
 
 from __future__ import annotations
 
@@ -14,12 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.engine.forward.batched import BatchedForward, SequenceRows, UnsupportedModel
-from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.forward.batched import (
+    BatchedForward,
+    SequenceRows,
+    UnsupportedModel,
+    projection_weights,
+)
+from gateway.engine.forward.features import (
+    POST_NORMS,
+    PRE_NORMS,
+    DecoderFeatures,
+    LayerFeatures,
+)
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.linear.row_products import Product, RowProducts
 from gateway.engine.models.loading import LoadedModel, load_model
-from tests.gateway.engine.families.checkpoints import BUILDERS
+from tests.gateway.engine.families.checkpoints import BUILDERS, VARIANTS
 from tests.gateway.engine.parity import engine_forward
 
 PROMPT = [(7 * i + 5) % 400 for i in range(90)]
@@ -76,6 +87,15 @@ def test_smollm3s_nope_layers_are_not_rotated(tmp_path: Path) -> None:
     assert _difference(loaded, features=rotating) > FAR
 
 
+def test_glm4s_rotation_turns_neighbouring_pairs_of_half_of_each_head(tmp_path: Path) -> None:
+    loaded = _load("glm4", tmp_path)
+    assert loaded.features is not None
+    halves = _changed(loaded.features,
+                      lambda layer: dataclasses.replace(layer, rotary_interleaved=False))
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=halves) > FAR
+
+
 @pytest.mark.parametrize(("family", "change", "refusal"), [
     ("qwen3", lambda layer: LayerFeatures(),
      "layer 0 has k_norm, q_norm, which its features do not apply"),
@@ -87,18 +107,70 @@ def test_smollm3s_nope_layers_are_not_rotated(tmp_path: Path) -> None:
      "layer 0 has k_norm, q_norm, which its features do not apply"),
     ("olmo2", lambda layer: dataclasses.replace(layer, qk_projection_norm=False, qk_norm=True),
      r"layer 0 has a q_norm over 64 numbers, not per head \(16\)"),
-    ("llama", lambda layer: LayerFeatures(norms="post"),
+    ("llama", lambda layer: LayerFeatures(norms=POST_NORMS),
      "layer 0 has no post_feedforward_layernorm to apply"),
+    ("phi3", lambda layer: dataclasses.replace(layer, fused_qkv=False),
+     "layer 0 has no q_proj and k_proj and v_proj to apply"),
+    ("llama", lambda layer: LayerFeatures(fused_gate_up=True),
+     "layer 0 has no gate_up_proj and activation_fn to apply"),
+    ("glm4", lambda layer: dataclasses.replace(layer, norms=PRE_NORMS),
+     "layer 0 has post_mlp_layernorm, post_self_attn_layernorm, which its features do not "
+     "apply"),
+    ("gemma3", lambda layer: dataclasses.replace(layer, norms=PRE_NORMS),
+     "layer 0 has post_feedforward_layernorm, pre_feedforward_layernorm, which its features "
+     "do not apply"),
 ], ids=["qwen3-as-llama", "qwen3-qk-over-projection", "olmo2-as-llama", "olmo2-without-qk",
-        "olmo2-qk-per-head", "llama-post-norms"])
-def test_features_that_do_not_fit_a_layers_norms_are_refused_before_a_step(
+        "olmo2-qk-per-head", "llama-post-norms", "phi3-unfused", "llama-fused",
+        "glm4-pre-norms-only", "gemma3-pre-norms-only"])
+def test_features_that_do_not_fit_a_layers_modules_are_refused_before_a_step(
         tmp_path: Path, family: str, change: Callable[[LayerFeatures], LayerFeatures],
         refusal: str) -> None:
-    """Every norm a layer has is one its features apply, and the other way round: a family
-    that describes less than its layers do is refused, never walked past a norm."""
+    """Every norm and projection a layer has is one its features apply, and the other way
+    round: a family that describes less than its layers do is refused, never walked past a
+    norm."""
     loaded = _load(family, tmp_path)
     assert loaded.features is not None
     chosen = engine_forward(loaded, torch.device("cpu"))
     with pytest.raises(UnsupportedModel, match=f"^{refusal} \\({family} layers\\)$"):
         BatchedForward(loaded.model, chosen.attention, chosen.products,
                        _changed(loaded.features, change))
+
+
+def test_the_products_padding_is_searched_over_fused_projections(tmp_path: Path) -> None:
+    loaded = _load("phi3", tmp_path)
+    layer = loaded.model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    assert [w.data_ptr() for w in projection_weights(loaded.model)] == [
+        w.data_ptr() for w in (attention.qkv_proj.weight, attention.o_proj.weight,
+                               mlp.gate_up_proj.weight, mlp.down_proj.weight)]
+
+
+class _KindsAlike(torch.nn.Module):
+    """A rotary embedding that takes a layer kind (as Gemma 3's does) and rotates every kind as
+    ``inner`` does: two kinds of rotation, each as narrow as a partial rotation's tables."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, kind: str | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        del kind
+        out: tuple[torch.Tensor, torch.Tensor] = self.inner(x, position_ids)
+        return out
+
+
+@pytest.mark.parametrize("family", ["glm4", "phi3-partial"])
+def test_rotation_kinds_side_by_side_are_each_sliced_at_their_own_width(
+        tmp_path: Path, family: str) -> None:
+    """Layers of two rotation kinds (Gemma 3's tables side by side) whose tables are narrower
+    than a head (a partial rotation): each layer reads its own kind's columns, so the walk is
+    transformers' as with one kind."""
+    loaded = load_model(str({**BUILDERS, **VARIANTS}[family](tmp_path / family)))
+    assert loaded.features is not None
+    loaded.model.model.rotary_emb = _KindsAlike(loaded.model.model.rotary_emb)
+    two_kinds = dataclasses.replace(loaded.features, layers=tuple(
+        dataclasses.replace(layer, rope=None if index % 2 else "other")
+        for index, layer in enumerate(loaded.features.layers)))
+    assert len(two_kinds.rope_kinds) == 2
+    assert _difference(loaded, features=two_kinds) <= 1e-4
