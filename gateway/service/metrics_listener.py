@@ -67,4 +67,4 @@ class _QuietHandler(WSGIRequestHandler):
     """No line on stderr per scrape (``wsgiref``'s default), as ``prometheus_client``'s own."""
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
-        pass
+        """Nothing: a scrape is counted by its own metrics, never written to stderr."""
