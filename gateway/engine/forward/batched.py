@@ -422,11 +422,12 @@ def _partially(rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torc
                x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``rotate`` of each head's first ``cos.shape[-1]`` numbers, the rest passed as they are
     (a partial rotation, as transformers' GLM and Phi-3 apply it); the whole head where the
-    tables are as wide as it."""
+    tables are as wide as it. The rotation computes in the tables' dtype and returns ``x``'s:
+    OLMo 2's tables stay float32 beside bfloat16 heads, and transformers rotates it so."""
     width = cos.shape[-1]
     if width == x.shape[-1]:
-        return rotate(x, cos, sin)
-    return torch.cat([rotate(x[..., :width], cos, sin), x[..., width:]], dim=-1)
+        return rotate(x, cos, sin).to(x.dtype)
+    return torch.cat([rotate(x[..., :width], cos, sin).to(x.dtype), x[..., width:]], dim=-1)
 
 
 def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

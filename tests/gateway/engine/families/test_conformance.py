@@ -10,6 +10,11 @@ For each family in ``gateway.engine.models.families.FAMILIES``, a tiny random ch
   logits;
 - a warm answer equals the cold one bit for bit, tokens and K/V, from the device tier and from
   the host tier, alone and beside other requests in odd step sizes.
+
+Each checkpoint runs on the CPU in float32 and, marked ``gpu``, on CUDA in bfloat16 (the dtype
+``kvgate serve`` computes in there): the Triton kernel, its windows and scales, the experts'
+products on the GPU. Agreement with transformers is checked on the CPU only -- in bfloat16 two
+correct kernels differ by more than any useful tolerance -- and exactness on both.
 """
 
 from __future__ import annotations
@@ -24,12 +29,14 @@ import torch
 from gateway.cache.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta
+from gateway.engine.attention.tiled import TiledAttention
 from gateway.engine.engine import Engine
-from gateway.engine.forward.batched import SequenceRows
+from gateway.engine.forward.batched import BatchedForward, SequenceRows
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models.families import FAMILIES
 from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.families.checkpoints import BUILDERS, VARIANTS
+from tests.gateway.engine.kernels import ROWWISE
 from tests.gateway.engine.parity import (
     ALICE,
     BLOCK,
@@ -39,7 +46,9 @@ from tests.gateway.engine.parity import (
     cache_config,
     cold_blocks,
     engine_forward,
+    load_tiny_as_served,
     make_engine,
+    model_device,
     num_servable_tokens,
     run,
 )
@@ -49,6 +58,9 @@ CHECKPOINTS = {**BUILDERS, **VARIANTS}
 LOGIT_TOLERANCE = 1e-4
 """float32, 3 layers: how far our walk's logits may be from transformers' (other kernels, the
 same arithmetic). Greedy tokens are compared only where the top two are further apart."""
+BFLOAT16_TOLERANCE = 0.1
+"""bfloat16, 3 layers: how far our last logits may be from transformers' in bfloat16, as a share
+of their largest (2026-11-28, every checkpoint here: 0.7-4.5%)."""
 GREEDY_TOKENS = 24
 SYSTEM = [(5 * i + 3) % 400 for i in range(70)]
 
@@ -57,11 +69,25 @@ def test_every_registered_family_has_a_tiny_checkpoint() -> None:
     assert set(BUILDERS) == set(FAMILY_NAMES)
 
 
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")]
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module", params=list(CHECKPOINTS))
-def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-           ) -> LoadedModel:
+def loaded(request: pytest.FixtureRequest, device: str,
+           tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     name = request.param
-    return load_model(str(CHECKPOINTS[name](tmp_path_factory.mktemp(name) / "model")))
+    return load_tiny_as_served(str(CHECKPOINTS[name](tmp_path_factory.mktemp(name) / "model")),
+                               device)
+
+
+def _on_the_cpu_only(loaded: LoadedModel) -> None:
+    if model_device(loaded).type != "cpu":
+        pytest.skip("agreement with transformers is checked in float32 on the CPU")
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +96,7 @@ def served(loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory
     """An engine with the machine's own search over device and host tiers, odd step sizes."""
     root = tmp_path_factory.mktemp("tiers")
     opened = open_cache(cache_config(root, disk_bytes=0, disk_path=None), layout=loaded.layout,
-                        deployment_secret=SECRET)
+                        deployment_secret=SECRET, device=model_device(loaded))
     engine = make_engine(loaded, opened, step_tokens=37, prefill_step_tokens=37)
     yield engine, opened
     engine.stop(grace_s=5)
@@ -91,6 +117,7 @@ def test_the_family_describes_it_and_the_probe_chooses_the_batched_route(
 
 
 def test_logits_agree_with_transformers_at_every_position(loaded: LoadedModel) -> None:
+    _on_the_cpu_only(loaded)
     tokens = torch.tensor(_prompt(1, 90))
     forward = engine_forward(loaded, torch.device("cpu"))
     sequence = KVSequence.alone(loaded.layout, len(tokens))
@@ -107,15 +134,36 @@ def test_logits_agree_with_transformers_at_every_position(loaded: LoadedModel) -
     assert difference <= LOGIT_TOLERANCE
 
 
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_the_forward_computes_in_bfloat16_as_on_cuda(
+        name: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Every part of the layer returns the dtype it was given (OLMo 2's rotary tables are
+    float32 and once turned its bfloat16 heads into float32 ones), so K/V are stored in
+    bfloat16 and the logits are transformers' own, here on the CPU as on CUDA."""
+    path = CHECKPOINTS[name](tmp_path_factory.mktemp(name) / "model")
+    loaded = load_model(str(path), dtype=torch.bfloat16)
+    forward = BatchedForward(loaded.model, TiledAttention(), ROWWISE, loaded.features)
+    tokens = torch.tensor(_prompt(5, 20))
+    sequence = KVSequence.alone(loaded.layout, len(tokens))
+    ours = forward.forward([SequenceRows(sequence=sequence, tokens=tokens, wants_logits=True)])[0]
+    assert ours is not None
+    assert sequence.block(0, BLOCK).keys[0].dtype == torch.bfloat16
+    with torch.inference_mode():
+        theirs = loaded.transformers_model()(tokens.reshape(1, -1)).logits[0, -1].float()
+    difference = (ours.float() - theirs).abs().max().item()
+    assert difference <= BFLOAT16_TOLERANCE * theirs.abs().max().item()
+
+
 def test_a_sequence_alone_has_the_bits_it_has_beside_eight_others(loaded: LoadedModel) -> None:
     """Prefill and a decode step, alone and in one step with eight other sequences (every
     row-wise part of the layer, experts' routing and products included, keeps a row's bits)."""
-    forward = engine_forward(loaded, torch.device("cpu"))
+    forward = engine_forward(loaded, model_device(loaded))
     mine = torch.tensor(_prompt(7, 30))
 
     def run_steps(others: int) -> list[torch.Tensor]:
         rng = random.Random(others)
-        sequences = [KVSequence.alone(loaded.layout, 256) for _ in range(others + 1)]
+        sequences = [KVSequence.alone(loaded.layout, 256, device=model_device(loaded))
+                     for _ in range(others + 1)]
         prompts = [mine] + [torch.tensor(_prompt(100 + i, rng.randrange(3, 90)))
                             for i in range(others)]
         first = forward.forward([SequenceRows(sequence=s, tokens=p, wants_logits=True)
@@ -136,6 +184,7 @@ def test_a_sequence_alone_has_the_bits_it_has_beside_eight_others(loaded: Loaded
 
 def test_greedy_tokens_equal_transformers_generate_until_a_near_tie(
         loaded: LoadedModel, served: tuple[Engine, OpenedCache]) -> None:
+    _on_the_cpu_only(loaded)
     engine, _ = served
     prompt = _prompt(2, 20)
     ours, _, _ = run(engine, PromptInput(token_ids=prompt), no_cache=True,
