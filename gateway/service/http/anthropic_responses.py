@@ -11,9 +11,10 @@ prompt. Beside them, kvgate's own figures (``openai_responses.kvgate_usage``)::
               "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
               "kvgate": {"cached_tokens_by_tier": {"device": 320}, "ttft_ms": 185.5, ...}}
 
-Tokens stored with the gateway's own TTL (a request without ``cache_control``) count in
-``cache_creation_input_tokens`` and in neither ephemeral figure; ``kvgate.cache_creation_ttl_s``
-says the TTL they got.
+A request without ``cache_control`` stores its blocks for 5 minutes, as the hosted API keeps a
+prefix, and counts them in ``ephemeral_5m_input_tokens``; where the gateway's ``max_ttl_s`` is
+shorter they get its own TTL and count in ``cache_creation_input_tokens`` and in neither
+ephemeral figure. ``kvgate.cache_creation_ttl_s`` says the TTL they got.
 
 A stream is Anthropic's events: ``message_start``, ``content_block_start``, ``ping``, one
 ``content_block_delta`` per piece of text, ``content_block_stop``, ``message_delta`` (the stop

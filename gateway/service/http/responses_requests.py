@@ -13,8 +13,8 @@ or assistant, ``content`` a string or ``input_text`` / ``output_text`` parts), `
 ``previous_response_id``, ``store`` (default true), ``max_output_tokens``, ``temperature``,
 ``top_p``, ``stream``, ``metadata`` (echoed), ``prompt_cache_key`` (accepted: never part of a
 block key, and not a session), ``prompt_cache_retention`` (``in_memory`` / ``in-memory``: the
-gateway's own TTL; ``24h``: a day), ``truncation: "disabled"``, ``tool_choice`` ``auto`` or
-``none`` and empty ``tools``. Refused: images, files and audio, tools, function calls and
+blocks kept 5 minutes after their last use, as the hosted API keeps a prefix; ``24h``: a day),
+``truncation: "disabled"``, ``tool_choice`` ``auto`` or ``none`` and empty ``tools``. Refused: images, files and audio, tools, function calls and
 their outputs, reasoning, ``background``, ``conversation`` and anything else.
 """
 
@@ -29,13 +29,21 @@ from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
 from gateway.core.prompt_limits import PromptLimits, check_prompt_size, measure
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
-from gateway.service.edge import EdgeLimits, checked_ttl, deadline_within, scope_of
+from gateway.service.edge import (
+    EdgeLimits,
+    checked_ttl,
+    deadline_within,
+    hosted_api_ttl,
+    scope_of,
+)
 from gateway.service.http.errors import InvalidParam
 from gateway.service.http.json_fields import optional_field, type_name
 
 RETENTION_TTL_S: dict[str, float | None] = {"in_memory": None, "in-memory": None,
                                             "24h": 24 * 3600.0}
-"""``prompt_cache_retention``: the gateway's own TTL (None), or a day."""
+"""``prompt_cache_retention``: a day, or (None) the hosted API's 5 minutes for the blocks and the
+response store's own TTL for the stored response (a conversation outlives its cached blocks:
+an idle one is recomputed, never lost)."""
 
 _FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store",
                      "max_output_tokens", "temperature", "top_p", "stream", "metadata",
@@ -57,7 +65,7 @@ class ResponsesCall:
         previous_response_id: the response this one continues (None: a new conversation).
         instructions: the system message, if any.
         turn: the messages this request adds (its ``input``).
-        ttl_s: the TTL ``prompt_cache_retention`` asks (None: the gateway's own).
+        ttl_s: how long the stored response is kept after its last use (None: the store's own).
         metadata: echoed in the response.
         max_output_tokens: as sent (echoed).
         user: None (the Responses API names no session in its body; ``X-Session-Id`` does).
@@ -110,6 +118,7 @@ def parse_responses(body: Mapping[str, Any], principal: Principal, *,
         ttl = checked_ttl(RETENTION_TTL_S[retention], limits)
     except InvalidRequest as exc:
         raise InvalidParam("prompt_cache_retention", str(exc)) from None
+    blocks_ttl = hosted_api_ttl(limits) if ttl is None else ttl
     key = fields.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
         raise InvalidParam("prompt_cache_key", f"`prompt_cache_key` must be a string, got "
@@ -128,7 +137,7 @@ def parse_responses(body: Mapping[str, Any], principal: Principal, *,
         prompt=_prompt(instructions, (), turn, limits.prompt),
         scope=scope_of(principal, is_shared=False),
         sampling=sampling,
-        cache=CacheOptions(ttl_s=ttl),
+        cache=CacheOptions(ttl_s=blocks_ttl),
         deadline=deadline_within(limits, None),
     )
     return ResponsesCall(model=model, request=request,

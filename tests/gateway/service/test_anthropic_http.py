@@ -21,7 +21,6 @@ from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupRequest
-from gateway.engine.engine import EngineConfig
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.server import HttpFront
@@ -235,16 +234,17 @@ def test_top_level_cache_control_keeps_the_whole_prompt_for_its_ttl(stack: Stack
     assert usage.cache_creation.ephemeral_5m_input_tokens == 0
 
 
-def test_unmarked_prompt_is_cached_with_the_gateways_own_ttl(stack: Stack, claude: Any) -> None:
+def test_unmarked_prompt_is_cached_five_minutes_as_the_hosted_api(stack: Stack,
+                                                                  claude: Any) -> None:
     system = unique(LONG_PROMPT)
     usage = ask(claude, system).usage
     ttls = block_ttls(stack, [{"role": "system", "content": system},
                               {"role": "user", "content": QUESTION}])
     assert usage.cache_creation_input_tokens == len(ttls) * BLOCK > 0
-    assert usage.cache_creation.ephemeral_5m_input_tokens == 0
+    assert usage.cache_creation.ephemeral_5m_input_tokens == len(ttls) * BLOCK
     assert usage.cache_creation.ephemeral_1h_input_tokens == 0
-    assert usage.kvgate["cache_creation_ttl_s"] is None
-    assert set(ttls) == {EngineConfig().default_ttl_s}
+    assert usage.kvgate["cache_creation_ttl_s"] == 300.0
+    assert set(ttls) == {300.0}
     # What the refused requests below are checked with sees a stored prompt's system prefix.
     assert cached_tokens(stack, [{"role": "system", "content": system}]) > 0
 

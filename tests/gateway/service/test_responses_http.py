@@ -131,13 +131,11 @@ def test_a_stream_sends_the_responses_events_and_is_stored(stack: Stack) -> None
     assert stack.sdk().responses.retrieve(done.id).output_text == text
 
 
-def test_24h_retention_keeps_the_blocks_a_day(stack: Stack) -> None:
-    instructions = unique(LONG_PROMPT)
-    made = respond(stack, instructions=instructions, input="Keep it.",
-                   prompt_cache_retention="24h")
+def _block_ttls(stack: Stack, instructions: str, text: str) -> tuple[int, set[float | None]]:
+    """How many blocks of the conversation the cache holds, and the TTLs they were kept with."""
     engine = stack.engine
     tokens = engine.prompt_tokens(PromptInput(messages=[
-        {"role": "system", "content": instructions}, {"role": "user", "content": "Keep it."}]))
+        {"role": "system", "content": instructions}, {"role": "user", "content": text}]))
     namespace = engine.namespace(Scope.of_tenant("tenant-a"))
     opened = stack.running.opened
     assert opened is not None
@@ -145,8 +143,22 @@ def test_24h_retention_keeps_the_blocks_a_day(stack: Stack) -> None:
     with cache.placement.locked():
         _, records, _ = cache.match_records(namespace, tokens,
                                             cache.fingerprinter(namespace).block_keys(tokens))
-        ttls = {record.ttl_s for record in records}
-    assert len(records) == made.usage.input_tokens // BLOCK and ttls == {86400.0}
+        return len(records), {record.ttl_s for record in records}
+
+
+def test_24h_retention_keeps_the_blocks_a_day(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    made = respond(stack, instructions=instructions, input="Keep it.",
+                   prompt_cache_retention="24h")
+    num_blocks, ttls = _block_ttls(stack, instructions, "Keep it.")
+    assert num_blocks == made.usage.input_tokens // BLOCK and ttls == {86400.0}
+
+
+def test_in_memory_retention_keeps_the_blocks_five_minutes(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    made = respond(stack, instructions=instructions, input="Keep it.")
+    num_blocks, ttls = _block_ttls(stack, instructions, "Keep it.")
+    assert num_blocks == made.usage.input_tokens // BLOCK and ttls == {300.0}
 
 
 def test_an_image_is_refused_and_nothing_is_cached(stack: Stack) -> None:
