@@ -14,8 +14,9 @@ or assistant, ``content`` a string or ``input_text`` / ``output_text`` parts), `
 ``top_p``, ``stream``, ``metadata`` (echoed), ``prompt_cache_key`` (accepted: never part of a
 block key, and not a session), ``prompt_cache_retention`` (``in_memory`` / ``in-memory``: the
 blocks kept 5 minutes after their last use, as the hosted API keeps a prefix; ``24h``: a day),
-``truncation: "disabled"``, ``tool_choice`` ``auto`` or ``none`` and empty ``tools``. Refused: images, files and audio, tools, function calls and
-their outputs, reasoning, ``background``, ``conversation`` and anything else.
+``truncation: "disabled"``, ``tool_choice`` ``auto`` or ``none`` and empty ``tools``.
+Refused: images, files and audio, tools, function calls and their outputs, reasoning,
+``background``, ``conversation`` and anything else.
 """
 
 from __future__ import annotations
