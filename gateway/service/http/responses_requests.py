@@ -47,6 +47,7 @@ response store's own TTL for the stored response (a conversation outlives its ca
 an idle one is recomputed, never lost)."""
 
 _FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store",
+                     "prompt_cache_options",
                      "max_output_tokens", "temperature", "top_p", "stream", "metadata",
                      "prompt_cache_key", "prompt_cache_retention", "truncation", "tool_choice",
                      "tools", "parallel_tool_calls"})
@@ -70,6 +71,9 @@ class ResponsesCall:
         metadata: echoed in the response.
         max_output_tokens: as sent (echoed).
         user: None (the Responses API names no session in its body; ``X-Session-Id`` does).
+        prompt_cache_key: as sent (a routing hint; compared by ``prompt_cache_diagnostics``).
+        comparison_response_id: ``prompt_cache_options.comparison_response_id``: the earlier
+            response this one's prompt is compared with (None: no diagnostics asked).
     """
 
     model: str
@@ -83,6 +87,8 @@ class ResponsesCall:
     metadata: Mapping[str, object] | None = None
     max_output_tokens: int | None = None
     user: object = None
+    prompt_cache_key: str | None = None
+    comparison_response_id: str | None = None
 
 
 def parse_responses(body: Mapping[str, Any], principal: Principal, *,
@@ -146,7 +152,33 @@ def parse_responses(body: Mapping[str, Any], principal: Principal, *,
                          store=True if store is None else store,
                          previous_response_id=previous, instructions=instructions,
                          turn=tuple(turn), ttl_s=ttl, metadata=metadata,
-                         max_output_tokens=max_output_tokens)
+                         max_output_tokens=max_output_tokens, prompt_cache_key=key,
+                         comparison_response_id=_comparison_response_id(
+                             fields.get("prompt_cache_options")))
+
+
+def _comparison_response_id(value: object) -> str | None:
+    """``prompt_cache_options.comparison_response_id``; the implicit mode is kvgate's (every
+    full block is cached), and lifetimes are ``prompt_cache_retention``'s."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidParam("prompt_cache_options", "`prompt_cache_options` must be an object, "
+                                                   f"got {type_name(value)}")
+    for name, option in value.items():
+        if name == "mode" and option == "implicit":
+            continue
+        if name != "comparison_response_id":
+            raise InvalidParam(f"prompt_cache_options.{name}",
+                               f"`prompt_cache_options.{name}` is not supported: kvgate caches "
+                               "every full block implicitly, kept as `prompt_cache_retention` "
+                               "says; it serves `comparison_response_id` and `mode: implicit`")
+    compared = value.get("comparison_response_id")
+    if compared is not None and (not isinstance(compared, str) or not compared):
+        raise InvalidParam("prompt_cache_options.comparison_response_id",
+                           "`prompt_cache_options.comparison_response_id` must be the id of an "
+                           "earlier response")
+    return compared
 
 
 def continued(call: ResponsesCall, earlier: Sequence[Mapping[str, str]],

@@ -174,3 +174,49 @@ def test_an_image_is_refused_and_nothing_is_cached(stack: Stack) -> None:
         prompt=PromptInput(messages=[{"role": "system", "content": instructions}]),
         scope=Scope.of_tenant("tenant-a")))
     assert looked.cached_tokens == 0
+
+
+def _compared(stack: Stack, earlier: str, key: str = KEY_A, **options: Any) -> Any:
+    return respond(stack, key, extra_body={
+        "prompt_cache_options": {"comparison_response_id": earlier}}, **options)
+
+
+def test_the_same_prompt_compared_with_its_earlier_response_is_a_cache_hit(
+        stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    first = respond(stack, instructions=instructions, input="Keep it.")
+    again = _compared(stack, first.id, instructions=instructions, input="Keep it.")
+    assert again.prompt_cache_diagnostics.type == "cache_hit"
+
+
+def test_changed_instructions_are_input_changed_with_the_tokens_missed(stack: Stack) -> None:
+    first = respond(stack, instructions=unique(LONG_PROMPT), input="Keep it.")
+    second = _compared(stack, first.id, instructions=unique(LONG_PROMPT), input="Keep it.")
+    diagnostics = second.prompt_cache_diagnostics
+    assert diagnostics.type == "cache_miss" and diagnostics.reason == "input_changed"
+    reusable = diagnostics.comparison_reusable_tokens
+    assert reusable == first.usage.input_tokens // BLOCK * BLOCK > 0
+    assert diagnostics.cache_missed_tokens == reusable
+
+
+def test_a_changed_prompt_cache_key_is_prompt_cache_key_changed(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    first = respond(stack, instructions=instructions, input="Keep it.", prompt_cache_key="a")
+    second = _compared(stack, first.id, instructions=instructions, input="Keep it.",
+                       prompt_cache_key="b")
+    assert second.prompt_cache_diagnostics.reason == "prompt_cache_key_changed"
+
+
+def test_another_tenants_or_an_unknown_response_is_not_found(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    theirs = respond(stack, KEY_B, instructions=instructions, input="Keep it.")
+    for earlier in (theirs.id, "resp_" + "0" * 24):
+        compared = _compared(stack, earlier, instructions=instructions, input="Keep it.")
+        assert compared.prompt_cache_diagnostics.model_dump(exclude_none=True) == {
+            "type": "comparison_response_not_found"}
+
+
+def test_prompt_cache_options_other_than_the_comparison_are_refused(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        respond(stack, input="hi", extra_body={"prompt_cache_options": {"ttl": "12h"}})
+    assert body_of(raised.value)["param"] == "prompt_cache_options.ttl"
