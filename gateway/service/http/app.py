@@ -79,7 +79,7 @@ from gateway.service.http.prompt_comparisons import PromptComparisons
 from gateway.service.http.responses_rendering import ResponsesRendering
 from gateway.service.http.responses_requests import ResponsesCall, parse_responses
 from gateway.service.http.responses_route import StoredResponsesRoute
-from gateway.service.http.stored_responses import MemoryResponses
+from gateway.service.http.stored_responses import MemoryResponses, ResponseStore
 from gateway.service.scrape_token import CHALLENGE, ScrapeToken
 from gateway.service.scrape_token import REFUSAL as SCRAPE_REFUSAL
 
@@ -162,7 +162,7 @@ class OpenAIFront:
                  scrape_token: ScrapeToken | None = None,
                  served_model_name: tuple[str, ...] = (),
                  session_from_user: bool = False,
-                 responses: MemoryResponses | None = None) -> None:
+                 responses: ResponseStore | None = None) -> None:
         self._engines = engines
         self._stored = StoredResponsesRoute(
             responses if responses is not None else MemoryResponses(

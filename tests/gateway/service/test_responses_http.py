@@ -10,12 +10,18 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.cache.factory import CacheConfig
+from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupRequest
-from tests.gateway.grpc_harness import BLOCK, KEY_A, KEY_B, LONG_PROMPT
+from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
+from gateway.service.http.server import HttpFront
+from tests.gateway.grpc_harness import BLOCK, KEY_A, KEY_B, KEYS, LONG_PROMPT, start_gateway
 from tests.gateway.service import test_openai_http
 from tests.gateway.service.test_openai_http import MODEL, Stack, unique
+from tests.redis_harness import RedisServer
 
 loaded = test_openai_http.loaded
 stack = test_openai_http.stack
@@ -220,3 +226,40 @@ def test_prompt_cache_options_other_than_the_comparison_are_refused(stack: Stack
     with pytest.raises(openai.BadRequestError) as raised:
         respond(stack, input="hi", extra_body={"prompt_cache_options": {"ttl": "12h"}})
     assert body_of(raised.value)["param"] == "prompt_cache_options.ttl"
+
+
+def test_with_redis_a_conversation_continues_on_another_replica(
+        loaded: Any, redis_server: RedisServer) -> None:
+    """Two HTTP fronts sharing a Redis (and the deployment secret), as two replicas: a
+    response kept through one is read and continued through the other."""
+    engines = EngineSlot()
+    cache = CacheConfig(block_tokens=BLOCK, device_bytes=64 << 20, host_bytes=64 << 20,
+                        redis_url=redis_server.url)
+    running = start_gateway(loaded, engines=engines, cache_config=cache)
+    config = ServeConfig(host="127.0.0.1", port=0, keys=KEYS, http=HttpSettings(port=0),
+                         cache=cache)
+    fronts: list[Any] = [HttpFront(config, Authenticator(KEYS), engines,
+                                   deployment_secret=b"d" * 32)
+              for _ in range(2)]
+    try:
+        for front in fronts:
+            front.start()
+        one, other = (openai.OpenAI(base_url=front.url, api_key=KEY_A, max_retries=0,
+                                    timeout=60.0) for front in fronts)
+        made: Any
+        later: Any
+        instructions = unique(LONG_PROMPT)
+        made = one.responses.create(model=MODEL, instructions=instructions,
+                                    input="Remember 7.", max_output_tokens=4)
+        assert other.responses.retrieve(made.id).output_text == made.output_text
+        later = other.responses.create(model=MODEL, instructions=instructions,
+                                       previous_response_id=made.id, input="Which number?",
+                                       max_output_tokens=4)
+        assert later.usage.input_tokens > made.usage.input_tokens  # the earlier turn in it
+        with pytest.raises(openai.NotFoundError):
+            openai.OpenAI(base_url=fronts[1].url, api_key=KEY_B, max_retries=0
+                          ).responses.retrieve(made.id)
+    finally:
+        for front in fronts:
+            front.stop(timeout_s=5.0)
+        running.stop()
