@@ -43,7 +43,7 @@ GPU_TORCH_SPEC ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: venv lint test test-gpu redis-server promtool smg serve bench-index bench-ttft bench-load bench-peers \
+.PHONY: venv lint test soak-ci test-gpu redis-server promtool smg serve bench-index bench-ttft bench-load bench-peers \
 	clean
 
 venv: $(STAMP)
@@ -103,6 +103,11 @@ $(SMG_VENV)/.smg-installed:
 test: lint redis-server promtool smg
 	KVGATE_TEST_SMG=$(CURDIR)/$(SMG_VENV)/bin/smg KVGATE_REQUIRE_PROMTOOL=1 \
 	  KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# The 3-minute soak (issue 44): two replicas and a Redis under a mixed load through every fault
+# kind; its own CI step, beside `make test` (which skips it).
+soak-ci: $(STAMP) redis-server
+	KVGATE_SOAK=1 KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest -s tests/soak $(PYTEST_ARGS)
 
 # The tests marked `gpu` on CUDA: the whole parity suite with the model and the device tier on
 # the GPU, the pinned host tier's fenced copies, device placement. KVGATE_REQUIRE_GPU=1 makes a

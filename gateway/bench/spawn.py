@@ -263,7 +263,7 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                     cwd=None if source is None else str(source.resolve()),
                 )
             try:
-                port, route, http_port = _wait_serving(proc, log, start_timeout_s)
+                port, route, http_port = wait_serving(proc, log, start_timeout_s)
                 err.write(f"[{label}] spawned kvgate serve (pid {proc.pid}) on 127.0.0.1:{port}"
                           f"{', redis ' + url if url else ''}\n")
                 yield Endpoint(host="127.0.0.1", port=port, api_key=api_key,
@@ -289,13 +289,16 @@ def _maybe_redis(url: str | None, binary: str | None,
         yield started, None
 
 
-def _wait_serving(proc: subprocess.Popen[bytes], log: Path,
-                  timeout_s: float) -> tuple[int, str | None, int | None]:
+def wait_serving(proc: subprocess.Popen[bytes], log: Path, timeout_s: float, *,
+                 offset: int = 0) -> tuple[int, str | None, int | None]:
     """The port the start line names, the engine route with why (None if unnamed), and the
-    HTTP API's port (None if it names none)."""
+    HTTP API's port (None if it names none); ``offset``: where in ``log`` this start's lines
+    begin (a restarted server appends to the same log)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = log.read_text(encoding="utf-8", errors="replace")
+        with log.open("rb") as fh:
+            fh.seek(max(0, offset))
+            text = fh.read().decode("utf-8", errors="replace")
         match = _SERVING.search(text)
         if match:
             route = _ROUTE.search(text)

@@ -270,3 +270,39 @@ def add_bench_lossy(bench_sub: Any) -> None:
                        help="the redis-server to start (default: the one on PATH; none: the "
                             "Redis rows are skipped)")
     add_numerics_arguments(lossy, what="the model, its K/V and the device tier")
+
+
+def add_bench_soak(bench_sub: Any) -> None:
+    soak = bench_sub.add_parser(
+        "soak", help="two replicas and a Redis under a mixed load while things fail: every "
+                     "answer checked against the cold one (issue 44)",
+        description="Starts a redis-server and --replicas `kvgate serve` sharing it (each with "
+                    "a small disk tier), computes every catalogue prompt's cold answer, then "
+                    "for --minutes drives --clients threads of mixed requests (chats under "
+                    "shared system prompts, long documents, sessions, priorities, lossy-"
+                    "allowed, prewarms, pins, evictions, session resets, clients that leave "
+                    "mid-stream) while faults come every --fault-every seconds: Redis killed "
+                    "and restarted, stopped, slowed; a replica killed and restarted on its "
+                    "data; a disk block and a Redis value corrupted. Prints what was answered, "
+                    "wrong (must be 0), refused and failed (in or outside a fault's window), "
+                    "each fault's recovery, and the processes' memory, descriptors and "
+                    "threads. Exit status 1 when the run failed. Needs redis-server.")
+    soak.add_argument("--minutes", type=float, default=60.0,
+                      help="how long the load runs (default: %(default)s)")
+    soak.add_argument("--replicas", type=int, default=2, help="default: %(default)s")
+    soak.add_argument("--clients", type=int, default=6,
+                      help="client threads sending requests (default: %(default)s)")
+    soak.add_argument("--fault-every", type=float, default=60.0, metavar="S",
+                      help="seconds between faults, after --warmup (default: %(default)s)")
+    soak.add_argument("--warmup", type=float, default=20.0, metavar="S",
+                      help="seconds of load before the first fault (default: %(default)s)")
+    soak.add_argument("--pause", type=float, default=10.0, metavar="S",
+                      help="how long Redis stays stopped (SIGSTOP) (default: %(default)s)")
+    soak.add_argument("--model", default="bundled", help="default: %(default)s")
+    soak.add_argument("--data-dir", type=Path, default=Path("data"),
+                      help="where the model is converted once (default: %(default)s)")
+    soak.add_argument("--max-tokens", type=int, default=8,
+                      help="greedy tokens per answer (default: %(default)s)")
+    soak.add_argument("--json", type=Path, default=None,
+                      help="write every outcome, fault and sample here")
+
