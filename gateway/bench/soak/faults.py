@@ -8,6 +8,7 @@ Each fault is a function over the running deployment that returns when the fault
 
 from __future__ import annotations
 
+import errno
 import random
 import signal
 import socket
@@ -24,7 +25,6 @@ GRACE_S = 10.0
 """How long after a fault ends its errors still count as the fault's."""
 
 NOT_BUILT: Mapping[str, str] = {
-    "disk_full": "needs a size-limited filesystem (tmpfs mounted with size=) for the disk tier",
     "redis_cluster_failover": "needs --redis-cluster, a three-master Redis Cluster",
 }
 
@@ -94,6 +94,31 @@ def disk_block_corrupt(d: Deployment) -> str:
     return "no disk block to corrupt yet"
 
 
+def disk_full(d: Deployment) -> str:
+    """A replica's disk tier (on its tmpfs) filled to ENOSPC for ``pause_s``, then freed."""
+    mounted = [r for r in d.replicas if r.disk_mounted]
+    if not mounted:
+        raise RuntimeError("no replica's disk tier is on a size-limited filesystem "
+                           "(mounting a tmpfs needs root)")
+    replica = d.rng.choice(mounted)
+    filler = replica.data_dir / "kv" / ".soak-filler"
+    written = 0
+    try:
+        with filler.open("wb") as fh:
+            block = bytes(1 << 20)
+            while True:
+                fh.write(block)
+                fh.flush()
+                written += len(block)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    time.sleep(d.pause_s)
+    filler.unlink(missing_ok=True)
+    return (f"{replica.name}'s disk tier filled to ENOSPC ({written >> 20} MiB more) for "
+            f"{d.pause_s:g} s, then freed")
+
+
 def redis_value_corrupt(d: Deployment) -> str:
     client = redis.Redis.from_url(d.redis.url, socket_timeout=5)
     try:
@@ -115,6 +140,7 @@ FAULTS: Mapping[str, Callable[[Deployment], str]] = {
     "redis_slow": redis_slow,
     "replica_kill_restart": replica_kill_restart,
     "disk_block_corrupt": disk_block_corrupt,
+    "disk_full": disk_full,
     "redis_value_corrupt": redis_value_corrupt,
 }
 """Every fault the soak injects, in the order a run cycles through them."""

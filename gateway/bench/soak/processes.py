@@ -127,6 +127,7 @@ class SoakReplica:
         self.config_path.write_text(config, encoding="utf-8")
         self.config_path.chmod(0o600)
         self.tenant = SPAWN_TENANT
+        self.disk_mounted = False
 
     def start(self) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
@@ -159,6 +160,26 @@ class SoakReplica:
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
+
+    def mount_disk(self, size_bytes: int) -> str | None:
+        """Put the disk tier on a tmpfs of ``size_bytes`` (so that it can be filled to ENOSPC);
+        None when mounted, else why not (not root, or mount refused)."""
+        kv = self.data_dir / "kv"
+        kv.mkdir(mode=0o700, exist_ok=True)
+        if os.geteuid() != 0:
+            return "mounting a tmpfs needs root"
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes},mode=0700",
+                               "tmpfs", str(kv)], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            return f"mount refused: {done.stderr.strip()[:200]}"
+        self.disk_mounted = True
+        return None
+
+    def unmount_disk(self) -> None:
+        if self.disk_mounted:
+            subprocess.run(["umount", "-l", str(self.data_dir / "kv")], capture_output=True,
+                           check=False)
+            self.disk_mounted = False
 
     def disk_block_files(self) -> list[Path]:
         """The disk tier's block files now (the corruption fault picks one)."""

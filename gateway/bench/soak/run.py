@@ -20,6 +20,7 @@ from gateway.bench.soak.faults import Deployment, FaultWindow, run_schedule
 from gateway.bench.soak.processes import SoakRedis, SoakReplica, sample
 from gateway.bench.soak.report import Sampled, SoakReport
 from gateway.bench.soak.workload import ClientContext, Outcome, catalogue, cold_answers, run_client
+from gateway.config.loader import parse_size
 
 SAMPLE_EVERY_S = 5.0
 
@@ -88,7 +89,12 @@ def run_soak(options: SoakOptions, *, out: TextIO, err: TextIO) -> SoakReport:
                                 start_timeout_s=options.start_timeout_s)
                     for i in range(options.replicas)]
         for replica in replicas:
-            stack.callback(replica.stop)
+            stack.callback(replica.unmount_disk)
+            stack.callback(replica.stop)  # stopped before its disk is unmounted
+            why_not = replica.mount_disk(_tmpfs_bytes(options.disk_bytes))
+            if why_not is not None:
+                err.write(f"[soak] {replica.name}'s disk tier is not size-limited ({why_not}): "
+                          "the disk-full fault will not be made\n")
             replica.start()
             err.write(f"[soak] {replica.name} serving on 127.0.0.1:{replica.port} "
                       f"(pid {replica.pid})\n")
@@ -103,6 +109,12 @@ def run_soak(options: SoakOptions, *, out: TextIO, err: TextIO) -> SoakReport:
             admin_key=admin_key, tenant=replicas[0].tenant, prompts=prompts, cold=cold,
             max_tokens=options.max_tokens, deadline_s=options.deadline_s), err)
     raise AssertionError("unreachable")
+
+
+def _tmpfs_bytes(disk_bytes: str) -> int:
+    """Room for the disk tier's budget and a quarter more (its files' headers, the index):
+    the disk-full fault then fills what is left."""
+    return parse_size(disk_bytes) * 5 // 4
 
 
 def _load(options: SoakOptions, redis: SoakRedis, replicas: Sequence[SoakReplica],
