@@ -25,9 +25,6 @@ response that could not be kept is logged, its answer still sent.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -36,20 +33,14 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from gateway.service.http.errors import HttpFailure
+from gateway.service.http.response_seal import ResponseSeal
 from gateway.service.http.stored_responses import StoredResponse, chars_of_conversation
 
 logger = logging.getLogger(__name__)
 
-MAC_LEN = 32
 BOOKKEEPING_TTL_S = 24 * 3600.0
 """The least a tenant's id list and sizes outlive their last use (the longest retention a
 request may ask, a day): they go once every response they name has."""
-
-
-def responses_mac_key(deployment_secret: bytes) -> bytes:
-    """The key that MACs stored responses: its own, so that it never equals a block MAC."""
-    return hashlib.blake2b(b"stored responses", key=deployment_secret, digest_size=MAC_LEN,
-                           person=b"kvgate-responses").digest()
 
 
 class RedisResponses:
@@ -58,7 +49,7 @@ class RedisResponses:
     Args:
         client: a client of the Redis the cache shares (``tiers.redis_client.build_client``).
         key_prefix: ``[cache] redis_key_prefix``.
-        mac_key: ``responses_mac_key(deployment_secret)``.
+        mac_key: ``response_seal.responses_mac_key(deployment_secret)``.
         max_per_tenant, max_chars_per_tenant, default_ttl_s: as ``MemoryResponses``'.
         clock: wall-clock seconds (the order of last uses, shared by every replica).
     """
@@ -71,7 +62,7 @@ class RedisResponses:
                              f"{max_per_tenant} and {max_chars_per_tenant}")
         self._client = client
         self._prefix = key_prefix
-        self._mac_key = mac_key
+        self._seal = ResponseSeal(mac_key)
         self._max = max_per_tenant
         self._max_chars = max_chars_per_tenant
         self._default_ttl_s = default_ttl_s
@@ -82,13 +73,10 @@ class RedisResponses:
         """Keep a response (``ttl_s`` None: the store's default); logged if Redis fails."""
         ttl = self._default_ttl_s if ttl_s is None else ttl_s
         tag = self._tag(tenant)
-        payload = json.dumps({"id": id, "messages": [dict(m) for m in messages],
-                              "body": dict(body), "ttl_s": ttl},
-                             ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         chars = chars_of_conversation(messages)
         try:
             pipe = self._client.pipeline(transaction=False)
-            pipe.set(self._value_key(tag, id), self._mac(tag, id, payload) + payload,
+            pipe.set(self._value_key(tag, id), self._seal.sealed(tag, id, messages, body, ttl),
                      px=None if ttl is None else int(ttl * 1000))
             pipe.zadd(self._lru_key(tag), {id: self._clock()})
             pipe.hset(self._chars_key(tag), id, chars)
@@ -111,7 +99,7 @@ class RedisResponses:
             if value is None:
                 self._forget_bookkeeping(tag, id)
                 return None
-            fields = self._verified(tag, id, bytes(value))
+            fields = self._seal.opened(tag, id, bytes(value), "Redis")
             if fields is None:
                 self._forget(tag, id)
                 return None
@@ -185,9 +173,7 @@ class RedisResponses:
     # ---- keys and MACs ----------------------------------------------------------------
 
     def _tag(self, tenant: str) -> str:
-        digest = hashlib.blake2b(tenant.encode("utf-8"), key=self._mac_key, digest_size=16,
-                                 person=b"kvgate-resp-tag").hexdigest()
-        return "{" + digest + "}"
+        return "{" + self._seal.tag(tenant) + "}"  # a hash tag: one cluster node per tenant
 
     def _value_key(self, tag: str, id: str) -> str:
         return f"{self._prefix}:resp:{tag}:{id}"
@@ -197,19 +183,6 @@ class RedisResponses:
 
     def _chars_key(self, tag: str) -> str:
         return f"{self._prefix}:resp-chars:{tag}"
-
-    def _mac(self, tag: str, id: str, payload: bytes) -> bytes:
-        return hashlib.blake2b(b"\0".join([tag.encode(), id.encode(), payload]),
-                               key=self._mac_key, digest_size=MAC_LEN).digest()
-
-    def _verified(self, tag: str, id: str, value: bytes) -> dict[str, Any] | None:
-        mac, payload = value[:MAC_LEN], value[MAC_LEN:]
-        if len(value) <= MAC_LEN or not hmac.compare_digest(mac, self._mac(tag, id, payload)):
-            logger.warning("a stored response in Redis (%s) failed its MAC: dropped (written "
-                           "by something without this deployment's secret)", id)
-            return None
-        fields: dict[str, Any] = json.loads(payload)
-        return fields if fields.get("id") == id else None
 
 
 def _unavailable(exc: RedisError) -> HttpFailure:

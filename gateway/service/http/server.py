@@ -45,7 +45,9 @@ from gateway.service.http.connections import (
     limits_within,
     open_file_limit,
 )
-from gateway.service.http.redis_responses import RedisResponses, responses_mac_key
+from gateway.service.http.disk_responses import DiskResponses
+from gateway.service.http.redis_responses import RedisResponses
+from gateway.service.http.response_seal import responses_mac_key
 from gateway.service.http.stored_responses import MemoryResponses, ResponseStore
 from gateway.service.scrape_token import scrape_token_of
 from gateway.service.server import ServeError, check_plaintext_listener
@@ -85,6 +87,12 @@ class HttpFront:
             default_ttl_s=config.engine.default_ttl_s)
         if config.cache.redis_url and deployment_secret is not None:
             responses = self._redis_responses(config, deployment_secret)
+        elif config.cache.disk_bytes and deployment_secret is not None:
+            responses = DiskResponses(
+                config.data_dir / "responses", mac_key=responses_mac_key(deployment_secret),
+                max_per_tenant=settings.max_stored_responses_per_tenant,
+                max_chars_per_tenant=settings.max_stored_response_chars_per_tenant,
+                default_ttl_s=config.engine.default_ttl_s)
         self._front = OpenAIFront(
             engines, authenticator,
             EdgeLimits(max_deadline_s=config.grpc.max_deadline_s,

@@ -10,7 +10,8 @@ import pytest
 import redis
 
 from gateway.service.http.errors import HttpFailure
-from gateway.service.http.redis_responses import RedisResponses, responses_mac_key
+from gateway.service.http.redis_responses import RedisResponses
+from gateway.service.http.response_seal import responses_mac_key
 from tests.redis_harness import RedisServer, free_port
 
 TURN = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"})
