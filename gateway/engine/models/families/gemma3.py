@@ -2,10 +2,12 @@
 of the MLP ("sandwich"), scores scaled by ``query_pre_attn_scalar ** -0.5``, local layers with a
 sliding window and a rotation of their own base beside global ones (``layer_types``: five local
 of every six by default), and embeddings scaled by the square root of the width (the embedding
-module's own forward, which the forward calls); where a config sets Gemma 2's logit
-soft-capping (``attn_logit_softcapping``, ``final_logit_softcapping``), the scores and the output
-logits soft-capped as Gemma 2's are. Read through transformers' ``from_pretrained``.
-Bidirectional attention is refused."""
+module's own forward, which the forward calls); where a config sets ``final_logit_softcapping``,
+the output logits soft-capped as Gemma 2's are. Its config also takes Gemma 2's
+``attn_logit_softcapping``, which transformers' Gemma 3 attention never reads (it passes no
+soft-cap to its attention): the scores are not capped here either, so that the batched route
+computes what the model is. Read through transformers' ``from_pretrained``. Bidirectional
+attention is refused."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from typing import Any
 
 from gateway.engine.forward.features import GEMMA3_NORMS, DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import (
-    attention_softcap,
     bidirectional_problem,
     final_softcap,
     first_problem,
@@ -35,10 +36,9 @@ class Gemma3Family:
 
     def features(self, config: Any) -> DecoderFeatures:
         scale = float(config.query_pre_attn_scalar) ** -0.5
-        softcap = attention_softcap(config)
         layers = tuple(
             LayerFeatures(qk_norm=True, window=window, attention_scale=scale, rope=kind,
-                          norms=GEMMA3_NORMS, logit_softcap=softcap)
+                          norms=GEMMA3_NORMS)
             for window, kind in zip(layer_windows(config), config.layer_types, strict=True))
         return DecoderFeatures(family=self.name, layers=layers,
                                final_logit_softcap=final_softcap(config))
