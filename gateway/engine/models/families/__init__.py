@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
+from gateway.engine.models.families.gemma2 import GEMMA2
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.glm4 import GLM4
 from gateway.engine.models.families.llama import LLAMA
@@ -33,6 +34,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     OLMO2,
     PHI3,
     GLM4,
+    GEMMA2,
 )
 
 
