@@ -61,7 +61,7 @@ class StreamedReply:
     cached_by_tier: dict[str, int] | None = None
     """kvgate's ``usage.kvgate.cached_tokens_by_tier`` over HTTP (None where not reported)."""
     user: int | None = None
-    """Which user of a load asked (``gateway.bench.load.run_users``), and in which round."""
+    """Which user of a load asked (``gateway.bench.load_clients.run_users``), and in which round."""
     round_index: int | None = None
 
 

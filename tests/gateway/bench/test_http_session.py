@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.bench.load import HttpSession
+from gateway.bench.load_clients import HttpSession
 from gateway.bench.peer_serve import Unanswered
 from gateway.bench.rows import BenchError
 from tests.redis_harness import free_port
