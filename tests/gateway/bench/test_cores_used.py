@@ -56,15 +56,23 @@ def _say_go(proc: subprocess.Popen[str]) -> None:
 
 
 def test_a_child_burning_a_second_of_cpu_used_most_of_a_core() -> None:
-    with _child(_SAY_READY_AND_WAIT + _BURN_1S + _SAY_DONE_AND_HOLD) as proc:
+    # The child also says the share of a core it saw itself get (CPU over wall time of its
+    # loop): about 1 on a quiet machine, less where other work shares the cores.
+    code = (_SAY_READY_AND_WAIT + "import time\nwall = time.perf_counter()\n" + _BURN_1S
+            + "print(1.0 / (time.perf_counter() - wall), flush=True)\n" + _SAY_DONE_AND_HOLD)
+    with _child(code) as proc:
         assert _read_line(proc) == "ready"
         with CoresSampler(proc.pid, interval_s=0.05) as sampler:
             _say_go(proc)
+            own_share = float(_read_line(proc))
             assert _read_line(proc) == "done"
     used = sampler.result
     assert used is not None
     assert 0.95 <= used.cpu_s <= 1.2, used  # its own second, read to the tick
-    assert used.cores > 0.5, used
+    # What the sampler read is what the child saw (its window is a little wider): > 0.5 on a
+    # quiet machine, and no timing assertion on a loaded one.
+    assert used.cores >= 0.7 * min(own_share, 1.0), (used, own_share)
+    assert used.cores > 0.5 or own_share < 0.7, (used, own_share)
 
 
 def test_a_sleeping_child_used_about_no_core() -> None:
