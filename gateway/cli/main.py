@@ -339,7 +339,8 @@ def _bench_load(args: argparse.Namespace) -> int:
         configurations=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
         max_tokens=args.max_tokens, num_rules=args.rules,
         block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
-        peers_python=args.peers_python, with_peers=not args.no_peers, plot=plot,
+        peers_python=args.peers_python, vllm_python=args.vllm_python,
+        ignore_eos=args.ignore_eos, with_peers=not args.no_peers, plot=plot,
         timeout_s=args.timeout, numerics=numerics, baseline=args.baseline,
     )
     try:
