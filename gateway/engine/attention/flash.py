@@ -61,6 +61,10 @@ WINDOW_PROBLEM = "torch's flash kernel takes no sliding window and no scale of i
 """Why a model with sliding-window layers, or scores scaled otherwise than by head_dim ** -0.5,
 never runs this attention (route search: not tried)."""
 
+SINKS_PROBLEM = "torch's flash kernel takes no attention sinks"
+"""Why a model whose attention has sinks (gpt-oss) never runs this attention: its softmax has no
+extra column for them (route search: not tried)."""
+
 
 class FlashBlockAttention:
     """Each sequence's attention through the CPU flash kernel, in fixed-shape calls.
@@ -81,6 +85,8 @@ class FlashBlockAttention:
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
         if any(item.window is not None or item.scale is not None for item in items):
             raise ValueError(f"{WINDOW_PROBLEM}: choose another attention for such a model")
+        if any(item.sinks is not None for item in items):
+            raise ValueError(f"{SINKS_PROBLEM}: choose another attention for such a model")
         return [self._decode(item) if item.is_decode else self._prefill(item)
                 for item in items]
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gateway.engine.attention.tiled import AttentionItem
+from gateway.engine.attention.tiled import AttentionItem, shared_sinks
 from gateway.engine.kv.sequence import LayerPages
 
 SPLIT_KEYS = 512
@@ -195,7 +195,8 @@ class TritonPagedAttention:
         if len(windows) > 1 or len(scales) > 1:
             raise ValueError("the items of one layer's attention share its window and scale")
         attended = self._launch(torch.cat([item.queries for item in items]), key_pages,
-                                value_pages, table, plan, shape, windows.pop(), scales.pop())
+                                value_pages, table, plan, shape, windows.pop(), scales.pop(),
+                                shared_sinks(items))
         return list(torch.split(attended, counts))
 
     def attend_paged(self, queries: torch.Tensor, key_pages: torch.Tensor,
@@ -227,22 +228,25 @@ class TritonPagedAttention:
     def attend_planned(self, queries: torch.Tensor, key_pages: torch.Tensor,
                        value_pages: torch.Tensor, table: torch.Tensor,
                        plan: TilePlan, window: int | None = None,
-                       scale: float | None = None) -> torch.Tensor:
+                       scale: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``attend_paged`` for rows planned once with ``TilePlan.of`` in tiles of
         ``shape_for(head_dim).tile_positions`` (benchmarks, and launches repeated over the same
-        rows, the captured steps): no host work but the launch; ``window`` and ``scale`` the
-        layer's (``AttentionItem``'s)."""
+        rows, the captured steps): no host work but the launch; ``window``, ``scale`` and
+        ``sinks`` the layer's (``AttentionItem``'s)."""
         _check(queries, key_pages, value_pages, table)
         shape = self.shape_for(int(queries.shape[2]))
         if plan.tensor.shape[1] != 2 + shape.tile_positions:
             raise ValueError(f"the plan has tiles of {plan.tensor.shape[1] - 2} positions, the "
                              f"kernel {shape.tile_positions} for heads of {queries.shape[2]}")
-        return self._launch(queries, key_pages, value_pages, table, plan, shape, window, scale)
+        return self._launch(queries, key_pages, value_pages, table, plan, shape, window, scale,
+                            sinks)
 
     def _launch(self, queries: torch.Tensor, key_pages: torch.Tensor,
                 value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan,
                 shape: KernelShape, window: int | None = None,
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_rows, num_heads, head_dim = queries.shape
         kv_heads, _, page_tokens, _ = key_pages.shape
         rep = num_heads // kv_heads
@@ -274,13 +278,14 @@ class TritonPagedAttention:
                      table.stride(0), plan.tensor.stride(0), parts.stride(0), parts.stride(1),
                      parts.stride(2),
                      (1.0 / math.sqrt(head_dim) if scale is None else scale) * math.log2(math.e),
-                     NO_WINDOW if window is None else window)
+                     NO_WINDOW if window is None else window,
+                     out if sinks is None else _base2_sinks(sinks, queries.device))
         shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=shape.tile_positions, HEAD_DIM=head_dim,
                       BLOCK_D=block_d, TILE_KEYS=shape.tile_keys, SPLIT_KEYS=self.split_keys,
                       PAGE=page_tokens, DOT_F32=interpreted or queries.dtype == torch.float32,
                       num_warps=shape.num_warps or (
                           4 if block_d * shape.tile_positions * rep_pad <= 4096 else 8),
-                      enable_fp_fusion=False)
+                      HAS_SINKS=sinks is not None, enable_fp_fusion=False)
         if shape.num_stages is not None:
             shapes["num_stages"] = shape.num_stages
         run = kernel()
@@ -475,6 +480,11 @@ def _first(buffer: torch.Tensor, count: int) -> torch.Tensor:
 def _row_items(counts: Sequence[int]) -> torch.Tensor:
     """Each row's item (CPU): ``counts[i]`` rows of item ``i``, in order."""
     return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+
+
+def _base2_sinks(sinks: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The layer's sinks as the kernel's base-2 scores read them: float32, times log2(e)."""
+    return (sinks.to(device=device, dtype=torch.float32) * math.log2(math.e)).contiguous()
 
 
 def _power_of_two(n: int) -> int:

@@ -293,7 +293,8 @@ class StepBucket:
             pool.scatter(index, slots, k.transpose(0, 1), v.transpose(0, 1))
             features = forward.features.layers[index]
             return attention.attend_planned(q, storage[index, 0], storage[index, 1], table,
-                                            plan, features.window, features.attention_scale)
+                                            plan, features.window, features.attention_scale,
+                                            forward.layer_sinks(index))
 
         cos = self._cos.index_select(0, self._positions)
         sin = self._sin.index_select(0, self._positions)

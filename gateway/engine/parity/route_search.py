@@ -231,7 +231,8 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                         for c in candidates))
     attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim,
                                  windowed=(loaded.features.has_windows
-                                           or loaded.features.has_custom_scale))
+                                           or loaded.features.has_custom_scale
+                                           or loaded.features.has_sinks))
     first_failure: RouteVerdict | None = None
     for products in candidates:
         for attention_name in attentions:
