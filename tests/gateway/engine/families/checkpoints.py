@@ -171,12 +171,14 @@ def save_phi3_partial(directory: Path, seed: int = 0) -> Path:
 
 def save_gpt_oss(directory: Path, seed: int = 0) -> Path:
     """Attention sinks, biased q/k/v/o, windowed and global layers alternating (a window of
-    16), 4 experts of which a token takes 2, YaRN positions scaled from 64 to 2,048."""
+    16), 4 experts of which a token takes 2, YaRN positions scaled from 64 to 2,048 (on a base
+    of 10,000, not its 150,000: over a tiny prompt, positions then turn heads far enough to
+    show)."""
     tokenizer = make_hf_tokenizer()
     shape = {**_shape(tokenizer), "intermediate_size": 48}
     rope: dict[str, Any] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                             "beta_slow": 1.0, "truncate": False,
-                            "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+                            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
     config = GptOssConfig(**shape, pad_token_id=None, num_local_experts=4,
                           num_experts_per_tok=2, sliding_window=GPT_OSS_WINDOW,
                           rope_parameters=rope)
