@@ -14,7 +14,10 @@ a fixed shape, fixed by absolute positions only:
   so are the tiles a longer chunk brings in: they add exact zeros;
 - the softmax uses the exact maximum over all visible scores (a max is exact in any order),
   and the tiles are combined along a binary tree over tile indices (``fold_tile_sum``), so
-  extra all-zero tiles at the end add exact zeros and change nothing.
+  extra all-zero tiles at the end add exact zeros and change nothing;
+- a layer's attention sinks (gpt-oss: one logit per query head, a key with no value) enter the
+  row's maximum, and the sink's weight is added to the row's folded weight sum: one more
+  operation that the row's own numbers fix.
 
 NOTE: a matmul row's bits depend on how many rows share the product when there are few: on this
 CPU build (torch 2.13, measured for every shape of SmolLM2 and the tiny test Llama) M = 4, 8
