@@ -41,7 +41,7 @@ def mlp() -> GptOssMLP:
                           num_local_experts=EXPERTS, num_experts_per_tok=TOP_K)
     config._experts_implementation = "eager"  # its own loop over experts, as a model runs it
     generator = torch.Generator().manual_seed(0)
-    block = GptOssMLP(config).eval()
+    block: GptOssMLP = GptOssMLP(config).eval()  # type: ignore[no-untyped-call]
     with torch.no_grad():
         for name, parameter in block.named_parameters():
             std = 0.5 if name.endswith(("gate_up_proj", "down_proj")) else 0.3
