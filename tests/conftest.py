@@ -60,10 +60,18 @@ def pytest_configure(config: pytest.Config) -> None:
                                     f"{missing}; install a CUDA build of torch")
 
 
+SOAK_ENV = "KVGATE_SOAK"
+"""Set (``make soak-ci``): run the tests marked ``soak``, minutes each; skipped otherwise."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     gpu_missing: str | None = None
     checked_gpu = False
+    runs_soak = os.environ.get(SOAK_ENV, "") not in ("", "0")
     for item in items:
+        if item.get_closest_marker("soak") is not None and not runs_soak:
+            item.add_marker(pytest.mark.skip(reason=f"a soak run: minutes long ({SOAK_ENV}=1, "
+                                                    "`make soak-ci`)"))
         if _REDIS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.redis)
         if item.get_closest_marker("gpu") is not None:

@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import TextIO
 
 from gateway.bench.chat_workload import system_prompt
-from gateway.bench.load import ChatSession, HttpSession, percentile, run_users
+from gateway.bench.load import percentile
+from gateway.bench.load_clients import ChatSession, HttpSession, run_users
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import free_port, redis_on_loopback, spawn_gateway, stop_process

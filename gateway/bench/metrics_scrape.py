@@ -37,7 +37,8 @@ from pathlib import Path
 from typing import TextIO
 
 from gateway.bench.chat_workload import DEFAULT_RULES, system_prompt
-from gateway.bench.load import ChatSession, KvgateSession, percentile, run_users
+from gateway.bench.load import percentile
+from gateway.bench.load_clients import ChatSession, KvgateSession, run_users
 from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.rows import BenchError

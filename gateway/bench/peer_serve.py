@@ -61,7 +61,7 @@ class StreamedReply:
     cached_by_tier: dict[str, int] | None = None
     """kvgate's ``usage.kvgate.cached_tokens_by_tier`` over HTTP (None where not reported)."""
     user: int | None = None
-    """Which user of a load asked (``gateway.bench.load.run_users``), and in which round."""
+    """Which user of a load asked (``gateway.bench.load_clients.run_users``), and in which round."""
     round_index: int | None = None
 
 
@@ -118,7 +118,7 @@ def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err
             proc = subprocess.Popen(command, stdout=log_fh, stderr=subprocess.STDOUT, env=env,
                                     cwd=scratch)
         try:
-            _wait_healthy(proc, port, log, start_timeout_s)
+            wait_healthy(proc, port, log, start_timeout_s, server="transformers serve")
             err.write(f"[load] spawned transformers serve {version} (pid {proc.pid}) on "
                       f"127.0.0.1:{port}, {device} in {dtype}\n")
             yield PeerServer(host="127.0.0.1", port=port, pid=proc.pid, version=version)
@@ -128,11 +128,17 @@ def spawn_transformers_serve(python: Path, model_dir: Path, *, version: str, err
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float) -> None:
+def wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s: float, *,
+                 server: str) -> None:
+    """Returns once ``GET /health`` on 127.0.0.1:``port`` answers 200.
+
+    Raises:
+        BenchError: ``proc`` exited first, or ``timeout_s`` passed; with the tail of ``log``.
+    """
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise BenchError(f"transformers serve exited with status {proc.returncode}:\n"
+            raise BenchError(f"{server} exited with status {proc.returncode}:\n"
                              + log.read_text(encoding="utf-8", errors="replace")[-2000:])
         try:
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
@@ -145,7 +151,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], port: int, log: Path, timeout_s
         except OSError:
             pass
         time.sleep(0.2)
-    raise BenchError(f"transformers serve did not answer within {timeout_s:.0f} s:\n"
+    raise BenchError(f"{server} did not answer within {timeout_s:.0f} s:\n"
                      + log.read_text(encoding="utf-8", errors="replace")[-2000:])
 
 
@@ -158,9 +164,11 @@ class Unanswered(BenchError):
 
 def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, str]], *,
                 max_tokens: int, headers: Mapping[str, str] | None = None,
-                server: str = "transformers serve", model: str | None = None) -> StreamedReply:
+                server: str = "transformers serve", model: str | None = None,
+                extra_body: Mapping[str, Any] | None = None) -> StreamedReply:
     """One greedy ``/v1/chat/completions`` with ``stream: true``, timed from sending the
-    request to the first chunk that carries text.
+    request to the first chunk that carries text. ``extra_body``: fields of a server's own
+    beside OpenAI's (vLLM's ``ignore_eos``).
 
     Raises:
         Unanswered: no byte of an answer came.
@@ -171,6 +179,7 @@ def stream_chat(conn: http.client.HTTPConnection, messages: Sequence[dict[str, s
                                "stream_options": {"include_usage": True}}
     if model is not None:  # a router picks workers by it
         request["model"] = model
+    request.update(extra_body or {})
     body = json.dumps(request)
     began = time.perf_counter()
     try:

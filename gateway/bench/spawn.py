@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from gateway.bench.process_tree import process_tree_pids
 from gateway.bench.rows import BenchError
 from gateway.cache.factory import CacheConfig
 from gateway.config.limits import LimitSettings
@@ -102,6 +103,29 @@ def stop_process(proc: subprocess.Popen[bytes], grace_s: float) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    """SIGTERM to the process group ``proc`` leads (started with ``start_new_session=True``),
+    then SIGKILL to what is left of it once ``proc`` has exited or ``grace_s`` has passed.
+
+    For a server that forks workers of its own (vLLM's engine core): stopping the leader alone
+    can leave them running, holding memory and cores after the bench moved on.
+    """
+    def signal_group(signum: int) -> None:
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass  # the whole group is gone already
+
+    if proc.poll() is None:
+        signal_group(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    signal_group(signal.SIGKILL)
+    proc.wait(timeout=10)
 
 
 @contextmanager
@@ -263,7 +287,7 @@ def spawn_gateway(*, model: str, models_dir: Path, block_tokens: int, device_byt
                     cwd=None if source is None else str(source.resolve()),
                 )
             try:
-                port, route, http_port = _wait_serving(proc, log, start_timeout_s)
+                port, route, http_port = wait_serving(proc, log, start_timeout_s)
                 err.write(f"[{label}] spawned kvgate serve (pid {proc.pid}) on 127.0.0.1:{port}"
                           f"{', redis ' + url if url else ''}\n")
                 yield Endpoint(host="127.0.0.1", port=port, api_key=api_key,
@@ -289,13 +313,16 @@ def _maybe_redis(url: str | None, binary: str | None,
         yield started, None
 
 
-def _wait_serving(proc: subprocess.Popen[bytes], log: Path,
-                  timeout_s: float) -> tuple[int, str | None, int | None]:
+def wait_serving(proc: subprocess.Popen[bytes], log: Path, timeout_s: float, *,
+                 offset: int = 0) -> tuple[int, str | None, int | None]:
     """The port the start line names, the engine route with why (None if unnamed), and the
-    HTTP API's port (None if it names none)."""
+    HTTP API's port (None if it names none); ``offset``: where in ``log`` this start's lines
+    begin (a restarted server appends to the same log)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        text = log.read_text(encoding="utf-8", errors="replace")
+        with log.open("rb") as fh:
+            fh.seek(max(0, offset))
+            text = fh.read().decode("utf-8", errors="replace")
         match = _SERVING.search(text)
         if match:
             route = _ROUTE.search(text)
@@ -318,24 +345,8 @@ def process_tree_peak_rss(pid: int) -> int | None:
     NOTE: a sum of per-process peaks, which may not all have happened at once: an upper bound
     of the tree's peak, exact for a single process (kvgate serve, transformers serve).
     """
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return None
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as fh:
-                fields = fh.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    total, found, todo = 0, False, [pid]
-    while todo:
-        current = todo.pop()
-        todo.extend(children.get(current, []))
+    total, found = 0, False
+    for current in process_tree_pids(pid):
         try:
             with open(f"/proc/{current}/status", encoding="ascii", errors="replace") as fh:
                 for line in fh:

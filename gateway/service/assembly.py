@@ -186,7 +186,8 @@ def watch_router(config: ServeConfig, metrics: GatewayMetrics, engine: Engine,
 
 def start_http(config: ServeConfig, authenticator: Authenticator,
                engines: EngineSlot, admission: Admission | None = None,
-               metrics: GatewayMetrics | None = None) -> HttpFront | None:
+               metrics: GatewayMetrics | None = None,
+               deployment_secret: bytes | None = None) -> HttpFront | None:
     """The OpenAI-compatible HTTP front, listening (None when ``[http]`` is off).
 
     Raises:
@@ -197,7 +198,8 @@ def start_http(config: ServeConfig, authenticator: Authenticator,
     from gateway.service.http.server import HttpFront
 
     http = HttpFront(config, authenticator, engines, admission,
-                     metrics=metrics.public_registry if metrics is not None else None)
+                     metrics=metrics.public_registry if metrics is not None else None,
+                     deployment_secret=deployment_secret)
     http.start()
     if metrics is not None:
         metrics.watch_accept_errors(http.num_accept_errors)
@@ -263,7 +265,8 @@ def serve(
     """
     ensure_private_dir(config.data_dir)
     secret = deployment_secret(config, env)
-    fronts = _start_fronts(config, announce, announces_to_terminal=announces_to_terminal)
+    fronts = _start_fronts(config, announce, announces_to_terminal=announces_to_terminal,
+                           secret=secret)
     logger.info("listening on %s:%d; loading the model %s", config.host, fronts.server.port,
                 config.model)
     opened = _Opened()
@@ -287,7 +290,7 @@ def serve(
 
 
 def _start_fronts(config: ServeConfig, announce: Callable[[str], None], *,
-                  announces_to_terminal: bool) -> _Fronts:
+                  announces_to_terminal: bool, secret: bytes | None = None) -> _Fronts:
     """The gRPC server and the HTTP front, listening and answering health (NOT_SERVING, 503)
     until an engine is attached; the metrics that both serve from the start.
 
@@ -313,7 +316,8 @@ def _start_fronts(config: ServeConfig, announce: Callable[[str], None], *,
     stats = (StatsLine(metrics.totals, interval_s=config.logging.stats_interval_s,
                        is_json=config.logging.json) if config.logging.stats_interval_s else None)
     try:
-        http = start_http(config, authenticator, engines, server.admission, metrics)
+        http = start_http(config, authenticator, engines, server.admission, metrics,
+                          deployment_secret=secret)
     except BaseException:
         server.stop(0)
         raise

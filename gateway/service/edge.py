@@ -57,6 +57,19 @@ class EdgeLimits:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value}")
 
 
+HOSTED_API_TTL_S = 300.0
+"""The hosted APIs' convention for a prefix nobody asked to keep longer: 5 minutes after its last
+use, each hit refreshing it (kvgate's TTLs slide). ``/v1/messages`` and ``/v1/responses`` keep
+their blocks so by default; gRPC and Chat Completions keep ``[engine] default_ttl_s``."""
+
+
+def hosted_api_ttl(limits: EdgeLimits) -> float | None:
+    """The TTL of a hosted-API request that names none: ``HOSTED_API_TTL_S``, or the server's
+    own default (None) where ``limits.max_ttl_s`` is shorter -- the client asked for nothing, so
+    nothing is refused."""
+    return HOSTED_API_TTL_S if HOSTED_API_TTL_S <= limits.max_ttl_s else None
+
+
 def checked_ttl(ttl_s: float | None, limits: EdgeLimits) -> float | None:
     """``ttl_s`` if it is within ``limits`` (None: the server's default TTL).
 

@@ -37,9 +37,9 @@ Remove an entry once the file is rewritten."""
 SCANNED_SUFFIXES = frozenset({".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".proto", ".json",
                               ".txt", ".service", ".cfg", ".ini"})
 SCANNED_NAMES = frozenset({"Makefile", "Dockerfile"})
-SKIPPED_DIRS = frozenset({".git", ".venv", ".venv-gpu", ".venv-peers", "__pycache__", "data",
-                          ".mypy_cache", ".ruff_cache", ".pytest_cache", ".hypothesis",
-                          "kvgate.egg-info", "pb", ".gpu-bundle"})
+SKIPPED_DIRS = frozenset({".git", ".venv", ".venv-gpu", ".venv-peers", ".venv-vllm",
+                          "__pycache__", "data", ".mypy_cache", ".ruff_cache", ".pytest_cache",
+                          ".hypothesis", "kvgate.egg-info", "pb", ".gpu-bundle"})
 
 
 # ---- markdown -------------------------------------------------------------------------------

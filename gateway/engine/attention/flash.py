@@ -57,9 +57,10 @@ NUMERICS = f"f{KEY_BLOCK}q{QUERY_BLOCK}"
 """This attention's part of the block namespace (see
 ``gateway.engine.attention.tiled.NUMERICS``)."""
 
-WINDOW_PROBLEM = "torch's flash kernel takes no sliding window and no scale of its own here"
-"""Why a model with sliding-window layers, or scores scaled otherwise than by head_dim ** -0.5,
-never runs this attention (route search: not tried)."""
+WINDOW_PROBLEM = ("torch's flash kernel takes no sliding window, no scale of its own and no "
+                  "logit soft-cap here")
+"""Why a model with sliding-window layers, scores scaled otherwise than by head_dim ** -0.5, or
+soft-capped scores, never runs this attention (route search: not tried)."""
 
 SINKS_PROBLEM = "torch's flash kernel takes no attention sinks"
 """Why a model whose attention has sinks (gpt-oss) never runs this attention: its softmax has no
@@ -83,7 +84,8 @@ class FlashBlockAttention:
         self._decode_queries = DECODE_QUERIES if decode_as_prefill else 1
 
     def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
-        if any(item.window is not None or item.scale is not None for item in items):
+        if any(item.window is not None or item.scale is not None or item.softcap is not None
+               for item in items):
             raise ValueError(f"{WINDOW_PROBLEM}: choose another attention for such a model")
         if any(item.sinks is not None for item in items):
             raise ValueError(f"{SINKS_PROBLEM}: choose another attention for such a model")

@@ -37,6 +37,7 @@ from typing import Protocol
 
 import torch
 
+from gateway.engine.attention.softcap import soft_cap_
 from gateway.engine.kv.sequence import CAPACITY_ALIGNMENT
 from gateway.engine.linear.row_padding import CPU_ROW_PADDING
 
@@ -114,6 +115,8 @@ class AttentionItem:
         window: the layer's sliding window: a query at position p attends keys
             p - window < k <= p only (the keys before weigh exactly 0); None: every key up to p.
         scale: what the scores are multiplied by; None: ``head_dim ** -0.5``.
+        softcap: the layer's logit soft-cap: each scaled score ``s`` weighs as
+            ``softcap * tanh(s / softcap)`` (Gemma 2); None: as it is.
         sinks: the layer's attention sinks, one logit per query head ``[heads]`` (gpt-oss's
             ``self_attn.sinks``): each joins its head's softmax denominator as a key with no
             value, so a row's weights sum to less than one; None: no sinks. The items of one
@@ -127,6 +130,7 @@ class AttentionItem:
     first_position: int | None = None
     window: int | None = None
     scale: float | None = None
+    softcap: float | None = None
     sinks: torch.Tensor | None = None
 
     @property
@@ -139,10 +143,11 @@ class AttentionItem:
     @classmethod
     def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            positions: torch.Tensor, *, is_decode: bool = False, window: int | None = None,
-           scale: float | None = None, sinks: torch.Tensor | None = None) -> AttentionItem:
+           scale: float | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> AttentionItem:
         """An item over contiguous K and V ``[kv_heads, capacity, head_dim]``."""
         return cls(queries, ContiguousKV(keys, values), positions, is_decode, window=window,
-                   scale=scale, sinks=sinks)
+                   scale=scale, softcap=softcap, sinks=sinks)
 
 
 def shared_sinks(items: Sequence[AttentionItem]) -> torch.Tensor | None:
@@ -220,12 +225,13 @@ class TiledAttention:
             end = min(n, start + QUERY_GROUP)
             out[start:end] = self._group(queries[start:end] * scale, keys, values,
                                          item.positions[start:end], rep, item.window,
-                                         item.sinks)
+                                         item.softcap, item.sinks)
         return out
 
     @staticmethod
     def _group(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                positions: torch.Tensor, rep: int, window: int | None = None,
+               softcap: float | None = None,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
         n, num_heads, head_dim = queries.shape
         kv_heads = keys.shape[0]
@@ -234,7 +240,7 @@ class TiledAttention:
         rows, row_positions = _rows(queries, positions, kv_heads)
         # Scores [kv_heads, rows, span]: a reduction over head_dim only. NOTE: one product over
         # the whole span gave the same bits as one per tile here (the probe re-checks it).
-        scores = torch.matmul(rows, keys[:, :span].transpose(-1, -2))
+        scores = soft_cap_(torch.matmul(rows, keys[:, :span].transpose(-1, -2)), softcap)
         # Only the tiles from the group's first query on can hold a later key: mask that band
         # (with a window, every key: those before a row's window are hidden too).
         first = 0 if window is not None else int(positions.min()) // TILE * TILE
@@ -287,6 +293,10 @@ class TiledAttention:
         windows = {item.window for item in items}
         if len(windows) > 1:
             raise ValueError("the items of one layer's attention share its window")
+        softcaps = {item.softcap for item in items}
+        if len(softcaps) > 1:
+            raise ValueError("the items of one layer's attention share its soft-cap")
+        soft_cap_(scores, softcaps.pop())
         hidden = _hidden(torch.arange(max_tiles * TILE, device=scores.device),
                          row_positions.unsqueeze(-1), windows.pop()
                          ).unsqueeze(1)  # [items, 1, rows, span]

@@ -53,13 +53,18 @@ NO_WINDOW = 1 << 30
 
 def _attend_tile(q: tl.tensor, k_head: tl.tensor, v_head: tl.tensor, table: tl.tensor,
                  start: tl.tensor, last: tl.tensor, position: tl.tensor, d: tl.tensor,
-                 scale: tl.tensor, window: tl.tensor, m_split: tl.tensor, l_split: tl.tensor,
-                 acc_split: tl.tensor, stride_kvp: tl.tensor, stride_kvt: tl.tensor,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, TILE_KEYS: tl.constexpr,
-                 PAGE: tl.constexpr, DOT_F32: tl.constexpr) -> tuple[tl.tensor, tl.tensor,
-                                                                   tl.tensor]:
+                 scale: tl.tensor, window: tl.tensor, softcap: tl.tensor, m_split: tl.tensor,
+                 l_split: tl.tensor, acc_split: tl.tensor, stride_kvp: tl.tensor,
+                 stride_kvt: tl.tensor, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 TILE_KEYS: tl.constexpr, PAGE: tl.constexpr, DOT_F32: tl.constexpr,
+                 SOFTCAP: tl.constexpr) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
     """The split's partial (max, weight sum, weighted values) with the key tile at ``start``
-    taken in (online softmax)."""
+    taken in (online softmax).
+
+    With ``SOFTCAP``, each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` first,
+    tanh spelled through ``exp2`` (Triton's language has no tanh its interpreter runs):
+    ``tanh(|y|) = (1 - e) / (1 + e)`` with ``e = 2 ** (-2 |y| log2(e))``, its sign restored.
+    Element-wise: a score's bits depend on that score alone."""
     key = start + tl.arange(0, TILE_KEYS)
     loaded = key <= last  # keys after the tile's last row are not even read
     page = tl.load(table + key // PAGE, mask=loaded, other=0).to(tl.int64)
@@ -77,7 +82,13 @@ def _attend_tile(q: tl.tensor, k_head: tl.tensor, v_head: tl.tensor, table: tl.t
     # A key after a row's own position weighs exactly 0 for that row, and so does one before
     # its sliding window (``window``: every position when the layer has none).
     visible = (key[None, :] <= position[:, None]) & (key[None, :] > position[:, None] - window)
-    scores = tl.where(visible, scores * scale, _NEG_INF)
+    scores = scores * scale
+    if SOFTCAP:
+        capped = scores / softcap
+        e = tl.exp2(tl.abs(capped) * -2.8853900817779268)  # -2 log2(e)
+        tanh = (1.0 - e) / (1.0 + e)
+        scores = softcap * tl.where(capped < 0.0, -tanh, tanh)
+    scores = tl.where(visible, scores, _NEG_INF)
     # The running max is -inf only for rows with no visible key yet: 0 keeps their exp2
     # arguments -inf (weights 0), never -inf - -inf. exp2(-inf) = 0 and exp2(0) = 1 exactly
     # (IEEE; PTX ex2's special cases).
@@ -116,11 +127,11 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
                      stride_kvp: tl.tensor, stride_kvt: tl.tensor, stride_table: tl.tensor,
                      stride_plan: tl.tensor, stride_pr: tl.tensor, stride_ph: tl.tensor,
                      stride_ps: tl.tensor, scale: tl.tensor, window: tl.tensor,
-                     sinks_ptr: tl.tensor, REP: tl.constexpr,
+                     softcap: tl.tensor, sinks_ptr: tl.tensor, REP: tl.constexpr,
                      REP_PAD: tl.constexpr, QPOS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_D: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
                      PAGE: tl.constexpr, PHASE: tl.constexpr, DOT_F32: tl.constexpr,
-                     HAS_SINKS: tl.constexpr) -> None:
+                     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr) -> None:
     """The query tile ``program_id(0)`` of the plan over the query heads of KV head
     ``program_id(1)``.
 
@@ -137,11 +148,13 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
 
     K and V pages share their strides; ``scale`` is 1/sqrt(head_dim) * log2(e) (base-2
     scores); ``window`` the layer's sliding window (a key ``position - window < key`` is
-    visible; ``NO_WINDOW`` where it has none); ``part_ptr`` is ``[rows, heads, splits,
-    BLOCK_D + 2]`` float32 (phases 1 and 2); with ``HAS_SINKS``, ``sinks_ptr`` holds the
-    layer's attention sinks ``[heads]``, float32, already times log2(e): each row's is folded
-    in last, as one more split whose weight sum is 1 and whose values are 0 (a key with no
-    value), so the final max and weight sum include it.
+    visible; ``NO_WINDOW`` where it has none); ``softcap`` the layer's logit soft-cap in the
+    same base-2 units (its cap times log2(e); read only where ``SOFTCAP``); ``part_ptr`` is
+    ``[rows, heads, splits, BLOCK_D + 2]`` float32 (phases 1 and 2); with ``HAS_SINKS``,
+    ``sinks_ptr`` holds the layer's attention sinks ``[heads]``, float32, already times
+    log2(e): each row's is folded in last, as one more split whose weight sum is 1 and whose
+    values are 0 (a key with no value), so the final max and weight sum include it. A sink is
+    never soft-capped (only the scores are).
     """
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -182,9 +195,9 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
     if PHASE == 0:
         for start in range(0, last + 1, TILE_KEYS):
             m_split, l_split, acc_split = _attend_tile(
-                q, k_head, v_head, table, start, last, position, d, scale, window, m_split,
-                l_split, acc_split, stride_kvp, stride_kvt, HEAD_DIM, BLOCK_D, TILE_KEYS, PAGE,
-                DOT_F32)
+                q, k_head, v_head, table, start, last, position, d, scale, window, softcap,
+                m_split, l_split, acc_split, stride_kvp, stride_kvt, HEAD_DIM, BLOCK_D,
+                TILE_KEYS, PAGE, DOT_F32, SOFTCAP)
             if ((start + TILE_KEYS) % SPLIT_KEYS == 0) | (start + TILE_KEYS > last):
                 m_all, l_all, acc_all = _fold_split(m_all, l_all, acc_all, m_split, l_split,
                                                     acc_split)
@@ -197,9 +210,9 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
             for start in range(split_start, tl.minimum(split_start + SPLIT_KEYS, last + 1),
                                TILE_KEYS):
                 m_split, l_split, acc_split = _attend_tile(
-                    q, k_head, v_head, table, start, last, position, d, scale, window, m_split,
-                    l_split, acc_split, stride_kvp, stride_kvt, HEAD_DIM, BLOCK_D, TILE_KEYS,
-                    PAGE, DOT_F32)
+                    q, k_head, v_head, table, start, last, position, d, scale, window, softcap,
+                    m_split, l_split, acc_split, stride_kvp, stride_kvt, HEAD_DIM, BLOCK_D,
+                    TILE_KEYS, PAGE, DOT_F32, SOFTCAP)
             split_part = parts + tl.program_id(2) * stride_ps
             tl.store(split_part[:, None] + d, acc_split, mask=row_mask)
             tl.store(split_part + BLOCK_D, m_split, mask=valid)

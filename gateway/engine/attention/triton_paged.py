@@ -194,9 +194,12 @@ class TritonPagedAttention:
         scales = {item.scale for item in items}
         if len(windows) > 1 or len(scales) > 1:
             raise ValueError("the items of one layer's attention share its window and scale")
+        softcaps = {item.softcap for item in items}
+        if len(softcaps) > 1:
+            raise ValueError("the items of one layer's attention share its soft-cap")
         attended = self._launch(torch.cat([item.queries for item in items]), key_pages,
                                 value_pages, table, plan, shape, windows.pop(), scales.pop(),
-                                shared_sinks(items))
+                                softcaps.pop(), shared_sinks(items))
         return list(torch.split(attended, counts))
 
     def attend_paged(self, queries: torch.Tensor, key_pages: torch.Tensor,
@@ -229,23 +232,25 @@ class TritonPagedAttention:
                        value_pages: torch.Tensor, table: torch.Tensor,
                        plan: TilePlan, window: int | None = None,
                        scale: float | None = None,
+                       softcap: float | None = None,
                        sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``attend_paged`` for rows planned once with ``TilePlan.of`` in tiles of
         ``shape_for(head_dim).tile_positions`` (benchmarks, and launches repeated over the same
-        rows, the captured steps): no host work but the launch; ``window``, ``scale`` and
-        ``sinks`` the layer's (``AttentionItem``'s)."""
+        rows, the captured steps): no host work but the launch; ``window``, ``scale``,
+        ``softcap`` and ``sinks`` the layer's (``AttentionItem``'s)."""
         _check(queries, key_pages, value_pages, table)
         shape = self.shape_for(int(queries.shape[2]))
         if plan.tensor.shape[1] != 2 + shape.tile_positions:
             raise ValueError(f"the plan has tiles of {plan.tensor.shape[1] - 2} positions, the "
                              f"kernel {shape.tile_positions} for heads of {queries.shape[2]}")
         return self._launch(queries, key_pages, value_pages, table, plan, shape, window, scale,
-                            sinks)
+                            softcap, sinks)
 
     def _launch(self, queries: torch.Tensor, key_pages: torch.Tensor,
                 value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan,
                 shape: KernelShape, window: int | None = None,
                 scale: float | None = None,
+                softcap: float | None = None,
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_rows, num_heads, head_dim = queries.shape
         kv_heads, _, page_tokens, _ = key_pages.shape
@@ -279,13 +284,17 @@ class TritonPagedAttention:
                      parts.stride(2),
                      (1.0 / math.sqrt(head_dim) if scale is None else scale) * math.log2(math.e),
                      NO_WINDOW if window is None else window,
+                     # The cap in the kernel's base-2 units (its scores are times log2(e)):
+                     # cap * tanh(s / cap) times log2(e) is cap2 * tanh(s2 / cap2).
+                     0.0 if softcap is None else softcap * math.log2(math.e),
                      out if sinks is None else _base2_sinks(sinks, queries.device))
         shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=shape.tile_positions, HEAD_DIM=head_dim,
                       BLOCK_D=block_d, TILE_KEYS=shape.tile_keys, SPLIT_KEYS=self.split_keys,
                       PAGE=page_tokens, DOT_F32=interpreted or queries.dtype == torch.float32,
+                      SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
                       num_warps=shape.num_warps or (
                           4 if block_d * shape.tile_positions * rep_pad <= 4096 else 8),
-                      HAS_SINKS=sinks is not None, enable_fp_fusion=False)
+                      enable_fp_fusion=False)
         if shape.num_stages is not None:
             shapes["num_stages"] = shape.num_stages
         run = kernel()

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import torch
 
+from gateway.engine.attention.softcap import soft_cap_
 from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
 from gateway.engine.forward.experts import expert_mlp, expert_weights
 from gateway.engine.forward.features import ClampedSwigluRouting, DecoderFeatures, LayerFeatures
@@ -224,6 +225,7 @@ class BatchedForward:
                 writes.write(index, k, v)
             layer_features = self._features.layers[index]
             window, scale = layer_features.window, layer_features.attention_scale
+            softcap = layer_features.logit_softcap
             items = []
             for rows, (start, end) in zip(batch, spans, strict=True):
                 seq = rows.sequence
@@ -232,7 +234,7 @@ class BatchedForward:
                               v[start:end].transpose(0, 1))
                 items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
                                            is_decode=rows.is_decode, first_position=seq.length,
-                                           window=window, scale=scale,
+                                           window=window, scale=scale, softcap=softcap,
                                            sinks=self._sinks[index]))
             return join_rows(self._attention.attend(items), spans, q)
 
@@ -278,10 +280,12 @@ class BatchedForward:
 
     def logits(self, picked: torch.Tensor, num_logit_rows: int) -> torch.Tensor:
         """The float32 logits of the hidden rows ``picked`` (padding rows zero), the first
-        ``num_logit_rows`` in the shared product. The final norm sees the padded rows, as
-        every layer's norms do."""
+        ``num_logit_rows`` in the shared product, soft-capped where the features say so
+        (``final_logit_softcap``, in float32). The final norm sees the padded rows, as every
+        layer's norms do."""
         normed = self._model.model.norm(picked)
-        return self._products.project(self._model.lm_head, normed, num_logit_rows).float()
+        logits = self._products.project(self._model.lm_head, normed, num_logit_rows).float()
+        return soft_cap_(logits, self._features.final_logit_softcap)
 
     @property
     def products(self) -> RowProducts:

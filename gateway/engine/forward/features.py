@@ -150,6 +150,10 @@ class LayerFeatures:
         fused_gate_up: the MLP's gate and up projections are one product
             (``mlp.gate_up_proj``, its output gate | up, in halves; the activation is
             ``mlp.activation_fn``): Phi-3 and GLM-4.
+        logit_softcap: a query's scaled scores are squashed to ``cap * tanh(score / cap)``
+            before the mask and the softmax (Gemma 2's ``attn_logit_softcapping``): no score
+            beyond +-cap; None: scores as they are. An element-wise step: a row's bits stay its
+            own.
         sinks: the attention has one learned logit per query head (``self_attn.sinks``) that
             joins each row's softmax denominator as a key with no value (gpt-oss's attention
             sinks): every attention the forward runs adds it (``AttentionItem.sinks``).
@@ -166,9 +170,11 @@ class LayerFeatures:
     rotary_interleaved: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    logit_softcap: float | None = None
     sinks: bool = False
 
     def __post_init__(self) -> None:
+        _check_softcap(self.logit_softcap)
         if self.qk_norm and self.qk_projection_norm:
             raise ValueError("q and k are normalised per head or over the projection, not both")
         if self.rotary_interleaved and not self.rotary:
@@ -189,13 +195,17 @@ class DecoderFeatures:
             and sin once (``[..., rotated width / 2]``, rotating halves as
             ``first * cos - second * sin``: gpt-oss), not twice side by side as Llama's; the
             forward repeats them, which turns the halves alike.
+        final_logit_softcap: the output logits are squashed to ``cap * tanh(logit / cap)``
+            (Gemma 2's ``final_logit_softcapping``); None: as the output projection gives them.
     """
 
     family: str
     layers: tuple[LayerFeatures, ...]
     rotary_frequencies_once: bool = False
+    final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
+        _check_softcap(self.final_logit_softcap)
         if not self.layers:
             raise ValueError("a decoder has at least one layer")
 
@@ -208,6 +218,11 @@ class DecoderFeatures:
     def has_custom_scale(self) -> bool:
         """Whether any layer scales its scores otherwise than by ``head_dim ** -0.5``."""
         return any(layer.attention_scale is not None for layer in self.layers)
+
+    @property
+    def has_logit_softcap(self) -> bool:
+        """Whether any layer soft-caps its attention scores (an attention must then cap)."""
+        return any(layer.logit_softcap is not None for layer in self.layers)
 
     @property
     def has_sinks(self) -> bool:
@@ -228,3 +243,8 @@ class DecoderFeatures:
     def uniform(cls, family: str, num_layers: int, layer: LayerFeatures) -> DecoderFeatures:
         """Every one of ``num_layers`` layers alike."""
         return cls(family=family, layers=(layer,) * num_layers)
+
+
+def _check_softcap(cap: float | None) -> None:
+    if cap is not None and not cap > 0:
+        raise ValueError(f"a soft-cap is a positive bound, not {cap}")

@@ -46,7 +46,7 @@ from gateway.service.http.json_fields import optional_field, type_name
 
 _FIELDS = frozenset({"model", "max_tokens", "messages", "system", "temperature", "top_p",
                      "top_k", "stop_sequences", "stream", "metadata", "cache_control", "tools",
-                     "tool_choice"})
+                     "tool_choice", "diagnostics"})
 
 _REFUSED_FIELDS = {
     "thinking": "extended thinking is not supported",
@@ -91,6 +91,10 @@ class MessagesCall:
             session_from_user`` says so: ``with_session``).
         caching: how long the request's blocks are kept (its ``cache_control`` breakpoints).
         stop_sequences: as sent (the answer names the one that stopped it, where it can tell).
+        diagnose: the request sent ``diagnostics``: its shape is kept for later requests to
+            be compared with, and its answer carries ``diagnostics``.
+        previous_message_id: ``diagnostics.previous_message_id``: the earlier message this
+            request's prompt is compared with (None: the first turn).
     """
 
     model: str
@@ -99,6 +103,8 @@ class MessagesCall:
     user: object = None
     caching: CachePlan = CachePlan()
     stop_sequences: tuple[str, ...] = ()
+    diagnose: bool = False
+    previous_message_id: str | None = None
 
 
 def parse_messages(body: Mapping[str, Any], principal: Principal, *,
@@ -154,7 +160,26 @@ def parse_messages(body: Mapping[str, Any], principal: Principal, *,
     return MessagesCall(model=model, request=request,
                         stream=bool(optional_field(fields, "stream", bool, "true or false")),
                         user=_user_id(fields.get("metadata")), caching=caching,
-                        stop_sequences=stops)
+                        stop_sequences=stops, diagnose="diagnostics" in fields,
+                        previous_message_id=_previous_message_id(fields.get("diagnostics")))
+
+
+def _previous_message_id(value: object) -> str | None:
+    """``diagnostics.previous_message_id`` (None: no diagnostics asked, or the first turn)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidParam("diagnostics", f"diagnostics: must be an object, got "
+                                          f"{type_name(value)}")
+    unknown = sorted(set(value) - {"previous_message_id"})
+    if unknown:
+        raise InvalidParam(f"diagnostics.{unknown[0]}", f"diagnostics.{unknown[0]}: Extra "
+                           "inputs are not permitted (diagnostics takes previous_message_id)")
+    previous = value.get("previous_message_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise InvalidParam("diagnostics.previous_message_id", "diagnostics.previous_message_id: "
+                           "must be the id of an earlier message (msg_...) or null")
+    return previous
 
 
 def _conversation(value: object, limits: PromptLimits, messages: list[dict[str, str]],

@@ -11,9 +11,10 @@ prompt. Beside them, kvgate's own figures (``openai_responses.kvgate_usage``)::
               "cache_creation": {"ephemeral_5m_input_tokens": 0, "ephemeral_1h_input_tokens": 0},
               "kvgate": {"cached_tokens_by_tier": {"device": 320}, "ttft_ms": 185.5, ...}}
 
-Tokens stored with the gateway's own TTL (a request without ``cache_control``) count in
-``cache_creation_input_tokens`` and in neither ephemeral figure; ``kvgate.cache_creation_ttl_s``
-says the TTL they got.
+A request without ``cache_control`` stores its blocks for 5 minutes, as the hosted API keeps a
+prefix, and counts them in ``ephemeral_5m_input_tokens``; where the gateway's ``max_ttl_s`` is
+shorter they get its own TTL and count in ``cache_creation_input_tokens`` and in neither
+ephemeral figure. ``kvgate.cache_creation_ttl_s`` says the TTL they got.
 
 A stream is Anthropic's events: ``message_start``, ``content_block_start``, ``ping``, one
 ``content_block_delta`` per piece of text, ``content_block_stop``, ``message_delta`` (the stop
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gateway.core.requests import Usage
@@ -114,16 +116,21 @@ class MessagesRendering:
         stop_sequences: the request's (the answer names the one that stopped it where there
             is one; the engine does not say which of several did).
         warmed_tokens: see ``usage_object``.
+        diagnostics: the message's ``diagnostics`` (None: the request asked for none).
+        on_usage: called with the answer's usage once it is complete (None: nothing).
     """
 
     model: str
     caching: CachePlan = field(default_factory=CachePlan)
     stop_sequences: tuple[str, ...] = ()
     warmed_tokens: int = 0
+    diagnostics: dict[str, object] | None = None
+    on_usage: Callable[[str, Usage], None] | None = None
     id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
 
     def completion(self, text: str, usage: Usage) -> dict[str, object]:
         """The non-streamed answer: a ``message``."""
+        self._done(usage)
         return {**self._message([{"type": "text", "text": text}] if text else []),
                 **self._stop(usage), "usage": self._usage(usage)}
 
@@ -143,6 +150,7 @@ class MessagesRendering:
 
     def closing(self, usage: Usage) -> list[str]:
         """The block's end, the stop reason with the whole usage, ``message_stop``."""
+        self._done(usage)
         return [event({"type": "content_block_stop", "index": 0}),
                 event({"type": "message_delta", "delta": self._stop(usage),
                        "usage": self._usage(usage)}),
@@ -153,8 +161,15 @@ class MessagesRendering:
         return event(answer.body)
 
     def _message(self, content: list[dict[str, str]]) -> dict[str, object]:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content}
+        message: dict[str, object] = {"id": self.id, "type": "message", "role": "assistant",
+                                      "model": self.model, "content": content}
+        if self.diagnostics is not None:
+            message["diagnostics"] = self.diagnostics
+        return message
+
+    def _done(self, usage: Usage) -> None:
+        if self.on_usage is not None:
+            self.on_usage(self.id, usage)
 
     def _stop(self, usage: Usage) -> dict[str, object]:
         reason = _STOP_REASON.get(usage.finish_reason, "end_turn")

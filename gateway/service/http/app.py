@@ -75,10 +75,11 @@ from gateway.service.http.openai_requests import (
 )
 from gateway.service.http.openai_responses import Rendering
 from gateway.service.http.pending_bodies import PendingBodies
+from gateway.service.http.prompt_comparisons import PromptComparisons
 from gateway.service.http.responses_rendering import ResponsesRendering
 from gateway.service.http.responses_requests import ResponsesCall, parse_responses
 from gateway.service.http.responses_route import StoredResponsesRoute
-from gateway.service.http.stored_responses import MemoryResponses
+from gateway.service.http.stored_responses import MemoryResponses, ResponseStore
 from gateway.service.scrape_token import CHALLENGE, ScrapeToken
 from gateway.service.scrape_token import REFUSAL as SCRAPE_REFUSAL
 
@@ -161,12 +162,13 @@ class OpenAIFront:
                  scrape_token: ScrapeToken | None = None,
                  served_model_name: tuple[str, ...] = (),
                  session_from_user: bool = False,
-                 responses: MemoryResponses | None = None) -> None:
+                 responses: ResponseStore | None = None) -> None:
         self._engines = engines
         self._stored = StoredResponsesRoute(
             responses if responses is not None else MemoryResponses(
                 max_per_tenant=1000, max_chars_per_tenant=64 << 20, default_ttl_s=3600.0),
             authenticator, limits.prompt, self._error)
+        self._comparisons = PromptComparisons()
         self._session_from_user = session_from_user
         self._served = served_model_name
         self._access = access
@@ -347,14 +349,20 @@ class OpenAIFront:
             return Rendering(kind=call.kind, model=model, include_usage=call.include_usage)
         if isinstance(call, ResponsesCall):
             keep = partial(self._stored.keep, call) if call.store else None
-            return ResponsesRendering(model=model, call=call, on_done=keep)
+            compared, keep_shape = await self._in_thread(self._comparisons.responses, call,
+                                                         engine)
+            return ResponsesRendering(model=model, call=call, on_done=keep,
+                                      on_usage=keep_shape, cache_diagnostics=compared)
+        diagnostics, keep_message_shape = await self._in_thread(self._comparisons.messages,
+                                                                call, engine)
         warmed = 0
         if call.caching.longer is not None and not call.request.cache.no_cache:
             warmed = await self._until_gone(request, partial(
                 warm_longer_prefix, engine, call.request.prompt, call.caching,
                 scope=call.request.scope, deadline=call.request.deadline))
         return MessagesRendering(model=model, caching=call.caching,
-                                 stop_sequences=call.stop_sequences, warmed_tokens=warmed)
+                                 stop_sequences=call.stop_sequences, warmed_tokens=warmed,
+                                 diagnostics=diagnostics, on_usage=keep_message_shape)
 
     async def _events(self, kind: Api, rendering: AnswerRendering, generation: Generation,
                       first: Event | None, slot: CallSlot | None = None,

@@ -18,8 +18,9 @@ breakpoint comes before a 5-minute one, the prompt up to the 1-hour one is warme
 its TTL (``warm_longer_prefix``), so that the generation reads those blocks and stores only
 the rest, for 5 minutes. NOTE: a block keeps the TTL it was stored with: a block first stored
 under a 5-minute breakpoint and later read under a 1-hour one stays a 5-minute block (each
-read still refreshes it). Without any breakpoint the gateway's own TTL applies
-(``[engine] default_ttl_s``).
+read still refreshes it). Without any breakpoint the blocks are kept as the hosted API keeps a
+prefix, 5 minutes after its last use (``edge.hosted_api_ttl``; the gateway's own
+``[engine] default_ttl_s`` where its ``max_ttl_s`` is shorter).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupRequest, LookupResult, WarmRequest, WarmResult
 from gateway.core.tokens import TokenIds
-from gateway.service.edge import EdgeLimits, checked_ttl
+from gateway.service.edge import HOSTED_API_TTL_S, EdgeLimits, checked_ttl, hosted_api_ttl
 from gateway.service.http.errors import InvalidParam
 from gateway.service.http.json_fields import type_name
 
@@ -152,7 +153,7 @@ def plan_of(breakpoints: Sequence[Breakpoint], messages: Sequence[dict[str, str]
         except InvalidRequest as exc:
             raise InvalidParam(f"{mark.where}.ttl", f"{mark.where}.ttl: {exc}") from None
     if not breakpoints:
-        return CachePlan()
+        return CachePlan(ttl="5m") if hosted_api_ttl(limits) == HOSTED_API_TTL_S else CachePlan()
     last = breakpoints[-1]
     longer = [mark for mark in breakpoints if TTL_S[mark.ttl] > TTL_S[last.ttl]]
     if not longer or longer[-1].message is None:

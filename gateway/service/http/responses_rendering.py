@@ -47,11 +47,15 @@ class ResponsesRendering:
         model: the model name to report.
         call: the request (its fields are echoed in the response).
         on_done: called with the finished response object and its text (None: nothing).
+        on_usage: called with the response's id and usage once it is complete (None: nothing).
+        cache_diagnostics: its ``prompt_cache_diagnostics`` (None: the request asked none).
     """
 
     model: str
     call: ResponsesCall
     on_done: Callable[[dict[str, object], str], None] | None = None
+    on_usage: Callable[[str, Usage], None] | None = None
+    cache_diagnostics: dict[str, object] | None = None
     id: str = field(default_factory=lambda: f"resp_{secrets.token_hex(12)}")
     item_id: str = field(default_factory=lambda: f"msg_{secrets.token_hex(12)}")
     created_at: int = field(default_factory=lambda: int(time.time()))
@@ -102,6 +106,8 @@ class ResponsesRendering:
                               output=[self._item(text, "completed")], usage=usage_object(usage))
         if is_cut:
             body["incomplete_details"] = {"reason": "max_output_tokens"}
+        if self.on_usage is not None:
+            self.on_usage(self.id, usage)
         if self.on_done is not None:
             self.on_done(body, text)
         return body
@@ -119,7 +125,10 @@ class ResponsesRendering:
                 "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "store": call.store, "metadata": dict(call.metadata or {}),
                 "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
-                "text": {"format": {"type": "text"}}, "truncation": "disabled"}
+                "text": {"format": {"type": "text"}}, "truncation": "disabled",
+                "prompt_cache_key": call.prompt_cache_key,
+                **({} if self.cache_diagnostics is None
+                   else {"prompt_cache_diagnostics": self.cache_diagnostics})}
 
     def _item(self, text: str, status: str) -> dict[str, object]:
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",

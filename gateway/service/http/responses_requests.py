@@ -13,9 +13,10 @@ or assistant, ``content`` a string or ``input_text`` / ``output_text`` parts), `
 ``previous_response_id``, ``store`` (default true), ``max_output_tokens``, ``temperature``,
 ``top_p``, ``stream``, ``metadata`` (echoed), ``prompt_cache_key`` (accepted: never part of a
 block key, and not a session), ``prompt_cache_retention`` (``in_memory`` / ``in-memory``: the
-gateway's own TTL; ``24h``: a day), ``truncation: "disabled"``, ``tool_choice`` ``auto`` or
-``none`` and empty ``tools``. Refused: images, files and audio, tools, function calls and
-their outputs, reasoning, ``background``, ``conversation`` and anything else.
+blocks kept 5 minutes after their last use, as the hosted API keeps a prefix; ``24h``: a day),
+``truncation: "disabled"``, ``tool_choice`` ``auto`` or ``none`` and empty ``tools``.
+Refused: images, files and audio, tools, function calls and their outputs, reasoning,
+``background``, ``conversation`` and anything else.
 """
 
 from __future__ import annotations
@@ -29,15 +30,24 @@ from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest
 from gateway.core.prompt_limits import PromptLimits, check_prompt_size, measure
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
-from gateway.service.edge import EdgeLimits, checked_ttl, deadline_within, scope_of
+from gateway.service.edge import (
+    EdgeLimits,
+    checked_ttl,
+    deadline_within,
+    hosted_api_ttl,
+    scope_of,
+)
 from gateway.service.http.errors import InvalidParam
 from gateway.service.http.json_fields import optional_field, type_name
 
 RETENTION_TTL_S: dict[str, float | None] = {"in_memory": None, "in-memory": None,
                                             "24h": 24 * 3600.0}
-"""``prompt_cache_retention``: the gateway's own TTL (None), or a day."""
+"""``prompt_cache_retention``: a day, or (None) the hosted API's 5 minutes for the blocks and the
+response store's own TTL for the stored response (a conversation outlives its cached blocks:
+an idle one is recomputed, never lost)."""
 
 _FIELDS = frozenset({"model", "input", "instructions", "previous_response_id", "store",
+                     "prompt_cache_options",
                      "max_output_tokens", "temperature", "top_p", "stream", "metadata",
                      "prompt_cache_key", "prompt_cache_retention", "truncation", "tool_choice",
                      "tools", "parallel_tool_calls"})
@@ -57,10 +67,13 @@ class ResponsesCall:
         previous_response_id: the response this one continues (None: a new conversation).
         instructions: the system message, if any.
         turn: the messages this request adds (its ``input``).
-        ttl_s: the TTL ``prompt_cache_retention`` asks (None: the gateway's own).
+        ttl_s: how long the stored response is kept after its last use (None: the store's own).
         metadata: echoed in the response.
         max_output_tokens: as sent (echoed).
         user: None (the Responses API names no session in its body; ``X-Session-Id`` does).
+        prompt_cache_key: as sent (a routing hint; compared by ``prompt_cache_diagnostics``).
+        comparison_response_id: ``prompt_cache_options.comparison_response_id``: the earlier
+            response this one's prompt is compared with (None: no diagnostics asked).
     """
 
     model: str
@@ -74,6 +87,8 @@ class ResponsesCall:
     metadata: Mapping[str, object] | None = None
     max_output_tokens: int | None = None
     user: object = None
+    prompt_cache_key: str | None = None
+    comparison_response_id: str | None = None
 
 
 def parse_responses(body: Mapping[str, Any], principal: Principal, *,
@@ -110,6 +125,7 @@ def parse_responses(body: Mapping[str, Any], principal: Principal, *,
         ttl = checked_ttl(RETENTION_TTL_S[retention], limits)
     except InvalidRequest as exc:
         raise InvalidParam("prompt_cache_retention", str(exc)) from None
+    blocks_ttl = hosted_api_ttl(limits) if ttl is None else ttl
     key = fields.get("prompt_cache_key")
     if key is not None and not isinstance(key, str):
         raise InvalidParam("prompt_cache_key", f"`prompt_cache_key` must be a string, got "
@@ -128,7 +144,7 @@ def parse_responses(body: Mapping[str, Any], principal: Principal, *,
         prompt=_prompt(instructions, (), turn, limits.prompt),
         scope=scope_of(principal, is_shared=False),
         sampling=sampling,
-        cache=CacheOptions(ttl_s=ttl),
+        cache=CacheOptions(ttl_s=blocks_ttl),
         deadline=deadline_within(limits, None),
     )
     return ResponsesCall(model=model, request=request,
@@ -136,7 +152,33 @@ def parse_responses(body: Mapping[str, Any], principal: Principal, *,
                          store=True if store is None else store,
                          previous_response_id=previous, instructions=instructions,
                          turn=tuple(turn), ttl_s=ttl, metadata=metadata,
-                         max_output_tokens=max_output_tokens)
+                         max_output_tokens=max_output_tokens, prompt_cache_key=key,
+                         comparison_response_id=_comparison_response_id(
+                             fields.get("prompt_cache_options")))
+
+
+def _comparison_response_id(value: object) -> str | None:
+    """``prompt_cache_options.comparison_response_id``; the implicit mode is kvgate's (every
+    full block is cached), and lifetimes are ``prompt_cache_retention``'s."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidParam("prompt_cache_options", "`prompt_cache_options` must be an object, "
+                                                   f"got {type_name(value)}")
+    for name, option in value.items():
+        if name == "mode" and option == "implicit":
+            continue
+        if name != "comparison_response_id":
+            raise InvalidParam(f"prompt_cache_options.{name}",
+                               f"`prompt_cache_options.{name}` is not supported: kvgate caches "
+                               "every full block implicitly, kept as `prompt_cache_retention` "
+                               "says; it serves `comparison_response_id` and `mode: implicit`")
+    compared = value.get("comparison_response_id")
+    if compared is not None and (not isinstance(compared, str) or not compared):
+        raise InvalidParam("prompt_cache_options.comparison_response_id",
+                           "`prompt_cache_options.comparison_response_id` must be the id of an "
+                           "earlier response")
+    return compared
 
 
 def continued(call: ResponsesCall, earlier: Sequence[Mapping[str, str]],

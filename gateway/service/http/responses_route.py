@@ -17,7 +17,7 @@ from gateway.core.prompt_limits import PromptLimits
 from gateway.service.auth import Authenticator
 from gateway.service.http.errors import HttpFailure
 from gateway.service.http.responses_requests import ResponsesCall, continued, conversation
-from gateway.service.http.stored_responses import MemoryResponses
+from gateway.service.http.stored_responses import ResponseStore
 
 
 class StoredResponsesRoute:
@@ -30,7 +30,7 @@ class StoredResponsesRoute:
         error: how the front answers a failed request (OpenAI's shape).
     """
 
-    def __init__(self, responses: MemoryResponses, authenticator: Authenticator,
+    def __init__(self, responses: ResponseStore, authenticator: Authenticator,
                  limits: PromptLimits, error: Callable[[BaseException, Request], Response]
                  ) -> None:
         self._responses = responses

@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from functools import partial
+from typing import Any
 
 import uvicorn
 from prometheus_client.registry import CollectorRegistry
@@ -44,9 +45,13 @@ from gateway.service.http.connections import (
     limits_within,
     open_file_limit,
 )
-from gateway.service.http.stored_responses import MemoryResponses
+from gateway.service.http.disk_responses import DiskResponses
+from gateway.service.http.redis_responses import RedisResponses
+from gateway.service.http.response_seal import responses_mac_key
+from gateway.service.http.stored_responses import MemoryResponses, ResponseStore
 from gateway.service.scrape_token import scrape_token_of
 from gateway.service.server import ServeError, check_plaintext_listener
+from tiers.redis_client import build_client, close_client
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +76,23 @@ class HttpFront:
 
     def __init__(self, config: ServeConfig, authenticator: Authenticator,
                  engines: EngineSlot, admission: Admission | None = None,
-                 metrics: CollectorRegistry | None = None) -> None:
+                 metrics: CollectorRegistry | None = None,
+                 deployment_secret: bytes | None = None) -> None:
         self.config = config
         settings = config.http
+        self._redis: Any = None
+        responses: ResponseStore = MemoryResponses(
+            max_per_tenant=settings.max_stored_responses_per_tenant,
+            max_chars_per_tenant=settings.max_stored_response_chars_per_tenant,
+            default_ttl_s=config.engine.default_ttl_s)
+        if config.cache.redis_url and deployment_secret is not None:
+            responses = self._redis_responses(config, deployment_secret)
+        elif config.cache.disk_bytes and deployment_secret is not None:
+            responses = DiskResponses(
+                config.data_dir / "responses", mac_key=responses_mac_key(deployment_secret),
+                max_per_tenant=settings.max_stored_responses_per_tenant,
+                max_chars_per_tenant=settings.max_stored_response_chars_per_tenant,
+                default_ttl_s=config.engine.default_ttl_s)
         self._front = OpenAIFront(
             engines, authenticator,
             EdgeLimits(max_deadline_s=config.grpc.max_deadline_s,
@@ -89,10 +108,7 @@ class HttpFront:
             scrape_token=scrape_token_of(config.metrics),
             served_model_name=settings.served_model_name,
             session_from_user=settings.session_from_user,
-            responses=MemoryResponses(
-                max_per_tenant=settings.max_stored_responses_per_tenant,
-                max_chars_per_tenant=settings.max_stored_response_chars_per_tenant,
-                default_ttl_s=config.engine.default_ttl_s),
+            responses=responses,
         )
         self.guard: ConnectionGuard | None = None
         self.accept_errors: AcceptErrorLog | None = None
@@ -170,6 +186,22 @@ class HttpFront:
                 self._thread.join(timeout=5.0)
             self._thread = None
         self._server = None
+        if self._redis is not None:
+            close_client(self._redis)
+            self._redis = None
+
+    def _redis_responses(self, config: ServeConfig, deployment_secret: bytes) -> ResponseStore:
+        """Stored responses in the cache's Redis, for every replica (``RedisResponses``)."""
+        cache, settings = config.cache, config.http
+        assert cache.redis_url is not None
+        self._redis = build_client(cache.redis_url, cluster=cache.redis_cluster,
+                                   socket_timeout_s=cache.redis_timeout_s,
+                                   connect_timeout_s=cache.redis_timeout_s)
+        return RedisResponses(self._redis, key_prefix=cache.redis_key_prefix,
+                              mac_key=responses_mac_key(deployment_secret),
+                              max_per_tenant=settings.max_stored_responses_per_tenant,
+                              max_chars_per_tenant=settings.max_stored_response_chars_per_tenant,
+                              default_ttl_s=config.engine.default_ttl_s)
 
 
 def _serve(server: uvicorn.Server, sock: socket.socket, accept_errors: AcceptErrorLog) -> None:

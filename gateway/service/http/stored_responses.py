@@ -8,8 +8,10 @@ including the answer (its messages' roles and texts, never token ids or K/V) and
 as it was sent.
 
 ``MemoryResponses`` keeps them in this replica's memory: a restart forgets them, and another
-replica does not see them (issue 47 asks for Redis, where configured, and the disk otherwise,
-under the blocks' MAC: not built yet). Each tenant keeps at most ``max_per_tenant`` responses
+replica does not see them; where the cache has Redis, ``redis_responses.RedisResponses`` keeps
+them there instead, for every replica (both are a ``ResponseStore``).
+
+Each tenant keeps at most ``max_per_tenant`` responses
 and ``max_chars_per_tenant`` characters of conversation (a conversation may be as long as a
 prompt may, ``[limits] max_prompt_chars``, so the count alone would let one tenant hold
 gigabytes); past either, the tenant's least recently used are dropped (never the one just
@@ -25,6 +27,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -47,6 +50,19 @@ class StoredResponse:
     body: Mapping[str, object]
     ttl_s: float | None = None
     expires_at: float | None = None
+
+
+class ResponseStore(Protocol):
+    """Where ``POST /v1/responses`` keeps what it is asked to ``store``."""
+
+    def put(self, *, id: str, tenant: str, messages: Sequence[Mapping[str, str]],
+            body: Mapping[str, object], ttl_s: float | None = None) -> None: ...
+
+    def get(self, tenant: str, id: str) -> StoredResponse | None: ...
+
+    def delete(self, tenant: str, id: str) -> bool: ...
+
+    def chars_of(self, tenant: str) -> int: ...
 
 
 class MemoryResponses:
@@ -131,7 +147,11 @@ class MemoryResponses:
         return None if ttl_s is None else self._clock() + ttl_s
 
 
-def _chars(stored: StoredResponse) -> int:
+def chars_of_conversation(messages: Sequence[Mapping[str, str]]) -> int:
     """What a response counts against its tenant's characters: its conversation's contents
     (the answer among them; the answer's copy in ``body`` is of the same size)."""
-    return sum(len(message.get("content", "")) for message in stored.messages)
+    return sum(len(message.get("content", "")) for message in messages)
+
+
+def _chars(stored: StoredResponse) -> int:
+    return chars_of_conversation(stored.messages)

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gateway.bench.load import HttpSession
+from gateway.bench.load_clients import HttpSession
 from gateway.bench.peer_serve import Unanswered
 from gateway.bench.rows import BenchError
 from tests.redis_harness import free_port
@@ -24,9 +24,10 @@ class _Router(http.server.BaseHTTPRequestHandler):
 
     statuses: list[int] = []
     num_requests = 0
+    bodies: list[dict[str, object]] = []
 
     def do_POST(self) -> None:  # noqa: N802 -- the stdlib's name
-        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
         type(self).num_requests += 1
         if self.statuses:
             status = self.statuses.pop(0)
@@ -53,7 +54,7 @@ class _Router(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture
 def router_port() -> Iterator[int]:
-    _Router.statuses, _Router.num_requests = [], 0
+    _Router.statuses, _Router.num_requests, _Router.bodies = [], 0, []
     yield free_port()
 
 
@@ -118,3 +119,30 @@ def test_without_a_window_an_unanswered_request_fails_at_once(router_port: int) 
     with pytest.raises(Unanswered, match="answered nothing"):
         session.chat(MESSAGES)
     assert session.num_resent == 0
+
+
+def test_a_servers_own_fields_go_with_every_request(router_port: int) -> None:
+    server = _serve(router_port)
+    try:
+        session = HttpSession("127.0.0.1", router_port, max_tokens=4, timeout_s=5,
+                              model="kvgate-bench", extra_body={"ignore_eos": True})
+        session.chat(MESSAGES)
+        session.chat(MESSAGES)
+        session.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [(b["ignore_eos"], b["model"], b["max_tokens"]) for b in _Router.bodies] == [
+        (True, "kvgate-bench", 4)] * 2
+
+
+def test_without_own_fields_a_request_is_openais_alone(router_port: int) -> None:
+    server = _serve(router_port)
+    try:
+        session = HttpSession("127.0.0.1", router_port, max_tokens=4, timeout_s=5)
+        session.chat(MESSAGES)
+        session.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "ignore_eos" not in _Router.bodies[0] and "model" not in _Router.bodies[0]

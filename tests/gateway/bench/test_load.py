@@ -36,7 +36,7 @@ _ROW = re.compile(
     r"^(?P<label>kvgate(?: serial| no_cache)?)\s+(?P<users>\d+)\s+(?P<reqs>\d+)\s+"
     r"(?P<t50>[\d,]+)\s+(?P<t99>[\d,]+)\s+(?P<l50>[\d,]+)\s+(?P<l99>[\d,]+)\s+"
     r"(?P<rps>[\d.]+)\s+(?P<tps>[\d.]+)\s+(?P<cached>[\d.]+)\s+(?P<rss>[\d,]+) MiB\s+"
-    r"(?P<held>[\d,]+) MiB\s+route (?P<route>\w+)")
+    r"(?P<held>[\d,]+) MiB\s+(?P<cores>[\d.]+)\s+route (?P<route>\w+)")
 
 
 def _number(text: str) -> float:
@@ -68,6 +68,7 @@ def test_bench_load_prints_every_configuration_and_user_count(tmp_path: Path) ->
         assert _number(m["rps"]) > 0 and _number(m["tps"]) > 0, m.group(0)
         assert 0.0 <= _number(m["cached"]) <= 1.0, m.group(0)
         assert _number(m["rss"]) > 0, m.group(0)
+        assert _number(m["cores"]) >= 0, m.group(0)  # a diagnostic: only that it is read
         if m["label"] == "kvgate no_cache":
             assert _number(m["cached"]) == 0.0, m.group(0)
         if m["label"] == "kvgate serial":

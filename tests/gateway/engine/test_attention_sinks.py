@@ -40,9 +40,10 @@ DOMINANT_SINKS = torch.full((HEADS,), 30.0)
 
 def _reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                positions: Sequence[int], sinks: torch.Tensor,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention in float64 with each head's sink one more column of its softmax, whose
-    probability is dropped (it has no value)."""
+    probability is dropped (it has no value); with ``softcap``, the scores (not the sink)
+    capped first."""
     rep = queries.shape[1] // keys.shape[0]
     out = []
     for row, position in zip(queries.double(), positions, strict=True):
@@ -50,6 +51,8 @@ def _reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         k = keys[:, lo:position + 1].double().repeat_interleave(rep, 0)
         v = values[:, lo:position + 1].double().repeat_interleave(rep, 0)
         scores = torch.einsum("hd,hkd->hk", row, k) / math.sqrt(row.shape[-1])
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
         columns = torch.cat([scores, sinks.double()[:, None]], dim=-1)
         weights = torch.softmax(columns, dim=-1)[:, :-1]
         out.append(torch.einsum("hk,hkd->hd", weights, v))
@@ -58,14 +61,14 @@ def _reference(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 def _attend_sunk(attention: SequenceAttention, queries: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, cuts: Sequence[int], sinks: torch.Tensor,
-                 window: int | None = None) -> torch.Tensor:
+                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Every position of the sequence with ``sinks``, attended in the pieces between ``cuts``."""
     parts = []
     for start, end in zip(cuts, cuts[1:], strict=False):
         positions = torch.arange(start, end, device=queries.device)
         parts.extend(attention.attend([AttentionItem.of(queries[start:end], keys, values,
                                                         positions, window=window,
-                                                        sinks=sinks)]))
+                                                        softcap=softcap, sinks=sinks)]))
     return torch.cat(parts)
 
 
@@ -94,6 +97,20 @@ def test_sinks_are_within_float_rounding_of_a_softmax_with_a_sink_column(
     out = _attend_sunk(attention, queries, keys, values, (0, LENGTH), SINKS)
     expected = _reference(queries, keys, values, range(LENGTH), SINKS)
     assert float((out.double() - expected).abs().max()) <= TOLERANCE
+
+
+@pytest.mark.parametrize("attention", _backends())
+def test_sinks_beside_a_logit_soft_cap_are_within_float_rounding_of_the_reference(
+        attention: SequenceAttention) -> None:
+    """Both at once (no checkpoint has both yet): each score capped before the row's maximum,
+    the sink, uncapped, joining the maximum and the denominator after."""
+    queries, keys, values = _sequence(22)
+    out = _attend_sunk(attention, queries, keys, values, (0, 70, LENGTH), SINKS, WINDOW,
+                       softcap=0.5)
+    expected = _reference(queries, keys, values, range(LENGTH), SINKS, WINDOW, softcap=0.5)
+    uncapped = _reference(queries, keys, values, range(LENGTH), SINKS, WINDOW)
+    assert float((out.double() - expected).abs().max()) <= TOLERANCE
+    assert float((uncapped - expected).abs().max()) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("attention", _backends())
@@ -170,6 +187,22 @@ def test_the_triton_kernel_adds_sinks_exactly_and_chunk_for_chunk(device: str) -
         assert float((one_shot.cpu().double() - expected).abs().max()) <= TOLERANCE
         assert torch.equal(_attend_sunk(attention, queries, keys, values, CHUNKS, sinks, window),
                            one_shot)
+
+
+@needs_triton
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@interpreted
+def test_the_triton_kernel_adds_sinks_beside_a_logit_soft_cap(device: str) -> None:
+    """Both compile-time flags at once: the scores capped, the sink folded in uncapped."""
+    from gateway.engine.attention.triton_paged import TritonPagedAttention
+
+    attention = TritonPagedAttention(split_keys=32, tile_keys=16, tile_positions=8)
+    queries, keys, values = (t.to(device) for t in _sequence(29))
+    one_shot = _attend_sunk(attention, queries, keys, values, (0, LENGTH), SINKS.to(device),
+                            WINDOW, softcap=0.5)
+    expected = _reference(queries.cpu(), keys.cpu(), values.cpu(), range(LENGTH), SINKS,
+                          WINDOW, softcap=0.5)
+    assert float((one_shot.cpu().double() - expected).abs().max()) <= TOLERANCE
 
 
 @needs_triton

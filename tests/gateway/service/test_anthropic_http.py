@@ -21,11 +21,18 @@ from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupRequest
-from gateway.engine.engine import EngineConfig
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.server import HttpFront
-from tests.gateway.grpc_harness import BLOCK, KEY_A, KEYS, LONG_PROMPT, start_gateway, wait_until
+from tests.gateway.grpc_harness import (
+    BLOCK,
+    KEY_A,
+    KEY_B,
+    KEYS,
+    LONG_PROMPT,
+    start_gateway,
+    wait_until,
+)
 from tests.gateway.service import test_openai_http
 from tests.gateway.service.test_openai_http import MODEL, Stack, unique
 from tests.redis_harness import RedisServer
@@ -235,16 +242,17 @@ def test_top_level_cache_control_keeps_the_whole_prompt_for_its_ttl(stack: Stack
     assert usage.cache_creation.ephemeral_5m_input_tokens == 0
 
 
-def test_unmarked_prompt_is_cached_with_the_gateways_own_ttl(stack: Stack, claude: Any) -> None:
+def test_unmarked_prompt_is_cached_five_minutes_as_the_hosted_api(stack: Stack,
+                                                                  claude: Any) -> None:
     system = unique(LONG_PROMPT)
     usage = ask(claude, system).usage
     ttls = block_ttls(stack, [{"role": "system", "content": system},
                               {"role": "user", "content": QUESTION}])
     assert usage.cache_creation_input_tokens == len(ttls) * BLOCK > 0
-    assert usage.cache_creation.ephemeral_5m_input_tokens == 0
+    assert usage.cache_creation.ephemeral_5m_input_tokens == len(ttls) * BLOCK
     assert usage.cache_creation.ephemeral_1h_input_tokens == 0
-    assert usage.kvgate["cache_creation_ttl_s"] is None
-    assert set(ttls) == {EngineConfig().default_ttl_s}
+    assert usage.kvgate["cache_creation_ttl_s"] == 300.0
+    assert set(ttls) == {300.0}
     # What the refused requests below are checked with sees a stored prompt's system prefix.
     assert cached_tokens(stack, [{"role": "system", "content": system}]) > 0
 
@@ -358,3 +366,79 @@ def test_sampling_fields_and_metadata_are_served(claude: Any) -> None:
         extra_body={"temperature": 0.7, "top_p": 0.9, "top_k": 20})
     assert answer.usage.output_tokens >= 1
     assert answer.stop_reason in ("end_turn", "max_tokens", "stop_sequence")
+
+
+def _diagnosed(claude: Any, system: str, previous: str | None, **options: Any) -> Any:
+    return ask(claude, system, diagnostics={"previous_message_id": previous}, **options)
+
+
+def test_a_first_turn_with_diagnostics_says_no_miss(claude: Any) -> None:
+    message = _diagnosed(claude, unique(LONG_PROMPT), None)
+    assert message.diagnostics is not None and message.diagnostics.cache_miss_reason is None
+
+
+def test_a_request_without_diagnostics_gets_none(claude: Any) -> None:
+    assert ask(claude, unique(LONG_PROMPT)).diagnostics is None
+
+
+def test_a_conversation_that_appends_turns_departs_nowhere(claude: Any) -> None:
+    system = unique(LONG_PROMPT)
+    first = _diagnosed(claude, system, None)
+    second = _diagnosed(claude, system, first.id, messages=[
+        {"role": "user", "content": QUESTION}, {"role": "assistant", "content": "Gladly."},
+        {"role": "user", "content": "And the second parcel?"}])
+    assert second.diagnostics.cache_miss_reason is None
+
+
+def test_a_changed_system_prompt_is_system_changed_with_the_tokens_it_missed(
+        claude: Any) -> None:
+    first = _diagnosed(claude, unique(LONG_PROMPT), None)
+    second = _diagnosed(claude, unique(LONG_PROMPT), first.id)
+    reason = second.diagnostics.cache_miss_reason
+    assert reason.type == "system_changed"
+    assert reason.cache_missed_input_tokens == created(prompt_total(first.usage)) > 0
+
+
+def test_an_edited_earlier_message_is_messages_changed(claude: Any) -> None:
+    system = unique(LONG_PROMPT)
+    first = _diagnosed(claude, system, None, messages=[
+        {"role": "user", "content": f"{LONG_PROMPT} {QUESTION}"}])
+    second = _diagnosed(claude, system, first.id, messages=[
+        {"role": "user", "content": f"{LONG_PROMPT} Something else entirely."}])
+    reason = second.diagnostics.cache_miss_reason
+    assert reason.type == "messages_changed"
+    assert 0 < reason.cache_missed_input_tokens < created(prompt_total(first.usage))
+
+
+def test_changed_tools_are_tools_changed(claude: Any) -> None:
+    system = unique(LONG_PROMPT)
+    schema = {"type": "object", "properties": {}}
+    first = _diagnosed(claude, system, None)
+    second = _diagnosed(claude, system, first.id, tools=[
+        {"name": "refund", "description": "Refund an order.", "input_schema": schema}])
+    assert second.diagnostics.cache_miss_reason.type == "tools_changed"
+
+
+def test_an_unknown_or_another_tenants_message_is_not_found(stack: Stack, claude: Any) -> None:
+    system = unique(LONG_PROMPT)
+    theirs = anthropic.Anthropic(base_url=stack.url.removesuffix("/v1"), api_key=KEY_B,
+                                 max_retries=0, timeout=60.0)
+    try:
+        made = _diagnosed(theirs, system, None)
+    finally:
+        theirs.close()
+    for previous in (made.id, "msg_" + "0" * 24):
+        reason = _diagnosed(claude, system, previous).diagnostics.cache_miss_reason
+        assert reason.type == "previous_message_not_found"
+        assert reason.model_dump(exclude_none=True) == {"type": "previous_message_not_found"}
+
+
+def test_a_stream_carries_diagnostics_in_message_start(claude: Any) -> None:
+    system = unique(LONG_PROMPT)
+    first = _diagnosed(claude, system, None)
+    with claude.messages.stream(model=MODEL, system=unique(LONG_PROMPT), max_tokens=4,
+                                messages=[{"role": "user", "content": QUESTION}],
+                                diagnostics={"previous_message_id": first.id}) as stream:
+        started = next(event for event in stream if event.type == "message_start")
+        stream.until_done()
+    assert started.message.diagnostics.cache_miss_reason.type == "system_changed"

@@ -60,8 +60,15 @@ def test_breakpoints_of_one_ttl_store_with_it_and_warm_nothing() -> None:
     assert call.caching == CachePlan(ttl="1h") and call.request.cache.ttl_s == 3600.0
 
 
-def test_no_breakpoint_keeps_the_gateways_own_ttl() -> None:
+def test_no_breakpoint_keeps_the_blocks_five_minutes_as_the_hosted_api() -> None:
     call = parse(system="rules")
+    assert call.caching == CachePlan(ttl="5m") and call.request.cache.ttl_s == 300.0
+
+
+def test_no_breakpoint_under_a_max_ttl_below_five_minutes_keeps_the_gateways_own_ttl() -> None:
+    call = parse_messages({"model": "m", "max_tokens": 8, "system": "rules",
+                           "messages": [{"role": "user", "content": "hi"}]}, PRINCIPAL,
+                          limits=EdgeLimits(max_deadline_s=60.0, max_ttl_s=120.0))
     assert call.caching == CachePlan() and call.request.cache.ttl_s is None
 
 

@@ -10,12 +10,18 @@ from typing import Any
 import openai
 import pytest
 
+from gateway.cache.factory import CacheConfig
+from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import LookupRequest
-from tests.gateway.grpc_harness import BLOCK, KEY_A, KEY_B, LONG_PROMPT
+from gateway.service.auth import Authenticator
+from gateway.service.engine_slot import EngineSlot
+from gateway.service.http.server import HttpFront
+from tests.gateway.grpc_harness import BLOCK, KEY_A, KEY_B, KEYS, LONG_PROMPT, start_gateway
 from tests.gateway.service import test_openai_http
 from tests.gateway.service.test_openai_http import MODEL, Stack, unique
+from tests.redis_harness import RedisServer
 
 loaded = test_openai_http.loaded
 stack = test_openai_http.stack
@@ -131,13 +137,11 @@ def test_a_stream_sends_the_responses_events_and_is_stored(stack: Stack) -> None
     assert stack.sdk().responses.retrieve(done.id).output_text == text
 
 
-def test_24h_retention_keeps_the_blocks_a_day(stack: Stack) -> None:
-    instructions = unique(LONG_PROMPT)
-    made = respond(stack, instructions=instructions, input="Keep it.",
-                   prompt_cache_retention="24h")
+def _block_ttls(stack: Stack, instructions: str, text: str) -> tuple[int, set[float | None]]:
+    """How many blocks of the conversation the cache holds, and the TTLs they were kept with."""
     engine = stack.engine
     tokens = engine.prompt_tokens(PromptInput(messages=[
-        {"role": "system", "content": instructions}, {"role": "user", "content": "Keep it."}]))
+        {"role": "system", "content": instructions}, {"role": "user", "content": text}]))
     namespace = engine.namespace(Scope.of_tenant("tenant-a"))
     opened = stack.running.opened
     assert opened is not None
@@ -145,8 +149,22 @@ def test_24h_retention_keeps_the_blocks_a_day(stack: Stack) -> None:
     with cache.placement.locked():
         _, records, _ = cache.match_records(namespace, tokens,
                                             cache.fingerprinter(namespace).block_keys(tokens))
-        ttls = {record.ttl_s for record in records}
-    assert len(records) == made.usage.input_tokens // BLOCK and ttls == {86400.0}
+        return len(records), {record.ttl_s for record in records}
+
+
+def test_24h_retention_keeps_the_blocks_a_day(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    made = respond(stack, instructions=instructions, input="Keep it.",
+                   prompt_cache_retention="24h")
+    num_blocks, ttls = _block_ttls(stack, instructions, "Keep it.")
+    assert num_blocks == made.usage.input_tokens // BLOCK and ttls == {86400.0}
+
+
+def test_in_memory_retention_keeps_the_blocks_five_minutes(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    made = respond(stack, instructions=instructions, input="Keep it.")
+    num_blocks, ttls = _block_ttls(stack, instructions, "Keep it.")
+    assert num_blocks == made.usage.input_tokens // BLOCK and ttls == {300.0}
 
 
 def test_an_image_is_refused_and_nothing_is_cached(stack: Stack) -> None:
@@ -162,3 +180,86 @@ def test_an_image_is_refused_and_nothing_is_cached(stack: Stack) -> None:
         prompt=PromptInput(messages=[{"role": "system", "content": instructions}]),
         scope=Scope.of_tenant("tenant-a")))
     assert looked.cached_tokens == 0
+
+
+def _compared(stack: Stack, earlier: str, key: str = KEY_A, **options: Any) -> Any:
+    return respond(stack, key, extra_body={
+        "prompt_cache_options": {"comparison_response_id": earlier}}, **options)
+
+
+def test_the_same_prompt_compared_with_its_earlier_response_is_a_cache_hit(
+        stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    first = respond(stack, instructions=instructions, input="Keep it.")
+    again = _compared(stack, first.id, instructions=instructions, input="Keep it.")
+    assert again.prompt_cache_diagnostics.type == "cache_hit"
+
+
+def test_changed_instructions_are_input_changed_with_the_tokens_missed(stack: Stack) -> None:
+    first = respond(stack, instructions=unique(LONG_PROMPT), input="Keep it.")
+    second = _compared(stack, first.id, instructions=unique(LONG_PROMPT), input="Keep it.")
+    diagnostics = second.prompt_cache_diagnostics
+    assert diagnostics.type == "cache_miss" and diagnostics.reason == "input_changed"
+    reusable = diagnostics.comparison_reusable_tokens
+    assert reusable == first.usage.input_tokens // BLOCK * BLOCK > 0
+    assert diagnostics.cache_missed_tokens == reusable
+
+
+def test_a_changed_prompt_cache_key_is_prompt_cache_key_changed(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    first = respond(stack, instructions=instructions, input="Keep it.", prompt_cache_key="a")
+    second = _compared(stack, first.id, instructions=instructions, input="Keep it.",
+                       prompt_cache_key="b")
+    assert second.prompt_cache_diagnostics.reason == "prompt_cache_key_changed"
+
+
+def test_another_tenants_or_an_unknown_response_is_not_found(stack: Stack) -> None:
+    instructions = unique(LONG_PROMPT)
+    theirs = respond(stack, KEY_B, instructions=instructions, input="Keep it.")
+    for earlier in (theirs.id, "resp_" + "0" * 24):
+        compared = _compared(stack, earlier, instructions=instructions, input="Keep it.")
+        assert compared.prompt_cache_diagnostics.model_dump(exclude_none=True) == {
+            "type": "comparison_response_not_found"}
+
+
+def test_prompt_cache_options_other_than_the_comparison_are_refused(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        respond(stack, input="hi", extra_body={"prompt_cache_options": {"ttl": "12h"}})
+    assert body_of(raised.value)["param"] == "prompt_cache_options.ttl"
+
+
+def test_with_redis_a_conversation_continues_on_another_replica(
+        loaded: Any, redis_server: RedisServer) -> None:
+    """Two HTTP fronts sharing a Redis (and the deployment secret), as two replicas: a
+    response kept through one is read and continued through the other."""
+    engines = EngineSlot()
+    cache = CacheConfig(block_tokens=BLOCK, device_bytes=64 << 20, host_bytes=64 << 20,
+                        redis_url=redis_server.url)
+    running = start_gateway(loaded, engines=engines, cache_config=cache)
+    config = ServeConfig(host="127.0.0.1", port=0, keys=KEYS, http=HttpSettings(port=0),
+                         cache=cache)
+    fronts: list[Any] = [HttpFront(config, Authenticator(KEYS), engines,
+                                   deployment_secret=b"d" * 32)
+              for _ in range(2)]
+    try:
+        for front in fronts:
+            front.start()
+        one, other = (openai.OpenAI(base_url=front.url, api_key=KEY_A, max_retries=0,
+                                    timeout=60.0) for front in fronts)
+        made: Any
+        later: Any
+        instructions = unique(LONG_PROMPT)
+        made = one.responses.create(model=MODEL, instructions=instructions,
+                                    input="Remember 7.", max_output_tokens=4)
+        assert other.responses.retrieve(made.id).output_text == made.output_text
+        later = other.responses.create(model=MODEL, instructions=instructions,
+                                       previous_response_id=made.id, input="Which number?",
+                                       max_output_tokens=4)
+        assert later.usage.input_tokens > made.usage.input_tokens  # the earlier turn in it
+        with pytest.raises(openai.NotFoundError):
+            openai.OpenAI(base_url=fronts[1].url, api_key=KEY_B, max_retries=0
+                          ).responses.retrieve(made.id)
+    finally:
+        for front in fronts:
+            front.stop(timeout_s=5.0)
+        running.stop()

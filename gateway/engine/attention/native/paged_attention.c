@@ -10,6 +10,9 @@ of the call, on how its prompt was chunked, or on the machine. So each row is co
 same sequence of IEEE operations, whatever else is in the call:
   - a score is a dot product over head_dim in eight lanes (lane l sums dims l, l+8, ... with
     fused multiply-adds, in order), the lanes then added in a fixed tree;
+  - with a logit soft-cap (Gemma 2), a score s becomes cap * tanh(s / cap), computed in double
+    with the C library's tanh and rounded to float once (soft_cap: one score at a time, so
+    its bits depend on that score alone);
   - the maximum is exact (any order);
   - a weight is exp(max(score - max, EXP_FLOOR)) by a fixed polynomial (exp_lanes), the same
     code for every lane, so a weight's bits do not depend on which lane computed it;
@@ -158,11 +161,21 @@ static inline float score1(const float *qh, const float *key, int head_dim) {
     return tree8(acc);
 }
 
-/* Scores into weights in place: w = exp(max(s - max, EXP_FLOOR)) for keys lo..n-1, 0 from n
-   to `padded` and before lo (a sliding window; 0 without one); returns the weights' sum (eight
-   lanes by key index, then the fixed tree). Lanes before lo's group of eight are never read.
-   With a `sink` (NULL: none), the max includes it and its weight joins the sum last. */
-static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, const float *sink) {
+/* A score soft-capped: cap * tanh(score / cap), in double, rounded to float once. */
+static inline float soft_cap(float score, float cap) {
+    return (float)((double)cap * tanh((double)score / (double)cap));
+}
+
+/* Scores into weights in place: each of keys lo..n-1 soft-capped first where softcap > 0, then
+   w = exp(max(s - max, EXP_FLOOR)) for keys lo..n-1, 0 from n to `padded` and before lo (a
+   sliding window; 0 without one); returns the weights' sum (eight lanes by key index, then the
+   fixed tree). Lanes before lo's group of eight are never read. With a `sink` (NULL: none), the
+   max includes it and its weight joins the sum last; a sink is a logit of its own, never
+   soft-capped (only the scores are). */
+static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softcap,
+                   const float *sink) {
+    if (softcap > 0.0f)
+        for (int64_t j = lo; j < n; j++) s[j] = soft_cap(s[j], softcap);
     float max = s[lo];
     for (int64_t j = lo + 1; j < n; j++) max = s[j] > max ? s[j] : max;
     if (sink != NULL) max = *sink > max ? *sink : max;
@@ -197,8 +210,8 @@ static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, const float 
 static inline __attribute__((always_inline)) void
 attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
             const float *v_head, int64_t page_stride, int page_tokens, const int64_t *table,
-            const int64_t *lo, const int64_t *n, int64_t padded, float *scores, float *acc,
-            float *denominator, float *const *out, const float *sinks) {
+            const int64_t *lo, const int64_t *n, int64_t padded, float softcap, float *scores,
+            float *acc, float *denominator, float *const *out, const float *sinks) {
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
     const int chunks = head_dim / 8;
@@ -221,7 +234,7 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < rep; h++)
             denominator[r * rep + h] = weigh(scores + ((int64_t)r * rep + h) * padded, lo[r],
-                                             n[r], (n[r] + 7) / 8 * 8,
+                                             n[r], (n[r] + 7) / 8 * 8, softcap,
                                              sinks == NULL ? NULL : sinks + h);
     /* Weighted values, page by page; each accumulator sums its keys in order across pages. */
     memset(acc, 0, sizeof(float) * (size_t)rows * rep * head_dim);
@@ -263,14 +276,15 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
    `head_stride` floats between KV heads; tables: [items, table_stride] page ids; queries/out:
    [rows, kv_heads * rep, head_dim], contiguous; row_item/row_position: per row (an item's rows
    consecutive); window: the layer's sliding window (keys position - window < key <= position),
-   0 for none; sinks: the layer's attention sinks, one logit per query head ([kv_heads * rep]),
-   or NULL for none. Returns 0, or -1 when scratch memory could not be had. */
+   0 for none; softcap: the layer's logit soft-cap of the scaled scores, 0 for none; sinks: the
+   layer's attention sinks, one logit per query head ([kv_heads * rep]), or NULL for none.
+   Returns 0, or -1 when scratch memory could not be had. */
 int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t head_stride,
                                int kv_heads, int rep, int page_tokens, int head_dim,
                                const int64_t *tables, int64_t table_stride,
                                const float *queries, const int64_t *row_item,
                                const int64_t *row_position, int64_t rows, float scale,
-                               int64_t window, float *out, const float *sinks) {
+                               int64_t window, float softcap, float *out, const float *sinks) {
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++)
         if (row_position[r] + 1 > longest) longest = row_position[r] + 1;
@@ -328,13 +342,14 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
                the same operations in the same order). */
             if (head_dim == 64)
                 attend_rows(q, count, rep, 64, k_head, v_head, page_stride, page_tokens, table, lo,
-                            n, padded, scores, acc, denominator, row_out, head_sinks);
+                            n, padded, softcap, scores, acc, denominator, row_out, head_sinks);
             else if (head_dim == 128)
                 attend_rows(q, count, rep, 128, k_head, v_head, page_stride, page_tokens, table,
-                            lo, n, padded, scores, acc, denominator, row_out, head_sinks);
+                            lo, n, padded, softcap, scores, acc, denominator, row_out,
+                            head_sinks);
             else
                 attend_rows(q, count, rep, head_dim, k_head, v_head, page_stride, page_tokens,
-                            table, lo, n, padded, scores, acc, denominator, row_out,
+                            table, lo, n, padded, softcap, scores, acc, denominator, row_out,
                             head_sinks);
         }
         free(scratch);

@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
+from gateway.engine.models.families.gemma2 import GEMMA2
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.glm4 import GLM4
 from gateway.engine.models.families.gpt_oss import GPT_OSS
@@ -35,6 +36,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     PHI3,
     GLM4,
     GPT_OSS,
+    GEMMA2,
 )
 
 

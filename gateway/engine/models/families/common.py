@@ -77,3 +77,25 @@ def layer_windows(config: Any) -> tuple[int | None, ...]:
 
 def first_problem(*problems: str | None) -> str | None:
     return next((p for p in problems if p is not None), None)
+
+
+def bidirectional_problem(config: Any) -> str | None:
+    """Every position attending every other (``use_bidirectional_attention``, Gemma's encoder
+    use): the cache holds keys causal decoding reads."""
+    if getattr(config, "use_bidirectional_attention", False):
+        return "bidirectional attention (use_bidirectional_attention)"
+    return None
+
+
+def attention_softcap(config: Any) -> float | None:
+    """The scores' logit soft-cap (``attn_logit_softcapping``, Gemma 2's ``LayerFeatures
+    .logit_softcap``), or None where the config sets none."""
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return float(cap) if cap else None
+
+
+def final_softcap(config: Any) -> float | None:
+    """The output logits' soft-cap (``final_logit_softcapping``, ``DecoderFeatures
+    .final_logit_softcap``), or None where the config sets none."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap else None

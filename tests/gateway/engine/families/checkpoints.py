@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
     Gemma3TextConfig,
     Glm4Config,
     GptOssConfig,
@@ -34,6 +35,12 @@ LAYERS = 3
 """Enough layers that a family's per-layer features (a window on some, not others) show."""
 WINDOW = 24
 """A sliding window shorter than the suite's prompts (70 tokens and more), so that it masks."""
+ATTENTION_SOFTCAP = 0.25
+"""A soft-cap on the scores that bites on a tiny random model, whose scaled scores are about
+0.1 in magnitude (Gemma 2's cap is 50): left out, the tiny Gemma 2's last logits move by ~6e-3,
+six times test_features_matter's FAR."""
+FINAL_SOFTCAP = 0.5
+"""A soft-cap on the output logits that bites likewise (they are about 0.3 in magnitude)."""
 
 
 def _shape(tokenizer: Any) -> dict[str, Any]:
@@ -109,6 +116,33 @@ def save_gemma3(directory: Path, seed: int = 0) -> Path:
                               layer_types=["sliding_attention", "full_attention",
                                            "sliding_attention"])
     config.architectures = ["Gemma3ForCausalLM"]
+    return _save(config, directory, tokenizer, seed)
+
+
+def save_gemma3_softcapped(directory: Path, seed: int = 0) -> Path:
+    """Gemma 3 with Gemma 2's logit soft-capping set: the output logits capped, the scores not
+    (transformers' Gemma 3 attention never reads ``attn_logit_softcapping``)."""
+    tokenizer = make_hf_tokenizer()
+    shape = {**_shape(tokenizer), "tie_word_embeddings": True}
+    config = Gemma3TextConfig(**shape, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                              layer_types=["sliding_attention", "full_attention",
+                                           "sliding_attention"],
+                              attn_logit_softcapping=ATTENTION_SOFTCAP,
+                              final_logit_softcapping=FINAL_SOFTCAP)
+    config.architectures = ["Gemma3ForCausalLM"]
+    return _save(config, directory, tokenizer, seed)
+
+
+def save_gemma2(directory: Path, seed: int = 0) -> Path:
+    """Local (windowed) and global layers alternating as transformers' default
+    ``layer_types`` has them, scores scaled by a ``query_pre_attn_scalar`` other than the head
+    size, scores and output logits soft-capped at values that bite on a tiny model."""
+    tokenizer = make_hf_tokenizer()
+    shape = {**_shape(tokenizer), "tie_word_embeddings": True}
+    config = Gemma2Config(**shape, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                          attn_logit_softcapping=ATTENTION_SOFTCAP,
+                          final_logit_softcapping=FINAL_SOFTCAP)
+    config.architectures = ["Gemma2ForCausalLM"]
     return _save(config, directory, tokenizer, seed)
 
 
@@ -202,6 +236,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "phi3": save_phi3,
     "glm4": save_glm4,
     "gpt_oss": save_gpt_oss,
+    "gemma2": save_gemma2,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
@@ -210,6 +245,7 @@ VARIANTS: dict[str, Callable[[Path], Path]] = {
     "qwen2-windowed": save_qwen2_windowed,
     "smollm3-windowed": save_smollm3_windowed,
     "phi3-partial": save_phi3_partial,
+    "gemma3-softcapped": save_gemma3_softcapped,
 }
 """More checkpoints the suite runs, where a family has a feature its main checkpoint lacks
 (name: family-feature)."""

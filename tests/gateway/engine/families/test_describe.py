@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 from transformers import (
+    Gemma2Config,
     Gemma3TextConfig,
     Glm4Config,
     GPT2Config,
@@ -22,6 +23,7 @@ from transformers import (
 )
 
 from gateway.engine.forward.features import (
+    GEMMA3_NORMS,
     GLM4_NORMS,
     POST_NORMS,
     ClampedSwigluRouting,
@@ -146,6 +148,50 @@ def test_gpt_oss_has_sinks_and_its_experts_on_every_layer_and_windows_every_othe
     assert features.rotary_frequencies_once
     assert features.layers == tuple(LayerFeatures(window=window, experts=routing, sinks=True)
                                     for window in (128, None, 128, None))
+
+
+def test_gemma2_windows_every_other_layer_scales_and_soft_caps_its_scores_and_logits() -> None:
+    """transformers' defaults: local layers first and every other one, a window of 4,096, the
+    scores scaled by ``query_pre_attn_scalar`` (256) and capped at 50, the logits at 30."""
+    features = describe(Gemma2Config(**SHAPE, architectures=["Gemma2ForCausalLM"]))
+    assert isinstance(features, DecoderFeatures), features
+    assert features.layers == tuple(
+        LayerFeatures(window=window, attention_scale=256 ** -0.5, norms=GEMMA3_NORMS,
+                      logit_softcap=50.0)
+        for window in (4096, None, 4096, None))
+    assert features.final_logit_softcap == 30.0
+
+
+def test_gemma2_without_soft_caps_caps_nothing() -> None:
+    config = Gemma2Config(**SHAPE, attn_logit_softcapping=None, final_logit_softcapping=None,
+                          architectures=["Gemma2ForCausalLM"])
+    features = describe(config)
+    assert isinstance(features, DecoderFeatures), features
+    assert not features.has_logit_softcap and features.final_logit_softcap is None
+
+
+def test_gemma3_with_soft_caps_set_caps_its_logits_not_its_scores_as_transformers_does() -> None:
+    """transformers' Gemma 3 attention never reads ``attn_logit_softcapping``; its model caps
+    the output logits with ``final_logit_softcapping``."""
+    config = Gemma3TextConfig(**SHAPE, attn_logit_softcapping=50.0,
+                              final_logit_softcapping=30.0,
+                              architectures=["Gemma3ForCausalLM"])
+    features = describe(config)
+    assert isinstance(features, DecoderFeatures), features
+    assert not features.has_logit_softcap
+    assert features.final_logit_softcap == 30.0
+
+
+@pytest.mark.parametrize("config", [
+    Gemma2Config(**SHAPE, use_bidirectional_attention=True,
+                 architectures=["Gemma2ForCausalLM"]),
+    Gemma3TextConfig(**SHAPE, use_bidirectional_attention=True,
+                     architectures=["Gemma3ForCausalLM"]),
+], ids=["gemma2", "gemma3"])
+def test_gemmas_bidirectional_attention_is_refused(config: Any) -> None:
+    problem = describe(config)
+    assert isinstance(problem, str)
+    assert problem.endswith(": bidirectional attention (use_bidirectional_attention)")
 
 
 def test_an_architecture_no_family_answers_for_is_named() -> None:

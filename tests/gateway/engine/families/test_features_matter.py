@@ -140,6 +140,24 @@ def test_glm4s_rotation_turns_neighbouring_pairs_of_half_of_each_head(tmp_path: 
     assert _difference(loaded, features=halves) > FAR
 
 
+def test_gemma2s_scores_are_soft_capped(tmp_path: Path) -> None:
+    loaded = _load("gemma2", tmp_path)
+    assert loaded.features is not None and loaded.features.has_logit_softcap
+    uncapped = _changed(loaded.features,
+                        lambda layer: dataclasses.replace(layer, logit_softcap=None))
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=uncapped) > FAR
+
+
+@pytest.mark.parametrize("checkpoint", ["gemma2", "gemma3-softcapped"])
+def test_gemmas_output_logits_are_soft_capped(tmp_path: Path, checkpoint: str) -> None:
+    loaded = load_model(str({**BUILDERS, **VARIANTS}[checkpoint](tmp_path / checkpoint)))
+    assert loaded.features is not None and loaded.features.final_logit_softcap is not None
+    uncapped = dataclasses.replace(loaded.features, final_logit_softcap=None)
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=uncapped) > FAR
+
+
 @pytest.mark.parametrize(("family", "change", "refusal"), [
     ("qwen3", lambda layer: LayerFeatures(),
      "layer 0 has k_norm, q_norm, which its features do not apply"),
@@ -168,10 +186,12 @@ def test_glm4s_rotation_turns_neighbouring_pairs_of_half_of_each_head(tmp_path: 
     ("llama", lambda layer: LayerFeatures(sinks=True), "layer 0 has no attention sinks to apply"),
     ("gpt_oss", lambda layer: dataclasses.replace(
         layer, experts=ExpertRouting(top_k=2, normalize=True)), "layer 0 has no gate to apply"),
+    ("gemma2", lambda layer: dataclasses.replace(layer, qk_norm=True),
+     "layer 0 has no q_norm and k_norm to apply"),
 ], ids=["qwen3-as-llama", "qwen3-qk-over-projection", "olmo2-as-llama", "olmo2-without-qk",
         "olmo2-qk-per-head", "llama-post-norms", "phi3-unfused", "llama-fused",
         "glm4-pre-norms-only", "gemma3-pre-norms-only", "gpt-oss-without-sinks",
-        "llama-with-sinks", "gpt-oss-as-qwen3-moe"])
+        "llama-with-sinks", "gpt-oss-as-qwen3-moe", "gemma2-as-gemma3"])
 def test_features_that_do_not_fit_a_layers_modules_are_refused_before_a_step(
         tmp_path: Path, family: str, change: Callable[[LayerFeatures], LayerFeatures],
         refusal: str) -> None:

@@ -1,0 +1,173 @@
+"""The soak's faults: what fails, when, and for how long its window counts (an error inside a
+fault's window, plus ``GRACE_S``, is expected; outside, it is a failure).
+
+Each fault is a function over the running deployment that returns when the fault is over
+(the killed process restarted, the stopped one resumed). Faults not built yet, and why, are in
+``NOT_BUILT``.
+"""
+
+from __future__ import annotations
+
+import errno
+import random
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import redis
+
+from gateway.bench.soak.processes import SoakRedis, SoakReplica
+
+GRACE_S = 10.0
+"""How long after a fault ends its errors still count as the fault's."""
+
+NOT_BUILT: Mapping[str, str] = {
+    "redis_cluster_failover": "needs --redis-cluster, a three-master Redis Cluster",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Deployment:
+    """What a fault acts on."""
+
+    redis: SoakRedis
+    replicas: Sequence[SoakReplica]
+    rng: random.Random
+    pause_s: float
+
+
+@dataclass(slots=True)
+class FaultWindow:
+    """One fault as it happened (wall-clock seconds); ``note`` says what it did."""
+
+    kind: str
+    started: float
+    ended: float = 0.0
+    note: str = ""
+
+
+def redis_kill_restart(d: Deployment) -> str:
+    d.redis.kill()
+    time.sleep(1.0)
+    d.redis.start()
+    return f"redis-server killed (-9) and restarted empty on port {d.redis.port}"
+
+
+def redis_pause(d: Deployment) -> str:
+    d.redis.signal(signal.SIGSTOP)
+    time.sleep(d.pause_s)
+    d.redis.signal(signal.SIGCONT)
+    return f"redis-server stopped (SIGSTOP) for {d.pause_s:g} s"
+
+
+def redis_slow(d: Deployment) -> str:
+    seconds = min(2.0, d.pause_s)
+    with socket.create_connection(("127.0.0.1", d.redis.port), timeout=seconds + 5) as sock:
+        sock.sendall(f"DEBUG SLEEP {seconds}\r\n".encode())
+        reply = sock.recv(256)
+    if not reply.startswith(b"+OK"):
+        raise RuntimeError(f"DEBUG SLEEP answered {reply[:120]!r}")
+    return f"redis-server slept {seconds:g} s (DEBUG SLEEP)"
+
+
+def replica_kill_restart(d: Deployment) -> str:
+    replica = d.rng.choice(list(d.replicas))
+    replica.kill()
+    replica.start()
+    return f"{replica.name} killed (-9) and restarted on its data"
+
+
+def disk_block_corrupt(d: Deployment) -> str:
+    for replica in d.rng.sample(list(d.replicas), len(d.replicas)):
+        files = replica.disk_block_files()
+        if files:
+            path = d.rng.choice(files)
+            with path.open("r+b") as fh:
+                fh.seek(path.stat().st_size // 2)
+                chunk = fh.read(16)
+                fh.seek(path.stat().st_size // 2)
+                fh.write(bytes(b ^ 0xFF for b in chunk))
+            return f"16 bytes flipped in {replica.name}'s disk block {path.name}"
+    return "no disk block to corrupt yet"
+
+
+def disk_full(d: Deployment) -> str:
+    """A replica's disk tier (on its tmpfs) filled to ENOSPC for ``pause_s``, then freed."""
+    mounted = [r for r in d.replicas if r.disk_mounted]
+    if not mounted:
+        raise RuntimeError("no replica's disk tier is on a size-limited filesystem "
+                           "(mounting a tmpfs needs root)")
+    replica = d.rng.choice(mounted)
+    filler = replica.data_dir / "kv" / ".soak-filler"
+    written = 0
+    try:
+        with filler.open("wb") as fh:
+            block = bytes(1 << 20)
+            while True:
+                fh.write(block)
+                fh.flush()
+                written += len(block)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+    time.sleep(d.pause_s)
+    filler.unlink(missing_ok=True)
+    return (f"{replica.name}'s disk tier filled to ENOSPC ({written >> 20} MiB more) for "
+            f"{d.pause_s:g} s, then freed")
+
+
+def redis_value_corrupt(d: Deployment) -> str:
+    client = redis.Redis.from_url(d.redis.url, socket_timeout=5)
+    try:
+        for key in client.scan_iter(match="kvgate:*", count=1000):
+            if client.type(key) == b"string" and (client.strlen(key) or 0) > 4096:
+                middle = int(client.strlen(key)) // 2
+                chunk = client.getrange(key, middle, middle + 15)
+                assert isinstance(chunk, bytes)
+                client.setrange(key, middle, bytes(b ^ 0xFF for b in chunk))
+                return f"16 bytes flipped in Redis value {key.decode(errors='replace')[:60]}"
+        return "no Redis block value to corrupt yet"
+    finally:
+        client.close()
+
+
+FAULTS: Mapping[str, Callable[[Deployment], str]] = {
+    "redis_kill_restart": redis_kill_restart,
+    "redis_pause": redis_pause,
+    "redis_slow": redis_slow,
+    "replica_kill_restart": replica_kill_restart,
+    "disk_block_corrupt": disk_block_corrupt,
+    "disk_full": disk_full,
+    "redis_value_corrupt": redis_value_corrupt,
+}
+"""Every fault the soak injects, in the order a run cycles through them."""
+
+
+def run_schedule(d: Deployment, *, started: float, first_at: float, every_s: float,
+                 stop_at: float, windows: list[FaultWindow], lock: threading.Lock,
+                 log: Callable[[str], None]) -> None:
+    """Inject the faults in turn, one every ``every_s`` from ``first_at``, until ``stop_at``
+    (each one's window appended to ``windows`` as it starts)."""
+    kinds = list(FAULTS)
+    at = first_at
+    index = 0
+    while at < stop_at:
+        time.sleep(max(0.0, at - time.time()))
+        if time.time() >= stop_at:
+            return
+        kind = kinds[index % len(kinds)]
+        window = FaultWindow(kind=kind, started=time.time())
+        with lock:
+            windows.append(window)
+        try:
+            window.note = FAULTS[kind](d)
+        except Exception as exc:  # noqa: BLE001 - a fault that could not be made is reported
+            window.note = f"could not be made: {type(exc).__name__}: {exc}"
+        window.ended = time.time()
+        log(f"[soak] +{window.started - started:6.1f} s {kind}: {window.note} "
+            f"({window.ended - window.started:.1f} s)")
+        index += 1
+        at = max(at + every_s, time.time() + 1.0)

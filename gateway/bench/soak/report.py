@@ -1,0 +1,138 @@
+"""What a soak run found: its outcomes judged against the fault windows, the processes'
+samples over time, and the verdict (``problems``: empty when the run passed)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from gateway.bench.soak.faults import GRACE_S, NOT_BUILT, FaultWindow
+from gateway.bench.soak.processes import ProcessSample
+from gateway.bench.soak.workload import CHECKED_KINDS, Outcome
+
+EXPECTED_IN_A_FAULT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"})
+"""Error classes a request may end with inside a fault's window (the path it needed was down
+or slow); any other class, or any error outside a window, fails the run."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A process's sample at a time (seconds from the load's start)."""
+
+    at_s: float
+    process: str
+    sample: ProcessSample
+
+
+@dataclass(slots=True)
+class SoakReport:
+    outcomes: list[Outcome]
+    windows: list[FaultWindow]
+    samples: list[Sampled]
+    started: float
+    warmup_s: float
+    crashed: list[str] = field(default_factory=list)
+
+    def in_a_fault(self, outcome: Outcome) -> bool:
+        return any(w.started <= outcome.ended and outcome.started <= w.ended + GRACE_S
+                   for w in self.windows)
+
+    def problems(self) -> list[str]:
+        """Why the run failed (empty: it passed)."""
+        found = [f"{name} exited on its own (not killed by a fault)" for name in self.crashed]
+        wrong = [o for o in self.outcomes if o.result == "wrong"]
+        if wrong:
+            found.append(f"{len(wrong)} wrong answers (not the cold answer), first "
+                         f"{wrong[0].prompt} from replica {wrong[0].replica}")
+        for outcome in self.outcomes:
+            if outcome.result != "error":
+                continue
+            if not self.in_a_fault(outcome):
+                found.append(f"{outcome.kind} failed with {outcome.error} outside any fault "
+                             f"window (+{outcome.started - self.started:.1f} s)")
+            elif outcome.error not in EXPECTED_IN_A_FAULT:
+                found.append(f"{outcome.kind} failed with {outcome.error} during a fault")
+        return found
+
+    def recovery_s(self, window: FaultWindow) -> float | None:
+        """From the fault's end to the first good checked answer that started after it."""
+        after = [o.ended for o in self.outcomes if o.started >= window.ended
+                 and o.result == "ok" and o.kind in CHECKED_KINDS]
+        return min(after) - window.ended if after else None
+
+    def growth(self, process: str) -> float | None:
+        """Resident memory growth of ``process`` from the end of warm-up (or its last restart)
+        to its last sample, as a fraction."""
+        rss = [(s.at_s, s.sample.rss_bytes) for s in self.samples if s.process == process]
+        last_start = 0.0
+        for (_, before), (at, now) in zip(rss, rss[1:], strict=False):
+            if before is None and now is not None:
+                last_start = at
+        steady = [r for at, r in rss if r is not None and at >= max(self.warmup_s,
+                                                                      last_start + 60.0)]
+        return (steady[-1] - steady[0]) / steady[0] if len(steady) >= 2 else None
+
+    def write(self, out: TextIO) -> None:
+        checked = [o for o in self.outcomes if o.kind in CHECKED_KINDS]
+        results = Counter(o.result for o in self.outcomes)
+        out.write(f"kvgate bench soak: {len(self.outcomes)} requests "
+                  f"({len(checked)} answers checked against the cold answer), "
+                  f"{len(self.windows)} faults\n\n")
+        out.write(f"{'result':<12}{'count':>8}\n" + "-" * 20 + "\n")
+        for result in ("ok", "refused", "wrong", "error"):
+            out.write(f"{result:<12}{results.get(result, 0):>8}\n")
+        errors = Counter((o.error, self.in_a_fault(o)) for o in self.outcomes
+                         if o.result == "error")
+        if errors:
+            out.write("\nerrors by class: " + ", ".join(
+                f"{name} {'in a fault' if inside else 'OUTSIDE faults'}: {n}"
+                for (name, inside), n in sorted(errors.items())) + "\n")
+        tiers: Counter[str] = Counter()
+        for outcome in checked:
+            tiers.update(outcome.tiers)
+        out.write("cached tokens by tier: " + (", ".join(
+            f"{tier} {n:,}" for tier, n in sorted(tiers.items())) or "none") + "\n\n")
+        out.write(f"{'fault':<24}{'at s':>8}{'lasted s':>10}{'recovered s':>13}  what\n")
+        out.write("-" * 80 + "\n")
+        for window in self.windows:
+            recovered = self.recovery_s(window)
+            out.write(f"{window.kind:<24}{window.started - self.started:>8.1f}"
+                      f"{window.ended - window.started:>10.1f}"
+                      f"{'-' if recovered is None else f'{recovered:.1f}':>13}  {window.note}\n")
+        for name, why in NOT_BUILT.items():
+            out.write(f"{name:<24}{'not run':>31}  {why}\n")
+        out.write("\n" + f"{'process':<12}{'RSS MiB first/last':>20}{'growth':>9}"
+                  f"{'fds first/last':>16}{'threads first/last':>20}\n")
+        for process in sorted({s.process for s in self.samples}):
+            seen = [s.sample for s in self.samples if s.process == process
+                    and s.sample.rss_bytes is not None]
+            if not seen:
+                continue
+            growth = self.growth(process)
+            out.write(f"{process:<12}{_pair(seen, 'rss_bytes', 1 << 20):>20}"
+                      f"{'-' if growth is None else f'{growth:+.1%}':>9}"
+                      f"{_pair(seen, 'open_fds', 1):>16}{_pair(seen, 'threads', 1):>20}\n")
+        problems = self.problems()
+        out.write("\n" + ("PASSED: no wrong answer, no unexpected error, no crash\n"
+                          if not problems else "FAILED:\n" + "".join(
+                              f"  - {p}\n" for p in problems[:20])))
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({
+            "outcomes": [asdict(o) for o in self.outcomes],
+            "faults": [asdict(w) | {"recovery_s": self.recovery_s(w)} for w in self.windows],
+            "not_run": dict(NOT_BUILT),
+            "samples": [{"at_s": s.at_s, "process": s.process, **asdict(s.sample)}
+                        for s in self.samples],
+            "problems": self.problems(),
+        }, indent=1), encoding="utf-8")
+
+
+def _pair(samples: Sequence[ProcessSample], name: str, unit: int) -> str:
+    values = [getattr(s, name) for s in samples if getattr(s, name) is not None]
+    return f"{values[0] // unit}/{values[-1] // unit}" if values else "-"
+
