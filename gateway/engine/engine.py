@@ -296,7 +296,7 @@ class Engine:
                     loaded.layout.head_dim,
                     windowed=loaded.features is not None and (
                         loaded.features.has_windows or loaded.features.has_custom_scale
-                        or loaded.features.has_logit_softcap))
+                        or loaded.features.has_sinks or loaded.features.has_logit_softcap))
             if remembered is not None and problem is not None:
                 logger.warning("the remembered route's %s attention cannot run now (%s): "
                                "searching again", remembered.attention, problem)

@@ -62,6 +62,10 @@ WINDOW_PROBLEM = ("torch's flash kernel takes no sliding window, no scale of its
 """Why a model with sliding-window layers, scores scaled otherwise than by head_dim ** -0.5, or
 soft-capped scores, never runs this attention (route search: not tried)."""
 
+SINKS_PROBLEM = "torch's flash kernel takes no attention sinks"
+"""Why a model whose attention has sinks (gpt-oss) never runs this attention: its softmax has no
+extra column for them (route search: not tried)."""
+
 
 class FlashBlockAttention:
     """Each sequence's attention through the CPU flash kernel, in fixed-shape calls.
@@ -83,6 +87,8 @@ class FlashBlockAttention:
         if any(item.window is not None or item.scale is not None or item.softcap is not None
                for item in items):
             raise ValueError(f"{WINDOW_PROBLEM}: choose another attention for such a model")
+        if any(item.sinks is not None for item in items):
+            raise ValueError(f"{SINKS_PROBLEM}: choose another attention for such a model")
         return [self._decode(item) if item.is_decode else self._prefill(item)
                 for item in items]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from gateway.engine.attention.native.build import NativeBuildError, load
-from gateway.engine.attention.tiled import AttentionItem
+from gateway.engine.attention.tiled import AttentionItem, shared_sinks
 from gateway.engine.kv.sequence import LayerPages
 
 NUMERICS = "p8fma"
@@ -46,7 +46,7 @@ class PagedKernel:
         function.restype = _int
         function.argtypes = [_pointer, _pointer, _int64, _int, _int, _int, _int, _pointer,
                              _int64, _pointer, _pointer, _pointer, _int64, ctypes.c_float,
-                             _int64, ctypes.c_float, _pointer]
+                             _int64, ctypes.c_float, _pointer, _pointer]
         self._function = function
 
     @classmethod
@@ -57,15 +57,22 @@ class PagedKernel:
     def __call__(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: torch.Tensor,
                  queries: torch.Tensor, row_item: torch.Tensor, row_position: torch.Tensor,
                  out: torch.Tensor, window: int | None = None,
-                 scale: float | None = None, softcap: float | None = None) -> None:
+                 scale: float | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> None:
+        """``softcap``: the layer's logit soft-cap, or None; ``sinks``: the layer's attention
+        sinks ``[heads]`` (float32, contiguous), or None."""
         kv_heads, _, page_tokens, head_dim = key_pages.shape
         rep = queries.shape[1] // kv_heads
+        if sinks is not None and (sinks.dtype != torch.float32 or not sinks.is_contiguous()
+                                  or tuple(sinks.shape) != (queries.shape[1],)):
+            raise ValueError(f"sinks are float32 and contiguous, one per query head: got "
+                             f"{tuple(sinks.shape)} {sinks.dtype}")
         failed = self._function(
             key_pages.data_ptr(), value_pages.data_ptr(), key_pages.stride(0), kv_heads, rep,
             page_tokens, head_dim, tables.data_ptr(), tables.stride(0), queries.data_ptr(),
             row_item.data_ptr(), row_position.data_ptr(), queries.shape[0],
             1.0 / math.sqrt(head_dim) if scale is None else scale, window or 0, softcap or 0.0,
-            out.data_ptr())
+            out.data_ptr(), None if sinks is None else sinks.data_ptr())
         if failed:
             raise MemoryError("the paged attention kernel could not allocate its scratch memory")
 
@@ -147,8 +154,10 @@ class PagedAttention:
         rows = self._rows(items, sources, page_tokens)
         queries = torch.cat([item.queries for item in items]).to(torch.float32).contiguous()
         out = torch.empty_like(queries)
+        sinks = shared_sinks(items)
         kernel(key_pages, value_pages, rows.tables, queries, rows.row_item, rows.positions, out,
-               windows.pop(), scales.pop(), softcaps.pop())
+               windows.pop(), scales.pop(), softcaps.pop(),
+               None if sinks is None else sinks.to(torch.float32).contiguous())
         return list(torch.split(out, rows.counts))
 
     def _rows(self, items: Sequence[AttentionItem],

@@ -14,7 +14,10 @@ a fixed shape, fixed by absolute positions only:
   so are the tiles a longer chunk brings in: they add exact zeros;
 - the softmax uses the exact maximum over all visible scores (a max is exact in any order),
   and the tiles are combined along a binary tree over tile indices (``fold_tile_sum``), so
-  extra all-zero tiles at the end add exact zeros and change nothing.
+  extra all-zero tiles at the end add exact zeros and change nothing;
+- a layer's attention sinks (gpt-oss: one logit per query head, a key with no value) enter the
+  row's maximum, and the sink's weight is added to the row's folded weight sum: one more
+  operation that the row's own numbers fix.
 
 NOTE: a matmul row's bits depend on how many rows share the product when there are few: on this
 CPU build (torch 2.13, measured for every shape of SmolLM2 and the tiny test Llama) M = 4, 8
@@ -114,6 +117,10 @@ class AttentionItem:
         scale: what the scores are multiplied by; None: ``head_dim ** -0.5``.
         softcap: the layer's logit soft-cap: each scaled score ``s`` weighs as
             ``softcap * tanh(s / softcap)`` (Gemma 2); None: as it is.
+        sinks: the layer's attention sinks, one logit per query head ``[heads]`` (gpt-oss's
+            ``self_attn.sinks``): each joins its head's softmax denominator as a key with no
+            value, so a row's weights sum to less than one; None: no sinks. The items of one
+            layer share them (``shared_sinks``).
     """
 
     queries: torch.Tensor
@@ -124,6 +131,7 @@ class AttentionItem:
     window: int | None = None
     scale: float | None = None
     softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
     @property
     def score_scale(self) -> float:
@@ -135,10 +143,23 @@ class AttentionItem:
     @classmethod
     def of(cls, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            positions: torch.Tensor, *, is_decode: bool = False, window: int | None = None,
-           scale: float | None = None, softcap: float | None = None) -> AttentionItem:
+           scale: float | None = None, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> AttentionItem:
         """An item over contiguous K and V ``[kv_heads, capacity, head_dim]``."""
         return cls(queries, ContiguousKV(keys, values), positions, is_decode, window=window,
-                   scale=scale, softcap=softcap)
+                   scale=scale, softcap=softcap, sinks=sinks)
+
+
+def shared_sinks(items: Sequence[AttentionItem]) -> torch.Tensor | None:
+    """The sinks every item of one layer's attention carries (one tensor, or None for all).
+
+    Raises:
+        ValueError: the items carry different sinks (they are one layer's: they share them).
+    """
+    sinks = items[0].sinks if items else None
+    if any(item.sinks is not sinks for item in items):
+        raise ValueError("the items of one layer's attention share its sinks")
+    return sinks
 
 
 class SequenceAttention(Protocol):
@@ -204,13 +225,14 @@ class TiledAttention:
             end = min(n, start + QUERY_GROUP)
             out[start:end] = self._group(queries[start:end] * scale, keys, values,
                                          item.positions[start:end], rep, item.window,
-                                         item.softcap)
+                                         item.softcap, item.sinks)
         return out
 
     @staticmethod
     def _group(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                positions: torch.Tensor, rep: int, window: int | None = None,
-               softcap: float | None = None) -> torch.Tensor:
+               softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         n, num_heads, head_dim = queries.shape
         kv_heads = keys.shape[0]
         num_tiles = _num_tiles(positions, keys)
@@ -222,9 +244,10 @@ class TiledAttention:
         # Only the tiles from the group's first query on can hold a later key: mask that band
         # (with a window, every key: those before a row's window are hidden too).
         first = 0 if window is not None else int(positions.min()) // TILE * TILE
-        _weigh(scores[:, :, first:], scores,
-               _hidden(torch.arange(first, span, device=keys.device),
-                       row_positions.reshape(-1, 1), window))
+        sink_weights = _weigh(scores[:, :, first:], scores,
+                              _hidden(torch.arange(first, span, device=keys.device),
+                                      row_positions.reshape(-1, 1), window),
+                              _row_sinks(sinks, kv_heads, n, rows.shape[1], scores.dtype))
         weights = scores.view(kv_heads, rows.shape[1], num_tiles, TILE)
         tile_values = values[:, :span].view(kv_heads, num_tiles, TILE, head_dim)
         # Per tile: weighted values [kv_heads, tiles, rows, d] (exactly TILE keys each); one
@@ -239,7 +262,8 @@ class TiledAttention:
         # The tile's weight sum rides along as one more column [kv_heads, tiles, rows].
         partial[:, :num_tiles, :, head_dim] = weights.sum(dim=-1).transpose(1, 2)
         summed = fold_tile_sum(partial, dim=1)
-        return _combine(summed[..., :head_dim], summed[..., head_dim:], n, rep)
+        return _combine(summed[..., :head_dim], _with_sinks(summed[..., head_dim:], sink_weights),
+                        n, rep)
 
     @staticmethod
     def _together(items: Sequence[AttentionItem]) -> list[torch.Tensor]:
@@ -276,7 +300,8 @@ class TiledAttention:
         hidden = _hidden(torch.arange(max_tiles * TILE, device=scores.device),
                          row_positions.unsqueeze(-1), windows.pop()
                          ).unsqueeze(1)  # [items, 1, rows, span]
-        _weigh(scores, scores, hidden)
+        sinks = _row_sinks(shared_sinks(items), kv_heads, n, padded_rows, scores.dtype)
+        sink_weights = _weigh(scores, scores, hidden, None if sinks is None else sinks[None])
         weights = scores.view(count, kv_heads, padded_rows, max_tiles, TILE)
         partial = scores.new_zeros(count, kv_heads, _tree_width(max_tiles), padded_rows,
                                    head_dim + 1)
@@ -287,7 +312,8 @@ class TiledAttention:
                 weights[b, :, :, :used].transpose(1, 2), tile_values)
         partial[:, :, :max_tiles, :, head_dim] = weights.sum(dim=-1).transpose(2, 3)
         summed = fold_tile_sum(partial, dim=2)
-        attended = _combine(summed[..., :head_dim], summed[..., head_dim:], n,
+        attended = _combine(summed[..., :head_dim],
+                            _with_sinks(summed[..., head_dim:], sink_weights), n,
                             rep)  # [items, n, heads, d]
         return list(attended.unbind(0))
 
@@ -332,16 +358,42 @@ def _hidden(keys: torch.Tensor, rows: torch.Tensor, window: int | None) -> torch
     return hidden
 
 
-def _weigh(band: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor) -> None:
+def _weigh(band: torch.Tensor, scores: torch.Tensor, hidden: torch.Tensor,
+           sinks: torch.Tensor | None = None) -> torch.Tensor | None:
     """Turn ``scores`` into unnormalised softmax weights in place; ``band`` is the part of it
-    that ``hidden`` (broadcast over it) says may hold keys after the query."""
+    that ``hidden`` (broadcast over it) says may hold keys after the query. With ``sinks`` (one
+    logit per row, ``[..., rows, 1]``), the maximum is over the scores and the row's sink, as
+    transformers takes it, and the sink's own weight is returned (``_with_sinks``)."""
     band.masked_fill_(hidden, float("-inf"))
-    scores.sub_(scores.amax(dim=-1, keepdim=True))
+    peak = scores.amax(dim=-1, keepdim=True)
+    if sinks is not None:
+        peak = torch.maximum(peak, sinks)
+    scores.sub_(peak)
     # exp of a score far below the max is slow on CPU (its special-case path for results that
     # underflow runs ~5x slower); clamping first keeps every exp on the fast path, and hidden
     # keys are zeroed after.
     scores.clamp_(min=EXP_FLOOR).exp_()
     band.masked_fill_(hidden, 0.0)
+    return None if sinks is None else (sinks - peak).clamp_(min=EXP_FLOOR).exp_()
+
+
+def _row_sinks(sinks: torch.Tensor | None, kv_heads: int, n: int, num_rows: int,
+               dtype: torch.dtype) -> torch.Tensor | None:
+    """Each row's sink ``[kv_heads, num_rows, 1]`` in ``_rows``' order (a KV head's rows are
+    its positions, each with its ``rep`` query heads), padding rows given 0 (dropped after)."""
+    if sinks is None:
+        return None
+    rep = sinks.shape[0] // kv_heads
+    per_row = sinks.to(dtype).reshape(kv_heads, 1, rep).expand(kv_heads, n, rep)
+    out = per_row.new_zeros(kv_heads, num_rows, 1)
+    out[:, :n * rep, 0] = per_row.reshape(kv_heads, n * rep)
+    return out
+
+
+def _with_sinks(denominator: torch.Tensor, sink_weights: torch.Tensor | None) -> torch.Tensor:
+    """The rows' weight sums with their sinks' weights added (after every tile's: one addition
+    a row's own numbers fix)."""
+    return denominator if sink_weights is None else denominator + sink_weights
 
 
 def _combine(numerator: torch.Tensor, denominator: torch.Tensor, n: int,

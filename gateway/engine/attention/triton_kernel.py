@@ -127,11 +127,11 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
                      stride_kvp: tl.tensor, stride_kvt: tl.tensor, stride_table: tl.tensor,
                      stride_plan: tl.tensor, stride_pr: tl.tensor, stride_ph: tl.tensor,
                      stride_ps: tl.tensor, scale: tl.tensor, window: tl.tensor,
-                     softcap: tl.tensor, REP: tl.constexpr,
+                     softcap: tl.tensor, sinks_ptr: tl.tensor, REP: tl.constexpr,
                      REP_PAD: tl.constexpr, QPOS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_D: tl.constexpr, TILE_KEYS: tl.constexpr, SPLIT_KEYS: tl.constexpr,
                      PAGE: tl.constexpr, PHASE: tl.constexpr, DOT_F32: tl.constexpr,
-                     SOFTCAP: tl.constexpr) -> None:
+                     SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr) -> None:
     """The query tile ``program_id(0)`` of the plan over the query heads of KV head
     ``program_id(1)``.
 
@@ -150,7 +150,11 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
     scores); ``window`` the layer's sliding window (a key ``position - window < key`` is
     visible; ``NO_WINDOW`` where it has none); ``softcap`` the layer's logit soft-cap in the
     same base-2 units (its cap times log2(e); read only where ``SOFTCAP``); ``part_ptr`` is
-    ``[rows, heads, splits, BLOCK_D + 2]`` float32 (phases 1 and 2).
+    ``[rows, heads, splits, BLOCK_D + 2]`` float32 (phases 1 and 2); with ``HAS_SINKS``,
+    ``sinks_ptr`` holds the layer's attention sinks ``[heads]``, float32, already times
+    log2(e): each row's is folded in last, as one more split whose weight sum is 1 and whose
+    values are 0 (a key with no value), so the final max and weight sum include it. A sink is
+    never soft-capped (only the scores are).
     """
     tile = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -222,6 +226,12 @@ def _paged_attention(out_ptr: tl.tensor, q_ptr: tl.tensor, k_ptr: tl.tensor,
             m_all, l_all, acc_all = _fold_split(m_all, l_all, acc_all, m_split, l_split,
                                                 acc_split)
     if PHASE != 1:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + kv_head * REP + rep, mask=valid, other=0.0)
+            m_all, l_all, acc_all = _fold_split(
+                m_all, l_all, acc_all, sink.to(tl.float32),
+                tl.full([QPOS * REP_PAD], 1.0, tl.float32),
+                tl.zeros([QPOS * REP_PAD, BLOCK_D], tl.float32))
         attended = acc_all / tl.where(l_all == 0.0, 1.0, l_all)[:, None]
         tl.store(out_ptr + row[:, None] * stride_or + head * stride_oh + d,
                  attended.to(out_ptr.dtype.element_ty), mask=row_mask)

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gateway.engine.attention.tiled import AttentionItem
+from gateway.engine.attention.tiled import AttentionItem, shared_sinks
 from gateway.engine.kv.sequence import LayerPages
 
 SPLIT_KEYS = 512
@@ -199,7 +199,7 @@ class TritonPagedAttention:
             raise ValueError("the items of one layer's attention share its soft-cap")
         attended = self._launch(torch.cat([item.queries for item in items]), key_pages,
                                 value_pages, table, plan, shape, windows.pop(), scales.pop(),
-                                softcaps.pop())
+                                softcaps.pop(), shared_sinks(items))
         return list(torch.split(attended, counts))
 
     def attend_paged(self, queries: torch.Tensor, key_pages: torch.Tensor,
@@ -232,24 +232,26 @@ class TritonPagedAttention:
                        value_pages: torch.Tensor, table: torch.Tensor,
                        plan: TilePlan, window: int | None = None,
                        scale: float | None = None,
-                       softcap: float | None = None) -> torch.Tensor:
+                       softcap: float | None = None,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``attend_paged`` for rows planned once with ``TilePlan.of`` in tiles of
         ``shape_for(head_dim).tile_positions`` (benchmarks, and launches repeated over the same
-        rows, the captured steps): no host work but the launch; ``window``, ``scale`` and
-        ``softcap`` the layer's (``AttentionItem``'s)."""
+        rows, the captured steps): no host work but the launch; ``window``, ``scale``,
+        ``softcap`` and ``sinks`` the layer's (``AttentionItem``'s)."""
         _check(queries, key_pages, value_pages, table)
         shape = self.shape_for(int(queries.shape[2]))
         if plan.tensor.shape[1] != 2 + shape.tile_positions:
             raise ValueError(f"the plan has tiles of {plan.tensor.shape[1] - 2} positions, the "
                              f"kernel {shape.tile_positions} for heads of {queries.shape[2]}")
         return self._launch(queries, key_pages, value_pages, table, plan, shape, window, scale,
-                            softcap)
+                            softcap, sinks)
 
     def _launch(self, queries: torch.Tensor, key_pages: torch.Tensor,
                 value_pages: torch.Tensor, table: torch.Tensor, plan: TilePlan,
                 shape: KernelShape, window: int | None = None,
                 scale: float | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+                softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         num_rows, num_heads, head_dim = queries.shape
         kv_heads, _, page_tokens, _ = key_pages.shape
         rep = num_heads // kv_heads
@@ -284,11 +286,12 @@ class TritonPagedAttention:
                      NO_WINDOW if window is None else window,
                      # The cap in the kernel's base-2 units (its scores are times log2(e)):
                      # cap * tanh(s / cap) times log2(e) is cap2 * tanh(s2 / cap2).
-                     0.0 if softcap is None else softcap * math.log2(math.e))
+                     0.0 if softcap is None else softcap * math.log2(math.e),
+                     out if sinks is None else _base2_sinks(sinks, queries.device))
         shapes = dict(REP=rep, REP_PAD=rep_pad, QPOS=shape.tile_positions, HEAD_DIM=head_dim,
                       BLOCK_D=block_d, TILE_KEYS=shape.tile_keys, SPLIT_KEYS=self.split_keys,
                       PAGE=page_tokens, DOT_F32=interpreted or queries.dtype == torch.float32,
-                      SOFTCAP=softcap is not None,
+                      SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
                       num_warps=shape.num_warps or (
                           4 if block_d * shape.tile_positions * rep_pad <= 4096 else 8),
                       enable_fp_fusion=False)
@@ -486,6 +489,11 @@ def _first(buffer: torch.Tensor, count: int) -> torch.Tensor:
 def _row_items(counts: Sequence[int]) -> torch.Tensor:
     """Each row's item (CPU): ``counts[i]`` rows of item ``i``, in order."""
     return torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+
+
+def _base2_sinks(sinks: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The layer's sinks as the kernel's base-2 scores read them: float32, times log2(e)."""
+    return (sinks.to(device=device, dtype=torch.float32) * math.log2(math.e)).contiguous()
 
 
 def _power_of_two(n: int) -> int:

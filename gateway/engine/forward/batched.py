@@ -34,7 +34,8 @@ import torch
 from gateway.engine.attention.softcap import soft_cap_
 from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
 from gateway.engine.forward.experts import expert_mlp, expert_weights
-from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
+from gateway.engine.forward.features import ClampedSwigluRouting, DecoderFeatures, LayerFeatures
+from gateway.engine.forward.gpt_oss_experts import clamped_swiglu_mlp, clamped_swiglu_weights
 from gateway.engine.forward.layer_modules import layer_problem
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
@@ -133,6 +134,9 @@ class BatchedForward:
             if problem is not None:
                 raise UnsupportedModel(f"layer {index} {problem} ({features.family} layers)")
         self._features = features
+        # Each layer's attention sinks (gpt-oss), the tensors every step's items carry.
+        self._sinks = tuple(layer.self_attn.sinks if wanted.sinks else None
+                            for layer, wanted in zip(layers, features.layers, strict=True))
         self._model = model
         self._attention = attention
         self._products = products
@@ -230,7 +234,8 @@ class BatchedForward:
                               v[start:end].transpose(0, 1))
                 items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
                                            is_decode=rows.is_decode, first_position=seq.length,
-                                           window=window, scale=scale, softcap=softcap))
+                                           window=window, scale=scale, softcap=softcap,
+                                           sinks=self._sinks[index]))
             return join_rows(self._attention.attend(items), spans, q)
 
         with torch.inference_mode():
@@ -298,6 +303,10 @@ class BatchedForward:
     def head_dim(self) -> int:
         return self._head_dim
 
+    def layer_sinks(self, index: int) -> torch.Tensor | None:
+        """Layer ``index``'s attention sinks ``[heads]`` (``LayerFeatures.sinks``), or None."""
+        return self._sinks[index]
+
     def rope_tables(self, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary cos and sin ``[>= num_positions, widths]`` (CPU) every step reads: one
         slice per rotation kind (``DecoderFeatures.rope_kinds``), as wide as its rotary
@@ -349,6 +358,8 @@ class BatchedForward:
              num_shared: int) -> torch.Tensor:
         """The layer's MLP of its normed rows: dense and gated (its gate and up one product or
         two), or a mixture of experts."""
+        if isinstance(features.experts, ClampedSwigluRouting):  # gpt-oss's
+            return clamped_swiglu_mlp(mlp, features.experts, normed, num_shared, self._products)
         if features.experts is not None:
             return expert_mlp(mlp, features.experts, normed, num_shared, self._products)
         project = self._products.project
@@ -382,6 +393,9 @@ class BatchedForward:
                     kinds = [rotary(weight[:1].unsqueeze(0), ids) if kind is None
                              else rotary(weight[:1].unsqueeze(0), ids, kind)
                              for kind in self._rope_kinds]
+                if self._features.rotary_frequencies_once:  # each frequency twice, as Llama's
+                    kinds = [(torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1))
+                             for cos, sin in kinds]
                 self._rope_spans = _spans([cos.shape[-1] for cos, _ in kinds])
                 cos_parts.append(torch.cat([cos[0] for cos, _ in kinds], dim=-1).cpu())
                 sin_parts.append(torch.cat([sin[0] for _, sin in kinds], dim=-1).cpu())
@@ -398,7 +412,9 @@ def projection_weights(model: Any) -> list[torch.Tensor]:
         attention, mlp = layer.self_attn, layer.mlp
         weights = [getattr(attention, name).weight
                    for name in ATTENTION_PROJECTIONS if hasattr(attention, name)]
-        if hasattr(mlp, "experts"):
+        if hasattr(mlp, "router"):  # gpt-oss's experts, stored [in, out]
+            weights += clamped_swiglu_weights(mlp)
+        elif hasattr(mlp, "experts"):
             weights += expert_weights(mlp)
         else:
             weights += [getattr(mlp, name).weight

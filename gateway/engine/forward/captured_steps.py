@@ -294,7 +294,7 @@ class StepBucket:
             features = forward.features.layers[index]
             return attention.attend_planned(q, storage[index, 0], storage[index, 1], table,
                                             plan, features.window, features.attention_scale,
-                                            features.logit_softcap)
+                                            features.logit_softcap, forward.layer_sinks(index))
 
         cos = self._cos.index_select(0, self._positions)
         sin = self._sin.index_select(0, self._positions)

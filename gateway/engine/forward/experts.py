@@ -12,6 +12,7 @@ the step (tests/gateway/engine/families/: a token alone equals it in a batch of 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,33 +23,64 @@ from gateway.engine.linear.row_products import RowProducts
 
 
 @dataclass(frozen=True, slots=True)
-class _Weight:
-    """One expert's slice of a fused expert tensor, as the row products read a projection."""
+class ExpertProjection:
+    """One expert's slice of a fused expert tensor, as the row products read a projection
+    (``weight`` ``[out, in]``, a view where the checkpoint stores it ``[in, out]``)."""
 
     weight: torch.Tensor
     bias: torch.Tensor | None = None
 
 
+ExpertRun = Callable[[int, torch.Tensor, int], torch.Tensor]
+"""``run(expert, inputs, num_shared)``: one expert's MLP of its rows ``inputs`` (the first
+``num_shared`` in one padded product, ``RowProducts.project``'s convention)."""
+
+
 def expert_mlp(mlp: Any, routing: ExpertRouting, rows: torch.Tensor, num_shared: int,
                products: RowProducts) -> torch.Tensor:
     """The MoE block's output for the step's ``rows`` ``[rows, hidden]``, the first
-    ``num_shared`` in shared products (``RowProducts.project``'s convention)."""
+    ``num_shared`` in shared products (``RowProducts.project``'s convention): Qwen3-MoE's
+    router (a softmax over every expert, then the top k, renormalised where ``normalize``) and
+    gated experts (gate | up in halves, ``act_fn(gate) * up``)."""
     logits = products.project(mlp.gate, rows, num_shared)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_weights, top_experts = torch.topk(probs, routing.top_k, dim=-1)
     if routing.normalize:
         top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-    top_weights = top_weights.to(logits.dtype)
     experts = mlp.experts
+
+    def run(expert: int, inputs: torch.Tensor, count: int) -> torch.Tensor:
+        gate, up = products.project(ExpertProjection(experts.gate_up_proj[expert]), inputs,
+                                    count).chunk(2, dim=-1)
+        hidden = experts.act_fn(gate) * up
+        out: torch.Tensor = products.project(ExpertProjection(experts.down_proj[expert]),
+                                             hidden, count)
+        return out
+
+    return sum_over_experts(rows, top_weights.to(logits.dtype), top_experts, num_shared,
+                            products, run)
+
+
+def sum_over_experts(rows: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor,
+                     num_shared: int, products: RowProducts, run: ExpertRun) -> torch.Tensor:
+    """Each row's chosen experts' outputs (``run``), weighted by ``top_weights`` and summed in
+    ascending expert order, as transformers adds them; each expert's rows from the shared part
+    padded to a count that keeps their bits, the rows alone after them.
+
+    Args:
+        rows: the step's rows ``[rows, hidden]``, the first ``num_shared`` shared.
+        top_weights: each row's weight of its chosen experts ``[rows, top_k]``.
+        top_experts: each row's chosen experts ``[rows, top_k]``.
+        num_shared: rows in shared products.
+        products: the row products (their padding).
+        run: one expert's MLP.
+    """
     out = torch.zeros_like(rows)
     for expert in torch.unique(top_experts).tolist():  # ascending: the order of the sums
         row_index, slot = torch.where(top_experts == expert)
         shared = row_index < num_shared
         inputs, count = _padded(rows, row_index[shared], row_index[~shared], products)
-        gate, up = products.project(_Weight(experts.gate_up_proj[expert]), inputs,
-                                    count).chunk(2, dim=-1)
-        hidden = experts.act_fn(gate) * up
-        outputs = products.project(_Weight(experts.down_proj[expert]), hidden, count)
+        outputs = run(expert, inputs, count)
         real = torch.cat([outputs[:int(shared.sum())], outputs[count:]])
         order = torch.cat([row_index[shared], row_index[~shared]])
         slots = torch.cat([slot[shared], slot[~shared]])

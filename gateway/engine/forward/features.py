@@ -72,6 +72,44 @@ class ExpertRouting:
         if self.top_k < 1:
             raise ValueError(f"a token is routed to at least one expert, not {self.top_k}")
 
+    @property
+    def router(self) -> str:
+        """The MLP's module that scores each token's experts."""
+        return "gate"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClampedSwigluRouting:
+    """A layer whose MLP is gpt-oss's mixture of experts: ``mlp.router`` (a ``Linear`` with a
+    bias) scores each token, its ``top_k`` highest scores are softmaxed among themselves (the
+    top k chosen first, then the softmax over them), and each chosen expert computes, with its
+    weights stored ``[experts, in, out]`` (``x @ w``) and a bias per product:
+    ``gate_up = x @ gate_up_proj[e] + gate_up_proj_bias[e]``, gate and up interleaved in its
+    columns (gate the even ones, up the odd), ``gate`` clamped from above at ``limit``, ``up``
+    to ``[-limit, limit]``, ``(up + 1) * gate * sigmoid(alpha * gate)``, then
+    ``@ down_proj[e] + down_proj_bias[e]``. The outputs, weighted, are summed in expert order.
+
+    Attributes:
+        top_k: experts per token (``num_experts_per_tok``).
+        alpha: the sigmoid's slope (``swiglu_alpha``, 1.702).
+        limit: the clamp (``swiglu_limit``, 7.0).
+    """
+
+    top_k: int
+    alpha: float
+    limit: float
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"a token is routed to at least one expert, not {self.top_k}")
+        if self.limit <= 0:
+            raise ValueError(f"the clamp's limit is positive, not {self.limit}")
+
+    @property
+    def router(self) -> str:
+        """The MLP's module that scores each token's experts."""
+        return "router"
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerFeatures:
@@ -83,8 +121,8 @@ class LayerFeatures:
         window: a query at position p attends the keys at positions p - window < k <= p only
             (a sliding window, as transformers' masks have it); None: every key up to p.
             Mistral, Qwen3 with ``use_sliding_window``, and the local layers of Gemma 2/3.
-        experts: the MLP is a sparse mixture of experts routed so (``ExpertRouting``); None: a
-            dense gated MLP.
+        experts: the MLP is a sparse mixture of experts routed so (``ExpertRouting``, or
+            gpt-oss's ``ClampedSwigluRouting``); None: a dense gated MLP.
         attention_scale: what a query's scores are multiplied by (Gemma's
             ``query_pre_attn_scalar ** -0.5``); None: ``head_dim ** -0.5``.
         rope: the layer type the model's rotary embedding takes for this layer (Gemma 3's local
@@ -116,11 +154,14 @@ class LayerFeatures:
             before the mask and the softmax (Gemma 2's ``attn_logit_softcapping``): no score
             beyond +-cap; None: scores as they are. An element-wise step: a row's bits stay its
             own.
+        sinks: the attention has one learned logit per query head (``self_attn.sinks``) that
+            joins each row's softmax denominator as a key with no value (gpt-oss's attention
+            sinks): every attention the forward runs adds it (``AttentionItem.sinks``).
     """
 
     qk_norm: bool = False
     window: int | None = None
-    experts: ExpertRouting | None = None
+    experts: ExpertRouting | ClampedSwigluRouting | None = None
     attention_scale: float | None = None
     rope: str | None = None
     norms: LayerNorms = PRE_NORMS
@@ -130,6 +171,7 @@ class LayerFeatures:
     fused_qkv: bool = False
     fused_gate_up: bool = False
     logit_softcap: float | None = None
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         _check_softcap(self.logit_softcap)
@@ -149,12 +191,17 @@ class DecoderFeatures:
         family: the family that described them (``gateway.engine.models.families``), for
             messages and the route note.
         layers: one record per decoder layer, in order.
+        rotary_frequencies_once: the model's rotary embedding returns each frequency's cos
+            and sin once (``[..., rotated width / 2]``, rotating halves as
+            ``first * cos - second * sin``: gpt-oss), not twice side by side as Llama's; the
+            forward repeats them, which turns the halves alike.
         final_logit_softcap: the output logits are squashed to ``cap * tanh(logit / cap)``
             (Gemma 2's ``final_logit_softcapping``); None: as the output projection gives them.
     """
 
     family: str
     layers: tuple[LayerFeatures, ...]
+    rotary_frequencies_once: bool = False
     final_logit_softcap: float | None = None
 
     def __post_init__(self) -> None:
@@ -176,6 +223,11 @@ class DecoderFeatures:
     def has_logit_softcap(self) -> bool:
         """Whether any layer soft-caps its attention scores (an attention must then cap)."""
         return any(layer.logit_softcap is not None for layer in self.layers)
+
+    @property
+    def has_sinks(self) -> bool:
+        """Whether any layer's attention has sinks (an attention must then add them)."""
+        return any(layer.sinks for layer in self.layers)
 
     @property
     def rope_kinds(self) -> tuple[str | None, ...]:

@@ -5,8 +5,9 @@ Why a check of its own: the forward calls a module by name only where a feature 
 layer with more than its family described (a Qwen3 layer described as Llama's would keep its
 ``q_norm`` unapplied) would be walked past silently, and one with less would fail mid-step.
 ``BatchedForward`` asks ``layer_problem`` of every layer before any step: a norm or a projection
-the features walk must be there, a norm or projection the layer has must be walked, and q/k
-norms must be as wide as the features' kind of q/k norm.
+the features walk must be there, a norm or projection the layer has must be walked, attention
+sinks (``self_attn.sinks``) applied exactly where the layer has them, and q/k norms must be as
+wide as the features' kind of q/k norm.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ def walked_modules(features: LayerFeatures) -> Walked:
     norms = features.norms.names
     qk_norms = ("q_norm", "k_norm") if features.qk_norm or features.qk_projection_norm else ()
     attention = (("qkv_proj",) if features.fused_qkv else ("q_proj", "k_proj", "v_proj"))
-    if features.experts is not None:  # a router and the experts' stacked weights (Qwen3-MoE)
-        mlp: tuple[str, ...] = ("gate", "experts")
+    if features.experts is not None:  # a router and the experts' stacked weights (MoE)
+        mlp: tuple[str, ...] = (features.experts.router, "experts")
     elif features.fused_gate_up:
         mlp = ("gate_up_proj", "down_proj", "activation_fn")
     else:
@@ -60,6 +61,10 @@ def layer_problem(layer: Any, features: LayerFeatures, qk_widths: tuple[int, int
     unwalked = sorted(name for _, name in present - set(wanted))
     if unwalked:
         return f"has {', '.join(unwalked)}, which its features do not apply"
+    has_sinks = getattr(modules["attention"], "sinks", None) is not None
+    if features.sinks != has_sinks:
+        return ("has attention sinks, which its features do not apply" if has_sinks
+                else "has no attention sinks to apply")
     if features.qk_norm or features.qk_projection_norm:
         for name, width in zip(("q_norm", "k_norm"), qk_widths, strict=True):
             weight = getattr(getattr(modules["attention"], name), "weight", None)

@@ -232,6 +232,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim,
                                  windowed=(loaded.features.has_windows
                                            or loaded.features.has_custom_scale
+                                           or loaded.features.has_sinks
                                            or loaded.features.has_logit_softcap))
     first_failure: RouteVerdict | None = None
     for products in candidates:

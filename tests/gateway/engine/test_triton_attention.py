@@ -343,13 +343,17 @@ def test_the_engine_never_takes_it_on_the_cpu_even_where_triton_interprets() -> 
     assert not isinstance(attention_for(cpu), TritonPagedAttention)
 
 
-@pytest.mark.parametrize(("dtype", "capability", "phase", "softcap"),
-                         [("bf16", 90, 0, False), ("bf16", 90, 1, False), ("bf16", 90, 2, False),
-                          ("fp32", 80, 0, False), ("bf16", 90, 0, True), ("bf16", 90, 1, True)])
-def test_the_kernel_compiles_for_cuda(dtype, capability, phase, softcap) -> None:
+@pytest.mark.parametrize(("dtype", "capability", "phase", "sinks", "softcap"),
+                         [("bf16", 90, 0, False, False), ("bf16", 90, 1, False, False),
+                          ("bf16", 90, 2, False, False), ("fp32", 80, 0, False, False),
+                          ("bf16", 90, 0, True, False), ("bf16", 90, 2, True, False),
+                          ("bf16", 90, 0, False, True), ("bf16", 90, 1, False, True),
+                          ("bf16", 90, 2, True, True)])
+def test_the_kernel_compiles_for_cuda(dtype, capability, phase, sinks, softcap) -> None:
     """The compiled path, which the interpreter does not check (types, shapes, globals), down
     to a cubin for an H100 (sm_90) and an A100 (sm_80), without a GPU: every phase (splits in
-    one program, apart, folded), with and without a logit soft-cap."""
+    one program, apart, folded), with attention sinks and without, with and without a logit
+    soft-cap, and with both."""
     if interprets_here():
         pytest.skip("Triton interprets kernels in this process")
     from triton import compile as compile_kernel
@@ -364,10 +368,11 @@ def test_the_kernel_compiles_for_cuda(dtype, capability, phase, softcap) -> None
                                              "stride_kvp", "stride_kvt", "stride_table",
                                              "stride_plan", "stride_pr", "stride_ph",
                                              "stride_ps")},
-                 "stride_kvh": "i64", "scale": "fp32", "window": "i32", "softcap": "fp32"}
+                 "stride_kvh": "i64", "scale": "fp32", "window": "i32", "softcap": "fp32",
+                 "sinks_ptr": "*fp32"}
     constants = {"REP": 3, "REP_PAD": 4, "QPOS": 16, "HEAD_DIM": 64, "BLOCK_D": 64,
                  "TILE_KEYS": 64, "SPLIT_KEYS": 512, "PAGE": 16, "PHASE": phase,
-                 "DOT_F32": dtype == "fp32", "SOFTCAP": softcap}
+                 "DOT_F32": dtype == "fp32", "SOFTCAP": softcap, "HAS_SINKS": sinks}
     compiled = compile_kernel(ASTSource(kernel(), {**signature, **dict.fromkeys(constants,
                                                                                 "constexpr")},
                                         constants), target=GPUTarget("cuda", capability, 32),

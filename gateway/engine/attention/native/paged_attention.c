@@ -18,7 +18,10 @@ same sequence of IEEE operations, whatever else is in the call:
     code for every lane, so a weight's bits do not depend on which lane computed it;
   - the sum of weights runs in eight lanes (lane j % 8 sums keys j, j+8, ... in order), then
     the fixed tree; the weighted values are fused multiply-adds over keys in order;
-  - the output is that sum divided by the weight sum.
+  - the output is that sum divided by the weight sum;
+  - with attention sinks (gpt-oss: one learned logit per query head, a key with no value), the
+    maximum is over the scores and the head's sink, and the sink's weight (the same exp) is
+    added to the weight sum after the lanes' tree.
 Keys after the row's position are never read, nor, with a sliding window, keys before it
 (position - window < key <= position): they weigh exactly 0, and a page wholly before the window
 is skipped (which keys a row reads depends on its position alone). Fused multiply-add is exactly rounded by
@@ -166,12 +169,16 @@ static inline float soft_cap(float score, float cap) {
 /* Scores into weights in place: each of keys lo..n-1 soft-capped first where softcap > 0, then
    w = exp(max(s - max, EXP_FLOOR)) for keys lo..n-1, 0 from n to `padded` and before lo (a
    sliding window; 0 without one); returns the weights' sum (eight lanes by key index, then the
-   fixed tree). Lanes before lo's group of eight are never read. */
-static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softcap) {
+   fixed tree). Lanes before lo's group of eight are never read. With a `sink` (NULL: none), the
+   max includes it and its weight joins the sum last; a sink is a logit of its own, never
+   soft-capped (only the scores are). */
+static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softcap,
+                   const float *sink) {
     if (softcap > 0.0f)
         for (int64_t j = lo; j < n; j++) s[j] = soft_cap(s[j], softcap);
     float max = s[lo];
     for (int64_t j = lo + 1; j < n; j++) max = s[j] > max ? s[j] : max;
+    if (sink != NULL) max = *sink > max ? *sink : max;
     for (int64_t j = n; j < padded; j++) s[j] = -INFINITY;
     v8 lanes = splat8(0.0f);
     const v8 mv = splat8(max), floor = splat8(EXP_FLOOR);
@@ -187,7 +194,9 @@ static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softca
         store8(s + j, w);
         lanes = lanes + w;
     }
-    return tree8(lanes);
+    if (sink == NULL) return tree8(lanes);
+    const float x = *sink - max < EXP_FLOOR ? EXP_FLOOR : *sink - max;
+    return tree8(lanes) + exp_lanes(splat8(x))[0];
 }
 
 /* `rows` consecutive query rows of one sequence (rows <= MAX_ROWS), for the `rep` query heads
@@ -197,12 +206,12 @@ static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softca
    ([pages, page_tokens, head_dim]); table: the sequence's page ids; n[r]: keys row r sees (its
    position + 1); lo[r]: its first key (0, or with a window position + 1 - window); scores: scratch of rows * rep * `padded` floats, padded >= every n[r] rounded
    up to 8; acc: scratch of rows * rep * head_dim floats; out[r]: row r's output, rep rows of
-   head_dim. */
+   head_dim; sinks: the rep query heads' sinks, or NULL. */
 static inline __attribute__((always_inline)) void
 attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
             const float *v_head, int64_t page_stride, int page_tokens, const int64_t *table,
             const int64_t *lo, const int64_t *n, int64_t padded, float softcap, float *scores,
-            float *acc, float *denominator, float *const *out) {
+            float *acc, float *denominator, float *const *out, const float *sinks) {
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
     const int chunks = head_dim / 8;
@@ -225,7 +234,8 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < rep; h++)
             denominator[r * rep + h] = weigh(scores + ((int64_t)r * rep + h) * padded, lo[r],
-                                             n[r], (n[r] + 7) / 8 * 8, softcap);
+                                             n[r], (n[r] + 7) / 8 * 8, softcap,
+                                             sinks == NULL ? NULL : sinks + h);
     /* Weighted values, page by page; each accumulator sums its keys in order across pages. */
     memset(acc, 0, sizeof(float) * (size_t)rows * rep * head_dim);
     for (int64_t start = 0; start < longest; start += page_tokens) {
@@ -266,14 +276,15 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
    `head_stride` floats between KV heads; tables: [items, table_stride] page ids; queries/out:
    [rows, kv_heads * rep, head_dim], contiguous; row_item/row_position: per row (an item's rows
    consecutive); window: the layer's sliding window (keys position - window < key <= position),
-   0 for none; softcap: the layer's logit soft-cap of the scaled scores, 0 for none. Returns 0,
-   or -1 when scratch memory could not be had. */
+   0 for none; softcap: the layer's logit soft-cap of the scaled scores, 0 for none; sinks: the
+   layer's attention sinks, one logit per query head ([kv_heads * rep]), or NULL for none.
+   Returns 0, or -1 when scratch memory could not be had. */
 int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t head_stride,
                                int kv_heads, int rep, int page_tokens, int head_dim,
                                const int64_t *tables, int64_t table_stride,
                                const float *queries, const int64_t *row_item,
                                const int64_t *row_position, int64_t rows, float scale,
-                               int64_t window, float softcap, float *out) {
+                               int64_t window, float softcap, float *out, const float *sinks) {
     int64_t longest = 0;
     for (int64_t r = 0; r < rows; r++)
         if (row_position[r] + 1 > longest) longest = row_position[r] + 1;
@@ -325,18 +336,21 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
             }
             const float *k_head = keys + g * head_stride, *v_head = values + g * head_stride;
             const int64_t *table = tables + row_item[first] * table_stride;
+            const float *head_sinks = sinks == NULL ? NULL : sinks + (int64_t)g * rep;
             /* The common head sizes as constants: the compiler then keeps the accumulators in
                registers and the keys' offsets in the instructions (speed only: every path runs
                the same operations in the same order). */
             if (head_dim == 64)
                 attend_rows(q, count, rep, 64, k_head, v_head, page_stride, page_tokens, table, lo,
-                            n, padded, softcap, scores, acc, denominator, row_out);
+                            n, padded, softcap, scores, acc, denominator, row_out, head_sinks);
             else if (head_dim == 128)
                 attend_rows(q, count, rep, 128, k_head, v_head, page_stride, page_tokens, table,
-                            lo, n, padded, softcap, scores, acc, denominator, row_out);
+                            lo, n, padded, softcap, scores, acc, denominator, row_out,
+                            head_sinks);
             else
                 attend_rows(q, count, rep, head_dim, k_head, v_head, page_stride, page_tokens,
-                            table, lo, n, padded, softcap, scores, acc, denominator, row_out);
+                            table, lo, n, padded, softcap, scores, acc, denominator, row_out,
+                            head_sinks);
         }
         free(scratch);
     }

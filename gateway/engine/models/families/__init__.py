@@ -14,6 +14,7 @@ from gateway.engine.models.families.base import ModelFamily
 from gateway.engine.models.families.gemma2 import GEMMA2
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.glm4 import GLM4
+from gateway.engine.models.families.gpt_oss import GPT_OSS
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
 from gateway.engine.models.families.olmo2 import OLMO2
@@ -34,6 +35,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     OLMO2,
     PHI3,
     GLM4,
+    GPT_OSS,
     GEMMA2,
 )
 

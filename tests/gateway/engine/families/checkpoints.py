@@ -18,6 +18,7 @@ from transformers import (
     Gemma2Config,
     Gemma3TextConfig,
     Glm4Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
@@ -65,7 +66,7 @@ def _save(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "_bias", ".sinks")):  # sinks: gpt-oss's, per head
                 parameter.uniform_(-0.5, 0.5)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
@@ -202,6 +203,27 @@ def save_phi3_partial(directory: Path, seed: int = 0) -> Path:
     return _save(config, directory, tokenizer, seed)
 
 
+def save_gpt_oss(directory: Path, seed: int = 0) -> Path:
+    """Attention sinks, biased q/k/v/o, windowed and global layers alternating (a window of
+    16), 4 experts of which a token takes 2, YaRN positions scaled from 64 to 2,048 (on a base
+    of 10,000, not its 150,000: over a tiny prompt, positions then turn heads far enough to
+    show)."""
+    tokenizer = make_hf_tokenizer()
+    shape = {**_shape(tokenizer), "intermediate_size": 48}
+    rope: dict[str, Any] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    config = GptOssConfig(**shape, pad_token_id=None, num_local_experts=4,
+                          num_experts_per_tok=2, sliding_window=GPT_OSS_WINDOW,
+                          rope_parameters=rope)
+    return _save(config, directory, tokenizer, seed)
+
+
+GPT_OSS_WINDOW = 16
+"""gpt-oss's sliding window in its tiny checkpoint: shorter than a tile of keys, so that a
+window's first key falls inside the tiles and pages the kernels read."""
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
@@ -213,6 +235,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "olmo2": save_olmo2,
     "phi3": save_phi3,
     "glm4": save_glm4,
+    "gpt_oss": save_gpt_oss,
     "gemma2": save_gemma2,
 }
 """Family name -> a builder of its tiny checkpoint."""

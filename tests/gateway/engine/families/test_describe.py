@@ -12,6 +12,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4Config,
     GPT2Config,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
@@ -25,6 +26,7 @@ from gateway.engine.forward.features import (
     GEMMA3_NORMS,
     GLM4_NORMS,
     POST_NORMS,
+    ClampedSwigluRouting,
     DecoderFeatures,
     LayerFeatures,
 )
@@ -132,6 +134,20 @@ def test_mistral_windows_every_layer_where_its_config_sets_a_window() -> None:
     unwindowed = MistralConfig(**SHAPE, sliding_window=None,
                                architectures=["MistralForCausalLM"])
     assert _windows(unwindowed) == (None,) * 4
+
+
+def test_gpt_oss_has_sinks_and_its_experts_on_every_layer_and_windows_every_other() -> None:
+    """transformers' defaults: sliding and full layers alternating, YaRN positions (not
+    refused: their frequencies do not change with the length), swiglu_alpha 1.702 and
+    swiglu_limit 7.0, its rotary tables each frequency once."""
+    config = GptOssConfig(**SHAPE, sliding_window=128, num_local_experts=4,
+                          num_experts_per_tok=2, architectures=["GptOssForCausalLM"])
+    features = describe(config)
+    assert isinstance(features, DecoderFeatures), features
+    routing = ClampedSwigluRouting(top_k=2, alpha=1.702, limit=7.0)
+    assert features.rotary_frequencies_once
+    assert features.layers == tuple(LayerFeatures(window=window, experts=routing, sinks=True)
+                                    for window in (128, None, 128, None))
 
 
 def test_gemma2_windows_every_other_layer_scales_and_soft_caps_its_scores_and_logits() -> None:

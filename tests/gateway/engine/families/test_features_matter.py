@@ -9,12 +9,13 @@ norm."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
 from gateway.engine.forward.batched import (
     BatchedForward,
     SequenceRows,
@@ -25,6 +26,7 @@ from gateway.engine.forward.features import (
     POST_NORMS,
     PRE_NORMS,
     DecoderFeatures,
+    ExpertRouting,
     LayerFeatures,
 )
 from gateway.engine.kv.sequence import KVSequence
@@ -44,11 +46,14 @@ def _load(name: str, directory: Path) -> LoadedModel:
 
 
 def _difference(loaded: LoadedModel, *, features: DecoderFeatures | None = None,
-                products: RowProducts | None = None) -> float:
+                products: RowProducts | None = None,
+                attention: Callable[[SequenceAttention], SequenceAttention] | None = None
+                ) -> float:
     """How far the last token's logits of one prefill are from transformers'."""
     chosen = engine_forward(loaded, torch.device("cpu"))
-    forward = BatchedForward(loaded.model, chosen.attention, products or chosen.products,
-                             features or loaded.features)
+    forward = BatchedForward(loaded.model,
+                             attention(chosen.attention) if attention else chosen.attention,
+                             products or chosen.products, features or loaded.features)
     tokens = torch.tensor(PROMPT)
     ours = forward.forward([SequenceRows(sequence=KVSequence.alone(loaded.layout, len(PROMPT)),
                                          tokens=tokens, wants_logits=True)])[0]
@@ -63,8 +68,10 @@ def _changed(features: DecoderFeatures,
     return dataclasses.replace(features, layers=tuple(change(layer) for layer in features.layers))
 
 
-def test_qwen2s_biases_are_applied(tmp_path: Path) -> None:
-    loaded = _load("qwen2", tmp_path)
+@pytest.mark.parametrize("family", ["qwen2", "gpt_oss"])
+def test_the_projections_biases_are_applied(tmp_path: Path, family: str) -> None:
+    """Qwen2's q/k/v biases; gpt-oss's on q/k/v/o, its router and its experts."""
+    loaded = _load(family, tmp_path)
     products = engine_forward(loaded, torch.device("cpu")).products
     product = products.product
 
@@ -76,6 +83,43 @@ def test_qwen2s_biases_are_applied(tmp_path: Path) -> None:
     assert _difference(loaded) <= 1e-4
     assert _difference(loaded, products=dataclasses.replace(
         products, product_override=dropped)) > FAR
+
+
+class _WithoutSinks:
+    """An attention that drops the items' sinks: what a kernel ignoring them would compute."""
+
+    def __init__(self, inner: SequenceAttention) -> None:
+        self.inner = inner
+        self.numerics = inner.numerics
+
+    def attend(self, items: Sequence[AttentionItem]) -> list[torch.Tensor]:
+        return self.inner.attend([dataclasses.replace(item, sinks=None) for item in items])
+
+
+def test_gpt_oss_sinks_join_every_attentions_softmax(tmp_path: Path) -> None:
+    loaded = _load("gpt_oss", tmp_path)
+    assert loaded.features is not None and loaded.features.has_sinks
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, attention=_WithoutSinks) > FAR
+
+
+def test_gpt_oss_rotary_frequencies_are_each_repeated_over_both_halves(tmp_path: Path) -> None:
+    """Its rotary embedding's tables hold each frequency once: read as they are, they would
+    rotate (and YaRN-scale) only each head's first half. Few of a tiny head's frequencies turn
+    over 90 positions, so this moves the logits less than ``FAR``: by 5e-4 here, still five
+    times what the conformance suite lets pass (1e-4)."""
+    loaded = _load("gpt_oss", tmp_path)
+    assert loaded.features is not None
+    as_given = dataclasses.replace(loaded.features, rotary_frequencies_once=False)
+    assert _difference(loaded, features=as_given) > 3e-4
+
+
+def test_gpt_oss_sliding_windows_are_applied(tmp_path: Path) -> None:
+    loaded = _load("gpt_oss", tmp_path)
+    assert loaded.features is not None
+    assert [layer.window for layer in loaded.features.layers] == [16, None, 16]
+    unwindowed = _changed(loaded.features, lambda layer: dataclasses.replace(layer, window=None))
+    assert _difference(loaded, features=unwindowed) > FAR
 
 
 def test_smollm3s_nope_layers_are_not_rotated(tmp_path: Path) -> None:
@@ -137,11 +181,17 @@ def test_gemmas_output_logits_are_soft_capped(tmp_path: Path, checkpoint: str) -
     ("gemma3", lambda layer: dataclasses.replace(layer, norms=PRE_NORMS),
      "layer 0 has post_feedforward_layernorm, pre_feedforward_layernorm, which its features "
      "do not apply"),
+    ("gpt_oss", lambda layer: dataclasses.replace(layer, sinks=False),
+     "layer 0 has attention sinks, which its features do not apply"),
+    ("llama", lambda layer: LayerFeatures(sinks=True), "layer 0 has no attention sinks to apply"),
+    ("gpt_oss", lambda layer: dataclasses.replace(
+        layer, experts=ExpertRouting(top_k=2, normalize=True)), "layer 0 has no gate to apply"),
     ("gemma2", lambda layer: dataclasses.replace(layer, qk_norm=True),
      "layer 0 has no q_norm and k_norm to apply"),
 ], ids=["qwen3-as-llama", "qwen3-qk-over-projection", "olmo2-as-llama", "olmo2-without-qk",
         "olmo2-qk-per-head", "llama-post-norms", "phi3-unfused", "llama-fused",
-        "glm4-pre-norms-only", "gemma3-pre-norms-only", "gemma2-as-gemma3"])
+        "glm4-pre-norms-only", "gemma3-pre-norms-only", "gpt-oss-without-sinks",
+        "llama-with-sinks", "gpt-oss-as-qwen3-moe", "gemma2-as-gemma3"])
 def test_features_that_do_not_fit_a_layers_modules_are_refused_before_a_step(
         tmp_path: Path, family: str, change: Callable[[LayerFeatures], LayerFeatures],
         refusal: str) -> None:
@@ -163,6 +213,19 @@ def test_the_products_padding_is_searched_over_fused_projections(tmp_path: Path)
     assert [w.data_ptr() for w in projection_weights(loaded.model)] == [
         w.data_ptr() for w in (attention.qkv_proj.weight, attention.o_proj.weight,
                                mlp.gate_up_proj.weight, mlp.down_proj.weight)]
+
+
+def test_the_products_padding_is_searched_over_gpt_oss_experts_as_they_multiply(
+        tmp_path: Path) -> None:
+    """gpt-oss stores its experts [in, out]: the search pads the [out, in] views its products
+    take, beside the router's weight."""
+    loaded = _load("gpt_oss", tmp_path)
+    mlp = loaded.model.model.layers[0].mlp
+    weights = projection_weights(loaded.model)
+    expected = (mlp.router.weight, mlp.experts.gate_up_proj[0].T, mlp.experts.down_proj[0].T)
+    assert [(tuple(w.shape), w.stride()) for w in weights[-3:]] == [
+        (tuple(w.shape), w.stride()) for w in expected]
+    assert [w.data_ptr() for w in weights[-3:]] == [w.data_ptr() for w in expected]
 
 
 class _KindsAlike(torch.nn.Module):
