@@ -73,7 +73,7 @@ def test_with_curl_every_other_new_connection_scrape_is_timed_by_curl(front) -> 
         pytest.skip("no curl on PATH")
     scraper = Scraper("127.0.0.1", front.server_address[1], interval_s=0.02, curl=curl)
     scraper.start()
-    time.sleep(0.4)
+    time.sleep(2.0)  # rounds with curl: a loaded 2-core CI machine fitted one in 0.4 s
     times = scraper.stop()
     new, by_curl = times.seconds[NEW_CONNECTION], times.seconds[CURL]
     assert len(by_curl) >= 2 and abs(len(new) - len(by_curl)) <= 1
