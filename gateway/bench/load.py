@@ -309,12 +309,19 @@ def _measure_peer(options: LoadOptions, result: LoadResult, system: str, models_
             return HttpSession(peer.host, peer.port, max_tokens=options.max_tokens,
                                timeout_s=options.timeout_s)
 
-        _warm_up(session)
-        with _cores_of(peer.pid, result):
-            result.replies, result.wall_s = run_users(
-                session, num_users=result.num_users, rounds=options.rounds, system=system,
-                num_rules=options.num_rules)
-        result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
+        _drive_peer(session, peer.pid, options, result, system)
+
+
+def _drive_peer(session: Callable[[], ChatSession], pid: int, options: LoadOptions,
+                result: LoadResult, system: str) -> None:
+    """A peer's row: warmed up, then the users' load, with the cores its process tree used
+    and its peak RSS."""
+    _warm_up(session)
+    with _cores_of(pid, result):
+        result.replies, result.wall_s = run_users(
+            session, num_users=result.num_users, rounds=options.rounds, system=system,
+            num_rules=options.num_rules)
+    result.peak_rss_bytes = process_tree_peak_rss(pid)
 
 
 def _vllm_or_why_not(options: LoadOptions) -> VllmInstall | str | None:
@@ -352,12 +359,7 @@ def _measure_vllm(options: LoadOptions, vllm: VllmInstall | str | None,
                                timeout_s=options.timeout_s, server="vLLM CPU",
                                model=VLLM_MODEL_NAME, extra_body=extra_body)
 
-        _warm_up(session)
-        with _cores_of(peer.pid, result):
-            result.replies, result.wall_s = run_users(
-                session, num_users=result.num_users, rounds=options.rounds, system=system,
-                num_rules=options.num_rules)
-        result.peak_rss_bytes = process_tree_peak_rss(peer.pid)
+        _drive_peer(session, peer.pid, options, result, system)
 
 
 @contextmanager

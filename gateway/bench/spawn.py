@@ -8,6 +8,7 @@ spawned or given.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -120,10 +121,8 @@ def stop_process_group(proc: subprocess.Popen[bytes], grace_s: float) -> None:
 
     if proc.poll() is None:
         signal_group(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):  # the SIGKILL below ends it
             proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
     signal_group(signal.SIGKILL)
     proc.wait(timeout=10)
 
@@ -162,7 +161,8 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
                  api_key: str, admin_key: str, engine: EngineOptions | None = None,
                  device: str = "auto", dtype: str = "auto", skip_slow_tiers: bool = True,
                  other_tenant_keys: Mapping[str, str] | None = None,
-                 calls_per_key: int | None = None) -> str:
+                 calls_per_key: int | None = None, disk_bytes: str = "8GiB",
+                 redis_timeout_s: float = 10.0) -> str:
     """The ``kvgate serve`` configuration of a spawned gateway (TOML); ``device`` and ``dtype``
     as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved);
     ``skip_slow_tiers`` False makes every load come from the tier that holds the block;
@@ -188,7 +188,7 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         f"block_tokens = {block_tokens}",
         f"device_bytes = {device_bytes}",
         'host_bytes = "4GiB"',
-        'disk_bytes = "8GiB"',
+        f'disk_bytes = "{disk_bytes}"',
     ]
     # Keys left at the server's default are not written, so that a --baseline checkout of an
     # earlier commit, which may not know them, reads the same file.
@@ -201,7 +201,7 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
     if redis_url is not None:
         # Loopback Redis moving a whole 4,096-token prefix (~190 MB) in one pipeline: give each
         # socket read more than the 0.25 s default meant to bound a stalled remote Redis.
-        lines += [f'redis_url = "{redis_url}"', "redis_timeout_s = 10.0"]
+        lines += [f'redis_url = "{redis_url}"', f"redis_timeout_s = {redis_timeout_s}"]
     lines += [
         "",
         "[[api_keys]]",

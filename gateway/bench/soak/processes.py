@@ -119,10 +119,9 @@ class SoakReplica:
             models.symlink_to(models_dir.resolve(), target_is_directory=True)
         config = spawn_config(block_tokens=block_tokens, device_bytes=256 << 20,
                               redis_url=redis_url, api_key=api_key, admin_key=admin_key,
-                              skip_slow_tiers=False, calls_per_key=64)
-        # A small disk tier, so that the soak's load fills it and its eviction runs.
-        config = config.replace('disk_bytes = "8GiB"', f'disk_bytes = "{disk_bytes}"')
-        config = config.replace("redis_timeout_s = 10.0", "redis_timeout_s = 1.0")
+                              skip_slow_tiers=False, calls_per_key=64,
+                              # a small disk tier, so that the load fills it and evicts
+                              disk_bytes=disk_bytes, redis_timeout_s=1.0)
         self.config_path = root / "kvgate.toml"
         self.config_path.write_text(config, encoding="utf-8")
         self.config_path.chmod(0o600)

@@ -353,8 +353,9 @@ class OpenAIFront:
                                                          engine)
             return ResponsesRendering(model=model, call=call, on_done=keep,
                                       on_usage=keep_shape, cache_diagnostics=compared)
-        diagnostics, keep_message_shape = await self._in_thread(self._comparisons.messages,
-                                                                call, engine)
+        diagnostics, keep_message_shape = (
+            await self._in_thread(self._comparisons.messages, call, engine)
+            if call.diagnose else (None, None))
         warmed = 0
         if call.caching.longer is not None and not call.request.cache.no_cache:
             warmed = await self._until_gone(request, partial(
