@@ -62,8 +62,8 @@ from gateway.engine.output.observer import EngineMetrics
 from gateway.engine.parity.recompute_speed import measure_recompute_speed
 from gateway.engine.parity.route_search import (
     EngineRoute,
-    attention_problem,
     build_forward,
+    features_problem,
     route_of,
     search_route,
 )
@@ -291,12 +291,8 @@ class Engine:
             remembered = self._verdicts.load(key)
             problem = None
             if remembered is not None and remembered.name == "batched":
-                problem = attention_problem(
-                    remembered.attention, self._device, loaded.layout.dtype,
-                    loaded.layout.head_dim,
-                    windowed=loaded.features is not None and (
-                        loaded.features.has_windows or loaded.features.has_custom_scale
-                        or loaded.features.has_sinks or loaded.features.has_logit_softcap))
+                problem = features_problem(remembered.attention, self._device,
+                                           loaded.layout, loaded.features)
             if remembered is not None and problem is not None:
                 logger.warning("the remembered route's %s attention cannot run now (%s): "
                                "searching again", remembered.attention, problem)

@@ -33,10 +33,19 @@ import torch
 
 from gateway.engine.attention.softcap import soft_cap_
 from gateway.engine.attention.tiled import AttentionItem, SequenceAttention
+from gateway.engine.forward.deepseek_experts import group_limited_mlp, group_limited_weights
 from gateway.engine.forward.experts import expert_mlp, expert_weights
-from gateway.engine.forward.features import ClampedSwigluRouting, DecoderFeatures, LayerFeatures
+from gateway.engine.forward.features import (
+    ClampedSwigluRouting,
+    DecoderFeatures,
+    GroupLimitedRouting,
+    LayerFeatures,
+)
 from gateway.engine.forward.gpt_oss_experts import clamped_swiglu_mlp, clamped_swiglu_weights
+from gateway.engine.forward.latent_attention import FoldedHeads, folded_weights, latent_attention
 from gateway.engine.forward.layer_modules import layer_problem
+from gateway.engine.forward.rotary import partially, rotate_halves, rotate_pairs
+from gateway.engine.kv.latent import LatentKV
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
 from gateway.engine.linear.row_products import RowProducts
@@ -45,7 +54,8 @@ ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
 
 
-ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "q_a_proj", "q_b_proj",
+                         "kv_a_proj_with_mqa", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 """The projections a layer may have, separate or fused, in the order the products search them."""
 
@@ -137,6 +147,11 @@ class BatchedForward:
         # Each layer's attention sinks (gpt-oss), the tensors every step's items carry.
         self._sinks = tuple(layer.self_attn.sinks if wanted.sinks else None
                             for layer, wanted in zip(layers, features.layers, strict=True))
+        # Each latent layer's kv_b_proj cut per head, folded into queries and outputs.
+        self._folded = tuple(
+            FoldedHeads.of(layer.self_attn, wanted.latent, num_heads)
+            if wanted.latent is not None else None
+            for layer, wanted in zip(layers, features.layers, strict=True))
         self._model = model
         self._attention = attention
         self._products = products
@@ -226,13 +241,16 @@ class BatchedForward:
             layer_features = self._features.layers[index]
             window, scale = layer_features.window, layer_features.attention_scale
             softcap = layer_features.logit_softcap
+            latent = layer_features.latent is not None
             items = []
             for rows, (start, end) in zip(batch, spans, strict=True):
                 seq = rows.sequence
                 if writes is None:
                     seq.write(index, k[start:end].transpose(0, 1),
                               v[start:end].transpose(0, 1))
-                items.append(AttentionItem(q[start:end], seq.layer(index), positions[start:end],
+                pages = seq.layer(index)
+                items.append(AttentionItem(q[start:end], LatentKV(pages) if latent else pages,
+                                           positions[start:end],
                                            is_decode=rows.is_decode, first_position=seq.length,
                                            window=window, scale=scale, softcap=softcap,
                                            sinks=self._sinks[index]))
@@ -317,10 +335,31 @@ class BatchedForward:
     def _layer(self, index: int, layer: Any, features: LayerFeatures, hidden: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, num_shared: int,
                attend: LayerAttention) -> torch.Tensor:
-        attn = layer.self_attn
         norms = features.norms
         normed = _norm(layer, norms.before_attention, hidden)
-        num_rows = hidden.shape[0]
+        if len(self._rope_kinds) > 1:  # this layer's kind of rotation, its own width
+            at, width = self._rope_spans[self._rope_kinds.index(features.rope)]
+            cos, sin = cos[:, at:at + width], sin[:, at:at + width]
+        folded = self._folded[index]
+        if features.latent is not None and folded is not None:
+            out = latent_attention(
+                layer.self_attn, features.latent, folded, normed, cos, sin, num_shared,
+                self._products, interleaved=features.rotary_interleaved,
+                attend=lambda q, k, v: attend(index, q, k, v))
+        else:
+            out = self._per_head_attention(index, layer.self_attn, features, normed, cos, sin,
+                                  num_shared, attend)
+        hidden = hidden + _norm(layer, norms.after_attention, out)
+        normed = _norm(layer, norms.before_mlp, hidden)
+        out = self._mlp(layer.mlp, features, normed, num_shared)
+        residual: torch.Tensor = hidden + _norm(layer, norms.after_mlp, out)
+        return residual
+
+    def _per_head_attention(self, index: int, attn: Any, features: LayerFeatures,
+                            normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            num_shared: int, attend: LayerAttention) -> torch.Tensor:
+        """The attention sublayer's output (before any norm after it) of per-head q, k, v."""
+        num_rows = normed.shape[0]
         project = self._products.project
         if features.fused_qkv:  # one product, its columns q | k | v (Phi-3)
             qkv = project(attn.qkv_proj, normed, num_shared)
@@ -339,20 +378,13 @@ class BatchedForward:
         if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
-        if len(self._rope_kinds) > 1:  # this layer's kind of rotation, its own width
-            at, width = self._rope_spans[self._rope_kinds.index(features.rope)]
-            cos, sin = cos[:, at:at + width], sin[:, at:at + width]
         if features.rotary:
-            rotate = _rotate_pairs if features.rotary_interleaved else _rotate
-            q = _partially(rotate, q, cos, sin)
-            k = _partially(rotate, k, cos, sin)
+            rotate = rotate_pairs if features.rotary_interleaved else rotate_halves
+            q = partially(rotate, q, cos, sin)
+            k = partially(rotate, k, cos, sin)
         attended = attend(index, q, k, v)
-        out = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
-        hidden = hidden + _norm(layer, norms.after_attention, out)
-        normed = _norm(layer, norms.before_mlp, hidden)
-        out = self._mlp(layer.mlp, features, normed, num_shared)
-        residual: torch.Tensor = hidden + _norm(layer, norms.after_mlp, out)
-        return residual
+        out: torch.Tensor = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
+        return out
 
     def _mlp(self, mlp: Any, features: LayerFeatures, normed: torch.Tensor,
              num_shared: int) -> torch.Tensor:
@@ -360,6 +392,8 @@ class BatchedForward:
         two), or a mixture of experts."""
         if isinstance(features.experts, ClampedSwigluRouting):  # gpt-oss's
             return clamped_swiglu_mlp(mlp, features.experts, normed, num_shared, self._products)
+        if isinstance(features.experts, GroupLimitedRouting):  # DeepSeek-V3's
+            return group_limited_mlp(mlp, features.experts, normed, num_shared, self._products)
         if features.experts is not None:
             return expert_mlp(mlp, features.experts, normed, num_shared, self._products)
         project = self._products.project
@@ -410,10 +444,14 @@ def projection_weights(model: Any) -> list[torch.Tensor]:
     by_shape: dict[tuple[int, ...], torch.Tensor] = {}
     for layer in model.model.layers:
         attention, mlp = layer.self_attn, layer.mlp
-        weights = [getattr(attention, name).weight
-                   for name in ATTENTION_PROJECTIONS if hasattr(attention, name)]
+        weights = [getattr(attention, name).weight for name in ATTENTION_PROJECTIONS
+                   if getattr(attention, name, None) is not None]
+        if hasattr(attention, "kv_b_proj"):  # latent attention's folded heads
+            weights += folded_weights(attention, model.config)
         if hasattr(mlp, "router"):  # gpt-oss's experts, stored [in, out]
             weights += clamped_swiglu_weights(mlp)
+        elif hasattr(mlp, "shared_experts"):  # DeepSeek-V3's
+            weights += group_limited_weights(mlp)
         elif hasattr(mlp, "experts"):
             weights += expert_weights(mlp)
         else:
@@ -436,32 +474,3 @@ def _norm(layer: Any, name: str | None, rows: torch.Tensor) -> torch.Tensor:
         return rows
     out: torch.Tensor = getattr(layer, name)(rows)
     return out
-
-
-def _partially(rotate: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-               x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``rotate`` of each head's first ``cos.shape[-1]`` numbers, the rest passed as they are
-    (a partial rotation, as transformers' GLM and Phi-3 apply it); the whole head where the
-    tables are as wide as it. The rotation computes in the tables' dtype and returns ``x``'s:
-    OLMo 2's tables stay float32 beside bfloat16 heads, and transformers rotates it so."""
-    width = cos.shape[-1]
-    if width == x.shape[-1]:
-        return rotate(x, cos, sin).to(x.dtype)
-    return torch.cat([rotate(x[..., :width], cos, sin).to(x.dtype), x[..., width:]], dim=-1)
-
-
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` ``[rows, heads, d]`` turning neighbouring pairs
-    (2i, 2i + 1) by the i-th frequency (GLM's form: the tables' first half, each entry twice)."""
-    half = cos.shape[-1] // 2
-    cos = cos[..., :half].repeat_interleave(2, dim=-1)
-    sin = sin[..., :half].repeat_interleave(2, dim=-1)
-    rotated = torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of ``x`` ``[rows, heads, d]`` (Llama's rotate-half form)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1)

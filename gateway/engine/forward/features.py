@@ -112,6 +112,86 @@ class ClampedSwigluRouting:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class GroupLimitedRouting:
+    """A layer whose MLP is DeepSeek-V3's mixture of experts: ``mlp.gate`` (a router whose
+    ``weight`` is ``[experts, hidden]``, with an ``e_score_correction_bias`` per expert) scores
+    each token in float32 through a sigmoid; the experts are cut into ``groups`` groups, each
+    group scored by the sum of its two best corrected scores, and a token's ``top_k`` experts are
+    chosen by their corrected scores from its ``top_groups`` best groups only. Their uncorrected
+    scores weigh them (renormalised over the top k where ``normalize``, then multiplied by
+    ``scale``); ``mlp.experts`` holds their gated MLPs as Qwen3-MoE's does, and a dense
+    ``mlp.shared_experts`` MLP of every token is added to their sum.
+
+    Attributes:
+        top_k: experts per token (``num_experts_per_tok``).
+        groups: groups the experts are cut into (``n_group``).
+        top_groups: groups a token's experts come from (``topk_group``).
+        normalize: the top-k weights are divided by their sum (``norm_topk_prob``).
+        scale: what the weights are multiplied by last (``routed_scaling_factor``).
+    """
+
+    top_k: int
+    groups: int
+    top_groups: int
+    normalize: bool
+    scale: float
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"a token is routed to at least one expert, not {self.top_k}")
+        if not 1 <= self.top_groups <= self.groups:
+            raise ValueError(f"a token's experts come from 1 to {self.groups} groups, "
+                             f"not {self.top_groups}")
+
+    @property
+    def router(self) -> str:
+        """The MLP's module that scores each token's experts."""
+        return "gate"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LatentAttention:
+    """A layer whose attention is multi-head latent attention (DeepSeek-V2/V3): its keys and
+    values come from one compressed latent per token, shared by every head.
+
+    Each token's ``kv_a_proj_with_mqa`` gives a latent of ``rank`` numbers (normalised by
+    ``kv_a_layernorm``) and one rotary key of ``rope_dim`` numbers that every head shares;
+    ``kv_b_proj`` would expand the latent into each head's unrotated key (``nope_dim``) and
+    value (``value_dim``). The cache keeps the latent and the rotated key only, ``rank +
+    rope_dim`` numbers a token and layer, as the model's own cache does; attention folds
+    ``kv_b_proj`` into the queries and the output instead of expanding every cached token
+    (``gateway.engine.forward.latent_attention``).
+
+    Attributes:
+        rank: the latent's width (``kv_lora_rank``).
+        rope_dim: the rotary key's width (``qk_rope_head_dim``).
+        nope_dim: each head's unrotated query and key width (``qk_nope_head_dim``).
+        value_dim: each head's value width (``v_head_dim``).
+        query_rank: the queries' own low-rank width (``q_lora_rank``: ``q_a_proj``,
+            ``q_a_layernorm``, ``q_b_proj``); None: one ``q_proj``.
+    """
+
+    rank: int
+    rope_dim: int
+    nope_dim: int
+    value_dim: int
+    query_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "rope_dim", "nope_dim", "value_dim"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.width % 2:
+            raise ValueError(f"a latent of {self.width} numbers does not split over the "
+                             "pages' K and V halves")
+
+    @property
+    def width(self) -> int:
+        """Numbers a token keeps per layer: the latent and the rotary key."""
+        return self.rank + self.rope_dim
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LayerFeatures:
     """What one decoder layer does beyond Llama's (every field off: a Llama layer).
 
@@ -157,11 +237,13 @@ class LayerFeatures:
         sinks: the attention has one learned logit per query head (``self_attn.sinks``) that
             joins each row's softmax denominator as a key with no value (gpt-oss's attention
             sinks): every attention the forward runs adds it (``AttentionItem.sinks``).
+        latent: the attention is multi-head latent attention (``LatentAttention``, DeepSeek):
+            its queries, keys and values come from its own projections, not q/k/v; None: not.
     """
 
     qk_norm: bool = False
     window: int | None = None
-    experts: ExpertRouting | ClampedSwigluRouting | None = None
+    experts: ExpertRouting | ClampedSwigluRouting | GroupLimitedRouting | None = None
     attention_scale: float | None = None
     rope: str | None = None
     norms: LayerNorms = PRE_NORMS
@@ -172,9 +254,14 @@ class LayerFeatures:
     fused_gate_up: bool = False
     logit_softcap: float | None = None
     sinks: bool = False
+    latent: LatentAttention | None = None
 
     def __post_init__(self) -> None:
         _check_softcap(self.logit_softcap)
+        if self.latent is not None and (self.qk_norm or self.qk_projection_norm
+                                        or self.fused_qkv or self.sinks):
+            raise ValueError("latent attention has projections of its own: no q/k norms, "
+                             "fused q/k/v or sinks")
         if self.qk_norm and self.qk_projection_norm:
             raise ValueError("q and k are normalised per head or over the projection, not both")
         if self.rotary_interleaved and not self.rotary:
@@ -228,6 +315,18 @@ class DecoderFeatures:
     def has_sinks(self) -> bool:
         """Whether any layer's attention has sinks (an attention must then add them)."""
         return any(layer.sinks for layer in self.layers)
+
+    @property
+    def has_latent(self) -> bool:
+        """Whether any layer's attention is latent (its pages hold latents, not K/V)."""
+        return any(layer.latent is not None for layer in self.layers)
+
+    @property
+    def masks_or_scales(self) -> bool:
+        """Whether an attention must do more than a causal softmax at ``head_dim ** -0.5``:
+        windows, another scale, sinks or soft-capped scores (torch's flash kernel cannot)."""
+        return (self.has_windows or self.has_custom_scale or self.has_sinks
+                or self.has_logit_softcap)
 
     @property
     def rope_kinds(self) -> tuple[str | None, ...]:

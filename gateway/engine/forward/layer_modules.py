@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.engine.forward.features import LayerFeatures
+from gateway.engine.forward.features import GroupLimitedRouting, LayerFeatures
 
 Walked = tuple[tuple[str, str], ...]
 """(where, name) pairs: "layer" for the decoder layer's own modules, "attention" for
@@ -27,8 +27,14 @@ def walked_modules(features: LayerFeatures) -> Walked:
     norms = features.norms.names
     qk_norms = ("q_norm", "k_norm") if features.qk_norm or features.qk_projection_norm else ()
     attention = (("qkv_proj",) if features.fused_qkv else ("q_proj", "k_proj", "v_proj"))
-    if features.experts is not None:  # a router and the experts' stacked weights (MoE)
-        mlp: tuple[str, ...] = (features.experts.router, "experts")
+    if features.latent is not None:  # its queries' own projections, the latent's, kv_b_proj
+        queries = (("q_a_proj", "q_a_layernorm", "q_b_proj")
+                   if features.latent.query_rank is not None else ("q_proj",))
+        attention = (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")
+    if isinstance(features.experts, GroupLimitedRouting):  # and a dense MLP of every token
+        mlp: tuple[str, ...] = (features.experts.router, "experts", "shared_experts")
+    elif features.experts is not None:  # a router and the experts' stacked weights (MoE)
+        mlp = (features.experts.router, "experts")
     elif features.fused_gate_up:
         mlp = ("gate_up_proj", "down_proj", "activation_fn")
     else:
@@ -53,7 +59,7 @@ def layer_problem(layer: Any, features: LayerFeatures, qk_widths: tuple[int, int
     """
     modules = {"layer": layer, "attention": layer.self_attn, "mlp": layer.mlp}
     wanted = walked_modules(features)
-    missing = [name for where, name in wanted if not hasattr(modules[where], name)]
+    missing = [name for where, name in wanted if getattr(modules[where], name, None) is None]
     if missing:
         return f"has no {' and '.join(missing)} to apply"
     present = {(where, name) for where, module in modules.items()

@@ -52,6 +52,7 @@ from gateway.core.file_tokenizer import FileTokenizer, UnsupportedTokenizer
 from gateway.core.tokenizer import HFTokenizerAdapter, Tokenizer
 from gateway.engine.forward.batched import SequenceRows
 from gateway.engine.forward.features import DecoderFeatures
+from gateway.engine.kv.latent import latent_layout
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models.families import describe
 from gateway.engine.models.llama_checkpoint import (
@@ -151,6 +152,9 @@ class LoadedModel:
         transformers: transformers' model of the same weights (``transformers_model()``).
         features: what its layers do, as its family describes them (``families.describe``);
             None where the batched forward cannot run it, and ``batched_problem`` says why.
+        latent_rank: a multi-head latent attention model's latent width (``kv_lora_rank``): its
+            layout holds each token's latent and rotary key (``gateway.engine.kv.latent``),
+            not K/V per head; None for every other model.
     """
 
     model: Any
@@ -163,6 +167,7 @@ class LoadedModel:
     transformers: TransformersModel = field(compare=False, repr=False)
     features: DecoderFeatures | None = None
     batched_problem: str | None = None
+    latent_rank: int | None = None
 
     @property
     def device(self) -> torch.device:
@@ -323,13 +328,18 @@ def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | No
             transformers: TransformersModel) -> LoadedModel:
     """A ``LoadedModel`` of ``model``, whose ``config`` has transformers' attribute names."""
     config = model.config
-    layout = KVLayout(
-        num_layers=config.num_hidden_layers,
-        kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-        head_dim=(getattr(config, "head_dim", None)
-                  or config.hidden_size // config.num_attention_heads),
-        dtype=dtype,
-    )
+    latent_rank = getattr(config, "kv_lora_rank", None) or None
+    if latent_rank is not None:  # multi-head latent attention: the pages hold latents
+        layout = latent_layout(config.num_hidden_layers,
+                               int(latent_rank) + int(config.qk_rope_head_dim), dtype)
+    else:
+        layout = KVLayout(
+            num_layers=config.num_hidden_layers,
+            kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            head_dim=(getattr(config, "head_dim", None)
+                      or config.hidden_size // config.num_attention_heads),
+            dtype=dtype,
+        )
     described = describe(config)
     eos = config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
@@ -346,6 +356,7 @@ def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | No
         transformers=transformers,
         features=described if isinstance(described, DecoderFeatures) else None,
         batched_problem=None if isinstance(described, DecoderFeatures) else described,
+        latent_rank=None if latent_rank is None else int(latent_rank),
     )
 
 
@@ -445,15 +456,17 @@ def compute_block_kv(
     from gateway.engine.models import transformers_api
 
     ids = tokens.reshape(1, -1).to(device=loaded.device, dtype=torch.long)
-    return transformers_api.compute_block_kv(loaded.transformers_model(), ids, block_tokens)
+    return transformers_api.compute_block_kv(loaded.transformers_model(), ids, block_tokens,
+                                             latent=loaded.latent_rank is not None)
 
 
-def make_sequence_cache(sequence: KVSequence) -> Any:
+def make_sequence_cache(sequence: KVSequence, latent_rank: int | None = None) -> Any:
     """A transformers ``Cache`` whose layers read and write ``sequence``'s pages
-    (``gateway.engine.models.transformers_api.make_sequence_cache``; it imports transformers)."""
+    (``gateway.engine.models.transformers_api.make_sequence_cache``; it imports transformers);
+    ``latent_rank``: a latent-attention model's (``LoadedModel.latent_rank``)."""
     from gateway.engine.models import transformers_api
 
-    return transformers_api.make_sequence_cache(sequence)
+    return transformers_api.make_sequence_cache(sequence, latent_rank)
 
 
 def forward_logits(loaded: LoadedModel, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -481,7 +494,8 @@ class SerialForward:
     def forward(self, batch: Sequence[SequenceRows]) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = []
         for rows in batch:
-            logits = forward_logits(self._loaded, rows.tokens, make_sequence_cache(rows.sequence))
+            cache = make_sequence_cache(rows.sequence, self._loaded.latent_rank)
+            logits = forward_logits(self._loaded, rows.tokens, cache)
             rows.sequence.advance(int(rows.tokens.numel()))
             out.append(logits if rows.wants_logits else None)
         return out

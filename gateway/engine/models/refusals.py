@@ -2,11 +2,11 @@
 
 Why at the door: what the cache keeps for a prompt is each layer's K/V per token. A layer that
 keeps a recurrent state instead (the linear-attention and state-space layers of hybrids: Qwen3.5,
-Qwen3-Next, Granite 4.0-H, Falcon-H1, Jamba, LFM2's convolutions), a K/V of another shape
-(DeepSeek's multi-head latent attention), or quantized weights would give a warm answer that is
-not the cold one, or a traceback in the middle of start-up. Each is found from the checkpoint's
-``config.json`` alone (no transformers import, no weights read), and ``kvgate serve`` ends with
-the message and exit status 2 before any tier is opened.
+Qwen3-Next, Granite 4.0-H, Falcon-H1, Jamba, LFM2's convolutions), multi-head latent attention
+in an architecture whose latents kvgate does not keep, or quantized weights would give a warm
+answer that is not the cold one, or a traceback in the middle of start-up. Each is found from
+the checkpoint's ``config.json`` alone (no transformers import, no weights read), and ``kvgate
+serve`` ends with the message and exit status 2 before any tier is opened.
 
 An architecture no family runs batched but whose layers are all attention is not refused here:
 it runs the serial exact route (``gateway.engine.models.families.describe`` says why).
@@ -32,6 +32,10 @@ RECURRENT_MODEL_TYPES = frozenset({
     "xlstm", "zamba", "zamba2", "olmo_hybrid", "plamo2",
 })
 """Model types made of recurrent layers, for configs that list no ``layer_types``."""
+
+LATENT_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
+"""Architectures with multi-head latent attention whose latents the cache holds
+(``gateway.engine.models.families.deepseek_v3``): any other latent model is refused."""
 
 
 def unservable_reason(directory: Path) -> str | None:
@@ -60,8 +64,13 @@ def config_problem(config: Mapping[str, Any]) -> str | None:
     if layer_problem is not None:
         return layer_problem
     if config.get("kv_lora_rank"):
-        return ("its attention is multi-head latent attention (kv_lora_rank): the page pool and "
-                "the tiers hold per-head K/V, not the compressed latent, yet")
+        architectures = set(config.get("architectures") or ())
+        if not architectures & LATENT_ARCHITECTURES:
+            named = ", ".join(sorted(architectures)) or "none named"
+            return ("its attention is multi-head latent attention (kv_lora_rank) in an "
+                    f"architecture kvgate does not walk ({named}); latent caches are kept for "
+                    f"{', '.join(sorted(LATENT_ARCHITECTURES))} only")
+        return None
     head_dim = config.get("head_dim")
     v_head_dim = config.get("v_head_dim")
     if v_head_dim is not None and head_dim is not None and v_head_dim != head_dim:

@@ -28,6 +28,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
 from transformers.cache_utils import Cache, DynamicLayer
 
+from gateway.engine.kv.latent import joined_latent, latent_halves
 from gateway.engine.kv.sequence import KVSequence
 
 
@@ -101,10 +102,11 @@ def write_converted(directory: Path, gguf_file: str, dtype: torch.dtype, out: Pa
     (out / "kvgate-source.json").write_text(json.dumps({"gguf": str(directory / gguf_file)}))
 
 
-def compute_block_kv(model: Any, ids: torch.Tensor, block_tokens: int
+def compute_block_kv(model: Any, ids: torch.Tensor, block_tokens: int, *, latent: bool = False
                      ) -> list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]]:
     """``gateway.engine.models.loading.compute_block_kv`` on transformers' ``model`` (``ids``
-    ``[1, n]`` on its device)."""
+    ``[1, n]`` on its device); ``latent``: a latent-attention model, whose cache layers hold the
+    latent and the rotary key, laid over the K and V halves as the pages hold them."""
     num_blocks = int(ids.shape[1]) // block_tokens
     cache: Any = DynamicCache(config=model.config)
     out: list[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = []
@@ -112,8 +114,15 @@ def compute_block_kv(model: Any, ids: torch.Tensor, block_tokens: int
         for i in range(num_blocks):
             span = slice(i * block_tokens, (i + 1) * block_tokens)
             model(input_ids=ids[:, span], past_key_values=cache, use_cache=True)
-            keys = tuple(layer.keys[0, :, span].clone() for layer in cache.layers)
-            values = tuple(layer.values[0, :, span].clone() for layer in cache.layers)
+            if latent:
+                halves = [latent_halves(torch.cat([layer.keys[0, 0, span],
+                                                   layer.values[0, 0, span]], dim=-1))
+                          for layer in cache.layers]  # [tokens, 1, half] each
+                keys = tuple(k.transpose(0, 1).contiguous() for k, _ in halves)
+                values = tuple(v.transpose(0, 1).contiguous() for _, v in halves)
+            else:
+                keys = tuple(layer.keys[0, :, span].clone() for layer in cache.layers)
+                values = tuple(layer.values[0, :, span].clone() for layer in cache.layers)
             out.append((keys, values))
     return out
 
@@ -128,7 +137,7 @@ def forward_logits(model: Any, input_ids: torch.Tensor, cache: Any) -> torch.Ten
     return logits
 
 
-def make_sequence_cache(sequence: KVSequence) -> Cache:
+def make_sequence_cache(sequence: KVSequence, latent_rank: int | None = None) -> Cache:
     """A transformers cache object whose layers read and write ``sequence``'s pages.
 
     transformers' ``DynamicCache`` concatenates every layer's K/V on every step, re-copying the
@@ -136,6 +145,9 @@ def make_sequence_cache(sequence: KVSequence) -> Cache:
     hand attention the pages gathered. Verified bit-identical to
     ``DynamicCache`` for the same chunks (tests/gateway/engine/test_engine.py).
     """
+    if latent_rank is not None:
+        return Cache(layers=[LatentSequenceLayer(sequence, i, latent_rank)
+                             for i in range(sequence.layout.num_layers)])
     return Cache(layers=[SequenceLayer(sequence, i) for i in range(sequence.layout.num_layers)])
 
 
@@ -181,3 +193,33 @@ class SequenceLayer(DynamicLayer):
 
     def get_max_length(self) -> int:
         return self._sequence.capacity
+
+
+class LatentSequenceLayer(SequenceLayer):  # type: ignore[no-untyped-call]
+    """A latent-attention model's layer of ``make_sequence_cache``: transformers hands it each
+    token's latent (as keys, ``[1, 1, n, rank]``) and rotary key (as values), which the pages
+    hold side by side over their K and V halves (``gateway.engine.kv.latent``)."""
+
+    def __init__(self, sequence: KVSequence, layer: int, rank: int) -> None:
+        self._rank = rank
+        super().__init__(sequence, layer)
+
+    def _joined(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        latent = joined_latent(self._sequence.key_buffer(self._layer),
+                               self._sequence.value_buffer(self._layer))[None, :, :end]
+        return latent[..., :self._rank], latent[..., self._rank:]
+
+    def _refresh(self) -> None:
+        self.keys, self.values = self._joined(self._length)
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n = int(key_states.shape[-2])
+        key_half, value_half = latent_halves(torch.cat([key_states[0, 0], value_states[0, 0]],
+                                                       dim=-1))
+        self._sequence.write(self._layer, key_half.transpose(0, 1), value_half.transpose(0, 1))
+        self._length += n
+        keys, values = self._joined(self._length)
+        self.keys, self.values = keys, values
+        return keys, values

@@ -31,6 +31,7 @@ from gateway.engine.forward.batched import (
     StepForward,
     projection_weights,
 )
+from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding
 from gateway.engine.linear.row_products import (
     KERNELS,
@@ -42,6 +43,7 @@ from gateway.engine.linear.row_products import (
 )
 from gateway.engine.models.loading import LoadedModel, SerialForward
 from gateway.engine.parity.probe import ProbeCancelled, ProbeResult, probe_invariance
+from tiers.payload import KVLayout
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +54,9 @@ ATTENTIONS: Mapping[str, Callable[[bool], SequenceAttention]] = {
     "tiled": lambda decode_as_prefill: TiledAttention(),
 }
 """The batched forward's attentions by name, best first (each probed where it can run)."""
+
+LATENT_PROBLEM = ("the pages hold latents (multi-head latent attention), which only the tiled "
+                  "attention reads, from the pages gathered")
 
 
 class SearchCancelled(Exception):
@@ -144,9 +149,13 @@ def products_note(products: RowProducts) -> str:
 
 
 def attention_problem(name: str, device: torch.device, dtype: torch.dtype,
-                      head_dim: int = 64, *, windowed: bool = False) -> str | None:
+                      head_dim: int = 64, *, windowed: bool = False,
+                      latent: bool = False) -> str | None:
     """Why attention ``name`` cannot run on ``device`` in ``dtype`` for heads of ``head_dim``
-    (and, ``windowed``, layers with a sliding window), or None."""
+    (and, ``windowed``, layers with a sliding window; ``latent``, pages holding latents), or
+    None."""
+    if latent and name != "tiled":
+        return LATENT_PROBLEM
     if name == "flash" and windowed:
         return FLASH_WINDOW_PROBLEM
     if name == "paged":
@@ -159,17 +168,27 @@ def attention_problem(name: str, device: torch.device, dtype: torch.dtype,
 
 
 def attention_names(device: torch.device, dtype: torch.dtype, head_dim: int = 64, *,
-                    windowed: bool = False) -> list[str]:
+                    windowed: bool = False, latent: bool = False) -> list[str]:
     """The attentions ``device`` can run in ``dtype`` for heads of ``head_dim`` (and,
-    ``windowed``, sliding windows), best first (one log line for each it cannot)."""
+    ``windowed``, sliding windows; ``latent``, latent pages), best first (one log line for each
+    it cannot)."""
     names = []
     for name in ATTENTIONS:
-        problem = attention_problem(name, device, dtype, head_dim, windowed=windowed)
+        problem = attention_problem(name, device, dtype, head_dim, windowed=windowed,
+                                    latent=latent)
         if problem is None:
             names.append(name)
         else:
             logger.info("attention %s dropped: %s", name, problem)
     return names
+
+
+def features_problem(name: str, device: torch.device, layout: KVLayout,
+                     features: DecoderFeatures | None) -> str | None:
+    """``attention_problem`` of attention ``name`` for a model's layout and features."""
+    return attention_problem(name, device, layout.dtype, layout.head_dim,
+                             windowed=features is not None and features.masks_or_scales,
+                             latent=features is not None and features.has_latent)
 
 
 def _parts(verdict: RouteVerdict,
@@ -230,10 +249,8 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                         + "".join(f" ({out}x{in_}: {more.label})" for (out, in_), more in c.wider)
                         for c in candidates))
     attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim,
-                                 windowed=(loaded.features.has_windows
-                                           or loaded.features.has_custom_scale
-                                           or loaded.features.has_sinks
-                                           or loaded.features.has_logit_softcap))
+                                 windowed=loaded.features.masks_or_scales,
+                                 latent=loaded.features.has_latent)
     first_failure: RouteVerdict | None = None
     for products in candidates:
         for attention_name in attentions:

@@ -11,6 +11,7 @@ from typing import Any
 
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
+from gateway.engine.models.families.deepseek_v3 import DEEPSEEK_V3
 from gateway.engine.models.families.gemma2 import GEMMA2
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.glm4 import GLM4
@@ -37,6 +38,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     GLM4,
     GPT_OSS,
     GEMMA2,
+    DEEPSEEK_V3,
 )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     Gemma2Config,
     Gemma3TextConfig,
     Glm4Config,
@@ -68,6 +69,11 @@ def _save(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
                 parameter.uniform_(0.5, 1.5)
             elif name.endswith((".bias", "_bias", ".sinks")):  # sinks: gpt-oss's, per head
                 parameter.uniform_(-0.5, 0.5)
+            elif name.endswith("gate.weight") and parameter.dim() == 2 and not parameter.any():
+                parameter.normal_(0.0, 0.5)  # DeepSeek's router starts at zero
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek's, for the choice only
+                buffer.uniform_(-0.1, 0.1)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
@@ -219,6 +225,26 @@ def save_gpt_oss(directory: Path, seed: int = 0) -> Path:
     return _save(config, directory, tokenizer, seed)
 
 
+def save_deepseek_v3(directory: Path, seed: int = 0) -> Path:
+    """Multi-head latent attention (a latent of 32 and a rotary key of 8 a token, queries
+    through their own rank of 24, rotary numbers interleaved) in every layer; a dense first
+    layer, then 8 experts in 4 groups, a token's 2 from its best 2 groups, renormalised and
+    scaled, beside one shared expert; YaRN positions scaled 40x from 64 with ``mscale_all_dim``,
+    so the scores' scale is not the head's (x 1.87)."""
+    tokenizer = make_hf_tokenizer()
+    shape = {**_shape(tokenizer), "num_key_value_heads": 4, "head_dim": 8}
+    rope: dict[str, Any] = {"rope_type": "yarn", "factor": 40.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 64, "rope_theta": 10000.0}
+    config = DeepseekV3Config(**shape, pad_token_id=None, moe_intermediate_size=32,
+                              n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
+                              n_group=4, topk_group=2, first_k_dense_replace=1,
+                              routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24,
+                              qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                              rope_interleave=True, rope_parameters=rope)
+    return _save(config, directory, tokenizer, seed)
+
+
 GPT_OSS_WINDOW = 16
 """gpt-oss's sliding window in its tiny checkpoint: shorter than a tile of keys, so that a
 window's first key falls inside the tiles and pages the kernels read."""
@@ -237,6 +263,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "glm4": save_glm4,
     "gpt_oss": save_gpt_oss,
     "gemma2": save_gemma2,
+    "deepseek_v3": save_deepseek_v3,
 }
 """Family name -> a builder of its tiny checkpoint."""
 

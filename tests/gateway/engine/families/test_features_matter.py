@@ -27,6 +27,7 @@ from gateway.engine.forward.features import (
     PRE_NORMS,
     DecoderFeatures,
     ExpertRouting,
+    GroupLimitedRouting,
     LayerFeatures,
 )
 from gateway.engine.kv.sequence import KVSequence
@@ -147,6 +148,32 @@ def test_gemma2s_scores_are_soft_capped(tmp_path: Path) -> None:
                         lambda layer: dataclasses.replace(layer, logit_softcap=None))
     assert _difference(loaded) <= 1e-4
     assert _difference(loaded, features=uncapped) > FAR
+
+
+def _deepseek_changed(layer: LayerFeatures, what: str) -> LayerFeatures:
+    """A DeepSeek-V3 layer with one of its features that has no module of its own left out."""
+    routing = layer.experts
+    if what == "the rotary numbers' pairs":
+        return dataclasses.replace(layer, rotary_interleaved=False)
+    if what == "YaRN's mscale in the scores' scale":
+        return dataclasses.replace(layer, attention_scale=(16 + 8) ** -0.5)
+    if not isinstance(routing, GroupLimitedRouting):
+        return layer
+    if what == "the routed experts' scaling":
+        return dataclasses.replace(layer, experts=dataclasses.replace(routing, scale=1.0))
+    assert what == "the group limit"
+    return dataclasses.replace(layer, experts=dataclasses.replace(
+        routing, top_groups=routing.groups))
+
+
+@pytest.mark.parametrize("what", ["the rotary numbers' pairs", "YaRN's mscale in the scores' scale",
+                                  "the routed experts' scaling", "the group limit"])
+def test_deepseek_v3s_features_are_applied(tmp_path: Path, what: str) -> None:
+    loaded = _load("deepseek_v3", tmp_path)
+    assert loaded.features is not None
+    without = _changed(loaded.features, lambda layer: _deepseek_changed(layer, what))
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=without) > FAR
 
 
 @pytest.mark.parametrize("checkpoint", ["gemma2", "gemma3-softcapped"])

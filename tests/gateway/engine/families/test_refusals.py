@@ -1,7 +1,7 @@
 """What kvgate cannot serve exactly is refused at start-up in one line, with exit status 2 and no
 traceback, before any tier is opened (issue 43, item 6): layers with a recurrent state, quantized
-weights, layer kinds nothing here reads, multi-head latent attention. An all-attention
-architecture no family runs batched is not refused: it runs the serial route."""
+weights, layer kinds nothing here reads, multi-head latent attention outside DeepSeek-V3. An
+all-attention architecture no family runs batched is not refused: it runs the serial route."""
 
 from __future__ import annotations
 
@@ -42,8 +42,15 @@ def test_a_layer_kind_nothing_reads_is_named() -> None:
     assert problem == "it has layers of kinds nothing in kvgate reads (indexed_attention)"
 
 
-def test_latent_attention_is_refused() -> None:
-    assert "multi-head latent attention" in str(config_problem({"kv_lora_rank": 512}))
+def test_latent_attention_outside_the_latent_architectures_is_refused() -> None:
+    problem = config_problem({"kv_lora_rank": 512, "architectures": ["DeepseekV2ForCausalLM"]})
+    assert problem is not None and "multi-head latent attention" in problem
+    assert "DeepseekV2ForCausalLM" in problem and "DeepseekV3ForCausalLM only" in problem
+
+
+def test_deepseek_v3s_latent_attention_is_not_refused() -> None:
+    assert config_problem({"kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64,
+                           "v_head_dim": 128, "architectures": ["DeepseekV3ForCausalLM"]}) is None
 
 
 @pytest.mark.parametrize("config", [
