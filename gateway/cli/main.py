@@ -102,8 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config", required=True)
     config_sub.add_parser("example", help="print a commented example kvgate.toml")
     from gateway.cli.admin import add_admin_parser
+    from gateway.cli.explain import add_explain_parser
     from gateway.cli.prewarm import add_prewarm_parser
 
+    add_explain_parser(sub)
     add_prewarm_parser(sub)
     add_admin_parser(sub)
     return parser
@@ -222,6 +224,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from gateway.cli.prewarm import run_prewarm
 
         return run_prewarm(args, out=sys.stdout, err=sys.stderr, env=os.environ)
+    if args.command == "explain":
+        from gateway.cli.explain import run_explain
+
+        return run_explain(args, out=sys.stdout, err=sys.stderr, env=os.environ)
     if args.command == "admin":
         from gateway.cli.admin import run_admin
 

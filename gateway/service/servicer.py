@@ -3,7 +3,8 @@
 This module, ``admin_servicer`` (the ``Admin`` service) and ``gateway.client`` are the only ones
 that see the generated messages (``gateway.service.pb.kvgate_pb2``); below this line everything
 is ``gateway.core.requests`` records. What a protobuf cannot say is checked here, at the edge:
-sampling ranges, TTLs, list limits, tool JSON. Everything about the prompt itself is checked by the engine's canonicalisation.
+sampling ranges, TTLs, tool JSON, ids. Everything about the prompt itself is checked by the
+engine's canonicalisation.
 
 Every RPC reaches these methods through ``gateway.service.dispatch`` (authenticated and
 admitted before it took a thread; the principal is an argument of every method, so no method can

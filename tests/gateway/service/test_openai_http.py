@@ -2,9 +2,10 @@
 
 One real gateway per module, as ``kvgate serve`` builds it: the tiny Llama, a real cache and
 engine with metrics, the gRPC server and the HTTP front sharing one ``EngineSlot``, one
-``Authenticator`` and one ``PromptComparisons``, each on a free loopback port. Requests go through ``openai.OpenAI`` (retries
-off, so every error is seen as sent); what the SDK cannot send (no key, a body that is not JSON,
-a chunked body, a dropped connection) goes through ``http.client`` or a raw socket.
+``Authenticator`` and one ``PromptComparisons``, each on a free loopback port. Requests go
+through ``openai.OpenAI`` (retries off, so every error is seen as sent); what the SDK cannot
+send (no key, a body that is not JSON, a chunked body, a dropped connection) goes through
+``http.client`` or a raw socket.
 
 The engine allows one running and one queued request per tenant, so that a full queue (429) can
 be made on purpose; tenant B is used only by that test.
