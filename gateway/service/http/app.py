@@ -26,7 +26,9 @@ and errors are shaped by ``anthropic_responses``, and a request whose 1-hour bre
 before a 5-minute one warms the 1-hour prefix first, in its call slot
 (``cache_breakpoints.warm_longer_prefix``). OpenAI's ``POST /v1/responses`` too: a request
 naming ``previous_response_id`` gets the conversation its tenant kept before its own turn, and
-an answer it asked to ``store`` is kept once it is whole (``responses_route``).
+an answer it asked to ``store`` is kept once it is whole (``responses_route``). A Messages or
+Responses request that sends tools or tool calls is checked first against what the model's chat
+template renders (``template_tools``), before anything is warmed or run.
 
 The engine's handle blocks, so each wait for an event runs on a worker thread
 (``anyio.to_thread``, bounded by a limiter of ``max_connections``), abandoned -- and the request
@@ -80,6 +82,7 @@ from gateway.service.http.responses_rendering import ResponsesRendering
 from gateway.service.http.responses_requests import ResponsesCall, parse_responses
 from gateway.service.http.responses_route import StoredResponsesRoute
 from gateway.service.http.stored_responses import MemoryResponses, ResponseStore
+from gateway.service.http.template_tools import TemplateProbe, uses_tools
 from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.scrape_token import CHALLENGE, ScrapeToken
 from gateway.service.scrape_token import REFUSAL as SCRAPE_REFUSAL
@@ -173,6 +176,7 @@ class OpenAIFront:
                 max_per_tenant=1000, max_chars_per_tenant=64 << 20, default_ttl_s=3600.0),
             authenticator, limits.prompt, self._error)
         self._diagnostics = HostedDiagnostics(comparisons)
+        self._template_tools = TemplateProbe()
         self._session_from_user = session_from_user
         self._served = served_model_name
         self._access = access
@@ -307,6 +311,11 @@ class OpenAIFront:
     async def _generate_admitted(self, engine: Engine, kind: Api, call: Call, request: Request,
                                  slot: CallSlot | None, access: AccessCall) -> Response:
         try:
+            if not isinstance(call, OpenAICall) and any(uses_tools(call.request.prompt)):
+                await self._in_thread(partial(  # before anything is warmed or run
+                    self._template_tools.check, engine, call.request.prompt,
+                    model=self._names(engine)[0], tools_param="tools",
+                    calls_param="messages" if isinstance(call, MessagesCall) else "input"))
             rendering = await self._rendering(engine, call, request)
             handle = await self._in_thread(engine.generate, call.request)
         except ClientGone:
