@@ -27,8 +27,9 @@ from gateway.service.http.errors import InvalidParam
 _PROBE_TOOL = {"type": "function", "function": {
     "name": "kvgate_probe", "description": "Probe.",
     "parameters": {"type": "object", "properties": {}}}}
-_PROBE_CALL = {"id": "call_kvgate_probe", "type": "function",
+_PROBE_CALL = {"id": "kvgprobe1", "type": "function",
                "function": {"name": "kvgate_probe", "arguments": {}}}
+"""NOTE: its id is 9 letters and digits, the only ids Mistral's templates accept."""
 _ASK = {"role": "user", "content": "Probe."}
 
 
