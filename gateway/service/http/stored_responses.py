@@ -4,8 +4,8 @@
 A stored response belongs to the tenant whose key made it: looked up with another tenant's
 key it is not there (a 404 that says no more than an id nobody made), and its id is 96 random
 bits, so guessing one finds nothing either. What is kept is the conversation up to and
-including the answer (its messages' roles and texts, never token ids or K/V) and the answer
-as it was sent.
+including the answer (its messages' roles and texts, tool calls and results among them, never
+token ids or K/V) and the answer as it was sent.
 
 ``MemoryResponses`` keeps them in this replica's memory: a restart forgets them, and another
 replica does not see them; where the cache has Redis, ``redis_responses.RedisResponses`` keeps
