@@ -53,6 +53,7 @@ from gateway.core.admin_reports import StatsReport as StatsReport
 from gateway.core.admin_reports import StoreReport as StoreReport
 from gateway.core.admin_reports import TierReport as TierReport
 from gateway.core.requests import FinishReason, LookupResult, TokenDelta, Usage, WarmResult
+from gateway.core.requests import PromptComparison as PromptComparison
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.pb import kvgate_pb2_grpc as pb_grpc
 
@@ -361,13 +362,18 @@ class KvgateClient:
         add_generation_prompt: bool | None = None,
         shared: bool = False,
         allow_lossy: bool = False,
+        previous_request_id: str | None = None,
         timeout_s: float | None = None,
     ) -> LookupResult:
         """How much of the prompt is cached in the caller's scope (nothing is computed); with
-        ``allow_lossy``, counting the lossy copies a Generate allowing them would read."""
+        ``allow_lossy``, counting the lossy copies a Generate allowing them would read; with
+        ``previous_request_id`` (a Generate's ``usage.request_id``, a ``/v1/messages`` or
+        ``/v1/responses`` id), the prompt compared with that earlier request
+        (``LookupResult.comparison``; only with ``messages``)."""
         request = pb.LookupRequest(
             input=prompt_message(prompt, messages, token_ids, tools, add_generation_prompt),
             scope=_scope(shared), allow_lossy=allow_lossy,
+            previous_request_id=previous_request_id,
         )
         r = self._unary(self._gateway.Lookup, request, timeout_s)
         return LookupResult(
@@ -377,6 +383,7 @@ class KvgateClient:
             diverges_at_block=r.diverges_at_block if r.HasField("diverges_at_block") else None,
             diverges_at_token=r.diverges_at_token if r.HasField("diverges_at_token") else None,
             text_around_divergence=r.text_around_divergence, lossy=r.lossy,
+            comparison=prompt_comparison(r.comparison) if r.HasField("comparison") else None,
         )
 
     # ---- Admin -----------------------------------------------------------------------------
@@ -565,7 +572,21 @@ def stream_item(response: pb.GenerateResponse) -> TokenDelta | Usage:
         cached_tokens_by_tier=dict(u.cached_tokens_by_tier),
         completion_tokens=u.completion_tokens, ttft_ms=u.ttft_ms, total_ms=u.total_ms,
         finish_reason=_FINISH_REASONS.get(u.finish_reason, "stop"), lossy=u.lossy,
+        request_id=u.request_id,
     )
+
+
+def prompt_comparison(m: pb.PromptComparison) -> PromptComparison:
+    """The record of a ``LookupResponse.comparison`` (a part named as ``PromptPart`` says it)."""
+    part = (pb.PromptPart.Name(m.changed_part).removeprefix("PROMPT_PART_").lower()
+            if m.changed_part in pb.PromptPart.values() else "unspecified")
+    return PromptComparison(
+        previous_known=m.previous_known, changed_part=None if part == "unspecified" else part,
+        first_changed_message=(m.first_changed_message if m.HasField("first_changed_message")
+                               else None), common_tokens=m.common_tokens,
+        first_differing_block=(m.first_differing_block if m.HasField("first_differing_block")
+                               else None),
+        previous_cached_tokens=m.previous_cached_tokens, missed_tokens=m.missed_tokens)
 
 
 def _evicted(response: pb.EvictResponse) -> Evicted:

@@ -15,14 +15,16 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.tokenizer_fixture import make_hf_tokenizer
+from tests.tokenizer_fixture import CHAT_TEMPLATE, make_hf_tokenizer
 
 VOCAB = 512
 
 
-def save_tiny_llama(directory: Path, *, seed: int = 0) -> Path:
-    """Write a tiny random Llama checkpoint (weights from ``seed``) and return its directory."""
-    tokenizer = make_hf_tokenizer()
+def save_tiny_llama(directory: Path, *, seed: int = 0,
+                    chat_template: str = CHAT_TEMPLATE) -> Path:
+    """Write a tiny random Llama checkpoint (weights from ``seed``, the tokenizer's template
+    ``chat_template``) and return its directory."""
+    tokenizer = make_hf_tokenizer(chat_template=chat_template)
     config = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,

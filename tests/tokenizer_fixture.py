@@ -33,8 +33,9 @@ NUM_BASE_TOKENS = 400
 NUM_TOKENS = NUM_BASE_TOKENS + len(SPECIAL_TOKENS)
 
 # A ChatML template in the manner of SmolLM2-Instruct and Qwen2.5: tools, when given, are listed
-# one JSON object per line (``tojson``) inside the system turn. Like many Hub templates it
-# rejects some conversations with ``raise_exception``.
+# one JSON object per line (``tojson``) inside the system turn, and an assistant's tool calls
+# follow its text as Qwen2.5 writes them (``<tool_call>`` JSON); a tool's result is a ``tool``
+# turn. Like many Hub templates it rejects some conversations with ``raise_exception``.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{%- if tools %}"
@@ -51,11 +52,24 @@ CHAT_TEMPLATE = (
     "{{ raise_exception('a system message is only allowed as the first message') }}"
     "{%- endif %}"
     "{%- if not (message['role'] == 'system' and tools) %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{ (call.function.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+PLAIN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""SmolLM2-Instruct's kind of template: roles and contents only, tools and tool calls never read."""
 
 _CORPUS = (
     "The quick brown fox jumps over the lazy dog. You are a helpful assistant.\n",
@@ -66,11 +80,13 @@ _CORPUS = (
 )
 
 
-def make_hf_tokenizer(*, with_chat_template: bool = True) -> Any:
+def make_hf_tokenizer(*, with_chat_template: bool = True,
+                      chat_template: str = CHAT_TEMPLATE) -> Any:
     """Build the test tokenizer as a ``transformers`` tokenizer (``PreTrainedTokenizerFast``).
 
     Args:
-        with_chat_template: attach ``CHAT_TEMPLATE``; ``False`` gives a base-model tokenizer.
+        with_chat_template: attach ``chat_template``; ``False`` gives a base-model tokenizer.
+        chat_template: the template (``CHAT_TEMPLATE`` unless a test needs another).
     """
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -92,7 +108,7 @@ def make_hf_tokenizer(*, with_chat_template: bool = True) -> Any:
         bos_token=BOS,
         eos_token=IM_END,
         add_bos_token=True,
-        chat_template=CHAT_TEMPLATE if with_chat_template else None,
+        chat_template=chat_template if with_chat_template else None,
     )
 
 

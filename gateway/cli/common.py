@@ -9,8 +9,10 @@ that a client command starts without loading torch.
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from gateway.client import DEFAULT_HOST, DEFAULT_PORT, KvgateClient
 from gateway.core.addresses import is_loopback
@@ -32,6 +34,33 @@ DEV_ADMIN_KEY_FILE = "dev-admin-key"
 
 class UsageError(Exception):
     """The command line cannot be acted on (exit 2); the message says what to change."""
+
+
+def read_messages(
+    path: Path | None,
+) -> tuple[list[dict[str, str]] | None, list[dict[str, Any]] | None]:
+    """Messages (and tools) from a JSON file: ``[{role, content}, ...]`` or
+    ``{"messages": [...], "tools": [...]}`` (``kvgate generate`` and ``kvgate explain``).
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON of that shape.
+    """
+    if path is None:
+        return None, None
+    data = json.loads(path.read_text(encoding="utf-8"))
+    tools = None
+    if isinstance(data, dict):
+        tools = data.get("tools")
+        data = data.get("messages")
+    if not isinstance(data, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str)
+        and isinstance(m.get("content"), str) for m in data
+    ):
+        raise ValueError("expected a JSON list of {\"role\": ..., \"content\": ...} objects")
+    if tools is not None and not isinstance(tools, list):
+        raise ValueError("`tools` must be a list of JSON objects")
+    return [{"role": m["role"], "content": m["content"]} for m in data], tools
 
 
 # ---- connecting ----------------------------------------------------------------------------

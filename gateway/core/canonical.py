@@ -62,7 +62,13 @@ ROLES = ("system", "user", "assistant", "tool")
 """The message roles a request may use; the chat template decides what each one means."""
 
 MESSAGE_KEYS = ("role", "content")
-"""The keys a message must have, and the only ones it may have."""
+"""The keys every message must have."""
+
+TOOL_KEYS = {"assistant": ("tool_calls",), "tool": ("tool_call_id", "name")}
+"""The keys a message of a role may have beside ``MESSAGE_KEYS``, as ``transformers``' chat
+templates read them: an assistant's ``tool_calls`` (a list of ``{"type": "function",
+"function": {"name", "arguments"}}`` objects, maybe with an ``id``) and, on a tool's result, the
+``tool_call_id`` and ``name`` of the call it answers."""
 
 MAX_SCHEMA_DEPTH = 64
 """Deepest nesting of objects and arrays accepted in a tool schema (real schemas use < 10)."""
@@ -83,7 +89,7 @@ class PromptInput:
     in a request is reported by one call with one error type.
 
     Attributes:
-        messages: chat messages, each ``{"role": ..., "content": ...}``.
+        messages: chat messages, each ``{"role": ..., "content": ...}`` (and ``TOOL_KEYS``).
         prompt: raw text, sent to the model as is (after NFC and CRLF → LF).
         token_ids: already tokenised input.
         tools: tool (function) schemas for the chat template; only with ``messages``.
@@ -214,7 +220,7 @@ def canonical_text(text: str) -> str:
 
 def _encode_chat(
     tokenizer: Tokenizer,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     add_generation_prompt: bool,
 ) -> tuple[str, list[int]]:
@@ -232,7 +238,8 @@ def _encode_chat(
     """
     text = tokenizer.render_chat(messages, tools, add_generation_prompt)
     specials = sorted({t for t in tokenizer.special_tokens if t}, key=len, reverse=True)
-    strings = [m["content"] for m in messages] + [s for t in tools or () for s in _strings_of(t)]
+    strings = [s for m in messages for s in _strings_of(m)] + [
+        s for t in tools or () for s in _strings_of(t)]
     spelled = [t for t in specials if any(t in s for s in strings)]
     if not spelled:
         return text, tokenizer.encode(text, add_special_tokens=False)
@@ -298,7 +305,7 @@ def _source_of(request: PromptInput) -> Source:
     return given[0]
 
 
-def _canonical_messages(messages: object) -> list[dict[str, str]]:
+def _canonical_messages(messages: object) -> list[dict[str, Any]]:
     if not _is_list_like(messages):
         raise CanonicalizationError(
             "`messages` must be a list of {role, content} objects, got "
@@ -315,11 +322,14 @@ def _canonical_messages(messages: object) -> list[dict[str, str]]:
                 f"{where} must be an object with `role` and `content`, got "
                 f"{type(message).__name__}"
             )
-        extra = [key for key in message if key not in MESSAGE_KEYS]
+        role = message.get("role")
+        allowed = TOOL_KEYS.get(role, ()) if isinstance(role, str) else ()
+        extra = [key for key in message if key not in MESSAGE_KEYS and key not in allowed]
         if extra:
             names = ", ".join(sorted(_preview(key) for key in extra))
             raise CanonicalizationError(
-                f"{where} has unsupported keys {names}; a message has only `role` and `content`"
+                f"{where} has unsupported keys {names}; a message has `role` and `content`, "
+                "an assistant's may have `tool_calls`, a tool's `tool_call_id` and `name`"
             )
         for key in MESSAGE_KEYS:
             if key not in message:
@@ -341,8 +351,34 @@ def _canonical_messages(messages: object) -> list[dict[str, str]]:
                 "(lists of content parts are not supported)"
             )
         content = canonical_text(_checked_text(content, f"{where}.content"))
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": content, **_tool_fields(message, where)})
     return out
+
+
+def _tool_fields(message: Mapping[str, object], where: str) -> dict[str, Any]:
+    """A message's ``TOOL_KEYS``, canonical: calls as plain JSON with sorted keys (as tool
+    schemas are), ids and names as canonical text."""
+    fields: dict[str, Any] = {}
+    if "tool_calls" in message:
+        calls = message["tool_calls"]
+        if not _is_list_like(calls) or not calls:
+            raise CanonicalizationError(f"{where}.tool_calls must be a non-empty list of objects")
+        assert isinstance(calls, Sequence)  # narrowed by _is_list_like
+        for j, call in enumerate(calls):
+            if not isinstance(call, Mapping):
+                raise CanonicalizationError(
+                    f"{where}.tool_calls[{j}] must be a JSON object, got {type(call).__name__}"
+                )
+        fields["tool_calls"] = _canonical_json(calls, f"{where}.tool_calls", depth=0)
+    for key in ("tool_call_id", "name"):
+        if key in message:
+            value = message[key]
+            if not isinstance(value, str):
+                raise CanonicalizationError(
+                    f"{where}.{key} must be a string, got {type(value).__name__}"
+                )
+            fields[key] = canonical_text(_checked_text(value, f"{where}.{key}"))
+    return fields
 
 
 def _canonical_tools(tools: object) -> list[dict[str, Any]] | None:

@@ -82,8 +82,10 @@ def measure(prompt: PromptInput) -> PromptSize:
     num_chars = len(prompt.prompt) if isinstance(prompt.prompt, str) else 0
     messages = prompt.messages or ()
     for message in messages:
-        if isinstance(message, Mapping):
-            num_chars += sum(len(v) for v in message.values() if isinstance(v, str))
+        if isinstance(message, Mapping):  # tool calls (JSON) count as they would be written
+            num_chars += sum(len(v) if isinstance(v, str)
+                             else len(json.dumps(v, separators=(",", ":"), default=str))
+                             for v in message.values())
     for tool in prompt.tools or ():
         num_chars += len(json.dumps(tool, separators=(",", ":"), default=str))
     return PromptSize(num_chars=num_chars, num_messages=len(messages))

@@ -174,6 +174,9 @@ class Usage:
     finish_reason: FinishReason
     lossy: bool = False
     stored_tokens: int = 0
+    request_id: str = ""
+    """The id a later Lookup may name (``previous_request_id``): set by the gRPC service for a
+    chat prompt, read back by the client; the engine leaves it empty."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -204,6 +207,34 @@ class LookupRequest:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class PromptComparison:
+    """A prompt compared with an earlier request of the same tenant, by the parts each sent
+    (gRPC ``PromptComparison``; ``gateway.service.miss_diagnosis`` makes it).
+
+    Attributes:
+        previous_known: False where the earlier request is unknown to the caller's tenant
+            (never made, another tenant's, or forgotten); nothing else is then said.
+        changed_part: the first part that differs (``model``, ``prompt_cache_key``, ``tools``,
+            ``system``, ``messages``); None where the prompt repeats or only appends to it.
+        first_changed_message: with ``messages``, the index after the system messages of the
+            first message that differs.
+        common_tokens: the prompt's tokens before the changed part.
+        first_differing_block: the block holding the first token after them (the first that
+            may differ); None where nothing departs.
+        previous_cached_tokens: the tokens the earlier request left in the cache.
+        missed_tokens: about how many of those the prompt cannot read because of the change.
+    """
+
+    previous_known: bool
+    changed_part: str | None = None
+    first_changed_message: int | None = None
+    common_tokens: int = 0
+    first_differing_block: int | None = None
+    previous_cached_tokens: int = 0
+    missed_tokens: int = 0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LookupResult:
     """How much of a prompt is cached in the caller's scope; nothing computed.
 
@@ -219,3 +250,5 @@ class LookupResult:
     diverges_at_token: int | None
     text_around_divergence: str
     lossy: bool = False
+    comparison: PromptComparison | None = None
+    """With ``previous_request_id`` (over gRPC): the prompt compared with that request."""

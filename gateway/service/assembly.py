@@ -48,6 +48,7 @@ from gateway.config.settings import ServeConfig
 from gateway.core.addresses import is_loopback
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
+from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.scrape_token import scrape_token_of
 from gateway.service.server import GatewayServer, ServeError, check_plaintext_listener
 from gateway.service.startup import stage
@@ -187,7 +188,8 @@ def watch_router(config: ServeConfig, metrics: GatewayMetrics, engine: Engine,
 def start_http(config: ServeConfig, authenticator: Authenticator,
                engines: EngineSlot, admission: Admission | None = None,
                metrics: GatewayMetrics | None = None,
-               deployment_secret: bytes | None = None) -> HttpFront | None:
+               deployment_secret: bytes | None = None,
+               comparisons: PromptComparisons | None = None) -> HttpFront | None:
     """The OpenAI-compatible HTTP front, listening (None when ``[http]`` is off).
 
     Raises:
@@ -199,7 +201,7 @@ def start_http(config: ServeConfig, authenticator: Authenticator,
 
     http = HttpFront(config, authenticator, engines, admission,
                      metrics=metrics.public_registry if metrics is not None else None,
-                     deployment_secret=deployment_secret)
+                     deployment_secret=deployment_secret, comparisons=comparisons)
     http.start()
     if metrics is not None:
         metrics.watch_accept_errors(http.num_accept_errors)
@@ -303,7 +305,9 @@ def _start_fronts(config: ServeConfig, announce: Callable[[str], None], *,
     authenticator = build_authenticator(config, announce,
                                         announces_to_terminal=announces_to_terminal)
     engines = EngineSlot()
-    server = GatewayServer(config, authenticator, engines=engines)
+    # One for both surfaces: a Lookup may name an id the HTTP front kept, and the other way.
+    comparisons = PromptComparisons(block_tokens=config.cache.block_tokens)
+    server = GatewayServer(config, authenticator, engines=engines, comparisons=comparisons)
     server.start()
     if server.admin_port is not None:
         logger.info("the Admin service listens on its own, on %s:%d", config.admin_host,
@@ -317,7 +321,7 @@ def _start_fronts(config: ServeConfig, announce: Callable[[str], None], *,
                        is_json=config.logging.json) if config.logging.stats_interval_s else None)
     try:
         http = start_http(config, authenticator, engines, server.admission, metrics,
-                          deployment_secret=secret)
+                          deployment_secret=secret, comparisons=comparisons)
     except BaseException:
         server.stop(0)
         raise

@@ -26,18 +26,20 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
+from gateway.cache.factory import CacheConfig
 from gateway.config.keys import Principal
 from gateway.core.errors import InvalidRequest
 from gateway.service.access_log import AccessCall, AccessLog
+from gateway.service.admin_servicer import AdminServicer
 from gateway.service.admission import CallKind
 from gateway.service.call_gate import CallGate, KeyedMethod, KeyedService
 from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.pb import kvgate_pb2 as pb
+from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.servicer import (
     ADMIN_SERVICE,
     GATEWAY_SERVICE,
-    AdminServicer,
     GatewayServicer,
 )
 from gateway.service.status_mapping import status_of
@@ -77,12 +79,17 @@ class ServicerSet:
         limits: bounds on deadlines and TTLs.
         access: where Generate, Warm and Lookup leave their line (None: nowhere).
         tenants: the tenants with keys (``AdminServicer``; None: not checked).
+        comparisons: the shapes of recent requests, shared with the HTTP front (None: the
+            gRPC service's own, of ``[cache] block_tokens``' default).
     """
 
     def __init__(self, engines: EngineSlot, limits: EdgeLimits,
                  access: AccessLog | None = None, *,
-                 tenants: frozenset[str] | None = None) -> None:
-        self.gateway = GatewayServicer(engines, limits)
+                 tenants: frozenset[str] | None = None,
+                 comparisons: PromptComparisons | None = None) -> None:
+        self.gateway = GatewayServicer(
+            engines, limits, comparisons if comparisons is not None
+            else PromptComparisons(block_tokens=CacheConfig().block_tokens))
         self.admin = AdminServicer(engines, limits, tenants=tenants)
         self._access = access
 

@@ -39,6 +39,7 @@ from gateway.service.call_gate import BodyWatchdog, CallGate, PublicServicesGate
 from gateway.service.dispatch import ServicerSet
 from gateway.service.edge import EdgeLimits
 from gateway.service.engine_slot import EngineSlot
+from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.servicer import ADMIN_SERVICE, GATEWAY_SERVICE
 from gateway.service.watchdog import EngineWatchdog
 
@@ -96,10 +97,14 @@ class GatewayServer:
             a slot of its own).
         admission: the per-key limits' state (default: a new one from ``config.limits``; pass
             one to share it with another front).
+        comparisons: the shapes of recent requests that ``Lookup`` may name (pass the HTTP
+            front's, so that its ids can be named too; default: the server's own, of
+            ``[cache] block_tokens``).
     """
 
     def __init__(self, config: ServeConfig, authenticator: Authenticator,
-                 engines: EngineSlot | None = None, admission: Admission | None = None) -> None:
+                 engines: EngineSlot | None = None, admission: Admission | None = None,
+                 comparisons: PromptComparisons | None = None) -> None:
         self.config = config
         self._engines = engines if engines is not None else EngineSlot()
         self._authenticator = authenticator
@@ -112,6 +117,8 @@ class GatewayServer:
                                            max_messages=config.limits.max_messages)),
             access=AccessLog(is_enabled=config.logging.access_log, is_json=config.logging.json),
             tenants=authenticator.tenants,
+            comparisons=(comparisons if comparisons is not None
+                         else PromptComparisons(block_tokens=config.cache.block_tokens)),
         )
         self._health = health.HealthServicer()
         self._servers: list[Any] = []

@@ -30,6 +30,7 @@ from gateway.engine.models.loading import LoadedModel, load_model
 from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.metrics import GatewayMetrics
+from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.server import GatewayServer
 from tests.tiny_llama import save_tiny_llama
 
@@ -115,16 +116,21 @@ def start_gateway(
     metrics: GatewayMetrics | None = None,
     limits: LimitSettings | None = None,
     admin_listener: bool = False,
+    comparisons: PromptComparisons | None = None,
 ) -> RunningGateway:
     """A gateway on a free loopback port; with ``loaded`` None, one still loading its model.
 
     ``engines`` is the slot it serves from (to share it with an HTTP front, as ``kvgate serve``
     does); ``metrics`` records the engine's requests. With ``admin_listener``, the Admin
-    service on a free port of its own."""
+    service on a free port of its own. ``comparisons`` are the request shapes a Lookup may
+    name (pass the HTTP front's too, as ``kvgate serve`` does; default: the server's own)."""
     config = ServeConfig(host="127.0.0.1", port=0, keys=keys,
                          grpc=grpc_settings or GrpcSettings(), limits=limits or LimitSettings(),
                          admin_port=0 if admin_listener else None)
-    server = GatewayServer(config, Authenticator(keys), engines)
+    if comparisons is None:
+        comparisons = PromptComparisons(
+            block_tokens=engine_config.block_tokens if engine_config is not None else BLOCK)
+    server = GatewayServer(config, Authenticator(keys), engines, comparisons=comparisons)
     port = server.start()
     running = RunningGateway(server=server, engine=None, opened=None, port=port)
     if loaded is not None:

@@ -7,20 +7,20 @@ OpenAI message's text parts are), so the same conversation sent to either route 
 tokens and the same cache blocks.
 
 Served: ``model``, ``max_tokens`` (required, as Anthropic requires it), ``messages`` (``user``
-and ``assistant``; content a string or ``text`` blocks), ``system`` (a string or ``text``
-blocks), ``temperature``, ``top_p``, ``top_k``, ``stop_sequences``, ``stream``,
-``metadata.user_id`` (it names the request's session where ``[http] session_from_user`` says
-so, as OpenAI's ``user`` does), ``cache_control`` on text blocks and at the top level
-(``cache_breakpoints``), custom ``tools`` (rendered by the chat template as the OpenAI route
-renders function tools: the same schemas, the same prompt) with ``tool_choice`` ``auto`` or
-``none``.
+and ``assistant``; content a string or ``text``, ``tool_use`` and ``tool_result`` blocks, as
+``anthropic_content`` renders them), ``system`` (a string or ``text`` blocks), ``temperature``,
+``top_p``, ``top_k``, ``stop_sequences``, ``stream``, ``metadata.user_id`` (it names the
+request's session where ``[http] session_from_user`` says so, as OpenAI's ``user`` does),
+``cache_control`` on blocks and at the top level (``cache_breakpoints``), custom ``tools``
+(rendered by the chat template as the OpenAI route renders function tools: the same schemas,
+the same prompt) with ``tool_choice`` ``auto`` or ``none``. Whether the model's template
+renders tools and tool calls at all is checked before the request runs (``template_tools``).
 
-Refused, each with a 400 saying why: images and documents (the model reads text), tool use
-and tool results in messages and a forced ``tool_choice`` (kvgate returns the model's text,
-never tool calls), server tools, a breakpoint on a tool (the template decides where tool
-definitions go), thinking, a last ``assistant`` message (prefilling the answer: the chat
-template closes the assistant's turn), citations, and any field or block type Anthropic's API
-does not have.
+Refused, each with a 400 saying why: images and documents (the model reads text), a forced
+``tool_choice`` (kvgate returns the model's text and never parses it into tool calls), server
+tools, a breakpoint on a tool (the template decides where tool definitions go), thinking, a
+last ``assistant`` message (prefilling the answer: the chat template closes the assistant's
+turn), citations, and any field or block type Anthropic's API does not have.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from gateway.core.errors import InvalidRequest
 from gateway.core.prompt_limits import PromptLimits, check_prompt_size, measure
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams
 from gateway.service.edge import EdgeLimits, check_num_tools, deadline_within, scope_of
+from gateway.service.http.anthropic_content import Conversation
 from gateway.service.http.cache_breakpoints import (
     Breakpoint,
     CachePlan,
@@ -58,23 +59,6 @@ _REFUSED_FIELDS = {
     "inference_geo": "inference regions are not supported",
 }
 """Anthropic fields kvgate does not serve, and why (anything else unknown is refused too)."""
-
-_REFUSED_BLOCKS = {
-    "image": "images are not supported: kvgate serves a text-only model; send text blocks",
-    "document": "documents are not supported: kvgate serves a text-only model; send the "
-                "document's text as a text block",
-    "tool_use": "tool use is not supported: kvgate returns the model's text and never tool "
-                "calls",
-    "tool_result": "tool results are not supported: kvgate returns the model's text and never "
-                   "tool calls",
-    "server_tool_use": "server tools are not supported",
-    "web_search_tool_result": "server tools are not supported",
-    "thinking": "thinking blocks are not supported",
-    "redacted_thinking": "thinking blocks are not supported",
-    "search_result": "search results are not supported; send their text as a text block",
-    "container_upload": "containers are not supported",
-}
-"""Content block types Anthropic's API has and kvgate refuses, and why."""
 
 _ROLES = ("user", "assistant")
 
@@ -128,22 +112,18 @@ def parse_messages(body: Mapping[str, Any], principal: Principal, *,
     max_tokens = optional_field(fields, "max_tokens", int, "an integer")
     if max_tokens is None:
         raise InvalidParam("max_tokens", "max_tokens: Field required")
-    breakpoints: list[Breakpoint] = []
-    messages: list[dict[str, str]] = []
-    parts: list[list[str]] = []
+    chat = Conversation()
     if "system" in fields:
-        system = _blocks(fields["system"], "system", len(messages), breakpoints)
-        messages.append({"role": "system", "content": "\n".join(system)})
-        parts.append(system)
-    _conversation(fields.get("messages"), limits.prompt, messages, parts, breakpoints)
+        chat.add_system(fields["system"])
+    _conversation(fields.get("messages"), limits.prompt, chat)
     if "cache_control" in fields:
-        breakpoints.append(Breakpoint(ttl=parse_cache_control(fields["cache_control"],
-                                                              "cache_control"),
-                                      where="cache_control"))
+        chat.breakpoints.append(Breakpoint(ttl=parse_cache_control(fields["cache_control"],
+                                                                   "cache_control"),
+                                           where="cache_control"))
     tools = _tools(fields.get("tools"))
     _tool_choice(fields.get("tool_choice"))
-    caching = plan_of(breakpoints, messages, parts, limits, tools=tools)
-    prompt = PromptInput(messages=messages, tools=tools)
+    caching = plan_of(chat.breakpoints, chat.messages, chat.parts, limits, tools=tools)
+    prompt = PromptInput(messages=chat.messages, tools=tools)
     try:  # bounded before the chat template renders or anything is tokenised
         check_prompt_size(measure(prompt), limits.prompt)
     except InvalidRequest as exc:
@@ -182,8 +162,7 @@ def _previous_message_id(value: object) -> str | None:
     return previous
 
 
-def _conversation(value: object, limits: PromptLimits, messages: list[dict[str, str]],
-                  parts: list[list[str]], breakpoints: list[Breakpoint]) -> None:
+def _conversation(value: object, limits: PromptLimits, chat: Conversation) -> None:
     if value is None:
         raise InvalidParam("messages", "messages: Field required: a list of {role, content}")
     if not isinstance(value, list):
@@ -207,56 +186,15 @@ def _conversation(value: object, limits: PromptLimits, messages: list[dict[str, 
             raise InvalidParam(f"{where}.role", f"{where}.role: must be \"user\" or "
                                                 f"\"assistant\", got {role!r} (the system "
                                                 "prompt goes in the top-level `system`)")
-        texts = _blocks(message.get("content"), f"{where}.content", len(messages), breakpoints)
-        messages.append({"role": role, "content": "\n".join(texts)})
-        parts.append(texts)
-    if messages[-1]["role"] == "assistant":
+        chat.add(role, message.get("content"), f"{where}.content")
+    if chat.messages[-1]["role"] == "assistant":
         raise InvalidParam(f"messages.{len(value) - 1}", f"messages.{len(value) - 1}: a final "
                            "assistant message (prefilling the answer) is not supported: the chat "
                            "template closes the assistant's turn; end with a user message")
-
-
-def _blocks(value: object, where: str, message: int,
-            breakpoints: list[Breakpoint]) -> list[str]:
-    """The texts of a string or a list of text blocks, noting each block's breakpoint."""
-    if isinstance(value, str):
-        return [value]
-    if value is None:
-        raise InvalidParam(where, f"{where}: Field required (a string or a list of text "
-                                  "blocks)")
-    if not isinstance(value, list):
-        raise InvalidParam(where, f"{where}: must be a string or a list of content blocks, "
-                                  f"got {type_name(value)}")
-    if not value:
-        raise InvalidParam(where, f"{where}: send at least one content block")
-    texts: list[str] = []
-    for j, block in enumerate(value):
-        at = f"{where}.{j}"
-        if not isinstance(block, dict):
-            raise InvalidParam(at, f"{at}: must be a content block object, got "
-                                   f"{type_name(block)}")
-        kind = block.get("type")
-        if kind in _REFUSED_BLOCKS:
-            raise InvalidParam(f"{at}.type", f"{at}: {_REFUSED_BLOCKS[kind]}")
-        if kind != "text":
-            raise InvalidParam(f"{at}.type", f"{at}.type: unknown content block type "
-                                             f"{kind!r}; kvgate serves text blocks")
-        unknown = sorted(name for name, item in block.items()
-                         if name not in ("type", "text", "cache_control")
-                         and not (name == "citations" and item is None))
-        if unknown:
-            raise InvalidParam(at, f"{at}: unsupported keys {unknown}; a text block is {{type: "
-                                   "\"text\", text, cache_control}}")
-        text = block.get("text")
-        if not isinstance(text, str) or not text:
-            raise InvalidParam(f"{at}.text", f"{at}.text: must be a non-empty string, got "
-                                             f"{type_name(text) if text != '' else 'an empty one'}")
-        if block.get("cache_control") is not None:
-            ttl = parse_cache_control(block["cache_control"], f"{at}.cache_control")
-            breakpoints.append(Breakpoint(ttl=ttl, where=f"{at}.cache_control",
-                                          message=message, num_parts=j + 1))
-        texts.append(text)
-    return texts
+    if len(chat.messages) > limits.max_messages:
+        raise InvalidParam("messages", f"messages: the prompt has {len(chat.messages)} messages "
+                                       "once each tool result is one; send at most "
+                                       f"{limits.max_messages} (limits.max_messages)")
 
 
 def _tools(value: object) -> list[Mapping[str, object]] | None:

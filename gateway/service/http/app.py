@@ -26,7 +26,9 @@ and errors are shaped by ``anthropic_responses``, and a request whose 1-hour bre
 before a 5-minute one warms the 1-hour prefix first, in its call slot
 (``cache_breakpoints.warm_longer_prefix``). OpenAI's ``POST /v1/responses`` too: a request
 naming ``previous_response_id`` gets the conversation its tenant kept before its own turn, and
-an answer it asked to ``store`` is kept once it is whole (``responses_route``).
+an answer it asked to ``store`` is kept once it is whole (``responses_route``). A Messages or
+Responses request that sends tools or tool calls is checked first against what the model's chat
+template renders (``template_tools``), before anything is warmed or run.
 
 The engine's handle blocks, so each wait for an event runs on a worker thread
 (``anyio.to_thread``, bounded by a limiter of ``max_connections``), abandoned -- and the request
@@ -66,6 +68,7 @@ from gateway.service.http.anthropic_responses import MessagesRendering, anthropi
 from gateway.service.http.base import AnswerRendering, ErrorShape
 from gateway.service.http.cache_breakpoints import warm_longer_prefix
 from gateway.service.http.errors import ErrorAnswer, HttpFailure, error_answer
+from gateway.service.http.hosted_diagnostics import HostedDiagnostics
 from gateway.service.http.metrics_page import MetricsPage
 from gateway.service.http.openai_requests import (
     OpenAICall,
@@ -75,11 +78,12 @@ from gateway.service.http.openai_requests import (
 )
 from gateway.service.http.openai_responses import Rendering
 from gateway.service.http.pending_bodies import PendingBodies
-from gateway.service.http.prompt_comparisons import PromptComparisons
 from gateway.service.http.responses_rendering import ResponsesRendering
 from gateway.service.http.responses_requests import ResponsesCall, parse_responses
 from gateway.service.http.responses_route import StoredResponsesRoute
 from gateway.service.http.stored_responses import MemoryResponses, ResponseStore
+from gateway.service.http.template_tools import TemplateProbe, uses_tools
+from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.scrape_token import CHALLENGE, ScrapeToken
 from gateway.service.scrape_token import REFUSAL as SCRAPE_REFUSAL
 
@@ -151,6 +155,8 @@ class OpenAIFront:
         responses: where ``POST /v1/responses`` keeps what it is asked to ``store`` (None: a
             store of 1,000 responses and 64 Mi characters per tenant, kept an hour after their
             last use).
+        comparisons: the shapes of recent requests, shared with the gRPC server so that
+            ``Lookup`` can name this front's ids.
     """
 
     def __init__(self, engines: EngineSlot, authenticator: Authenticator, limits: EdgeLimits,
@@ -162,13 +168,15 @@ class OpenAIFront:
                  scrape_token: ScrapeToken | None = None,
                  served_model_name: tuple[str, ...] = (),
                  session_from_user: bool = False,
-                 responses: ResponseStore | None = None) -> None:
+                 responses: ResponseStore | None = None,
+                 comparisons: PromptComparisons) -> None:
         self._engines = engines
         self._stored = StoredResponsesRoute(
             responses if responses is not None else MemoryResponses(
                 max_per_tenant=1000, max_chars_per_tenant=64 << 20, default_ttl_s=3600.0),
             authenticator, limits.prompt, self._error)
-        self._comparisons = PromptComparisons()
+        self._diagnostics = HostedDiagnostics(comparisons)
+        self._template_tools = TemplateProbe()
         self._session_from_user = session_from_user
         self._served = served_model_name
         self._access = access
@@ -303,6 +311,11 @@ class OpenAIFront:
     async def _generate_admitted(self, engine: Engine, kind: Api, call: Call, request: Request,
                                  slot: CallSlot | None, access: AccessCall) -> Response:
         try:
+            if not isinstance(call, OpenAICall) and any(uses_tools(call.request.prompt)):
+                await self._in_thread(partial(  # before anything is warmed or run
+                    self._template_tools.check, engine, call.request.prompt,
+                    model=self._names(engine)[0], tools_param="tools",
+                    calls_param="messages" if isinstance(call, MessagesCall) else "input"))
             rendering = await self._rendering(engine, call, request)
             handle = await self._in_thread(engine.generate, call.request)
         except ClientGone:
@@ -349,12 +362,12 @@ class OpenAIFront:
             return Rendering(kind=call.kind, model=model, include_usage=call.include_usage)
         if isinstance(call, ResponsesCall):
             keep = partial(self._stored.keep, call) if call.store else None
-            compared, keep_shape = await self._in_thread(self._comparisons.responses, call,
+            compared, keep_shape = await self._in_thread(self._diagnostics.responses, call,
                                                          engine)
             return ResponsesRendering(model=model, call=call, on_done=keep,
                                       on_usage=keep_shape, cache_diagnostics=compared)
         diagnostics, keep_message_shape = (
-            await self._in_thread(self._comparisons.messages, call, engine)
+            await self._in_thread(self._diagnostics.messages, call, engine)
             if call.diagnose else (None, None))
         warmed = 0
         if call.caching.longer is not None and not call.request.cache.no_cache:

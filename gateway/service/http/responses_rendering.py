@@ -124,7 +124,8 @@ class ResponsesRendering:
                 "max_output_tokens": call.max_output_tokens,
                 "temperature": sampling.temperature, "top_p": sampling.top_p,
                 "store": call.store, "metadata": dict(call.metadata or {}),
-                "parallel_tool_calls": False, "tool_choice": "auto", "tools": [],
+                "parallel_tool_calls": False, "tool_choice": call.tool_choice,
+                "tools": [dict(tool) for tool in call.tools],
                 "text": {"format": {"type": "text"}}, "truncation": "disabled",
                 "prompt_cache_key": call.prompt_cache_key,
                 **({} if self.cache_diagnostics is None

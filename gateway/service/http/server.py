@@ -49,6 +49,7 @@ from gateway.service.http.disk_responses import DiskResponses
 from gateway.service.http.redis_responses import RedisResponses
 from gateway.service.http.response_seal import responses_mac_key
 from gateway.service.http.stored_responses import MemoryResponses, ResponseStore
+from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.scrape_token import scrape_token_of
 from gateway.service.server import ServeError, check_plaintext_listener
 from tiers.redis_client import build_client, close_client
@@ -69,6 +70,8 @@ class HttpFront:
         admission: the per-key call limits shared with the gRPC server.
         metrics: the registry ``GET /metrics`` serves when ``[http] metrics`` is on; it must
             hold no per-tenant series (``GatewayMetrics.public_registry``).
+        comparisons: the shapes of recent requests, shared with the gRPC server (None: this
+            front's own, of ``[cache] block_tokens``).
 
     Attributes:
         guard: the connections' states and counts, once started (for tests and stats).
@@ -77,7 +80,8 @@ class HttpFront:
     def __init__(self, config: ServeConfig, authenticator: Authenticator,
                  engines: EngineSlot, admission: Admission | None = None,
                  metrics: CollectorRegistry | None = None,
-                 deployment_secret: bytes | None = None) -> None:
+                 deployment_secret: bytes | None = None,
+                 comparisons: PromptComparisons | None = None) -> None:
         self.config = config
         settings = config.http
         self._redis: Any = None
@@ -109,6 +113,8 @@ class HttpFront:
             served_model_name=settings.served_model_name,
             session_from_user=settings.session_from_user,
             responses=responses,
+            comparisons=(comparisons if comparisons is not None
+                         else PromptComparisons(block_tokens=config.cache.block_tokens)),
         )
         self.guard: ConnectionGuard | None = None
         self.accept_errors: AcceptErrorLog | None = None

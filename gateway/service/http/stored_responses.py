@@ -4,8 +4,8 @@
 A stored response belongs to the tenant whose key made it: looked up with another tenant's
 key it is not there (a 404 that says no more than an id nobody made), and its id is 96 random
 bits, so guessing one finds nothing either. What is kept is the conversation up to and
-including the answer (its messages' roles and texts, never token ids or K/V) and the answer
-as it was sent.
+including the answer (its messages' roles and texts, tool calls and results among them, never
+token ids or K/V) and the answer as it was sent.
 
 ``MemoryResponses`` keeps them in this replica's memory: a restart forgets them, and another
 replica does not see them; where the cache has Redis, ``redis_responses.RedisResponses`` keeps
@@ -22,12 +22,13 @@ its blocks do (kvgate's TTLs slide), or after the TTL its request gave
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,10 +148,14 @@ class MemoryResponses:
         return None if ttl_s is None else self._clock() + ttl_s
 
 
-def chars_of_conversation(messages: Sequence[Mapping[str, str]]) -> int:
+def chars_of_conversation(messages: Sequence[Mapping[str, Any]]) -> int:
     """What a response counts against its tenant's characters: its conversation's contents
-    (the answer among them; the answer's copy in ``body`` is of the same size)."""
-    return sum(len(message.get("content", "")) for message in messages)
+    (the answer among them; the answer's copy in ``body`` is of the same size) and its tool
+    calls as JSON."""
+    return sum(len(message.get("content", ""))
+               + (len(json.dumps(message["tool_calls"], separators=(",", ":")))
+                  if "tool_calls" in message else 0)
+               for message in messages)
 
 
 def _chars(stored: StoredResponse) -> int:

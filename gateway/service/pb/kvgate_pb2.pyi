@@ -22,6 +22,15 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_EOS: _ClassVar[FinishReason]
     FINISH_REASON_CANCELLED: _ClassVar[FinishReason]
     FINISH_REASON_DEADLINE: _ClassVar[FinishReason]
+
+class PromptPart(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROMPT_PART_UNSPECIFIED: _ClassVar[PromptPart]
+    PROMPT_PART_MODEL: _ClassVar[PromptPart]
+    PROMPT_PART_PROMPT_CACHE_KEY: _ClassVar[PromptPart]
+    PROMPT_PART_TOOLS: _ClassVar[PromptPart]
+    PROMPT_PART_SYSTEM: _ClassVar[PromptPart]
+    PROMPT_PART_MESSAGES: _ClassVar[PromptPart]
 SCOPE_UNSPECIFIED: Scope
 SCOPE_TENANT: Scope
 SCOPE_SHARED: Scope
@@ -31,6 +40,12 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_EOS: FinishReason
 FINISH_REASON_CANCELLED: FinishReason
 FINISH_REASON_DEADLINE: FinishReason
+PROMPT_PART_UNSPECIFIED: PromptPart
+PROMPT_PART_MODEL: PromptPart
+PROMPT_PART_PROMPT_CACHE_KEY: PromptPart
+PROMPT_PART_TOOLS: PromptPart
+PROMPT_PART_SYSTEM: PromptPart
+PROMPT_PART_MESSAGES: PromptPart
 
 class Message(_message.Message):
     __slots__ = ("role", "content")
@@ -107,7 +122,7 @@ class TokenDelta(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "completion_tokens", "ttft_ms", "total_ms", "finish_reason", "lossy")
+    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "completion_tokens", "ttft_ms", "total_ms", "finish_reason", "lossy", "request_id")
     class CachedTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +138,7 @@ class Usage(_message.Message):
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     LOSSY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: _containers.ScalarMap[str, int]
@@ -131,7 +147,8 @@ class Usage(_message.Message):
     total_ms: float
     finish_reason: FinishReason
     lossy: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., lossy: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., lossy: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "usage")
@@ -172,17 +189,37 @@ class WarmResponse(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_new_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., stored_bytes: _Optional[int] = ..., elapsed_ms: _Optional[float] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("input", "scope", "allow_lossy")
+    __slots__ = ("input", "scope", "allow_lossy", "previous_request_id")
     INPUT_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
     ALLOW_LOSSY_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     input: PromptInput
     scope: Scope
     allow_lossy: bool
-    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., scope: _Optional[_Union[Scope, str]] = ..., allow_lossy: _Optional[bool] = ...) -> None: ...
+    previous_request_id: str
+    def __init__(self, input: _Optional[_Union[PromptInput, _Mapping]] = ..., scope: _Optional[_Union[Scope, str]] = ..., allow_lossy: _Optional[bool] = ..., previous_request_id: _Optional[str] = ...) -> None: ...
+
+class PromptComparison(_message.Message):
+    __slots__ = ("previous_known", "changed_part", "first_changed_message", "common_tokens", "first_differing_block", "previous_cached_tokens", "missed_tokens")
+    PREVIOUS_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_PART_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHANGED_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    COMMON_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_DIFFERING_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MISSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    previous_known: bool
+    changed_part: PromptPart
+    first_changed_message: int
+    common_tokens: int
+    first_differing_block: int
+    previous_cached_tokens: int
+    missed_tokens: int
+    def __init__(self, previous_known: _Optional[bool] = ..., changed_part: _Optional[_Union[PromptPart, str]] = ..., first_changed_message: _Optional[int] = ..., common_tokens: _Optional[int] = ..., first_differing_block: _Optional[int] = ..., previous_cached_tokens: _Optional[int] = ..., missed_tokens: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "num_prompt_blocks", "diverges_at_block", "diverges_at_token", "text_around_divergence", "lossy")
+    __slots__ = ("prompt_tokens", "cached_tokens", "cached_tokens_by_tier", "num_prompt_blocks", "diverges_at_block", "diverges_at_token", "text_around_divergence", "lossy", "comparison")
     class CachedTokensByTierEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +235,7 @@ class LookupResponse(_message.Message):
     DIVERGES_AT_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TEXT_AROUND_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
     LOSSY_FIELD_NUMBER: _ClassVar[int]
+    COMPARISON_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: _containers.ScalarMap[str, int]
@@ -206,7 +244,8 @@ class LookupResponse(_message.Message):
     diverges_at_token: int
     text_around_divergence: str
     lossy: bool
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., num_prompt_blocks: _Optional[int] = ..., diverges_at_block: _Optional[int] = ..., diverges_at_token: _Optional[int] = ..., text_around_divergence: _Optional[str] = ..., lossy: _Optional[bool] = ...) -> None: ...
+    comparison: PromptComparison
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., cached_tokens_by_tier: _Optional[_Mapping[str, int]] = ..., num_prompt_blocks: _Optional[int] = ..., diverges_at_block: _Optional[int] = ..., diverges_at_token: _Optional[int] = ..., text_around_divergence: _Optional[str] = ..., lossy: _Optional[bool] = ..., comparison: _Optional[_Union[PromptComparison, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -73,6 +73,8 @@ class GatewayServicer:
 
     def Lookup(self, request, context):
         """How much of a prompt is cached in the caller's scope, and in which tier. No compute.
+        With `previous_request_id`, also why the prompt does not reuse that earlier request's
+        cached prefix (`kvgate explain`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

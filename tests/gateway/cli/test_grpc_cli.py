@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import grpc
 import openai
 import pytest
@@ -319,6 +320,28 @@ def test_serve_starts_the_openai_front_beside_grpc_and_prints_both_addresses(
             messages=[{"role": "user", "content": LONG_PROMPT}])
     assert completion.usage.completion_tokens == 3
     # SIGTERM stops it, HTTP front and all, with status 0: checked where ``serving`` ends.
+
+
+def test_kvgate_explain_names_a_message_id_the_http_front_kept(serving: GatewayProcess) -> None:
+    """``kvgate serve`` gives both fronts one ``PromptComparisons``: an id made over HTTP is
+    explained over gRPC."""
+    match = _ADDRESSES.search(serving.stdout)
+    assert match, serving.stdout
+    key = (serving.data_dir / "dev-api-key").read_text().strip()
+    ask = {"role": "user", "content": "Which refunds are paid back to the card?"}
+    claude: Any = anthropic.Anthropic(base_url=match.group(2).removesuffix("/v1"), api_key=key,
+                                      max_retries=0)
+    with claude:
+        message = claude.messages.create(
+            model=serving.model_dir.name, max_tokens=2, system=LONG_PROMPT, messages=[ask],
+            diagnostics={"previous_message_id": None})
+    explained = subprocess.run(
+        [KVGATE, "explain", "--previous", message.id, "--port", str(serving.port),
+         "--data-dir", str(serving.data_dir), ask["content"]],
+        capture_output=True, text=True, timeout=60, env=_clean_env(), check=False)
+    assert explained.returncode == 0, explained.stderr
+    assert explained.stdout.splitlines()[0] == (
+        f"compared with {message.id}: the system messages (instructions) changed")
 
 
 def test_serve_refuses_a_plaintext_remote_listener(tmp_path: Path, model_dir: Path) -> None:

@@ -555,11 +555,65 @@ def test_non_string_role_or_content_is_rejected(test_tokenizer, key, value):
 
 
 def test_extra_message_keys_are_rejected_by_name(test_tokenizer):
-    message = {"role": "assistant", "content": "", "tool_calls": [], "name": "bot"}
+    message = {"role": "assistant", "content": "", "function_call": {}, "name": "bot"}
 
     rejects(
-        PromptInput(messages=[message]), test_tokenizer, "unsupported keys 'name', 'tool_calls'"
+        PromptInput(messages=[message]), test_tokenizer, "unsupported keys 'function_call', 'name'"
     )
+
+
+def test_tool_keys_belong_to_their_roles_only(test_tokenizer):
+    message = {"role": "user", "content": "hi", "tool_call_id": "call_1"}
+
+    rejects(PromptInput(messages=[message]), test_tokenizer, "unsupported keys 'tool_call_id'")
+
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}}
+RESULT = {"role": "tool", "content": "Sunny.", "tool_call_id": "call_1", "name": "get_weather"}
+
+
+def test_an_assistants_tool_calls_are_rendered_by_the_template(test_tokenizer):
+    messages: list[dict[str, Any]] = [
+        *user("Weather?"), {"role": "assistant", "content": "", "tool_calls": [CALL]}, RESULT]
+    result = canonicalize(PromptInput(messages=messages), test_tokenizer)
+
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}' in (
+        result.text or "")
+    assert "<|im_start|>tool\nSunny.<|im_end|>" in (result.text or "")
+
+
+def test_tool_calls_are_one_prompt_whatever_the_order_of_their_keys(test_tokenizer):
+    def prompt(call: Mapping[str, Any]) -> PromptInput:
+        return PromptInput(messages=[*user("Weather?"),
+                                     {"role": "assistant", "content": "", "tool_calls": [call]}])
+
+    assert canonicalize(prompt(CALL), test_tokenizer) == canonicalize(
+        prompt(reversed_keys(CALL)), test_tokenizer)
+
+
+def test_special_token_text_in_tool_call_arguments_is_encoded_as_text(test_tokenizer):
+    forged = {**CALL, "function": {"name": "f", "arguments": {"q": FORGED_SYSTEM}}}
+    messages: list[dict[str, Any]] = [
+        *user("Hi"), {"role": "assistant", "content": "", "tool_calls": [forged]}]
+    calls = canonicalize(PromptInput(messages=messages), test_tokenizer)
+    honest = canonicalize(PromptInput(messages=[*user("Hi"), {
+        "role": "assistant", "content": "", "tool_calls": [
+            {**CALL, "function": {"name": "f", "arguments": {"q": "Hi"}}}]}]), test_tokenizer)
+
+    assert special_ids(ids_of(calls)) == special_ids(ids_of(honest))
+
+
+def test_empty_tool_calls_are_rejected(test_tokenizer):
+    message = {"role": "assistant", "content": "", "tool_calls": []}
+
+    rejects(PromptInput(messages=[message]), test_tokenizer,
+            "messages[0].tool_calls must be a non-empty list of objects")
+
+
+def test_a_tool_call_id_that_is_not_a_string_is_rejected(test_tokenizer):
+    rejects(PromptInput(messages=[*user("Hi"), {**RESULT, "tool_call_id": 7}]), test_tokenizer,
+            "messages[1].tool_call_id must be a string, got int")
 
 
 def test_empty_prompt_is_rejected(test_tokenizer):

@@ -419,6 +419,34 @@ def test_changed_tools_are_tools_changed(claude: Any) -> None:
     assert second.diagnostics.cache_miss_reason.type == "tools_changed"
 
 
+def test_another_name_of_the_served_model_is_no_model_change(stack: Stack, claude: Any) -> None:
+    """Every alias is the same model and the same blocks: the served model is compared."""
+    system = unique(LONG_PROMPT)
+    first = claude.messages.create(  # the served model's other name: its path
+        model=stack.engine.model_name, system=system, max_tokens=8,
+        messages=[{"role": "user", "content": QUESTION}],
+        diagnostics={"previous_message_id": None})
+    second = _diagnosed(claude, system, first.id)
+    assert second.diagnostics.cache_miss_reason is None
+
+
+def test_a_changed_tool_result_is_messages_changed(claude: Any) -> None:
+    system = unique(LONG_PROMPT)
+    schema = {"type": "object", "properties": {}}
+    tools = [{"name": "refund", "description": "Refund an order.", "input_schema": schema}]
+
+    def turns(result: str) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": [
+                    {"type": "tool_use", "id": "call_1", "name": "refund", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "call_1", "content": result}]}]
+
+    first = _diagnosed(claude, system, None, tools=tools, messages=turns("Refunded."))
+    second = _diagnosed(claude, system, first.id, tools=tools, messages=turns("Failed."))
+    assert second.diagnostics.cache_miss_reason.type == "messages_changed"
+
+
 def test_an_unknown_or_another_tenants_message_is_not_found(stack: Stack, claude: Any) -> None:
     system = unique(LONG_PROMPT)
     theirs = anthropic.Anthropic(base_url=stack.url.removesuffix("/v1"), api_key=KEY_B,

@@ -146,11 +146,67 @@ def test_tools_are_the_chat_templates_function_schemas_and_stay_in_a_warmed_cut(
     ({"tools": [{**REFUND, "cache_control": {"type": "ephemeral"}}]}, "tools.0.cache_control"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "tools.0.type"),
     ({"tools": [REFUND], "tool_choice": {"type": "any"}}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": [
-        {"type": "tool_result", "tool_use_id": "t1", "content": "done"}]}]},
-     "messages.0.content.0.type"),
 ])
 def test_what_would_need_a_tool_call_is_refused(body: dict[str, Any], param: str) -> None:
     with pytest.raises(InvalidParam) as raised:
         parse(**body)
+    assert raised.value.param == param
+
+
+USE = {"type": "tool_use", "id": "toolu_1", "name": "refund", "input": {"order": "A-7"}}
+RESULT = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "Refunded."}
+
+
+def _turns(*messages: tuple[str, Any]) -> list[dict[str, Any]]:
+    return [{"role": role, "content": content} for role, content in messages]
+
+
+def test_tool_use_is_the_assistants_tool_calls_and_a_result_a_tool_message() -> None:
+    call = parse(tools=[REFUND], messages=_turns(
+        ("user", "Refund A-7."), ("assistant", [text("On it."), USE]),
+        ("user", [RESULT, text("Thanks; and A-8?")])))
+    assert call.request.prompt.messages == [
+        {"role": "user", "content": "Refund A-7."},
+        {"role": "assistant", "content": "On it.", "tool_calls": [
+            {"id": "toolu_1", "type": "function",
+             "function": {"name": "refund", "arguments": {"order": "A-7"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "name": "refund", "content": "Refunded."},
+        {"role": "user", "content": "Thanks; and A-8?"}]
+
+
+def test_a_tool_results_text_blocks_are_joined_and_is_error_is_accepted() -> None:
+    result = {**RESULT, "content": [text("Failed:"), text("no such order")], "is_error": True}
+    call = parse(messages=_turns(("user", "Refund A-7."), ("assistant", [USE]),
+                                 ("user", [result])))
+    assert call.request.prompt.messages[-1] == {
+        "role": "tool", "tool_call_id": "toolu_1", "name": "refund",
+        "content": "Failed:\nno such order"}
+
+
+def test_a_breakpoint_on_a_tool_result_marks_its_tool_message() -> None:
+    marked = {**RESULT, "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+    call = parse(messages=_turns(("user", "Refund A-7."), ("assistant", [USE]),
+                                 ("user", [marked, text("And A-8?", "5m")])))
+    longer = call.caching.longer
+    assert call.caching.ttl == "5m" and longer is not None
+    assert longer.messages == call.request.prompt.messages[:3]
+    assert longer.messages[-1]["role"] == "tool"
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    (_turns(("user", [RESULT])), "messages.0.content.0.tool_use_id"),
+    (_turns(("user", "Go."), ("assistant", [USE]), ("user", [text("Hm."), RESULT])),
+     "messages.2.content.1"),
+    (_turns(("user", "Go."), ("assistant", [USE, text("Done.")]), ("user", [RESULT])),
+     "messages.1.content.1"),
+    (_turns(("user", "Go."), ("assistant", [{**USE, "input": "A-7"}]), ("user", [RESULT])),
+     "messages.1.content.0.input"),
+    (_turns(("user", [USE])), "messages.0.content.0.type"),
+    (_turns(("user", "Go."), ("assistant", [USE, USE]), ("user", [RESULT])),
+     "messages.1.content.1.id"),
+])
+def test_a_tool_block_out_of_its_place_is_refused_by_name(messages: list[dict[str, Any]],
+                                                          param: str) -> None:
+    with pytest.raises(InvalidParam) as raised:
+        parse(messages=messages)
     assert raised.value.param == param

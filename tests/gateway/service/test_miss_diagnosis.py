@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from gateway.core.canonical import PromptInput
-from gateway.service.http.miss_diagnosis import (
+from gateway.service.miss_diagnosis import (
+    UNKNOWN,
+    Diagnosis,
     Divergence,
     KeptShape,
     KeptShapes,
     PromptShape,
     ShapeDigests,
+    diagnose,
     divergence,
     missed_tokens,
 )
@@ -101,3 +104,43 @@ def test_a_tenant_keeps_at_most_its_bound_the_least_recently_used_dropped() -> N
     assert kept.get("a", "1") is not None  # now the most recent
     kept.put("a", "3", shape)
     assert kept.get("a", "2") is None and kept.get("a", "1") is not None
+
+
+def test_diagnosing_an_unknown_request_says_nothing_more() -> None:
+    assert diagnose(None, _shape(ASK), PromptInput(messages=[ASK]), _words,
+                    block_tokens=4) == UNKNOWN == Diagnosis(is_known=False)
+
+
+def test_a_diagnosis_of_appended_turns_names_no_part_and_misses_nothing() -> None:
+    kept = KeptShape(shape=_shape(SYSTEM, ASK), reusable_tokens=8)
+    assert diagnose(kept, _shape(SYSTEM, ASK, ANSWER), PromptInput(
+        messages=[SYSTEM, ASK, ANSWER]), _words, block_tokens=4) == Diagnosis(
+        is_known=True, reusable_tokens=8)
+
+
+def test_a_diagnosis_of_an_edited_message_names_the_block_after_the_shared_turns() -> None:
+    kept = KeptShape(shape=_shape(SYSTEM, ASK, ANSWER), reusable_tokens=8)
+    prompt = PromptInput(messages=[SYSTEM, ASK, {"role": "assistant", "content": "five"}])
+    # shared: the system message (3 words) and the question (3 words)
+    assert diagnose(kept, DIGESTS.shape(model="m", prompt=prompt), prompt, _words,
+                    block_tokens=4) == Diagnosis(
+        is_known=True, where=Divergence("messages", 1), common_tokens=6, first_block=1,
+        reusable_tokens=8, missed_tokens=2)
+
+
+def test_a_diagnosis_of_a_changed_system_prompt_starts_at_block_0() -> None:
+    kept = KeptShape(shape=_shape(SYSTEM, ASK), reusable_tokens=8)
+    prompt = PromptInput(messages=[{"role": "system", "content": "x"}, ASK])
+    found = diagnose(kept, DIGESTS.shape(model="m", prompt=prompt), prompt, _words,
+                     block_tokens=4)
+    assert (found.where, found.first_block, found.missed_tokens) == (Divergence("system"), 0, 8)
+
+
+def test_a_diagnosis_without_the_cache_key_ignores_a_changed_key() -> None:
+    kept = KeptShape(shape=_shape(SYSTEM, ASK, key="a"), reusable_tokens=8)
+    prompt = PromptInput(messages=[SYSTEM, ASK])
+    current = _shape(SYSTEM, ASK)
+    assert diagnose(kept, current, prompt, _words, block_tokens=4).where == Divergence(
+        "prompt_cache_key")
+    assert diagnose(kept, current, prompt, _words, block_tokens=4,
+                    compare_cache_key=False).where is None

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP front through the real ``openai`` SDK, beside the real gRPC service.
 
 One real gateway per module, as ``kvgate serve`` builds it: the tiny Llama, a real cache and
-engine with metrics, the gRPC server and the HTTP front sharing one ``EngineSlot`` and one
-``Authenticator``, each on a free loopback port. Requests go through ``openai.OpenAI`` (retries
-off, so every error is seen as sent); what the SDK cannot send (no key, a body that is not JSON,
-a chunked body, a dropped connection) goes through ``http.client`` or a raw socket.
+engine with metrics, the gRPC server and the HTTP front sharing one ``EngineSlot``, one
+``Authenticator`` and one ``PromptComparisons``, each on a free loopback port. Requests go
+through ``openai.OpenAI`` (retries off, so every error is seen as sent); what the SDK cannot
+send (no key, a body that is not JSON, a chunked body, a dropped connection) goes through
+``http.client`` or a raw socket.
 
 The engine allows one running and one queued request per tenant, so that a full queue (429) can
 be made on purpose; tenant B is used only by that test.
@@ -33,6 +34,7 @@ from gateway.service.auth import Authenticator
 from gateway.service.engine_slot import EngineSlot
 from gateway.service.http.server import HttpFront
 from gateway.service.metrics import GatewayMetrics
+from gateway.service.prompt_comparisons import PromptComparisons
 from gateway.service.server import ServeError
 from tests.gateway.grpc_harness import (
     ADMIN_KEY,
@@ -114,13 +116,14 @@ def loaded(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
 def stack(loaded: LoadedModel) -> Iterator[Stack]:
     engines = EngineSlot()
     metrics = GatewayMetrics()
+    comparisons = PromptComparisons(block_tokens=BLOCK)  # one for both, as `kvgate serve`'s
     running = start_gateway(
-        loaded, engines=engines, metrics=metrics,
+        loaded, engines=engines, metrics=metrics, comparisons=comparisons,
         engine_config=EngineConfig(block_tokens=BLOCK, max_running_per_tenant=1,
                                    max_queued_per_tenant=1))
     config = ServeConfig(host="127.0.0.1", port=0, keys=KEYS,
                          http=HttpSettings(port=0, max_body_bytes=MAX_BODY))
-    front = HttpFront(config, Authenticator(KEYS), engines)
+    front = HttpFront(config, Authenticator(KEYS), engines, comparisons=comparisons)
     front.start()
     stack = Stack(running, front, metrics, engines)
     try:

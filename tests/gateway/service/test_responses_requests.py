@@ -30,3 +30,29 @@ def test_in_memory_retention_under_a_max_ttl_below_five_minutes_keeps_the_gatewa
     call = parse_responses(_body(prompt_cache_retention="in-memory"), PRINCIPAL,
                            limits=EdgeLimits(max_deadline_s=60.0, max_ttl_s=120.0))
     assert call.request.cache.ttl_s is None
+
+
+def test_a_function_call_joins_the_assistant_message_before_it_and_its_output_names_it(
+        ) -> None:
+    call = parse_responses(_body(input=[
+        {"role": "user", "content": "Refund A-7."},
+        {"role": "assistant", "content": "On it."},
+        {"type": "function_call", "call_id": "c1", "name": "refund",
+         "arguments": '{"order": "A-7"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "Refunded."}]),
+        PRINCIPAL, limits=LIMITS)
+    assert call.request.prompt.messages == [
+        {"role": "user", "content": "Refund A-7."},
+        {"role": "assistant", "content": "On it.", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "refund", "arguments": {"order": "A-7"}}}]},
+        {"role": "tool", "content": "Refunded.", "tool_call_id": "c1", "name": "refund"}]
+
+
+def test_function_tools_are_the_chat_templates_schemas_and_are_kept_as_sent() -> None:
+    tool = {"type": "function", "name": "refund", "description": "Refund an order.",
+            "parameters": {"type": "object"}, "strict": True}
+    call = parse_responses(_body(tools=[tool]), PRINCIPAL, limits=LIMITS)
+    assert call.request.prompt.tools == [{"type": "function", "function": {
+        "name": "refund", "description": "Refund an order.", "parameters": {"type": "object"}}}]
+    assert call.tools == (tool,)

@@ -1,12 +1,14 @@
-"""Why a prompt did not reuse an earlier one's cached prefix, in the hosted APIs' terms.
+"""Why a prompt did not reuse an earlier one's cached prefix: one diagnosis for every surface.
 
-Anthropic's ``diagnostics.previous_message_id`` and OpenAI's
-``prompt_cache_options.comparison_response_id`` name an earlier request; the answer says where
-this one's prompt first departs from it -- the model, the prompt-cache key, the tools, the
-system prompt (``instructions``), or an earlier message (a conversation that only appended
-turns departs nowhere) -- and about how many of the earlier prompt's cached tokens that costs.
-The comparison is of the requests' structure, whatever the cache then held, as the hosted APIs
-do.
+A request names an earlier one -- Anthropic's ``diagnostics.previous_message_id``, OpenAI's
+``prompt_cache_options.comparison_response_id``, gRPC ``Lookup``'s ``previous_request_id``
+(and so ``kvgate explain``) -- and the answer (``Diagnosis``) says where this one's prompt first
+departs from it -- the model, the prompt-cache key, the tools, the system prompt
+(``instructions``), or an earlier message (a conversation that only appended turns departs
+nowhere) --, the first block that may differ, and about how many of the earlier prompt's cached
+tokens that costs. The comparison is of the requests' structure, whatever the cache then held,
+as the hosted APIs do; each surface writes the one ``Diagnosis`` in its own shape
+(``gateway.service.http.hosted_diagnostics``, ``gateway.service.servicer``).
 
 What is kept of a request is its ``PromptShape``: a keyed digest of each part (BLAKE2b under a
 key drawn when the gateway starts), never its text, and how many of its tokens it left in the
@@ -22,8 +24,8 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from gateway.core.canonical import PromptInput
@@ -112,20 +114,92 @@ def divergence(earlier: PromptShape, current: PromptShape) -> Divergence | None:
     return Divergence("messages", first)
 
 
-def missed_tokens(kept: KeptShape, where: Divergence, prompt: PromptInput,
+def common_tokens(where: Divergence, prompt: PromptInput,
                   num_tokens: Callable[[PromptInput], int]) -> int:
-    """About how many of the earlier prompt's cached tokens ``prompt`` could not read because
-    of ``where``: all of them for a change before the messages, else those after the prompt
-    cut before its first differing message (``num_tokens`` counts a prompt's tokens)."""
+    """How many of ``prompt``'s tokens come before the part where it departs from the earlier
+    prompt: none for a change before the messages (the model, the key, the tools and the system
+    prompt lead the rendered prompt), else those of the prompt cut before its first differing
+    message (``num_tokens`` counts a prompt's tokens).
+
+    NOTE: the parts are compared, not the tokens, so this is where the change may begin at the
+    earliest: an edit at the end of a system prompt still counts from its start.
+    """
     if where.part != "messages":
-        return kept.reusable_tokens
+        return 0
     messages = list(prompt.messages or ())
     num_system = next((i for i, message in enumerate(messages)
                        if message.get("role") != "system"), len(messages))
     cut = PromptInput(messages=messages[:num_system + where.first_message], tools=prompt.tools,
                       add_generation_prompt=False)
-    common = num_tokens(cut) if cut.messages else 0
-    return max(0, kept.reusable_tokens - common)
+    return num_tokens(cut) if cut.messages else 0
+
+
+def missed_tokens(kept: KeptShape, where: Divergence, prompt: PromptInput,
+                  num_tokens: Callable[[PromptInput], int]) -> int:
+    """About how many of the earlier prompt's cached tokens ``prompt`` could not read because
+    of ``where``: all of them for a change before the messages, else those after the prompt
+    cut before its first differing message (``common_tokens``)."""
+    if where.part != "messages":
+        return kept.reusable_tokens
+    return max(0, kept.reusable_tokens - common_tokens(where, prompt, num_tokens))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Diagnosis:
+    """What comparing a prompt with an earlier request found: every surface's answer (the
+    hosted APIs' diagnostics over HTTP, ``Lookup``'s ``comparison`` over gRPC, ``kvgate
+    explain``) is written from this one record.
+
+    Attributes:
+        is_known: whether the earlier request is known to the caller's tenant; when not, no
+            other attribute says anything ("previous request unknown").
+        where: where the prompt first departs from the earlier one; None where it only
+            appends to it (or the earlier one is unknown).
+        common_tokens: the prompt's tokens before that part (``common_tokens``).
+        first_block: the first block of the prompt that may differ from the earlier one's
+            (``common_tokens // block_tokens``); None where nothing departs.
+        reusable_tokens: the earlier prompt's tokens left in the cache (read or stored).
+        missed_tokens: about how many of those this prompt cannot read because of the change.
+    """
+
+    is_known: bool
+    where: Divergence | None = None
+    common_tokens: int = 0
+    first_block: int | None = None
+    reusable_tokens: int = 0
+    missed_tokens: int = 0
+
+
+UNKNOWN = Diagnosis(is_known=False)
+"""The answer about an id this tenant did not make, made and forgot, or never saw."""
+
+
+def diagnose(kept: KeptShape | None, current: PromptShape, prompt: PromptInput,
+             num_tokens: Callable[[PromptInput], int], *, block_tokens: int,
+             compare_cache_key: bool = True) -> Diagnosis:
+    """``prompt`` (whose shape is ``current``) compared with the earlier request ``kept``
+    (None: unknown to the caller).
+
+    Args:
+        num_tokens: counts a prompt's canonical tokens (run only where messages differ).
+        block_tokens: tokens per cache block.
+        compare_cache_key: compare the prompt-cache keys too (OpenAI's routing hint; a surface
+            that has none, gRPC, compares the parts that enter the cache only).
+    """
+    if kept is None:
+        return UNKNOWN
+    earlier = kept.shape
+    if not compare_cache_key:
+        earlier = replace(earlier, prompt_cache_key=current.prompt_cache_key)
+    where = divergence(earlier, current)
+    if where is None:
+        return Diagnosis(is_known=True, reusable_tokens=kept.reusable_tokens)
+    common = common_tokens(where, prompt, num_tokens)
+    missed = (kept.reusable_tokens if where.part != "messages"
+              else max(0, kept.reusable_tokens - common))
+    return Diagnosis(is_known=True, where=where, common_tokens=common,
+                     first_block=common // block_tokens, reusable_tokens=kept.reusable_tokens,
+                     missed_tokens=missed)
 
 
 class KeptShapes:
@@ -164,50 +238,3 @@ class KeptShapes:
             shapes[id] = (kept, now + self._ttl_s)
             shapes.move_to_end(id)
             return kept
-
-
-def anthropic_diagnostics(kept: KeptShape | None, where: Divergence | None,
-                          missed: int) -> dict[str, object]:
-    """Anthropic's ``diagnostics`` object of a request that named an earlier message (None
-    ``kept``: unknown to this tenant)."""
-    if kept is None:
-        return {"cache_miss_reason": {"type": "previous_message_not_found"}}
-    if where is None:
-        return {"cache_miss_reason": None}
-    return {"cache_miss_reason": {"type": f"{_ANTHROPIC_PART[where.part]}_changed",
-                                  "cache_missed_input_tokens": missed}}
-
-
-def responses_diagnostics(kept: KeptShape | None, where: Divergence | None,
-                          missed: int) -> dict[str, object]:
-    """OpenAI's ``prompt_cache_diagnostics`` of a response compared with an earlier one."""
-    if kept is None:
-        return {"type": "comparison_response_not_found"}
-    if where is None:
-        return {"type": "cache_hit"}
-    return {"type": "cache_miss", "reason": _RESPONSES_REASON[where.part],
-            "cache_missed_tokens": missed, "comparison_reusable_tokens": kept.reusable_tokens}
-
-
-_ANTHROPIC_PART: Mapping[Part, str] = {
-    "model": "model", "prompt_cache_key": "model", "tools": "tools", "system": "system",
-    "messages": "messages"}
-"""Anthropic's reasons (``model_changed`` ... ``messages_changed``); its requests carry no
-cache key (their shapes' keys are all the empty one), so that row never applies."""
-
-_RESPONSES_REASON: Mapping[Part, str] = {
-    "model": "model_changed", "prompt_cache_key": "prompt_cache_key_changed",
-    "tools": "tools_changed", "system": "input_changed", "messages": "input_changed"}
-"""OpenAI's reasons: ``instructions`` are part of the input there."""
-
-
-def compare(kept: KeptShape | None, current: PromptShape, prompt: PromptInput,
-            num_tokens: Callable[[PromptInput], int]
-            ) -> tuple[KeptShape | None, Divergence | None, int]:
-    """The earlier shape (None: unknown), where ``current`` departs from it, and the tokens
-    that cost."""
-    if kept is None:
-        return None, None, 0
-    where = divergence(kept.shape, current)
-    return kept, where, 0 if where is None else missed_tokens(kept, where, prompt, num_tokens)
-
