@@ -51,6 +51,14 @@ def run_bench(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
             model=args.model, cache_dir=args.data_dir / "models", requests=args.requests,
             flood=args.flood, flood_tokens=args.flood_tokens), out=sys.stdout)
         return 0
+    if args.bench == "profile":
+        from gateway.bench.step_profile import ProfileOptions, run_profile_benchmark
+
+        run_profile_benchmark(ProfileOptions(
+            model=args.model, cache_dir=args.data_dir / "models",
+            users=[int(u) for u in args.users.split(",")], rounds=args.rounds,
+            max_tokens=args.max_tokens), out=sys.stdout)
+        return 0
     if args.bench == "tiers":
         from gateway.bench.tiers import run_tiers_benchmark
 

@@ -76,6 +76,18 @@ def build_parser() -> argparse.ArgumentParser:
                           help="priority lanes inside one tenant instead: 2 interactive users "
                                "alone, then beside --flood bulk users at the same priority and "
                                "at a worse one (issue 28)")
+    profile = bench_sub.add_parser("profile", help="where the engine's thread spends the chat "
+                                   "load's time, sampled, and the cores busy (in process)")
+    profile.add_argument("--model", default="bundled",
+                         help="'bundled' (SmolLM2-135M) or a checkpoint directory")
+    profile.add_argument("--data-dir", type=Path, default=Path("data"),
+                         help="model conversion cache (DATA_DIR/models) (default: %(default)s)")
+    profile.add_argument("--users", default="1,8",
+                         help="comma-separated user counts, run in turn (default: %(default)s)")
+    profile.add_argument("--rounds", type=int, default=4,
+                         help="questions each user asks in turn (default: %(default)s)")
+    profile.add_argument("--max-tokens", type=int, default=32,
+                         help="greedy tokens per answer (default: %(default)s)")
     tiers = bench_sub.add_parser("tiers", help="put/get of a real prefix per tier vs raw limits")
     tiers.add_argument("--model", default="bundled",
                        help="'bundled' (SmolLM2-135M) or a checkpoint directory")
