@@ -102,6 +102,24 @@ def test_a_row_keeps_its_bits_beside_other_sequences_of_other_lengths(pool) -> N
     assert torch.equal(together[2], alone)
 
 
+@given(num_others=st.integers(min_value=0, max_value=11),
+       shared_pages=st.integers(min_value=0, max_value=8))
+@settings(max_examples=25, deadline=None)
+def test_decode_rows_sharing_pages_keep_each_rows_bits(pool, num_others: int,
+                                                        shared_pages: int) -> None:
+    """Decode rows of many sequences are attended together, their tables walked page by page
+    in lockstep so that a page they share (a system prompt) is read once for all: each row's
+    bits are still the ones it has alone, whatever its neighbours, shared pages or not."""
+    prefix = _table(40, 8)[:shared_pages]
+    tails = [_table(50 + i, 2) for i in range(num_others + 1)]
+    tables = [prefix + [page for page in tail if page not in prefix] for tail in tails]
+    items = [_item(pool, table, _queries(1, 60 + i), len(table) * PAGE - 1 - i % PAGE,
+                   is_decode=True) for i, table in enumerate(tables)]
+    together = PagedAttention().attend(items)
+    for item, attended in zip(items, together, strict=True):
+        assert torch.equal(attended, PagedAttention().attend([item])[0])
+
+
 @given(cuts=st.lists(st.integers(min_value=1, max_value=40), min_size=1, max_size=12))
 @settings(max_examples=25, deadline=None)
 def test_a_prompt_attended_in_any_chunks_equals_it_attended_one_shot(pool, cuts) -> None:

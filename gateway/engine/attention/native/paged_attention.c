@@ -30,6 +30,7 @@ numbers are the same on every machine, with or without AVX2/FMA (only the speed 
 Compiled with -ffp-contract=off and without -ffast-math: the compiler may not fuse or reorder.
 */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -94,8 +95,10 @@ static inline v8 exp_lanes(v8 x) {
 }
 
 #define MAX_ROWS 4
-/* Rows of one sequence attended together: each key and value is read once for all of them
-   (from cache, page by page), while every row's numbers are computed exactly as if alone. */
+/* Rows attended together: consecutive rows of one sequence (a prefill chunk's), or the lone rows
+   of several sequences (decode rows). They walk their tables page by page in lockstep, so a
+   page they share -- a system prompt many sequences hold through the cache -- is read from
+   memory once for all of them, while every row's numbers are computed exactly as if alone. */
 
 /* The score of one query row against four keys, side by side (four independent chains). */
 static inline void scores4(const float *qh, const float *key, int head_dim, float *out) {
@@ -203,23 +206,23 @@ static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softca
    of one KV head.
 
    q: rows * rep rows of head_dim (already scaled); k_head/v_head: this KV head's pages
-   ([pages, page_tokens, head_dim]); table: the sequence's page ids; n[r]: keys row r sees (its
+   ([pages, page_tokens, head_dim]); table[r]: row r's sequence's page ids; n[r]: keys row r sees (its
    position + 1); lo[r]: its first key (0, or with a window position + 1 - window); scores: scratch of rows * rep * `padded` floats, padded >= every n[r] rounded
    up to 8; acc: scratch of rows * rep * head_dim floats; out[r]: row r's output, rep rows of
    head_dim; sinks: the rep query heads' sinks, or NULL. */
 static inline __attribute__((always_inline)) void
 attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head,
-            const float *v_head, int64_t page_stride, int page_tokens, const int64_t *table,
-            const int64_t *lo, const int64_t *n, int64_t padded, float softcap, float *scores,
+            const float *v_head, int64_t page_stride, int page_tokens,
+            const int64_t *const *table, const int64_t *lo, const int64_t *n, int64_t padded, float softcap, float *scores,
             float *acc, float *denominator, float *const *out, const float *sinks) {
     int64_t longest = 0;
     for (int r = 0; r < rows; r++) longest = n[r] > longest ? n[r] : longest;
     const int chunks = head_dim / 8;
-    /* Scores, page by page: a page's keys are read from memory once for every row. */
+    /* Scores, page by page: a page's keys are read from memory once for every row holding it. */
     for (int64_t start = 0; start < longest; start += page_tokens) {
-        const float *kp = k_head + table[start / page_tokens] * page_stride;
         for (int r = 0; r < rows; r++) {
             if (start >= n[r] || start + page_tokens <= lo[r]) continue;
+            const float *kp = k_head + table[r][start / page_tokens] * page_stride;
             const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
             for (int h = 0; h < rep; h++) {
                 const float *qh = q + ((int64_t)r * rep + h) * head_dim;
@@ -239,9 +242,9 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
     /* Weighted values, page by page; each accumulator sums its keys in order across pages. */
     memset(acc, 0, sizeof(float) * (size_t)rows * rep * head_dim);
     for (int64_t start = 0; start < longest; start += page_tokens) {
-        const float *vp = v_head + table[start / page_tokens] * page_stride;
         for (int r = 0; r < rows; r++) {
             if (start >= n[r] || start + page_tokens <= lo[r]) continue;
+            const float *vp = v_head + table[r][start / page_tokens] * page_stride;
             const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
             const int64_t first = lo[r] > start ? lo[r] - start : 0; /* the window's first key */
             for (int h = 0; h < rep; h++) {
@@ -270,6 +273,12 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
         }
 }
 
+/* Whether row r is its item's only row (the items' rows are consecutive). */
+static inline int is_lone(const int64_t *row_item, int64_t rows, int64_t r) {
+    return (r == 0 || row_item[r - 1] != row_item[r])
+           && (r + 1 == rows || row_item[r + 1] != row_item[r]);
+}
+
 /* Every row of a layer's step, in one call.
 
    keys/values: one layer's K and V storage, [kv_heads, pages, page_tokens, head_dim] with
@@ -291,17 +300,29 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
     const int64_t padded = (longest + 7) / 8 * 8;
     const int64_t page_stride = (int64_t)page_tokens * head_dim;
     const int heads = kv_heads * rep;
-    /* Blocks of up to MAX_ROWS consecutive rows of one item. */
+    /* Blocks of up to MAX_ROWS consecutive rows of one item, or of up to `lone` consecutive
+       rows that are each their item's only one (decode rows): as many together as still leaves
+       every thread two tasks or more. */
     int64_t *block_start = malloc(sizeof(int64_t) * (size_t)(rows + 1));
     if (block_start == NULL) return -1;
+    int64_t lone_rows = 0;
+    for (int64_t r = 0; r < rows; r++) lone_rows += is_lone(row_item, rows, r);
+    int64_t lone = lone_rows * kv_heads / (2 * (int64_t)omp_get_max_threads());
+    lone = lone < 1 ? 1 : lone > MAX_ROWS ? MAX_ROWS : lone;
     int64_t blocks = 0;
     for (int64_t r = 0; r < rows;) {
         block_start[blocks++] = r;
         int64_t end = r + 1;
-        while (end < rows && end - r < MAX_ROWS && row_item[end] == row_item[r]) end++;
+        if (is_lone(row_item, rows, r))
+            while (end < rows && end - r < lone && is_lone(row_item, rows, end)) end++;
+        else
+            while (end < rows && end - r < MAX_ROWS && row_item[end] == row_item[r]) end++;
         r = end;
     }
     block_start[blocks] = rows;
+    /* Head-major: the threads take blocks of one KV head at once, so rows of different blocks
+       that share a page read it at about the same time (once from memory, then from the
+       shared cache). */
     const int64_t tasks = blocks * kv_heads;
     int failed = 0;
 #pragma omp parallel
@@ -317,15 +338,16 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < tasks; task++) {
             if (scratch == NULL) continue;
-            const int64_t first = block_start[task / kv_heads];
-            const int count = (int)(block_start[task / kv_heads + 1] - first);
-            const int g = (int)(task % kv_heads);
+            const int64_t first = block_start[task % blocks];
+            const int count = (int)(block_start[task % blocks + 1] - first);
+            const int g = (int)(task / blocks);
             float *scores = scratch;
             float *acc = scores + (size_t)MAX_ROWS * rep * padded;
             float *q = acc + (size_t)MAX_ROWS * rep * head_dim;
             float *denominator = q + (size_t)MAX_ROWS * rep * head_dim;
             int64_t n[MAX_ROWS], lo[MAX_ROWS];
             float *row_out[MAX_ROWS];
+            const int64_t *table[MAX_ROWS];
             for (int r = 0; r < count; r++) {
                 const int64_t row = first + r;
                 const float *src = queries + (row * heads + (int64_t)g * rep) * head_dim;
@@ -333,9 +355,9 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
                 n[r] = row_position[row] + 1;
                 lo[r] = window > 0 && n[r] > window ? n[r] - window : 0;
                 row_out[r] = out + (row * heads + (int64_t)g * rep) * head_dim;
+                table[r] = tables + row_item[row] * table_stride;
             }
             const float *k_head = keys + g * head_stride, *v_head = values + g * head_stride;
-            const int64_t *table = tables + row_item[first] * table_stride;
             const float *head_sinks = sinks == NULL ? NULL : sinks + (int64_t)g * rep;
             /* The common head sizes as constants: the compiler then keeps the accumulators in
                registers and the keys' offsets in the instructions (speed only: every path runs
