@@ -35,7 +35,7 @@ def add_explain_parser(sub: Any) -> None:
         description="Compares a prompt with an earlier request the gateway kept (by its id: "
                     "msg_... from /v1/messages with diagnostics, resp_... from /v1/responses, "
                     "gen_... from a gRPC Generate) and prints which part changed, the first "
-                    "block that may differ and the cached tokens that costs, then what the "
+                    "block that differs and the cached tokens that costs, then what the "
                     "cache holds of the prompt now. Nothing is computed.")
     explain.add_argument("prompt", nargs="?", default=None,
                          help="a last user message, appended to --messages' conversation")
@@ -125,10 +125,10 @@ def _compared(previous: str, found: PromptComparison | None) -> list[str]:
         what = _PARTS.get(found.changed_part, found.changed_part)
     block = found.first_differing_block
     return [f"compared with {name}: {what} changed",
-            f"  first block that may differ: {block} ({found.common_tokens} tokens before the "
-            "change are the same)",
+            f"  first block that differs: {block} ({found.common_tokens} tokens before the "
+            "changed part are the same)",
             f"  {name} left {found.previous_cached_tokens} tokens in the cache; this prompt "
-            f"cannot read about {found.missed_tokens} of them"]
+            f"cannot read {found.missed_tokens} of them"]
 
 
 def _cached_now(result: LookupResult) -> str:

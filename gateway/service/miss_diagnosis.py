@@ -24,11 +24,14 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
 
+import numpy as np
+
 from gateway.core.canonical import PromptInput
+from gateway.core.tokens import TokenIds
 
 Part = Literal["model", "prompt_cache_key", "tools", "system", "messages"]
 """Where a prompt departs from an earlier one, in the order a prompt is compared."""
@@ -69,11 +72,14 @@ class Divergence:
 
 @dataclass(frozen=True, slots=True)
 class KeptShape:
-    """A request's shape and how many of its prompt's tokens it left in the cache (read or
-    stored: what a request sharing its prefix could have read)."""
+    """A request's shape, how many of its prompt's tokens it left in the cache (read or
+    stored: what a request sharing its prefix could have read), and a chained keyed digest of
+    each of its prompt's full blocks (``ShapeDigests.blocks``: empty where not kept), which
+    find the first block a later prompt changes exactly."""
 
     shape: PromptShape
     reusable_tokens: int
+    blocks: tuple[bytes, ...] = ()
 
 
 class ShapeDigests:
@@ -94,6 +100,19 @@ class ShapeDigests:
             tools=self._digest(list(prompt.tools or ())),
             system=self._digest(messages[:num_system]),
             messages=tuple(self._digest(message) for message in messages[num_system:]))
+
+    def blocks(self, tokens: Sequence[int] | TokenIds, block_tokens: int) -> tuple[bytes, ...]:
+        """A digest of each full block of ``tokens`` chained with the ones before it (8 bytes
+        each), so that two prompts' digests are equal up to their first differing block."""
+        data = np.asarray(tokens, dtype="<u4").tobytes()
+        width = 4 * block_tokens
+        chained = b""
+        out = []
+        for start in range(0, len(data) - width + 1, width):
+            chained = hashlib.blake2b(chained + data[start:start + width], key=self._key,
+                                      digest_size=8).digest()
+            out.append(chained)
+        return tuple(out)
 
     def _digest(self, value: object) -> bytes:
         text = json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
@@ -156,10 +175,14 @@ class Diagnosis:
         where: where the prompt first departs from the earlier one; None where it only
             appends to it (or the earlier one is unknown).
         common_tokens: the prompt's tokens before that part (``common_tokens``).
-        first_block: the first block of the prompt that may differ from the earlier one's
-            (``common_tokens // block_tokens``); None where nothing departs.
+        first_block: the first block of the prompt that differs from the earlier one's, from
+            both prompts' block digests where the earlier one's were kept (else
+            ``common_tokens // block_tokens``, the first the changed part may reach); None
+            where nothing departs.
         reusable_tokens: the earlier prompt's tokens left in the cache (read or stored).
-        missed_tokens: about how many of those this prompt cannot read because of the change.
+        missed_tokens: how many of those this prompt cannot read because of the change: those
+            from ``first_block`` on where the blocks were compared, else about as many (those
+            after the changed part's start).
     """
 
     is_known: bool
@@ -176,7 +199,8 @@ UNKNOWN = Diagnosis(is_known=False)
 
 def diagnose(kept: KeptShape | None, current: PromptShape, prompt: PromptInput,
              num_tokens: Callable[[PromptInput], int], *, block_tokens: int,
-             compare_cache_key: bool = True) -> Diagnosis:
+             compare_cache_key: bool = True,
+             blocks_of: Callable[[], tuple[bytes, ...]] | None = None) -> Diagnosis:
     """``prompt`` (whose shape is ``current``) compared with the earlier request ``kept``
     (None: unknown to the caller).
 
@@ -185,6 +209,9 @@ def diagnose(kept: KeptShape | None, current: PromptShape, prompt: PromptInput,
         block_tokens: tokens per cache block.
         compare_cache_key: compare the prompt-cache keys too (OpenAI's routing hint; a surface
             that has none, gRPC, compares the parts that enter the cache only).
+        blocks_of: ``prompt``'s block digests (``ShapeDigests.blocks``, run only where it
+            departs): with the kept request's, the first differing block is exact; without
+            either, it is the first block the changed part may reach.
     """
     if kept is None:
         return UNKNOWN
@@ -195,11 +222,23 @@ def diagnose(kept: KeptShape | None, current: PromptShape, prompt: PromptInput,
     if where is None:
         return Diagnosis(is_known=True, reusable_tokens=kept.reusable_tokens)
     common = common_tokens(where, prompt, num_tokens)
-    missed = (kept.reusable_tokens if where.part != "messages"
-              else max(0, kept.reusable_tokens - common))
+    if kept.blocks and blocks_of is not None:
+        first_block = first_difference(kept.blocks, blocks_of())
+        missed = max(0, kept.reusable_tokens - first_block * block_tokens)
+    else:
+        first_block = common // block_tokens
+        missed = (kept.reusable_tokens if where.part != "messages"
+                  else max(0, kept.reusable_tokens - common))
     return Diagnosis(is_known=True, where=where, common_tokens=common,
-                     first_block=common // block_tokens, reusable_tokens=kept.reusable_tokens,
+                     first_block=first_block, reusable_tokens=kept.reusable_tokens,
                      missed_tokens=missed)
+
+
+def first_difference(earlier: Sequence[bytes], current: Sequence[bytes]) -> int:
+    """The index of the first block whose chained digests differ (the shorter's length where
+    one prompt's blocks begin the other's)."""
+    return next((i for i, (a, b) in enumerate(zip(earlier, current, strict=False)) if a != b),
+                min(len(earlier), len(current)))
 
 
 class KeptShapes:

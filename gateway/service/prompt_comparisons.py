@@ -64,11 +64,16 @@ class PromptComparisons:
         return self._digests.shape(model=model, prompt=prompt,
                                    prompt_cache_key=prompt_cache_key)
 
-    def keeper(self, tenant: str, shape: PromptShape) -> KeepShape:
-        """What keeps ``shape`` for ``tenant`` under its answer's id, once the answer is whole."""
+    def keeper(self, tenant: str, shape: PromptShape, prompt: PromptInput,
+               tokenizer: Tokenizer) -> KeepShape:
+        """What keeps ``shape`` for ``tenant`` under its answer's id, once the answer is whole,
+        with the digests of ``prompt``'s blocks (tokenised then: after the answer, off its
+        path)."""
         def keep(answer_id: str, usage: Usage) -> None:
+            blocks = self._digests.blocks(tokenizer.prompt_tokens(prompt), self._block_tokens)
             self._kept.put(tenant, answer_id, KeptShape(
-                shape=shape, reusable_tokens=usage.cached_tokens + usage.stored_tokens))
+                shape=shape, reusable_tokens=usage.cached_tokens + usage.stored_tokens,
+                blocks=blocks))
         return keep
 
     def diagnose(self, tenant: str, earlier_id: str, shape: PromptShape, prompt: PromptInput,
@@ -78,7 +83,9 @@ class PromptComparisons:
         make, or made and has not used for the kept shapes' TTL)."""
         return diagnose(self._kept.get(tenant, earlier_id), shape, prompt,
                         lambda cut: len(tokenizer.prompt_tokens(cut)),
-                        block_tokens=self._block_tokens, compare_cache_key=compare_cache_key)
+                        block_tokens=self._block_tokens, compare_cache_key=compare_cache_key,
+                        blocks_of=lambda: self._digests.blocks(tokenizer.prompt_tokens(prompt),
+                                                               self._block_tokens))
 
 
 def new_request_id() -> str:

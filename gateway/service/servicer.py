@@ -353,7 +353,7 @@ class GatewayServicer:
         if record.prompt.messages is not None:
             request_id = new_request_id()
             keep = self._comparisons.keeper(record.scope.owner, self._comparisons.shape(
-                model=engine.model_name, prompt=record.prompt))
+                model=engine.model_name, prompt=record.prompt), record.prompt, engine)
         generation = Generation(engine.generate(record))
         if not context.add_callback(generation.cancel_unless_delivered):  # the call ended
             generation.cancel_unless_delivered()

@@ -42,7 +42,7 @@ class HostedDiagnostics:
             return None, None
         shape = self._comparisons.shape(model=engine.model_name, prompt=call.request.prompt)
         tenant = call.request.scope.owner
-        keep = self._comparisons.keeper(tenant, shape)
+        keep = self._comparisons.keeper(tenant, shape, call.request.prompt, engine)
         if call.previous_message_id is None:
             return {"cache_miss_reason": None}, keep
         return anthropic_diagnostics(self._comparisons.diagnose(
@@ -56,7 +56,7 @@ class HostedDiagnostics:
         shape = self._comparisons.shape(model=engine.model_name, prompt=call.request.prompt,
                                         prompt_cache_key=call.prompt_cache_key)
         tenant = call.request.scope.owner
-        keep = self._comparisons.keeper(tenant, shape)
+        keep = self._comparisons.keeper(tenant, shape, call.request.prompt, engine)
         if call.comparison_response_id is None:
             return None, keep
         return responses_diagnostics(self._comparisons.diagnose(

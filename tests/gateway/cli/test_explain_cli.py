@@ -55,9 +55,9 @@ def test_explain_names_the_changed_system_prompt_and_what_the_cache_holds_now(
     cached = earlier.prompt_tokens // BLOCK * BLOCK
     assert lines[:3] == [
         f"compared with {earlier.request_id}: the system messages (instructions) changed",
-        "  first block that may differ: 0 (0 tokens before the change are the same)",
+        "  first block that differs: 0 (0 tokens before the changed part are the same)",
         f"  {earlier.request_id} left {cached} tokens in the cache; this prompt cannot read "
-        f"about {cached} of them"]
+        f"{cached} of them"]
     assert lines[3].startswith("cached now: 0 of ") and "the first block not cached is 0" in (
         lines[3])
     assert len(lines) == 4

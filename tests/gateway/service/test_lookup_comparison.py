@@ -1,5 +1,5 @@
 """gRPC ``Lookup`` naming an earlier request (``previous_request_id``): which part of the prompt
-changed, the first block that may differ and the cached tokens that costs.
+changed, the first block that differs and the cached tokens that costs.
 
 The gateway is ``test_openai_http``'s (gRPC and HTTP over one engine and one
 ``PromptComparisons``, as ``kvgate serve`` builds them), so an id made over HTTP -- a
@@ -106,8 +106,12 @@ def test_an_edited_message_names_its_index_and_the_block_after_the_shared_turns(
     common = len(stack.engine.prompt_tokens(PromptInput(messages=[system, ASK],
                                                         add_generation_prompt=False)))
     assert compared.common_tokens == common
-    assert compared.first_differing_block == common // BLOCK
-    assert compared.missed_tokens == compared.previous_cached_tokens - common
+    before = stack.engine.prompt_tokens(PromptInput(messages=[system, ASK, ANSWER, AGAIN]))
+    after = stack.engine.prompt_tokens(PromptInput(messages=[system, ASK, edited, AGAIN]))
+    first_token = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+    assert compared.first_differing_block == first_token // BLOCK >= common // BLOCK
+    assert compared.missed_tokens == (compared.previous_cached_tokens
+                                      - compared.first_differing_block * BLOCK)
 
 
 def test_a_lookup_can_name_an_anthropic_message_id(stack: Stack, grpc_a: KvgateClient) -> None:

@@ -13,6 +13,7 @@ from gateway.service.miss_diagnosis import (
     ShapeDigests,
     diagnose,
     divergence,
+    first_difference,
     missed_tokens,
 )
 
@@ -134,6 +135,25 @@ def test_a_diagnosis_of_a_changed_system_prompt_starts_at_block_0() -> None:
     found = diagnose(kept, DIGESTS.shape(model="m", prompt=prompt), prompt, _words,
                      block_tokens=4)
     assert (found.where, found.first_block, found.missed_tokens) == (Divergence("system"), 0, 8)
+
+
+def test_kept_block_digests_name_the_exact_first_block_an_edit_changes() -> None:
+    """A system prompt edited in its third block: the parts say "system" (from block 0 at the
+    earliest), the blocks' digests say block 2, and the two blocks before it stay readable."""
+    earlier = list(range(100, 120))
+    edited = [*earlier[:9], 7, *earlier[10:]]
+    kept = KeptShape(shape=_shape(SYSTEM, ASK), reusable_tokens=16,
+                     blocks=DIGESTS.blocks(earlier, 4))
+    prompt = PromptInput(messages=[{"role": "system", "content": "x"}, ASK])
+    found = diagnose(kept, DIGESTS.shape(model="m", prompt=prompt), prompt, _words,
+                     block_tokens=4, blocks_of=lambda: DIGESTS.blocks(edited, 4))
+    assert (found.where, found.first_block, found.missed_tokens) == (Divergence("system"), 2, 8)
+
+
+def test_block_digests_are_chained_so_equal_digests_mean_an_equal_prefix() -> None:
+    a, b = DIGESTS.blocks([1, 2, 3, 4, 5, 6, 7, 8], 4), DIGESTS.blocks([9, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2 and a[0] != b[0] and a[1] != b[1]
+    assert first_difference(a, DIGESTS.blocks([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)) == 2
 
 
 def test_a_diagnosis_without_the_cache_key_ignores_a_changed_key() -> None:
