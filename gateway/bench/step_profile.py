@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gateway.bench.chat_workload import system_prompt
+from gateway.bench.load import percentile
 from gateway.bench.load_clients import run_users
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.rows import BenchError
@@ -63,6 +64,7 @@ class LoadProfile:
     cpu_s: float
     replies: int
     completion_tokens: int
+    ttft_p50_s: float
 
     @property
     def cores(self) -> float:
@@ -144,7 +146,8 @@ def _profile(engine: Engine, thread_id: int, users: int,
     cpu = _cpu_s() - cpu_before
     parts = sampler.stop()
     return LoadProfile(users=users, parts=parts, wall_s=wall, cpu_s=cpu, replies=len(replies),
-                       completion_tokens=sum(r.completion_tokens for r in replies))
+                       completion_tokens=sum(r.completion_tokens for r in replies),
+                       ttft_p50_s=percentile([r.ttft_s for r in replies], 0.5))
 
 
 def _cpu_s() -> float:
@@ -168,4 +171,6 @@ def _print(options: ProfileOptions, profiles: list[LoadProfile], out: TextIO) ->
               + "".join(f"{p.cores:>10.2f}" for p in profiles) + "\n")
     out.write(f"{'tokens generated / s':<44}"
               + "".join(f"{p.completion_tokens / p.wall_s:>10.1f}" for p in profiles) + "\n")
+    out.write(f"{'TTFT p50 ms (in process)':<44}"
+              + "".join(f"{p.ttft_p50_s * 1e3:>10,.0f}" for p in profiles) + "\n")
     out.write(f"{'wall s':<44}" + "".join(f"{p.wall_s:>10.1f}" for p in profiles) + "\n")
