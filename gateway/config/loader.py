@@ -62,17 +62,17 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 from collections.abc import Mapping
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from gateway.cache.factory import CacheConfig, GiB
+from gateway.config.cache_section import DEFAULT_DISK_BYTES as DEFAULT_DISK_BYTES
+from gateway.config.cache_section import ENV_REDIS_URL as ENV_REDIS_URL
+from gateway.config.cache_section import FILE_SUFFIX, read_cache
 from gateway.config.device import device_problem
 from gateway.config.dtype import dtype_problem
 from gateway.config.events import EventsSettings
-from gateway.config.fit import machine_fit_problems
 from gateway.config.keys import (
     DEFAULT_ADMIN_NAME,
     KeyEntry,
@@ -95,32 +95,19 @@ from gateway.config.settings import (
     EngineSettings,
     GrpcSettings,
     HttpSettings,
-    KiB,
     LoggingSettings,
     MetricsSettings,
-    MiB,
     ServeConfig,
     is_int,
 )
+from gateway.core.sizes import parse_size as parse_size
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_DISK_BYTES = 8 * GiB
-
 ENV_API_KEYS = "KVGATE_API_KEYS"
 ENV_ADMIN_KEYS = "KVGATE_ADMIN_KEYS"
-ENV_REDIS_URL = "KVGATE_REDIS_URL"
 ENV_METRICS_TOKEN = "KVGATE_METRICS_TOKEN"
 """The scrape token both ``/metrics`` require (``[metrics] scrape_token_file`` in a file)."""
-FILE_SUFFIX = "_FILE"
-"""``KVGATE_API_KEYS_FILE`` / ``KVGATE_ADMIN_KEYS_FILE`` / ``KVGATE_REDIS_URL_FILE``: the same
-values read from a file (a mounted Secret; refused if other users may read it); key lists one
-entry per line or comma-separated."""
-"""Overrides ``[cache] redis_url``, so that a Redis password need not sit in the config file."""
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 1000, "kib": KiB, "mb": 1000**2, "mib": MiB, "gb": 1000**3, "gib": GiB,
-          "tb": 1000**4, "tib": 1 << 40}
 
 _SERVER_KEYS = frozenset(
     {"host", "port", "data_dir", "model", "tls_cert", "tls_key", "allow_insecure_remote",
@@ -136,7 +123,6 @@ _REPLACED = {
     "their keys were checked. Use [limits] max_calls (all keys) and max_calls_per_key",
 }
 """Settings that no longer exist, and what replaces them (said instead of "unknown key")."""
-_SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes", "write_queue_bytes"})
 
 
 
@@ -211,19 +197,8 @@ def load_serve_config(
 
     data_dir = Path(str(server.get("data_dir", DEFAULT_DATA_DIR))).expanduser()
     environment = env or {}
-    cache_table = dict(_table(raw, "cache", errors))
-    if environment.get(ENV_REDIS_URL):
-        cache_table["redis_url"] = environment[ENV_REDIS_URL]
-    elif environment.get(ENV_REDIS_URL + FILE_SUFFIX):
-        url_file = Path(environment[ENV_REDIS_URL + FILE_SUFFIX])
-        try:
-            cache_table["redis_url"] = read_secret_file(url_file).strip()
-        except ConfigError as exc:
-            errors.append(f"{ENV_REDIS_URL}{FILE_SUFFIX}: {exc}")
-        except OSError as exc:
-            errors.append(f"{ENV_REDIS_URL}{FILE_SUFFIX}: cannot read {url_file}: "
-                          f"{exc.strerror}")
-    cache = _cache_config(cache_table, data_dir, errors)
+    cache = read_cache(_table(raw, "cache", errors), data_dir=data_dir, env=environment,
+                       errors=errors)
     keys = _keys(raw, environment, errors)
 
     host = server.get("host", DEFAULT_HOST)
@@ -287,22 +262,6 @@ def load_serve_config(
         device=str(device),
         dtype=str(dtype),
     )
-
-
-def parse_size(value: object) -> int:
-    """Bytes from an integer or a string such as ``"512MiB"`` or ``"2 GB"``.
-
-    Raises:
-        ValueError: not a size.
-    """
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str):
-        match = _SIZE.match(value)
-        if match:
-            unit = (match.group(2) or "b").lower()
-            return int(float(match.group(1)) * _UNITS[unit])
-    raise ValueError(f"{value!r} is not a size: write bytes (1073741824) or e.g. \"1GiB\"")
 
 
 def read_config_file(path: Path) -> dict[str, Any]:
@@ -425,49 +384,6 @@ def _metrics_settings(table: Mapping[str, Any], env: Mapping[str, str],
         errors.append(f"the metrics scrape token in {source} {problem}")
         return settings
     return replace(settings, scrape_token_digest=key_digest(token))
-
-
-def _cache_config(table: Mapping[str, Any], data_dir: Path,
-                  errors: list[str]) -> CacheConfig | None:
-    known = frozenset(f.name for f in fields(CacheConfig))
-    _unknown_keys("cache", table, known, errors)
-    values: dict[str, Any] = {"disk_bytes": DEFAULT_DISK_BYTES, "disk_path": data_dir / "kv"}
-    for name, value in table.items():
-        if name not in known:
-            continue
-        try:
-            if name in _SIZE_KEYS:
-                value = parse_size(value)
-            elif name == "quotas":
-                if not isinstance(value, dict):
-                    raise ValueError("quotas must be a table of tenant = size")
-                value = {str(tenant): parse_size(size) for tenant, size in value.items()}
-            elif name == "tenant_quota":
-                if not isinstance(value, dict):
-                    raise ValueError("tenant_quota must be a table of tier = size")
-                value = {str(tier): parse_size(size) for tier, size in value.items()}
-            elif name == "quantize" and not isinstance(value, dict):
-                raise ValueError('quantize must be a table of tier = format, e.g. '
-                                 '{ redis = "int8" }')
-            elif name == "redis_write_bytes_per_s":
-                value = parse_size(value)
-            elif name == "disk_path":
-                value = Path(str(value)).expanduser()
-        except ValueError as exc:
-            errors.append(f"cache.{name}: {exc}")
-            continue
-        values[name] = value
-    for tenant in values.get("quotas", {}):
-        problem = tenant_id_problem(tenant)
-        if problem is not None:
-            errors.append(f"cache.quotas: {problem}")
-    try:
-        config = CacheConfig(**values)
-    except (ValueError, TypeError) as exc:
-        errors.append(f"[cache]: {exc}")
-        return None
-    errors.extend(machine_fit_problems(config))
-    return config
 
 
 def _keys(raw: Mapping[str, Any], env: Mapping[str, str], errors: list[str]) -> list[KeyEntry]:

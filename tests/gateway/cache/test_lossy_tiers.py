@@ -21,11 +21,12 @@ def test_every_tier_is_exact_by_default() -> None:
     assert lossy_tiers(CacheConfig(quantize={"host": "none", "disk": "none"}).quantize) == {}
 
 
-def test_the_lower_tiers_accept_int8_and_fp8() -> None:
-    config = CacheConfig(quantize={"host": "int8", "disk": "int8", "redis": "int8"})
+def test_the_lower_tiers_accept_int8_and_fp8(tmp_path: Path) -> None:
+    tiers = {"disk_bytes": 1 << 30, "disk_path": tmp_path, "redis_url": "redis://127.0.0.1:1/0"}
+    config = CacheConfig(quantize={"host": "int8", "disk": "int8", "redis": "int8"}, **tiers)
     assert lossy_tiers(config.quantize) == {"host": "int8", "disk": "int8", "redis": "int8"}
-    assert lossy_tiers(CacheConfig(quantize={"disk": "fp8", "host": "none"}).quantize) == {
-        "disk": "fp8"}
+    assert lossy_tiers(CacheConfig(quantize={"disk": "fp8", "host": "none"},
+                                   **tiers).quantize) == {"disk": "fp8"}
     with pytest.raises(TypeError):
         config.quantize["disk"] = "none"  # type: ignore[index]
 
