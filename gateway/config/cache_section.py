@@ -33,6 +33,7 @@ from typing import Any
 from gateway.cache.config import CacheConfig
 from gateway.cache.legacy_keys import LEGACY_KEYS, LEGACY_SIZE_KEYS, QUANTIZE_NOT_A_TABLE
 from gateway.config.fit import machine_fit_problems
+from gateway.config.key_section import FILE_SUFFIX
 from gateway.config.keys import tenant_id_problem
 from gateway.config.secrets import read_secret_file
 from gateway.config.settings import ConfigError
@@ -45,7 +46,6 @@ logger = logging.getLogger(__name__)
 DEFAULT_DISK_BYTES = 8 * GiB
 ENV_REDIS_URL = "KVGATE_REDIS_URL"
 """Overrides the Redis tier's URL, so that a Redis password need not sit in the config file."""
-FILE_SUFFIX = "_FILE"
 
 _OWN_KEYS = frozenset({"block_tokens", "order", "quotas", "tenant_quota", "write_queue_bytes",
                        "compression", "reprobe_interval_s", "skip_slow_tiers",

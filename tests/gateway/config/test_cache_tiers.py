@@ -5,6 +5,9 @@ tier first, or with an unknown kind, refused in one line."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -164,3 +167,21 @@ def test_the_python_keywords_still_describe_the_tiers(tmp_path: Path) -> None:
         CacheConfig(host_bytes=-1)
     with pytest.raises(ValueError, match="not both"):
         CacheConfig(tiers=(DeviceTierConfig(),), host_bytes=GiB)
+
+
+def test_reading_a_configuration_imports_no_store_and_no_redis_client() -> None:
+    """``gateway.config`` reads the tier records (``tiers.kinds``); the stores, and the Redis
+    client they use, are imported only when ``open_cache`` opens them."""
+    code = "import sys, gateway.config.loader; print('\\n'.join(sorted(sys.modules)))"
+    root = Path(__file__).resolve().parents[3]
+    modules = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             check=True, cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                             ).stdout.split()
+    stores = [m for m in modules if m in STORE_MODULES or m == "redis" or m.startswith("redis.")]
+    assert stores == []
+    assert "tiers.kinds.registry" in modules
+
+
+STORE_MODULES = {"tiers.memory", "tiers.quantized_host", "tiers.disk", "tiers.redis_store",
+                 "tiers.redis_client", "tiers.redis_events", "tiers.hierarchy", "tiers.codec",
+                 "gateway.cache.factory", "gateway.cache.prefix_cache"}
