@@ -3,8 +3,9 @@
 A *block store* holds block payloads (``tiers.payload.KVBlock``) by key: device memory, host
 memory, files on a local disk, or a Redis shared by replicas. Stores only keep bytes; which
 blocks to keep, promote or demote is decided above them (``policies`` decide victims, the prefix
-cache keeps the index). A new tier is one new file implementing ``BlockStore``, plus the lines
-of ``gateway.cache.factory.open_cache`` that build it from its configuration.
+cache keeps the index). A new tier is a kind: one module in ``tiers.kinds`` (its configuration
+record and how its store is opened) and one line in ``tiers.kinds.registry.TIER_KINDS``
+(docs/architecture.md, "Adding a tier").
 
 Every store treats a failure to produce a block exactly as its absence: ``get`` returns None
 (a miss), counts the reason, and the caller recomputes. Only bugs raise.

@@ -182,7 +182,7 @@ class CacheConfig(TierListView):
 
     def _tier_problems(self) -> list[str]:
         """The list's problems as a whole, then each tier's own, then their formats'."""
-        errors = tier_list_problems(self.tiers)
+        errors = tier_list_problems([str(getattr(c, "kind", None)) for c in self.tiers])
         if errors:
             return errors
         for config in self.tiers:

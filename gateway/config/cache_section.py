@@ -39,7 +39,7 @@ from gateway.config.secrets import read_secret_file
 from gateway.config.settings import ConfigError
 from gateway.core.sizes import GiB, parse_size
 from tiers.kinds.base import record_from_table
-from tiers.kinds.registry import TIER_KINDS, kind_of
+from tiers.kinds.registry import TIER_KINDS, kind_of, tier_list_problems
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +158,9 @@ def _tier_list(tables: object, url: str | None, data_dir: Path,
         record, problems = record_from_table(kind.config_type, entry, where, data_dir=data_dir)
         errors.extend(problems)
         records.append(record)
+    if len(records) == len(tables):  # the list as a whole, beside its tables' own problems
+        errors.extend(f"[[cache.tier]]: {problem}"
+                      for problem in tier_list_problems([t["kind"] for t in tables]))
     return tuple(records)
 
 

@@ -9,7 +9,6 @@ one tier twice, or puts a remote tier before a local one.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from tiers.kinds.base import TierKind
 from tiers.kinds.device import DeviceTier
@@ -41,10 +40,9 @@ def kind_of(name: object, kinds: Mapping[str, TierKind] = TIER_KINDS) -> TierKin
     return kind
 
 
-def tier_list_problems(configs: Sequence[Any],
+def tier_list_problems(names: Sequence[str],
                        kinds: Mapping[str, TierKind] = TIER_KINDS) -> list[str]:
-    """What is wrong with an ordered list of tier records as a whole, one line each."""
-    names = [str(getattr(config, "kind", None)) for config in configs]
+    """What is wrong with an ordered list of tier kinds (by name) as a whole, one line each."""
     unknown = [name for name in names if name not in kinds]
     if unknown:
         return [f"unknown tier kind {name!r}; known: {', '.join(sorted(kinds))}"

@@ -132,6 +132,17 @@ def test_a_list_that_omits_or_moves_the_device_tier_or_names_an_unknown_kind_is_
     assert len([line for line in message.splitlines() if "tier" in line]) == 1, message
 
 
+def test_the_list_as_a_whole_is_checked_beside_its_tables(tmp_path: Path) -> None:
+    message = refusal(tmp_path, '[[cache.tier]]\nkind = "redis"\nurl = "redis://x:1/0"\n\n'
+                                '[[cache.tier]]\nkind = "host"\nbytes = "lots"\n')
+    assert "cache.tier[1].bytes: 'lots' is not a size" in message
+    assert "[[cache.tier]]: the tiers must start with the device tier" in message
+    message = refusal(tmp_path, '[[cache.tier]]\nkind = "device"\n\n[[cache.tier]]\n'
+                                'kind = "redis"\nurl = "redis://x:1/0"\n\n'
+                                '[[cache.tier]]\nkind = "host"\n')
+    assert "a remote tier comes after every local one" in message
+
+
 def test_each_tier_names_its_own_keys_in_its_problems(tmp_path: Path) -> None:
     message = refusal(tmp_path, """
 [[cache.tier]]
