@@ -27,6 +27,7 @@ from gateway.cache.lossy_tiers import quantize_problems
 from gateway.core.quantization import QUANTIZATIONS
 from gateway.core.sizes import GiB
 from policies.registry import ORDER_POLICIES
+from tiers.kinds.base import TierConfig
 from tiers.kinds.registry import TIER_KINDS, tier_list_problems
 
 DEFAULT_SESSION_TTL_S = 1800.0
@@ -78,7 +79,7 @@ class CacheConfig(TierListView):
 
     block_tokens: int
     order: str
-    tiers: tuple[Any, ...]
+    tiers: tuple[TierConfig, ...]
     quotas: Mapping[str, int]
     tenant_quota: Mapping[str, int]
     write_queue_bytes: int
@@ -95,7 +96,7 @@ class CacheConfig(TierListView):
         *,
         block_tokens: int = 64,
         order: str = "lru",
-        tiers: Sequence[Any] | None = None,
+        tiers: Sequence[TierConfig] | None = None,
         quotas: Mapping[str, int] | None = None,
         tenant_quota: Mapping[str, int] | None = None,
         write_queue_bytes: int = GiB,

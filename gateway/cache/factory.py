@@ -34,7 +34,7 @@ from policies.registry import TierPolicyConfig, build_tier_policy
 from tiers.base import RemoteStore
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.hierarchy import TierHierarchy, TierLevel
-from tiers.kinds.base import RemoteTierKind, TierContext
+from tiers.kinds.base import RemoteTierKind, TierConfig, TierContext
 from tiers.kinds.registry import TIER_KINDS
 from tiers.page_pool import PagePool
 from tiers.payload import KVLayout
@@ -67,7 +67,6 @@ class OpenedCache:
             self.sweeper.stop()
         self.hierarchy.flush(timeout_s=30.0)
         self.hierarchy.close()
-
 
 
 def has_tier_to_measure(config: CacheConfig) -> bool:
@@ -185,8 +184,10 @@ def _codecs(config: CacheConfig, layout: KVLayout, deployment_secret: bytes,
     return codec_for
 
 
-def _slot(config: CacheConfig, name: str, tier: Any, clock: Callable[[], float]) -> TierSlot:
+def _slot(config: CacheConfig, name: str, tier: TierConfig,
+          clock: Callable[[], float]) -> TierSlot:
     """A local tier as the cache sees it: its policy, write-through and format."""
+    assert tier.budget_bytes is not None, f"the local {name} tier has no budget"
     policy = TierPolicyConfig(order=config.order, budget_bytes=tier.budget_bytes,
                               quotas=config.quotas,
                               default_quota_bytes=config.tenant_quota.get(name))

@@ -17,6 +17,7 @@ from typing import Any
 
 from gateway.cache.lossy_tiers import lossy_tiers, quantize_problems
 from gateway.core.quantization import EXACT, QUANTIZATIONS
+from tiers.kinds.base import TierConfig
 from tiers.kinds.device import DeviceTierConfig
 from tiers.kinds.disk import DiskTierConfig
 from tiers.kinds.host import HOST, HostTierConfig
@@ -49,7 +50,7 @@ LEGACY_SIZE_KEYS = frozenset({"device_bytes", "host_bytes", "disk_bytes",
                               "redis_write_bytes_per_s"})
 
 
-def tiers_of_keys(values: Mapping[str, Any]) -> tuple[tuple[Any, ...], list[str]]:
+def tiers_of_keys(values: Mapping[str, Any]) -> tuple[tuple[TierConfig, ...], list[str]]:
     """The tier list the old keys describe, and what is wrong with them.
 
     As before ``[[cache.tier]]``: the device tier always; the host tier unless ``host_bytes``
@@ -67,7 +68,7 @@ def tiers_of_keys(values: Mapping[str, Any]) -> tuple[tuple[Any, ...], list[str]
     for key, (tier, name) in KEY_TO_FIELD.items():
         if values.get(key) is not None:
             by_tier.setdefault(tier, {})[name] = values[key]
-    tiers: list[Any] = [DeviceTierConfig(**by_tier.get("device", {}))]
+    tiers: list[TierConfig] = [DeviceTierConfig(**by_tier.get("device", {}))]
     host = by_tier.get(HOST, {})
     if host.get("bytes", 1):
         if formats.get(HOST):
@@ -104,9 +105,9 @@ class TierListView:
     tier is absent), for the code that still reads them."""
 
     __slots__ = ()
-    tiers: Sequence[Any]
+    tiers: Sequence[TierConfig]
 
-    def tier(self, name: str) -> Any | None:
+    def tier(self, name: str) -> TierConfig | None:
         """The record of the tier the cache calls ``name``, or None."""
         for config in self.tiers:
             if TIER_KINDS[config.kind].tier_name == name:
