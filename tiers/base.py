@@ -155,6 +155,24 @@ class BlockStore(Protocol):
     def close(self) -> None: ...
 
 
+class PageReader(BlockStore, Protocol):
+    """A store whose ``get`` takes ``into``: it reads a block straight into a page it is given
+    (copied or decoded into the pool's memory: no buffer of its own) and returns that page as
+    the block (the host, quantized host and disk tiers). The hierarchy tells one by that
+    parameter (``tiers.hierarchy.takes_pages``)."""
+
+    def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None: ...
+
+
+class ChainPageReader(PageReader, Protocol):
+    """A ``PageReader`` whose ``get_many`` takes ``into`` too: it reads a chain into its pages in
+    one go (one lock, one fence: the host tier), so the hierarchy hands it the whole chain
+    instead of block by block."""
+
+    def get_many(self, metas: Sequence[BlockMeta], *,
+                 into: Sequence[KVBlock] = ()) -> list[KVBlock | None]: ...
+
+
 class BatchDefaults:
     """Mixin: batch calls that loop over the single-item ones (override to do better)."""
 

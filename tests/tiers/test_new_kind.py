@@ -24,6 +24,7 @@ from tiers.base import BlockMeta, BlockStore
 from tiers.kinds.base import TierContext, bytes_problem
 from tiers.kinds.device import DeviceTierConfig
 from tiers.kinds.registry import TIER_KINDS
+from tiers.page_pool import PagedBlock
 from tiers.payload import KVBlock, KVLayout
 
 # -- the module a new kind is: its record, its store, its kind -------------------------------
@@ -59,6 +60,8 @@ class ScratchTierConfig:
 class ScratchStore(AccountedStore[KVBlock]):
     """Only what differs from the accounting base: what it keeps, and how it puts and gets."""
 
+    num_read_into = 0
+
     def put(self, meta: BlockMeta, block: KVBlock) -> None:
         copy = KVBlock(keys=tuple(k.clone() for k in block.keys),
                        values=tuple(v.clone() for v in block.values))
@@ -67,9 +70,18 @@ class ScratchStore(AccountedStore[KVBlock]):
                 self._add(meta.key, copy)
             self._stats.puts += 1
 
-    def get(self, meta: BlockMeta) -> KVBlock | None:
+    def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None:
+        """The block; with ``into`` (a page), copied into it and returned as it: taking
+        ``into`` is all it takes for the hierarchy to load it straight into pages."""
         with self._lock:
-            return self._count_lookup(self._entries.get(meta.key))
+            block = self._count_lookup(self._entries.get(meta.key))
+        if block is None or into is None:
+            return block
+        self.num_read_into += 1
+        for page, kept in zip((*into.keys, *into.values), (*block.keys, *block.values),
+                              strict=True):
+            page.copy_(kept)
+        return into
 
     def _entry_bytes(self, entry: KVBlock) -> int:
         return entry.nbytes
@@ -133,6 +145,9 @@ def test_a_cache_serves_blocks_the_device_tier_gave_down_to_the_new_kind(
         with cache.acquire(namespace, first) as lease:
             assert lease.match.tiers == ("scratch", "scratch")
             loaded = cache.load(lease)
+        assert all(isinstance(got, PagedBlock) for got in loaded)
+        store = opened.hierarchy.store("scratch")
+        assert isinstance(store, ScratchStore) and store.num_read_into == 2  # into the pages
         assert all(torch.equal(got.keys[0], want.keys[0])
                    and torch.equal(got.values[0], want.values[0])
                    for got, want in zip(loaded, blocks, strict=True))
