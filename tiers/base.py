@@ -3,8 +3,9 @@
 A *block store* holds block payloads (``tiers.payload.KVBlock``) by key: device memory, host
 memory, files on a local disk, or a Redis shared by replicas. Stores only keep bytes; which
 blocks to keep, promote or demote is decided above them (``policies`` decide victims, the prefix
-cache keeps the index). A new tier is one new file implementing ``BlockStore``, plus the lines
-of ``gateway.cache.factory.open_cache`` that build it from its configuration.
+cache keeps the index). A new tier is a kind: one module in ``tiers.kinds`` (its configuration
+record and how its store is opened) and one line in ``tiers.kinds.registry.TIER_KINDS``
+(docs/architecture.md, "Adding a tier").
 
 Every store treats a failure to produce a block exactly as its absence: ``get`` returns None
 (a miss), counts the reason, and the caller recomputes. Only bugs raise.
@@ -152,6 +153,24 @@ class BlockStore(Protocol):
     def stats(self) -> StoreStats: ...
 
     def close(self) -> None: ...
+
+
+class PageReader(BlockStore, Protocol):
+    """A store whose ``get`` takes ``into``: it reads a block straight into a page it is given
+    (copied or decoded into the pool's memory: no buffer of its own) and returns that page as
+    the block (the host, quantized host and disk tiers). The hierarchy tells one by that
+    parameter (``tiers.hierarchy.takes_pages``)."""
+
+    def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None: ...
+
+
+class ChainPageReader(PageReader, Protocol):
+    """A ``PageReader`` whose ``get_many`` takes ``into`` too: it reads a chain into its pages in
+    one go (one lock, one fence: the host tier), so the hierarchy hands it the whole chain
+    instead of block by block."""
+
+    def get_many(self, metas: Sequence[BlockMeta], *,
+                 into: Sequence[KVBlock] = ()) -> list[KVBlock | None]: ...
 
 
 class BatchDefaults:

@@ -21,6 +21,7 @@ sits on the request path; local disk writes are queued by the disk store itself.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -28,15 +29,21 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 from policies.base import BlockKey
 from policies.rate import TenantRates
-from tiers.base import BlockExpiry, BlockMeta, BlockStore, RemoteStore, StoreStats
-from tiers.disk import DiskStore
-from tiers.memory import DeviceStore, HostStore
-from tiers.page_pool import PagedBlock, PoolExhausted, await_arrival
+from tiers.base import (
+    BlockExpiry,
+    BlockMeta,
+    BlockStore,
+    ChainPageReader,
+    PageReader,
+    RemoteStore,
+    StoreStats,
+)
+from tiers.page_pool import PagedBlock, PagePool, PoolExhausted, await_arrival
 from tiers.payload import KVBlock
-from tiers.quantized_host import QuantizedHostStore
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +67,12 @@ class Bandwidth:
             self.bytes_per_s = sample
         else:
             self.bytes_per_s += self.alpha * (sample - self.bytes_per_s)
+
+
+def takes_pages(method: Callable[..., object]) -> bool:
+    """Whether a store's ``get`` (``get_many``) reads into pages it is given: it takes ``into``
+    (``tiers.base.PageReader``, ``ChainPageReader``)."""
+    return "into" in inspect.signature(method).parameters
 
 
 class RemoteWriter:
@@ -243,6 +256,10 @@ class TierHierarchy:
             level.name: ThreadPoolExecutor(max_workers=level.parallel_reads,
                                            thread_name_prefix=f"kvgate-{level.name}-read")
             for level in levels if level.parallel_reads > 1}
+        self._reads_pages = {level.name: (takes_pages(level.store.get),
+                                          takes_pages(level.store.get_many))
+                             for level in levels}
+        """Per tier: whether a block, and a chain at once, can be read into given pages."""
 
     def start(self) -> None:
         if self._writer is not None:
@@ -293,11 +310,12 @@ class TierHierarchy:
         readers = self._readers.get(tier)
         store = self._levels[tier].store
         staged = []
-        if isinstance(store, DiskStore | HostStore | QuantizedHostStore):
+        reads_block, reads_chain = self._reads_pages[tier]
+        if reads_block:
             staged = self._staging_pages(into_tier, len(metas))
-            get_into = store.get
-        if isinstance(store, HostStore):  # one lock, one fence for the chain
-            blocks = store.get_many(metas, into=staged)
+            get_into = cast(PageReader, store).get
+        if reads_chain:  # one lock, one fence for the chain (the host tier)
+            blocks = cast(ChainPageReader, store).get_many(metas, into=staged)
         elif staged:
             def read(i: int) -> KVBlock | None:
                 return get_into(metas[i], into=staged[i])
@@ -369,8 +387,8 @@ class TierHierarchy:
         """``count`` free pages of ``tier``'s pool to decode into, as blocks; [] where the tier
         has no pool or the pool has fewer than twice that many free pages."""
         store = self._levels[tier].store if tier is not None else None
-        pool = store.pool if isinstance(store, DeviceStore) else None
-        if pool is None or pool.num_free < 2 * count:
+        pool = getattr(store, "pool", None)  # the device tier's pages (``DeviceStore.pool``)
+        if not isinstance(pool, PagePool) or pool.num_free < 2 * count:
             return []
         try:
             return [pool.block(pool.allocate(zeroed=False)) for _ in range(count)]

@@ -37,15 +37,16 @@ becomes readable (an event on the source's stream, not a whole-device synchronis
 
 from __future__ import annotations
 
-import threading
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 
 from policies.base import BlockKey
-from tiers.base import BatchDefaults, BlockMeta, StoreStats, TierConfigError
+from tiers.accounting import AccountedStore, EntryT
+from tiers.base import BlockMeta, StoreStats, TierConfigError
 from tiers.copy_fence import CopyFence, FenceFactory, record_fence
+from tiers.kinds.host import HOST
 from tiers.layer_arrivals import LayerArrivals, SlabRun
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout
@@ -60,20 +61,17 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-class DeviceStore(BatchDefaults):
+class DeviceStore(AccountedStore[KVBlock]):
     """Block payloads as tensors on one device."""
 
     def __init__(self, *, device: torch.device | str | None = None, name: str = "device",
                  pool: PagePool | None = None) -> None:
-        self.name = name
+        super().__init__(name=name)
         self.pool = pool
         if pool is not None:
             device = pool.device
         self.device = torch.device(device) if device is not None else default_device()
-        self._blocks: dict[BlockKey, KVBlock] = {}
         self._storage_refs: dict[object, int] = {}  # page or storage address -> keys holding it
-        self._lock = threading.Lock()
-        self._stats = StoreStats(name=name)
 
     def put(self, meta: BlockMeta, block: KVBlock) -> None:
         try:
@@ -83,19 +81,18 @@ class DeviceStore(BatchDefaults):
                 count_dropped_put(self._stats)
             return
         with self._lock:
-            previous = self._blocks.get(meta.key)
+            previous = self._entries.get(meta.key)
             if previous is not None and _storage_of(previous) == _storage_of(on_device):
                 self._stats.puts += 1
                 return
             if _storage_of(on_device) in self._storage_refs:
                 # Held under another key already: a copy of its own.
                 on_device = self._copy(on_device)
-            self._blocks[meta.key] = on_device
             self._hold_storage(on_device)
             if previous is None:
-                self._stats.num_blocks += 1
-                self._stats.num_bytes += on_device.nbytes
-            else:
+                self._add(meta.key, on_device)
+            else:  # the same block again, in other memory: the same bytes counted
+                self._entries[meta.key] = on_device
                 self._release_storage(previous)
             self._stats.puts += 1
 
@@ -129,35 +126,13 @@ class DeviceStore(BatchDefaults):
 
     def get(self, meta: BlockMeta) -> KVBlock | None:
         with self._lock:
-            block = self._blocks.get(meta.key)
-            if block is None:
-                self._stats.misses += 1
-            else:
-                self._stats.hits += 1
-            return block
+            return self._count_lookup(self._entries.get(meta.key))
 
-    def delete(self, key: BlockKey) -> None:
-        with self._lock:
-            block = self._blocks.pop(key, None)
-            if block is not None:
-                self._release_storage(block)
-                self._stats.num_blocks -= 1
-                self._stats.num_bytes -= block.nbytes
-                self._stats.deletes += 1
+    def _entry_bytes(self, entry: KVBlock) -> int:
+        return entry.nbytes
 
-    def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return key in self._blocks
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            return _copy_stats(self._stats)
-
-    def close(self) -> None:
-        with self._lock:
-            self._blocks.clear()
-            self._storage_refs.clear()
-            self._stats.num_blocks = self._stats.num_bytes = 0
+    def _release(self, key: BlockKey, entry: KVBlock) -> None:
+        self._release_storage(entry)
 
 
 class SlabPool:
@@ -279,7 +254,36 @@ def take_slot(pool: SlabPool, stats: StoreStats) -> torch.Tensor | None:
     return slot
 
 
-class HostStore(BatchDefaults):
+class SlabStore(AccountedStore[EntryT]):
+    """An ``AccountedStore`` whose entries are slots of a ``SlabPool``: a slot left is given
+    back for reuse only once the copies still reading it are done (its fences in ``_reads``).
+    ``HostStore`` and ``QuantizedHostStore`` differ only in what a slot holds."""
+
+    _pool: SlabPool
+    _slot_bytes: int
+    is_pinned: bool
+
+    def __init__(self, *, name: str) -> None:
+        super().__init__(name=name)
+        self._reads: dict[BlockKey, list[CopyFence]] = {}  # copies from a slot in flight
+
+    def _slot_of(self, entry: EntryT) -> torch.Tensor:
+        """The slot ``entry`` lives in."""
+        raise NotImplementedError
+
+    def _entry_bytes(self, entry: EntryT) -> int:
+        return self._slot_bytes
+
+    def _release(self, key: BlockKey, entry: EntryT) -> None:
+        self._pool.give_back(self._slot_of(entry), self._reads.pop(key, ()))
+
+    def _notes(self) -> dict[str, int | float | str]:
+        return {"pool_bytes": self._pool.num_allocated_bytes, "pinned": int(self.is_pinned),
+                "slots_awaiting_copies": self._pool.num_fenced,
+                "waits_for_copies": self._pool.num_waits}
+
+
+class HostStore(SlabStore[tuple[torch.Tensor, KVBlock]]):
     """Block payloads in CPU memory, in slots of a slab pool.
 
     Args:
@@ -301,11 +305,11 @@ class HostStore(BatchDefaults):
         budget_bytes: int,
         pin: bool | None = None,
         serve_device: torch.device | str | None = None,
-        name: str = "host",
+        name: str = HOST,
         fences: FenceFactory = record_fence,
         slab_bytes: int = 64 << 20,
     ) -> None:
-        self.name = name
+        super().__init__(name=name)
         self.serve_device = (
             torch.device(serve_device) if serve_device is not None else default_device()
         )
@@ -321,11 +325,10 @@ class HostStore(BatchDefaults):
             slab_bytes=slab_bytes,
             pin=self.is_pinned,
         )
-        self._blocks: dict[BlockKey, tuple[torch.Tensor, KVBlock]] = {}
-        self._reads: dict[BlockKey, list[CopyFence]] = {}  # copies from a slot in flight
         self._fences = fences
-        self._lock = threading.Lock()
-        self._stats = StoreStats(name=name)
+
+    def _slot_of(self, entry: tuple[torch.Tensor, KVBlock]) -> torch.Tensor:
+        return entry[0]
 
     def _views(self, slot: torch.Tensor) -> KVBlock:
         layout = self.layout
@@ -335,7 +338,7 @@ class HostStore(BatchDefaults):
 
     def put(self, meta: BlockMeta, block: KVBlock) -> None:
         with self._lock:
-            if meta.key in self._blocks:
+            if meta.key in self._entries:
                 self._stats.puts += 1
                 return
             slot = take_slot(self._pool, self._stats)
@@ -362,14 +365,12 @@ class HostStore(BatchDefaults):
         elif done is not None:
             done.wait()  # this copy only: the source device's stream, up to here
         with self._lock:
-            if meta.key in self._blocks:  # a concurrent put of the same block won
+            if meta.key in self._entries:  # a concurrent put of the same block won
                 self._pool.give_back(slot, in_flight)
             else:
-                self._blocks[meta.key] = (slot, views)
+                self._add(meta.key, (slot, views))
                 if in_flight:
                     self._reads[meta.key] = in_flight
-                self._stats.num_blocks += 1
-                self._stats.num_bytes += self._slot_bytes
             self._stats.puts += 1
 
     def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None:
@@ -395,12 +396,10 @@ class HostStore(BatchDefaults):
             read: list[BlockKey] = []
             layered: list[BlockKey] = []
             for i, meta in enumerate(metas):
-                entry = self._blocks.get(meta.key)
+                entry = self._count_lookup(self._entries.get(meta.key))
                 if entry is None:
-                    self._stats.misses += 1
                     out.append(None)
                     continue
-                self._stats.hits += 1
                 if i < len(into) and arrivals is not None:
                     slab, index = self._pool.locate(entry[0])
                     slots, pages = runs.setdefault(slab, ([], []))
@@ -445,35 +444,6 @@ class HostStore(BatchDefaults):
         if len(reads) >= MAX_UNPRUNED_READS:
             reads[:] = [f for f in reads if not f.is_done()]
         reads.append(fence)
-
-    def delete(self, key: BlockKey) -> None:
-        with self._lock:
-            entry = self._blocks.pop(key, None)
-            if entry is not None:
-                self._pool.give_back(entry[0], self._reads.pop(key, ()))
-                self._stats.num_blocks -= 1
-                self._stats.num_bytes -= self._slot_bytes
-                self._stats.deletes += 1
-
-    def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return key in self._blocks
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            stats = _copy_stats(self._stats)
-            stats.notes["pool_bytes"] = self._pool.num_allocated_bytes
-            stats.notes["pinned"] = int(self.is_pinned)
-            stats.notes["slots_awaiting_copies"] = self._pool.num_fenced
-            stats.notes["waits_for_copies"] = self._pool.num_waits
-            return stats
-
-    def close(self) -> None:
-        with self._lock:
-            for key, (slot, _) in self._blocks.items():
-                self._pool.give_back(slot, self._reads.pop(key, ()))
-            self._blocks.clear()
-            self._stats.num_blocks = self._stats.num_bytes = 0
 
 
 def _arrivals_of(into: Sequence[KVBlock]) -> LayerArrivals | None:
@@ -523,20 +493,4 @@ def _copy_to(block: KVBlock, device: torch.device) -> KVBlock:
     return KVBlock(
         keys=tuple(k.to(device, non_blocking=non_blocking, copy=True) for k in block.keys),
         values=tuple(v.to(device, non_blocking=non_blocking, copy=True) for v in block.values),
-    )
-
-
-def _copy_stats(stats: StoreStats) -> StoreStats:
-    return StoreStats(
-        name=stats.name,
-        num_blocks=stats.num_blocks,
-        num_bytes=stats.num_bytes,
-        hits=stats.hits,
-        misses=stats.misses,
-        puts=stats.puts,
-        deletes=stats.deletes,
-        errors=stats.errors,
-        verification_failures=dict(stats.verification_failures),
-        is_available=stats.is_available,
-        notes=dict(stats.notes),
     )

@@ -19,14 +19,13 @@ They cannot run without CUDA; the tests marked ``gpu`` cover them on a GPU, as H
 from __future__ import annotations
 
 import dataclasses
-import threading
 
 import torch
 
 from gateway.core.quantization import QUANTIZATIONS, Quantization
-from policies.base import BlockKey
-from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
-from tiers.copy_fence import CopyFence, FenceFactory, record_fence
+from tiers.base import BlockMeta, CodecError, TierConfigError
+from tiers.copy_fence import FenceFactory, record_fence
+from tiers.kinds.host import HOST
 from tiers.kv_quant import (
     SCALE_BYTES,
     SCALE_DTYPE,
@@ -36,12 +35,12 @@ from tiers.kv_quant import (
     quantized_bytes_per_token,
     supported,
 )
-from tiers.memory import SlabPool, default_device, take_slot
+from tiers.memory import SlabPool, SlabStore, default_device, take_slot
 from tiers.payload import KVBlock, KVLayout, PayloadError
 from tiers.payload_format import packed_of
 
 
-class QuantizedHostStore(BatchDefaults):
+class QuantizedHostStore(SlabStore[torch.Tensor]):
     """Block payloads quantized in CPU memory, in slots of a slab pool.
 
     Args:
@@ -67,10 +66,10 @@ class QuantizedHostStore(BatchDefaults):
         quantization: Quantization,
         pin: bool | None = None,
         serve_device: torch.device | str | None = None,
-        name: str = "host",
+        name: str = HOST,
         fences: FenceFactory = record_fence,
     ) -> None:
-        self.name = name
+        super().__init__(name=name)
         self.serve_device = (
             torch.device(serve_device) if serve_device is not None else default_device()
         )
@@ -97,11 +96,13 @@ class QuantizedHostStore(BatchDefaults):
             max_slots=budget_bytes // self._slot_bytes,
             pin=self.is_pinned,
         )
-        self._blocks: dict[BlockKey, torch.Tensor] = {}  # key -> its slot
-        self._reads: dict[BlockKey, list[CopyFence]] = {}  # copies from a slot in flight
         self._fences = fences
-        self._lock = threading.Lock()
-        self._stats = StoreStats(name=name)
+
+    def _slot_of(self, entry: torch.Tensor) -> torch.Tensor:
+        return entry  # the slot itself
+
+    def _notes(self) -> dict[str, int | float | str]:
+        return {**SlabStore._notes(self), "quantization": self.quantization}
 
     @property
     def slot_bytes(self) -> int:
@@ -138,7 +139,7 @@ class QuantizedHostStore(BatchDefaults):
         """
         self._check(block)
         with self._lock:
-            if meta.key in self._blocks:
+            if meta.key in self._entries:
                 self._stats.puts += 1
                 return
             slot = take_slot(self._pool, self._stats)
@@ -158,12 +159,10 @@ class QuantizedHostStore(BatchDefaults):
         if done is not None:
             done.wait()  # this copy only: the source device's stream, up to here
         with self._lock:
-            if meta.key in self._blocks:  # a concurrent put of the same block won
+            if meta.key in self._entries:  # a concurrent put of the same block won
                 self._pool.give_back(slot)
             else:
-                self._blocks[meta.key] = slot
-                self._stats.num_blocks += 1
-                self._stats.num_bytes += self._slot_bytes
+                self._add(meta.key, slot)
             self._stats.puts += 1
 
     def get(self, meta: BlockMeta, *, into: KVBlock | None = None) -> KVBlock | None:
@@ -173,11 +172,9 @@ class QuantizedHostStore(BatchDefaults):
         # Copied under the lock, with a fence recorded after it (as HostStore.get): a delete
         # that follows hands the slot back only for reuse once this copy has read it.
         with self._lock:
-            slot = self._blocks.get(meta.key)
+            slot = self._count_lookup(self._entries.get(meta.key))
             if slot is None:
-                self._stats.misses += 1
                 return None
-            self._stats.hits += 1
             non_blocking = self.is_pinned and self.serve_device.type == "cuda"
             flat = slot.to(self.serve_device, non_blocking=non_blocking, copy=True)
             if self.is_pinned:
@@ -192,35 +189,3 @@ class QuantizedHostStore(BatchDefaults):
             dequantize(q, scales, self.layout.dtype, out=packed_of(into))
             return dataclasses.replace(into, quantization=self.quantization)
         return KVBlock.of_packed(dequantize(q, scales, self.layout.dtype), self.quantization)
-
-    def delete(self, key: BlockKey) -> None:
-        with self._lock:
-            slot = self._blocks.pop(key, None)
-            if slot is not None:
-                self._pool.give_back(slot, self._reads.pop(key, ()))
-                self._stats.num_blocks -= 1
-                self._stats.num_bytes -= self._slot_bytes
-                self._stats.deletes += 1
-
-    def contains(self, key: BlockKey) -> bool:
-        with self._lock:
-            return key in self._blocks
-
-    def stats(self) -> StoreStats:
-        with self._lock:
-            stats = dataclasses.replace(
-                self._stats, verification_failures=dict(self._stats.verification_failures),
-                notes=dict(self._stats.notes))
-            stats.notes["pool_bytes"] = self._pool.num_allocated_bytes
-            stats.notes["pinned"] = int(self.is_pinned)
-            stats.notes["slots_awaiting_copies"] = self._pool.num_fenced
-            stats.notes["waits_for_copies"] = self._pool.num_waits
-            stats.notes["quantization"] = self.quantization
-            return stats
-
-    def close(self) -> None:
-        with self._lock:
-            for key, slot in self._blocks.items():
-                self._pool.give_back(slot, self._reads.pop(key, ()))
-            self._blocks.clear()
-            self._stats.num_blocks = self._stats.num_bytes = 0

@@ -47,9 +47,10 @@ from gateway.bench.load_clients import ChatSession, HttpSession, run_users
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import free_port, redis_on_loopback, spawn_gateway, stop_process
+from tiers.kinds.host import HOST
 
 POLICIES = ("cache_aware", "round_robin")
-LOCAL_TIERS = ("device", "host")
+LOCAL_TIERS = ("device", HOST)
 """A replica's own memory: what a router that keeps a family on one replica should serve from."""
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _SMG_READY = "Activated 1 of 1 worker"

@@ -74,6 +74,7 @@ from gateway.engine.kv.sequence import pool_bytes_for
 from gateway.engine.models.loading import LoadedModel, compute_block_kv, load_model
 from gateway.engine.parity.verdicts import VerdictStore, cpu_identity
 from tiers.codec import BlockCodec, derive_mac_key
+from tiers.kinds.host import HOST
 from tiers.kv_quant import quantized_bytes_per_token
 from tiers.payload import KVBlock, KVLayout
 
@@ -207,7 +208,7 @@ class Replica:
         then wait for the writes: what is left is on disk and in Redis."""
         self.flush()
         self.opened.cache.evict("device", 1 << 50)
-        self.opened.cache.evict("host", 1 << 50)
+        self.opened.cache.evict(HOST, 1 << 50)
         self.flush()
 
     def close(self) -> None:

@@ -48,6 +48,7 @@ from policies.base import BlockKey
 from tiers.base import BlockMeta
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
@@ -220,9 +221,9 @@ def _memory_rows(blocks: list[KVBlock], metas: list[BlockMeta], layout: KVLayout
                     num_pages=-(-capacity // block_tokens))
     sequence_fill = _median_s(lambda: KVSequence.from_blocks(pool, blocks, capacity), repeats,
                               clock=clock)
-    rows.append(Row(tier="host", operation="put", seconds=host_put, num_bytes=total,
+    rows.append(Row(tier=HOST, operation="put", seconds=host_put, num_bytes=total,
                     limit_name="tensor clone", limit_seconds=clone_s))
-    rows.append(Row(tier="host", operation="get", seconds=host_get, num_bytes=total,
+    rows.append(Row(tier=HOST, operation="get", seconds=host_get, num_bytes=total,
                     limit_name="tensor clone", limit_seconds=clone_s))
     rows.append(Row(tier="host->device", operation="promote", seconds=promote, num_bytes=total,
                     limit_name="tensor clone", limit_seconds=clone_s))

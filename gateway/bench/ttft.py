@@ -71,6 +71,7 @@ from gateway.bench.ttft_targets import print_targets
 from gateway.client import KvgateClient, StatsReport
 from gateway.core.requests import TokenDelta, Usage
 from gateway.engine.models.loading import LoadedModel, ModelLoadError, load_model, resolve_source
+from tiers.kinds.host import HOST as HOST_TIER
 
 DEFAULT_LENGTHS = (512, 2048, 4096)
 
@@ -175,14 +176,14 @@ class GatewayBench:
 
     def _host_row(self, loaded: LoadedModel, prefix: list[int], suffixes: SuffixSource,
                   repeats: int, filler_tag: str) -> Row:
-        row = Row(label=HOST, system="kvgate", tier="host")
+        row = Row(label=HOST, system="kvgate", tier=HOST_TIER)
         if self._admin is None:
             row.note = "n/a (needs --admin-key, or --spawn)"
             return row
         stats = self._stats()
         assert stats is not None
         budgets = {t.name: t.budget_bytes for t in stats.tiers}
-        if "host" not in budgets:
+        if HOST_TIER not in budgets:
             row.note = "n/a (this gateway has no host tier)"
             return row
         num_blocks = -(-budgets["device"] // self._block_bytes)
@@ -203,7 +204,7 @@ class GatewayBench:
             before = self._stats()
             warmed = self.client.warm(token_ids=self._filler)
             self._settle(before, num_new_blocks=warmed.num_new_blocks)
-            self._check_tiers(prefix, "host")
+            self._check_tiers(prefix, HOST_TIER)
             row.samples.append(time_generate(self.client, prefix + suffixes.next()))
             self._progress(f"{len(prefix)}: kvgate warm host {i + 1}/{repeats}", row.samples[-1])
         return row
@@ -218,7 +219,7 @@ class GatewayBench:
             row.note = "n/a (this gateway has no disk tier)"
             return row
         for i in range(repeats):
-            self._force(prefix, evict=tuple(t for t in ("host", "device") if t in tiers))
+            self._force(prefix, evict=tuple(t for t in (HOST_TIER, "device") if t in tiers))
             row.samples.append(time_generate(self.client, prefix + suffixes.next()))
             self._progress(f"{len(prefix)}: kvgate warm disk {i + 1}/{repeats}", row.samples[-1])
         return row
@@ -239,7 +240,7 @@ class GatewayBench:
             return row
         self._settle(before_warm, num_new_blocks=num_new_blocks)  # the chain is in Redis
         tiers = [t.name for t in stats.tiers]
-        local = tuple(t for t in ("device", "host", "disk") if t in tiers)
+        local = tuple(t for t in ("device", HOST_TIER, "disk") if t in tiers)
         for i in range(repeats):
             # No local copy left: the chain comes from Redis, as on a replica that never saw it.
             self._force(prefix, evict=local)

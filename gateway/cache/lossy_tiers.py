@@ -17,8 +17,11 @@ from collections.abc import Mapping
 import torch
 
 from gateway.core.quantization import EXACT, QUANTIZATIONS, parse_quantization
+from tiers.kinds.registry import TIER_KINDS
 
-QUANTIZABLE_TIERS = ("host", "disk", "redis")
+QUANTIZABLE_TIERS = tuple(dict.fromkeys(kind.tier_name for kind in TIER_KINDS.values()
+                                        if kind.may_be_lossy))
+"""The tiers a kind of which may be lossy: host, disk, redis."""
 
 
 def quantize_problems(quantize: Mapping[str, object]) -> list[str]:

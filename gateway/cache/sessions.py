@@ -40,6 +40,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.cache.config import DEFAULT_MAX_SESSIONS_PER_TENANT, DEFAULT_SESSION_TTL_S
 from gateway.cache.placement import TierPlacement
 from gateway.cache.radix_index import BlockRecord
 from gateway.core.fingerprint import Namespace
@@ -52,9 +53,6 @@ COMMON = ""
 READ = "~"
 """``BlockRecord.session`` is ``READ + S`` for a block session S read from Redis and nobody else
 used here (``~`` is never in a session id)."""
-
-DEFAULT_SESSION_TTL_S = 1800.0
-DEFAULT_MAX_SESSIONS_PER_TENANT = 10_000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -78,31 +78,48 @@ max_messages = 512
 [cache]
 block_tokens = 64               # tokens per block: the unit of storage and sharing
 order = "lru"                   # eviction order of every tier: "lru" or "clock"
-device_bytes = "2GiB"           # GPU memory (CPU memory without a GPU); 0 turns a tier off
-host_bytes = "4GiB"             # CPU memory
-disk_bytes = "8GiB"             # under disk_path (default: data_dir/kv), meant for local NVMe
-disk_fsync = true
-disk_write_through = true       # new blocks go to disk at once (off the request path)
 write_queue_bytes = "1GiB"      # queued for disk, and for Redis, at most; more is dropped
-# redis_url = "rediss://kvgate:PASSWORD@redis.internal:6379/0"  # shared by replicas
-# redis_cluster = false
-redis_ttl_s = 3600.0            # the longest a block lives in Redis unused (a shorter ttl_s wins)
-redis_timeout_s = 0.25          # the most a stalled Redis adds to a request
 compression = "raw"             # "raw", "lz4" or "auto"
 skip_slow_tiers = true          # a tier slower than recomputing is skipped (false: always load)
 reprobe_interval_s = 10.0       # ... but probed once per interval, used again once it is fast
 measure_at_start = true         # disk's and Redis's load speed and the recompute speed are
                                 #   measured before serving, to judge the first hit too
-layered_host_loads = false      # GPU: host hits copied layer by layer beside the step (untimed)
 sweep_interval_s = 5.0          # expired blocks leave every tier (device, host, disk) this often
 session_ttl_s = 1800.0          # a session (session_id, X-Session-Id) ends this long after its
                                 #   last request: its own blocks and tail leave every tier
 max_sessions_per_tenant = 10000 # past it, a tenant's least recently used session ends
 # quotas = { tenant-a = "1GiB", tenant-b = "512MiB" }   # per tenant, in every tier
 # tenant_quota = { device = "512MiB", host = "1GiB", disk = "2GiB" }  # every other tenant's
-# redis_write_bytes_per_s = "64MiB"   # per tenant: past it, the rest of a chain stays local
-# quantize = { disk = "int8", redis = "int8" }  # lossy copies (~0.27x the bytes), read only by
-#                               #   requests that set allow_lossy; their answers say lossy
+
+# The tiers, fastest first: the device tier always, and first; a tier left out is off. (The
+# old keys -- device_bytes, host_bytes, disk_bytes, disk_path, redis_url, quantize, ... -- still
+# read, with a deprecation line.)
+[[cache.tier]]
+kind = "device"                 # where requests read K/V: GPU memory (CPU memory without a GPU)
+bytes = "2GiB"
+
+[[cache.tier]]
+kind = "host"                   # CPU memory ("quantized_host" with quantize = "int8": lossy)
+bytes = "4GiB"
+layered_loads = false           # GPU: hits copied layer by layer beside the step (untimed)
+
+[[cache.tier]]
+kind = "disk"                   # meant for local NVMe; kept over a restart
+bytes = "8GiB"
+# path = "/var/lib/kvgate/kv"   # default: data_dir/kv
+fsync = true
+write_through = true            # new blocks go to disk at once (off the request path)
+# quantize = "int8"             # lossy copies (~0.27x the bytes), read only by requests that
+                                #   set allow_lossy; their answers say lossy
+
+# [[cache.tier]]                # shared by replicas; always last
+# kind = "redis"
+# url = "rediss://kvgate:PASSWORD@redis.internal:6379/0"   # or KVGATE_REDIS_URL
+# cluster = false
+# ttl_s = 3600.0                # the longest a block lives in Redis unused (a shorter ttl_s wins)
+# timeout_s = 0.25              # the most a stalled Redis adds to a request
+# write_bytes_per_s = "64MiB"   # per tenant: past it, the rest of a chain stays local
+# quantize = "int8"             # one lossy format for every lossy tier
 
 [http]                          # the OpenAI-compatible API: http://HOST:PORT/v1
 enabled = true                  # same engine, keys, limits and metrics as gRPC; TLS as [server]

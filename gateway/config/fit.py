@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.config import CacheConfig
 
 
 def machine_fit_problems(config: CacheConfig) -> list[str]:

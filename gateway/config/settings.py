@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.config import CacheConfig
 from gateway.config.events import EventsSettings
 from gateway.config.keys import KeyEntry
 from gateway.config.limits import LimitSettings

@@ -38,9 +38,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gateway.cache.stats import CacheStats
+from tiers.kinds.host import HOST as HOST_TIER
 
 DEVICE_TIER = "device"
-HOST_TIER = "host"
 ENGINE_INDEX = "0"
 """vLLM's ``engine`` label: the data-parallel rank of the engine; kvgate has one engine."""
 LABELS = ("model_name", "engine")

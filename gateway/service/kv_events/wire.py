@@ -38,10 +38,11 @@ import msgspec
 from gateway.core.tokens import tokens_from_bytes
 from policies.base import BlockKey
 from tiers.base import BlockMeta
+from tiers.kinds.host import HOST
 
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
-TIER_TO_MEDIUM = {"device": MEDIUM_GPU, "host": MEDIUM_CPU}
+TIER_TO_MEDIUM = {"device": MEDIUM_GPU, HOST: MEDIUM_CPU}
 """The tiers published, with vLLM's name for each; the others are not published."""
 GROUP_IDX = 0
 SPEC_KIND = "full_attention"

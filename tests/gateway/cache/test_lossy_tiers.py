@@ -5,6 +5,7 @@ tiers"). What a request then reads: tests/gateway/engine/test_lossy_engine.py.""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,11 +22,13 @@ def test_every_tier_is_exact_by_default() -> None:
     assert lossy_tiers(CacheConfig(quantize={"host": "none", "disk": "none"}).quantize) == {}
 
 
-def test_the_lower_tiers_accept_int8_and_fp8() -> None:
-    config = CacheConfig(quantize={"host": "int8", "disk": "int8", "redis": "int8"})
+def test_the_lower_tiers_accept_int8_and_fp8(tmp_path: Path) -> None:
+    tiers: dict[str, Any] = {"disk_bytes": 1 << 30, "disk_path": tmp_path,
+                             "redis_url": "redis://127.0.0.1:1/0"}
+    config = CacheConfig(quantize={"host": "int8", "disk": "int8", "redis": "int8"}, **tiers)
     assert lossy_tiers(config.quantize) == {"host": "int8", "disk": "int8", "redis": "int8"}
-    assert lossy_tiers(CacheConfig(quantize={"disk": "fp8", "host": "none"}).quantize) == {
-        "disk": "fp8"}
+    assert lossy_tiers(CacheConfig(quantize={"disk": "fp8", "host": "none"},
+                                   **tiers).quantize) == {"disk": "fp8"}
     with pytest.raises(TypeError):
         config.quantize["disk"] = "none"  # type: ignore[index]
 
@@ -45,7 +48,7 @@ def test_the_lossy_tiers_must_share_one_format() -> None:
 def test_a_bad_table_is_refused_with_what_is_allowed(table: dict[str, object],
                                                      message: str) -> None:
     with pytest.raises(ValueError, match="invalid cache configuration") as raised:
-        CacheConfig(quantize=table)  # type: ignore[arg-type]
+        CacheConfig(quantize=table)
     assert message in str(raised.value)
 
 

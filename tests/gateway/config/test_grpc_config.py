@@ -368,6 +368,7 @@ def test_a_default_tenant_quota_per_tier_and_a_redis_write_budget(tmp_path: Path
     path = write(tmp_path / "quota.toml", """
 [cache]
 tenant_quota = { device = "512MiB", disk = "2GiB" }
+redis_url = "redis://127.0.0.1:6399/0"
 redis_write_bytes_per_s = "64MiB"
 """)
     config = load_serve_config(path, env={})
