@@ -208,7 +208,8 @@ def test_k8s_serves_metrics_where_the_annotations_the_servicemonitor_and_prometh
     path = tmp_path / "kvgate.toml"
     path.write_text(objects[("ConfigMap", "kvgate-config")]["data"]["kvgate.toml"],
                     encoding="utf-8")
-    config = load_serve_config(path, env={})
+    # The Deployment gives the Redis tier its URL from the Secret (KVGATE_REDIS_URL_FILE).
+    config = load_serve_config(path, env={"KVGATE_REDIS_URL": "rediss://kvgate-redis:6380/0"})
     assert config.metrics.enabled and config.metrics.host == "0.0.0.0"
     assert config.http.metrics  # the API port's /metrics, for routers
     template = objects[("Deployment", "kvgate")]["spec"]["template"]
