@@ -301,8 +301,9 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
     const int64_t page_stride = (int64_t)page_tokens * head_dim;
     const int heads = kv_heads * rep;
     /* Blocks of up to MAX_ROWS consecutive rows of one item, or of up to `lone` consecutive
-       rows that are each their item's only one (decode rows): as many together as still leaves
-       every thread two tasks or more. */
+       rows that are each their item's only one (decode rows) and whose tables begin with the
+       same page (a shared prefix: rows of unrelated sequences gain nothing together): as many
+       together as still leaves every thread two tasks or more. */
     int64_t *block_start = malloc(sizeof(int64_t) * (size_t)(rows + 1));
     if (block_start == NULL) return -1;
     int64_t lone_rows = 0;
@@ -314,7 +315,9 @@ int kvgate_paged_attention_f32(const float *keys, const float *values, int64_t h
         block_start[blocks++] = r;
         int64_t end = r + 1;
         if (is_lone(row_item, rows, r))
-            while (end < rows && end - r < lone && is_lone(row_item, rows, end)) end++;
+            while (end < rows && end - r < lone && is_lone(row_item, rows, end)
+                   && tables[row_item[end] * table_stride] == tables[row_item[r] * table_stride])
+                end++;
         else
             while (end < rows && end - r < MAX_ROWS && row_item[end] == row_item[r]) end++;
         r = end;
