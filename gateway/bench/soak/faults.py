@@ -42,6 +42,9 @@ class Deployment:
     replicas: Sequence[SoakReplica]
     rng: random.Random
     pause_s: float
+    spared_files: frozenset[str] = frozenset()
+    """Disk block files the corruption fault leaves alone: the pinned prefixes' (a block the
+    fault damages is lost by design; the pinned-blocks check is about kills and restarts)."""
 
 
 @dataclass(slots=True)
@@ -92,7 +95,7 @@ def replica_kill_restart(d: Deployment) -> str:
 
 def disk_block_corrupt(d: Deployment) -> str:
     for replica in d.rng.sample(list(d.replicas), len(d.replicas)):
-        files = replica.disk_block_files()
+        files = [f for f in replica.disk_block_files() if f.name not in d.spared_files]
         if files:
             path = d.rng.choice(files)
             try:

@@ -36,6 +36,9 @@ class PinCheck:
         served_tokens: the chat's cached tokens (by any tier).
         is_equal: the chat's answer is the cold answer.
         error: why the check could not be made (a failed call), else "".
+        was_restarted: the replica was killed and restarted by a fault during the load, after
+            it pinned the prefix. Pins are not kept over a restart (``gateway.cache.adoption``):
+            from then on the prefix's blocks are ordinary ones, which eviction may take.
     """
 
     prompt: str
@@ -46,6 +49,7 @@ class PinCheck:
     served_tokens: int = 0
     is_equal: bool = False
     error: str = ""
+    was_restarted: bool = False
 
     @property
     def is_kept(self) -> bool:
@@ -85,6 +89,7 @@ def check_all(replicas: Sequence[SoakReplica], prompts: Sequence[SoakPrompt],
     """Kill (-9) and restart each replica on its data, then check its pinned prefixes."""
     found = []
     for replica in replicas:
+        was_restarted = replica.num_starts > 1
         replica.kill()
         replica.start()
         log(f"[soak] {replica.name} killed (-9) and restarted for the pinned-blocks check")
@@ -99,11 +104,13 @@ def check_all(replicas: Sequence[SoakReplica], prompts: Sequence[SoakPrompt],
                     tokens, usage = answer_of(client, prompt, max_tokens=max_tokens)
                 except KvgateError as exc:
                     found.append(PinCheck(prompt=prompt.name, replica=replica.name,
-                                          pinned_tokens=want, error=exc.code.name))
+                                          pinned_tokens=want, error=exc.code.name,
+                                          was_restarted=was_restarted))
                     continue
                 found.append(PinCheck(
                     prompt=prompt.name, replica=replica.name, pinned_tokens=want,
                     disk_tokens=looked.cached_tokens_by_tier.get("disk", 0),
                     tiers=dict(looked.cached_tokens_by_tier),
-                    served_tokens=usage.cached_tokens, is_equal=tuple(tokens) == cold[prompt.name]))
+                    served_tokens=usage.cached_tokens, is_equal=tuple(tokens) == cold[prompt.name],
+                    was_restarted=was_restarted))
     return found

@@ -200,8 +200,10 @@ class SoakReplica:
         self.config_path.chmod(0o600)
         self.tenant = SPAWN_TENANT
         self.disk_mounted = False
+        self.num_starts = 0
 
     def start(self) -> None:
+        self.num_starts += 1
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
         env["KVGATE_DEPLOYMENT_SECRET"] = self._secret_hex
         log = self.root / "serve.log"

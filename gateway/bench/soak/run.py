@@ -128,9 +128,10 @@ def run_soak(options: SoakOptions, *, out: TextIO, err: TextIO) -> SoakReport:
         pinned = pin_all(replicas, pinned_prompts(prompts), api_key=api_key,
                          admin_key=admin_key, tenant=replicas[0].tenant,
                          deadline_s=options.deadline_s)
+        spared = frozenset(f.name for r in replicas for f in r.disk_block_files())
         err.write(f"[soak] pinned {len(pinned_prompts(prompts))} prefixes on every replica "
                   f"({', '.join(f'{n} tokens' for n in sorted(set(pinned.values())))})\n")
-        report = _load(options, redis, replicas, ClientContext(
+        report = _load(options, redis, replicas, spared, ClientContext(
             ports=lambda: [r.port or 0 for r in replicas], api_key=api_key,
             admin_key=admin_key, tenant=replicas[0].tenant, prompts=prompts, cold=cold,
             max_tokens=options.max_tokens, deadline_s=options.deadline_s), err)
@@ -154,7 +155,8 @@ def _tmpfs_bytes(disk_bytes: str) -> int:
 
 
 def _load(options: SoakOptions, redis: SoakRedis | SoakRedisCluster,
-          replicas: Sequence[SoakReplica], ctx: ClientContext, err: TextIO) -> SoakReport:
+          replicas: Sequence[SoakReplica], spared: frozenset[str], ctx: ClientContext,
+          err: TextIO) -> SoakReport:
     started = time.time()
     stop_at = started + options.minutes * 60.0
     outcomes: list[Outcome] = []
@@ -174,7 +176,7 @@ def _load(options: SoakOptions, redis: SoakRedis | SoakRedisCluster,
                                 name=f"soak-client-{i}", daemon=True)
                for i in range(options.clients)]
     deployment = Deployment(redis=redis, replicas=replicas, rng=random.Random(options.seed),
-                            pause_s=options.pause_s)
+                            pause_s=options.pause_s, spared_files=spared)
     kinds = fault_kinds(cluster=options.redis_cluster)
     schedule = dict(d=deployment, kinds=kinds, started=started, first_at=started + options.warmup_s,
                     every_s=options.fault_every_s, stop_at=stop_at - 15.0, windows=windows,

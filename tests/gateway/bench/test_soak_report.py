@@ -94,3 +94,16 @@ def test_the_pinned_prefixes_share_no_block_with_what_the_load_pins() -> None:
     for prompt in pinned:  # the system prompts differ from their first word
         first = prompt.messages[0]["content"].split()[0]
         assert all(o.messages[0]["content"].split()[0] != first for o in others)
+
+
+def test_a_pinned_prefix_lost_after_a_faults_restart_is_reported_not_failed() -> None:
+    report = _report()
+    report.pins = [PinCheck(prompt="pinned-0", replica="replica-0", pinned_tokens=640,
+                            disk_tokens=576, served_tokens=640, is_equal=True,
+                            was_restarted=True)]
+    assert report.problems() == []
+    assert report.is_known_gap(report.pins[0])
+    report.pins = [PinCheck(prompt="pinned-0", replica="replica-0", pinned_tokens=640,
+                            disk_tokens=640, served_tokens=640, is_equal=False,
+                            was_restarted=True)]
+    assert "NOT the cold answer" in report.problems()[0]
