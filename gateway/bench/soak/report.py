@@ -88,7 +88,8 @@ class SoakReport:
         rss = [(s.at_s, s.sample.rss_bytes) for s in self.samples if s.process == process]
         last_start = 0.0
         for (_, before), (at, now) in zip(rss, rss[1:], strict=False):
-            if before is None and now is not None:
+            # gone and back, or restarted between two samples (a new process is far smaller)
+            if now is not None and (before is None or now < before // 2):
                 last_start = at
         steady = [r for at, r in rss if r is not None and at >= max(self.warmup_s,
                                                                       last_start + 60.0)]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from gateway.bench.soak.faults import FAULTS, GRACE_S, FaultWindow, fault_kinds, not_run
 from gateway.bench.soak.pins import PinCheck
-from gateway.bench.soak.report import SoakReport
+from gateway.bench.soak.processes import ProcessSample
+from gateway.bench.soak.report import Sampled, SoakReport
 from gateway.bench.soak.workload import Outcome, catalogue, pinned_prompts
 
 FAULT = FaultWindow(kind="redis_pause", started=100.0, ended=110.0, note="stopped")
@@ -107,3 +108,15 @@ def test_a_pinned_prefix_lost_after_a_faults_restart_is_reported_not_failed() ->
                             disk_tokens=640, served_tokens=640, is_equal=False,
                             was_restarted=True)]
     assert "NOT the cold answer" in report.problems()[0]
+
+
+def test_memory_growth_counts_from_a_restart_seen_between_two_samples() -> None:
+    # killed and restarted between the samples at 30 and 40 s
+    sizes = [1000, 1100, 200, 900, 950, 980, 990, 1000, 1010, 1015, 1020]
+    report = _report()
+    report.samples = [Sampled(i * 10.0 + 20.0, "replica-0", ProcessSample(mib << 20, 10, 20))
+                      for i, mib in enumerate(sizes)]
+    report.warmup_s = 0.0
+    # steady from 60 s after the restart seen at 40 s: 1010 -> 1020 MiB (not 200 -> 1020)
+    growth = report.growth("replica-0")
+    assert growth is not None and abs(growth - (1020 - 1010) / 1010) < 1e-9
