@@ -128,9 +128,10 @@ def run_soak(options: SoakOptions, *, out: TextIO, err: TextIO) -> SoakReport:
         pinned = pin_all(replicas, pinned_prompts(prompts), api_key=api_key,
                          admin_key=admin_key, tenant=replicas[0].tenant,
                          deadline_s=options.deadline_s)
-        spared = frozenset(f.name for r in replicas for f in r.disk_block_files())
+        spared = _pinned_files(replicas, pinned, options.block_tokens, err)
         err.write(f"[soak] pinned {len(pinned_prompts(prompts))} prefixes on every replica "
-                  f"({', '.join(f'{n} tokens' for n in sorted(set(pinned.values())))})\n")
+                  f"({', '.join(f'{n} tokens' for n in sorted(set(pinned.values())))}; "
+                  f"{len(spared)} block files, which the corruption fault spares)\n")
         report = _load(options, redis, replicas, spared, ClientContext(
             ports=lambda: [r.port or 0 for r in replicas], api_key=api_key,
             admin_key=admin_key, tenant=replicas[0].tenant, prompts=prompts, cold=cold,
@@ -141,6 +142,26 @@ def run_soak(options: SoakOptions, *, out: TextIO, err: TextIO) -> SoakReport:
                                 log=lambda line: _say(err, line))
         return report
     raise AssertionError("unreachable")
+
+
+def _pinned_files(replicas: Sequence[SoakReplica], pinned: dict[tuple[str, str], int],
+                  block_tokens: int, err: TextIO, timeout_s: float = 60.0) -> frozenset[str]:
+    """The pinned prefixes' disk block files: every block file there is before the load (the
+    cold answers store nothing), once the disk tier's queued writes hold them all."""
+    deadline = time.monotonic() + timeout_s
+    names: set[str] = set()
+    for replica in replicas:
+        want = sum(tokens // block_tokens for (_, name), tokens in pinned.items()
+                   if name == replica.name)
+        files = replica.disk_block_files()
+        while len(files) < want and time.monotonic() < deadline:
+            time.sleep(0.2)
+            files = replica.disk_block_files()
+        if len(files) < want:
+            _say(err, f"[soak] {replica.name}'s disk holds {len(files)} of the {want} pinned "
+                      "blocks' files before the load: the others may be corrupted by a fault")
+        names.update(f.name for f in files)
+    return frozenset(names)
 
 
 def _say(err: TextIO, line: str) -> None:
