@@ -6,6 +6,7 @@ no pinned block lost. Times and memory are printed, not asserted."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -43,3 +44,6 @@ def test_three_minutes_of_mixed_load_through_every_fault_serve_nothing_wrong(
     assert not missing, f"faults not made: {missing}"
     assert found["problems"] == []
     assert any(o["result"] == "ok" for o in found["outcomes"])
+    assert len(found["pins"]) == 4  # two pinned prefixes on each replica, each checked
+    if importlib.util.find_spec("matplotlib") is not None:  # the plot, beside the JSON
+        assert report.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
