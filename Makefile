@@ -115,7 +115,8 @@ test: lint redis-server promtool smg
 	KVGATE_TEST_SMG=$(CURDIR)/$(SMG_VENV)/bin/smg KVGATE_REQUIRE_PROMTOOL=1 \
 	  KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest $(PYTEST_ARGS)
 
-# The 3-minute soak (issue 44): two replicas and a Redis under a mixed load through every fault
+# The soak (issue 44), two runs of 3 minutes: two replicas and a Redis, then two replicas and a
+# Redis Cluster (a master failed over among its faults), under a mixed load through every fault
 # kind; its own CI step, beside `make test` (which skips it).
 soak-ci: $(STAMP) redis-server
 	KVGATE_SOAK=1 KVGATE_REQUIRE_REDIS=1 $(VENV)/bin/pytest -s tests/soak $(PYTEST_ARGS)

@@ -162,14 +162,15 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
                  device: str = "auto", dtype: str = "auto", skip_slow_tiers: bool = True,
                  other_tenant_keys: Mapping[str, str] | None = None,
                  calls_per_key: int | None = None, disk_bytes: str = "8GiB",
-                 redis_timeout_s: float = 10.0) -> str:
+                 redis_timeout_s: float = 10.0, redis_cluster: bool = False) -> str:
     """The ``kvgate serve`` configuration of a spawned gateway (TOML); ``device`` and ``dtype``
     as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved);
     ``skip_slow_tiers`` False makes every load come from the tier that holds the block;
     ``other_tenant_keys`` (tenant -> key) are keys of other tenants beside the benchmark's own
     (a router's, which it registers workers with); ``calls_per_key``: the calls the benchmark's
     one key has in flight at most (its users), where that is more than the server's default
-    ``[limits] max_calls_per_key``, which would refuse the users past it."""
+    ``[limits] max_calls_per_key``, which would refuse the users past it; ``redis_cluster``:
+    ``redis_url`` names a node of a Redis Cluster."""
     lines = [
         "[server]",
         f'device = "{device}"',
@@ -202,6 +203,8 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         # Loopback Redis moving a whole 4,096-token prefix (~190 MB) in one pipeline: give each
         # socket read more than the 0.25 s default meant to bound a stalled remote Redis.
         lines += [f'redis_url = "{redis_url}"', f"redis_timeout_s = {redis_timeout_s}"]
+        if redis_cluster:
+            lines.append("redis_cluster = true")
     lines += [
         "",
         "[[api_keys]]",

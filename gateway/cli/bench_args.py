@@ -319,4 +319,13 @@ def add_bench_soak(bench_sub: Any) -> None:
                       help="greedy tokens per answer (default: %(default)s)")
     soak.add_argument("--json", type=Path, default=None,
                       help="write every outcome, fault and sample here")
+    soak.add_argument("--redis-cluster", action="store_true",
+                      help="a Redis Cluster (three masters, one replica each) instead of one "
+                           "redis-server, and one fault more: a master failed over (needs "
+                           "redis-cli)")
+    soak.add_argument("--plot", type=Path, default=None,
+                      help="PNG of the run over time: tokens served by tier, each process's "
+                           "memory, descriptors and threads, the faults shaded (default: beside "
+                           "--json, else DATA_DIR/bench-soak.png)")
+    soak.add_argument("--no-plot", action="store_true", help="write no PNG")
 

@@ -209,7 +209,9 @@ def _bench_soak(args: argparse.Namespace) -> int:
         sys.stderr.write("kvgate bench soak: needs redis-server on PATH (Debian's "
                          "redis-server; `make test` installs it)\n")
         return EXIT_FAILED
-    options = SoakOptions(redis_binary=redis, model=args.model, data_dir=args.data_dir,
+    options = SoakOptions(redis_binary=redis, redis_cli=shutil.which("redis-cli"),
+                          redis_cluster=args.redis_cluster, model=args.model,
+                          data_dir=args.data_dir,
                           minutes=args.minutes, replicas=args.replicas, clients=args.clients,
                           fault_every_s=args.fault_every, warmup_s=args.warmup,
                           pause_s=args.pause, max_tokens=args.max_tokens)
@@ -221,6 +223,12 @@ def _bench_soak(args: argparse.Namespace) -> int:
     report.write(sys.stdout)
     if args.json is not None:
         report.save(args.json)
+    if not args.no_plot:
+        from gateway.bench.soak.plot import plot_soak
+
+        plot = args.plot or (args.json.with_suffix(".png") if args.json is not None
+                             else args.data_dir / "bench-soak.png")
+        plot_soak(report, plot, sys.stdout)
     return EXIT_FAILED if report.problems() else 0
 
 

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import redis
+
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import SPAWN_TENANT, free_port, spawn_config, stop_process, wait_serving
 
@@ -41,19 +43,45 @@ def sample(pid: int | None) -> ProcessSample:
     return ProcessSample(rss, fds, threads)
 
 
+CLUSTER_NODE_TIMEOUT_MS = 3000
+"""How long a cluster node may be silent before the others count it failed: a master killed is
+replaced by its replica after about this long. Longer than the slow-Redis fault's
+``DEBUG SLEEP`` (2 s at most), so that a slowed master is not failed over."""
+
+
 class SoakRedis:
     """A ``redis-server`` on one loopback port, without persistence (as ``deploy/`` runs it):
-    a restart comes back empty."""
+    a restart comes back empty. With ``cluster``, a node of a Redis Cluster
+    (``gateway.bench.soak.cluster``) on its own bus port, whose ``nodes.conf`` in ``workdir``
+    keeps its place in the cluster over a restart."""
 
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, *, cluster: bool = False) -> None:
         self.binary = binary
         self.workdir = workdir
         self.port = free_port()
+        self.cluster_args = (["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                              "--cluster-node-timeout", str(CLUSTER_NODE_TIMEOUT_MS),
+                              "--cluster-port", str(free_port()),
+                              # a replica syncs at once (not 5 s later): one that never
+                              # synced is not promoted
+                              "--repl-diskless-sync-delay", "0"] if cluster else [])
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://127.0.0.1:{self.port}" + ("" if self.cluster_args else "/0")
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    def named_pids(self) -> list[tuple[str, int | None]]:
+        """The processes to sample, by name."""
+        return [("redis", self.pid)]
+
+    def master_ports(self) -> list[int]:
+        """The ports of the servers holding blocks (the slow and corrupt faults pick one)."""
+        return [self.port]
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -61,7 +89,7 @@ class SoakRedis:
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "no", "--dir", str(self.workdir),
              # DEBUG SLEEP is the slow-Redis fault; Redis 7 refuses DEBUG unless allowed
-             "--enable-debug-command", "local"],
+             "--enable-debug-command", "local", *self.cluster_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 15
         while not self.answers():
@@ -76,6 +104,49 @@ class SoakRedis:
                 return sock.recv(16).startswith(b"+PONG")
         except OSError:
             return False
+
+    def command(self, *args: str) -> bytes:
+        """One command's reply as bytes (b"" when the server does not answer)."""
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
+                             socket_connect_timeout=2)
+        try:
+            reply = client.execute_command(*args)  # type: ignore[no-untyped-call]
+        except redis.RedisError:
+            return b""
+        finally:
+            client.close()
+        return reply if isinstance(reply, bytes) else repr(reply).encode()
+
+    def role(self) -> bytes:
+        """``master`` or ``slave`` (b"" when it does not answer)."""
+        reply = self._role()
+        return reply[0] if reply and isinstance(reply[0], bytes) else b""
+
+    def master_port(self) -> int | None:
+        """The port of the master this node replicates (None: it is a master, or silent)."""
+        reply = self._role()
+        return int(str(reply[2])) if reply and reply[0] == b"slave" else None
+
+    def is_linked(self) -> bool:
+        """A replica whose link to its master is up."""
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
+                             socket_connect_timeout=2)
+        try:
+            return client.info("replication").get("master_link_status") == "up"
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+
+    def _role(self) -> list[object]:
+        client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2,
+                             socket_connect_timeout=2)
+        try:
+            return list(client.execute_command("ROLE"))  # type: ignore[no-untyped-call]
+        except redis.RedisError:
+            return []
+        finally:
+            client.close()
 
     def kill(self) -> None:
         """SIGKILL, and wait for it to be gone."""
@@ -100,7 +171,8 @@ class SoakReplica:
 
     def __init__(self, *, name: str, root: Path, model: str, models_dir: Path,
                  redis_url: str, api_key: str, admin_key: str, secret_hex: str,
-                 block_tokens: int, disk_bytes: str, start_timeout_s: float) -> None:
+                 block_tokens: int, disk_bytes: str, start_timeout_s: float,
+                 redis_cluster: bool = False) -> None:
         self.name = name
         self.root = root
         self.api_key = api_key
@@ -121,14 +193,17 @@ class SoakReplica:
                               redis_url=redis_url, api_key=api_key, admin_key=admin_key,
                               skip_slow_tiers=False, calls_per_key=64,
                               # a small disk tier, so that the load fills it and evicts
-                              disk_bytes=disk_bytes, redis_timeout_s=1.0)
+                              disk_bytes=disk_bytes, redis_timeout_s=1.0,
+                              redis_cluster=redis_cluster)
         self.config_path = root / "kvgate.toml"
         self.config_path.write_text(config, encoding="utf-8")
         self.config_path.chmod(0o600)
         self.tenant = SPAWN_TENANT
         self.disk_mounted = False
+        self.num_starts = 0
 
     def start(self) -> None:
+        self.num_starts += 1
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
         env["KVGATE_DEPLOYMENT_SECRET"] = self._secret_hex
         log = self.root / "serve.log"
@@ -183,4 +258,11 @@ class SoakReplica:
     def disk_block_files(self) -> list[Path]:
         """The disk tier's block files now (the corruption fault picks one)."""
         kv = self.data_dir / "kv"
-        return sorted(p for p in kv.rglob("*") if p.is_file() and p.stat().st_size > 4096)
+        found = []
+        for path in kv.rglob("*.kvb"):  # not a write in flight (``*.kvb.<id>.tmp``)
+            try:
+                if path.is_file() and path.stat().st_size > 4096:
+                    found.append(path)
+            except FileNotFoundError:  # evicted while we looked
+                continue
+        return sorted(found)

@@ -15,6 +15,10 @@ from gateway.core.requests import Usage
 
 FAMILY_HEADINGS = ("Northwind support desk", "Harbour Bank help line", "Juniper Clinic front desk")
 """Each family's system prompt differs from the others' from its first token."""
+PINNED_HEADINGS = ("Lighthouse archive reading room", "Orchard co-op order desk")
+"""The pinned prefixes' system prompts (``gateway.bench.soak.pins``): differing from every
+family's from the first token, so no block of theirs is one the load pins or unpins."""
+PINNED_PREFIX = "pinned-"
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +31,8 @@ class SoakPrompt:
 
 def catalogue(*, families: int, questions: int, num_rules: int) -> list[SoakPrompt]:
     """Chats (a family's system prompt and one question) and long documents (the system prompt
-    three times over, then a question): every prompt an answer is checked against."""
+    three times over, then a question), and the pinned prefixes' chats (``PINNED_HEADINGS``):
+    every prompt an answer is checked against."""
     prompts = []
     for family in range(families):
         system = f"{FAMILY_HEADINGS[family % len(FAMILY_HEADINGS)]}.\n{system_prompt(num_rules)}"
@@ -38,7 +43,16 @@ def catalogue(*, families: int, questions: int, num_rules: int) -> list[SoakProm
         prompts.append(SoakPrompt(f"long-{family}", (
             {"role": "system", "content": "\n\n".join([system] * 3)},
             {"role": "user", "content": question(family, 1, num_rules)})))
+    for index, heading in enumerate(PINNED_HEADINGS):
+        prompts.append(SoakPrompt(f"{PINNED_PREFIX}{index}", (
+            {"role": "system", "content": f"{heading}.\n{system_prompt(num_rules)}"},
+            {"role": "user", "content": question(index, 2, num_rules)})))
     return prompts
+
+
+def pinned_prompts(prompts: Sequence[SoakPrompt]) -> list[SoakPrompt]:
+    """The catalogue's pinned prefixes' chats."""
+    return [p for p in prompts if p.name.startswith(PINNED_PREFIX)]
 
 
 KIND_WEIGHTS: Mapping[str, int] = {
@@ -63,6 +77,7 @@ class Outcome:
         error: the error's class (its gRPC status name) where ``result`` is ``error``.
         prompt: the catalogue prompt it sent, if any.
         tiers: cached tokens by tier of a checked answer.
+        prompt_tokens: a checked answer's prompt tokens.
         lossy: the answer said it came from lossy copies.
     """
 
@@ -74,6 +89,7 @@ class Outcome:
     error: str = ""
     prompt: str = ""
     tiers: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: int = 0
     lossy: bool = False
 
 
@@ -125,7 +141,9 @@ def run_client(ctx: ClientContext, index: int, stop_at: float,
 
 def _send(ctx: ClientContext, client: KvgateClient, admin: KvgateClient, rng: random.Random,
           kind: str, session: str, outcome: Outcome) -> None:
-    prompts = [p for p in ctx.prompts if p.name.startswith("long-") == (kind == "long")]
+    prompts = [p for p in ctx.prompts if p.name.startswith("long-") == (kind == "long")
+               # the load's own pins and unpins leave the pinned prefixes alone
+               and not (kind == "pin" and p.name.startswith(PINNED_PREFIX))]
     prompt = rng.choice(prompts)
     outcome.prompt = prompt.name
     if kind == "prewarm":
@@ -144,9 +162,16 @@ def _send(ctx: ClientContext, client: KvgateClient, admin: KvgateClient, rng: ra
     else:
         tokens, usage = _answer(client, kind, prompt, session, ctx.max_tokens)
         outcome.tiers = dict(usage.cached_tokens_by_tier)
+        outcome.prompt_tokens = usage.prompt_tokens
         outcome.lossy = usage.lossy
         if tuple(tokens) != ctx.cold[prompt.name] and not (kind == "lossy" and usage.lossy):
             outcome.result = "wrong"
+
+
+def answer_of(client: KvgateClient, prompt: SoakPrompt, *,
+              max_tokens: int) -> tuple[list[int], Usage]:
+    """A plain chat's greedy tokens and usage."""
+    return _answer(client, "chat", prompt, "", max_tokens)
 
 
 def _answer(client: KvgateClient, kind: str, prompt: SoakPrompt, session: str,

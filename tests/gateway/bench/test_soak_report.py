@@ -1,11 +1,14 @@
 """How a soak run is judged (``gateway.bench.soak.report``): wrong answers, errors outside a
-fault's window or of an unexpected class, crashes."""
+fault's window or of an unexpected class, crashes, pinned prefixes lost; which faults a run
+makes."""
 
 from __future__ import annotations
 
-from gateway.bench.soak.faults import GRACE_S, FaultWindow
-from gateway.bench.soak.report import SoakReport
-from gateway.bench.soak.workload import Outcome
+from gateway.bench.soak.faults import FAULTS, GRACE_S, FaultWindow, fault_kinds, not_run
+from gateway.bench.soak.pins import PinCheck
+from gateway.bench.soak.processes import ProcessSample
+from gateway.bench.soak.report import Sampled, SoakReport
+from gateway.bench.soak.workload import Outcome, catalogue, pinned_prompts
 
 FAULT = FaultWindow(kind="redis_pause", started=100.0, ended=110.0, note="stopped")
 
@@ -54,3 +57,66 @@ def test_recovery_is_from_the_faults_end_to_the_first_good_answer_after_it() -> 
     report = _report(Outcome(kind="chat", replica=0, started=111.0, ended=113.5),
                      Outcome(kind="pin", replica=0, started=110.5, ended=111.0))
     assert report.recovery_s(FAULT) == 3.5
+
+
+def test_a_pinned_prefix_lost_from_disk_fails_the_run() -> None:
+    report = _report()
+    report.pins = [
+        PinCheck(prompt="pinned-0", replica="replica-0", pinned_tokens=320, disk_tokens=320,
+                 served_tokens=320, is_equal=True),
+        PinCheck(prompt="pinned-1", replica="replica-1", pinned_tokens=320, disk_tokens=192,
+                 served_tokens=320, is_equal=True)]
+    assert report.problems() == [
+        "pinned prefix pinned-1 lost on replica-1: 192 of its 320 tokens on disk, 320 served "
+        "warm, equal to the cold answer"]
+
+
+def test_a_pinned_prefix_served_cold_or_wrong_is_not_kept() -> None:
+    assert not PinCheck(prompt="p", replica="r", pinned_tokens=64, disk_tokens=64,
+                        served_tokens=0, is_equal=True).is_kept
+    assert not PinCheck(prompt="p", replica="r", pinned_tokens=64, disk_tokens=64,
+                        served_tokens=64, is_equal=False).is_kept
+    assert not PinCheck(prompt="p", replica="r", pinned_tokens=64, error="UNAVAILABLE").is_kept
+
+
+def test_a_standalone_run_makes_no_failover_and_a_cluster_run_makes_every_fault() -> None:
+    assert "redis_cluster_failover" not in fault_kinds(cluster=False)
+    assert set(fault_kinds(cluster=True)) == set(FAULTS)
+    assert fault_kinds(cluster=True)[:2] == ["redis_kill_restart", "redis_cluster_failover"]
+    assert set(not_run(cluster=False)) == {"redis_cluster_failover"}
+    assert not_run(cluster=True) == {}
+
+
+def test_the_pinned_prefixes_share_no_block_with_what_the_load_pins() -> None:
+    prompts = catalogue(families=3, questions=4, num_rules=24)
+    pinned = pinned_prompts(prompts)
+    assert [p.name for p in pinned] == ["pinned-0", "pinned-1"]
+    others = [p for p in prompts if p not in pinned]
+    for prompt in pinned:  # the system prompts differ from their first word
+        first = prompt.messages[0]["content"].split()[0]
+        assert all(o.messages[0]["content"].split()[0] != first for o in others)
+
+
+def test_a_pinned_prefix_lost_after_a_faults_restart_is_reported_not_failed() -> None:
+    report = _report()
+    report.pins = [PinCheck(prompt="pinned-0", replica="replica-0", pinned_tokens=640,
+                            disk_tokens=576, served_tokens=640, is_equal=True,
+                            was_restarted=True)]
+    assert report.problems() == []
+    assert report.is_known_gap(report.pins[0])
+    report.pins = [PinCheck(prompt="pinned-0", replica="replica-0", pinned_tokens=640,
+                            disk_tokens=640, served_tokens=640, is_equal=False,
+                            was_restarted=True)]
+    assert "NOT the cold answer" in report.problems()[0]
+
+
+def test_memory_growth_counts_from_a_restart_seen_between_two_samples() -> None:
+    # killed and restarted between the samples at 30 and 40 s
+    sizes = [1000, 1100, 200, 900, 950, 980, 990, 1000, 1010, 1015, 1020]
+    report = _report()
+    report.samples = [Sampled(i * 10.0 + 20.0, "replica-0", ProcessSample(mib << 20, 10, 20))
+                      for i, mib in enumerate(sizes)]
+    report.warmup_s = 0.0
+    # steady from 60 s after the restart seen at 40 s: 1010 -> 1020 MiB (not 200 -> 1020)
+    growth = report.growth("replica-0")
+    assert growth is not None and abs(growth - (1020 - 1010) / 1010) < 1e-9
