@@ -1,11 +1,13 @@
 """A multi-head latent attention model's cache holds its latents, not expanded K/V (issue 43,
 item 4): a cached token costs ``(kv_lora_rank + qk_rope_head_dim) x layers`` numbers in every
-tier, as in the model's own cache; only the tiled attention reads latents; the serial route
+tier, as in the model's own cache; a warm answer from the disk tier and from Redis (written by
+another engine) equals the cold one; only the tiled attention reads latents; the serial route
 keeps the same latents (a block is the same bytes whichever route computed it)."""
 
 from __future__ import annotations
 
 import struct
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +31,7 @@ from tests.gateway.engine.parity import (
     num_servable_tokens,
     run,
 )
+from tests.redis_harness import RedisServer
 
 LATENT = 32 + 8
 """The tiny DeepSeek-V3's numbers a token and layer: its kv_lora_rank and qk_rope_head_dim."""
@@ -81,6 +84,61 @@ def test_every_tier_stores_a_block_as_its_latents(loaded: LoadedModel, tiers: Op
     assert blocks, "the disk tier holds the prompt's blocks"
     raw_lengths = {struct.unpack_from("<Q", data, RAW_LENGTH_AT)[0] for data in blocks}
     assert raw_lengths == {latent_block}
+
+
+def _served_from(loaded: LoadedModel, engine: Engine, opened: OpenedCache,
+                 monkeypatch: pytest.MonkeyPatch, prompt: PromptInput,
+                 cold: tuple[list[int], str], tier: str) -> None:
+    """A warm answer from ``tier`` alone equals the cold one, tokens and latents."""
+    tokens = list(prompt.token_ids or [])
+    num_blocks = num_servable_tokens(len(tokens)) // BLOCK
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    ids, text, usage = run(engine, prompt)
+    assert (ids, text) == cold
+    assert usage.cached_tokens_by_tier == {tier: num_blocks * BLOCK}
+    assert_blocks_equal(spy.only.blocks, cold_blocks(loaded, tokens, num_blocks))
+
+
+def test_a_warm_answer_from_the_disk_tier_equals_the_cold_one(
+        loaded: LoadedModel, tiers: OpenedCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(loaded, tiers)
+    try:
+        prompt = _prompt(2 * BLOCK + 11)
+        cold = run(engine, prompt, no_cache=True)[:2]
+        assert run(engine, prompt)[:2] == cold
+        deadline = time.monotonic() + 10  # a finished answer lets go of its blocks
+        while tiers.cache.total_refcount() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tiers.cache.evict("device", 10**12)
+        tiers.cache.evict("host", 10**12)
+        _served_from(loaded, engine, tiers, monkeypatch, prompt, cold, "disk")
+    finally:
+        engine.stop(grace_s=5)
+
+
+def test_a_warm_answer_from_redis_written_by_another_engine_equals_the_cold_one(
+        loaded: LoadedModel, redis_server: RedisServer, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = _prompt(2 * BLOCK + 3)
+    writer_tiers = open_cache(cache_config(tmp_path / "writer", disk_bytes=0, disk_path=None,
+                                           redis_url=redis_server.url),
+                              layout=loaded.layout, deployment_secret=SECRET)
+    writer = make_engine(loaded, writer_tiers)
+    try:
+        cold = run(writer, prompt, no_cache=True)[:2]
+        assert run(writer, prompt)[:2] == cold
+    finally:
+        writer.stop(grace_s=5)
+        writer_tiers.close()  # its queued Redis writes land first
+    reader_tiers = open_cache(cache_config(tmp_path / "reader", disk_bytes=0, disk_path=None,
+                                           redis_url=redis_server.url),
+                              layout=loaded.layout, deployment_secret=SECRET)
+    reader = make_engine(loaded, reader_tiers)
+    try:
+        _served_from(loaded, reader, reader_tiers, monkeypatch, prompt, cold, "redis")
+    finally:
+        reader.stop(grace_s=5)
+        reader_tiers.close()
 
 
 def test_only_the_tiled_attention_reads_latent_pages() -> None:
