@@ -16,13 +16,14 @@ from typing import TYPE_CHECKING, TextIO
 from gateway.bench.plotting import new_figure, save_figure
 from gateway.bench.soak.report import SoakReport
 from gateway.bench.soak.workload import CHECKED_KINDS
+from tiers.kinds.host import HOST
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
 BIN_S = 10.0
 """The hit-rate panel's step: the answers that ended in each such stretch of the run."""
-TIER_COLOURS = {"device": "tab:blue", "host": "tab:green", "disk": "tab:orange",
+TIER_COLOURS = {"device": "tab:blue", HOST: "tab:green", "disk": "tab:orange",
                 "redis": "tab:red"}
 FAULT_COLOURS = {"redis_kill_restart": "tab:red", "redis_cluster_failover": "tab:pink",
                  "redis_pause": "tab:purple", "redis_slow": "tab:olive",
