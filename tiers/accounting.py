@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from abc import ABC, abstractmethod
 from typing import Generic, TypeVar
 
 from policies.base import BlockKey
@@ -22,7 +23,7 @@ from tiers.base import BatchDefaults, StoreStats
 EntryT = TypeVar("EntryT")
 
 
-class AccountedStore(BatchDefaults, Generic[EntryT]):
+class AccountedStore(BatchDefaults, ABC, Generic[EntryT]):
     """Entries by key, one lock, counters in step (see the module docstring).
 
     Args:
@@ -37,9 +38,9 @@ class AccountedStore(BatchDefaults, Generic[EntryT]):
 
     # -- what a store says about its entries ------------------------------------------------
 
+    @abstractmethod
     def _entry_bytes(self, entry: EntryT) -> int:
         """Bytes ``entry`` holds (what ``num_bytes`` counts)."""
-        raise NotImplementedError
 
     def _release(self, key: BlockKey, entry: EntryT) -> None:
         """Give back what ``entry`` holds, once it left the store. Called under the lock."""

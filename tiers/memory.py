@@ -37,6 +37,7 @@ becomes readable (an event on the source's stream, not a whole-device synchronis
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections import deque
 from collections.abc import Sequence
 
@@ -46,7 +47,6 @@ from policies.base import BlockKey
 from tiers.accounting import AccountedStore, EntryT
 from tiers.base import BlockMeta, StoreStats, TierConfigError
 from tiers.copy_fence import CopyFence, FenceFactory, record_fence
-from tiers.kinds.host import HOST
 from tiers.layer_arrivals import LayerArrivals, SlabRun
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
 from tiers.payload import KVBlock, KVLayout
@@ -267,9 +267,9 @@ class SlabStore(AccountedStore[EntryT]):
         super().__init__(name=name)
         self._reads: dict[BlockKey, list[CopyFence]] = {}  # copies from a slot in flight
 
+    @abstractmethod
     def _slot_of(self, entry: EntryT) -> torch.Tensor:
         """The slot ``entry`` lives in."""
-        raise NotImplementedError
 
     def _entry_bytes(self, entry: EntryT) -> int:
         return self._slot_bytes
@@ -305,7 +305,7 @@ class HostStore(SlabStore[tuple[torch.Tensor, KVBlock]]):
         budget_bytes: int,
         pin: bool | None = None,
         serve_device: torch.device | str | None = None,
-        name: str = HOST,
+        name: str,
         fences: FenceFactory = record_fence,
         slab_bytes: int = 64 << 20,
     ) -> None:

@@ -25,7 +25,6 @@ import torch
 from gateway.core.quantization import QUANTIZATIONS, Quantization
 from tiers.base import BlockMeta, CodecError, TierConfigError
 from tiers.copy_fence import FenceFactory, record_fence
-from tiers.kinds.host import HOST
 from tiers.kv_quant import (
     SCALE_BYTES,
     SCALE_DTYPE,
@@ -66,7 +65,7 @@ class QuantizedHostStore(SlabStore[torch.Tensor]):
         quantization: Quantization,
         pin: bool | None = None,
         serve_device: torch.device | str | None = None,
-        name: str = HOST,
+        name: str,
         fences: FenceFactory = record_fence,
     ) -> None:
         super().__init__(name=name)

@@ -191,7 +191,7 @@ def _memory_rows(blocks: list[KVBlock], metas: list[BlockMeta], layout: KVLayout
     clone_s = _median_s(lambda: _clone(blocks), repeats, clock=clock)
     rows = []
     on_gpu = numerics.device.type == "cuda"
-    host = HostStore(layout=layout, block_tokens=block_tokens, budget_bytes=2 * total,
+    host = HostStore(name=HOST, layout=layout, block_tokens=block_tokens, budget_bytes=2 * total,
                      pin=on_gpu, serve_device=numerics.device)
     device = DeviceStore(device=numerics.device)
 

@@ -23,7 +23,7 @@ import json
 import logging
 import re
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gateway.config.keys import Principal
 from gateway.core.canonical import PromptInput
@@ -61,9 +61,6 @@ from gateway.service.engine_slot import EngineSlot
 from gateway.service.miss_diagnosis import Diagnosis
 from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.prompt_comparisons import PromptComparisons, new_request_id
-
-if TYPE_CHECKING:
-    pass
 
 logger = logging.getLogger(__name__)
 

@@ -13,6 +13,7 @@ import torch
 
 from tests.tiers.test_memory import BLOCK_TOKENS, LAYOUT, identical, make_block, make_meta
 from tiers.copy_fence import CopyFence, CudaFence, record_fence
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore, SlabPool
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock
@@ -78,7 +79,7 @@ def test_the_cpu_records_no_fence_its_copies_are_synchronous() -> None:
 
 
 def host_on_gpu(budget_blocks: int) -> HostStore:
-    return HostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+    return HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK_TOKENS,
                      budget_bytes=budget_blocks * LAYOUT.block_nbytes(BLOCK_TOKENS),
                      pin=True, serve_device="cuda")
 
@@ -124,7 +125,7 @@ def test_a_chain_read_from_the_pinned_tier_records_one_fence_for_every_slot_it_r
             recorded.append(fence)
         return fence
 
-    host = HostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+    host = HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK_TOKENS,
                      budget_bytes=8 * LAYOUT.block_nbytes(BLOCK_TOKENS), pin=True,
                      serve_device="cuda", fences=counting)
     blocks = [make_block(i) for i in range(4)]

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.tiers.test_memory import BLOCK_TOKENS, LAYOUT, identical, make_block, make_meta
+from tiers.kinds.host import HOST
 from tiers.layer_arrivals import LayerArrivals, LayeredLoadsUnavailable, device_view
 from tiers.memory import HostStore
 from tiers.page_pool import PagePool
@@ -21,7 +22,7 @@ SLOT_BYTES = LAYOUT.block_nbytes(BLOCK_TOKENS)
 
 def host(*, device: str = "cpu", slots_per_slab: int = 2, budget_blocks: int = 16) -> HostStore:
     """A host tier whose slabs hold ``slots_per_slab`` blocks each, so a chain spans several."""
-    return HostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+    return HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK_TOKENS,
                      budget_bytes=budget_blocks * SLOT_BYTES, pin=device == "cuda",
                      serve_device=device, slab_bytes=slots_per_slab * SLOT_BYTES)
 

@@ -8,6 +8,7 @@ import torch
 from policies.base import BlockKey
 from tests.copy_count import CountCopies
 from tiers.base import BlockMeta, BlockStore
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore, SlabPool
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
@@ -45,7 +46,7 @@ def identical(a: KVBlock, b: KVBlock) -> bool:
 
 
 def host_store(budget_blocks: int = 8, layout: KVLayout = LAYOUT) -> HostStore:
-    return HostStore(
+    return HostStore(name=HOST, 
         layout=layout,
         block_tokens=BLOCK_TOKENS,
         budget_bytes=budget_blocks * layout.block_nbytes(BLOCK_TOKENS),

@@ -17,6 +17,7 @@ from gateway.core.quantization import Quantization
 from tests.tiers.conftest import TEST_SECRET, blocks_equal, seeded_block_meta, seeded_kv_block
 from tiers.base import BlockMeta, BlockStore, CodecError, TierConfigError
 from tiers.codec import BlockCodec, derive_mac_key
+from tiers.kinds.host import HOST
 from tiers.kv_quant import dequantize, quantize, quantized_bytes_per_token, supported
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
@@ -33,7 +34,7 @@ def store(budget_blocks: int = 8, *, layout: KVLayout = LAYOUT,
           block_tokens: int = BLOCK_TOKENS) -> QuantizedHostStore:
     slot = block_tokens * quantized_bytes_per_token(layout.num_layers, layout.kv_heads,
                                                     layout.head_dim)
-    return QuantizedHostStore(layout=layout, block_tokens=block_tokens,
+    return QuantizedHostStore(name=HOST, layout=layout, block_tokens=block_tokens,
                               budget_bytes=budget_blocks * slot, quantization=quantization,
                               serve_device="cpu")
 
@@ -120,7 +121,7 @@ def test_puts_beyond_the_budget_are_dropped_and_counted() -> None:
 
 
 def test_the_budget_holds_as_many_blocks_as_whole_slots_fit() -> None:
-    host = QuantizedHostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+    host = QuantizedHostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK_TOKENS,
                               budget_bytes=3 * SLOT_BYTES - 1, quantization="int8",
                               serve_device="cpu")
     for i in range(3):
@@ -225,8 +226,8 @@ def test_a_block_read_back_and_put_again_does_not_drift(quantization: Quantizati
 
 def test_an_unknown_quantization_is_a_config_error() -> None:
     with pytest.raises(TierConfigError):
-        QuantizedHostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS, budget_bytes=1 << 20,
-                           quantization="int4", serve_device="cpu")  # type: ignore[arg-type]
+        QuantizedHostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+                           budget_bytes=1 << 20, quantization="int4", serve_device="cpu")  # type: ignore[arg-type]
 
 
 # ---- against a reference model -----------------------------------------------------------
@@ -273,7 +274,7 @@ def test_put_get_delete_behave_as_a_dict_of_dequantized_blocks(
 
 
 def on_gpu_store(budget_blocks: int) -> QuantizedHostStore:
-    return QuantizedHostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+    return QuantizedHostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK_TOKENS,
                               budget_bytes=budget_blocks * SLOT_BYTES, quantization="int8",
                               pin=True, serve_device="cuda")
 

@@ -14,6 +14,7 @@ import time
 import torch
 
 from tests.tiers.conftest import seeded_block_meta
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
 from tiers.page_pool import PagePool
 from tiers.payload import KVBlock, KVLayout
@@ -25,7 +26,7 @@ REPEATS = 7
 
 
 def main() -> None:
-    host = HostStore(layout=LAYOUT, block_tokens=BLOCK_TOKENS,
+    host = HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK_TOKENS,
                      budget_bytes=(NUM_BLOCKS + 2) * LAYOUT.block_nbytes(BLOCK_TOKENS))
     metas = [seeded_block_meta(i, block_tokens=BLOCK_TOKENS) for i in range(NUM_BLOCKS)]
     for meta in metas:

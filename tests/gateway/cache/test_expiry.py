@@ -22,6 +22,7 @@ from tests.redis_harness import RedisServer
 from tiers.base import BlockExpiry, BlockMeta
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.hierarchy import TierHierarchy, TierLevel
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
 from tiers.payload import KVBlock, KVLayout
 from tiers.redis_store import RedisStore
@@ -77,7 +78,7 @@ def store(cache: PrefixCache, tokens: TokenIds = PROMPT, ttl_s: float | None = N
 def device_host(clocks: Clocks) -> tuple[PrefixCache, TierHierarchy]:
     hierarchy = TierHierarchy([
         TierLevel(name="device", store=DeviceStore(device="cpu")),
-        TierLevel(name="host", store=HostStore(layout=LAYOUT, block_tokens=BLOCK,
+        TierLevel(name="host", store=HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK,
                                                budget_bytes=64 * NBYTES)),
     ])
     cache = PrefixCache(tiers=[slot("device", clocks), slot("host", clocks)],

@@ -29,6 +29,7 @@ from tiers.breaker import CircuitBreaker
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.disk import DiskStore
 from tiers.hierarchy import TierHierarchy, TierLevel
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
 from tiers.payload import KVBlock, KVLayout
 from tiers.redis_store import RedisStore
@@ -120,7 +121,7 @@ def test_a_prefix_age_counts_from_its_creation_and_its_idle_time_from_its_last_u
 def bytes_cache(*, device_blocks: int = 16, host_blocks: int = 16) -> PrefixCache:
     hierarchy = TierHierarchy([
         TierLevel(name="device", store=DeviceStore(device="cpu")),
-        TierLevel(name="host", store=HostStore(layout=LAYOUT, block_tokens=BLOCK,
+        TierLevel(name="host", store=HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK,
                                                budget_bytes=host_blocks * NBYTES)),
     ])
     return PrefixCache(tiers=[slot("device", device_blocks), slot("host", host_blocks)],

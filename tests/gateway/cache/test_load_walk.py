@@ -29,6 +29,7 @@ from tests.gateway.cache.test_honest_state import BLOCK, CODEC, LAYOUT, NBYTES, 
 from tests.gateway.cache.test_transfers import FlakyStore, block_for, identical
 from tiers.disk import DiskStore
 from tiers.hierarchy import TierHierarchy, TierLevel
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
 from tiers.page_pool import PagePool
 
@@ -99,7 +100,7 @@ def three_tier_cache(root: Path, wrap: Callable[[Any], Any] = lambda store: stor
     disk.start()
     hierarchy = TierHierarchy([
         TierLevel(name="device", store=DeviceStore(pool=pool)),
-        TierLevel(name="host", store=wrap(HostStore(layout=LAYOUT, block_tokens=BLOCK,
+        TierLevel(name="host", store=wrap(HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK,
                                                     budget_bytes=64 * NBYTES))),
         TierLevel(name="disk", store=wrap(disk)),
     ])

@@ -17,6 +17,7 @@ from policies.base import BlockKey
 from policies.registry import TierPolicyConfig, build_tier_policy
 from tiers.base import BatchDefaults, BlockMeta, StoreStats
 from tiers.hierarchy import TierHierarchy, TierLevel
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
 from tiers.payload import KVBlock, KVLayout
 
@@ -121,7 +122,8 @@ class LockWatchingStore(FlakyStore):
 def make_cache(device_blocks: int, host_blocks: int,
                wrap: type[FlakyStore] = FlakyStore) -> tuple[PrefixCache, FlakyStore, FlakyStore]:
     device = wrap(DeviceStore(device="cpu"))
-    host = wrap(HostStore(layout=LAYOUT, block_tokens=BLOCK, budget_bytes=host_blocks * NBYTES))
+    host = wrap(HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK,
+                          budget_bytes=host_blocks * NBYTES))
     hierarchy = TierHierarchy(
         [TierLevel(name="device", store=device), TierLevel(name="host", store=host)]
     )
@@ -369,7 +371,7 @@ class MeetingStore(FlakyStore):
 
 def test_a_tier_with_parallel_reads_reads_a_runs_blocks_at_once_and_returns_them_in_order(
         ) -> None:
-    store = MeetingStore(HostStore(layout=LAYOUT, block_tokens=BLOCK,
+    store = MeetingStore(HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK,
                                    budget_bytes=64 * NBYTES), readers=2)
     hierarchy = TierHierarchy([TierLevel(name="disk", store=store, parallel_reads=2)])
     prompt = toks(1, 2, 3, 4, 5)

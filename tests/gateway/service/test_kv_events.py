@@ -36,6 +36,7 @@ from tests.gateway.service.kv_events_router import (
 )
 from tiers.base import BlockMeta
 from tiers.hierarchy import TierHierarchy, TierLevel
+from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
 from tiers.payload import KVBlock, KVLayout
 
@@ -223,7 +224,7 @@ def test_a_demotion_publishes_the_host_copy_before_the_device_removal(
     sub = subscribe(publisher)
     hierarchy = TierHierarchy([
         TierLevel(name="device", store=DeviceStore(device="cpu")),
-        TierLevel(name="host", store=HostStore(layout=LAYOUT, block_tokens=BLOCK,
+        TierLevel(name="host", store=HostStore(name=HOST, layout=LAYOUT, block_tokens=BLOCK,
                                                budget_bytes=8 * NBYTES)),
     ])
     cache = PrefixCache(tiers=[slot("device", 1), slot("host", 8)], block_tokens=BLOCK,
