@@ -180,10 +180,8 @@ def _bench_cluster(args: argparse.Namespace) -> int:
     from gateway.bench.rows import BenchError
     from gateway.engine.models.loading import ModelLoadError
 
-    redis = shutil.which("redis-server")
+    redis = _redis_server("kvgate bench cluster")
     if redis is None:
-        sys.stderr.write("kvgate bench cluster: needs redis-server on PATH (Debian's "
-                         "redis-server; `make test` installs it)\n")
         return EXIT_FAILED
     options = ClusterOptions(
         smg=args.smg, redis_binary=redis, replicas=args.replicas, families=args.families,
@@ -204,10 +202,8 @@ def _bench_soak(args: argparse.Namespace) -> int:
     from gateway.bench.rows import BenchError
     from gateway.bench.soak.run import SoakOptions, run_soak
 
-    redis = shutil.which("redis-server")
+    redis = _redis_server("kvgate bench soak")
     if redis is None:
-        sys.stderr.write("kvgate bench soak: needs redis-server on PATH (Debian's "
-                         "redis-server; `make test` installs it)\n")
         return EXIT_FAILED
     options = SoakOptions(redis_binary=redis, redis_cli=shutil.which("redis-cli"),
                           redis_cluster=args.redis_cluster, model=args.model,
@@ -255,3 +251,12 @@ def _bench_lossy(args: argparse.Namespace) -> int:
         sys.stderr.write(f"kvgate bench lossy: {exc}\n")
         return EXIT_FAILED
     return 0
+
+
+def _redis_server(command: str) -> str | None:
+    """redis-server's path, or None after saying on stderr that ``command`` needs it."""
+    redis = shutil.which("redis-server")
+    if redis is None:
+        sys.stderr.write(f"{command}: needs redis-server on PATH (Debian's redis-server; "
+                         "`make test` installs it)\n")
+    return redis

@@ -11,6 +11,7 @@ the K/V tensors handed to the request. That is what "served from tier X, bit for
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,3 +236,27 @@ class ServedSpy:
     def only(self) -> Served:
         assert len(self.calls) == 1, f"expected one load, saw {len(self.calls)}"
         return self.calls[0]
+
+
+def evict_once_released(opened: OpenedCache, *tiers: str) -> None:
+    """Evict every block of ``tiers`` once the answer just given lets go of its blocks: a block
+    still held (a request's last step, a queued write) stays in an eviction."""
+    deadline = time.monotonic() + 10
+    while opened.cache.total_refcount() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for tier in tiers:
+        opened.cache.evict(tier, 10**12)
+
+
+def assert_served_equals_cold(loaded: LoadedModel, engine: Engine, opened: OpenedCache,
+                              monkeypatch: pytest.MonkeyPatch, prompt: PromptInput,
+                              cold: tuple[list[int], str], tier: str) -> None:
+    """A warm answer of the token prompt ``prompt`` from ``tier`` alone equals the cold one
+    ``cold``, tokens and K/V (or latents) of every block served."""
+    tokens = list(prompt.token_ids or [])
+    num_blocks = num_servable_tokens(len(tokens)) // BLOCK
+    spy = ServedSpy(opened.cache).install(monkeypatch)
+    ids, text, usage = run(engine, prompt)
+    assert (ids, text) == cold
+    assert usage.cached_tokens_by_tier == {tier: num_blocks * BLOCK}
+    assert_blocks_equal(spy.only.blocks, cold_blocks(loaded, tokens, num_blocks))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -42,15 +41,13 @@ from tests.gateway.engine.parity import (
     ALICE,
     BLOCK,
     SECRET,
-    ServedSpy,
-    assert_blocks_equal,
+    assert_served_equals_cold,
     cache_config,
-    cold_blocks,
     engine_forward,
+    evict_once_released,
     load_tiny_as_served,
     make_engine,
     model_device,
-    num_servable_tokens,
     run,
 )
 
@@ -215,7 +212,7 @@ def test_a_warm_answer_from_the_device_tier_equals_the_cold_one(
     prompt = PromptInput(token_ids=_prompt(3, 41))
     cold = run(engine, prompt, no_cache=True)[:2]
     assert run(engine, prompt)[:2] == cold
-    _assert_served_equals_cold(loaded, engine, opened, monkeypatch, prompt, cold, "device")
+    assert_served_equals_cold(loaded, engine, opened, monkeypatch, prompt, cold, "device")
 
 
 def test_a_warm_answer_from_the_host_tier_equals_the_cold_one(
@@ -225,8 +222,8 @@ def test_a_warm_answer_from_the_host_tier_equals_the_cold_one(
     prompt = PromptInput(token_ids=_prompt(4, 29))
     cold = run(engine, prompt, no_cache=True)[:2]
     assert run(engine, prompt)[:2] == cold
-    _evict_the_device_tier(opened)
-    _assert_served_equals_cold(loaded, engine, opened, monkeypatch, prompt, cold, "host")
+    evict_once_released(opened, "device")
+    assert_served_equals_cold(loaded, engine, opened, monkeypatch, prompt, cold, "host")
 
 
 def test_warm_answers_beside_other_requests_equal_their_cold_ones(
@@ -237,27 +234,6 @@ def test_warm_answers_beside_other_requests_equal_their_cold_ones(
     first = _concurrently(engine, prompts)
     warm = _concurrently(engine, prompts)
     assert first == cold and warm == cold
-
-
-def _evict_the_device_tier(opened: OpenedCache) -> None:
-    """Evict every device block, once the answer just given lets go of its blocks: a block
-    still held (a request's last step, a queued write) stays in an eviction."""
-    deadline = time.monotonic() + 10
-    while opened.cache.total_refcount() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    opened.cache.evict("device", 10**12)
-
-
-def _assert_served_equals_cold(loaded: LoadedModel, engine: Engine, opened: OpenedCache,
-                               monkeypatch: pytest.MonkeyPatch, prompt: PromptInput,
-                               cold: tuple[list[int], str], tier: str) -> None:
-    tokens = list(prompt.token_ids or [])
-    num_blocks = num_servable_tokens(len(tokens)) // BLOCK
-    spy = ServedSpy(opened.cache).install(monkeypatch)
-    ids, text, usage = run(engine, prompt)
-    assert (ids, text) == cold
-    assert usage.cached_tokens_by_tier == {tier: num_blocks * BLOCK}
-    assert_blocks_equal(spy.only.blocks, cold_blocks(loaded, tokens, num_blocks))
 
 
 def _concurrently(engine: Engine, prompts: list[list[int]], *,

@@ -7,7 +7,6 @@ keeps the same latents (a block is the same bytes whichever route computed it)."
 from __future__ import annotations
 
 import struct
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,8 +24,10 @@ from tests.gateway.engine.parity import (
     SECRET,
     ServedSpy,
     assert_blocks_equal,
+    assert_served_equals_cold,
     cache_config,
     cold_blocks,
+    evict_once_released,
     make_engine,
     num_servable_tokens,
     run,
@@ -86,19 +87,6 @@ def test_every_tier_stores_a_block_as_its_latents(loaded: LoadedModel, tiers: Op
     assert raw_lengths == {latent_block}
 
 
-def _served_from(loaded: LoadedModel, engine: Engine, opened: OpenedCache,
-                 monkeypatch: pytest.MonkeyPatch, prompt: PromptInput,
-                 cold: tuple[list[int], str], tier: str) -> None:
-    """A warm answer from ``tier`` alone equals the cold one, tokens and latents."""
-    tokens = list(prompt.token_ids or [])
-    num_blocks = num_servable_tokens(len(tokens)) // BLOCK
-    spy = ServedSpy(opened.cache).install(monkeypatch)
-    ids, text, usage = run(engine, prompt)
-    assert (ids, text) == cold
-    assert usage.cached_tokens_by_tier == {tier: num_blocks * BLOCK}
-    assert_blocks_equal(spy.only.blocks, cold_blocks(loaded, tokens, num_blocks))
-
-
 def test_a_warm_answer_from_the_disk_tier_equals_the_cold_one(
         loaded: LoadedModel, tiers: OpenedCache, monkeypatch: pytest.MonkeyPatch) -> None:
     engine = make_engine(loaded, tiers)
@@ -106,12 +94,8 @@ def test_a_warm_answer_from_the_disk_tier_equals_the_cold_one(
         prompt = _prompt(2 * BLOCK + 11)
         cold = run(engine, prompt, no_cache=True)[:2]
         assert run(engine, prompt)[:2] == cold
-        deadline = time.monotonic() + 10  # a finished answer lets go of its blocks
-        while tiers.cache.total_refcount() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        tiers.cache.evict("device", 10**12)
-        tiers.cache.evict("host", 10**12)
-        _served_from(loaded, engine, tiers, monkeypatch, prompt, cold, "disk")
+        evict_once_released(tiers, "device", "host")
+        assert_served_equals_cold(loaded, engine, tiers, monkeypatch, prompt, cold, "disk")
     finally:
         engine.stop(grace_s=5)
 
@@ -135,7 +119,8 @@ def test_a_warm_answer_from_redis_written_by_another_engine_equals_the_cold_one(
                               layout=loaded.layout, deployment_secret=SECRET)
     reader = make_engine(loaded, reader_tiers)
     try:
-        _served_from(loaded, reader, reader_tiers, monkeypatch, prompt, cold, "redis")
+        assert_served_equals_cold(loaded, reader, reader_tiers, monkeypatch, prompt, cold,
+                                  "redis")
     finally:
         reader.stop(grace_s=5)
         reader_tiers.close()
