@@ -50,6 +50,7 @@ default_ttl_s = 3600.0          # TTL of blocks whose request names none
 # max_prompt_tokens = 8191      # default: the model's context minus 1
 route = "auto"                  # "auto": batched if the start-up probe finds it exact, else serial
 linear_kernel = "auto"          # "auto": oneDNN on a CPU where it keeps rows' bits, else "blas"
+pack_weights = true             # oneDNN reads packed weights where every row keeps its bits
 step_tokens = 256               # tokens one step computes (decode rows + prefill chunks)
 # prefill_step_tokens = 1024    # ... while none decodes (default: 1024 on a CPU, 8192 on a GPU)
 max_lone_step_s = 1.0           # ... cut to this long at the measured speed (others wait that long)

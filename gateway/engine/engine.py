@@ -66,9 +66,10 @@ from gateway.engine.parity.route_search import (
     features_problem,
     route_of,
     search_route,
+    unpack_model,
 )
 from gateway.engine.parity.shadow import EvictBlocks, ShadowCounters, ShadowVerifier
-from gateway.engine.parity.verdicts import VerdictStore, verdict_key
+from gateway.engine.parity.verdicts import NUMERICS_VERSION, VerdictStore, verdict_key
 from gateway.engine.scheduling.jobs import Job, RequestHandle, WarmHandle
 from gateway.engine.scheduling.loop import StepLoop
 from gateway.engine.scheduling.loop_records import LoopCounters, LoopSettings
@@ -398,6 +399,7 @@ class Engine:
         stopped = worker is None or worker is threading.current_thread() or not worker.is_alive()
         if stopped:
             self._loop = None
+            unpack_model(self._loaded)  # as loaded: another user may multiply plain weights
         return stopped
 
     # ---- requests ----------------------------------------------------------------------
@@ -569,7 +571,9 @@ class Engine:
                         deployment_secret=self._secret,
                         model_fingerprint=self._loaded.fingerprint,
                         kv_dtype=self.dtype,
-                        device_kind=f"{self._device_kind}/{self._route.numerics}",
+                        # The version: blocks of a build that computed otherwise are others.
+                        device_kind=(f"{self._device_kind}/{self._route.numerics}"
+                                     f"/n{NUMERICS_VERSION}"),
                         scope=scope,
                     )
                 )

@@ -73,6 +73,10 @@ class EngineSettings:
             (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
             "onednn" or "blas" (``gateway.engine.linear.row_products``). Part of the cache
             namespace.
+        pack_weights: oneDNN's products read the projection weights packed in its own layout,
+            once at start-up, where the start-up check finds every row keeps its bits (faster
+            decode steps, no second copy of the weights; not part of the namespace:
+            ``gateway.engine.linear.packed_weights``).
         tail_cache_bytes: memory for conversation tails (the K/V after a conversation's last
             full block, kept for its next turn; ``gateway.engine.kv.tail_cache``, only where
             decoding writes the K/V a prefill writes); 0 keeps none.
@@ -99,6 +103,7 @@ class EngineSettings:
     kv_budget_bytes: int = 2 << 30
     max_kv_share_per_tenant: float = 0.5
     linear_kernel: LinearKernel = "auto"
+    pack_weights: bool = True
     tail_cache_bytes: int = 256 << 20
     shadow_fraction: float = 0.01
     captured_steps: bool = True
@@ -128,6 +133,9 @@ class EngineSettings:
         if not is_int(self.tail_cache_bytes) or self.tail_cache_bytes < 0:
             errors.append(f"engine.tail_cache_bytes must be an integer >= 0, got "
                           f"{self.tail_cache_bytes!r}")
+        if not isinstance(self.pack_weights, bool):
+            errors.append(f"engine.pack_weights must be true or false, got "
+                          f"{self.pack_weights!r}")
         if not isinstance(self.captured_steps, bool):
             errors.append(f"engine.captured_steps must be true or false, got "
                           f"{self.captured_steps!r}")
@@ -207,7 +215,8 @@ class EngineConfig(EngineSettings):
         """What the route search depends on in this configuration (and the verdict's key)."""
         return SearchSettings(route=self.route, linear_kernel=self.linear_kernel,
                               max_rows=max(self.step_tokens, self.prefill_tokens),
-                              max_logit_rows=self.max_running)
+                              max_logit_rows=self.max_running,
+                              pack_weights=self.pack_weights)
 
     def schedule_limits(self, *, is_serial: bool, can_preempt: bool = False) -> ScheduleLimits:
         """The scheduler's bounds on the route chosen (``is_serial``: the serial route;

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from gateway.engine.models.safetensors_file import read_tensors
+
 ARCHITECTURE = "LlamaForCausalLM"
 MODEL_TYPE = "llama"
 ROPE_TYPES = ("default", "llama3")
@@ -176,20 +178,18 @@ def read_llama_weights(directory: Path, config: LlamaConfig, *, dtype: torch.dty
             ``expected_tensor_names(config)``.
         OSError: a weight file cannot be read (or is not valid safetensors).
     """
-    from safetensors import SafetensorError, safe_open
-
     expected = expected_tensor_names(config)
     tensors: dict[str, torch.Tensor] = {}
     for path in _weight_files(directory):
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
-                    if _IGNORED_TENSORS.search(name):
-                        continue
-                    if name not in expected:
-                        raise UnsupportedCheckpoint(f"unexpected tensor {name!r} in {path.name}")
-                    tensors[name] = handle.get_tensor(name).to(device=device, dtype=dtype)
-        except SafetensorError as exc:
+            # Read, not mapped: see gateway.engine.models.safetensors_file.
+            for name, tensor in read_tensors(path, lambda name: not _IGNORED_TENSORS.search(name)):
+                if name not in expected:
+                    raise UnsupportedCheckpoint(f"unexpected tensor {name!r} in {path.name}")
+                tensors[name] = tensor.to(device=device, dtype=dtype)
+        except UnsupportedCheckpoint:
+            raise
+        except ValueError as exc:  # not valid safetensors
             raise OSError(f"cannot read {path}: {exc}") from exc
     missing = expected - tensors.keys()
     if missing:

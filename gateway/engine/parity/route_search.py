@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -27,12 +28,22 @@ from gateway.engine.attention.paged import PagedAttention, paged_kernel_problem
 from gateway.engine.attention.tiled import SequenceAttention, TiledAttention
 from gateway.engine.attention.triton_paged import TritonPagedAttention, triton_attention_problem
 from gateway.engine.forward.batched import (
+    ATTENTION_PROJECTIONS,
+    MLP_PROJECTIONS,
     BatchedForward,
     StepForward,
     projection_weights,
 )
 from gateway.engine.forward.features import DecoderFeatures
-from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding
+from gateway.engine.linear.packed_weights import (
+    Projection,
+    pack_projections,
+    packing_problem,
+    plain_weights,
+    unpack_projections,
+    walk_projections,
+)
+from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding, sampled_counts
 from gateway.engine.linear.row_products import (
     KERNELS,
     LinearKernel,
@@ -102,6 +113,8 @@ class RouteVerdict:
         wider: the weight shapes padded further, each with its padding (batched on CUDA).
         attention: the attention's name in ``ATTENTIONS`` (batched only).
         decode_kv_is_prefill_kv: the probe's finding.
+        packed: the projections' weights are packed for oneDNN (``packed_weights``; checked to
+            give the plain weights' bits, so it is no part of the namespace).
         seconds: what the search and probe took when they ran.
     """
 
@@ -112,6 +125,7 @@ class RouteVerdict:
     wider: Wider = ()
     attention: str = ""
     decode_kv_is_prefill_kv: bool = False
+    packed: bool = False
     seconds: float = 0.0
 
 
@@ -124,12 +138,15 @@ class SearchSettings:
         linear_kernel: "auto", "onednn" or "blas".
         max_rows: the most rows one step's shared product can have.
         max_logit_rows: the most logits rows one step wants.
+        pack_weights: oneDNN's products may read weights packed in its own layout where that
+            keeps every row's bits (``gateway.engine.linear.packed_weights``).
     """
 
     route: str = "auto"
     linear_kernel: LinearKernel = "auto"
     max_rows: int = 1024
     max_logit_rows: int = 16
+    pack_weights: bool = True
 
 
 def products_note(products: RowProducts) -> str:
@@ -201,11 +218,51 @@ def _parts(verdict: RouteVerdict,
 
 def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
                   kernels: Mapping[str, Product] = KERNELS) -> StepForward:
-    """The forward ``verdict`` names, on ``loaded``'s weights."""
+    """The forward ``verdict`` names, on ``loaded``'s weights (packed in place where it says,
+    plain again where it does not)."""
+    projections = list(packable_projections(loaded.model))
+    if verdict.name != "batched" or not verdict.packed:
+        unpack_projections(projections)
     if verdict.name != "batched":
         return SerialForward(loaded)
+    if verdict.packed:
+        started = time.perf_counter()
+        count = pack_projections(projections)
+        if count:
+            logger.info("packed %d projection weights for oneDNN in %.1f s", count,
+                        time.perf_counter() - started)
     products, attention = _parts(verdict, kernels)
     return BatchedForward(loaded.model, attention, products, loaded.features)
+
+
+def unpack_model(loaded: LoadedModel) -> None:
+    """Put ``loaded``'s projection weights back plain, as it was loaded."""
+    unpack_projections(packable_projections(loaded.model))
+
+
+def packable_projections(model: Any) -> list[Projection]:
+    """The projections the batched forward multiplies through ``RowProducts.project`` by
+    their module, which may be packed for oneDNN."""
+    return list(walk_projections(model, ATTENTION_PROJECTIONS, MLP_PROJECTIONS))
+
+
+def packing_verdict(loaded: LoadedModel, products: RowProducts, settings: SearchSettings,
+                    kernels: Mapping[str, Product]) -> str | None:
+    """Why ``products`` cannot multiply packed weights with the plain weights' bits here, or
+    None (it can: every weight shape, every sampled row count, checked)."""
+    if products.kernel != "onednn" or products.wider or kernels is not KERNELS:
+        return "only oneDNN's own products read packed weights"
+    if not settings.pack_weights:
+        return "configured off (pack_weights = false)"
+    by_shape: dict[tuple[int, ...], torch.Tensor] = {}
+    for weight in plain_weights(packable_projections(loaded.model)):
+        by_shape.setdefault(tuple(weight.shape), weight)
+    if not by_shape:
+        return None  # packed already (a verdict rebuilt): checked when it was packed
+    product = KERNELS["onednn"]
+    return packing_problem(list(by_shape.values()),
+                           sampled_counts(products.padding, settings.max_rows),
+                           lambda rows, weight: product(rows, weight, None))
 
 
 def route_of(verdict: RouteVerdict, kernels: Mapping[str, Product] = KERNELS) -> EngineRoute:
@@ -233,6 +290,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     if loaded.batched_problem is not None or loaded.features is None:
         return RouteVerdict(name="serial", reason="the batched forward cannot run this model: "
                                                   f"{loaded.batched_problem}")
+    unpack_projections(packable_projections(model))  # the search reads plain weights
     started = time.perf_counter()
     device = loaded.device
     logger.info("searching the row padding of each linear kernel (%s, %s)", device,
@@ -253,20 +311,25 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                                  latent=loaded.features.has_latent)
     first_failure: RouteVerdict | None = None
     for products in candidates:
+        packing_problem_here = packing_verdict(loaded, products, settings, kernels)
+        packed = packing_problem_here is None
+        if products.kernel == "onednn" and not packed:
+            logger.info("projection weights left plain: %s", packing_problem_here)
         for attention_name in attentions:
             verdict = RouteVerdict(name="batched", reason="", kernel=products.kernel,
                                    padding=products.padding, wider=products.wider,
-                                   attention=attention_name)
+                                   attention=attention_name, packed=packed)
             forward = build_forward(loaded, verdict, kernels)
             assert isinstance(forward, BatchedForward)
-            what = (f"{loaded.features.family} layers; {products_note(products)}; "
+            what = (f"{loaded.features.family} layers; {products_note(products)}"
+                    f"{'; weights packed (same bits as plain)' if packed else ''}; "
                     f"{attention_name} attention")
             result = _probe(forward, loaded, what, cancelled)
             seconds = time.perf_counter() - started
             if result.is_invariant:
                 return RouteVerdict(
                     name="batched", kernel=products.kernel, padding=products.padding,
-                    wider=products.wider,
+                    wider=products.wider, packed=packed,
                     attention=attention_name, seconds=seconds,
                     decode_kv_is_prefill_kv=result.decode_kv_is_prefill_kv,
                     reason=f"start-up probe: {result.num_checks} chunked/batched variants "
@@ -276,9 +339,10 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
             if first_failure is None:
                 first_failure = RouteVerdict(
                     name="batched", kernel=products.kernel, padding=products.padding,
-                    wider=products.wider,
+                    wider=products.wider, packed=packed,
                     attention=attention_name, seconds=seconds,
                     reason=f"configured, probe FAILED: {result.failure}")
+    unpack_projections(packable_projections(loaded.model))
     seconds = time.perf_counter() - started
     if first_failure is None:
         failure = ("no linear kernel keeps a projection row's bits whatever the row count "

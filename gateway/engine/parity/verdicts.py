@@ -36,8 +36,11 @@ from gateway.engine.parity.route_search import ATTENTIONS, RouteVerdict, SearchS
 
 logger = logging.getLogger(__name__)
 
-NUMERICS_VERSION = 5
-"""Bumped whenever the forward, the probe or the search computes differently."""
+NUMERICS_VERSION = 6
+"""Bumped whenever the forward, the probe or the search computes differently; part of every
+block's namespace too (a block of a build that computed otherwise is never served). 6: the
+weights are read into 64-byte-aligned memory of their own (their bits in a product can depend on
+their address) and may be packed for oneDNN."""
 
 FORMAT = "kvgate-route-verdict/1"
 
@@ -173,6 +176,7 @@ def _verdict_from(fields: Mapping[str, Any]) -> RouteVerdict:
                     for out, in_, more in fields.get("wider", ())),
         attention=str(fields["attention"]),
         decode_kv_is_prefill_kv=bool(fields["decode_kv_is_prefill_kv"]),
+        packed=bool(fields.get("packed", False)),
         seconds=float(fields["seconds"]))
     if verdict.name not in ("batched", "serial"):
         raise ValueError(f"it names no route ({verdict.name!r})")

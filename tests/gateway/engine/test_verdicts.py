@@ -57,6 +57,15 @@ def test_a_verdict_keeps_the_shapes_padded_further_than_the_step(tmp_path: Path)
     assert store.load(_key()) == verdict
 
 
+def test_a_verdict_keeps_whether_its_weights_are_packed(tmp_path: Path) -> None:
+    verdict = RouteVerdict(name="batched", reason="probed", kernel="onednn",
+                           padding=RowPadding(minimum=2, multiple=8), attention="paged",
+                           packed=True, seconds=2.0)
+    store = VerdictStore(tmp_path, SECRET)
+    store.save(_key(), verdict)
+    assert store.load(_key()) == verdict
+
+
 def test_another_cpu_torch_or_model_finds_no_verdict(tmp_path: Path) -> None:
     store = VerdictStore(tmp_path, SECRET)
     store.save(_key(), VERDICT)
