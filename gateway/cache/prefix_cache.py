@@ -7,8 +7,9 @@ stands on ``gateway.cache.placement`` (the index, the tiers' policies and the re
 who holds what, and the rules for changing that). What the bytes then do -- loading, promoting,
 demoting, writing through, the remote tier -- is ``gateway.cache.transfers``, which asks
 placement and carries out the byte moves it decided, after the lock; operators' selections are
-``gateway.cache.admin`` (the shared Redis tier's: ``gateway.cache.remote_admin``); indexing what
-a store kept over a restart is ``gateway.cache.adoption``. None of them writes another's fields.
+``gateway.cache.operations.admin`` (the shared Redis tier's:
+``gateway.cache.operations.remote_eviction``); indexing what a store kept over a restart is
+``gateway.cache.operations.adoption``. None of them writes another's fields.
 
 Rules it keeps with its placement (the invariants the property tests check):
   * a block is in the index exactly while at least one tier holds it;

@@ -75,8 +75,8 @@ class BlockRecord:
         self.ttl_s = ttl_s
         self.num_hits = 0
         # Operators' names for the requests that stored or warmed this block
-        # (``gateway.cache.tags``); the empty frozenset is shared, so untagged blocks cost
-        # nothing beyond the slot.
+        # (``gateway.cache.operations.tags``); the empty frozenset is shared, so untagged
+        # blocks cost nothing beyond the slot.
         self.tags: frozenset[str] = frozenset()
         # The one session whose requests alone stored or read this block, "" once anyone else
         # has, None while nobody has (``gateway.cache.sessions``).

@@ -26,7 +26,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gateway.cache.admin import evict_where
+from gateway.cache.operations.admin import evict_where
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.core.canonical import CanonicalPrompt, PromptInput, canonicalize
 from gateway.core.errors import (
@@ -576,7 +576,7 @@ class Engine:
                 self._namespaces[scope] = namespace
             return namespace
 
-    # ---- keys, for the cache's admin (gateway.cache.admin.PromptKeys) -----------------
+    # ---- keys, for the cache's admin (gateway.cache.operations.admin.PromptKeys) -----------------
 
     def namespace(self, scope: Scope) -> Namespace:
         """The namespace of ``scope`` for this model, secret and device."""

@@ -26,7 +26,7 @@ from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.servicer import prompt_input
 
 if TYPE_CHECKING:
-    from gateway.cache.admin import EvictResult
+    from gateway.cache.operations.admin import EvictResult
     from gateway.engine.engine import Engine
 
 DEFAULT_LIST_LIMIT = 100

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.admin import evict_where, list_prefixes
+from gateway.cache.operations.admin import evict_where, list_prefixes
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.cache.stats import TierStats
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.admin import evict_where
 from gateway.cache.base import TierEvents
-from gateway.cache.factory import OpenedCache, open_cache
-from gateway.cache.session_admin import drop_session
-from gateway.cache.tags import tag_prompt
+from gateway.cache.operations.admin import evict_where
+from gateway.cache.operations.factory import OpenedCache, open_cache
+from gateway.cache.operations.session_admin import drop_session
+from gateway.cache.operations.tags import tag_prompt
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import IndexInvariantError
 from gateway.core.requests import (

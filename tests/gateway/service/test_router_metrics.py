@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.engine.models.loading import LoadedModel
 from gateway.service.assembly import watch_router

@@ -7,9 +7,10 @@ conversation tails, so that the session's next request starts cold; a shared pre
 (a system prompt warmed by others, blocks another session used too) stays.
 
 Redis keeps no sessions, so the Redis copies of the session's blocks are removed by key, as an
-eviction by tag removes its blocks' copies (``gateway.cache.remote_admin``) -- of the blocks
-this replica stored only (``is_stored_here``). Other replicas hear a reset through the eviction
-stream (``EvictionEvent`` with ``tenant`` and ``session``); each drops what the session owns
+eviction by tag removes its blocks' copies (``gateway.cache.operations.remote_eviction``) --
+of the blocks this replica stored only (``is_stored_here``). Other replicas hear a reset through the
+eviction stream (``EvictionEvent`` with ``tenant`` and ``session``); each drops what the session
+owns
 *there*, and the Redis copies of what it stored, since the replica that stored a block is the
 one that knows whose it is. An expiry is each replica's own: it is not published (a session
 that moved to another replica lives on there).
@@ -21,8 +22,8 @@ import logging
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.cache.invalidation import EvictionEvent
-from gateway.cache.lossy_copies import lossy_copies
+from gateway.cache.operations.invalidation import EvictionEvent
+from gateway.cache.operations.lossy_copies import lossy_copies
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.sessions import is_stored_here
 from gateway.core.admin_reports import SessionInfo
@@ -45,7 +46,7 @@ class SessionDrop:
 
 
 class Publisher(Protocol):
-    """Tells the other replicas (``gateway.cache.invalidation.EvictionFeed``)."""
+    """Tells the other replicas (``gateway.cache.operations.invalidation.EvictionFeed``)."""
 
     def publish(self, event: EvictionEvent) -> bool:
         """False if they could not be told."""
@@ -100,7 +101,7 @@ def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
 
 def drop_expired_sessions(cache: PrefixCache) -> int:
     """Drop every session idle for its TTL, or pushed out by its tenant's limit; how many
-    (the sweeper calls it, ``gateway.cache.sweeper``)."""
+    (the sweeper calls it, ``gateway.cache.operations.sweeper``)."""
     due = cache.sessions.take_due()
     for owner, session_id in due:
         drop_session(cache, owner, session_id, reason="ttl")

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin, evict_where, list_prefixes, prompt_blocks
-from gateway.cache.invalidation import EventBounds, EvictionEvent
+from gateway.cache.operations.admin import CacheAdmin, evict_where, list_prefixes, prompt_blocks
+from gateway.cache.operations.invalidation import EventBounds, EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import CanonicalizationError, InvalidRequest

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin, list_prefixes
-from gateway.cache.invalidation import EvictionEvent
+from gateway.cache.operations.admin import CacheAdmin, list_prefixes
+from gateway.cache.operations.invalidation import EvictionEvent
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest, MalformedEvent
 from gateway.core.fingerprint import Scope
 from gateway.core.tags import tag_problem
-from tests.gateway.cache.test_admin import (
+from tests.gateway.cache.operations.test_admin import (
     ALICE,
     BOB,
     EVENT_BOUNDS,

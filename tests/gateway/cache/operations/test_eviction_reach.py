@@ -15,13 +15,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gateway.cache.admin import CacheAdmin
+from gateway.cache.operations.admin import CacheAdmin
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds
 from policies.registry import TierPolicyConfig, build_tier_policy
-from tests.gateway.cache.test_admin import FakeKeys
+from tests.gateway.cache.operations.test_admin import FakeKeys
 from tests.redis_harness import RedisServer
 from tiers.base import BlockMeta
 from tiers.codec import BlockCodec, derive_mac_key
