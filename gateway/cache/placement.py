@@ -33,8 +33,9 @@ from gateway.cache.expiry import ExpiryQueue
 from gateway.cache.load_plan import LoadReport, PlannedRead, SettledLoad
 from gateway.cache.moves import ByteMove, MoveOutcomes, MoveQueue
 from gateway.cache.radix_index import BlockRecord, RadixIndex
-from gateway.cache.stats import TierCounters, TierStats
+from gateway.cache.stats import TierCounters, tier_report
 from gateway.cache.tier_slot import TierSlot, TierSlots
+from gateway.core.admin_reports import TierReport
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from policies.base import BlockKey, InsertRefused, PolicyEntry
@@ -530,9 +531,9 @@ class TierPlacement:
 
     # ---- inspection ---------------------------------------------------------------------
 
-    def tier_stats(self) -> tuple[TierStats, ...]:
+    def tier_stats(self) -> tuple[TierReport, ...]:
         """Each tier's policy view and counters."""
-        return tuple(TierStats.of(slot.name, slot.policy, self._counters[slot.name])
+        return tuple(tier_report(slot.name, slot.policy, self._counters[slot.name])
                      for slot in self._tiers)
 
     def check_invariants(self) -> None:

@@ -31,7 +31,7 @@ from gateway.cache.operations.tags import tag_prompt, tagged_blocks, tags_of
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import CacheStats
-from gateway.core.admin_reports import PrefixInfo
+from gateway.core.admin_reports import Evicted, PrefixInfo
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.fingerprint import Namespace, Scope
@@ -63,14 +63,6 @@ class IndexedPrefix:
     is_pinned: bool
     first_block_tokens: bytes
     tags: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class EvictResult:
-    """What an admin eviction removed: blocks that left the index, bytes freed per tier."""
-
-    num_blocks: int
-    bytes_by_tier: dict[str, int]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -361,7 +353,7 @@ class CacheAdmin:
         tier: str | None = None,
         everything: bool = False,
         tag: str | None = None,
-    ) -> EvictResult:
+    ) -> Evicted:
         """Drop blocks matching every given selector (``everything`` for all): here, in the
         shared Redis tier (every selector reaches it, unless ``tier`` names a local tier), and
         on every other replica (published, see ``gateway.cache.operations.invalidation``).
@@ -410,7 +402,7 @@ class CacheAdmin:
         if event.tier in (None, REMOTE):
             self._evict_remote(event, selections)
         freed = self._evict_local(event, selections)
-        result = EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
+        result = Evicted(num_blocks=max(0, before - cache.stats().num_blocks),
                              bytes_by_tier=freed)
         if self._feed is not None and not self._feed.publish(event):
             raise EvictionNotPublished(
@@ -533,7 +525,7 @@ class CacheAdmin:
             raise InvalidRequest("a quota must be >= 0 bytes")
         self._cache.set_quota(tenant, num_bytes)
 
-    def flush(self) -> EvictResult:
+    def flush(self) -> Evicted:
         """Evict everything, everywhere."""
         return self.evict(everything=True)
 

@@ -19,30 +19,17 @@ that moved to another replica lives on there).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.cache.operations.invalidation import EvictionEvent
 from gateway.cache.operations.lossy_copies import lossy_copies
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.sessions import is_stored_here
-from gateway.core.admin_reports import SessionInfo
+from gateway.core.admin_reports import SessionInfo, SessionReset
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.sessions import checked_session_id
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionDrop:
-    """What dropping a session freed here: blocks that left the index, bytes per local tier,
-    bytes of conversation tails."""
-
-    tenant: str
-    session_id: str
-    num_blocks: int
-    bytes_by_tier: dict[str, int]
-    tail_bytes: int
 
 
 class Publisher(Protocol):
@@ -54,7 +41,7 @@ class Publisher(Protocol):
 
 
 def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
-                 reason: str = "admin") -> SessionDrop:
+                 reason: str = "admin") -> SessionReset:
     """Drop what ``owner``'s session ``session_id`` owns on this replica -- its blocks
     (``SessionRegistry.blocks_to_drop``) from every local tier and the Redis copies of those it
     stored here, and its conversation tails -- and forget the session. Blocks a running request
@@ -95,8 +82,8 @@ def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
     tails = registry.tails
     tail_bytes = tails.drop_session(owner, session_id) if tails is not None else 0
     registry.forget(owner, session_id)
-    return SessionDrop(tenant=owner, session_id=session_id, num_blocks=num_blocks,
-                       bytes_by_tier=freed, tail_bytes=tail_bytes)
+    return SessionReset(tenant=owner, num_blocks=num_blocks, bytes_by_tier=freed,
+                        tail_bytes=tail_bytes)
 
 
 def drop_expired_sessions(cache: PrefixCache) -> int:
@@ -138,7 +125,7 @@ class SessionAdmin:
                 expires_in_s=max(0.0, ttl - idle)))
         return out
 
-    def reset(self, session_id: str, *, tenant: str | None = None) -> SessionDrop:
+    def reset(self, session_id: str, *, tenant: str | None = None) -> SessionReset:
         """Drop ``tenant``'s session ``session_id`` here, in Redis and on every other replica
         (published); its next request starts cold. Without ``tenant``: the one tenant this
         replica knows a session of that id of.
