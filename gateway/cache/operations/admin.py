@@ -23,11 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from gateway.cache.lossy_copies import lossy_copies
 from gateway.cache.operations.invalidation import EvictionEvent
-from gateway.cache.operations.lossy_copies import lossy_copies
 from gateway.cache.operations.remote_eviction import evict_remote
 from gateway.cache.operations.session_admin import SessionAdmin
-from gateway.cache.operations.tags import tag_prompt, tagged_blocks, tags_of
+from gateway.cache.operations.tags import tagged_blocks, tags_of
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import CacheStats
@@ -503,17 +503,6 @@ class CacheAdmin:
         """Pin (or unpin) the cached full blocks of ``prompt`` in ``scope``; how many changed."""
         tokens = self._keys.prompt_tokens(prompt)
         return self._cache.set_pinned(self._keys.namespace(scope), tokens, is_pinned)
-
-    def tag_prompt(self, prompt: PromptInput, scope: Scope, tag: str) -> int:
-        """Record ``tag`` on the cached full blocks of ``prompt`` in ``scope``; how many gained
-        it (``gateway.cache.operations.tags``).
-
-        Raises:
-            InvalidRequest: not a valid tag, or a prompt that cannot be tokenised.
-        """
-        checked_tag(tag)
-        tokens = self._keys.prompt_tokens(prompt)
-        return tag_prompt(self._cache, self._keys.namespace(scope), tokens, tag)
 
     def set_quota(self, tenant: str, num_bytes: int | None) -> None:
         """Cap what ``tenant`` may hold in every tier (None: no cap).

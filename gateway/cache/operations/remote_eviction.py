@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gateway.cache.lossy_copies import lossy_copies
 from gateway.cache.operations.invalidation import EvictionEvent
-from gateway.cache.operations.lossy_copies import lossy_copies
 from gateway.cache.operations.tags import tagged_blocks
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.core.fingerprint import Namespace

@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 from typing import Protocol
 
+from gateway.cache.lossy_copies import lossy_copies
 from gateway.cache.operations.invalidation import EvictionEvent
-from gateway.cache.operations.lossy_copies import lossy_copies
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.sessions import is_stored_here
 from gateway.core.admin_reports import SessionInfo, SessionReset

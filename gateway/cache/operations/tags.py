@@ -1,10 +1,11 @@
-"""Tags on cached blocks: marking the blocks of a prompt, and finding them again.
+"""Tags on cached blocks: finding the blocks an operator's tag names, and a prompt's tags.
 
-A tag (``gateway.core.tags``) is recorded on the ``BlockRecord`` of every cached full block of
-a tagged request's prompt, after the request has stored them: the servicer calls
-``CacheAdmin.tag_prompt`` once Warm (or Generate) has finished, so the engine's store path does
-not change. Blocks the prompt shares with earlier prompts get the tag too: "drop everything
-warmed for docs-v3" means every block docs-v3 needs, not only those it happened to compute.
+A tag (``gateway.core.tags``) travels with its request to the step that stores the request's
+prompt (``PrefixCache.insert(tag=...)``), which records it on the ``BlockRecord`` of every
+cached full block of that prompt in the request's namespace: the prompt is neither tokenised
+nor matched a second time for it. Blocks the prompt shares with earlier prompts get the tag too:
+"drop everything warmed for docs-v3" means every block docs-v3 needs, not only those it
+happened to compute.
 
 NOTE: tags live in this replica's index only. The disk tier's headers and Redis' metadata do
 not carry them, so a block adopted after a restart, or loaded from Redis by another replica,
@@ -14,31 +15,7 @@ and reaches the replicas that tagged their own copies through the eviction strea
 
 from __future__ import annotations
 
-from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
-from gateway.core.fingerprint import Namespace
-from gateway.core.tokens import TokenIds
-
-
-def tag_prompt(cache: PrefixCache, namespace: Namespace, tokens: TokenIds, tag: str) -> int:
-    """Record ``tag`` on the cached full blocks of ``tokens`` in ``namespace``.
-
-    Only ``namespace`` is matched: a tenant's request tags that tenant's blocks, never the
-    shared scope's blocks it may have read.
-
-    Returns:
-        How many blocks gained the tag (0 if every cached block already had it).
-    """
-    keys = cache.fingerprinter(namespace).block_keys(tokens)
-    placement = cache.placement
-    with placement.locked():
-        _, records, _ = cache.match_records(namespace, tokens, keys)
-        num_tagged = 0
-        for record in records:
-            if tag not in record.tags:
-                record.tags = record.tags | {tag}
-                num_tagged += 1
-        return num_tagged
 
 
 def tagged_blocks(index: RadixIndex, tag: str, *, owner: str | None = None

@@ -84,9 +84,11 @@ def make_cache(clock: FakeClock) -> PrefixCache:
                        clock=clock)
 
 
-def store(cache: PrefixCache, namespace: Namespace, tokens: TokenIds) -> None:
+def store(cache: PrefixCache, namespace: Namespace, tokens: TokenIds, *,
+          tag: str | None = None) -> None:
+    """What a request's store step does: its prompt's full blocks inserted (and tagged)."""
     with cache.acquire(namespace, tokens) as lease:
-        cache.insert(lease, tier="device", block_bytes=BLOCK_BYTES)
+        cache.insert(lease, tier="device", block_bytes=BLOCK_BYTES, tag=tag)
 
 
 @pytest.fixture
