@@ -8,9 +8,9 @@ nothing, and one whose id is older than the oldest kept knows it missed somethin
 
 This module is only the log: ``append`` (XADD, trimmed to about ``max_len``), ``read_after``
 (XREAD, blocking up to ``block_s``), ``last_id`` and ``first_id``. What the events mean and what
-a replica does with them is ``gateway.cache.invalidation``'s. Fields are short strings, never
-prompts' KV; prefix text an operator evicts by does travel (the stream needs the same ACL and
-TLS as the rest of the deployment's keys).
+a replica does with them is ``gateway.cache.operations.invalidation``'s. Fields are short
+strings, never prompts' KV; prefix text an operator evicts by does travel (the stream needs the same
+ACL and TLS as the rest of the deployment's keys).
 
 It has its own client: a blocking read holds its connection for ``block_s``, which must not
 stall the block traffic of ``tiers.redis_store``. Faults raise (the reader retries; an append

@@ -37,7 +37,7 @@ from typing import TextIO
 from gateway.bench.chat_workload import system_prompt
 from gateway.bench.fairness import FairnessOptions, question
 from gateway.bench.load import percentile
-from gateway.cache.factory import CacheConfig, open_cache
+from gateway.cache.operations.factory import CacheConfig, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import RequestCancelled
 from gateway.core.fingerprint import Scope

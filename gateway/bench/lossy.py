@@ -64,7 +64,7 @@ from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.bench.prompts import PROSE, SuffixSource, make_prefix
 from gateway.bench.rows import BenchError
 from gateway.bench.spawn import redis_on_loopback
-from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
+from gateway.cache.operations.factory import CacheConfig, OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.quantization import Quantization

@@ -27,7 +27,7 @@ from typing import TextIO
 
 from gateway.bench.process_tree import process_tree_pids
 from gateway.bench.rows import BenchError
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.config.limits import LimitSettings
 
 SPAWN_TENANT = "bench"

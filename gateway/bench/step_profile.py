@@ -29,7 +29,7 @@ from gateway.bench.load_clients import run_users
 from gateway.bench.peer_serve import StreamedReply
 from gateway.bench.rows import BenchError
 from gateway.bench.stack_sampler import StackSampler, shares
-from gateway.cache.factory import CacheConfig, open_cache
+from gateway.cache.operations.factory import CacheConfig, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import GenerateRequest, SamplingParams, TokenDelta, Usage

@@ -2,11 +2,10 @@
 
 A leaf: it imports the tier kinds' records (``tiers.kinds``), never a store, so that reading a
 configuration file opens nothing and imports neither a store nor the Redis client
-(``gateway.cache.factory`` builds the stores from it). Its tiers are an ordered list of records,
-one per ``[[cache.tier]]`` table; the old flat keys (``host_bytes``, ``disk_bytes``,
-``redis_url``, ...) are still taken as keywords and still read as attributes
-(``gateway.cache.legacy_keys``).
-"""
+(``gateway.cache.operations.factory`` builds the stores from it). Its tiers are an
+ordered list of records, one per ``[[cache.tier]]`` table; the old flat keys (``host_bytes``,
+``disk_bytes``, ``redis_url``, ...) are still taken as keywords and still read as attributes
+(``gateway.cache.legacy_keys``). """
 
 from __future__ import annotations
 

@@ -28,13 +28,14 @@ from contextlib import contextmanager
 from functools import partial
 
 from gateway.cache.base import TierEvents
+from gateway.cache.block_identity import BlockIdentity
 from gateway.cache.expiry import ExpiryQueue
 from gateway.cache.load_plan import LoadReport, PlannedRead, SettledLoad
 from gateway.cache.moves import ByteMove, MoveOutcomes, MoveQueue
-from gateway.cache.placement_checks import check_placement
 from gateway.cache.radix_index import BlockRecord, RadixIndex
-from gateway.cache.stats import TierCounters, TierStats
-from gateway.cache.tier_slot import TierSlot
+from gateway.cache.stats import TierCounters, tier_report
+from gateway.cache.tier_slot import TierSlot, TierSlots
+from gateway.core.admin_reports import TierReport
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from policies.base import BlockKey, InsertRefused, PolicyEntry
@@ -77,27 +78,23 @@ class TierPlacement:
         wall_clock: Callable[[], float] = time.time,
         events: TierEvents | None = None,
     ) -> None:
-        if not tiers:
-            raise ValueError("a prefix cache needs at least one tier")
-        names = [t.name for t in tiers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"tier names must be unique, got {names}")
-        if hierarchy is not None and tuple(names) != hierarchy.names:
-            raise ValueError(f"tiers {names} do not match the hierarchy's {hierarchy.names}")
+        self._tiers = TierSlots(tiers)
+        names = self._tiers.names
+        if hierarchy is not None and names != hierarchy.names:
+            raise ValueError(f"tiers {list(names)} do not match the hierarchy's "
+                             f"{hierarchy.names}")
         if block_tokens < 1:
             raise ValueError(f"block_tokens must be >= 1, got {block_tokens}")
-        self._tiers = list(tiers)
-        self._bit_of = {t.name: 1 << i for i, t in enumerate(tiers)}
-        self._counters = {t.name: TierCounters() for t in tiers}
+        self._bit_of = self._tiers.bit_of
+        self._counters = {name: TierCounters() for name in names}
         self._block_tokens = block_tokens
         self._carries_bytes = hierarchy is not None
         self._clock = clock
-        self._wall_clock = wall_clock
-        self._key_bytes = key_bytes
+        self._identity = BlockIdentity(block_tokens=block_tokens, key_bytes=key_bytes,
+                                       clock=clock, wall_clock=wall_clock)
         self._index = RadixIndex()
         self._expiry = ExpiryQueue()
         self._lock = threading.RLock()
-        self._fingerprinters: dict[bytes, BlockFingerprinter] = {}
         self._num_remote_hits = 0
         self._events = events
         self._moves = MoveQueue()
@@ -109,24 +106,19 @@ class TierPlacement:
         return self._block_tokens
 
     @property
-    def tier_names(self) -> tuple[str, ...]:
-        """The local tiers, fastest first."""
-        return tuple(t.name for t in self._tiers)
+    def tiers(self) -> TierSlots:
+        """The local tiers, fastest first, and which of them hold a record."""
+        return self._tiers
 
     @property
-    def write_through_tiers(self) -> tuple[str, ...]:
-        """Tiers that receive a copy of every newly inserted block."""
-        return tuple(t.name for t in self._tiers if t.write_through)
+    def tier_names(self) -> tuple[str, ...]:
+        """The local tiers, fastest first."""
+        return self._tiers.names
 
     @property
     def lossy_tiers(self) -> tuple[str, ...]:
         """Lower tiers that store lossy copies, fastest first."""
-        return tuple(t.name for t in self._tiers if t.quantization is not None)
-
-    def accepts(self, tier: str, namespace: Namespace) -> bool:
-        """Whether ``tier`` may hold blocks of ``namespace`` (see ``TierSlot.quantization``)."""
-        slot = self.slot(tier)
-        return slot is self._tiers[0] or slot.quantization == namespace.quantization
+        return self._tiers.lossy
 
     @property
     def carries_bytes(self) -> bool:
@@ -139,19 +131,12 @@ class TierPlacement:
         return self._num_remote_hits
 
     def fingerprinter(self, namespace: Namespace) -> BlockFingerprinter:
-        """The (memoised) block keys of ``namespace``; no lock: ``setdefault`` keeps one."""
-        fp = self._fingerprinters.get(namespace.digest)
-        if fp is None:
-            fp = self._fingerprinters.setdefault(namespace.digest, BlockFingerprinter(
-                namespace, self._block_tokens, key_bytes=self._key_bytes))
-        return fp
+        """The (memoised) block keys of ``namespace`` (``BlockIdentity``); no lock needed."""
+        return self._identity.fingerprinter(namespace)
 
     def slot(self, tier: str) -> TierSlot:
         """The tier named ``tier`` (ValueError, naming the tiers, if there is none)."""
-        bit = self._bit_of.get(tier)
-        if bit is None:
-            raise ValueError(f"unknown tier {tier!r}; tiers are {list(self._bit_of)}")
-        return self._tiers[bit.bit_length() - 1]
+        return self._tiers.slot(tier)
 
     # ---- who holds what ------------------------------------------------------------------
 
@@ -181,25 +166,15 @@ class TierPlacement:
 
     def to_monotonic(self, unix_s: float) -> float:
         """The cache-clock time of a wall-clock (Unix) time."""
-        return self._clock() + (unix_s - self._wall_clock())
+        return self._identity.to_monotonic(unix_s)
 
     def expiry(self, record: BlockRecord) -> BlockExpiry | None:
-        """``record``'s expiry as it leaves the process (in a header): its TTL, and when it
-        expires in wall time (None while pinned); None if it has no TTL."""
-        if record.ttl_s is None:
-            return None
-        due = record.expires_at()
-        if due is None:
-            return BlockExpiry(ttl_s=record.ttl_s, expires_at=None)
-        unix_due = self._wall_clock() + (due - self._clock())
-        return BlockExpiry(ttl_s=record.ttl_s, expires_at=unix_due)
+        """``record``'s expiry as it leaves the process (``BlockIdentity.expiry``)."""
+        return self._identity.expiry(record)
 
     def new_expiry(self, ttl_s: float | None) -> BlockExpiry | None:
-        """The expiry of a block stored now with ``ttl_s`` that no record here tracks (a copy
-        written straight to the remote tier)."""
-        if ttl_s is None:
-            return None
-        return BlockExpiry(ttl_s=ttl_s, expires_at=self._wall_clock() + ttl_s)
+        """The expiry of a copy stored now that no record tracks (``BlockIdentity``)."""
+        return self._identity.new_expiry(ttl_s)
 
     def track_expiry(self, record: BlockRecord) -> None:
         """Watch ``record`` for the sweeper again (after an unpin, or a new TTL)."""
@@ -208,20 +183,12 @@ class TierPlacement:
     def touch(self, record: BlockRecord, now: float) -> None:
         """An access: restart the block's TTL and tell every tier holding it."""
         record.last_access = now
-        for slot in self._tiers:
-            if record.tier_mask & self._bit_of[slot.name]:
-                slot.policy.access(record.key)
+        for slot in self._tiers.holding(record):
+            slot.policy.access(record.key)
 
     def fastest_tier(self, record: BlockRecord) -> str:
-        """The fastest tier holding ``record``.
-
-        Raises:
-            IndexInvariantError: no tier holds it.
-        """
-        for tier in self._tiers:
-            if record.tier_mask & self._bit_of[tier.name]:
-                return tier.name
-        raise IndexInvariantError("a block in the index is held by no tier")
+        """The fastest tier holding ``record`` (IndexInvariantError if none does)."""
+        return self._tiers.fastest(record)
 
     def is_moving(self, record: BlockRecord, tier: str) -> bool:
         """Whether a step decided for ``record``'s bytes in ``tier`` is not settled yet."""
@@ -233,10 +200,7 @@ class TierPlacement:
 
     def tiers_in(self, records: Iterable[BlockRecord]) -> tuple[str, ...]:
         """The tiers, fastest first, holding at least one of ``records``."""
-        mask = 0
-        for record in records:
-            mask |= record.tier_mask
-        return tuple(t.name for t in self._tiers if mask & self._bit_of[t.name])
+        return self._tiers.holding_any(records)
 
     def may_leave(self, record: BlockRecord, tier: str) -> bool:
         """Whether ``tier``'s copy of ``record`` may go without orphaning a child: none of its
@@ -247,18 +211,8 @@ class TierPlacement:
         return not (record.tier_mask == bit and self._index.has_children(record))
 
     def meta(self, record: BlockRecord) -> BlockMeta:
-        """The identity a store files ``record`` under (key, parent, namespace, tokens)."""
-        parent = record.parent
-        namespace = record.namespace
-        return BlockMeta(
-            key=record.key,
-            parent_key=parent.key if parent is not None else self.fingerprinter(
-                namespace).root_parent,
-            namespace_digest=namespace.digest,
-            owner=namespace.scope.owner,
-            tokens=record.tokens,
-            expiry=self.expiry(record),
-        )
+        """The identity a store files ``record`` under (``BlockIdentity.meta``)."""
+        return self._identity.meta(record)
 
     def plan_reads(self, records: Sequence[BlockRecord]) -> tuple[PlannedRead, ...]:
         """Where each of ``records`` (a held chain) can be read now, fastest first, up to the
@@ -369,9 +323,9 @@ class TierPlacement:
         meta = self.meta(record)
         self._queue(ByteMove(key=record.key, tier=tier, record=record, meta=meta, block=block))
         if write_through:
-            for other in self.write_through_tiers:
+            for other in self._tiers.write_through:
                 if (other == tier or self.holds(record, other)
-                        or not self.accepts(other, record.namespace)):
+                        or not self._tiers.accepts(other, record.namespace)):
                     continue
                 if self.place(record, other):
                     self._queue(ByteMove(key=record.key, tier=other, record=record, meta=meta,
@@ -458,7 +412,7 @@ class TierPlacement:
             InsertRefused: the policy cannot make room (budget, quota, pins, references), or
                 the block's bytes in ``tier`` are still moving.
         """
-        if not self.accepts(tier, record.namespace):
+        if not self._tiers.accepts(tier, record.namespace):
             raise IndexInvariantError(
                 f"a block of a {record.namespace.quantization or 'exact'} namespace offered to "
                 f"the {tier} tier, which stores {self.slot(tier).quantization or 'exact'} copies")
@@ -526,7 +480,7 @@ class TierPlacement:
         if record.refcount or record.is_pinned:
             return 0
         removed = 0
-        for slot in reversed(self._tiers):  # slowest first: the last copy goes last
+        for slot in reversed(tuple(self._tiers)):  # slowest first: the last copy goes last
             if self.holds(record, slot.name) and self.may_leave(record, slot.name):
                 self.forget_copy(record, slot.name)
                 self.queue_delete(record.key, slot.name)
@@ -548,15 +502,9 @@ class TierPlacement:
         return True
 
     def _below(self, tier: str, record: BlockRecord) -> str | None:
-        """The tier ``tier`` demotes ``record`` into: the next slower one that holds blocks of
-        its namespace (an exact block skips a lossy tier, a lossy one an exact tier), when
-        bytes are carried."""
-        if not self._carries_bytes:
-            return None
-        for slot in self._tiers[self._bit_of[tier].bit_length():]:
-            if self.accepts(slot.name, record.namespace):
-                return slot.name
-        return None
+        """The tier ``tier`` demotes ``record`` into (``TierSlots.below``), when bytes are
+        carried."""
+        return self._tiers.below(tier, record.namespace) if self._carries_bytes else None
 
     def _remove_from_tier(self, key: BlockKey, slot: TierSlot, reason: str) -> None:
         """A policy chose ``key`` as a victim in ``slot``: place it in the tier below (a
@@ -583,18 +531,37 @@ class TierPlacement:
 
     # ---- inspection ---------------------------------------------------------------------
 
-    def tier_stats(self) -> tuple[TierStats, ...]:
+    def tier_stats(self) -> tuple[TierReport, ...]:
         """Each tier's policy view and counters."""
-        return tuple(TierStats.of(slot.name, slot.policy, self._counters[slot.name])
+        return tuple(tier_report(slot.name, slot.policy, self._counters[slot.name])
                      for slot in self._tiers)
 
     def check_invariants(self) -> None:
-        """Assert the index's structure and its agreement with every tier's policy (tests
-        only; ``gateway.cache.placement_checks``).
+        """Assert docs/design.md's "The radix index" and "Blocks" (tests and property tests
+        only; nothing on the request path): the index is well formed; each tier's policy tracks
+        exactly the blocks the index says the tier holds; a block held by no tier lives only
+        while it has children or references; no block outlives its parent; no byte move decided
+        under the lock was left neither carried out nor posted (posted ones settled first).
 
         Raises:
             IndexInvariantError: the first disagreement found.
         """
         with self.locked():
-            check_placement(self._index, [(slot, self._bit_of[slot.name]) for slot in self._tiers],
-                            num_moving=len(self._moves))
+            index = self._index
+            index.check_invariants()
+            if self._moves:
+                raise IndexInvariantError(
+                    f"{len(self._moves)} byte moves decided and never carried out")
+            for slot in self._tiers:
+                bit = self._bit_of[slot.name]
+                held = {r.key for r in index.records() if r.tier_mask & bit}
+                tracked = set(slot.policy.keys())
+                if held != tracked:
+                    raise IndexInvariantError(
+                        f"tier {slot.name}: {len(held)} blocks held, {len(tracked)} tracked")
+            for record in index.records():
+                if record.tier_mask == 0 and not (index.has_children(record) or record.refcount):
+                    raise IndexInvariantError("a block held by no tier outlived its use")
+                parent = record.parent
+                if parent is not None and parent.key not in index:
+                    raise IndexInvariantError("a block outlived its parent")

@@ -7,8 +7,9 @@ stands on ``gateway.cache.placement`` (the index, the tiers' policies and the re
 who holds what, and the rules for changing that). What the bytes then do -- loading, promoting,
 demoting, writing through, the remote tier -- is ``gateway.cache.transfers``, which asks
 placement and carries out the byte moves it decided, after the lock; operators' selections are
-``gateway.cache.admin`` (the shared Redis tier's: ``gateway.cache.remote_admin``); indexing what
-a store kept over a restart is ``gateway.cache.adoption``. None of them writes another's fields.
+``gateway.cache.operations.admin`` (the shared Redis tier's:
+``gateway.cache.operations.remote_eviction``); indexing what a store kept over a restart is
+``gateway.cache.operations.adoption``. None of them writes another's fields.
 
 Rules it keeps with its placement (the invariants the property tests check):
   * a block is in the index exactly while at least one tier holds it;
@@ -35,6 +36,7 @@ from contextlib import contextmanager
 
 from gateway.cache.base import TierEvents
 from gateway.cache.leases import InsertResult, Lease, PrefixMatch
+from gateway.cache.lossy_copies import write_lossy_copies
 from gateway.cache.moves import ByteMove
 from gateway.cache.placement import TierPlacement
 from gateway.cache.radix_index import BlockRecord, BlockSpec
@@ -312,6 +314,7 @@ class PrefixCache:
         block_bytes: int | None = None,
         ttl_s: float | None = None,
         num_blocks: int | None = None,
+        tag: str | None = None,
     ) -> InsertResult:
         """Store the lease's not-yet-cached full blocks in ``tier``.
 
@@ -323,6 +326,9 @@ class PrefixCache:
             block_bytes: the size of each new block, when no payloads are given.
             ttl_s: sliding TTL of the new blocks; None for no expiry.
             num_blocks: insert only the prompt's first ``num_blocks`` full blocks.
+            tag: recorded on the lease's blocks up to there, the held ones and those stored
+                now (a request's tag, carried to its store step: its prompt is not matched
+                again to find them). The refused blocks do not get it.
 
         Returns:
             What was stored. Blocks that do not fit (quota, budget, or everything else pinned)
@@ -350,6 +356,10 @@ class PrefixCache:
         elif block_bytes is None:
             raise ValueError("give either blocks or block_bytes")
         if end <= start:
+            if tag is not None:
+                with placement.locked():
+                    for record in lease.records[:end]:
+                        record.add_tag(tag)
             return InsertResult(
                 num_new_blocks=0, num_existing_blocks=0, num_refused_blocks=0,
                 num_evicted_blocks=0,
@@ -376,7 +386,11 @@ class PrefixCache:
             # Hold the chain while admitting it, so that making room never evicts a block of it.
             placement.hold(chain)
             try:
-                result, stored = self._admit_chain(chain, len(specs), slot.name, blocks)
+                result, stored = self.admit_chain(chain, len(specs), slot.name, blocks)
+                if tag is not None:
+                    num_kept = result.num_new_blocks + result.num_existing_blocks
+                    for record in (*held[:start], *chain[:num_kept]):
+                        record.add_tag(tag)
             finally:
                 placement.unhold(chain)
             moves = placement.take_moves()
@@ -385,61 +399,19 @@ class PrefixCache:
             if transfers.remote_holds(lease.namespace):
                 transfers.write_remote(stored)
             if blocks is not None:
-                self._write_lossy_copies(lease, start, end, blocks, ttl_s)
+                write_lossy_copies(self, lease, start, end, blocks, ttl_s)
         return result
 
-    def _write_lossy_copies(self, lease: Lease, start: int, end: int,
-                            blocks: Sequence[KVBlock], ttl_s: float | None) -> None:
-        """Write the lossy copies of an exact chain's new blocks ``start:end`` through to the
-        lossy tiers, under the lossy namespace's keys (their codecs quantize them, on their
-        writer threads). A lossy tier gets no other copies: exact blocks are never demoted
-        into it. A local lossy tier takes them only where its chain reaches ``start`` (a block
-        is only usable with its ancestors, and the ones before ``start`` were not computed
-        here); Redis takes them as they are (it answers prefix-shaped)."""
-        lossy = self.lossy_namespace(lease.namespace)
-        transfers = self._transfers
-        if lossy is None or transfers is None or end <= start or (
-                lease.namespace.scope.kind != "tenant"):
-            return  # (the shared scope's prefixes are read exact only: no copies for them)
-        placement = self._placement
-        local = placement.lossy_tiers
-        to_remote = transfers.writes_remote and transfers.remote_holds(lossy)
-        if not local and not to_remote:
-            return
-        fp = self.fingerprinter(lossy)
-        keys = fp.block_keys(lease.tokens[:end * self.block_tokens])  # no further than written
-        if local:
-            with placement.locked():
-                _, held, _ = self.match_records(lossy, lease.tokens, keys)
-                at = len(held)
-                if start <= at < end:
-                    specs = [BlockSpec(key=keys[i], tokens=fp.block_token_bytes(lease.tokens, i),
-                                       num_bytes=blocks[i - start].nbytes)
-                             for i in range(at, end)]
-                    chain = placement.index.insert(lossy, held[-1] if held else None, specs,
-                                                   now=placement.now(), ttl_s=ttl_s)
-                    placement.hold(chain)
-                    try:
-                        self._admit_chain(chain, len(specs), local[0], blocks[at - start:])
-                    finally:
-                        placement.unhold(chain)
-                moves = placement.take_moves()
-            transfers.run(moves)
-        if to_remote:
-            expiry = placement.new_expiry(ttl_s)
-            metas = [BlockMeta(key=keys[i], parent_key=keys[i - 1] if i else fp.root_parent,
-                               namespace_digest=lossy.digest, owner=lossy.scope.owner,
-                               tokens=fp.block_token_bytes(lease.tokens, i), expiry=expiry)
-                     for i in range(start, end)]
-            transfers.write_remote(list(zip(metas, blocks[:end - start], strict=True)))
-
-    def _admit_chain(
+    def admit_chain(
         self,
         chain: list[BlockRecord],
         num_wanted: int,
         tier: str,
         blocks: Sequence[KVBlock] | None,
     ) -> tuple[InsertResult, list[tuple[BlockMeta, KVBlock]]]:
+        """Admit a freshly indexed ``chain`` (held by the caller) into ``tier``, as far as it
+        fits: its new copies marked and, with ``blocks``, their writes queued; what is there
+        already touched. Hold ``placement.locked()``. Returns the counts and what was queued."""
         placement = self._placement
         counters = placement.counters(tier)
         num_new = num_existing = num_evicted = 0

@@ -74,9 +74,9 @@ class BlockRecord:
         self.created_at = now
         self.ttl_s = ttl_s
         self.num_hits = 0
-        # Operators' names for the requests that stored or warmed this block
-        # (``gateway.cache.tags``); the empty frozenset is shared, so untagged blocks cost
-        # nothing beyond the slot.
+        # Operators' names for the requests that stored or warmed this block (``add_tag``, at
+        # their store step; ``gateway.cache.operations.tags`` finds them); the empty frozenset
+        # is shared, so untagged blocks cost nothing beyond the slot.
         self.tags: frozenset[str] = frozenset()
         # The one session whose requests alone stored or read this block, "" once anyone else
         # has, None while nobody has (``gateway.cache.sessions``).
@@ -104,6 +104,11 @@ class BlockRecord:
     def is_expired(self, now: float) -> bool:
         expiry = self.expires_at()
         return expiry is not None and expiry <= now
+
+    def add_tag(self, tag: str) -> None:
+        """Record ``tag`` on this block (a set: a tag it has already changes nothing)."""
+        if tag not in self.tags:
+            self.tags = self.tags | {tag}
 
 
 class _Edge:

@@ -15,20 +15,20 @@ another session's or another tenant's prefix (tenants are apart anyway: a tenant
 in its own namespace). What is a session's is its own conversation: the blocks after the part
 it shares, and its conversation tail (``SessionTails``, the engine's tail cache).
 
-It is one replica's knowledge, as tags are (``gateway.cache.tags``): kept in the radix index, not
-in the disk tier's headers or Redis. So a claim also says where the block came from. A block a
-session's request stored here, or read first from a local tier (adopted from this replica's own
-disk after a restart), is *stored here* (``record.session == S``): dropping the session removes
-its Redis copy too. A block it read first from Redis is only *read here* (``READ + S``): this
-replica drops its own copies and leaves the Redis copy to the replica that stored it -- which
-drops it when the reset reaches it, if it was that session's there too, and keeps it (a system
+It is one replica's knowledge, as tags are (``gateway.cache.operations.tags``): kept in the
+radix index, not in the disk tier's headers or Redis. So a claim also says where the block came
+from. A block a session's request stored here, or read first from a local tier (adopted from this
+replica's own disk after a restart), is *stored here* (``record.session == S``): dropping the
+session removes its Redis copy too. A block it read first from Redis is only *read here* (``READ +
+S``): this replica drops its own copies and leaves the Redis copy to the replica that stored it --
+which drops it when the reset reaches it, if it was that session's there too, and keeps it (a system
 prompt another replica warmed) if not.
 
 The registry also remembers when each session was last used (the cache's clock), so that a
 session expires ``SessionLimits.ttl_s`` after its last request, and keeps at most
 ``max_per_tenant`` sessions of a tenant (past that, its least recently used one expires at the
 next sweep): session ids come from clients, and the table must stay bounded whatever they send.
-Dropping a session's blocks and tail is ``gateway.cache.session_admin``.
+Dropping a session's blocks and tail is ``gateway.cache.operations.session_admin``.
 """
 
 from __future__ import annotations

@@ -3,12 +3,17 @@
 Its own module because three sides write or read these figures -- the prefix cache (hits,
 inserts, evictions), the transfers (promotions, demotions, failed loads) and the admin and
 metrics surfaces above the cache -- and none of them should import another to reach them.
+
+A tier's figures are reported as ``gateway.core.admin_reports.TierReport``, the record the
+Admin service's client reads back too: one record from the cache to the operator, converted
+to and from protobuf at the service's edge only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gateway.core.admin_reports import TierReport
 from policies.stack import TierPolicy
 from tiers.base import StoreStats
 
@@ -32,33 +37,16 @@ class TierCounters:
         self.evictions[reason] = self.evictions.get(reason, 0) + 1
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TierStats:
-    """One tier's figures as the prefix cache sees them (blocks, bytes, decisions)."""
-
-    name: str
-    num_blocks: int
-    used_bytes: int
-    budget_bytes: int
-    hits: int
-    inserts: int
-    refused: int
-    promotions: int
-    demotions: int
-    load_failures: int
-    recomputed_instead: int
-    evictions: dict[str, int]
-
-    @classmethod
-    def of(cls, name: str, policy: TierPolicy, counters: TierCounters) -> TierStats:
-        """A tier's figures from its policy's view and its counters."""
-        return cls(
-            name=name, num_blocks=policy.num_entries, used_bytes=policy.used_bytes,
-            budget_bytes=policy.budget_bytes, hits=counters.hits, inserts=counters.inserts,
-            refused=counters.refused, promotions=counters.promotions,
-            demotions=counters.demotions, load_failures=counters.load_failures,
-            recomputed_instead=counters.recomputed_instead,
-            evictions=dict(counters.evictions))
+def tier_report(name: str, policy: TierPolicy, counters: TierCounters) -> TierReport:
+    """One tier's figures as the prefix cache sees them (blocks, bytes, decisions): its
+    policy's view and its counters."""
+    return TierReport(
+        name=name, num_blocks=policy.num_entries, used_bytes=policy.used_bytes,
+        budget_bytes=policy.budget_bytes, hits=counters.hits, inserts=counters.inserts,
+        refused=counters.refused, promotions=counters.promotions,
+        demotions=counters.demotions, load_failures=counters.load_failures,
+        recomputed_instead=counters.recomputed_instead,
+        evictions=dict(counters.evictions))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -72,5 +60,5 @@ class CacheStats:
     num_namespaces: int
     num_token_mismatches: int
     num_remote_hits: int
-    tiers: tuple[TierStats, ...]
+    tiers: tuple[TierReport, ...]
     stores: tuple[StoreStats, ...] = ()

@@ -1,5 +1,8 @@
-"""What the Admin service reports, as plain records (``gateway.client`` builds them from the
-protobuf replies; ``kvgate admin`` prints them). Records only: nothing here talks to a server."""
+"""What the Admin service reports, as plain records: the cache makes them
+(``gateway.cache.stats``, ``gateway.cache.operations.admin`` and ``session_admin``), the service
+turns them into protobuf replies, ``gateway.client`` builds them back from those, and
+``kvgate admin`` prints them. One record per report on both sides of the wire, converted only
+at its edges. Records only: nothing here talks to a server."""
 
 from __future__ import annotations
 

@@ -70,9 +70,9 @@ class IndexInvariantError(GatewayError):
 
 
 class MalformedEvent(GatewayError):
-    """An entry on the shared eviction stream (``gateway.cache.invalidation``) that is not an
-    eviction this build reads: a field too large, of the wrong form, or unknown. Anyone who can
-    write Redis can write the stream, so the message names the field and what was wrong with
+    """An entry on the shared eviction stream (``gateway.cache.operations.invalidation``) that
+    is not an eviction this build reads: a field too large, of the wrong form, or unknown. Anyone
+    who can write Redis can write the stream, so the message names the field and what was wrong with
     it, never its value (a prefix text or session id may be personal data)."""
 
 

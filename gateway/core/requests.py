@@ -21,6 +21,8 @@ from typing import Literal
 
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
+from gateway.core.sessions import session_problems
+from gateway.core.tags import tag_problems
 
 FinishReason = Literal["stop", "length", "eos", "cancelled", "deadline"]
 
@@ -107,12 +109,33 @@ class CacheOptions:
         allow_lossy: the request may read lossy (quantized) copies of its prefix where no
             exact copy is cached (docs/design.md, "Lossy tiers"); its answer is then not the
             model's own (``Usage.lossy``) and what it stores stays in the lossy namespace.
+        tag: an operator's name for the blocks of this request's prompt (``gateway.core.tags``),
+            recorded on them where they are stored, for ``evict(tag=...)`` (None: no tag).
     """
 
     no_cache: bool = False
     ttl_s: float | None = None
     session_id: str | None = None
     allow_lossy: bool = False
+    tag: str | None = None
+
+    def problems(self, *, is_shared: bool) -> list[str]:
+        """Every field a request cannot be served with, as messages a person can act on
+        (empty if valid); ``is_shared``: the request is in the shared scope."""
+        problems = ttl_problems(self.ttl_s)
+        if self.session_id is not None:
+            problems += session_problems(self.session_id, no_cache=self.no_cache,
+                                         is_shared=is_shared)
+        if self.tag is not None:
+            problems += tag_problems(self.tag, no_cache=self.no_cache)
+        return problems
+
+
+def ttl_problems(ttl_s: float | None) -> list[str]:
+    """What is wrong with a request's ``ttl_s`` ([] if nothing: None is the server's default)."""
+    if ttl_s is None or (math.isfinite(ttl_s) and ttl_s > 0):
+        return []
+    return [f"ttl_s must be a positive number of seconds, got {ttl_s}"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -186,6 +209,15 @@ class WarmRequest:
     pin: bool = False
     ttl_s: float | None = None
     deadline: float | None = None
+    tag: str | None = None
+    """Recorded on the prompt's blocks where they are stored (``CacheOptions.tag``)."""
+
+    def problems(self) -> list[str]:
+        """Every field the warm cannot be served with (empty if valid)."""
+        problems = ttl_problems(self.ttl_s)
+        if self.tag is not None:
+            problems += tag_problems(self.tag, no_cache=False)
+        return problems
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -17,7 +17,6 @@ kind and the dtype the K/V are computed in (``dtype``: bfloat16 K/V never serve 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,7 +25,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from gateway.cache.admin import evict_where
+from gateway.cache.operations.admin import evict_where
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.core.canonical import CanonicalPrompt, PromptInput, canonicalize
 from gateway.core.errors import (
@@ -45,7 +44,6 @@ from gateway.core.requests import (
     WarmResult,
     priority_problem,
 )
-from gateway.core.sessions import session_problems
 from gateway.core.tokens import TokenIds
 from gateway.engine.forward.batched import BatchedForward, SequenceRows, StepForward
 from gateway.engine.forward.captured_steps import (
@@ -415,14 +413,7 @@ class Engine:
         problems = request.sampling.problems()
         if (priority := priority_problem(request.priority)) is not None:
             problems.append(priority)
-        if request.cache.ttl_s is not None and not (
-            math.isfinite(request.cache.ttl_s) and request.cache.ttl_s > 0
-        ):
-            problems.append(f"ttl_s must be a positive number of seconds, got "
-                            f"{request.cache.ttl_s}")
-        if request.cache.session_id is not None:
-            problems += session_problems(request.cache.session_id, no_cache=request.cache.no_cache,
-                                         is_shared=request.scope.kind == "shared")
+        problems += request.cache.problems(is_shared=request.scope.kind == "shared")
         if problems:
             raise InvalidRequest("; ".join(problems))
         prompt = self._canonical(request.prompt)
@@ -448,9 +439,8 @@ class Engine:
             QueueFull: too many requests are waiting.
             EngineDraining: the engine is shutting down.
         """
-        if request.ttl_s is not None and not (math.isfinite(request.ttl_s) and request.ttl_s > 0):
-            raise InvalidRequest(f"ttl_s must be a positive number of seconds, got "
-                                 f"{request.ttl_s}")
+        if problems := request.problems():
+            raise InvalidRequest("; ".join(problems))
         if self._cache is None:
             raise InvalidRequest("this server runs without a cache: nothing can be warmed")
         prompt = self._canonical(request.prompt)
@@ -580,7 +570,7 @@ class Engine:
                 self._namespaces[scope] = namespace
             return namespace
 
-    # ---- keys, for the cache's admin (gateway.cache.admin.PromptKeys) -----------------
+    # ---- keys, for the cache's admin (gateway.cache.operations.admin.PromptKeys) -----------------
 
     def namespace(self, scope: Scope) -> Namespace:
         """The namespace of ``scope`` for this model, secret and device."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from gateway.cache.stats import CacheStats
 from gateway.config.keys import Principal, tenant_id_problem
-from gateway.core.admin_reports import PrefixInfo, SessionInfo
+from gateway.core.admin_reports import Evicted, PrefixInfo, SessionInfo
 from gateway.core.errors import InvalidRequest, NotFound
 from gateway.core.fingerprint import Scope
 from gateway.core.prompt_limits import check_prefix_size
@@ -26,7 +26,6 @@ from gateway.service.pb import kvgate_pb2 as pb
 from gateway.service.servicer import prompt_input
 
 if TYPE_CHECKING:
-    from gateway.cache.admin import EvictResult
     from gateway.engine.engine import Engine
 
 DEFAULT_LIST_LIMIT = 100
@@ -124,7 +123,7 @@ def session_summary(summary: SessionInfo) -> pb.SessionSummary:
         expires_in_s=summary.expires_in_s)
 
 
-def evict_response(result: EvictResult) -> pb.EvictResponse:
+def evict_response(result: Evicted) -> pb.EvictResponse:
     return pb.EvictResponse(num_blocks=result.num_blocks, bytes_by_tier=result.bytes_by_tier)
 
 

@@ -3,11 +3,11 @@
 Everything the gateway is made of is wired here and nowhere else (the one composition root,
 docs/contributing.md, "Conventions"): the deployment secret and API keys, the gRPC server, the
 OpenAI-compatible HTTP front (``[http]``), the model, the cache layer (stores, policies and prefix
-cache, through ``gateway.cache.factory.open_cache``), the metrics endpoint, the engine, and the
-cache's admin operations that the Admin service calls. Each gets what it needs through its
-constructor; nothing below reaches for a global. The two servers share one ``EngineSlot``, one
-``Authenticator`` and the same limits, so they serve one engine, one cache and one set of metrics: a
-prefix warmed over gRPC is a hit over HTTP.
+cache, through ``gateway.cache.operations.factory.open_cache``), the metrics endpoint, the
+engine, and the cache's admin operations that the Admin service calls. Each gets what it needs
+through its constructor; nothing below reaches for a global. The two servers share one
+``EngineSlot``, one ``Authenticator`` and the same limits, so they serve one engine, one cache and
+one set of metrics: a prefix warmed over gRPC is a hit over HTTP.
 
 Start order: the servers listen first (gRPC health NOT_SERVING, HTTP ``/health`` 503, so an
 orchestrator sees the process come up), then the model loads, the cache opens (the Prometheus
@@ -56,9 +56,9 @@ from gateway.service.startup import stage
 if TYPE_CHECKING:
     import torch
 
-    from gateway.cache.admin import CacheAdmin
-    from gateway.cache.factory import OpenedCache
-    from gateway.cache.invalidation import EvictionFeed
+    from gateway.cache.operations.admin import CacheAdmin
+    from gateway.cache.operations.factory import OpenedCache
+    from gateway.cache.operations.invalidation import EvictionFeed
     from gateway.cache.prefix_cache import PrefixCache
     from gateway.engine.engine import Engine
     from gateway.engine.models.loading import LoadedModel
@@ -357,8 +357,8 @@ def _open_cache(config: ServeConfig, opened: _Opened, loaded: LoadedModel, *,
                 device: torch.device, secret: bytes) -> OpenedCache:
     """The cache tiers, open (the disk tier's index recovered), and the KV-events publisher
     (bound first, so that it hears every block the cache holds); both kept in ``opened``."""
-    from gateway.cache.factory import has_tier_to_measure, open_cache
     from gateway.cache.load_bandwidth import measure_load_bandwidths
+    from gateway.cache.operations.factory import has_tier_to_measure, open_cache
     from gateway.engine.kv.sequence import pool_bytes_for
     from gateway.service.kv_events.publisher import open_kv_events
 
@@ -383,7 +383,7 @@ def _start_engine(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
                   stop_requested: threading.Event) -> Engine:
     """The engine over ``cache``, its route chosen and its worker started (kept in ``opened``
     first, so that a failed start still stops it), and the router series that read it."""
-    from gateway.cache.factory import has_tier_to_measure
+    from gateway.cache.operations.factory import has_tier_to_measure
     from gateway.engine.engine import Engine, EngineConfig
     from gateway.engine.parity.verdicts import VerdictStore
 
@@ -422,9 +422,9 @@ def _open_admin(config: ServeConfig, opened: _Opened, metrics: GatewayMetrics,
                 cache: OpenedCache, engine: Engine) -> CacheAdmin:
     """The cache's admin operations (the Admin service's), and with ``[cache]`` events the feed
     of other replicas' evictions, read up to now (for ``_CATCH_UP_S`` at most)."""
-    from gateway.cache.admin import CacheAdmin
-    from gateway.cache.factory import eviction_cursor_path
-    from gateway.cache.invalidation import EventBounds, EvictionFeed
+    from gateway.cache.operations.admin import CacheAdmin
+    from gateway.cache.operations.factory import eviction_cursor_path
+    from gateway.cache.operations.invalidation import EventBounds, EvictionFeed
     from gateway.config.keys import MAX_TENANT_CHARS
 
     admin: CacheAdmin

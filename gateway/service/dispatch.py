@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.config.keys import Principal
 from gateway.core.errors import InvalidRequest
 from gateway.service.access_log import AccessCall, AccessLog

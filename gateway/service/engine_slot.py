@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from gateway.core.errors import EngineDraining, InvalidRequest
 
 if TYPE_CHECKING:
-    from gateway.cache.admin import CacheAdmin
+    from gateway.cache.operations.admin import CacheAdmin
     from gateway.engine.engine import Engine
 
 

@@ -479,7 +479,7 @@ class _RatioCollector(Collector):
 
 
 class FeedState(Protocol):
-    """What the metrics read of ``gateway.cache.invalidation.EvictionFeed``."""
+    """What the metrics read of ``gateway.cache.operations.invalidation.EvictionFeed``."""
 
     num_applied: int
     num_malformed: int

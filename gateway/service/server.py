@@ -44,7 +44,7 @@ from gateway.service.servicer import ADMIN_SERVICE, GATEWAY_SERVICE
 from gateway.service.watchdog import EngineWatchdog
 
 if TYPE_CHECKING:
-    from gateway.cache.admin import CacheAdmin
+    from gateway.cache.operations.admin import CacheAdmin
     from gateway.engine.engine import Engine
 
 logger = logging.getLogger(__name__)

@@ -228,7 +228,8 @@ def generate_request(
         cache=CacheOptions(no_cache=message.cache.no_cache,
                            ttl_s=ttl_seconds(message.cache, limits),
                            session_id=session_of(message.cache),
-                           allow_lossy=message.cache.allow_lossy),
+                           allow_lossy=message.cache.allow_lossy,
+                           tag=tag_of(message.cache, "cache.tag")),
         deadline=deadline,
         priority=priority_of(message),
     )
@@ -340,11 +341,6 @@ class GatewayServicer:
         engine = self._engines.get()
         record = generate_request(request, principal, deadline=self._deadline(context),
                                   limits=self._limits)
-        tag = tag_of(request.cache, "cache.tag")
-        if tag is not None and record.cache.no_cache:
-            raise InvalidRequest("cache.tag marks the blocks a request stores, and no_cache "
-                                 "stores none: send one of them")
-        admin = self._engines.admin() if tag is not None else None
         request_id = ""
         keep = None
         if record.prompt.messages is not None:
@@ -359,8 +355,6 @@ class GatewayServicer:
                 if isinstance(item, TokenDelta):
                     yield delta_message(item)
                 else:
-                    if admin is not None and tag is not None:  # the prompt's blocks are stored
-                        admin.tag_prompt(record.prompt, record.scope, tag)
                     if keep is not None:
                         keep(request_id, item)
                     yield usage_message(item, request_id)
@@ -373,21 +367,17 @@ class GatewayServicer:
         engine = self._engines.get()
         if request.pin:
             principal.require_admin("pinning (Warm with pin)")
-        tag = tag_of(request)
-        admin = self._engines.admin() if tag is not None else None
         record = WarmRequest(
             prompt=prompt_input(request.input, self._limits.prompt),
             scope=scope_for(principal, request.scope),
             pin=request.pin,
             ttl_s=ttl_seconds(request, self._limits),
             deadline=self._deadline(context),
+            tag=tag_of(request),
         )
         handle = engine.start_warm(record)
         context.add_callback(handle.cancel)  # a client that goes away stops its warm
-        result = handle.result()
-        if admin is not None and tag is not None:
-            admin.tag_prompt(record.prompt, record.scope, tag)
-        return warm_response(result)
+        return warm_response(handle.result())
 
     def Lookup(
         self, request: pb.LookupRequest, principal: Principal, context: Any

@@ -1,12 +1,16 @@
 """The tree shows the architecture: imports point down the layers of docs/design.md, "Layout".
 
     cli → bench → service → config → engine → cache → core      (gateway/)
+    inside gateway/cache/: operations → the core (the modules directly in gateway/cache/)
     inside gateway/engine/: engine.py, settings.py → scheduling → parity → models → forward
         → attention → kv → linear → output
     gateway.client → core and the generated stubs only (it imports nothing of the server)
     tiers → policies and gateway.core only;  policies → gateway.core only
 
 Read from the source with ``ast`` (nothing is imported), so a violation names file and line.
+And no import cycle among the modules, counting the imports a module runs when it is imported
+(those inside a function or under ``TYPE_CHECKING`` break no cycle at import time, and are not
+counted).
 """
 
 from __future__ import annotations
@@ -129,6 +133,104 @@ def test_the_engine_layers_are_its_sub_packages() -> None:
     engine = ROOT / "gateway" / "engine"
     packages = {p.name for p in engine.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
     assert packages == set(ENGINE_LAYERS)
+
+
+CACHE_ROOMS = ("operations", "")
+"""gateway/cache/'s rooms, top to bottom: ``operations/`` (running and operating the cache) over
+the core, the modules directly in gateway/cache/ (gateway/cache/__init__.py says what each
+holds)."""
+
+
+def _cache_room(path: Path) -> str | None:
+    """The cache room of a source file ("" for the core); None outside gateway/cache/."""
+    rel = path.relative_to(ROOT).parts
+    if rel[:2] != ("gateway", "cache"):
+        return None
+    return rel[2] if len(rel) > 3 else ""
+
+
+def _cache_allowed(path: Path, target: str) -> bool:
+    room = _cache_room(path)
+    parts = target.split(".")
+    if room is None or parts[:2] != ["gateway", "cache"]:
+        return True
+    target_room = parts[2] if len(parts) > 3 and parts[2] in CACHE_ROOMS else ""
+    return CACHE_ROOMS.index(target_room) >= CACHE_ROOMS.index(room)
+
+
+_CACHE_MODULES = [p for p in _modules() if _cache_room(p) is not None]
+
+
+@pytest.mark.parametrize("path", _CACHE_MODULES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_cache_core_never_imports_its_operations(path: Path) -> None:
+    upward = [f"line {line}: {target}" for line, target in _imports(path)
+              if not _cache_allowed(path, target)]
+    assert not upward, f"{path.relative_to(ROOT)} imports against the cache's rooms: {upward}"
+
+
+def test_the_cache_rooms_are_its_sub_packages() -> None:
+    cache = ROOT / "gateway" / "cache"
+    packages = {p.name for p in cache.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert packages == {room for room in CACHE_ROOMS if room}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_time_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports when it is imported: its top-level imports, outside
+    ``if TYPE_CHECKING:`` (``from a import b`` counts ``a.b`` too, when that is a module)."""
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            elif isinstance(node, ast.If) and not (
+                    isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+
+    visit(ast.parse(path.read_text(), filename=str(path)).body)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    modules = {_module_name(p): p for p in _modules()}
+    graph = {name: sorted(t for t in _import_time_imports(path) if t in modules and t != name)
+             for name, path in modules.items()}
+    # Iterative depth-first search; a grey module met again closes a cycle.
+    colour: dict[str, int] = {}
+    cycles: list[list[str]] = []
+    for start in graph:
+        if colour.get(start):
+            continue
+        stack: list[tuple[str, int]] = [(start, 0)]
+        path: list[str] = [start]
+        colour[start] = 1
+        while stack:
+            name, i = stack[-1]
+            if i < len(graph[name]):
+                stack[-1] = (name, i + 1)
+                nxt = graph[name][i]
+                if colour.get(nxt) == 1:
+                    cycles.append(path[path.index(nxt):] + [nxt])
+                elif not colour.get(nxt):
+                    colour[nxt] = 1
+                    stack.append((nxt, 0))
+                    path.append(nxt)
+            else:
+                colour[name] = 2
+                stack.pop()
+                path.pop()
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
 def test_the_layers_are_the_packages_of_gateway() -> None:

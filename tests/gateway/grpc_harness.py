@@ -19,8 +19,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.factory import CacheConfig, OpenedCache, open_cache
 from gateway.client import KvgateClient, RetryPolicy
 from gateway.config.keys import KeyEntry
 from gateway.config.limits import LimitSettings

@@ -17,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
+from gateway.cache.operations.factory import CacheConfig, OpenedCache, open_cache
 from tests.redis_harness import RedisServer
 from tests.tiers.conftest import (
     TEST_BLOCK_TOKENS,

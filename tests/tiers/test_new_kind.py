@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gateway.cache.config import CacheConfig
-from gateway.cache.factory import open_cache
+from gateway.cache.operations.factory import open_cache
 from gateway.config.loader import load_serve_config
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import as_token_ids

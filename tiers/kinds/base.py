@@ -69,7 +69,7 @@ class TierConfig(Protocol):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TierContext:
-    """What every tier of one cache shares, built once by ``gateway.cache.factory``.
+    """What every tier of one cache shares, built once by ``gateway.cache.operations.factory``.
 
     Attributes:
         layout: the model's KV layout.
@@ -105,7 +105,7 @@ class TierKind(Protocol):
     may_be_lossy: bool
     queues_writes: bool
     """Its writes wait in a queue of its own that holds the device pool's pages until
-    encoded (``gateway.cache.factory.queued_write_bytes``)."""
+    encoded (``gateway.cache.operations.factory.queued_write_bytes``)."""
     is_measured: bool
     """Its loads may be slower than recomputing: measured before serving."""
     parallel_reads: int

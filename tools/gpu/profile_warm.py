@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from gateway.cache.factory import CacheConfig, open_cache
+from gateway.cache.operations.factory import CacheConfig, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, Usage

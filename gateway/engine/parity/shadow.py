@@ -60,8 +60,8 @@ MAX_IDLE_CHUNK_TOKENS = 64
 what a request arriving meanwhile waits for, whatever ``chunk_tokens`` the engine offers."""
 
 EvictBlocks = Callable[[Sequence[BlockKey]], None]
-"""Evicts blocks (with their chains: ``gateway.cache.admin.chain_of``) by key, everywhere the
-deployment keeps them."""
+"""Evicts blocks (with their chains: ``gateway.cache.operations.admin.chain_of``) by key,
+everywhere the deployment keeps them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -172,7 +172,10 @@ class RequestBlocks:
         return [kv]
 
     def store_prompt_blocks(self, active: ActiveRequest) -> None:
-        """Store the prompt's full blocks not yet cached, once its prefill has reached them."""
+        """Store the prompt's full blocks not yet cached, once its prefill has reached them;
+        the request's tag, if it names one, is recorded on every block of its prompt cached
+        in its namespace, those it found and those it stores (an eviction by tag drops every
+        block the tagged prompt needs, not only those it computed)."""
         if active.lease is None:
             return
         bt = self._settings.block_tokens
@@ -183,7 +186,7 @@ class RequestBlocks:
         fresh = [blocks[i] if i < len(blocks) else active.seq.block(i, bt)
                  for i in range(own, end)]
         result = self._cache.insert(active.lease, tier=self._cache.tier_names[0], blocks=fresh,
-                                    ttl_s=active.ttl_s)
+                                    ttl_s=active.ttl_s, num_blocks=end, tag=_tag_of(active.job))
         active.stored_new = result.num_new_blocks
         if active.namespace is not None:
             self._cache.sessions.note_stored(active.namespace, _session_of(active.job),
@@ -252,6 +255,12 @@ class RequestBlocks:
         for at in range(start, end, bt):
             self._forward.forward([SequenceRows(sequence=seq, tokens=ids[at:at + bt],
                                                 wants_logits=False)])
+
+
+def _tag_of(job: Job) -> str | None:
+    """The tag a request's prompt blocks carry (``CacheOptions.tag``, ``WarmRequest.tag``)."""
+    request = job.request
+    return request.cache.tag if isinstance(request, GenerateRequest) else request.tag
 
 
 def _session_of(job: Job) -> str | None:

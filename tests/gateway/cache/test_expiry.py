@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.adoption import adopt
-from gateway.cache.factory import CacheConfig, open_cache
+from gateway.cache.operations.adoption import adopt
+from gateway.cache.operations.factory import CacheConfig, open_cache
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.admin import evict_where, list_prefixes
+from gateway.cache.operations.admin import evict_where, list_prefixes
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
-from gateway.cache.stats import TierStats
+from gateway.core.admin_reports import TierReport
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids
 from policies.registry import TierPolicyConfig, build_tier_policy
@@ -95,7 +95,7 @@ def served(cache: PrefixCache, tokens: TokenIds = PROMPT,
         return lease.match.tiers
 
 
-def tier(cache: PrefixCache, name: str) -> TierStats:
+def tier(cache: PrefixCache, name: str) -> TierReport:
     return {t.name: t for t in cache.stats().tiers}[name]
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.cache.factory import CacheConfig, open_cache
 from gateway.cache.lossy_tiers import lossy_tiers
+from gateway.cache.operations.factory import CacheConfig, open_cache
 from gateway.config.loader import load_serve_config
 from gateway.config.settings import ConfigError
 from tiers.payload import KVLayout

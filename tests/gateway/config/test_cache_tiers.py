@@ -195,4 +195,4 @@ def test_reading_a_configuration_imports_no_store_and_no_redis_client() -> None:
 
 STORE_MODULES = {"tiers.memory", "tiers.quantized_host", "tiers.disk", "tiers.redis_store",
                  "tiers.redis_client", "tiers.redis_events", "tiers.hierarchy", "tiers.codec",
-                 "gateway.cache.factory", "gateway.cache.prefix_cache"}
+                 "gateway.cache.operations.factory", "gateway.cache.prefix_cache"}

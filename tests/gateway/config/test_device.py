@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.factory import CacheConfig, open_cache
+from gateway.cache.operations.factory import CacheConfig, open_cache
 from gateway.config.device import DeviceError, resolve_device
 from gateway.config.loader import load_serve_config
 from gateway.config.settings import ConfigError, ServeConfig

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.config.fit import machine_fit_problems, physical_memory_bytes
 from gateway.config.loader import load_serve_config
 from gateway.config.settings import ConfigError

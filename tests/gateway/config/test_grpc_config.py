@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import GiB
+from gateway.cache.operations.factory import GiB
 from gateway.config.keys import KeyEntry, Principal, key_digest
 from gateway.config.loader import DEFAULT_DISK_BYTES, load_serve_config, parse_size
 from gateway.config.secrets import DEV_ADMIN, dev_admin_key, dev_api_key

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.engine.engine import Engine
 from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.parity import SECRET, cache_config, make_engine

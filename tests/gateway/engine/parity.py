@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.cache.factory import CacheConfig, OpenedCache
+from gateway.cache.operations.factory import CacheConfig, OpenedCache
 from gateway.cache.prefix_cache import Lease, PrefixCache
 from gateway.config.dtype import resolve_dtype
 from gateway.core.canonical import PromptInput, canonicalize

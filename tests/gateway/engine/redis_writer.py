@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from gateway.cache.factory import open_cache
+from gateway.cache.operations.factory import open_cache
 from tests.gateway.engine.parity import (
     PARITY_PROMPTS,
     SECRET,

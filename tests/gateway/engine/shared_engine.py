@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.factory import OpenedCache
 from gateway.engine.engine import Engine
 
 StartEngine = Callable[[], tuple[Engine, OpenedCache]]

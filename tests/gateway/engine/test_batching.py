@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import DeadlineExceeded, RequestCancelled
 from gateway.core.fingerprint import Scope

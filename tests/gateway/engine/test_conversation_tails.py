@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.engine.engine import Engine
 from gateway.engine.models.loading import LoadedModel, load_model

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.config.device import resolve_device
 from gateway.config.dtype import resolve_dtype
 from gateway.core.fingerprint import Scope

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from gateway.cache.admin import CacheAdmin, list_prefixes
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.admin import CacheAdmin, list_prefixes
+from gateway.cache.operations.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest, QueueFull, RequestCancelled
 from gateway.core.fingerprint import Scope

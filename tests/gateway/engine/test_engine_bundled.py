@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
+from gateway.cache.operations.factory import CacheConfig, OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import Usage

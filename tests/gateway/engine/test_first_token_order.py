@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.core.requests import (
     CacheOptions,

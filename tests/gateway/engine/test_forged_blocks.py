@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import open_cache
+from gateway.cache.operations.factory import open_cache
 from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.parity import PROMPTS, SECRET, cache_config, make_engine, run
 from tests.redis_harness import RedisServer

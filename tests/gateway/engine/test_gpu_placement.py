@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import open_cache
+from gateway.cache.operations.factory import open_cache
 from gateway.engine.models.loading import load_model
 from tests.gateway.engine.parity import (
     PROMPT_BY_ID,

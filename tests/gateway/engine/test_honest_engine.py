@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope

@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.admin import evict_where
 from gateway.cache.base import TierEvents
-from gateway.cache.factory import OpenedCache, open_cache
-from gateway.cache.session_admin import drop_session
-from gateway.cache.tags import tag_prompt
+from gateway.cache.operations.admin import evict_where
+from gateway.cache.operations.factory import OpenedCache, open_cache
+from gateway.cache.operations.session_admin import drop_session
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import IndexInvariantError
 from gateway.core.requests import (
@@ -44,7 +43,7 @@ MAX_TOKENS = 10
 
 
 def generate(engine: Engine, tokens: list[int], *, allow_lossy: bool = False,
-             no_cache: bool = False, session: str | None = None,
+             no_cache: bool = False, session: str | None = None, tag: str | None = None,
              max_tokens: int = MAX_TOKENS) -> tuple[list[int], Usage]:
     ids: list[int] = []
     usage = None
@@ -52,7 +51,7 @@ def generate(engine: Engine, tokens: list[int], *, allow_lossy: bool = False,
             prompt=PromptInput(token_ids=tokens), scope=ALICE,
             sampling=SamplingParams(max_tokens=max_tokens),
             cache=CacheOptions(allow_lossy=allow_lossy, no_cache=no_cache,
-                               session_id=session))):
+                               session_id=session, tag=tag))):
         if isinstance(event, TokenDelta):
             ids.extend(event.token_ids)
         else:
@@ -216,9 +215,7 @@ def test_a_session_reset_drops_the_lossy_copies_of_its_blocks(
 def test_evicting_a_tag_drops_the_lossy_copies_of_its_blocks(
         lossy_disk: tuple[Engine, OpenedCache]) -> None:
     engine, opened = lossy_disk
-    generate(engine, PROMPT)
-    assert tag_prompt(opened.cache, engine.namespace(ALICE), as_token_ids(PROMPT),
-                      "docs-v3") == 5
+    generate(engine, PROMPT, tag="docs-v3")
     evict_where(opened.cache, tag="docs-v3")
     opened.hierarchy.flush(timeout_s=30.0)
     _, usage = generate(engine, PROMPT, allow_lossy=True)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.factory import OpenedCache
 from gateway.core.errors import QueueFull
 from gateway.engine.engine import Engine
 from gateway.engine.models.loading import LoadedModel

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.engine.engine import Engine
 from gateway.engine.models.loading import LoadedModel

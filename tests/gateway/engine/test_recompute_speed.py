@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.factory import OpenedCache
 from gateway.engine.attention.tiled import TiledAttention
 from gateway.engine.forward.batched import BatchedForward
 from gateway.engine.models.loading import LoadedModel

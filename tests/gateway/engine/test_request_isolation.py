@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import gateway.engine.scheduling.loop as loop_module
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.factory import OpenedCache
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope
 from gateway.core.requests import (

@@ -4,7 +4,7 @@ still hits.
 
 The tiny Llama on 16-token blocks over the four tiers (``redis_server`` is a real redis-server
 started by the harness); the cache runs on an injected clock, so an expiry needs no sleeping.
-The ownership rule itself: ``tests/gateway/cache/test_sessions.py``.
+The ownership rule itself: ``tests/gateway/cache/operations/test_sessions.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import OpenedCache, open_cache
-from gateway.cache.session_admin import drop_expired_sessions
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.factory import OpenedCache, open_cache
+from gateway.cache.operations.session_admin import drop_expired_sessions
 from gateway.cache.sessions import session_of
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import InvalidRequest

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import pytest
 import torch
 
-from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import OpenedCache
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.factory import OpenedCache
 from gateway.core.fingerprint import NamespaceSpec, derive_namespace
 from gateway.core.tokens import as_token_ids
 from gateway.engine.engine import Engine, EngineConfig

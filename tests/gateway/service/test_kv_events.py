@@ -16,7 +16,7 @@ import pytest
 import torch
 import zmq
 
-from gateway.cache.admin import evict_where
+from gateway.cache.operations.admin import evict_where
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.fingerprint import Namespace, NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids

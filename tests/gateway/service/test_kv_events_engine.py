@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from gateway.cache.factory import open_cache
+from gateway.cache.operations.factory import open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.tokens import as_token_ids
 from gateway.engine.models.loading import LoadedModel, load_model

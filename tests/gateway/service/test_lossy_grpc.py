@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.engine.models.loading import LoadedModel
 from gateway.service.metrics import GatewayMetrics
 from tests.gateway.grpc_harness import BLOCK, KEY_A, LONG_PROMPT, RunningGateway, start_gateway

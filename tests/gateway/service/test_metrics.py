@@ -18,8 +18,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import CacheConfig, open_cache
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.factory import CacheConfig, open_cache
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
 from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.models.loading import LoadedModel
@@ -280,7 +280,7 @@ def test_kvgate_serve_serves_metrics_from_its_config_and_stops_on_sigterm(
 
 
 def test_the_eviction_feed_series_say_what_its_reader_did(redis_server) -> None:
-    from gateway.cache.invalidation import EventBounds, EvictionEvent, EvictionFeed
+    from gateway.cache.operations.invalidation import EventBounds, EvictionEvent, EvictionFeed
     from tiers.redis_events import RedisEventLog
 
     applied: list[EvictionEvent] = []

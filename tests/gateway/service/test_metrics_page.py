@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.cache.stats import CacheStats, TierStats
+from gateway.cache.stats import CacheStats
+from gateway.core.admin_reports import TierReport
 from gateway.service.http.metrics_page import DEFAULT_MAX_AGE_S, MetricsPage
 from gateway.service.metrics import CACHE_STATS_MAX_AGE_S, GatewayMetrics
 from gateway.service.router_metrics import CacheConfigInfo
@@ -57,9 +58,9 @@ def test_one_scrape_reads_the_cache_stats_once_for_every_collector() -> None:
 
     def stats() -> CacheStats:
         reads.append(1)
-        tier = TierStats(name="device", num_blocks=1, used_bytes=512, budget_bytes=1024,
-                         hits=0, inserts=1, refused=0, promotions=0, demotions=0,
-                         load_failures=0, recomputed_instead=0, evictions={})
+        tier = TierReport(name="device", num_blocks=1, used_bytes=512, budget_bytes=1024,
+                          hits=0, inserts=1, refused=0, promotions=0, demotions=0,
+                          load_failures=0, recomputed_instead=0, evictions={})
         return CacheStats(num_blocks=1, num_namespaces=1, num_token_mismatches=0,
                           num_remote_hits=0, tiers=(tier,))
 
@@ -75,9 +76,9 @@ def test_one_scrape_reads_the_cache_stats_once_for_every_collector() -> None:
 
 
 def test_a_tiers_load_bandwidth_and_the_loads_it_skipped_are_series() -> None:
-    disk = TierStats(name="disk", num_blocks=0, used_bytes=0, budget_bytes=1024, hits=0,
-                     inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
-                     recomputed_instead=3, evictions={})
+    disk = TierReport(name="disk", num_blocks=0, used_bytes=0, budget_bytes=1024, hits=0,
+                      inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
+                      recomputed_instead=3, evictions={})
     stores = (StoreStats(name="disk", notes={"load_bytes_per_s": 1_500_000_000}),
               StoreStats(name="device"),
               StoreStats(name="redis", notes={"recomputed_instead": 2}))

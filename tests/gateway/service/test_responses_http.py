@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import Scope

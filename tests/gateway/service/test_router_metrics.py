@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.config.settings import HttpSettings, ServeConfig
 from gateway.engine.models.loading import LoadedModel
 from gateway.service.assembly import watch_router
@@ -223,12 +223,13 @@ def test_the_served_model_name_is_listed_reported_and_accepted_with_its_aliases(
 
 
 def test_cache_config_info_counts_whole_blocks_of_each_tier_budget() -> None:
-    from gateway.cache.stats import CacheStats, TierStats
+    from gateway.cache.stats import CacheStats
+    from gateway.core.admin_reports import TierReport
 
-    def tier(name: str, budget: int, used: int) -> TierStats:
-        return TierStats(name=name, num_blocks=0, used_bytes=used, budget_bytes=budget, hits=0,
-                         inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
-                         recomputed_instead=0, evictions={})
+    def tier(name: str, budget: int, used: int) -> TierReport:
+        return TierReport(name=name, num_blocks=0, used_bytes=used, budget_bytes=budget, hits=0,
+                          inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
+                          recomputed_instead=0, evictions={})
 
     stats = CacheStats(num_blocks=0, num_namespaces=0, num_token_mismatches=0,
                        num_remote_hits=0, tiers=(tier("device", 1000, 250), tier("disk", 10, 0)))

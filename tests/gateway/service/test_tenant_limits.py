@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import pytest
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.client import KvgateError, ResourceExhausted
 from gateway.config.limits import LimitSettings
 from gateway.core.requests import TokenDelta

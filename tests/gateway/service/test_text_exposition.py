@@ -29,7 +29,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from gateway.cache.stats import CacheStats, TierStats
+from gateway.cache.stats import CacheStats
+from gateway.core.admin_reports import TierReport
 from gateway.service.http.text_exposition import TextExposition
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.router_metrics import CacheConfigInfo
@@ -41,9 +42,9 @@ VALUES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-
 
 def test_the_gateways_public_registry_renders_as_the_library_renders_it() -> None:
     metrics = GatewayMetrics(device="cpu", dtype="float32", kv_budget_bytes=1 << 30)
-    tier = TierStats(name="device", num_blocks=3, used_bytes=4096, budget_bytes=1 << 20,
-                     hits=2, inserts=3, refused=0, promotions=1, demotions=0,
-                     load_failures=0, recomputed_instead=0, evictions={"lru": 4})
+    tier = TierReport(name="device", num_blocks=3, used_bytes=4096, budget_bytes=1 << 20,
+                      hits=2, inserts=3, refused=0, promotions=1, demotions=0,
+                      load_failures=0, recomputed_instead=0, evictions={"lru": 4})
     store = StoreStats(name="redis", errors=2, verification_failures={"mac": 1},
                        notes={"breaker": "open"})
     metrics.watch_cache(lambda: CacheStats(num_blocks=3, num_namespaces=1,

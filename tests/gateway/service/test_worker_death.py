@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from gateway.cache.factory import CacheConfig
+from gateway.cache.operations.factory import CacheConfig
 from gateway.client import KvgateClient, KvgateError, RetryPolicy
 from gateway.config.settings import GrpcSettings, ServeConfig
 from gateway.engine.models.loading import load_model

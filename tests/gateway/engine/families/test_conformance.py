@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.core.requests import CacheOptions, GenerateRequest, SamplingParams, TokenDelta
 from gateway.engine.attention.tiled import TiledAttention

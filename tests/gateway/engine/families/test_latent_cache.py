@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.factory import OpenedCache, open_cache
+from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.engine.engine import Engine
 from gateway.engine.models.loading import LoadedModel, load_model

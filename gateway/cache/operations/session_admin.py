@@ -7,9 +7,10 @@ conversation tails, so that the session's next request starts cold; a shared pre
 (a system prompt warmed by others, blocks another session used too) stays.
 
 Redis keeps no sessions, so the Redis copies of the session's blocks are removed by key, as an
-eviction by tag removes its blocks' copies (``gateway.cache.remote_admin``) -- of the blocks
-this replica stored only (``is_stored_here``). Other replicas hear a reset through the eviction
-stream (``EvictionEvent`` with ``tenant`` and ``session``); each drops what the session owns
+eviction by tag removes its blocks' copies (``gateway.cache.operations.remote_eviction``) --
+of the blocks this replica stored only (``is_stored_here``). Other replicas hear a reset through the
+eviction stream (``EvictionEvent`` with ``tenant`` and ``session``); each drops what the session
+owns
 *there*, and the Redis copies of what it stored, since the replica that stored a block is the
 one that knows whose it is. An expiry is each replica's own: it is not published (a session
 that moved to another replica lives on there).
@@ -18,34 +19,21 @@ that moved to another replica lives on there).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.lossy_copies import lossy_copies
+from gateway.cache.operations.invalidation import EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.sessions import is_stored_here
-from gateway.core.admin_reports import SessionInfo
+from gateway.core.admin_reports import SessionInfo, SessionReset
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.sessions import checked_session_id
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SessionDrop:
-    """What dropping a session freed here: blocks that left the index, bytes per local tier,
-    bytes of conversation tails."""
-
-    tenant: str
-    session_id: str
-    num_blocks: int
-    bytes_by_tier: dict[str, int]
-    tail_bytes: int
-
-
 class Publisher(Protocol):
-    """Tells the other replicas (``gateway.cache.invalidation.EvictionFeed``)."""
+    """Tells the other replicas (``gateway.cache.operations.invalidation.EvictionFeed``)."""
 
     def publish(self, event: EvictionEvent) -> bool:
         """False if they could not be told."""
@@ -53,7 +41,7 @@ class Publisher(Protocol):
 
 
 def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
-                 reason: str = "admin") -> SessionDrop:
+                 reason: str = "admin") -> SessionReset:
     """Drop what ``owner``'s session ``session_id`` owns on this replica -- its blocks
     (``SessionRegistry.blocks_to_drop``) from every local tier and the Redis copies of those it
     stored here, and its conversation tails -- and forget the session. Blocks a running request
@@ -94,13 +82,13 @@ def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
     tails = registry.tails
     tail_bytes = tails.drop_session(owner, session_id) if tails is not None else 0
     registry.forget(owner, session_id)
-    return SessionDrop(tenant=owner, session_id=session_id, num_blocks=num_blocks,
-                       bytes_by_tier=freed, tail_bytes=tail_bytes)
+    return SessionReset(tenant=owner, num_blocks=num_blocks, bytes_by_tier=freed,
+                        tail_bytes=tail_bytes)
 
 
 def drop_expired_sessions(cache: PrefixCache) -> int:
     """Drop every session idle for its TTL, or pushed out by its tenant's limit; how many
-    (the sweeper calls it, ``gateway.cache.sweeper``)."""
+    (the sweeper calls it, ``gateway.cache.operations.sweeper``)."""
     due = cache.sessions.take_due()
     for owner, session_id in due:
         drop_session(cache, owner, session_id, reason="ttl")
@@ -137,7 +125,7 @@ class SessionAdmin:
                 expires_in_s=max(0.0, ttl - idle)))
         return out
 
-    def reset(self, session_id: str, *, tenant: str | None = None) -> SessionDrop:
+    def reset(self, session_id: str, *, tenant: str | None = None) -> SessionReset:
         """Drop ``tenant``'s session ``session_id`` here, in Redis and on every other replica
         (published); its next request starts cold. Without ``tenant``: the one tenant this
         replica knows a session of that id of.

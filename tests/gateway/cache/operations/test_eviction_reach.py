@@ -15,13 +15,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gateway.cache.admin import CacheAdmin
+from gateway.cache.operations.admin import CacheAdmin
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds
 from policies.registry import TierPolicyConfig, build_tier_policy
-from tests.gateway.cache.test_admin import FakeKeys
+from tests.gateway.cache.operations.test_admin import FakeKeys
 from tests.redis_harness import RedisServer
 from tiers.base import BlockMeta
 from tiers.codec import BlockCodec, derive_mac_key
@@ -61,12 +61,12 @@ class Replica:
     def tokens(self, text: str) -> TokenIds:
         return self.keys.prompt_tokens(PromptInput(prompt=text))
 
-    def store(self, tenant: str, text: str) -> list[BlockMeta]:
-        """Store ``text``'s blocks (written through to Redis); their metas."""
+    def store(self, tenant: str, text: str, *, tag: str | None = None) -> list[BlockMeta]:
+        """Store ``text``'s blocks (written through to Redis, tagged ``tag``); their metas."""
         namespace = self.keys.namespace(Scope.of_tenant(tenant))
         with self.cache.acquire(namespace, self.tokens(text)) as lease:
             start = lease.match.num_blocks
-            self.cache.insert(lease, tier="device",
+            self.cache.insert(lease, tier="device", tag=tag,
                               blocks=[block_for(i) for i in range(start, len(lease.keys))])
             placement = self.cache.placement
             with placement.locked():
@@ -110,10 +110,8 @@ def test_evicting_by_key_removes_the_block_from_redis_too(
 def test_evicting_by_tag_removes_the_tagged_blocks_from_redis_too(
     replica: Replica, redis_server: RedisServer,
 ) -> None:
-    tagged = replica.store("alice", "abcdef")
+    tagged = replica.store("alice", "abcdef", tag="docs-v3")
     other = replica.store("alice", "uvwxyz")
-    alice = Scope.of_tenant("alice")
-    assert replica.admin.tag_prompt(PromptInput(prompt="abcdef"), alice, "docs-v3") == 3
     replica.admin.evict(tag="docs-v3")
     assert in_redis(redis_server, replica, tagged) == [False, False, False]
     assert in_redis(redis_server, replica, other) == [True, True, True]

@@ -6,7 +6,7 @@ constructors here, from one validated, frozen ``CacheConfig`` (``gateway.cache.c
 nothing reaches for globals. It is a loop over the config's tiers: each tier's kind
 (``tiers.kinds.registry.TIER_KINDS``) opens its store, so a new tier is a new kind, not a new
 branch here. It also starts what has threads (disk writer, remote writer) and re-indexes what a
-persistent tier kept from the last run (``gateway.cache.adoption``).
+persistent tier kept from the last run (``gateway.cache.operations.adoption``).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any, cast
 
 import torch
 
-from gateway.cache.adoption import adopt
 from gateway.cache.base import TierEvents
 from gateway.cache.config import CacheConfig as CacheConfig
+from gateway.cache.operations.adoption import adopt
+from gateway.cache.operations.sweeper import ExpirySweeper
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.cache.sessions import SessionLimits
-from gateway.cache.sweeper import ExpirySweeper
 from gateway.core.fingerprint import Scope
 from gateway.core.quantization import EXACT, parse_quantization
 from gateway.core.sizes import GiB as GiB
@@ -198,7 +198,8 @@ def _slot(config: CacheConfig, name: str, tier: TierConfig,
 
 def _start(name: str, store: object, cache: PrefixCache) -> int:
     """Start ``store`` where it has threads or connections; adopt what a persistent store
-    recovered from an earlier run (``gateway.cache.adoption``). How many blocks it adopted."""
+    recovered from an earlier run (``gateway.cache.operations.adoption``). How many blocks it
+    adopted."""
     start = getattr(store, "start", None)
     if start is not None:
         start()

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gateway.cache.adoption import adopt
+from gateway.cache.operations.adoption import adopt
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids

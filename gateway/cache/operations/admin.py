@@ -6,8 +6,9 @@ for an hour, everything in one tier -- and about every replica at once (an evict
 the shared Redis tier, or another replica would serve the prefix back). That selection, and the
 checks on what an operator sent, live here, apart from the lease and insert logic they would
 otherwise crowd; the removals in Redis that an eviction resolves to are
-``gateway.cache.remote_admin``, and sessions' listing and reset ``gateway.cache.session_admin``
-(``CacheAdmin.sessions``). ``CacheAdmin`` is what the gRPC Admin service calls.
+``gateway.cache.operations.remote_eviction``, and sessions' listing and reset
+``gateway.cache.operations.session_admin`` (``CacheAdmin.sessions``). ``CacheAdmin`` is what the
+gRPC Admin service calls.
 
 What an operator names (prefix text, a scope) becomes tokens and namespaces through
 ``PromptKeys``: the engine implements it, since it owns the tokenizer and the model's
@@ -22,15 +23,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.lossy_copies import lossy_copies
+from gateway.cache.operations.invalidation import EvictionEvent
+from gateway.cache.operations.remote_eviction import evict_remote
+from gateway.cache.operations.session_admin import SessionAdmin
+from gateway.cache.operations.tags import tagged_blocks, tags_of
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
-from gateway.cache.remote_admin import evict_remote
-from gateway.cache.session_admin import SessionAdmin
 from gateway.cache.stats import CacheStats
-from gateway.cache.tags import tag_prompt, tagged_blocks, tags_of
-from gateway.core.admin_reports import PrefixInfo
+from gateway.core.admin_reports import Evicted, PrefixInfo
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.fingerprint import Namespace, Scope
@@ -65,14 +66,6 @@ class IndexedPrefix:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class EvictResult:
-    """What an admin eviction removed: blocks that left the index, bytes freed per tier."""
-
-    num_blocks: int
-    bytes_by_tier: dict[str, int]
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class PromptBlocks:
     """A prompt an eviction selects, with the keys of its full blocks (``prompt_blocks``).
 
@@ -93,7 +86,8 @@ def prompt_blocks(cache: PrefixCache, namespace: Namespace, tokens: TokenIds) ->
 
 
 class EvictionPublisher(Protocol):
-    """Tells the other replicas what was evicted (``gateway.cache.invalidation.EvictionFeed``)."""
+    """Tells the other replicas what was evicted
+    (``gateway.cache.operations.invalidation.EvictionFeed``)."""
 
     def publish(self, event: EvictionEvent) -> bool:
         """False if they could not be told."""
@@ -359,10 +353,10 @@ class CacheAdmin:
         tier: str | None = None,
         everything: bool = False,
         tag: str | None = None,
-    ) -> EvictResult:
+    ) -> Evicted:
         """Drop blocks matching every given selector (``everything`` for all): here, in the
         shared Redis tier (every selector reaches it, unless ``tier`` names a local tier), and
-        on every other replica (published, see ``gateway.cache.invalidation``).
+        on every other replica (published, see ``gateway.cache.operations.invalidation``).
 
         ``key_hex`` may be any unique beginning of a cached block's key; it selects that
         block's whole chain (``chain_of``), and the full key is what is published.
@@ -373,7 +367,7 @@ class CacheAdmin:
         begins), and the text as a raw prompt. Every full block of a rendering must be cached
         for it to select anything; its blocks and everything built on them go.
 
-        ``tag`` selects the blocks tagged so on this replica (``gateway.cache.tags``) and
+        ``tag`` selects the blocks tagged so on this replica (``gateway.cache.operations.tags``) and
         everything built on them; with ``tenant``, only that tenant's.
 
         Raises:
@@ -408,7 +402,7 @@ class CacheAdmin:
         if event.tier in (None, REMOTE):
             self._evict_remote(event, selections)
         freed = self._evict_local(event, selections)
-        result = EvictResult(num_blocks=max(0, before - cache.stats().num_blocks),
+        result = Evicted(num_blocks=max(0, before - cache.stats().num_blocks),
                              bytes_by_tier=freed)
         if self._feed is not None and not self._feed.publish(event):
             raise EvictionNotPublished(
@@ -479,7 +473,7 @@ class CacheAdmin:
     def _evict_remote(self, event: EvictionEvent,
                       selections: Sequence[PromptBlocks | None]) -> None:
         """The shared tier: what one replica evicts must not come back from Redis. What the
-        event selects is resolved here (namespaces, chains); ``remote_admin`` removes it."""
+        event selects is resolved here (namespaces, chains); ``remote_eviction`` removes it."""
         transfers = self._cache.transfers
         if transfers is None or not transfers.has_remote:
             return
@@ -510,17 +504,6 @@ class CacheAdmin:
         tokens = self._keys.prompt_tokens(prompt)
         return self._cache.set_pinned(self._keys.namespace(scope), tokens, is_pinned)
 
-    def tag_prompt(self, prompt: PromptInput, scope: Scope, tag: str) -> int:
-        """Record ``tag`` on the cached full blocks of ``prompt`` in ``scope``; how many gained
-        it (``gateway.cache.tags``).
-
-        Raises:
-            InvalidRequest: not a valid tag, or a prompt that cannot be tokenised.
-        """
-        checked_tag(tag)
-        tokens = self._keys.prompt_tokens(prompt)
-        return tag_prompt(self._cache, self._keys.namespace(scope), tokens, tag)
-
     def set_quota(self, tenant: str, num_bytes: int | None) -> None:
         """Cap what ``tenant`` may hold in every tier (None: no cap).
 
@@ -531,7 +514,7 @@ class CacheAdmin:
             raise InvalidRequest("a quota must be >= 0 bytes")
         self._cache.set_quota(tenant, num_bytes)
 
-    def flush(self) -> EvictResult:
+    def flush(self) -> Evicted:
         """Evict everything, everywhere."""
         return self.evict(everything=True)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gateway.cache.factory import CacheConfig, OpenedCache, open_cache
+from gateway.cache.operations.factory import CacheConfig, OpenedCache, open_cache
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.models.loading import LoadedModel, compute_block_kv, load_model

@@ -92,10 +92,10 @@ class EvictionEvent:
         tier: only this tier's copies ("redis": no local copies at all).
         everything: every block.
         tag: blocks each replica tagged so in its own index, and what follows them
-            (``gateway.cache.tags``). A build without tags skips the whole event (an
+            (``gateway.cache.operations.tags``). A build without tags skips the whole event (an
             unknown field) rather than evict more than was asked.
         session: with ``tenant`` and nothing else: a session reset; each replica drops what
-            the session owns there (``gateway.cache.session_admin``). A build without
+            the session owns there (``gateway.cache.operations.session_admin``). A build without
             sessions skips it (an unknown field), never evicts the whole tenant instead.
         origin: the replica that published it (its own events are skipped).
     """

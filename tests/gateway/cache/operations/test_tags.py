@@ -1,21 +1,21 @@
-"""Tags on cached blocks: ``CacheAdmin.tag_prompt`` marks a prompt's blocks, ``evict(tag=...)``
-drops them and what follows them, and nothing else.
+"""Tags on cached blocks: a request's tag rides with it to its store step
+(``PrefixCache.insert(tag=...)``), which marks its prompt's blocks; ``evict(tag=...)`` drops
+them and what follows them, and nothing else.
 
-Same metadata-only cache and fake ``PromptKeys`` as ``test_admin``; over gRPC and the CLI in
-``tests/gateway/cli/test_admin_tags.py``.
+Same metadata-only cache and fake ``PromptKeys`` as ``test_admin`` (``store`` is a request's
+store step); through the engine in ``tests/gateway/engine/test_lossy_engine.py``, over gRPC and
+the CLI in ``tests/gateway/cli/test_admin_tags.py``.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin, list_prefixes
-from gateway.cache.invalidation import EvictionEvent
-from gateway.core.canonical import PromptInput
+from gateway.cache.operations.admin import CacheAdmin, list_prefixes
+from gateway.cache.operations.invalidation import EvictionEvent
 from gateway.core.errors import InvalidRequest, MalformedEvent
-from gateway.core.fingerprint import Scope
-from gateway.core.tags import tag_problem
-from tests.gateway.cache.test_admin import (
+from gateway.core.tags import tag_problem, tag_problems
+from tests.gateway.cache.operations.test_admin import (
     ALICE,
     BOB,
     EVENT_BOUNDS,
@@ -25,13 +25,6 @@ from tests.gateway.cache.test_admin import (
     store,
     toks,
 )
-
-ALICE_SCOPE = Scope.of_tenant("alice")
-BOB_SCOPE = Scope.of_tenant("bob")
-
-
-def prompt(*ids: int) -> PromptInput:
-    return PromptInput(token_ids=list(ids))
 
 
 @pytest.fixture
@@ -44,13 +37,13 @@ def test_evict_by_tag_drops_the_tagged_prompt_and_keeps_other_tags_and_untagged(
 ) -> None:
     cache = make_cache(clock)
     admin = CacheAdmin(cache, keys=KEYS)
-    store(cache, ALICE, toks(1, 2, 3, 4))
-    store(cache, ALICE, toks(5, 6, 7, 8))
+    store(cache, ALICE, toks(1, 2, 3, 4), tag="docs-v3")
+    store(cache, ALICE, toks(1, 2, 3, 4), tag="docs-v3")  # again: a tag is kept once
+    store(cache, ALICE, toks(5, 6, 7, 8), tag="docs-v2")
     store(cache, ALICE, toks(9, 9, 8, 8))
-    assert admin.tag_prompt(prompt(1, 2, 3, 4), ALICE_SCOPE, "docs-v3") == 2
-    assert admin.tag_prompt(prompt(1, 2, 3, 4), ALICE_SCOPE, "docs-v3") == 0  # already so
-    admin.tag_prompt(prompt(5, 6, 7, 8), ALICE_SCOPE, "docs-v2")
     store(cache, ALICE, toks(1, 2, 3, 4, 7, 7))  # built on the tagged prompt, untagged itself
+    assert {(p.num_blocks, p.tags) for p in list_prefixes(cache)} == {
+        (3, ("docs-v3",)), (2, ("docs-v2",)), (2, ())}  # a prompt shows its path's tags
 
     result = admin.evict(tag="docs-v3")
 
@@ -63,9 +56,8 @@ def test_evict_by_tag_drops_the_tagged_prompt_and_keeps_other_tags_and_untagged(
 def test_listing_shows_the_tags_of_a_prompts_blocks(clock: FakeClock) -> None:
     cache = make_cache(clock)
     admin = CacheAdmin(cache, keys=KEYS)
-    store(cache, ALICE, toks(1, 2, 3, 4))
-    admin.tag_prompt(prompt(1, 2), ALICE_SCOPE, "b-tag")
-    admin.tag_prompt(prompt(1, 2, 3, 4), ALICE_SCOPE, "a-tag")
+    store(cache, ALICE, toks(1, 2), tag="b-tag")
+    store(cache, ALICE, toks(1, 2, 3, 4), tag="a-tag")
     [info] = list_prefixes(cache)
     assert info.tags == ("a-tag", "b-tag")
     assert admin.list_prefixes(tenant=None, limit=10)[0].tags == ("a-tag", "b-tag")
@@ -76,11 +68,10 @@ def test_a_tag_marks_only_its_own_scopes_blocks_and_tenant_narrows_an_eviction(
 ) -> None:
     cache = make_cache(clock)
     admin = CacheAdmin(cache, keys=KEYS)
-    store(cache, ALICE, toks(1, 2))
+    store(cache, ALICE, toks(1, 2), tag="release")
     store(cache, BOB, toks(1, 2))
-    admin.tag_prompt(prompt(1, 2), ALICE_SCOPE, "release")
     assert admin.evict(tag="release", tenant="bob").num_blocks == 0  # bob's copy is untagged
-    admin.tag_prompt(prompt(1, 2), BOB_SCOPE, "release")
+    store(cache, BOB, toks(1, 2), tag="release")
     assert admin.evict(tag="release", tenant="alice").num_blocks == 1
     assert cache.lookup(BOB, toks(1, 2)).num_blocks == 1
 
@@ -98,8 +89,8 @@ def test_an_invalid_tag_is_refused_saying_what_a_tag_is(clock: FakeClock, tag: s
     assert tag_problem(tag) is not None
     with pytest.raises(InvalidRequest, match="letters, digits"):
         admin.evict(tag=tag)
-    with pytest.raises(InvalidRequest, match="letters, digits"):
-        admin.tag_prompt(prompt(1, 2), ALICE_SCOPE, tag)
+    assert tag_problems(tag, no_cache=False) == [f"tag: {tag_problem(tag)}"]  # what a request
+    # naming it is refused with, before it runs (``Engine.generate``, ``Engine.start_warm``)
 
 
 def test_a_tag_eviction_reaches_another_replica_through_the_event_stream(
@@ -111,9 +102,8 @@ def test_a_tag_eviction_reaches_another_replica_through_the_event_stream(
         EvictionEvent.from_fields({"kind": "evict", "tag": "no spaces"}, EVENT_BOUNDS)
     cache = make_cache(clock)
     admin = CacheAdmin(cache, keys=KEYS)
-    store(cache, ALICE, toks(1, 2))
+    store(cache, ALICE, toks(1, 2), tag="docs-v3")
     store(cache, ALICE, toks(3, 4))
-    admin.tag_prompt(prompt(1, 2), ALICE_SCOPE, "docs-v3")
     admin.apply_event(event)
     assert cache.lookup(ALICE, toks(1, 2)).num_blocks == 0
     assert cache.lookup(ALICE, toks(3, 4)).num_blocks == 1

@@ -1,21 +1,20 @@
 """An operator's eviction in the shared Redis tier: removing the remote copies it selects.
 
 What one replica evicts must not come back from Redis, or another replica (or this one, on its
-next miss) would serve the prefix again. ``gateway.cache.admin`` resolves what an eviction
-selects -- the prompts its prefix text renders to, the namespaces of its tenant, the chain of
-its key -- and this module turns that into the remote store's removals (by chain, by
-namespace, by key, by age), through the cache's ``TierTransfers``. It keeps nothing and holds
-the cache's lock only to read which blocks carry a tag.
-"""
+next miss) would serve the prefix again. ``gateway.cache.operations.admin`` resolves what an
+eviction selects -- the prompts its prefix text renders to, the namespaces of its tenant, the chain
+of its key -- and this module turns that into the remote store's removals (by chain, by namespace,
+by key, by age), through the cache's ``TierTransfers``. It keeps nothing and holds the cache's lock
+only to read which blocks carry a tag. """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gateway.cache.invalidation import EvictionEvent
 from gateway.cache.lossy_copies import lossy_copies
+from gateway.cache.operations.invalidation import EvictionEvent
+from gateway.cache.operations.tags import tagged_blocks
 from gateway.cache.prefix_cache import PrefixCache
-from gateway.cache.tags import tagged_blocks
 from gateway.core.fingerprint import Namespace
 from gateway.core.tokens import TokenIds
 from policies.base import BlockKey

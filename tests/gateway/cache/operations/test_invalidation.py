@@ -1,8 +1,7 @@
-"""The eviction feed (``gateway.cache.invalidation``) on a real Redis stream: what one replica
-publishes, the others apply; a replica catches up on what it missed while away, and empties its
-local tiers when the stream no longer reaches back that far. What anyone who can write Redis
-writes there is checked and bounded before it is tokenised, and skipped if it fails.
-"""
+"""The eviction feed (``gateway.cache.operations.invalidation``) on a real Redis stream: what one
+replica publishes, the others apply; a replica catches up on what it missed while away, and empties
+its local tiers when the stream no longer reaches back that far. What anyone who can write Redis
+writes there is checked and bounded before it is tokenised, and skipped if it fails. """
 
 from __future__ import annotations
 
@@ -14,12 +13,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from gateway.cache.admin import CacheAdmin, list_prefixes
-from gateway.cache.invalidation import KEY_HEX_CHARS, EvictionEvent, EvictionFeed
+from gateway.cache.operations.admin import CacheAdmin, list_prefixes
+from gateway.cache.operations.invalidation import KEY_HEX_CHARS, EvictionEvent, EvictionFeed
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import MalformedEvent
 from gateway.core.tokens import TokenIds
-from tests.gateway.cache import test_admin as admin_helpers
+from tests.gateway.cache.operations import test_admin as admin_helpers
 from tests.redis_harness import RedisServer
 from tiers.redis_events import RedisEventLog
 

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin, evict_where, list_prefixes, prompt_blocks
-from gateway.cache.invalidation import EventBounds, EvictionEvent
+from gateway.cache.operations.admin import CacheAdmin, evict_where, list_prefixes, prompt_blocks
+from gateway.cache.operations.invalidation import EventBounds, EvictionEvent
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import CanonicalizationError, InvalidRequest
@@ -84,9 +84,11 @@ def make_cache(clock: FakeClock) -> PrefixCache:
                        clock=clock)
 
 
-def store(cache: PrefixCache, namespace: Namespace, tokens: TokenIds) -> None:
+def store(cache: PrefixCache, namespace: Namespace, tokens: TokenIds, *,
+          tag: str | None = None) -> None:
+    """What a request's store step does: its prompt's full blocks inserted (and tagged)."""
     with cache.acquire(namespace, tokens) as lease:
-        cache.insert(lease, tier="device", block_bytes=BLOCK_BYTES)
+        cache.insert(lease, tier="device", block_bytes=BLOCK_BYTES, tag=tag)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Sessions in the cache: whose blocks are whose (``gateway.cache.sessions``), and what a reset,
-an expiry or another replica's reset drops (``gateway.cache.session_admin``).
+an expiry or another replica's reset drops (``gateway.cache.operations.session_admin``).
 
 A metadata-only cache and fake keys, as in ``test_admin``; ``ask`` tells the registry what the
 engine tells it for one request (what it found cached, what it stored). The engine, the tiers
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.cache.admin import CacheAdmin
-from gateway.cache.factory import CacheConfig
-from gateway.cache.invalidation import EvictionEvent
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.factory import CacheConfig
+from gateway.cache.operations.invalidation import EvictionEvent
+from gateway.cache.operations.session_admin import SessionAdmin, drop_expired_sessions
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
-from gateway.cache.session_admin import SessionAdmin, drop_expired_sessions
 from gateway.cache.sessions import SessionLimits
 from gateway.config.loader import load_serve_config
 from gateway.config.settings import ConfigError
@@ -26,7 +26,7 @@ from gateway.core.fingerprint import Namespace
 from gateway.core.sessions import session_id_problem
 from gateway.core.tokens import TokenIds
 from policies.registry import TierPolicyConfig, build_tier_policy
-from tests.gateway.cache.test_admin import (
+from tests.gateway.cache.operations.test_admin import (
     ALICE,
     BLOCK_BYTES,
     BOB,

@@ -6,9 +6,9 @@ was promised its prompt's KV would be gone after it. ``ExpirySweeper`` calls
 ``PrefixCache.sweep_expired`` every ``interval_s`` on a thread of its own; the sweep removes
 every expired block that nothing uses from every local tier (Redis expires its keys by their
 own ``PX``). Each sweep also ends the sessions idle for ``[cache] session_ttl_s``
-(``gateway.cache.session_admin.drop_expired_sessions``: their blocks leave every tier, Redis
-included, and their tails go). It is started by ``gateway.cache.factory.open_cache`` and stopped
-before the stores close.
+(``gateway.cache.operations.session_admin.drop_expired_sessions``: their blocks leave every
+tier, Redis included, and their tails go). It is started by
+``gateway.cache.operations.factory.open_cache`` and stopped before the stores close.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 
+from gateway.cache.operations.session_admin import drop_expired_sessions
 from gateway.cache.prefix_cache import PrefixCache
-from gateway.cache.session_admin import drop_expired_sessions
 
 logger = logging.getLogger(__name__)
 
