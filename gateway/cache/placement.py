@@ -31,6 +31,7 @@ from gateway.cache.base import TierEvents
 from gateway.cache.expiry import ExpiryQueue
 from gateway.cache.load_plan import LoadReport, PlannedRead, SettledLoad
 from gateway.cache.moves import ByteMove, MoveOutcomes, MoveQueue
+from gateway.cache.pins import PinnedBlocks
 from gateway.cache.placement_checks import check_placement
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, TierStats
@@ -102,6 +103,7 @@ class TierPlacement:
         self._events = events
         self._moves = MoveQueue()
         self._outcomes = MoveOutcomes()
+        self.pins = PinnedBlocks()  # every pin and unpin goes through it (gateway.cache.pins)
 
     @property
     def block_tokens(self) -> int:
@@ -197,9 +199,8 @@ class TierPlacement:
     def new_expiry(self, ttl_s: float | None) -> BlockExpiry | None:
         """The expiry of a block stored now with ``ttl_s`` that no record here tracks (a copy
         written straight to the remote tier)."""
-        if ttl_s is None:
-            return None
-        return BlockExpiry(ttl_s=ttl_s, expires_at=self._wall_clock() + ttl_s)
+        return None if ttl_s is None else BlockExpiry(ttl_s=ttl_s,
+                                                      expires_at=self._wall_clock() + ttl_s)
 
     def track_expiry(self, record: BlockRecord) -> None:
         """Watch ``record`` for the sweeper again (after an unpin, or a new TTL)."""
@@ -254,8 +255,7 @@ class TierPlacement:
             key=record.key,
             parent_key=parent.key if parent is not None else self.fingerprinter(
                 namespace).root_parent,
-            namespace_digest=namespace.digest,
-            owner=namespace.scope.owner,
+            namespace_digest=namespace.digest, owner=namespace.scope.owner,
             tokens=record.tokens,
             expiry=self.expiry(record),
         )
@@ -355,7 +355,7 @@ class TierPlacement:
         goes only with the last one."""
         self.forget_copy(record, tier)
         if record.tier_mask == 0:
-            record.is_pinned = False
+            self.pins.set(record, False)
         self.queue_delete(record.key, tier)
         self._counters[tier].count_eviction(reason)
 
