@@ -12,9 +12,11 @@ costs O(pins), not a walk of the index under the lock every request needs. ``Pin
 it whenever it changed: one save at a time, each a snapshot taken after the change that asked
 for it, so the last save written is never older than the last change.
 
-NOTE: the save runs on the thread that changed the pins (an admin call, a warm request that
-pins, an admin eviction), after the cache lock, before that call returns: an acknowledged pin
-is durable. Pins need an admin key, so this fsync is rare and never on an ordinary request.
+NOTE: the save runs on the thread that changed the pins (an admin call, an admin eviction),
+after the cache lock, before that call returns: an acknowledged pin is durable. A warm that
+pins is pinned on the engine's loop, which does not save (an fsync there would stall every
+request); the warm's own thread saves before its result is returned. Pins need an admin key,
+so these fsyncs are rare and never on an ordinary request.
 """
 
 from __future__ import annotations

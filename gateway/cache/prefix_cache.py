@@ -483,12 +483,14 @@ class PrefixCache:
 
     # ---- pinning and quotas -------------------------------------------------------------
 
-    def set_pinned(self, namespace: Namespace, tokens: TokenIds, is_pinned: bool) -> int:
+    def set_pinned(self, namespace: Namespace, tokens: TokenIds, is_pinned: bool, *,
+                   keep: bool = True) -> int:
         """Pin (or unpin) the cached full blocks of ``tokens``; returns how many changed.
 
         A pinned block is never evicted and never expires, here and in Redis (its keys lose
         their expiry); unpinning restarts its TTL, there too. Pins and unpins are saved to the
-        pin log before this returns (``keep_pins``), so they outlive a kill -9.
+        pin log before this returns (``keep_pins``), so they outlive a kill -9; with ``keep``
+        False the caller saves them (the engine's loop leaves it to the warm's own thread).
         """
         keys = self.fingerprinter(namespace).block_keys(tokens)
         placement = self._placement
@@ -505,7 +507,8 @@ class PrefixCache:
             metas = [placement.meta(record) for record in changed]
         if metas and self._transfers is not None:
             self._transfers.refresh_remote_expiry(metas)
-        self.keep_pins()
+        if keep:
+            self.keep_pins()
         return len(changed)
 
     def keep_pins(self) -> None:

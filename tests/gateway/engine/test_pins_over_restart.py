@@ -17,6 +17,7 @@ import pytest
 
 from gateway.cache.admin import CacheAdmin
 from gateway.cache.factory import OpenedCache, open_cache
+from gateway.core.requests import WarmRequest
 from gateway.engine.engine import Engine
 from gateway.engine.models.loading import LoadedModel
 from tests.gateway.engine.parity import (
@@ -78,6 +79,25 @@ def test_a_pinned_prefix_is_still_pinned_and_served_from_disk_after_a_kill_and_r
     finally:
         engine.stop(grace_s=5)
         opened.close()
+
+
+def test_a_prefix_warmed_with_a_pin_is_still_pinned_after_a_kill_and_restart(
+    tiny: LoadedModel, tmp_path: Path,
+) -> None:
+    """The engine's loop pins a warm without saving the pin log; the warm's own thread saves
+    it before the warm returns."""
+    opened = open_cache(cache_config(tmp_path / "run-1"), layout=tiny.layout,
+                        deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    result = engine.warm(WarmRequest(prompt=PROMPT, scope=ALICE, pin=True))
+    assert opened.hierarchy.flush(timeout_s=10)
+    root = killed_after(tmp_path / "run-1", opened, engine, tmp_path / "run-2")
+    reopened = open_cache(cache_config(root), layout=tiny.layout, deployment_secret=SECRET)
+    try:
+        assert reopened.num_recovered_blocks == result.num_blocks
+        assert reopened.cache.evict("disk", 10**12).victims == ()
+    finally:
+        reopened.close()
 
 
 @pytest.mark.redis
