@@ -1,4 +1,5 @@
-"""The cache's seam for observers: ``TierEvents``, told whenever a tier gains or loses a copy.
+"""The cache's seams: ``TierEvents``, told whenever a tier gains or loses a copy; ``PinLog``,
+where pins outlive the process (at the end).
 
 Routers that pick a replica by where a prefix is cached (llm-d's endpoint picker, Dynamo's KV
 router, SGLang's model gateway) learn that from a stream of "block stored" / "block removed"
@@ -14,6 +15,7 @@ owner), so it keeps no reference to the cache's records.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 from policies.base import BlockKey
@@ -40,4 +42,18 @@ class TierEvents(Protocol):
     def cleared(self) -> None:
         """No tier holds any block any more (an operator evicted everything); the removals
         were each reported before this."""
+        ...
+
+
+class PinLog(Protocol):
+    """Where the pinned blocks' keys outlive the process (``tiers.pin_manifest.PinManifest``,
+    beside the disk tier's blocks); ``gateway.cache.pins`` says when it is written."""
+
+    def load(self) -> frozenset[BlockKey]:
+        """The keys saved last (none if nothing was saved, or what was saved cannot be
+        trusted)."""
+        ...
+
+    def save(self, keys: Collection[BlockKey]) -> bool:
+        """Replace what is saved with ``keys``, durably; False if that failed (logged)."""
         ...

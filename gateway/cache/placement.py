@@ -32,6 +32,7 @@ from gateway.cache.block_identity import BlockIdentity
 from gateway.cache.expiry import ExpiryQueue
 from gateway.cache.load_plan import LoadReport, PlannedRead, SettledLoad
 from gateway.cache.moves import ByteMove, MoveOutcomes, MoveQueue
+from gateway.cache.pins import PinnedBlocks
 from gateway.cache.radix_index import BlockRecord, RadixIndex
 from gateway.cache.stats import TierCounters, tier_report
 from gateway.cache.tier_slot import TierSlot, TierSlots
@@ -99,6 +100,7 @@ class TierPlacement:
         self._events = events
         self._moves = MoveQueue()
         self._outcomes = MoveOutcomes()
+        self.pins = PinnedBlocks()  # every pin and unpin goes through it (gateway.cache.pins)
 
     @property
     def block_tokens(self) -> int:
@@ -309,7 +311,7 @@ class TierPlacement:
         goes only with the last one."""
         self.forget_copy(record, tier)
         if record.tier_mask == 0:
-            record.is_pinned = False
+            self.pins.set(record, False)
         self.queue_delete(record.key, tier)
         self._counters[tier].count_eviction(reason)
 

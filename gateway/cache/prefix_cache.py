@@ -34,10 +34,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from gateway.cache.base import TierEvents
+from gateway.cache.base import PinLog, TierEvents
 from gateway.cache.leases import InsertResult, Lease, PrefixMatch
 from gateway.cache.lossy_copies import write_lossy_copies
 from gateway.cache.moves import ByteMove
+from gateway.cache.pins import PinKeeper
 from gateway.cache.placement import TierPlacement
 from gateway.cache.radix_index import BlockRecord, BlockSpec
 from gateway.cache.sessions import SessionLimits, SessionRegistry
@@ -74,6 +75,7 @@ class PrefixCache:
             nobody listens.
         sessions: how long a session lives and how many a tenant may have (``sessions``).
         remote_quantization: the lossy format the remote store keeps (None: exact copies).
+        pin_log: where pins outlive the process (``gateway.cache.pins``); None: they do not.
 
     Raises:
         ValueError: the lossy tiers (local and remote) name more than one format: a prefix
@@ -94,6 +96,7 @@ class PrefixCache:
         events: TierEvents | None = None,
         sessions: SessionLimits | None = None,
         remote_quantization: Quantization | None = None,
+        pin_log: PinLog | None = None,
     ) -> None:
         formats = {t.quantization for t in tiers if t.quantization is not None}
         if remote_quantization is not None and hierarchy is not None and hierarchy.remote:
@@ -112,6 +115,7 @@ class PrefixCache:
         self._block_bytes = block_tokens * BYTES_PER_TOKEN
         self._num_token_mismatches = 0
         self._sessions = SessionRegistry(self._placement, sessions or SessionLimits())
+        self._pins = PinKeeper(self._placement, pin_log)
 
     @property
     def tier_names(self) -> tuple[str, ...]:
@@ -451,11 +455,14 @@ class PrefixCache:
 
     # ---- pinning and quotas -------------------------------------------------------------
 
-    def set_pinned(self, namespace: Namespace, tokens: TokenIds, is_pinned: bool) -> int:
+    def set_pinned(self, namespace: Namespace, tokens: TokenIds, is_pinned: bool, *,
+                   keep: bool = True) -> int:
         """Pin (or unpin) the cached full blocks of ``tokens``; returns how many changed.
 
         A pinned block is never evicted and never expires, here and in Redis (its keys lose
-        their expiry); unpinning restarts its TTL, there too.
+        their expiry); unpinning restarts its TTL, there too. Pins and unpins are saved to the
+        pin log before this returns (``keep_pins``), so they outlive a kill -9; with ``keep``
+        False the caller saves them (the engine's loop leaves it to the warm's own thread).
         """
         keys = self.fingerprinter(namespace).block_keys(tokens)
         placement = self._placement
@@ -464,8 +471,7 @@ class PrefixCache:
             now = placement.now()
             changed: list[BlockRecord] = []
             for record in records:
-                if record.is_pinned != is_pinned:
-                    record.is_pinned = is_pinned
+                if placement.pins.set(record, is_pinned):
                     changed.append(record)
                     if not is_pinned:
                         placement.touch(record, now)
@@ -473,7 +479,14 @@ class PrefixCache:
             metas = [placement.meta(record) for record in changed]
         if metas and self._transfers is not None:
             self._transfers.refresh_remote_expiry(metas)
+        if keep:
+            self.keep_pins()
         return len(changed)
+
+    def keep_pins(self) -> None:
+        """Save the pinned blocks' keys to the pin log if they changed (after an operator's
+        eviction took a pinned block's last copy, or adoption); call it without the lock."""
+        self._pins.keep()
 
     def set_quota(self, owner: str, num_bytes: int | None) -> None:
         """Cap what ``owner`` may hold in every tier (None: no cap)."""

@@ -444,7 +444,9 @@ class Engine:
         if self._cache is None:
             raise InvalidRequest("this server runs without a cache: nothing can be warmed")
         prompt = self._canonical(request.prompt)
-        return WarmHandle(self._job("warm", request, prompt.token_ids, request.deadline))
+        # The loop pins without saving the pin log: this handle's waiting thread saves it.
+        return WarmHandle(self._job("warm", request, prompt.token_ids, request.deadline),
+                          then=self._cache.keep_pins if request.pin else None)
 
     def lookup(self, request: LookupRequest) -> LookupResult:
         """How much of the prompt is cached in the caller's scope; computes nothing."""

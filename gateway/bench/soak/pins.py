@@ -37,8 +37,9 @@ class PinCheck:
         is_equal: the chat's answer is the cold answer.
         error: why the check could not be made (a failed call), else "".
         was_restarted: the replica was killed and restarted by a fault during the load, after
-            it pinned the prefix. Pins are not kept over a restart (``gateway.cache.adoption``):
-            from then on the prefix's blocks are ordinary ones, which eviction may take.
+            it pinned the prefix (as well as by the check itself). Pins are kept over restarts
+            (``gateway.cache.pins``), so this explains nothing away: a prefix not kept fails
+            the run wherever it was lost.
     """
 
     prompt: str

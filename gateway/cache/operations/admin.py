@@ -293,6 +293,7 @@ def evict_where(
             placement.tell_if_cleared()  # everything was selected
         moves = placement.take_moves()
     cache.run_moves(moves)  # the deletions, after the lock
+    cache.keep_pins()  # a pin went with its block's last copy: the pin log forgets it
     return freed
 
 

@@ -11,12 +11,20 @@ A block keeps the expiry its authenticated header carries (``BlockMeta.expiry``)
 expired while the process was down is deleted (counted as a "ttl" eviction of the tier) and so
 are its descendants; the others expire when their header says, with their own sliding TTL from
 then on. (Hits after the block was written moved its expiry later without rewriting the file,
-so after a restart a block can expire early, never late.) Pins are not kept over a restart.
+so after a restart a block can expire early, never late.)
+
+Pins are kept over a restart: the blocks the pin log names (``gateway.cache.pins``, saved
+beside the disk tier's blocks whenever a pin or unpin changed them) are pinned again as they
+are adopted, whatever their header's expiry says -- a pinned block never expires, and a block
+pinned after it was written carries the expiry it had then. Their TTL runs again from an unpin.
+The log names keys only: what a pinned block serves is decided by its own MAC, as for any
+other. A pinned block the restart does not adopt (its file lost to a fault, or never written
+before a kill -9) is no longer pinned: the log is saved again without it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 from gateway.cache.placement import TierPlacement
 from gateway.cache.prefix_cache import PrefixCache
@@ -30,6 +38,8 @@ def adopt(
     cache: PrefixCache,
     tier: str,
     found: Sequence[tuple[BlockMeta, int]],
+    *,
+    pinned: Collection[BlockKey] = frozenset(),
 ) -> int:
     """Index the blocks a store found on restart (e.g. the disk tier's files) in ``tier``.
 
@@ -42,6 +52,7 @@ def adopt(
         tier: the tier whose store found the blocks.
         found: each block's identity (with the expiry its header carries) and its payload
             size (what the policy charges).
+        pinned: the keys the pin log names (``PinLog.load``): those found are pinned again.
 
     Returns:
         How many blocks were adopted.
@@ -67,7 +78,8 @@ def adopt(
             expiry = meta.expiry
             ttl_s = None if expiry is None else expiry.ttl_s
             last_use = now
-            if expiry is not None and expiry.expires_at is not None:
+            is_pinned = meta.key in pinned
+            if not is_pinned and expiry is not None and expiry.expires_at is not None:
                 due = placement.to_monotonic(expiry.expires_at)
                 if due <= now:  # expired while the process was down
                     placement.counters(tier).count_eviction("ttl")
@@ -84,10 +96,15 @@ def adopt(
                 continue
             placed.add(meta.key)
             adopted += 1
+            if is_pinned:
+                placement.pins.set(record, True)
             stack.extend((child, record) for child in children.get(meta.key, []))
         _delete_strays(placement, tier, [m for m in metas if m.key not in placed])
+        if not set(pinned) <= placed:
+            placement.pins.mark_changed()  # the log names blocks no longer here: forget them
         moves = placement.take_moves()
     cache.run_moves(moves)
+    cache.keep_pins()
     return adopted
 
 

@@ -6,7 +6,8 @@ constructors here, from one validated, frozen ``CacheConfig`` (``gateway.cache.c
 nothing reaches for globals. It is a loop over the config's tiers: each tier's kind
 (``tiers.kinds.registry.TIER_KINDS``) opens its store, so a new tier is a new kind, not a new
 branch here. It also starts what has threads (disk writer, remote writer) and re-indexes what a
-persistent tier kept from the last run (``gateway.cache.operations.adoption``).
+persistent tier kept from the last run (``gateway.cache.operations.adoption``), pinning again what
+the pin log beside it names (``gateway.cache.pins``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from gateway.cache.sessions import SessionLimits
 from gateway.core.fingerprint import Scope
 from gateway.core.quantization import EXACT, parse_quantization
 from gateway.core.sizes import GiB as GiB
+from policies.base import BlockKey
 from policies.rate import TenantRates
 from policies.registry import TierPolicyConfig, build_tier_policy
 from tiers.base import RemoteStore
@@ -38,6 +40,7 @@ from tiers.kinds.base import RemoteTierKind, TierConfig, TierContext
 from tiers.kinds.registry import TIER_KINDS
 from tiers.page_pool import PagePool
 from tiers.payload import KVLayout
+from tiers.pin_manifest import PinManifest
 from tiers.redis_events import RedisEventLog
 
 logger = logging.getLogger(__name__)
@@ -117,6 +120,8 @@ def open_cache(
                           pool=pool, codec_for=_codecs(config, layout, deployment_secret, device),
                           write_queue_bytes=config.write_queue_bytes, clock=clock)
     levels, slots, remote, remote_config = _open_tiers(config, context)
+    pin_log = _pin_log(config, deployment_secret)
+    pinned = frozenset() if pin_log is None else pin_log.load()
     rate = None if remote_config is None else remote_config.write_bytes_per_s
     budget = None if rate is None else TenantRates(rate, rate, clock=clock)
     hierarchy = TierHierarchy(levels, remote=remote, remote_budget=budget,
@@ -130,10 +135,11 @@ def open_cache(
         remote_quantization=parse_quantization(getattr(remote_config, "lossy_format", None)
                                                or EXACT),
         events=tier_events, sessions=SessionLimits(ttl_s=config.session_ttl_s,
-                                                   max_per_tenant=config.max_sessions_per_tenant))
-    num_recovered = sum(_start(level.name, level.store, cache) for level in levels)
+                                                   max_per_tenant=config.max_sessions_per_tenant),
+        pin_log=pin_log)
+    num_recovered = sum(_start(level.name, level.store, cache, pinned) for level in levels)
     if remote is not None:
-        _start(remote.name, remote, cache)
+        _start(remote.name, remote, cache, frozenset())
     hierarchy.start()
     sweeper = ExpirySweeper(cache, interval_s=config.sweep_interval_s)
     sweeper.start()
@@ -196,10 +202,10 @@ def _slot(config: CacheConfig, name: str, tier: TierConfig,
                     policy=build_tier_policy(policy, clock=clock))
 
 
-def _start(name: str, store: object, cache: PrefixCache) -> int:
+def _start(name: str, store: object, cache: PrefixCache, pinned: frozenset[BlockKey]) -> int:
     """Start ``store`` where it has threads or connections; adopt what a persistent store
-    recovered from an earlier run (``gateway.cache.operations.adoption``). How many blocks it
-    adopted."""
+    recovered from an earlier run (``gateway.cache.operations.adoption``), pinning those of
+    ``pinned``. How many blocks it adopted."""
     start = getattr(store, "start", None)
     if start is not None:
         start()
@@ -207,11 +213,26 @@ def _start(name: str, store: object, cache: PrefixCache) -> int:
     if take_recovered is None:
         return 0
     found = [(header.meta, header.raw_len) for header in take_recovered()]
-    num_adopted = adopt(cache, name, found)
+    num_adopted = adopt(cache, name, found, pinned=pinned)
     if found:
         logger.info("%s tier: %d of %d blocks from the last run are served again (the others "
                     "had expired or lost a parent)", name, num_adopted, len(found))
     return num_adopted
+
+
+def pin_log_path(config: CacheConfig) -> Path | None:
+    """Where a replica keeps the keys of its pinned blocks (``tiers.pin_manifest``): beside the
+    persistent tier, whose blocks are what a pin can outlive a restart in (None without one)."""
+    path = config.persistent_path
+    return None if path is None else path / "pins"
+
+
+def _pin_log(config: CacheConfig, deployment_secret: bytes) -> PinManifest | None:
+    path = pin_log_path(config)
+    if path is None:
+        return None
+    fsync = all(getattr(tier, "fsync", True) for tier in config.tiers)
+    return PinManifest(path, derive_mac_key(deployment_secret), fsync=fsync)
 
 
 def eviction_cursor_path(config: CacheConfig) -> Path | None:

@@ -79,6 +79,7 @@ def drop_session(cache: PrefixCache, owner: str, session_id: str, *,
         num_blocks = before - len(index)
         moves = placement.take_moves()
     cache.run_moves(moves)  # the deletions, after the lock
+    cache.keep_pins()  # a pin went with its block's last copy: the pin log forgets it
     tails = registry.tails
     tail_bytes = tails.drop_session(owner, session_id) if tails is not None else 0
     registry.forget(owner, session_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -65,10 +65,18 @@ class RequestHandle:
 
 
 class WarmHandle:
-    """A submitted warm: ``result()`` waits for it; ``cancel()`` stops it at the next step."""
+    """A submitted warm: ``result()`` waits for it; ``cancel()`` stops it at the next step.
 
-    def __init__(self, job: Job) -> None:
+    Args:
+        job: the warm's job.
+        then: run on the waiting thread once the warm succeeded, before ``result`` returns
+            (saving the pin log of a warm that pins: not the loop's work, where an fsync would
+            stall every request).
+    """
+
+    def __init__(self, job: Job, *, then: Callable[[], None] | None = None) -> None:
         self._job = job
+        self._then = then
 
     def result(self) -> WarmResult:
         """Wait for the warm and return what it stored.
@@ -80,6 +88,8 @@ class WarmHandle:
         if self._job.error is not None:
             raise self._job.error
         assert self._job.warm_result is not None
+        if self._then is not None:
+            self._then()
         return self._job.warm_result
 
     def cancel(self) -> None:

@@ -538,7 +538,7 @@ class StepLoop:
         num_full = active.target // bt
         num_cached = len(active.loaded_blocks)
         if request.pin and active.namespace is not None:
-            self._cache.set_pinned(active.namespace, job.tokens, True)
+            self._cache.set_pinned(active.namespace, job.tokens, True, keep=False)
         fresh_bytes = active.stored_new * self._loaded.layout.block_nbytes(bt)
         job.warm_result = WarmResult(
             prompt_tokens=len(job.tokens), num_blocks=num_full,

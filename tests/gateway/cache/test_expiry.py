@@ -1,6 +1,6 @@
 """Expiry travels with the block (issue 11, item 1), in the cache: swept from every tier by a
 background sweeper, kept by blocks fetched from Redis and by blocks adopted after a restart,
-never for pinned blocks -- in Redis too.
+never for pinned blocks -- in Redis too, and after a restart that pins them again.
 """
 
 from __future__ import annotations
@@ -183,7 +183,24 @@ def test_a_block_pinned_when_written_is_adopted_with_its_ttl_running_again(
 ) -> None:
     cache = metadata_cache(clocks)
     assert adopt(cache, "disk", found_chain([BlockExpiry(ttl_s=5, expires_at=None)])) == 1
-    clocks.advance(6)  # pins are not kept over a restart
+    clocks.advance(6)  # a header alone does not pin: the pin log does (the next test)
+    assert cache.sweep_expired() == 1
+
+
+def test_a_block_the_pin_log_names_is_adopted_pinned_though_its_header_expired(
+    clocks: Clocks,
+) -> None:
+    """Pinned after it was written, the block's header still says when it would have expired
+    then; a pin never expires, so the pin log's word wins, and an unpin starts its TTL."""
+    cache = metadata_cache(clocks)
+    found = found_chain([BlockExpiry(ttl_s=5, expires_at=clocks.unix - 60)])
+    assert adopt(cache, "disk", found, pinned={found[0][0].key}) == 1
+    clocks.advance(1000)
+    assert cache.sweep_expired() == 0
+    fp = cache.fingerprinter(NS)
+    tokens = as_token_ids(list(range(2)))
+    assert cache.set_pinned(NS, tokens, False) == 1 and fp.block_keys(tokens) == [found[0][0].key]
+    clocks.advance(6)
     assert cache.sweep_expired() == 1
 
 
