@@ -315,6 +315,21 @@ class TierPlacement:
         self.queue_delete(record.key, tier)
         self._counters[tier].count_eviction(reason)
 
+    def keep_pinned_copies(self, record: BlockRecord) -> None:
+        """Give pinned ``record`` a copy in each tier a restart finds again
+        (``TierSlot.keeps_pins``) that has none: a block this replica read from another's
+        (through Redis) or whose write there failed would otherwise lose its pin, and itself,
+        with the process. Copied from its fastest tier after the lock."""
+        if not self._carries_bytes or not record.tier_mask:
+            return
+        source = self.fastest_tier(record)
+        for slot in self._tiers:
+            if (slot.keeps_pins and not self.holds(record, slot.name)
+                    and self._tiers.accepts(slot.name, record.namespace)
+                    and self.place(record, slot.name)):
+                self._queue(ByteMove(key=record.key, tier=slot.name, record=record,
+                                     meta=self.meta(record), source=source))
+
     # ---- the bytes' steps ----------------------------------------------------------------
 
     def queue_write(self, record: BlockRecord, tier: str, block: KVBlock, *,

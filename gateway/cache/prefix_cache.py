@@ -460,9 +460,11 @@ class PrefixCache:
         """Pin (or unpin) the cached full blocks of ``tokens``; returns how many changed.
 
         A pinned block is never evicted and never expires, here and in Redis (its keys lose
-        their expiry); unpinning restarts its TTL, there too. Pins and unpins are saved to the
-        pin log before this returns (``keep_pins``), so they outlive a kill -9; with ``keep``
-        False the caller saves them (the engine's loop leaves it to the warm's own thread).
+        their expiry), and is copied to a tier a restart finds where it has no copy there
+        (``TierPlacement.keep_pinned_copies``); unpinning restarts its TTL, there too. Pins
+        and unpins are saved to the pin log before this returns (``keep_pins``), so they
+        outlive a kill -9; with ``keep`` False the caller saves them (the engine's loop leaves
+        it to the warm's own thread).
         """
         keys = self.fingerprinter(namespace).block_keys(tokens)
         placement = self._placement
@@ -476,7 +478,11 @@ class PrefixCache:
                     if not is_pinned:
                         placement.touch(record, now)
                         placement.track_expiry(record)
+                if is_pinned:
+                    placement.keep_pinned_copies(record)
             metas = [placement.meta(record) for record in changed]
+            moves = placement.take_moves()
+        self.run_moves(moves)
         if metas and self._transfers is not None:
             self._transfers.refresh_remote_expiry(metas)
         if keep:

@@ -30,6 +30,9 @@ class TierSlot:
     name: str
     policy: TierPolicy
     write_through: bool = False
+    keeps_pins: bool = False
+    """A restart finds this tier's blocks again (its store recovers them: the disk tier): a
+    pinned block gets a copy here, so that the pin outlives the process with it."""
     quantization: Quantization | None = None
     """The lossy format a lower tier stores (``[cache] quantize``), None for exact copies. The
     fastest tier holds pages of every namespace (a lossy request's pages sit beside the exact

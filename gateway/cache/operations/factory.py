@@ -166,7 +166,8 @@ def _open_tiers(config: CacheConfig, context: TierContext) -> tuple[
             continue
         levels.append(TierLevel(name=kind.tier_name, store=store,
                                 parallel_reads=kind.parallel_reads))
-        slots.append(_slot(config, kind.tier_name, tier, context.clock))
+        slots.append(_slot(config, kind.tier_name, tier, context.clock,
+                           keeps_pins=hasattr(store, "take_recovered")))
     return levels, slots, remote, remote_config
 
 
@@ -191,13 +192,14 @@ def _codecs(config: CacheConfig, layout: KVLayout, deployment_secret: bytes,
 
 
 def _slot(config: CacheConfig, name: str, tier: TierConfig,
-          clock: Callable[[], float]) -> TierSlot:
-    """A local tier as the cache sees it: its policy, write-through and format."""
+          clock: Callable[[], float], *, keeps_pins: bool) -> TierSlot:
+    """A local tier as the cache sees it: its policy, write-through, format, and whether a
+    restart finds its blocks again (``keeps_pins``)."""
     assert tier.budget_bytes is not None, f"the local {name} tier has no budget"
     policy = TierPolicyConfig(order=config.order, budget_bytes=tier.budget_bytes,
                               quotas=config.quotas,
                               default_quota_bytes=config.tenant_quota.get(name))
-    return TierSlot(name=name, write_through=tier.write_through,
+    return TierSlot(name=name, write_through=tier.write_through, keeps_pins=keeps_pins,
                     quantization=parse_quantization(tier.lossy_format or EXACT),
                     policy=build_tier_policy(policy, clock=clock))
 

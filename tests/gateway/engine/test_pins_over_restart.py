@@ -137,3 +137,37 @@ def test_an_unpinned_prefix_is_not_pinned_after_a_kill_and_restart(
         assert len(opened.cache.evict("disk", 10**12).victims) == num_blocks
     finally:
         opened.close()
+
+
+@pytest.mark.redis
+def test_a_prefix_another_replica_computed_is_on_this_disk_once_pinned_here(
+    tiny: LoadedModel, tmp_path: Path, redis_server: RedisServer,
+) -> None:
+    """A replica that read a prefix from Redis holds it in memory only; pinning it there
+    copies it to its own disk, so that a kill -9, a restart and an empty Redis keep it."""
+    first = open_cache(cache_config(tmp_path / "a", redis_url=redis_server.url),
+                       layout=tiny.layout, deployment_secret=SECRET)
+    first_engine = make_engine(tiny, first)
+    run(first_engine, PROMPT)
+    assert first.hierarchy.flush(timeout_s=10)
+    first_engine.stop(grace_s=5)
+    first.close()
+    opened = open_cache(cache_config(tmp_path / "b", redis_url=redis_server.url),
+                        layout=tiny.layout, deployment_secret=SECRET)
+    engine = make_engine(tiny, opened)
+    num_blocks = len(prompt_tokens(tiny, PROMPT)) // BLOCK
+    assert run(engine, PROMPT)[2].cached_tokens_by_tier.get("redis") == num_blocks * BLOCK
+    assert opened.hierarchy.flush(timeout_s=10)
+    assert not any((tmp_path / "b" / "disk").rglob("*.kvb"))  # memory only, so far
+    assert CacheAdmin(opened.cache, keys=engine).set_pinned(PROMPT, ALICE, True) == num_blocks
+    assert opened.hierarchy.flush(timeout_s=10)
+    root = killed_after(tmp_path / "b", opened, engine, tmp_path / "b-restarted")
+    redis_server.kill()
+    redis_server.start()
+    reopened = open_cache(cache_config(root, redis_url=redis_server.url), layout=tiny.layout,
+                          deployment_secret=SECRET)
+    try:
+        assert reopened.num_recovered_blocks == num_blocks
+        assert reopened.cache.evict("disk", 10**12).victims == ()
+    finally:
+        reopened.close()
