@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from gateway.core.admin_reports import StoreReport
 from gateway.core.quantization import EXACT, parse_quantization
 from tests.tiers.conftest import (
     TEST_BLOCK_TOKENS,
@@ -36,7 +37,7 @@ from tests.tiers.conftest import (
     seeded_block_meta,
     seeded_kv_block,
 )
-from tiers.base import BlockExpiry, BlockMeta, BlockStore, StoreStats
+from tiers.base import BlockExpiry, BlockMeta, BlockStore
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.kinds.base import TierContext
 from tiers.kinds.registry import TIER_KINDS
@@ -150,7 +151,7 @@ def _served(case: StoreCase, got: KVBlock | None, want: KVBlock) -> bool:
         stacked[0].float(), stacked[1].float(), atol=0.1)
 
 
-def _delta(before: StoreStats, after: StoreStats, name: str) -> int:
+def _delta(before: StoreReport, after: StoreReport, name: str) -> int:
     return int(getattr(after, name)) - int(getattr(before, name))
 
 
