@@ -204,6 +204,20 @@ class StoreContract:
             assert _delta(before, after, "num_bytes") > 0
         assert after.verification_failures == before.verification_failures
 
+    def test_a_report_stays_as_it_was_taken_while_the_store_counts_on(
+            self, case: StoreCase) -> None:
+        report = case.store.stats()
+        taken = replace(report, verification_failures=dict(report.verification_failures),
+                        notes=dict(report.notes))
+        meta = seeded_block_meta(20)
+        case.store.put(meta, seeded_kv_block(20))
+        case.settle()
+        assert case.store.get(meta) is not None
+        assert case.store.get(seeded_block_meta(21)) is None
+        assert report == taken
+        assert (case.store.stats().puts, case.store.stats().hits) == (report.puts + 1,
+                                                                     report.hits + 1)
+
     def test_a_corrupted_or_forged_copy_is_a_counted_miss_and_removed(
             self, case: StoreCase) -> None:
         is_persistent = TIER_KINDS[case.kind].is_remote or "path" in {
