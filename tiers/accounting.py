@@ -1,13 +1,13 @@
 """The bookkeeping every in-memory store keeps alike: entries by key under one lock, and the
-counters of ``StoreStats`` kept in step with them.
+counters of ``StoreCounters`` kept in step with them.
 
 ``AccountedStore`` keeps it once (as cachetools' ``Cache`` keeps its size accounting once and
 ``LRUCache``/``TTLCache`` override only the order): ``contains``, ``delete`` (counted),
-``stats`` (a copy, with the store's own notes) and ``close``. A store says only what differs:
-what an entry is and how many bytes it holds (``_entry_bytes``), what giving one back means
-(``_release``: a slot back to its pool once its copies are done, a page's reference dropped),
-its notes (``_notes``), and its own ``put`` and ``get``, which call ``_add`` and
-``_count_lookup`` under ``_lock``.
+``stats`` (a ``StoreReport`` snapshot, with the store's own notes) and ``close``. A store says
+only what differs: what an entry is and how many bytes it holds (``_entry_bytes``), what giving
+one back means (``_release``: a slot back to its pool once its copies are done, a page's
+reference dropped), its notes (``_notes``), and its own ``put`` and ``get``, which call ``_add``
+and ``_count_lookup`` under ``_lock``.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import threading
 from abc import ABC, abstractmethod
 from typing import Generic, TypeVar
 
+from gateway.core.admin_reports import StoreReport
 from policies.base import BlockKey
-from tiers.base import BatchDefaults, StoreStats
+from tiers.base import BatchDefaults, StoreCounters
 
 EntryT = TypeVar("EntryT")
 
@@ -34,7 +35,7 @@ class AccountedStore(BatchDefaults, ABC, Generic[EntryT]):
         self.name = name
         self._entries: dict[BlockKey, EntryT] = {}
         self._lock = threading.Lock()
-        self._stats = StoreStats(name=name)
+        self._stats = StoreCounters(name=name)
 
     # -- what a store says about its entries ------------------------------------------------
 
@@ -78,11 +79,10 @@ class AccountedStore(BatchDefaults, ABC, Generic[EntryT]):
                 self._stats.num_bytes -= self._entry_bytes(entry)
                 self._stats.deletes += 1
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> StoreReport:
         with self._lock:
-            stats = copy_stats(self._stats)
-            stats.notes.update(self._notes())
-            return stats
+            report = self._stats.report()
+            return dataclasses.replace(report, notes=report.notes | self._notes())
 
     def close(self) -> None:
         with self._lock:
@@ -90,9 +90,3 @@ class AccountedStore(BatchDefaults, ABC, Generic[EntryT]):
                 self._release(key, entry)
             self._entries.clear()
             self._stats.num_blocks = self._stats.num_bytes = 0
-
-
-def copy_stats(stats: StoreStats) -> StoreStats:
-    """A copy of ``stats`` whose maps the caller may change."""
-    return dataclasses.replace(stats, verification_failures=dict(stats.verification_failures),
-                               notes=dict(stats.notes))

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from gateway.core.admin_reports import StoreReport
 from policies.base import BlockKey
 from tiers.payload import KVBlock
 
@@ -100,8 +101,12 @@ class BlockMeta:
 
 
 @dataclass(slots=True)
-class StoreStats:
-    """Counters of one store (plain data, for the admin API and metrics)."""
+class StoreCounters:
+    """One store's live counters: mutable, owned by the store and bumped under its lock.
+
+    They never leave the store: ``stats`` hands out a ``StoreReport`` snapshot (``report``),
+    so that a caller may keep or read it while the store goes on counting.
+    """
 
     name: str
     num_blocks: int = 0
@@ -117,6 +122,16 @@ class StoreStats:
 
     def count_failure(self, reason: str) -> None:
         self.verification_failures[reason] = self.verification_failures.get(reason, 0) + 1
+
+    def report(self) -> StoreReport:
+        """A snapshot of the counters, maps copied. A store whose figures are not all counters
+        (its size from its index, its availability, its notes) replaces those in the snapshot
+        (``dataclasses.replace``)."""
+        return StoreReport(
+            name=self.name, num_blocks=self.num_blocks, num_bytes=self.num_bytes,
+            hits=self.hits, misses=self.misses, puts=self.puts, deletes=self.deletes,
+            errors=self.errors, verification_failures=dict(self.verification_failures),
+            is_available=self.is_available, notes=dict(self.notes))
 
 
 @runtime_checkable
@@ -150,7 +165,7 @@ class BlockStore(Protocol):
 
     def put_many(self, items: Sequence[tuple[BlockMeta, KVBlock]]) -> None: ...
 
-    def stats(self) -> StoreStats: ...
+    def stats(self) -> StoreReport: ...
 
     def close(self) -> None: ...
 

@@ -46,8 +46,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from types import TracebackType
 
+from gateway.core.admin_reports import StoreReport
 from policies.base import BlockKey
-from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreStats, TierConfigError
+from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreCounters, TierConfigError
 from tiers.codec import BlockCodec, DecodedHeader
 from tiers.disk_layout import ShardLayout
 from tiers.disk_recovery import scan_root
@@ -140,7 +141,7 @@ class DiskStore(BatchDefaults):
         self._failed: list[BlockKey] = []
         self._outage: _Outage | None = None
         self._last_error_log_at: float | None = None
-        self._stats = StoreStats(name=name)
+        self._stats = StoreCounters(name=name)
         self._counts: Counter[str] = Counter()
         self._recovered_at_start: list[DecodedHeader] = []
         self._state = "new"  # new -> running -> closed
@@ -350,7 +351,7 @@ class DiskStore(BatchDefaults):
         with self._lock:
             return key in self._pending or key in self._index
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> StoreReport:
         with self._lock:
             notes: dict[str, int | float | str] = dict(self._counts)
             notes["pending_bytes"] = self._pending_bytes
@@ -359,11 +360,10 @@ class DiskStore(BatchDefaults):
             if self._outage is not None:
                 notes["unavailable_reason"] = self._outage.errno_name
             return replace(
-                self._stats,
+                self._stats.report(),
                 num_blocks=len(self._index),
                 num_bytes=self._num_index_bytes,
                 is_available=self._outage is None and not self._is_writer_dead,
-                verification_failures=dict(self._stats.verification_failures),
                 notes=notes,
             )
 

@@ -28,9 +28,10 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import cast
 
+from gateway.core.admin_reports import StoreReport
 from policies.base import BlockKey
 from policies.rate import TenantRates
 from tiers.base import (
@@ -40,7 +41,6 @@ from tiers.base import (
     ChainPageReader,
     PageReader,
     RemoteStore,
-    StoreStats,
 )
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted, await_arrival
 from tiers.payload import KVBlock
@@ -513,21 +513,30 @@ class TierHierarchy:
         with self._lock:
             return tier in self._slow_since
 
-    def stats(self) -> list[StoreStats]:
-        out = [level.store.stats() for level in self._levels.values()]
+    def stats(self) -> list[StoreReport]:
+        """Each store's report, with what the hierarchy knows of it added to its notes: the
+        remote writer's counts, the load bandwidth, the loads skipped as slower than
+        recomputing."""
+        reports = [level.store.stats() for level in self._levels.values()]
         if self.remote is not None:
             remote = self.remote.stats()
             if self._writer is not None:
-                remote.notes["remote_writes_dropped"] = self._writer.num_dropped
-                remote.notes["remote_writes_done"] = self._writer.num_written
-                remote.notes["remote_writes_over_budget"] = self._writer.num_over_budget
-            out.append(remote)
-        for stats in out:
-            bandwidth = self._bandwidth.get(stats.name)
-            if bandwidth is not None and bandwidth.bytes_per_s is not None:
-                stats.notes["load_bytes_per_s"] = round(bandwidth.bytes_per_s)
-            with self._lock:
-                if stats.name in self._num_skipped_slow:
-                    stats.notes["recomputed_instead"] = self._num_skipped_slow[stats.name]
-                    stats.notes["slow_tier_probes"] = self._num_probes[stats.name]
-        return out
+                remote = replace(remote, notes=remote.notes | {
+                    "remote_writes_dropped": self._writer.num_dropped,
+                    "remote_writes_done": self._writer.num_written,
+                    "remote_writes_over_budget": self._writer.num_over_budget})
+            reports.append(remote)
+        return [replace(report, notes=report.notes | self._load_notes(report.name))
+                for report in reports]
+
+    def _load_notes(self, tier: str) -> dict[str, int | float | str]:
+        """What the hierarchy knows of loads from ``tier``, for its notes."""
+        notes: dict[str, int | float | str] = {}
+        bandwidth = self._bandwidth.get(tier)
+        if bandwidth is not None and bandwidth.bytes_per_s is not None:
+            notes["load_bytes_per_s"] = round(bandwidth.bytes_per_s)
+        with self._lock:
+            if tier in self._num_skipped_slow:
+                notes["recomputed_instead"] = self._num_skipped_slow[tier]
+                notes["slow_tier_probes"] = self._num_probes[tier]
+        return notes

@@ -45,7 +45,7 @@ import torch
 
 from policies.base import BlockKey
 from tiers.accounting import AccountedStore, EntryT
-from tiers.base import BlockMeta, StoreStats, TierConfigError
+from tiers.base import BlockMeta, StoreCounters, TierConfigError
 from tiers.copy_fence import CopyFence, FenceFactory, record_fence
 from tiers.layer_arrivals import LayerArrivals, SlabRun
 from tiers.page_pool import PagedBlock, PagePool, PoolExhausted
@@ -228,7 +228,7 @@ class SlabPool:
         return self._slabs[number]
 
 
-def count_dropped_put(stats: StoreStats) -> None:
+def count_dropped_put(stats: StoreCounters) -> None:
     """A put dropped because the tier's memory is full: an error, and ``dropped_pool_full``.
     Hold the store's lock."""
     stats.errors += 1
@@ -245,7 +245,7 @@ def _is_same_device(a: torch.device, b: torch.device) -> bool:
     return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
-def take_slot(pool: SlabPool, stats: StoreStats) -> torch.Tensor | None:
+def take_slot(pool: SlabPool, stats: StoreCounters) -> torch.Tensor | None:
     """A free slot of ``pool`` for a put; None (the put dropped, counted in ``stats``) when
     the tier's budget is full. Hold the store's lock."""
     slot = pool.take()

@@ -53,18 +53,20 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import replace
 
 import redis
 from redis.cluster import RedisCluster
 from redis.exceptions import DataError, ResponseError
 
+from gateway.core.admin_reports import StoreReport
 from policies.base import BlockKey
 from tiers.base import (
     BatchDefaults,
     BlockExpiry,
     BlockMeta,
     CodecError,
-    StoreStats,
+    StoreCounters,
     TierConfigError,
 )
 from tiers.breaker import CircuitBreaker
@@ -180,7 +182,7 @@ class RedisStore(BatchDefaults):
         self._max_value_bytes = max_value_bytes
         self._lock = threading.Lock()  # counters, the known-key map, the outage flag
         self._client_lock = threading.Lock()  # building the client
-        self._stats = StoreStats(name=self.name)
+        self._stats = StoreCounters(name=self.name)
         self._num_skipped = 0
         self._num_dropped_puts = 0
         self._num_put_existing = 0
@@ -494,13 +496,12 @@ class RedisStore(BatchDefaults):
             self._stats.deletes += num_removed
         return num_removed
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> StoreReport:
         """A snapshot of the counters. ``num_blocks``/``num_bytes`` stay 0: Redis holds the
         blocks of every replica and its size is Redis's to report."""
         state = self._breaker.state
         notes = self._faults.notes()
         with self._lock:
-            s = self._stats
             notes |= {
                 "num_skipped_breaker_open": self._num_skipped,
                 "num_dropped_puts": self._num_dropped_puts,
@@ -508,17 +509,9 @@ class RedisStore(BatchDefaults):
                 "num_not_decoded_after_miss": self._num_not_decoded,
                 "num_delete_unknown": self._num_delete_unknown,
             }
-            return StoreStats(
-                name=self.name,
-                hits=s.hits,
-                misses=s.misses,
-                puts=s.puts,
-                deletes=s.deletes,
-                errors=self._faults.num_errors,
-                verification_failures=dict(s.verification_failures),
-                is_available=state != "open" and self._is_started and not self._is_closed,
-                notes=notes,
-            )
+            return replace(
+                self._stats.report(), errors=self._faults.num_errors, notes=notes,
+                is_available=state != "open" and self._is_started and not self._is_closed)
 
     # ------------------------------------------------------------------ internals
 

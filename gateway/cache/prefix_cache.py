@@ -42,16 +42,16 @@ from gateway.cache.pins import PinKeeper
 from gateway.cache.placement import TierPlacement
 from gateway.cache.radix_index import BlockRecord, BlockSpec
 from gateway.cache.sessions import SessionLimits, SessionRegistry
-from gateway.cache.stats import CacheStats
 from gateway.cache.tier_slot import TierSlot
 from gateway.cache.transfers import TierTransfers
+from gateway.core.admin_reports import StatsReport, StoreReport
 from gateway.core.errors import IndexInvariantError
 from gateway.core.fingerprint import BlockFingerprinter, Namespace, lossy_namespace
 from gateway.core.quantization import Quantization
 from gateway.core.tokens import BYTES_PER_TOKEN, TokenIds, token_view
 from policies.base import BlockKey, InsertRefused
 from policies.stack import EvictionResult
-from tiers.base import BlockMeta, StoreStats
+from tiers.base import BlockMeta
 from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
@@ -549,15 +549,15 @@ class PrefixCache:
             record = self._placement.index.get(key)
             return () if record is None else self._placement.tiers_in([record])
 
-    def stats(self) -> CacheStats:
+    def stats(self) -> StatsReport:
         """The index, each tier's policy view and counters, and each store's counters."""
         placement = self._placement
         transfers = self._transfers
         failed = {} if transfers is None else transfers.drain_failed()
-        stores: tuple[StoreStats, ...] = () if transfers is None else transfers.stats()
+        stores: tuple[StoreReport, ...] = () if transfers is None else transfers.stats()
         with placement.locked():
             placement.forget_failed_writes(failed)
-            return CacheStats(
+            return StatsReport(
                 tiers=placement.tier_stats(),
                 num_blocks=len(placement.index),
                 num_namespaces=len(placement.index.namespaces()),

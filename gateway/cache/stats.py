@@ -1,12 +1,13 @@
-"""What the prefix cache counts, and the plain records ``stats`` reports.
+"""What the prefix cache counts per tier, and how a tier's counters become its report.
 
 Its own module because three sides write or read these figures -- the prefix cache (hits,
 inserts, evictions), the transfers (promotions, demotions, failed loads) and the admin and
 metrics surfaces above the cache -- and none of them should import another to reach them.
 
-A tier's figures are reported as ``gateway.core.admin_reports.TierReport``, the record the
-Admin service's client reads back too: one record from the cache to the operator, converted
-to and from protobuf at the service's edge only.
+A tier's figures are reported as ``gateway.core.admin_reports.TierReport`` inside a
+``StatsReport`` (``PrefixCache.stats``), the records the Admin service's client reads back too:
+one record from the cache to the operator, converted to and from protobuf at the service's edge
+only. ``TierCounters`` are the live side: they never leave the cache.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from dataclasses import dataclass, field
 
 from gateway.core.admin_reports import TierReport
 from policies.stack import TierPolicy
-from tiers.base import StoreStats
 
 
 @dataclass(slots=True)
@@ -48,17 +48,3 @@ def tier_report(name: str, policy: TierPolicy, counters: TierCounters) -> TierRe
         recomputed_instead=counters.recomputed_instead,
         evictions=dict(counters.evictions))
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class CacheStats:
-    """Everything ``stats`` reports: the index, each tier's policy view, each store's counters.
-
-    Plain data (dataclasses of ints, floats, strings and dicts), for the admin API and metrics.
-    """
-
-    num_blocks: int
-    num_namespaces: int
-    num_token_mismatches: int
-    num_remote_hits: int
-    tiers: tuple[TierReport, ...]
-    stores: tuple[StoreStats, ...] = ()

@@ -29,11 +29,12 @@ from typing import Protocol
 from gateway.cache.load_plan import LoadReport, PlannedRead, SettledLoad
 from gateway.cache.moves import ByteMove, MoveOutcomes
 from gateway.cache.radix_index import BlockRecord, BlockSpec, RadixIndex
+from gateway.core.admin_reports import StoreReport
 from gateway.core.fingerprint import BlockFingerprinter, Namespace
 from gateway.core.quantization import Quantization
 from gateway.core.tokens import TokenIds
 from policies.base import BlockKey
-from tiers.base import BlockExpiry, BlockMeta, StoreStats
+from tiers.base import BlockExpiry, BlockMeta
 from tiers.hierarchy import REMOTE, TierHierarchy
 from tiers.payload import KVBlock
 
@@ -165,8 +166,8 @@ class TierTransfers:
         """Whether newly inserted chains are written through to the remote store."""
         return self._remote_write
 
-    def stats(self) -> tuple[StoreStats, ...]:
-        """Each store's own counters."""
+    def stats(self) -> tuple[StoreReport, ...]:
+        """Each store's report."""
         return tuple(self._hierarchy.stats())
 
     # ---- writing ------------------------------------------------------------------------

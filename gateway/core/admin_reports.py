@@ -1,12 +1,18 @@
-"""What the Admin service reports, as plain records: the cache makes them
-(``gateway.cache.stats``, ``gateway.cache.operations.admin`` and ``session_admin``), the service
-turns them into protobuf replies, ``gateway.client`` builds them back from those, and
-``kvgate admin`` prints them. One record per report on both sides of the wire, converted only
-at its edges. Records only: nothing here talks to a server."""
+"""What the Admin service reports, as plain records: the cache and its stores make them
+(``gateway.cache.stats``, ``gateway.cache.operations.admin`` and ``session_admin``; each store's
+``stats`` in ``tiers``), the service turns them into protobuf replies and ``/metrics`` series,
+``gateway.client`` builds them back from the replies, and ``kvgate admin`` prints them. One
+record per report on both sides of the wire, converted only at its edges. Records only: nothing
+here talks to a server.
+
+A report is a snapshot, frozen once made. The live counters it is made from are another thing,
+mutable and owned by whoever bumps them under their lock (``gateway.cache.stats.TierCounters``
+for a tier, ``tiers.base.StoreCounters`` for a store); they never leave their owner.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -27,17 +33,26 @@ class TierReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StoreReport:
+    """One store's figures at one moment (``BlockStore.stats``): its counters, and the figures
+    only it keeps in ``notes``.
+
+    NOTE: ``notes`` hold numbers where a store made them (``/metrics`` reads some,
+    ``load_bytes_per_s`` and ``recomputed_instead``), and strings once read back over the wire:
+    the protobuf's notes are a map of strings, and ``kvgate admin stats --json`` prints them as
+    such. The counters default to 0 so that a store, or a test, names only what it counts.
+    """
+
     name: str
-    num_blocks: int
-    num_bytes: int
-    hits: int
-    misses: int
-    puts: int
-    deletes: int
-    errors: int
-    verification_failures: dict[str, int]
-    is_available: bool
-    notes: dict[str, str]
+    num_blocks: int = 0
+    num_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    deletes: int = 0
+    errors: int = 0
+    verification_failures: dict[str, int] = field(default_factory=dict)
+    is_available: bool = True
+    notes: dict[str, int | float | str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,12 +76,20 @@ class EngineReport:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StatsReport:
+    """Everything ``Stats`` reports: the index, each tier's policy view and counters, each
+    store's figures, and the engine's.
+
+    The prefix cache makes it (``PrefixCache.stats``) with ``engine`` None: the cache does not
+    know the engine, so the service adds it before the reply. ``engine`` is None too from a
+    gateway that sent none.
+    """
+
     num_blocks: int
     num_namespaces: int
     num_token_mismatches: int
     num_remote_hits: int
     tiers: tuple[TierReport, ...]
-    stores: tuple[StoreReport, ...]
+    stores: tuple[StoreReport, ...] = ()
     engine: EngineReport | None = None
 
 

@@ -10,11 +10,17 @@ there.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from gateway.cache.stats import CacheStats
 from gateway.config.keys import Principal, tenant_id_problem
-from gateway.core.admin_reports import Evicted, PrefixInfo, SessionInfo
+from gateway.core.admin_reports import (
+    EngineReport,
+    Evicted,
+    PrefixInfo,
+    SessionInfo,
+    StatsReport,
+)
 from gateway.core.errors import InvalidRequest, NotFound
 from gateway.core.fingerprint import Scope
 from gateway.core.prompt_limits import check_prefix_size
@@ -53,10 +59,11 @@ def admin_tenant(tenant: str, field_name: str, *, allow_shared: bool = False) ->
     return tenant
 
 
-def engine_stats(engine: Engine) -> pb.EngineStats:
+def engine_report(engine: Engine) -> EngineReport:
+    """What the engine computes and has computed, for ``Stats`` (the cache does not know it)."""
     counters = engine.counters
     tails = engine.tail_counters
-    return pb.EngineStats(
+    return EngineReport(
         route=engine.route.name, route_reason=engine.route.reason, steps=counters.num_steps,
         prefill_tokens=counters.num_prefill_tokens, decode_tokens=counters.num_decode_tokens,
         max_requests_in_step=counters.max_sequences_in_step,
@@ -65,9 +72,17 @@ def engine_stats(engine: Engine) -> pb.EngineStats:
         tail_bytes=tails.num_bytes)
 
 
-def stats_response(stats: CacheStats, engine: pb.EngineStats | None = None) -> pb.StatsResponse:
+def stats_response(stats: StatsReport) -> pb.StatsResponse:
+    """``stats`` as the reply, store notes as strings (the message's notes are a map of
+    strings); ``gateway.client`` reads it back into a ``StatsReport``."""
+    engine = stats.engine
     return pb.StatsResponse(
-        engine=engine,
+        engine=None if engine is None else pb.EngineStats(
+            route=engine.route, route_reason=engine.route_reason, steps=engine.steps,
+            prefill_tokens=engine.prefill_tokens, decode_tokens=engine.decode_tokens,
+            max_requests_in_step=engine.max_requests_in_step, dedup_waits=engine.dedup_waits,
+            dtype=engine.dtype, device=engine.device, tail_hits=engine.tail_hits,
+            tail_tokens=engine.tail_tokens, tail_bytes=engine.tail_bytes),
         num_blocks=stats.num_blocks,
         num_namespaces=stats.num_namespaces,
         num_token_mismatches=stats.num_token_mismatches,
@@ -147,7 +162,7 @@ class AdminServicer:
         self, request: pb.StatsRequest, principal: Principal, context: Any
     ) -> pb.StatsResponse:
         admin = self._engines.admin()
-        return stats_response(admin.stats(), engine_stats(self._engines.get()))
+        return stats_response(replace(admin.stats(), engine=engine_report(self._engines.get())))
 
     def ListPrefixes(
         self, request: pb.ListPrefixesRequest, principal: Principal, context: Any

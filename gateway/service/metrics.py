@@ -58,7 +58,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.cache.stats import CacheStats
+from gateway.core.admin_reports import StatsReport
 from gateway.core.errors import DeadlineExceeded, EngineDraining, QueueFull, RequestCancelled
 from gateway.service.metrics_listener import MetricsListener
 from gateway.service.router_metrics import (
@@ -144,7 +144,7 @@ class GatewayMetrics:
         public_registry: the series without tenant labels (``/metrics`` on the API port).
     """
 
-    def __init__(self, *, cache_stats: Callable[[], CacheStats] | None = None,
+    def __init__(self, *, cache_stats: Callable[[], StatsReport] | None = None,
                  device: str | None = None, dtype: str | None = None,
                  kv_budget_bytes: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -160,7 +160,7 @@ class GatewayMetrics:
         self._queue_depth_now = 0
         self._kv_bytes_now = 0
         self._kv_budget = kv_budget_bytes or 0
-        self._cache_stats: Callable[[], CacheStats] | None = None
+        self._cache_stats: Callable[[], StatsReport] | None = None
         self._prompt_tokens = Counter(
             f"{PREFIX}_prompt_tokens", "Prompt tokens of finished generations, served from a "
             "cache tier (source=cache) or computed (source=computed, tier=none).",
@@ -255,7 +255,7 @@ class GatewayMetrics:
             "want of descriptors or memory (EMFILE, ENFILE, ENOBUFS, ENOMEM); logged once per "
             "burst.", num_failed))
 
-    def watch_cache(self, cache_stats: Callable[[], CacheStats]) -> None:
+    def watch_cache(self, cache_stats: Callable[[], StatsReport]) -> None:
         """Series of the cache's tiers and stores, read from ``cache_stats()`` at scrape time."""
         self._cache_stats = _Snapshot(cache_stats, max_age_s=CACHE_STATS_MAX_AGE_S)
         self._shared(_CacheCollector(self._cache_stats))
@@ -519,9 +519,9 @@ class _FeedCollector(Collector):
 
 
 class _CacheCollector(Collector):
-    """Cache and store series, read from ``CacheStats`` at scrape time."""
+    """Cache and store series, read from the cache's ``StatsReport`` at scrape time."""
 
-    def __init__(self, cache_stats: Callable[[], CacheStats]) -> None:
+    def __init__(self, cache_stats: Callable[[], StatsReport]) -> None:
         self._cache_stats = cache_stats
 
     def describe(self) -> list[Any]:

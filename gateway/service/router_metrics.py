@@ -37,7 +37,7 @@ from typing import Any
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from gateway.cache.stats import CacheStats
+from gateway.core.admin_reports import StatsReport
 from tiers.kinds.host import HOST as HOST_TIER
 
 DEVICE_TIER = "device"
@@ -63,7 +63,7 @@ class CacheConfigInfo:
     cache_dtype: str
 
     @classmethod
-    def of(cls, stats: CacheStats, *, block_tokens: int, block_nbytes: int,
+    def of(cls, stats: StatsReport, *, block_tokens: int, block_nbytes: int,
            dtype: str) -> CacheConfigInfo:
         """The cache's configuration from its tiers' budgets and the size of one block."""
         budgets = {tier.name: tier.budget_bytes for tier in stats.tiers}

@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 
+from gateway.core.admin_reports import StoreReport
 from gateway.core.quantization import EXACT, parse_quantization
 from tests.tiers.conftest import (
     TEST_BLOCK_TOKENS,
@@ -36,7 +37,7 @@ from tests.tiers.conftest import (
     seeded_block_meta,
     seeded_kv_block,
 )
-from tiers.base import BlockExpiry, BlockMeta, BlockStore, StoreStats
+from tiers.base import BlockExpiry, BlockMeta, BlockStore
 from tiers.codec import BlockCodec, derive_mac_key
 from tiers.kinds.base import TierContext
 from tiers.kinds.registry import TIER_KINDS
@@ -150,7 +151,7 @@ def _served(case: StoreCase, got: KVBlock | None, want: KVBlock) -> bool:
         stacked[0].float(), stacked[1].float(), atol=0.1)
 
 
-def _delta(before: StoreStats, after: StoreStats, name: str) -> int:
+def _delta(before: StoreReport, after: StoreReport, name: str) -> int:
     return int(getattr(after, name)) - int(getattr(before, name))
 
 
@@ -202,6 +203,20 @@ class StoreContract:
             assert _delta(before, after, "num_blocks") == 3
             assert _delta(before, after, "num_bytes") > 0
         assert after.verification_failures == before.verification_failures
+
+    def test_a_report_stays_as_it_was_taken_while_the_store_counts_on(
+            self, case: StoreCase) -> None:
+        report = case.store.stats()
+        taken = replace(report, verification_failures=dict(report.verification_failures),
+                        notes=dict(report.notes))
+        meta = seeded_block_meta(20)
+        case.store.put(meta, seeded_kv_block(20))
+        case.settle()
+        assert case.store.get(meta) is not None
+        assert case.store.get(seeded_block_meta(21)) is None
+        assert report == taken
+        assert (case.store.stats().puts, case.store.stats().hits) == (report.puts + 1,
+                                                                     report.hits + 1)
 
     def test_a_corrupted_or_forged_copy_is_a_counted_miss_and_removed(
             self, case: StoreCase) -> None:

@@ -30,8 +30,7 @@ from gateway.cache.operations.session_admin import SessionAdmin
 from gateway.cache.operations.tags import tagged_blocks, tags_of
 from gateway.cache.prefix_cache import PrefixCache
 from gateway.cache.radix_index import BlockRecord, RadixIndex
-from gateway.cache.stats import CacheStats
-from gateway.core.admin_reports import Evicted, PrefixInfo
+from gateway.core.admin_reports import Evicted, PrefixInfo, StatsReport
 from gateway.core.canonical import PromptInput
 from gateway.core.errors import EvictionNotPublished, InvalidRequest, NotFound
 from gateway.core.fingerprint import Namespace, Scope
@@ -317,7 +316,7 @@ class CacheAdmin:
         self.sessions = SessionAdmin(cache, feed=feed)
         """Sessions: list and reset (every tier, every replica)."""
 
-    def stats(self) -> CacheStats:
+    def stats(self) -> StatsReport:
         """Every figure of the cache (``PrefixCache.stats``)."""
         return self._cache.stats()
 

@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from gateway.cache.prefix_cache import PrefixCache, TierSlot
+from gateway.core.admin_reports import StoreReport
 from gateway.core.fingerprint import NamespaceSpec, Scope, derive_namespace
 from gateway.core.tokens import TokenIds, as_token_ids
 from policies.base import BlockKey
 from policies.registry import TierPolicyConfig, build_tier_policy
-from tiers.base import BatchDefaults, BlockMeta, StoreStats
+from tiers.base import BatchDefaults, BlockMeta
 from tiers.hierarchy import TierHierarchy, TierLevel
 from tiers.kinds.host import HOST
 from tiers.memory import DeviceStore, HostStore
@@ -77,7 +78,7 @@ class FlakyStore(BatchDefaults):
     def contains(self, key: BlockKey) -> bool:
         return self.inner.contains(key)
 
-    def stats(self) -> StoreStats:
+    def stats(self) -> StoreReport:
         return self.inner.stats()
 
     def close(self) -> None:

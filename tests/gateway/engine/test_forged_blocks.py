@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from gateway.cache.operations.factory import open_cache
+from gateway.core.admin_reports import StoreReport
 from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.parity import PROMPTS, SECRET, cache_config, make_engine, run
 from tests.redis_harness import RedisServer
 from tests.tiers.xxh3_forgery import forge_keeping_xxh3
 from tests.tiny_llama import save_tiny_llama
-from tiers.base import StoreStats
 from tiers.codec import BlockCodec
 
 
@@ -34,7 +34,7 @@ def forged(blob: bytes) -> bytes:
     return blob[:header_len] + payload
 
 
-def failures(all_stats: list[StoreStats], tier: str) -> dict[str, int]:
+def failures(all_stats: list[StoreReport], tier: str) -> dict[str, int]:
     [stats] = [s for s in all_stats if s.name == tier]
     return stats.verification_failures
 

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter
 
-from gateway.cache.stats import CacheStats
-from gateway.core.admin_reports import TierReport
+from gateway.core.admin_reports import StatsReport, StoreReport, TierReport
 from gateway.service.http.metrics_page import DEFAULT_MAX_AGE_S, MetricsPage
 from gateway.service.metrics import CACHE_STATS_MAX_AGE_S, GatewayMetrics
 from gateway.service.router_metrics import CacheConfigInfo
-from tiers.base import StoreStats
 
 
 class FakeClock:
@@ -56,13 +54,13 @@ def test_the_max_age_stays_under_a_routers_poll_interval() -> None:
 def test_one_scrape_reads_the_cache_stats_once_for_every_collector() -> None:
     reads = []
 
-    def stats() -> CacheStats:
+    def stats() -> StatsReport:
         reads.append(1)
         tier = TierReport(name="device", num_blocks=1, used_bytes=512, budget_bytes=1024,
                           hits=0, inserts=1, refused=0, promotions=0, demotions=0,
                           load_failures=0, recomputed_instead=0, evictions={})
-        return CacheStats(num_blocks=1, num_namespaces=1, num_token_mismatches=0,
-                          num_remote_hits=0, tiers=(tier,))
+        return StatsReport(num_blocks=1, num_namespaces=1, num_token_mismatches=0,
+                           num_remote_hits=0, tiers=(tier,))
 
     metrics = GatewayMetrics()
     metrics.watch_cache(stats)
@@ -79,13 +77,13 @@ def test_a_tiers_load_bandwidth_and_the_loads_it_skipped_are_series() -> None:
     disk = TierReport(name="disk", num_blocks=0, used_bytes=0, budget_bytes=1024, hits=0,
                       inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
                       recomputed_instead=3, evictions={})
-    stores = (StoreStats(name="disk", notes={"load_bytes_per_s": 1_500_000_000}),
-              StoreStats(name="device"),
-              StoreStats(name="redis", notes={"recomputed_instead": 2}))
+    stores = (StoreReport(name="disk", notes={"load_bytes_per_s": 1_500_000_000}),
+              StoreReport(name="device"),
+              StoreReport(name="redis", notes={"recomputed_instead": 2}))
     metrics = GatewayMetrics()
-    metrics.watch_cache(lambda: CacheStats(num_blocks=0, num_namespaces=0,
-                                           num_token_mismatches=0, num_remote_hits=0,
-                                           tiers=(disk,), stores=stores))
+    metrics.watch_cache(lambda: StatsReport(num_blocks=0, num_namespaces=0,
+                                            num_token_mismatches=0, num_remote_hits=0,
+                                            tiers=(disk,), stores=stores))
     body = MetricsPage(metrics.public_registry, max_age_s=0).render("")[0]
     assert b'kvgate_recomputed_instead_total{tier="disk"} 3.0' in body
     assert b'kvgate_recomputed_instead_total{tier="redis"} 2.0' in body

@@ -223,15 +223,14 @@ def test_the_served_model_name_is_listed_reported_and_accepted_with_its_aliases(
 
 
 def test_cache_config_info_counts_whole_blocks_of_each_tier_budget() -> None:
-    from gateway.cache.stats import CacheStats
-    from gateway.core.admin_reports import TierReport
+    from gateway.core.admin_reports import StatsReport, TierReport
 
     def tier(name: str, budget: int, used: int) -> TierReport:
         return TierReport(name=name, num_blocks=0, used_bytes=used, budget_bytes=budget, hits=0,
                           inserts=0, refused=0, promotions=0, demotions=0, load_failures=0,
                           recomputed_instead=0, evictions={})
 
-    stats = CacheStats(num_blocks=0, num_namespaces=0, num_token_mismatches=0,
-                       num_remote_hits=0, tiers=(tier("device", 1000, 250), tier("disk", 10, 0)))
+    stats = StatsReport(num_blocks=0, num_namespaces=0, num_token_mismatches=0,
+                        num_remote_hits=0, tiers=(tier("device", 1000, 250), tier("disk", 10, 0)))
     info = CacheConfigInfo.of(stats, block_tokens=64, block_nbytes=300, dtype="bfloat16")
     assert (info.num_gpu_blocks, info.num_cpu_blocks) == (3, 0)

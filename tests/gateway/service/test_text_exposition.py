@@ -29,12 +29,10 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from gateway.cache.stats import CacheStats
-from gateway.core.admin_reports import TierReport
+from gateway.core.admin_reports import StatsReport, StoreReport, TierReport
 from gateway.service.http.text_exposition import TextExposition
 from gateway.service.metrics import GatewayMetrics
 from gateway.service.router_metrics import CacheConfigInfo
-from tiers.base import StoreStats
 
 LABEL_VALUES = st.text(alphabet=st.sampled_from(list('ab\\\n"é_ 1東🚀')), max_size=6)
 VALUES = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**20, 10**20))
@@ -45,11 +43,11 @@ def test_the_gateways_public_registry_renders_as_the_library_renders_it() -> Non
     tier = TierReport(name="device", num_blocks=3, used_bytes=4096, budget_bytes=1 << 20,
                       hits=2, inserts=3, refused=0, promotions=1, demotions=0,
                       load_failures=0, recomputed_instead=0, evictions={"lru": 4})
-    store = StoreStats(name="redis", errors=2, verification_failures={"mac": 1},
-                       notes={"breaker": "open"})
-    metrics.watch_cache(lambda: CacheStats(num_blocks=3, num_namespaces=1,
-                                           num_token_mismatches=0, num_remote_hits=0,
-                                           tiers=(tier,), stores=(store,)))
+    store = StoreReport(name="redis", errors=2, verification_failures={"mac": 1},
+                        notes={"breaker": "open"})
+    metrics.watch_cache(lambda: StatsReport(num_blocks=3, num_namespaces=1,
+                                            num_token_mismatches=0, num_remote_hits=0,
+                                            tiers=(tier,), stores=(store,)))
     metrics.watch_router(model_name="m", num_running=lambda: 2, kv_usage=lambda: 0.25,
                          info=CacheConfigInfo(block_size=64, num_gpu_blocks=10,
                                               num_cpu_blocks=0, cache_dtype="float32"))
