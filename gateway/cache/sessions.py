@@ -198,10 +198,16 @@ class SessionRegistry:
     # ---- a session's blocks (hold the placement lock) -----------------------------------
 
     def owned(self, owner: str, session_id: str) -> list[BlockRecord]:
-        """The blocks ``owner``'s session ``session_id`` owns here, shallowest first."""
+        """The blocks ``owner``'s session ``session_id`` owns here, shallowest first.
+
+        A pinned block is never a session's: the pin is the operator's word that it stays. (A
+        pinned system prompt adopted from disk after a restart is claimed by whichever request
+        reads it first, a session's included; its reset would otherwise take the pin with it.)
+        """
         index = self._placement.index
         records = [record for key in self._claimed.get((owner, session_id), ())
                    if (record := index.get(key)) is not None
+                   and not record.is_pinned
                    and session_of(record) == session_id
                    and record.namespace.scope.owner == owner
                    and record.namespace.scope.kind == "tenant"]
@@ -218,7 +224,7 @@ class SessionRegistry:
             if id(record) in selected:
                 continue
             for block in self._placement.index.subtree(record.namespace, record):
-                if block.session in mine:
+                if block.session in mine and not block.is_pinned:
                     selected.setdefault(id(block), block)
         return list(selected.values())
 

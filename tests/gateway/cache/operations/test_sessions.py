@@ -99,6 +99,20 @@ def test_a_block_the_session_stored_first_stays_once_another_session_read_it(
     assert cached(cache, ALICE, *SYSTEM, 5, 6) == 2  # chat-1's own block went
 
 
+def test_a_reset_never_takes_a_pinned_block_the_session_claimed_first(
+    clock: FakeClock,
+) -> None:
+    """After a restart, a pinned system prompt adopted from disk is claimed by the first request
+    that reads it: a session's reset must leave it (the 60-minute soak lost two pins so)."""
+    cache = make_cache(clock)
+    ask(cache, ALICE, toks(*SYSTEM, 5, 6), "chat-1")  # chat-1 claims the system prompt first
+    assert cache.set_pinned(ALICE, toks(*SYSTEM), True) == 2
+    dropped = SessionAdmin(cache).reset("chat-1", tenant="alice")
+    assert dropped.num_blocks == 1  # its own block only
+    assert cached(cache, ALICE, *SYSTEM, 5, 6) == 2
+    cache.check_invariants()
+
+
 def test_a_request_without_a_session_makes_a_block_it_reads_nobodys_own(clock: FakeClock) -> None:
     cache = make_cache(clock)
     ask(cache, ALICE, toks(*SYSTEM, 5, 6), "chat-1")
