@@ -176,6 +176,13 @@ class LoadedModel:
         return device
 
     @property
+    def owns_its_weights(self) -> bool:
+        """Its weights live in memory of their own (read by kvgate's Llama reader), not mapped
+        from the checkpoint's file (transformers' loading): only then does a weight replaced
+        by a packed copy give its memory back (``gateway.engine.linear.packed_weights``)."""
+        return isinstance(self.model, LlamaModules)
+
+    @property
     def batched_walk(self) -> str:
         """What the batched forward walks of this model, in words (part of a remembered route
         verdict's key): its family's features, or why it walks none."""

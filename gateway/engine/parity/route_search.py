@@ -254,6 +254,9 @@ def packing_verdict(loaded: LoadedModel, products: RowProducts, settings: Search
         return "only oneDNN's own products read packed weights"
     if not settings.pack_weights:
         return "configured off (pack_weights = false)"
+    if not loaded.owns_its_weights:
+        return ("its weights are mapped from the checkpoint's file (loaded through "
+                "transformers): each packed copy would sit beside the mapped one")
     by_shape: dict[tuple[int, ...], torch.Tensor] = {}
     for weight in plain_weights(packable_projections(loaded.model)):
         by_shape.setdefault(tuple(weight.shape), weight)

@@ -29,6 +29,7 @@ from gateway.engine.linear.row_padding import RowPadding
 from gateway.engine.linear.row_products import KERNELS, RowProducts, onednn_problem
 from gateway.engine.models.loading import LoadedModel, load_model
 from gateway.engine.parity import route_search
+from tests.gateway.engine.families.checkpoints import save_qwen3
 from tests.gateway.engine.parity import SECRET
 from tests.tiny_llama import save_tiny_llama
 
@@ -138,6 +139,16 @@ def test_the_route_search_packs_exactly_where_the_machine_keeps_the_bits(
         pytest.skip(f"the search chose {verdict.kernel or verdict.name}, not oneDNN, here")
     assert verdict.packed is (problem is None)
     assert ("weights packed" in verdict.reason) is verdict.packed
+
+
+def test_weights_mapped_from_the_file_are_left_plain(tmp_path: Path) -> None:
+    """A family loaded through transformers maps its weights from the checkpoint: a packed
+    copy would sit beside each, so nothing is packed."""
+    loaded = load_model(str(save_qwen3(tmp_path / "qwen3")))
+    assert not loaded.owns_its_weights
+    problem = route_search.packing_verdict(loaded, PRODUCTS, EngineConfig().search_settings(),
+                                           KERNELS)
+    assert problem is not None and "mapped from the checkpoint" in problem
 
 
 def test_pack_weights_false_leaves_every_weight_plain(fresh: LoadedModel) -> None:
