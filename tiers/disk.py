@@ -52,7 +52,7 @@ from tiers.base import BatchDefaults, BlockMeta, CodecError, StoreCounters, Tier
 from tiers.codec import BlockCodec, DecodedHeader
 from tiers.disk_layout import ShardLayout
 from tiers.disk_recovery import scan_root
-from tiers.fileops import FileOps, RealFileOps
+from tiers.fileops import FileOps, RealFileOps, write_temp
 from tiers.payload import KVBlock, PayloadError
 
 logger = logging.getLogger(__name__)
@@ -454,13 +454,8 @@ class DiskStore(BatchDefaults):
         is_renamed = False
         try:
             self._layout.ensure_shard_dir(directory)
-            fd, temp = self._ops.open_temp(directory, os.path.basename(path))
-            try:
-                self._ops.write(fd, data)
-                if self._is_fsync:
-                    self._ops.fsync(fd)
-            finally:
-                self._ops.close(fd)
+            temp = write_temp(self._ops, directory, os.path.basename(path), data,
+                              fsync=self._is_fsync)
             with self._lock:
                 if write.is_cancelled:
                     self._unlink_quietly(temp)

@@ -154,3 +154,29 @@ class RealFileOps:
     def scandir(self, path: str) -> list[tuple[str, bool]]:
         with os.scandir(path) as entries:
             return [(e.name, e.is_dir(follow_symlinks=False)) for e in entries]
+
+
+def write_temp(ops: FileOps, directory: str, name: str, data: bytes | bytearray | memoryview,
+               *, fsync: bool) -> str:
+    """Write ``data`` to a new temp file beside ``name`` in ``directory`` (synced when
+    ``fsync``), ready to be renamed over its final path; returns the temp's path.
+
+    Why one helper: every durable file here (a block, the pin manifest) is written the same
+    way, temp then rename, and a temp left by a failed write is removed here, so a caller's
+    clean-up only ever concerns a temp it was handed. Raises the first ``OSError``.
+    """
+    fd, temp = ops.open_temp(directory, name)
+    try:
+        try:
+            ops.write(fd, data)
+            if fsync:
+                ops.fsync(fd)
+        finally:
+            ops.close(fd)
+    except OSError:
+        try:
+            ops.unlink(temp)
+        except OSError:
+            pass  # recovery deletes every temp it meets
+        raise
+    return temp

@@ -45,7 +45,7 @@ from blake3 import blake3
 from policies.base import BlockKey
 from tiers.block_format import MAX_KEY_LEN
 from tiers.block_mac import MAC_LEN
-from tiers.fileops import FileOps, RealFileOps
+from tiers.fileops import FileOps, RealFileOps, write_temp
 
 logger = logging.getLogger(__name__)
 
@@ -110,13 +110,8 @@ class PinManifest:
         directory = os.path.dirname(self._path)
         temp: str | None = None
         try:
-            fd, temp = self._ops.open_temp(directory, os.path.basename(self._path))
-            try:
-                self._ops.write(fd, data)
-                if self._is_fsync:
-                    self._ops.fsync(fd)
-            finally:
-                self._ops.close(fd)
+            temp = write_temp(self._ops, directory, os.path.basename(self._path), data,
+                              fsync=self._is_fsync)
             self._ops.replace(temp, self._path)
             temp = None
             if self._is_fsync:

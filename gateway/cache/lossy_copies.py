@@ -12,21 +12,44 @@ namespace, kept here with the rule that finds the copies again.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from gateway.cache.leases import Lease
+from gateway.cache.leases import InsertResult, Lease, PrefixMatch
+from gateway.cache.placement import TierPlacement
 from gateway.cache.radix_index import BlockRecord, BlockSpec
-from gateway.core.fingerprint import Namespace
-from gateway.core.tokens import tokens_from_bytes
+from gateway.cache.transfers import TierTransfers
+from gateway.core.fingerprint import BlockFingerprinter, Namespace
+from gateway.core.tokens import TokenIds, tokens_from_bytes
 from policies.base import BlockKey
 from tiers.base import BlockMeta
 from tiers.payload import KVBlock
 
-if TYPE_CHECKING:
-    from gateway.cache.prefix_cache import PrefixCache
+
+class LossyCopyHost(Protocol):
+    """What the copies' rules need of the cache that holds them (``PrefixCache``): named here
+    so this module reads the cache without importing it (the cache imports this one)."""
+
+    block_tokens: int
+
+    @property
+    def placement(self) -> TierPlacement: ...
+
+    @property
+    def transfers(self) -> TierTransfers | None: ...
+
+    def lossy_namespace(self, namespace: Namespace) -> Namespace | None: ...
+
+    def fingerprinter(self, namespace: Namespace) -> BlockFingerprinter: ...
+
+    def match_records(self, namespace: Namespace, tokens: TokenIds, keys: list[BlockKey]
+                      ) -> tuple[PrefixMatch, list[BlockRecord], bool]: ...
+
+    def admit_chain(self, chain: list[BlockRecord], num_wanted: int, tier: str,
+                    blocks: Sequence[KVBlock] | None
+                    ) -> tuple[InsertResult, list[tuple[BlockMeta, KVBlock]]]: ...
 
 
-def lossy_copies(cache: PrefixCache,
+def lossy_copies(cache: LossyCopyHost,
                  records: Iterable[BlockRecord]) -> list[tuple[Namespace, BlockKey]]:
     """The lossy namespace and key of each exact record's copy, whether or not a tier holds it;
     [] when no tier keeps lossy copies. Hold ``cache.placement.locked()`` (it walks each
@@ -46,7 +69,7 @@ def lossy_copies(cache: PrefixCache,
     return copies
 
 
-def write_lossy_copies(cache: PrefixCache, lease: Lease, start: int, end: int,
+def write_lossy_copies(cache: LossyCopyHost, lease: Lease, start: int, end: int,
                        blocks: Sequence[KVBlock], ttl_s: float | None) -> None:
     """Write the lossy copies of an exact chain's new blocks ``start:end`` through to the
     lossy tiers, under the lossy namespace's keys (their codecs quantize them, on their

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,25 +43,6 @@ logger = logging.getLogger(__name__)
 
 PREVIEW_TOKENS = 24
 """How many tokens of a prefix's first block a listing shows as text."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class IndexedPrefix:
-    """One cached prompt (a leaf and its ancestors), as the index knows it (what
-    ``ListPrefixes`` shows of it is a ``PrefixInfo``)."""
-
-    owner: str
-    key: BlockKey
-    num_blocks: int
-    num_tokens: int
-    num_bytes: int
-    tiers: tuple[str, ...]
-    age_s: float
-    idle_s: float
-    num_hits: int
-    is_pinned: bool
-    first_block_tokens: bytes
-    tags: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -116,14 +97,16 @@ class PromptKeys(Protocol):
 # ---- selection ----------------------------------------------------------------------------
 
 
-def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
-                  limit: int = 100) -> list[IndexedPrefix]:
+def list_prefixes(cache: PrefixCache, *, owner: str | None = None, limit: int = 100,
+                  preview: Callable[[Sequence[int]], str] = lambda _: "") -> list[PrefixInfo]:
     """One entry per cached prompt (a leaf of a trie), most recently used first.
 
     Args:
         cache: the cache to list.
         owner: only this tenant's (or "shared") prefixes; None for all.
         limit: the most entries returned.
+        preview: the text of a prompt's first ``PREVIEW_TOKENS`` tokens (none by default:
+            the cache keeps token ids, the engine's tokenizer turns them into text).
 
     Returns:
         The entries, most recently used first.
@@ -141,9 +124,9 @@ def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
         for leaf in leaves[:limit]:
             path = _path_to(leaf)
             out.append(
-                IndexedPrefix(
-                    owner=leaf.namespace.scope.owner,
-                    key=leaf.key,
+                PrefixInfo(
+                    tenant=leaf.namespace.scope.owner,
+                    key_hex=leaf.key.hex(),
                     num_blocks=len(path),
                     num_tokens=len(path) * cache.block_tokens,
                     num_bytes=sum(r.num_bytes for r in path),
@@ -152,7 +135,8 @@ def list_prefixes(cache: PrefixCache, *, owner: str | None = None,
                     idle_s=max(0.0, now - leaf.last_access),
                     num_hits=leaf.num_hits,
                     is_pinned=any(r.is_pinned for r in path),
-                    first_block_tokens=path[0].tokens,
+                    preview=preview([int(t) for t in
+                                     tokens_from_bytes(path[0].tokens)[:PREVIEW_TOKENS]]),
                     tags=tags_of(path),
                 )
             )
@@ -322,26 +306,7 @@ class CacheAdmin:
 
     def list_prefixes(self, *, tenant: str | None, limit: int) -> list[PrefixInfo]:
         """The cached prompts (of ``tenant``, or all), most recently used first."""
-        out = []
-        for info in list_prefixes(self._cache, owner=tenant, limit=limit):
-            first = [int(t) for t in tokens_from_bytes(info.first_block_tokens)[:PREVIEW_TOKENS]]
-            out.append(
-                PrefixInfo(
-                    tenant=info.owner,
-                    key_hex=info.key.hex(),
-                    num_blocks=info.num_blocks,
-                    num_tokens=info.num_tokens,
-                    num_bytes=info.num_bytes,
-                    tiers=info.tiers,
-                    age_s=info.age_s,
-                    idle_s=info.idle_s,
-                    num_hits=info.num_hits,
-                    is_pinned=info.is_pinned,
-                    preview=self._keys.preview(first),
-                    tags=info.tags,
-                )
-            )
-        return out
+        return list_prefixes(self._cache, owner=tenant, limit=limit, preview=self._keys.preview)
 
     def evict(
         self,

@@ -104,10 +104,10 @@ def test_one_entry_per_cached_prompt_most_recent_first(clock: FakeClock) -> None
     clock.now += 5
     store(cache, BOB, toks(9, 9))
     listed = list_prefixes(cache)
-    assert [(p.owner, p.num_blocks, p.num_bytes) for p in listed] == [
+    assert [(p.tenant, p.num_blocks, p.num_bytes) for p in listed] == [
         ("bob", 1, BLOCK_BYTES), ("alice", 3, 3 * BLOCK_BYTES), ("alice", 2, 2 * BLOCK_BYTES)]
     assert [p.idle_s for p in listed] == [0.0, 5.0, 10.0]
-    assert [p.owner for p in list_prefixes(cache, owner="alice", limit=1)] == ["alice"]
+    assert [p.tenant for p in list_prefixes(cache, owner="alice", limit=1)] == ["alice"]
     assert all(p.tiers == ("device",) and not p.is_pinned for p in listed)
 
 

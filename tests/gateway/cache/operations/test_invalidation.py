@@ -165,7 +165,7 @@ def test_an_oversized_event_on_the_stream_is_skipped_untokenised_and_the_reader_
     assert (b.feed.num_malformed, b.feed.num_applied, b.feed.num_failed) == (1, 1, 0)
     assert keys.tokenised_chars == [len(system)]  # the oversized text was never tokenised
     assert b.feed.is_reading and b.feed.behind_reason(max_quiet_s=30.0) is None
-    assert {info.owner for info in list_prefixes(cache)} == {"bob"}  # the valid one applied
+    assert {info.tenant for info in list_prefixes(cache)} == {"bob"}  # the valid one applied
     assert (f"prefix_text has {len(oversized)} characters, more than "
             f"{BOUNDS.max_prefix_chars}") in caplog.text
     assert "support assistant" not in caplog.text
@@ -199,7 +199,7 @@ def test_a_malformed_event_is_counted_and_skipped_and_later_evictions_still_appl
         wait_for(lambda: [e.tenant for e in b.applied][-1:] == ["alice"])
     assert b.feed.num_malformed == 4 and b.feed.num_failed == 0
     assert b.feed.is_reading
-    owners = {info.owner for info in list_prefixes(cache)}
+    owners = {info.tenant for info in list_prefixes(cache)}
     assert owners == {"bob"}  # alice's eviction applied; nothing malformed evicted bob's
     assert "skipping event" in caplog.text
     assert "my secret prompt" not in caplog.text
