@@ -19,6 +19,13 @@ EXPECTED_IN_A_FAULT = frozenset({"UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED"
 """Error classes a request may end with inside a fault's window (the path it needed was down
 or slow); any other class, or any error outside a window, fails the run."""
 
+STEADY_AFTER_S = 600.0
+"""How long after a replica starts its memory counts as steady: its device and host tiers fill
+in the first minutes, and what grows after that is what a leak would look like."""
+
+MAX_RSS_GROWTH = 0.05
+"""The most a replica's resident memory may grow over a steady stretch before the run fails."""
+
 
 @dataclass(frozen=True, slots=True)
 class Sampled:
@@ -67,6 +74,12 @@ class SoakReport:
                              + (pin.error or f"{pin.disk_tokens} of its {pin.pinned_tokens} "
                                 f"tokens on disk, {pin.served_tokens} served warm, "
                                 f"{'equal to' if pin.is_equal else 'NOT'} the cold answer"))
+        for process in sorted({s.process for s in self.samples}):
+            growth = self.growth(process) if process.startswith("replica") else None
+            if growth is not None and growth > MAX_RSS_GROWTH:
+                found.append(f"{process}'s resident memory grew {growth:+.1%} from "
+                             f"{STEADY_AFTER_S / 60:.0f} minutes after a start to the end of "
+                             f"that life (at most {MAX_RSS_GROWTH:+.0%})")
         return found
 
     def recovery_s(self, window: FaultWindow) -> float | None:
@@ -76,17 +89,28 @@ class SoakReport:
         return min(after) - window.ended if after else None
 
     def growth(self, process: str) -> float | None:
-        """Resident memory growth of ``process`` from the end of warm-up (or its last restart)
-        to its last sample, as a fraction."""
+        """Resident memory growth of ``process`` over its steady stretches, as a fraction: the
+        largest, over each of its lives (from a start to the next kill, or to the end), from
+        ``STEADY_AFTER_S`` after that start (and after warm-up) to the life's last sample; None
+        when no life lasted long enough to have two samples there."""
         rss = [(s.at_s, s.sample.rss_bytes) for s in self.samples if s.process == process]
-        last_start = 0.0
-        for (_, before), (at, now) in zip(rss, rss[1:], strict=False):
+        lives: list[list[tuple[float, int]]] = [[]]
+        start = 0.0
+        previous: int | None = None
+        for at, now in rss:
+            if now is None:
+                previous = None
+                continue
             # gone and back, or restarted between two samples (a new process is far smaller)
-            if now is not None and (before is None or now < before // 2):
-                last_start = at
-        steady = [r for at, r in rss if r is not None and at >= max(self.warmup_s,
-                                                                      last_start + 60.0)]
-        return (steady[-1] - steady[0]) / steady[0] if len(steady) >= 2 else None
+            if previous is None or now < previous // 2:
+                start = at
+                if lives[-1]:
+                    lives.append([])
+            previous = now
+            if at >= max(self.warmup_s, start + STEADY_AFTER_S):
+                lives[-1].append((at, now))
+        growths = [(life[-1][1] - life[0][1]) / life[0][1] for life in lives if len(life) >= 2]
+        return max(growths) if growths else None
 
     def write(self, out: TextIO) -> None:
         checked = [o for o in self.outcomes if o.kind in CHECKED_KINDS]

@@ -4,6 +4,8 @@ makes."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gateway.bench.soak.faults import FAULTS, GRACE_S, FaultWindow, fault_kinds, not_run
 from gateway.bench.soak.pins import PinCheck
 from gateway.bench.soak.processes import ProcessSample
@@ -118,13 +120,48 @@ def test_a_pinned_prefix_lost_after_a_faults_restart_fails_the_run_too() -> None
         "warm, equal to the cold answer"]
 
 
-def test_memory_growth_counts_from_a_restart_seen_between_two_samples() -> None:
-    # killed and restarted between the samples at 30 and 40 s
-    sizes = [1000, 1100, 200, 900, 950, 980, 990, 1000, 1010, 1015, 1020]
+def _sampled(process: str, sizes_mib: Sequence[int | None],
+             every_s: float = 100.0) -> list[Sampled]:
+    return [Sampled(i * every_s, process,
+                    ProcessSample(None if mib is None else mib << 20, 10, 20))
+            for i, mib in enumerate(sizes_mib)]
+
+
+def test_memory_growth_counts_from_ten_minutes_after_a_restart_seen_between_two_samples() -> None:
     report = _report()
-    report.samples = [Sampled(i * 10.0 + 20.0, "replica-0", ProcessSample(mib << 20, 10, 20))
-                      for i, mib in enumerate(sizes)]
-    report.warmup_s = 0.0
-    # steady from 60 s after the restart seen at 40 s: 1010 -> 1020 MiB (not 200 -> 1020)
+    # killed and restarted between the samples at 200 and 300 s; its tiers fill for minutes
+    report.samples = _sampled("replica-0", [1000, 1100, 1200, 300, 900, 950, 980, 990, 1000,
+                                            1005, 1010, 1010, 1015, 1020])
+    # steady from 900 s (600 s after the restart seen at 300 s): 1005 -> 1020 MiB
     growth = report.growth("replica-0")
-    assert growth is not None and abs(growth - (1020 - 1010) / 1010) < 1e-9
+    assert growth is not None and abs(growth - (1020 - 1005) / 1005) < 1e-9
+
+
+def test_a_life_shorter_than_ten_minutes_after_its_start_is_not_judged() -> None:
+    report = _report()
+    report.samples = _sampled("replica-0", [1000, 1500, 2000, None, 900, 1800])
+    assert report.growth("replica-0") is None
+    assert report.problems() == []
+
+
+def test_the_largest_steady_growth_of_any_life_is_the_replicas() -> None:
+    report = _report()
+    first = [1000] * 6 + [1000, 1030, 1040]   # +4 % from 600 s on
+    second = [400] * 6 + [1000, 1010]         # restarted at 900 s; +1 % from 1500 s on
+    report.samples = _sampled("replica-0", first + second)
+    growth = report.growth("replica-0")
+    assert growth is not None and abs(growth - 0.04) < 1e-9
+
+
+def test_a_replica_growing_more_than_five_percent_when_steady_fails_the_run() -> None:
+    report = _report()
+    report.samples = _sampled("replica-1", [1000] * 7 + [1030, 1060])
+    assert report.problems() == [
+        "replica-1's resident memory grew +6.0% from 10 minutes after a start to the end of "
+        "that life (at most +5%)"]
+
+
+def test_redis_memory_is_printed_not_judged() -> None:
+    report = _report()
+    report.samples = _sampled("redis", [100] * 7 + [150, 200])
+    assert report.problems() == []
