@@ -57,6 +57,10 @@ class PinnedBlocks:
         self._is_changed = True
         return True
 
+    def records(self) -> list[BlockRecord]:
+        """The pinned records."""
+        return [record for record in self._key_to_record.values() if record.is_pinned]
+
     def mark_changed(self) -> None:
         """Save the set at the next chance even if no pin changed (a manifest read at restart
         that names blocks no longer there, a save the disk refused)."""

@@ -7,7 +7,9 @@ was promised its prompt's KV would be gone after it. ``ExpirySweeper`` calls
 every expired block that nothing uses from every local tier (Redis expires its keys by their
 own ``PX``). Each sweep also ends the sessions idle for ``[cache] session_ttl_s``
 (``gateway.cache.operations.session_admin.drop_expired_sessions``: their blocks leave every
-tier, Redis included, and their tails go). It is started by
+tier, Redis included, and their tails go), and gives every pinned block its copy on the tier a
+restart finds again where a write there failed (``restore_pinned_copies``: a disk that was full
+when the pin was set, or when the block came). It is started by
 ``gateway.cache.operations.factory.open_cache`` and stopped before the stores close.
 """
 
@@ -20,6 +22,24 @@ from gateway.cache.operations.session_admin import drop_expired_sessions
 from gateway.cache.prefix_cache import PrefixCache
 
 logger = logging.getLogger(__name__)
+
+
+def restore_pinned_copies(cache: PrefixCache) -> int:
+    """Copy each pinned block to every tier that keeps pins over a restart and has lost or
+    never got its copy (``TierPlacement.keep_pinned_copies``), then save the pin log if a
+    save of it failed; returns how many copies were asked for. A copy that fails again is
+    asked for again at the next sweep."""
+    placement = cache.placement
+    transfers = cache.transfers
+    failed = {} if transfers is None else transfers.drain_failed()
+    with placement.locked():
+        placement.forget_failed_writes(failed)  # so that a copy whose write failed is missed
+        for record in placement.pins.records():
+            placement.keep_pinned_copies(record)
+        moves = placement.take_moves()
+    cache.run_moves(moves)
+    cache.keep_pins()
+    return len(moves)
 
 
 class ExpirySweeper:
@@ -64,3 +84,11 @@ class ExpirySweeper:
                 continue
             if ended:
                 logger.debug("sweeper: %d expired sessions ended", ended)
+            try:
+                copied = restore_pinned_copies(self._cache)
+            except Exception:  # the next sweep tries again; the sweeper must not die
+                logger.exception("sweeper: restoring pinned blocks' copies failed")
+                continue
+            if copied:
+                logger.info("sweeper: %d pinned blocks copied again to the tiers a restart "
+                            "reads", copied)
