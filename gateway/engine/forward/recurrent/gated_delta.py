@@ -1,0 +1,188 @@
+"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5), scanned in chunks aligned to each
+sequence's positions so that its state at every chunk's end is exact.
+
+The rule: a head keeps a ``[key_dim, value_dim]`` state ``S``; token ``t`` decays it by
+``exp(g_t)``, writes ``beta_t * (v_t - k_t S)`` along ``k_t`` (the delta rule: only what ``S`` does
+not already predict), and reads ``q_t S``. Computed a token at a time it is slow; computed a chunk
+of ``C`` tokens at a time (the WY / UT form: one triangular solve and a few products a chunk) it
+is fast, but a chunk's bits depend on where the chunk starts. So chunks start where the
+sequence's positions are multiples of ``C`` -- always, whatever a step holds:
+
+- the state is advanced only by whole chunks (``DeltaStream.state`` is the state after the last
+  whole chunk, at a position that is a multiple of ``C``);
+- the tokens after it (fewer than ``C``) wait in the stream, and a step that brings more tokens
+  computes their chunk again from its start, padded to ``C`` rows. A token's output reads only
+  the rows before it in its chunk (its row of the causal products; later rows meet zeros), so it
+  has the same bits whether its chunk was whole, partial, or recomputed one decode token at a
+  time.
+
+With ``C`` dividing the cache's block size, the state at every block's end is the state after a
+whole chunk: the same bits in a cold prefill, a warm start that loaded the state of an earlier
+block, or a sequence that decoded its way there. That state is what a hybrid model's block
+keeps beside its attention layers' K/V.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaInputs:
+    """A run of tokens' inputs to one layer's rule, each ``[tokens, heads, ...]`` in float32:
+    queries and keys already normalised (and queries scaled), values, log-decays ``g`` (<= 0)
+    and write strengths ``beta``."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    decays: torch.Tensor
+    betas: torch.Tensor
+
+    def __post_init__(self) -> None:
+        n, heads = self.queries.shape[:2]
+        for name in ("keys", "values", "decays", "betas"):
+            shape = getattr(self, name).shape
+            if tuple(shape[:2]) != (n, heads):
+                raise ValueError(f"{name} {tuple(shape)} do not match queries' "
+                                 f"{n} tokens x {heads} heads")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.queries.shape[0])
+
+    def then(self, more: DeltaInputs) -> DeltaInputs:
+        """These tokens followed by ``more``'s."""
+        return DeltaInputs(*(torch.cat([a, b]) for a, b in zip(self._parts(), more._parts(),
+                                                                 strict=True)))
+
+    def rows(self, start: int, end: int) -> DeltaInputs:
+        return DeltaInputs(*(part[start:end] for part in self._parts()))
+
+    def _parts(self) -> tuple[torch.Tensor, ...]:
+        return (self.queries, self.keys, self.values, self.decays, self.betas)
+
+    @classmethod
+    def none(cls, heads: int, key_dim: int, value_dim: int, *,
+             device: torch.device | str = "cpu") -> DeltaInputs:
+        def empty(*shape: int) -> torch.Tensor:
+            return torch.zeros(0, heads, *shape, dtype=torch.float32, device=device)
+        return cls(empty(key_dim), empty(key_dim), empty(value_dim), empty(), empty())
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaStream:
+    """One sequence's place in one layer's rule.
+
+    Attributes:
+        state: ``[heads, key_dim, value_dim]`` after the first ``position`` tokens.
+        position: a multiple of the chunk size: where the last whole chunk ended.
+        waiting: the inputs of the tokens after ``position`` (fewer than a chunk).
+    """
+
+    state: torch.Tensor
+    position: int
+    waiting: DeltaInputs
+
+    @classmethod
+    def start(cls, heads: int, key_dim: int, value_dim: int, *,
+              device: torch.device | str = "cpu") -> DeltaStream:
+        """A sequence with no tokens: a zero state."""
+        return cls(torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=device),
+                   0, DeltaInputs.none(heads, key_dim, value_dim, device=device))
+
+    @classmethod
+    def at(cls, state: torch.Tensor, position: int) -> DeltaStream:
+        """A sequence resumed from ``state``, its state after ``position`` tokens (a warm start
+        from a cached block's end)."""
+        heads, key_dim, value_dim = state.shape
+        return cls(state.to(torch.float32), position,
+                   DeltaInputs.none(heads, key_dim, value_dim, device=state.device))
+
+    @property
+    def length(self) -> int:
+        """Tokens the stream has seen."""
+        return self.position + self.waiting.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaStep:
+    """What one step of a sequence gives: its new tokens' outputs ``[n, heads, value_dim]``, its
+    stream after them, and the state at each chunk end it passed, by position."""
+
+    outputs: torch.Tensor
+    stream: DeltaStream
+    states: tuple[tuple[int, torch.Tensor], ...]
+
+
+def delta_step(stream: DeltaStream, new: DeltaInputs, chunk: int) -> DeltaStep:
+    """Advance ``stream`` by the tokens ``new`` (see the module docstring).
+
+    Args:
+        stream: the sequence's place before them.
+        new: their inputs (at least one token).
+        chunk: the chunk size ``C`` (the stream's ``position`` is a multiple of it).
+    """
+    if chunk < 1:
+        raise ValueError(f"a chunk holds at least one token, not {chunk}")
+    if stream.position % chunk:
+        raise ValueError(f"a stream at {stream.position} does not start a chunk of {chunk}")
+    pending = stream.waiting.then(new)
+    num_old = stream.waiting.num_tokens
+    state, position = stream.state, stream.position
+    outputs: list[torch.Tensor] = []
+    states: list[tuple[int, torch.Tensor]] = []
+    start = 0
+    while start < pending.num_tokens:
+        end = min(start + chunk, pending.num_tokens)
+        rows, after = _chunk(state, pending.rows(start, end), chunk, whole=end - start == chunk)
+        first_new = max(num_old - start, 0)
+        outputs.append(rows[first_new:])
+        if after is None:
+            break
+        state, position = after, position + chunk
+        states.append((position, state))
+        start = end
+    waiting = pending.rows(position - stream.position, pending.num_tokens)
+    return DeltaStep(outputs=torch.cat(outputs), stream=DeltaStream(state, position, waiting),
+                     states=tuple(states))
+
+
+def _chunk(state: torch.Tensor, inputs: DeltaInputs, chunk: int, *,
+           whole: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The outputs ``[m, heads, value_dim]`` of a chunk's first ``m`` tokens from ``state``
+    (padded to ``chunk`` rows, so that every chunk's products have one shape), and the state
+    after the chunk when it is ``whole``."""
+    m = inputs.num_tokens
+    pad = chunk - m
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [m, H, ...] -> [H, chunk, ...]
+        x = x.transpose(0, 1)
+        if pad:
+            x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+        return x.contiguous()
+
+    q, k, v = (heads_first(x) for x in (inputs.queries, inputs.keys, inputs.values))
+    g, beta = heads_first(inputs.decays), heads_first(inputs.betas)
+    cum = g.cumsum(dim=-1)                                           # [H, C]
+    future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
+    k_beta = k * beta.unsqueeze(-1)
+    # (I + strictly-lower(beta k k^T decay)) folds the chunk's writes into one solve.
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    written = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False,
+                                            unitriangular=True)
+    read_back = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1),
+                                              upper=False, unitriangular=True)
+    corrections = written - read_back @ state                        # [H, C, value_dim]
+    outputs = ((q * cum.exp().unsqueeze(-1)) @ state
+               + ((q @ k.transpose(-1, -2)) * decay) @ corrections)
+    out = outputs[:, :m].transpose(0, 1)
+    if not whole:
+        return out, None
+    last = cum[:, -1:]
+    after = (state * last.exp().unsqueeze(-1)
+             + (k * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ corrections)
+    return out, after
