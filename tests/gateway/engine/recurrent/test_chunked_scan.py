@@ -1,6 +1,8 @@
-"""The gated delta rule's chunked scan (``gateway.engine.forward.recurrent.gated_delta``): the
+"""The recurrent rules' chunked scan (``gateway.engine.forward.recurrent.chunked_scan``): the
 same bits however a sequence's tokens arrive -- one prompt, steps of any size, one token at a
-time, or resumed from the state kept at a chunk's end -- and the rule transformers computes."""
+time, or resumed from the state kept at a chunk's end -- for the gated delta rule and the
+decayed linear rule, and the numbers of the rule computed a token at a time (transformers' for
+the delta rule, a plain loop for the linear one)."""
 
 from __future__ import annotations
 
@@ -12,19 +14,19 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from gateway.engine.forward.recurrent.gated_delta import DeltaInputs, DeltaStream, delta_step
+from gateway.engine.forward.recurrent.chunked_scan import ScanInputs, ScanStream, scan_step
 
 HEADS, KEY_DIM, VALUE_DIM = 2, 8, 6
 
 
-def inputs(num_tokens: int, seed: int) -> DeltaInputs:
+def inputs(num_tokens: int, seed: int) -> ScanInputs:
     g = torch.Generator().manual_seed(seed)
 
     def unit(*shape: int) -> torch.Tensor:
         x = torch.randn(*shape, generator=g)
         return x / x.norm(dim=-1, keepdim=True)
 
-    return DeltaInputs(
+    return ScanInputs(
         queries=unit(num_tokens, HEADS, KEY_DIM) * KEY_DIM ** -0.5,
         keys=unit(num_tokens, HEADS, KEY_DIM),
         values=torch.randn(num_tokens, HEADS, VALUE_DIM, generator=g),
@@ -32,13 +34,13 @@ def inputs(num_tokens: int, seed: int) -> DeltaInputs:
         betas=torch.sigmoid(torch.randn(num_tokens, HEADS, generator=g)))
 
 
-def in_steps(stream: DeltaStream, tokens: DeltaInputs, sizes: list[int],
-             chunk: int) -> tuple[torch.Tensor, DeltaStream, dict[int, torch.Tensor]]:
+def in_steps(stream: ScanStream, tokens: ScanInputs, sizes: list[int], chunk: int,
+             delta: bool) -> tuple[torch.Tensor, ScanStream, dict[int, torch.Tensor]]:
     outputs: list[torch.Tensor] = []
     states: dict[int, torch.Tensor] = {}
     at = 0
     for size in sizes:
-        step = delta_step(stream, tokens.rows(at, at + size), chunk)
+        step = scan_step(stream, tokens.rows(at, at + size), chunk, delta=delta)
         outputs.append(step.outputs)
         states.update(step.states)
         stream, at = step.stream, at + size
@@ -56,19 +58,19 @@ def _sizes(total: int, cuts: list[int]) -> list[int]:
     return [b - a for a, b in zip(points, points[1:], strict=False)]
 
 
-def start() -> DeltaStream:
-    return DeltaStream.start(HEADS, KEY_DIM, VALUE_DIM)
+def start() -> ScanStream:
+    return ScanStream.start(HEADS, KEY_DIM, VALUE_DIM)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(1, 40).flatmap(lambda n: st.tuples(st.just(n), splits(n))),
-       st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**16))
+       st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**16), st.booleans())
 def test_steps_of_any_size_give_the_bits_of_one_prompt(
-        case: tuple[int, list[int]], chunk: int, seed: int) -> None:
+        case: tuple[int, list[int]], chunk: int, seed: int, delta: bool) -> None:
     n, sizes = case
     tokens = inputs(n, seed)
-    whole = delta_step(start(), tokens, chunk)
-    outputs, stream, states = in_steps(start(), tokens, sizes, chunk)
+    whole = scan_step(start(), tokens, chunk, delta=delta)
+    outputs, stream, states = in_steps(start(), tokens, sizes, chunk, delta)
     assert torch.equal(outputs, whole.outputs)
     assert torch.equal(stream.state, whole.stream.state)
     assert stream.position == whole.stream.position == n - n % chunk
@@ -77,44 +79,44 @@ def test_steps_of_any_size_give_the_bits_of_one_prompt(
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 5), st.integers(0, 2**16))
+@given(st.integers(1, 40), st.integers(1, 5), st.integers(0, 2**16), st.booleans())
 def test_one_token_at_a_time_gives_the_bits_of_one_prompt(n: int, chunk_log: int,
-                                                          seed: int) -> None:
+                                                          seed: int, delta: bool) -> None:
     chunk = 2 ** (chunk_log - 1)
     tokens = inputs(n, seed)
-    outputs, stream, _ = in_steps(start(), tokens, [1] * n, chunk)
-    whole = delta_step(start(), tokens, chunk)
+    outputs, stream, _ = in_steps(start(), tokens, [1] * n, chunk, delta)
+    whole = scan_step(start(), tokens, chunk, delta=delta)
     assert torch.equal(outputs, whole.outputs)
     assert torch.equal(stream.state, whole.stream.state)
 
 
 @settings(max_examples=40, deadline=None)
 @given(st.integers(2, 40), st.sampled_from([1, 2, 4, 8]), st.integers(0, 2**16),
-       st.data())
+       st.booleans(), st.data())
 def test_a_stream_resumed_from_a_kept_state_continues_with_the_same_bits(
-        n: int, chunk: int, seed: int, data: st.DataObject) -> None:
+        n: int, chunk: int, seed: int, delta: bool, data: st.DataObject) -> None:
     tokens = inputs(n, seed)
-    whole = delta_step(start(), tokens, chunk)
+    whole = scan_step(start(), tokens, chunk, delta=delta)
     kept = [(p, s) for p, s in whole.states if p < n]
     if not kept:
         return
     position, state = data.draw(st.sampled_from(kept))
-    resumed = delta_step(DeltaStream.at(state.clone(), position),
-                         tokens.rows(position, n), chunk)
+    resumed = scan_step(ScanStream.at(state.clone(), position),
+                         tokens.rows(position, n), chunk, delta=delta)
     assert torch.equal(resumed.outputs, whole.outputs[position:])
     assert torch.equal(resumed.stream.state, whole.stream.state)
 
 
-def test_it_is_the_rule_transformers_computes_token_by_token_and_in_chunks() -> None:
+def test_the_delta_rule_is_the_one_transformers_computes_token_by_token_and_in_chunks() -> None:
     tokens = inputs(37, seed=7)
-    ours = delta_step(start(), tokens, chunk=8)
+    ours = scan_step(start(), tokens, chunk=8, delta=True)
     batched = [x.unsqueeze(0) for x in (tokens.queries, tokens.keys, tokens.values,
                                         tokens.decays, tokens.betas)]
     # transformers scales the queries itself: hand it the unscaled ones
     batched[0] = batched[0] * KEY_DIM ** 0.5
     reference, final = torch_recurrent_gated_delta_rule(*batched, output_final_state=True)
     chunked, _ = torch_chunk_gated_delta_rule(*batched, chunk_size=8, output_final_state=True)
-    whole_state = delta_step(start(), tokens.rows(0, 32), chunk=8).stream.state
+    whole_state = scan_step(start(), tokens.rows(0, 32), chunk=8, delta=True).stream.state
     assert torch.allclose(ours.outputs, reference[0], atol=1e-5, rtol=1e-4)
     assert torch.allclose(ours.outputs, chunked[0], atol=1e-5, rtol=1e-4)
     _, at_32 = torch_recurrent_gated_delta_rule(*(x[:, :32] for x in batched),
@@ -124,10 +126,30 @@ def test_it_is_the_rule_transformers_computes_token_by_token_and_in_chunks() -> 
 
 
 def test_a_stream_that_does_not_start_a_chunk_is_refused() -> None:
-    stream = DeltaStream.at(torch.zeros(HEADS, KEY_DIM, VALUE_DIM), position=3)
+    stream = ScanStream.at(torch.zeros(HEADS, KEY_DIM, VALUE_DIM), position=3)
     try:
-        delta_step(stream, inputs(1, 0), chunk=4)
+        scan_step(stream, inputs(1, 0), chunk=4, delta=True)
     except ValueError as exc:
         assert str(exc) == "a stream at 3 does not start a chunk of 4"
     else:
         raise AssertionError("a misaligned stream was advanced")
+
+
+def test_the_decayed_linear_rule_is_a_decay_then_a_write_then_a_read_per_token() -> None:
+    tokens = inputs(29, seed=11)
+    ours = scan_step(start(), tokens, chunk=4, delta=False)
+    state = torch.zeros(HEADS, KEY_DIM, VALUE_DIM, dtype=torch.float64)
+    expected = []
+    for t in range(29):
+        q, k, v = (x[t].double() for x in (tokens.queries, tokens.keys, tokens.values))
+        state = (state * tokens.decays[t].double().exp()[:, None, None]
+                 + k.unsqueeze(-1) * v.unsqueeze(-2))
+        expected.append((q.unsqueeze(-2) @ state).squeeze(-2))
+    assert torch.allclose(ours.outputs.double(), torch.stack(expected), atol=1e-5, rtol=1e-4)
+    at_28 = scan_step(start(), tokens.rows(0, 28), chunk=4, delta=False).stream.state
+    state_28 = torch.zeros_like(state)
+    for t in range(28):
+        k, v = tokens.keys[t].double(), tokens.values[t].double()
+        state_28 = (state_28 * tokens.decays[t].double().exp()[:, None, None]
+                    + k.unsqueeze(-1) * v.unsqueeze(-2))
+    assert torch.allclose(at_28.double(), state_28, atol=1e-5, rtol=1e-4)

@@ -1,14 +1,20 @@
-"""The gated delta rule (Gated DeltaNet: Qwen3-Next, Qwen3.5), scanned in chunks aligned to each
-sequence's positions so that its state at every chunk's end is exact.
+"""The recurrent rules of hybrid models' linear layers -- the gated delta rule (Gated DeltaNet:
+Qwen3-Next, Qwen3.5) and the decayed linear rule (Mamba-2's state-space duality: Granite 4.0-H,
+Falcon-H1, Bamba, Nemotron-H) -- scanned in chunks aligned to each sequence's positions, so that
+its state at every chunk's end is exact.
 
-The rule: a head keeps a ``[key_dim, value_dim]`` state ``S``; token ``t`` decays it by
-``exp(g_t)``, writes ``beta_t * (v_t - k_t S)`` along ``k_t`` (the delta rule: only what ``S`` does
-not already predict), and reads ``q_t S``. Computed a token at a time it is slow; computed a chunk
-of ``C`` tokens at a time (the WY / UT form: one triangular solve and a few products a chunk) it
-is fast, but a chunk's bits depend on where the chunk starts. So chunks start where the
-sequence's positions are multiples of ``C`` -- always, whatever a step holds:
+The rules: a head keeps a ``[key_dim, value_dim]`` state ``S``; token ``t`` decays it by
+``exp(g_t)`` and reads ``q_t S`` after writing. The decayed linear rule writes ``k_t^T v_t``
+(Mamba-2: ``k`` its ``B``, ``q`` its ``C``, ``v`` its ``dt * x``, ``g`` its ``dt * A``; its state
+is the transpose of transformers'). The delta rule writes ``beta_t * (v_t - k_t S)`` along
+``k_t``: only what ``S`` does not already predict.
 
-- the state is advanced only by whole chunks (``DeltaStream.state`` is the state after the last
+Computed a token at a time they are slow; computed a chunk of ``C`` tokens at a time (products
+within the chunk, one triangular solve for the delta rule) they are fast, but a chunk's bits
+depend on where the chunk starts. So chunks start where the sequence's positions are multiples
+of ``C`` -- always, whatever a step holds:
+
+- the state is advanced only by whole chunks (``ScanStream.state`` is the state after the last
   whole chunk, at a position that is a multiple of ``C``);
 - the tokens after it (fewer than ``C``) wait in the stream, and a step that brings more tokens
   computes their chunk again from its start, padded to ``C`` rows. A token's output reads only
@@ -30,10 +36,11 @@ import torch
 
 
 @dataclass(frozen=True, slots=True)
-class DeltaInputs:
+class ScanInputs:
     """A run of tokens' inputs to one layer's rule, each ``[tokens, heads, ...]`` in float32:
-    queries and keys already normalised (and queries scaled), values, log-decays ``g`` (<= 0)
-    and write strengths ``beta``."""
+    queries and keys as the rule reads them (normalised and scaled where the layer does that),
+    values, log-decays ``g`` (<= 0) and the delta rule's write strengths ``beta`` (ones for the
+    decayed linear rule, which does not read them)."""
 
     queries: torch.Tensor
     keys: torch.Tensor
@@ -53,27 +60,27 @@ class DeltaInputs:
     def num_tokens(self) -> int:
         return int(self.queries.shape[0])
 
-    def then(self, more: DeltaInputs) -> DeltaInputs:
+    def then(self, more: ScanInputs) -> ScanInputs:
         """These tokens followed by ``more``'s."""
-        return DeltaInputs(*(torch.cat([a, b]) for a, b in zip(self._parts(), more._parts(),
+        return ScanInputs(*(torch.cat([a, b]) for a, b in zip(self._parts(), more._parts(),
                                                                  strict=True)))
 
-    def rows(self, start: int, end: int) -> DeltaInputs:
-        return DeltaInputs(*(part[start:end] for part in self._parts()))
+    def rows(self, start: int, end: int) -> ScanInputs:
+        return ScanInputs(*(part[start:end] for part in self._parts()))
 
     def _parts(self) -> tuple[torch.Tensor, ...]:
         return (self.queries, self.keys, self.values, self.decays, self.betas)
 
     @classmethod
     def none(cls, heads: int, key_dim: int, value_dim: int, *,
-             device: torch.device | str = "cpu") -> DeltaInputs:
+             device: torch.device | str = "cpu") -> ScanInputs:
         def empty(*shape: int) -> torch.Tensor:
             return torch.zeros(0, heads, *shape, dtype=torch.float32, device=device)
         return cls(empty(key_dim), empty(key_dim), empty(value_dim), empty(), empty())
 
 
 @dataclass(frozen=True, slots=True)
-class DeltaStream:
+class ScanStream:
     """One sequence's place in one layer's rule.
 
     Attributes:
@@ -84,22 +91,22 @@ class DeltaStream:
 
     state: torch.Tensor
     position: int
-    waiting: DeltaInputs
+    waiting: ScanInputs
 
     @classmethod
     def start(cls, heads: int, key_dim: int, value_dim: int, *,
-              device: torch.device | str = "cpu") -> DeltaStream:
+              device: torch.device | str = "cpu") -> ScanStream:
         """A sequence with no tokens: a zero state."""
         return cls(torch.zeros(heads, key_dim, value_dim, dtype=torch.float32, device=device),
-                   0, DeltaInputs.none(heads, key_dim, value_dim, device=device))
+                   0, ScanInputs.none(heads, key_dim, value_dim, device=device))
 
     @classmethod
-    def at(cls, state: torch.Tensor, position: int) -> DeltaStream:
+    def at(cls, state: torch.Tensor, position: int) -> ScanStream:
         """A sequence resumed from ``state``, its state after ``position`` tokens (a warm start
         from a cached block's end)."""
         heads, key_dim, value_dim = state.shape
         return cls(state.to(torch.float32), position,
-                   DeltaInputs.none(heads, key_dim, value_dim, device=state.device))
+                   ScanInputs.none(heads, key_dim, value_dim, device=state.device))
 
     @property
     def length(self) -> int:
@@ -108,22 +115,23 @@ class DeltaStream:
 
 
 @dataclass(frozen=True, slots=True)
-class DeltaStep:
+class ScanStep:
     """What one step of a sequence gives: its new tokens' outputs ``[n, heads, value_dim]``, its
     stream after them, and the state at each chunk end it passed, by position."""
 
     outputs: torch.Tensor
-    stream: DeltaStream
+    stream: ScanStream
     states: tuple[tuple[int, torch.Tensor], ...]
 
 
-def delta_step(stream: DeltaStream, new: DeltaInputs, chunk: int) -> DeltaStep:
+def scan_step(stream: ScanStream, new: ScanInputs, chunk: int, *, delta: bool) -> ScanStep:
     """Advance ``stream`` by the tokens ``new`` (see the module docstring).
 
     Args:
         stream: the sequence's place before them.
         new: their inputs (at least one token).
         chunk: the chunk size ``C`` (the stream's ``position`` is a multiple of it).
+        delta: the gated delta rule; False: the decayed linear rule.
     """
     if chunk < 1:
         raise ValueError(f"a chunk holds at least one token, not {chunk}")
@@ -137,7 +145,8 @@ def delta_step(stream: DeltaStream, new: DeltaInputs, chunk: int) -> DeltaStep:
     start = 0
     while start < pending.num_tokens:
         end = min(start + chunk, pending.num_tokens)
-        rows, after = _chunk(state, pending.rows(start, end), chunk, whole=end - start == chunk)
+        rows, after = _chunk(state, pending.rows(start, end), chunk, delta=delta,
+                             whole=end - start == chunk)
         first_new = max(num_old - start, 0)
         outputs.append(rows[first_new:])
         if after is None:
@@ -146,11 +155,11 @@ def delta_step(stream: DeltaStream, new: DeltaInputs, chunk: int) -> DeltaStep:
         states.append((position, state))
         start = end
     waiting = pending.rows(position - stream.position, pending.num_tokens)
-    return DeltaStep(outputs=torch.cat(outputs), stream=DeltaStream(state, position, waiting),
+    return ScanStep(outputs=torch.cat(outputs), stream=ScanStream(state, position, waiting),
                      states=tuple(states))
 
 
-def _chunk(state: torch.Tensor, inputs: DeltaInputs, chunk: int, *,
+def _chunk(state: torch.Tensor, inputs: ScanInputs, chunk: int, *, delta: bool,
            whole: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The outputs ``[m, heads, value_dim]`` of a chunk's first ``m`` tokens from ``state``
     (padded to ``chunk`` rows, so that every chunk's products have one shape), and the state
@@ -169,14 +178,17 @@ def _chunk(state: torch.Tensor, inputs: DeltaInputs, chunk: int, *,
     cum = g.cumsum(dim=-1)                                           # [H, C]
     future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
-    k_beta = k * beta.unsqueeze(-1)
-    # (I + strictly-lower(beta k k^T decay)) folds the chunk's writes into one solve.
-    system = (k_beta @ k.transpose(-1, -2)) * decay
-    written = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False,
-                                            unitriangular=True)
-    read_back = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1),
-                                              upper=False, unitriangular=True)
-    corrections = written - read_back @ state                        # [H, C, value_dim]
+    if delta:
+        k_beta = k * beta.unsqueeze(-1)
+        # (I + strictly-lower(beta k k^T decay)) folds the chunk's writes into one solve.
+        system = (k_beta @ k.transpose(-1, -2)) * decay
+        written = torch.linalg.solve_triangular(system, v * beta.unsqueeze(-1), upper=False,
+                                                unitriangular=True)
+        read_back = torch.linalg.solve_triangular(system, k_beta * cum.exp().unsqueeze(-1),
+                                                  upper=False, unitriangular=True)
+        corrections = written - read_back @ state                    # [H, C, value_dim]
+    else:
+        corrections = v  # written as they are
     outputs = ((q * cum.exp().unsqueeze(-1)) @ state
                + ((q @ k.transpose(-1, -2)) * decay) @ corrections)
     out = outputs[:, :m].transpose(0, 1)
