@@ -1,0 +1,136 @@
+"""A Gated DeltaNet layer (Qwen3-Next's ``linear_attention`` layers) computed for one sequence's
+new rows from the state it kept, with the same bits however its tokens arrive.
+
+The layer, as the checkpoint's module holds it: ``in_proj_qkvz`` and ``in_proj_ba`` project each
+token (grouped per key head: its query, key, its value heads' values and gates ``z``, then
+``b`` and ``a``); a short causal convolution with SiLU runs over the queries, keys and values;
+queries and keys are L2-normalised (queries then scaled by ``key_dim ** -0.5``), each key head
+serving ``value_heads / key_heads`` value heads; ``beta = sigmoid(b)`` and
+``g = -exp(A_log) * softplus(a + dt_bias)``; the gated delta rule
+(``chunked_scan``) reads them; its output is normalised per value head and gated by
+``silu(z)`` (``norm``), then ``out_proj``.
+
+Every step here is per token (the products through ``project``, which the caller makes
+row-invariant; norms over a token's own numbers; the convolution and the scan as their modules
+say), so what a sequence keeps between steps -- its ``RecurrentState`` -- is all that links its
+steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gateway.engine.forward.recurrent.chunked_scan import ScanInputs, ScanStream, scan_step
+from gateway.engine.forward.recurrent.lanes import by_row
+from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv
+
+Project = Callable[[Any, torch.Tensor], torch.Tensor]
+"""``project(linear, rows)``: ``rows @ linear.weight.T`` (+ bias), each row's bits its own."""
+
+L2_EPS = 1e-6
+"""The L2 norm's epsilon (the FLA kernels' and transformers')."""
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentState:
+    """What one sequence keeps of one recurrent layer between steps: its convolution's window
+    and its scan's stream (the state after its last whole chunk and the tokens since)."""
+
+    conv: ConvWindow
+    scan: ScanStream
+
+    @property
+    def length(self) -> int:
+        return self.scan.length
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaNetShape:
+    """A Gated DeltaNet layer's sizes (its config's ``linear_*`` fields)."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    conv_kernel: int
+
+    @classmethod
+    def of(cls, config: Any) -> DeltaNetShape:
+        return cls(key_heads=int(config.linear_num_key_heads),
+                   value_heads=int(config.linear_num_value_heads),
+                   key_dim=int(config.linear_key_head_dim),
+                   value_dim=int(config.linear_value_head_dim),
+                   conv_kernel=int(config.linear_conv_kernel_dim))
+
+    @property
+    def conv_channels(self) -> int:
+        return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
+
+    def start(self, device: torch.device | str = "cpu") -> RecurrentState:
+        """The state of a sequence with no tokens."""
+        return RecurrentState(
+            ConvWindow.empty(self.conv_kernel, self.conv_channels, device=device),
+            ScanStream.start(self.value_heads, self.key_dim, self.value_dim, device=device))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerStep:
+    """One step of one sequence through a recurrent layer: the new rows' outputs
+    ``[n, hidden]``, the state after them, and the scan's state at each chunk end passed."""
+
+    outputs: torch.Tensor
+    state: RecurrentState
+    kept: tuple[tuple[int, torch.Tensor], ...]
+
+
+def gated_deltanet(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
+                   state: RecurrentState, *, project: Project, chunk: int) -> LayerStep:
+    """The layer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
+    n = rows.shape[0]
+    ratio = shape.value_heads // shape.key_heads
+    qkvz = project(module.in_proj_qkvz, rows).view(
+        n, shape.key_heads, 2 * shape.key_dim + 2 * ratio * shape.value_dim)
+    ba = project(module.in_proj_ba, rows).view(n, shape.key_heads, 2 * ratio)
+    q, k, v, z = torch.split(qkvz, [shape.key_dim, shape.key_dim, ratio * shape.value_dim,
+                                    ratio * shape.value_dim], dim=-1)
+    b, a = torch.split(ba, [ratio, ratio], dim=-1)
+    mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+    convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
+                                    module.conv1d.bias)
+    convolved = by_row(F.silu, convolved)
+    key_width = shape.key_heads * shape.key_dim
+    q, k, v = torch.split(convolved, [key_width, key_width, shape.value_heads * shape.value_dim],
+                          dim=-1)
+    q = _l2(q.reshape(n, shape.key_heads, shape.key_dim).float())
+    k = _l2(k.reshape(n, shape.key_heads, shape.key_dim).float())
+    if ratio > 1:  # each key head serves its group of value heads
+        q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
+    inputs = ScanInputs(
+        queries=q * shape.key_dim ** -0.5, keys=k,
+        values=v.reshape(n, shape.value_heads, shape.value_dim).float(),
+        decays=-module.A_log.float().exp() * by_row(
+            F.softplus, a.reshape(n, shape.value_heads).float() + module.dt_bias),
+        betas=by_row(torch.sigmoid, b.reshape(n, shape.value_heads).float()))
+    step = scan_step(state.scan, inputs, chunk, delta=True)
+    attended = step.outputs.to(rows.dtype).reshape(n * shape.value_heads, shape.value_dim)
+    gated = _gated_norm(module.norm, attended, z.reshape(n * shape.value_heads, shape.value_dim))
+    out = project(module.out_proj, gated.reshape(n, shape.value_heads * shape.value_dim))
+    return LayerStep(outputs=out, state=RecurrentState(window, step.stream), kept=step.states)
+
+
+def _gated_norm(norm: Any, rows: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """``norm(rows, gates)`` of transformers' gated RMSNorm (each row normalised in float32,
+    scaled by ``weight``, times ``silu(gate)``), its SiLU lane-stable (``by_row``)."""
+    x = rows.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    out: torch.Tensor = (norm.weight * x.to(rows.dtype)) * by_row(F.silu, gates.float())
+    return out.to(rows.dtype)
+
+
+def _l2(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
