@@ -18,7 +18,6 @@ steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,26 +26,11 @@ import torch.nn.functional as F
 
 from gateway.engine.forward.recurrent.chunked_scan import ScanInputs, ScanStream, scan_step
 from gateway.engine.forward.recurrent.lanes import by_row
+from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
 from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv
-
-Project = Callable[[Any, torch.Tensor], torch.Tensor]
-"""``project(linear, rows)``: ``rows @ linear.weight.T`` (+ bias), each row's bits its own."""
 
 L2_EPS = 1e-6
 """The L2 norm's epsilon (the FLA kernels' and transformers')."""
-
-
-@dataclass(frozen=True, slots=True)
-class RecurrentState:
-    """What one sequence keeps of one recurrent layer between steps: its convolution's window
-    and its scan's stream (the state after its last whole chunk and the tokens since)."""
-
-    conv: ConvWindow
-    scan: ScanStream
-
-    @property
-    def length(self) -> int:
-        return self.scan.length
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,16 +62,6 @@ class DeltaNetShape:
             ScanStream.start(self.value_heads, self.key_dim, self.value_dim, device=device))
 
 
-@dataclass(frozen=True, slots=True)
-class LayerStep:
-    """One step of one sequence through a recurrent layer: the new rows' outputs
-    ``[n, hidden]``, the state after them, and the scan's state at each chunk end passed."""
-
-    outputs: torch.Tensor
-    state: RecurrentState
-    kept: tuple[tuple[int, torch.Tensor], ...]
-
-
 def gated_deltanet(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
                    state: RecurrentState, *, project: Project, chunk: int) -> LayerStep:
     """The layer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
@@ -116,6 +90,7 @@ def gated_deltanet(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
         decays=-module.A_log.float().exp() * by_row(
             F.softplus, a.reshape(n, shape.value_heads).float() + module.dt_bias),
         betas=by_row(torch.sigmoid, b.reshape(n, shape.value_heads).float()))
+    assert state.scan is not None, "a Gated DeltaNet layer's state has a scan"
     step = scan_step(state.scan, inputs, chunk, delta=True)
     attended = step.outputs.to(rows.dtype).reshape(n * shape.value_heads, shape.value_dim)
     gated = _gated_norm(module.norm, attended, z.reshape(n * shape.value_heads, shape.value_dim))

@@ -13,11 +13,8 @@ from hypothesis import strategies as st
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
-from gateway.engine.forward.recurrent.gated_deltanet import (
-    DeltaNetShape,
-    RecurrentState,
-    gated_deltanet,
-)
+from gateway.engine.forward.recurrent.gated_deltanet import DeltaNetShape, gated_deltanet
+from gateway.engine.forward.recurrent.layer_state import RecurrentState
 
 CHUNK = 4
 
@@ -87,5 +84,6 @@ def test_steps_of_any_size_give_the_bits_of_one_prompt(
     whole, whole_state = run(layer, rows, [n])
     stepped, stepped_state = run(layer, rows, sizes)
     assert torch.equal(stepped, whole)
+    assert stepped_state.scan is not None and whole_state.scan is not None
     assert torch.equal(stepped_state.scan.state, whole_state.scan.state)
     assert torch.equal(stepped_state.conv.inputs, whole_state.conv.inputs)

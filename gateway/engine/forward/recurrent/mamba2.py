@@ -1,0 +1,105 @@
+"""A Mamba-2 mixer (the ``mamba`` layers of Granite 4.0-H, Bamba, Falcon-H1, Nemotron-H)
+computed for one sequence's new rows from the state it kept, with the same bits however its
+tokens arrive.
+
+The mixer, as the checkpoint's module holds it: ``in_proj`` gives each token its gate ``z``,
+the convolution's input (``x``, then ``B`` and ``C`` per group) and one ``dt`` per head; a short
+causal convolution with the layer's activation runs over ``x | B | C``;
+``dt = clamp(softplus(dt + dt_bias), time_step_limit)``; each head's state ``h``
+(``[head_dim, d_state]``) decays by ``exp(dt * A)`` (``A = -exp(A_log)``), takes
+``dt * x (x) B`` and is read by ``C``; ``D * x`` is added; the result times ``silu(z)`` is
+RMS-normalised per group (``norm``) and projected back (``out_proj``).
+
+The state-space step is the decayed linear rule of ``chunked_scan`` with ``q = C``, ``k = B``,
+``v = dt * x`` and ``g = dt * A``: its ``[d_state, head_dim]`` state is ``h`` transposed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gateway.engine.forward.recurrent.chunked_scan import ScanInputs, ScanStream, scan_step
+from gateway.engine.forward.recurrent.lanes import by_row
+from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
+from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv
+
+
+@dataclass(frozen=True, slots=True)
+class Mamba2Shape:
+    """A Mamba-2 mixer's sizes (its config's ``mamba_*`` fields)."""
+
+    heads: int
+    head_dim: int
+    state_dim: int
+    groups: int
+    conv_kernel: int
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @classmethod
+    def of(cls, config: Any) -> Mamba2Shape:
+        limit = getattr(config, "time_step_limit", None) or (0.0, float("inf"))
+        return cls(heads=int(config.mamba_n_heads), head_dim=int(config.mamba_d_head),
+                   state_dim=int(config.mamba_d_state), groups=int(config.mamba_n_groups),
+                   conv_kernel=int(config.mamba_d_conv),
+                   time_step_limit=(float(limit[0]), float(limit[1])))
+
+    @property
+    def inner(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        return self.inner + 2 * self.groups * self.state_dim
+
+    def start(self, device: torch.device | str = "cpu") -> RecurrentState:
+        """The state of a sequence with no tokens."""
+        return RecurrentState(
+            ConvWindow.empty(self.conv_kernel, self.conv_channels, device=device),
+            ScanStream.start(self.heads, self.state_dim, self.head_dim, device=device))
+
+
+def mamba2(module: Any, shape: Mamba2Shape, rows: torch.Tensor, state: RecurrentState, *,
+           project: Project, chunk: int) -> LayerStep:
+    """The mixer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
+    n = rows.shape[0]
+    gate, mixed, dt = torch.split(project(module.in_proj, rows),
+                                  [shape.inner, shape.conv_channels, shape.heads], dim=-1)
+    convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
+                                    module.conv1d.bias)
+    convolved = by_row(module.act, convolved)
+    x, b, c = torch.split(convolved, [shape.inner, shape.groups * shape.state_dim,
+                                      shape.groups * shape.state_dim], dim=-1)
+    per_group = shape.heads // shape.groups
+    dt = by_row(F.softplus, dt.float() + module.dt_bias.float())
+    dt = dt.clamp(min=shape.time_step_limit[0], max=shape.time_step_limit[1])
+    x = x.reshape(n, shape.heads, shape.head_dim).float()
+    a = -module.A_log.float().exp()
+
+    def per_head(groups: torch.Tensor) -> torch.Tensor:
+        return groups.reshape(n, shape.groups, shape.state_dim).float().repeat_interleave(
+            per_group, dim=1)
+
+    inputs = ScanInputs(queries=per_head(c), keys=per_head(b), values=x * dt.unsqueeze(-1),
+                        decays=dt * a, betas=torch.ones_like(dt))
+    assert state.scan is not None, "a Mamba-2 layer's state has a scan"
+    step = scan_step(state.scan, inputs, chunk, delta=False)
+    y = step.outputs + module.D.float()[:, None] * x                 # [n, heads, head_dim]
+    normed = _gated_group_norm(module.norm, y.reshape(n, shape.inner), gate, shape.groups)
+    out = project(module.out_proj, normed.to(rows.dtype))
+    return LayerStep(outputs=out, state=RecurrentState(window, step.stream), kept=step.states)
+
+
+def _gated_group_norm(norm: Any, rows: torch.Tensor, gate: torch.Tensor,
+                      groups: int) -> torch.Tensor:
+    """transformers' gated RMSNorm of Mamba-2 (``rows * silu(gate)``, normalised per group in
+    float32, times ``weight``), its SiLU lane-stable (``by_row``)."""
+    x = rows.float() * by_row(F.silu, gate.float())
+    grouped = x.reshape(x.shape[0], groups, -1)
+    grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True)
+                                    + norm.variance_epsilon)
+    out: torch.Tensor = norm.weight * grouped.reshape(x.shape).to(rows.dtype)
+    return out

@@ -1,0 +1,92 @@
+"""A Mamba-2 mixer for one sequence's new rows (``gateway.engine.forward.recurrent.mamba2``):
+transformers' Granite 4.0-H mamba layer's numbers, and the same bits however the sequence's
+tokens arrive."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import GraniteMoeHybridConfig
+from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
+    GraniteMoeHybridMambaLayer,
+)
+
+from gateway.engine.forward.recurrent.layer_state import RecurrentState
+from gateway.engine.forward.recurrent.mamba2 import Mamba2Shape, mamba2
+
+CHUNK = 4
+HIDDEN = 32
+
+
+def per_row(linear: Any, rows: torch.Tensor) -> torch.Tensor:
+    """Each row its own product: its bits do not depend on the rows beside it."""
+    return torch.stack([linear(row) for row in rows])
+
+
+@pytest.fixture(scope="module")
+def layer() -> tuple[GraniteMoeHybridMambaLayer, Mamba2Shape]:
+    config = GraniteMoeHybridConfig(hidden_size=HIDDEN, mamba_expand=2, mamba_n_heads=4,
+                                    mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+                                    mamba_d_conv=4, mamba_chunk_size=8, num_hidden_layers=1,
+                                    layer_types=["mamba"], num_attention_heads=4,
+                                    num_key_value_heads=2)
+    torch.manual_seed(0)
+    module = GraniteMoeHybridMambaLayer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.normal_(0.0, 0.3)
+        module.A_log.uniform_(-1.0, 1.0)
+    return module, Mamba2Shape.of(config)
+
+
+def hidden(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+def run(layer: tuple[Any, Mamba2Shape], rows: torch.Tensor,
+        sizes: list[int]) -> tuple[torch.Tensor, RecurrentState]:
+    module, shape = layer
+    state = shape.start()
+    outputs, at = [], 0
+    with torch.inference_mode():
+        for size in sizes:
+            step = mamba2(module, shape, rows[at:at + size], state, project=per_row, chunk=CHUNK)
+            outputs.append(step.outputs)
+            state, at = step.state, at + size
+    return torch.cat(outputs), state
+
+
+def test_it_gives_the_numbers_of_transformers_granite_mamba_layer(
+        layer: tuple[GraniteMoeHybridMambaLayer, Mamba2Shape]) -> None:
+    rows = hidden(21, seed=1)
+    ours, _ = run(layer, rows, [21])
+    with torch.inference_mode():
+        theirs = layer[0](rows.unsqueeze(0))[0]
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 20).flatmap(
+    lambda n: st.tuples(st.just(n), st.lists(st.integers(1, 4), min_size=n, max_size=n))),
+    st.integers(0, 2**16))
+def test_steps_of_any_size_give_the_bits_of_one_prompt(
+        layer: tuple[GraniteMoeHybridMambaLayer, Mamba2Shape], case: tuple[int, list[int]],
+        seed: int) -> None:
+    n, wanted = case
+    sizes, left = [], n
+    for size in wanted:
+        if left == 0:
+            break
+        sizes.append(min(size, left))
+        left -= sizes[-1]
+    rows = hidden(n, seed)
+    whole, whole_state = run(layer, rows, [n])
+    stepped, stepped_state = run(layer, rows, sizes)
+    assert torch.equal(stepped, whole)
+    assert stepped_state.scan is not None and whole_state.scan is not None
+    assert torch.equal(stepped_state.scan.state, whole_state.scan.state)
+    assert torch.equal(stepped_state.conv.inputs, whole_state.conv.inputs)
