@@ -1,14 +1,15 @@
-"""A Gated DeltaNet layer (Qwen3-Next's ``linear_attention`` layers) computed for one sequence's
-new rows from the state it kept, with the same bits however its tokens arrive.
+"""A Gated DeltaNet layer (the ``linear_attention`` layers of Qwen3-Next and Qwen3.5) computed
+for one sequence's new rows from the state it kept, with the same bits however its tokens
+arrive.
 
-The layer, as the checkpoint's module holds it: ``in_proj_qkvz`` and ``in_proj_ba`` project each
-token (grouped per key head: its query, key, its value heads' values and gates ``z``, then
-``b`` and ``a``); a short causal convolution with SiLU runs over the queries, keys and values;
-queries and keys are L2-normalised (queries then scaled by ``key_dim ** -0.5``), each key head
-serving ``value_heads / key_heads`` value heads; ``beta = sigmoid(b)`` and
-``g = -exp(A_log) * softplus(a + dt_bias)``; the gated delta rule
-(``chunked_scan``) reads them; its output is normalised per value head and gated by
-``silu(z)`` (``norm``), then ``out_proj``.
+The layer, as the checkpoint's module holds it: projections give each token its query, key,
+value, gates ``z`` and ``b`` and ``a`` per value head (``_projections``); a short causal
+convolution with SiLU runs over the queries, keys and values; queries and keys are
+L2-normalised (queries then scaled by ``key_dim ** -0.5``), each key head serving
+``value_heads / key_heads`` value heads; ``beta = sigmoid(b)`` and
+``g = -exp(A_log) * softplus(a + dt_bias)``; the gated delta rule (``chunked_scan``) reads
+them; its output is normalised per value head and gated by ``silu(z)`` (``norm``), then
+``out_proj``.
 
 Every step here is per token (the products through ``project``, which the caller makes
 row-invariant; norms over a token's own numbers; the convolution and the scan as their modules
@@ -67,13 +68,7 @@ def gated_deltanet(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
     """The layer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
     n = rows.shape[0]
     ratio = shape.value_heads // shape.key_heads
-    qkvz = project(module.in_proj_qkvz, rows).view(
-        n, shape.key_heads, 2 * shape.key_dim + 2 * ratio * shape.value_dim)
-    ba = project(module.in_proj_ba, rows).view(n, shape.key_heads, 2 * ratio)
-    q, k, v, z = torch.split(qkvz, [shape.key_dim, shape.key_dim, ratio * shape.value_dim,
-                                    ratio * shape.value_dim], dim=-1)
-    b, a = torch.split(ba, [ratio, ratio], dim=-1)
-    mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+    mixed, z, b, a = _projections(module, shape, rows, project)
     convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
                                     module.conv1d.bias)
     convolved = by_row(F.silu, convolved)
@@ -87,15 +82,37 @@ def gated_deltanet(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
     inputs = ScanInputs(
         queries=q * shape.key_dim ** -0.5, keys=k,
         values=v.reshape(n, shape.value_heads, shape.value_dim).float(),
-        decays=-module.A_log.float().exp() * by_row(
-            F.softplus, a.reshape(n, shape.value_heads).float() + module.dt_bias),
-        betas=by_row(torch.sigmoid, b.reshape(n, shape.value_heads).float()))
+        decays=-module.A_log.float().exp() * by_row(F.softplus, a.float() + module.dt_bias),
+        betas=by_row(torch.sigmoid, b.float()))
     assert state.scan is not None, "a Gated DeltaNet layer's state has a scan"
     step = scan_step(state.scan, inputs, chunk, delta=True)
     attended = step.outputs.to(rows.dtype).reshape(n * shape.value_heads, shape.value_dim)
     gated = _gated_norm(module.norm, attended, z.reshape(n * shape.value_heads, shape.value_dim))
     out = project(module.out_proj, gated.reshape(n, shape.value_heads * shape.value_dim))
     return LayerStep(outputs=out, state=RecurrentState(window, step.stream), kept=step.states)
+
+
+def _projections(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
+                 project: Project) -> tuple[torch.Tensor, ...]:
+    """Each token's convolution input ``q | k | v`` ``[n, conv_channels]``, gates ``z``
+    ``[n, value_heads, value_dim]``, and ``b`` and ``a`` ``[n, value_heads]``: from Qwen3.5's
+    four projections, or Qwen3-Next's two, whose outputs are grouped per key head (its query,
+    key, its value heads' values and gates; then its heads' ``b`` and ``a``)."""
+    n = rows.shape[0]
+    if hasattr(module, "in_proj_qkv"):  # Qwen3.5
+        return (project(module.in_proj_qkv, rows),
+                project(module.in_proj_z, rows).view(n, shape.value_heads, shape.value_dim),
+                project(module.in_proj_b, rows), project(module.in_proj_a, rows))
+    ratio = shape.value_heads // shape.key_heads
+    qkvz = project(module.in_proj_qkvz, rows).view(
+        n, shape.key_heads, 2 * shape.key_dim + 2 * ratio * shape.value_dim)
+    ba = project(module.in_proj_ba, rows).view(n, shape.key_heads, 2 * ratio)
+    q, k, v, z = torch.split(qkvz, [shape.key_dim, shape.key_dim, ratio * shape.value_dim,
+                                    ratio * shape.value_dim], dim=-1)
+    b, a = torch.split(ba, [ratio, ratio], dim=-1)
+    mixed = torch.cat([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], dim=-1)
+    return (mixed, z.reshape(n, shape.value_heads, shape.value_dim),
+            b.reshape(n, shape.value_heads), a.reshape(n, shape.value_heads))
 
 
 def _gated_norm(norm: Any, rows: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """A Gated DeltaNet layer for one sequence's new rows (``gateway.engine.forward.recurrent.
-gated_deltanet``): transformers' Qwen3-Next layer's numbers, and the same bits however the
-sequence's tokens arrive."""
+gated_deltanet``): transformers' Qwen3-Next and Qwen3.5 layers' numbers, and the same bits
+however the sequence's tokens arrive."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import Qwen3NextConfig
+from transformers import Qwen3_5TextConfig, Qwen3NextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from gateway.engine.forward.recurrent.gated_deltanet import DeltaNetShape, gated_deltanet
@@ -24,14 +25,19 @@ def per_row(linear: Any, rows: torch.Tensor) -> torch.Tensor:
     return torch.stack([linear(row) for row in rows])
 
 
-@pytest.fixture(scope="module")
-def layer() -> tuple[Qwen3NextGatedDeltaNet, DeltaNetShape]:
-    config = Qwen3NextConfig(hidden_size=32, linear_num_key_heads=2, linear_num_value_heads=4,
-                             linear_key_head_dim=8, linear_value_head_dim=6,
-                             linear_conv_kernel_dim=4, num_hidden_layers=1,
-                             layer_types=["linear_attention"])
+SIZES = {"hidden_size": 32, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+         "linear_key_head_dim": 8, "linear_value_head_dim": 6, "linear_conv_kernel_dim": 4,
+         "num_hidden_layers": 1, "layer_types": ["linear_attention"]}
+MODELS = {"qwen3_next": (Qwen3NextConfig, Qwen3NextGatedDeltaNet),
+          "qwen3_5": (Qwen3_5TextConfig, Qwen3_5GatedDeltaNet)}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def layer(request: pytest.FixtureRequest) -> tuple[Any, DeltaNetShape]:
+    config_class, module_class = MODELS[request.param]
+    config = config_class(**SIZES)
     torch.manual_seed(0)
-    module = Qwen3NextGatedDeltaNet(config, layer_idx=0).eval()
+    module = module_class(config, layer_idx=0).eval()
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.normal_(0.0, 0.3)
@@ -57,8 +63,7 @@ def run(layer: tuple[Any, DeltaNetShape], rows: torch.Tensor, sizes: list[int],
     return torch.cat(outputs), state
 
 
-def test_it_gives_the_numbers_of_transformers_qwen3_next_layer(
-        layer: tuple[Qwen3NextGatedDeltaNet, DeltaNetShape]) -> None:
+def test_it_gives_the_numbers_of_transformers_layer(layer: tuple[Any, DeltaNetShape]) -> None:
     rows = hidden(23, seed=1)
     ours, _ = run(layer, rows, [23])
     with torch.inference_mode():
@@ -71,7 +76,7 @@ def test_it_gives_the_numbers_of_transformers_qwen3_next_layer(
     lambda n: st.tuples(st.just(n), st.lists(st.integers(1, 4), min_size=n, max_size=n))),
     st.integers(0, 2**16))
 def test_steps_of_any_size_give_the_bits_of_one_prompt(
-        layer: tuple[Qwen3NextGatedDeltaNet, DeltaNetShape], case: tuple[int, list[int]],
+        layer: tuple[Any, DeltaNetShape], case: tuple[int, list[int]],
         seed: int) -> None:
     n, wanted = case
     sizes, left = [], n
