@@ -8,7 +8,9 @@ causal convolution with the layer's activation runs over ``x | B | C``;
 ``dt = clamp(softplus(dt + dt_bias), time_step_limit)``; each head's state ``h``
 (``[head_dim, d_state]``) decays by ``exp(dt * A)`` (``A = -exp(A_log)``), takes
 ``dt * x (x) B`` and is read by ``C``; ``D * x`` is added; the result times ``silu(z)`` is
-RMS-normalised per group (``norm``) and projected back (``out_proj``).
+RMS-normalised per group (``norm``) and projected back (``out_proj``). Falcon-H1's mixer
+scales its input by ``ssm_in_multiplier`` and ``in_proj``'s columns by ``mup_vector``, and may
+normalise before the gate or not at all (``_gated_group_norm``).
 
 The state-space step is the decayed linear rule of ``chunked_scan`` with ``q = C``, ``k = B``,
 ``v = dt * x`` and ``g = dt * A``: its ``[d_state, head_dim]`` state is ``h`` transposed.
@@ -66,8 +68,12 @@ def mamba2(module: Any, shape: Mamba2Shape, rows: torch.Tensor, state: Recurrent
            project: Project, chunk: int) -> LayerStep:
     """The mixer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
     n = rows.shape[0]
-    gate, mixed, dt = torch.split(project(module.in_proj, rows),
-                                  [shape.inner, shape.conv_channels, shape.heads], dim=-1)
+    projected = project(module.in_proj, _scaled(rows, getattr(module, "ssm_in_multiplier", None)))
+    mup = getattr(module, "mup_vector", None)  # Falcon-H1's per-column multipliers
+    if mup is not None:
+        projected = projected * mup.reshape(-1)
+    gate, mixed, dt = torch.split(projected, [shape.inner, shape.conv_channels, shape.heads],
+                                  dim=-1)
     convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
                                     module.conv1d.bias)
     convolved = by_row(module.act, convolved)
@@ -88,18 +94,28 @@ def mamba2(module: Any, shape: Mamba2Shape, rows: torch.Tensor, state: Recurrent
     assert state.scan is not None, "a Mamba-2 layer's state has a scan"
     step = scan_step(state.scan, inputs, chunk, delta=False)
     y = step.outputs + module.D.float()[:, None] * x                 # [n, heads, head_dim]
-    normed = _gated_group_norm(module.norm, y.reshape(n, shape.inner), gate, shape.groups)
-    out = project(module.out_proj, normed.to(rows.dtype))
+    gated = _gated_group_norm(module.norm, y.reshape(n, shape.inner), gate, shape.groups)
+    out = project(module.out_proj, gated.to(rows.dtype))
     return LayerStep(outputs=out, state=RecurrentState(window, step.stream), kept=step.states)
+
+
+def _scaled(rows: torch.Tensor, multiplier: float | None) -> torch.Tensor:
+    return rows if multiplier is None else rows * multiplier
 
 
 def _gated_group_norm(norm: Any, rows: torch.Tensor, gate: torch.Tensor,
                       groups: int) -> torch.Tensor:
-    """transformers' gated RMSNorm of Mamba-2 (``rows * silu(gate)``, normalised per group in
-    float32, times ``weight``), its SiLU lane-stable (``by_row``)."""
-    x = rows.float() * by_row(F.silu, gate.float())
+    """The mixer's output gated by ``silu(gate)`` and RMS-normalised per group in float32 (times
+    ``weight``): the gate first (Granite 4.0-H, Bamba; Falcon-H1 with
+    ``mamba_norm_before_gate`` false), the norm first (Falcon-H1's default), or the gate alone
+    (Falcon-H1 without ``mamba_rms_norm``). The SiLU is lane-stable (``by_row``)."""
+    silu_gate = by_row(F.silu, gate.float())
+    if getattr(norm, "weight", None) is None:
+        return rows.float() * silu_gate
+    norm_first = bool(getattr(norm, "norm_before_gate", False))
+    x = rows.float() if norm_first else rows.float() * silu_gate
     grouped = x.reshape(x.shape[0], groups, -1)
     grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True)
                                     + norm.variance_epsilon)
     out: torch.Tensor = norm.weight * grouped.reshape(x.shape).to(rows.dtype)
-    return out
+    return out * silu_gate if norm_first else out

@@ -1,16 +1,19 @@
 """A Mamba-2 mixer for one sequence's new rows (``gateway.engine.forward.recurrent.mamba2``):
-transformers' Granite 4.0-H mamba layer's numbers, and the same bits however the sequence's
-tokens arrive."""
+transformers' numbers for Granite 4.0-H's mamba layer and Falcon-H1's mixer (its multipliers,
+its norm before or after the gate, or none), and the same bits however the sequence's tokens
+arrive."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import GraniteMoeHybridConfig
+from transformers import FalconH1Config, GraniteMoeHybridConfig
+from transformers.models.falcon_h1.modeling_falcon_h1 import FalconH1Mixer, compute_mup_vector
 from transformers.models.granitemoehybrid.modeling_granitemoehybrid import (
     GraniteMoeHybridMambaLayer,
 )
@@ -27,15 +30,39 @@ def per_row(linear: Any, rows: torch.Tensor) -> torch.Tensor:
     return torch.stack([linear(row) for row in rows])
 
 
-@pytest.fixture(scope="module")
-def layer() -> tuple[GraniteMoeHybridMambaLayer, Mamba2Shape]:
-    config = GraniteMoeHybridConfig(hidden_size=HIDDEN, mamba_expand=2, mamba_n_heads=4,
-                                    mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
-                                    mamba_d_conv=4, mamba_chunk_size=8, num_hidden_layers=1,
-                                    layer_types=["mamba"], num_attention_heads=4,
-                                    num_key_value_heads=2)
+MAMBA: dict[str, Any] = {
+    "hidden_size": HIDDEN, "mamba_expand": 2, "mamba_n_heads": 4, "mamba_d_head": 16,
+    "mamba_d_state": 16, "mamba_n_groups": 2, "mamba_d_conv": 4, "mamba_chunk_size": 8,
+    "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}
+
+
+def granite() -> tuple[Any, Any]:
+    config = GraniteMoeHybridConfig(**MAMBA, layer_types=["mamba"])
+    return GraniteMoeHybridMambaLayer(config, layer_idx=0), config
+
+
+def falcon_h1(**options: Any) -> tuple[Any, Any]:
+    config = FalconH1Config(**MAMBA, mamba_d_ssm=64, ssm_in_multiplier=0.7,
+                            ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.5], **options)
+    module = FalconH1Mixer(config, layer_idx=0)
+    mup: Callable[[Any], torch.Tensor] = compute_mup_vector
+    module.register_buffer("mup_vector", mup(config), persistent=False)
+    return module, config
+
+
+MIXERS: dict[str, Callable[[], tuple[Any, Any]]] = {
+    "granite-4.0-h": granite,
+    "falcon-h1 (norm before the gate)": lambda: falcon_h1(mamba_norm_before_gate=True),
+    "falcon-h1 (gate before the norm)": lambda: falcon_h1(mamba_norm_before_gate=False),
+    "falcon-h1 (no norm)": lambda: falcon_h1(mamba_rms_norm=False),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MIXERS))
+def layer(request: pytest.FixtureRequest) -> tuple[Any, Mamba2Shape]:
     torch.manual_seed(0)
-    module = GraniteMoeHybridMambaLayer(config, layer_idx=0).eval()
+    module, config = MIXERS[request.param]()
+    module.eval()
     with torch.no_grad():
         for parameter in module.parameters():
             parameter.normal_(0.0, 0.3)
@@ -60,8 +87,7 @@ def run(layer: tuple[Any, Mamba2Shape], rows: torch.Tensor,
     return torch.cat(outputs), state
 
 
-def test_it_gives_the_numbers_of_transformers_granite_mamba_layer(
-        layer: tuple[GraniteMoeHybridMambaLayer, Mamba2Shape]) -> None:
+def test_it_gives_the_numbers_of_transformers_mixer(layer: tuple[Any, Mamba2Shape]) -> None:
     rows = hidden(21, seed=1)
     ours, _ = run(layer, rows, [21])
     with torch.inference_mode():
@@ -74,7 +100,7 @@ def test_it_gives_the_numbers_of_transformers_granite_mamba_layer(
     lambda n: st.tuples(st.just(n), st.lists(st.integers(1, 4), min_size=n, max_size=n))),
     st.integers(0, 2**16))
 def test_steps_of_any_size_give_the_bits_of_one_prompt(
-        layer: tuple[GraniteMoeHybridMambaLayer, Mamba2Shape], case: tuple[int, list[int]],
+        layer: tuple[Any, Mamba2Shape], case: tuple[int, list[int]],
         seed: int) -> None:
     n, wanted = case
     sizes, left = [], n
