@@ -161,8 +161,9 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
                  api_key: str, admin_key: str, engine: EngineOptions | None = None,
                  device: str = "auto", dtype: str = "auto", skip_slow_tiers: bool = True,
                  other_tenant_keys: Mapping[str, str] | None = None,
-                 calls_per_key: int | None = None, disk_bytes: str = "8GiB",
-                 redis_timeout_s: float = 10.0, redis_cluster: bool = False) -> str:
+                 calls_per_key: int | None = None, host_bytes: str = "4GiB",
+                 disk_bytes: str = "8GiB", redis_timeout_s: float = 10.0,
+                 redis_cluster: bool = False) -> str:
     """The ``kvgate serve`` configuration of a spawned gateway (TOML); ``device`` and ``dtype``
     as ``--device`` and ``--dtype`` spell them (the benchmark's own, resolved);
     ``skip_slow_tiers`` False makes every load come from the tier that holds the block;
@@ -188,7 +189,7 @@ def spawn_config(*, block_tokens: int, device_bytes: int, redis_url: str | None,
         "[cache]",
         f"block_tokens = {block_tokens}",
         f"device_bytes = {device_bytes}",
-        'host_bytes = "4GiB"',
+        f'host_bytes = "{host_bytes}"',
         f'disk_bytes = "{disk_bytes}"',
     ]
     # Keys left at the server's default are not written, so that a --baseline checkout of an

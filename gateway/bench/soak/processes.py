@@ -192,8 +192,11 @@ class SoakReplica:
         config = spawn_config(block_tokens=block_tokens, device_bytes=256 << 20,
                               redis_url=redis_url, api_key=api_key, admin_key=admin_key,
                               skip_slow_tiers=False, calls_per_key=64,
-                              # a small disk tier, so that the load fills it and evicts
-                              disk_bytes=disk_bytes, redis_timeout_s=1.0,
+                              # a small disk tier, so that the load fills it and evicts;
+                              # a host tier the load fills in its first minutes, so that
+                              # memory after that is judged steady, not still filling
+                              host_bytes="256MiB", disk_bytes=disk_bytes,
+                              redis_timeout_s=1.0,
                               redis_cluster=redis_cluster)
         self.config_path = root / "kvgate.toml"
         self.config_path.write_text(config, encoding="utf-8")

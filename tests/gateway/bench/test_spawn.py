@@ -98,3 +98,11 @@ def test_the_transformers_serve_reference_runs_on_the_benchmarks_device_in_its_d
     assert command[command.index("--device") + 1] == "cuda:0"
     assert command[command.index("--dtype") + 1] == "bfloat16"
     assert command[command.index("--port") + 1] == "8123"
+
+
+def test_the_host_tier_is_the_size_asked_for(tmp_path: Path) -> None:
+    path = tmp_path / "kvgate.toml"
+    path.write_text(spawn_config(block_tokens=64, device_bytes=1 << 20, redis_url=None,
+                                 api_key=API_KEY, admin_key=ADMIN_KEY, host_bytes="256MiB"))
+    config = load_serve_config(path, env={}, overrides={"data_dir": tmp_path / "data"})
+    assert config.cache.host_bytes == 256 << 20
