@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 from gateway.cache.operations.session_admin import drop_expired_sessions
 from gateway.cache.prefix_cache import PrefixCache
@@ -77,18 +78,20 @@ class ExpirySweeper:
             self.num_swept += removed
             if removed:
                 logger.debug("sweeper: %d expired block copies removed", removed)
-            try:
-                ended = drop_expired_sessions(self._cache)
-            except Exception:  # the next sweep tries again; the sweeper must not die
-                logger.exception("sweeper: ending expired sessions failed")
-                continue
-            if ended:
-                logger.debug("sweeper: %d expired sessions ended", ended)
-            try:
-                copied = restore_pinned_copies(self._cache)
-            except Exception:  # the next sweep tries again; the sweeper must not die
-                logger.exception("sweeper: restoring pinned blocks' copies failed")
-                continue
-            if copied:
-                logger.info("sweeper: %d pinned blocks copied again to the tiers a restart "
-                            "reads", copied)
+            # Each chore on its own: one that fails leaves the others to run, and the next
+            # sweep tries it again (the sweeper must not die).
+            for chore, done_what in _CHORES:
+                try:
+                    done = chore(self._cache)
+                except Exception:
+                    logger.exception("sweeper: %s failed", chore.__name__)
+                    continue
+                if done:
+                    logger.debug("sweeper: %d %s", done, done_what)
+
+
+_CHORES: tuple[tuple[Callable[[PrefixCache], int], str], ...] = (
+    (drop_expired_sessions, "expired sessions ended"),
+    (restore_pinned_copies, "pinned blocks copied again to the tiers a restart reads"),
+)
+"""What each sweep does after removing expired blocks, and what its count counts."""
