@@ -20,10 +20,11 @@ from tests.tokenizer_fixture import CHAT_TEMPLATE, make_hf_tokenizer
 VOCAB = 512
 
 
-def save_tiny_llama(directory: Path, *, seed: int = 0,
-                    chat_template: str = CHAT_TEMPLATE) -> Path:
+def save_tiny_llama(directory: Path, *, seed: int = 0, chat_template: str = CHAT_TEMPLATE,
+                    tied: bool = False) -> Path:
     """Write a tiny random Llama checkpoint (weights from ``seed``, the tokenizer's template
-    ``chat_template``) and return its directory."""
+    ``chat_template``; ``tied``: its logits head is its embeddings' table, as SmolLM2's) and
+    return its directory."""
     tokenizer = make_hf_tokenizer(chat_template=chat_template)
     config = LlamaConfig(
         vocab_size=VOCAB,
@@ -35,7 +36,7 @@ def save_tiny_llama(directory: Path, *, seed: int = 0,
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

@@ -17,6 +17,7 @@ import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
 import torch
@@ -25,7 +26,7 @@ from gateway.bench.numerics import BenchNumerics, resolve_numerics
 from gateway.engine.forward.batched import BatchedForward, SequenceRows, StepForward
 from gateway.engine.forward.captured_steps import CapturedSteps, captured_steps_problem
 from gateway.engine.kv.sequence import KVSequence
-from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.models.loading import LoadedModel, ModelLoadError, load_model
 from gateway.engine.parity.route_search import SearchSettings, build_forward, search_route
 from tiers.page_pool import PagePool
 
@@ -116,12 +117,21 @@ def _pool(loaded: LoadedModel, sequences: int, capacity: int) -> PagePool:
 
 
 def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repeats: int,
-                         numerics: BenchNumerics, out: TextIO) -> list[DecodeRow]:
-    """Print and return the decode step times of ``model`` (module docstring)."""
-    loaded = load_model(model, device=numerics.device, dtype=numerics.dtype)
+                         numerics: BenchNumerics, out: TextIO,
+                         cache_dir: Path | None = None) -> list[DecodeRow]:
+    """Print and return the decode step times of ``model`` (module docstring; ``cache_dir``:
+    where ``bundled`` is converted)."""
+    try:
+        loaded = load_model(model, cache_dir=cache_dir, device=numerics.device,
+                            dtype=numerics.dtype)
+    except ModelLoadError as exc:
+        raise SystemExit(f"decode_steps: {exc}") from None
     most = max(rows)
     verdict = search_route(loaded, SearchSettings(max_logit_rows=most,
                                                   max_rows=max(most, 256)))
+    # Read while plain: once built, packed weights are no module parameters.
+    read_ms = weight_read_ms(loaded, numerics, repeats)
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     forward = build_forward(loaded, verdict)
     if not isinstance(forward, BatchedForward):
         raise SystemExit(f"the batched forward is not invariant here: {verdict.reason}")
@@ -139,8 +149,6 @@ def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repea
               + " (the padding a row keeps its bits under here)\n")
     if problem is not None:
         out.write(f"captured steps: not here ({problem})\n")
-    read_ms = weight_read_ms(loaded, numerics, repeats)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     out.write(f"reading every weight once: {read_ms:.2f} ms ({weight_bytes / 2**30:.2f} GiB, "
               f"{weight_bytes / read_ms / 1e6:.0f} GB/s)\n")
     measured = time_decode_steps(loaded, forward, numerics, rows=rows, context=context,
@@ -176,7 +184,10 @@ def _counts(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gateway.bench.decode_steps",
                                      description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--model", required=True, help="a checkpoint directory")
+    parser.add_argument("--model", required=True,
+                        help="bundled, or a checkpoint directory (made by save_pretrained)")
+    parser.add_argument("--data-dir", type=Path, default=Path("data"),
+                        help="where bundled is converted (default data)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rows", type=_counts, default=[1, 8, 32],
@@ -189,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--context and --repeats must be >= 1")
     run_decode_benchmark(model=args.model, rows=args.rows, context=args.context,
                          repeats=args.repeats, numerics=resolve_numerics(args.device, args.dtype),
-                         out=sys.stdout)
+                         out=sys.stdout, cache_dir=args.data_dir / "models")
     return 0
 
 

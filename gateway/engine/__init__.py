@@ -11,7 +11,8 @@
 - ``attention/``: the attention backends, one module each, chosen in ``attention/choice.py``;
 - ``kv/``: a request's KV as a table of pool pages, a step's writes into them, conversation tails;
 - ``linear/``: how a step's rows are multiplied by a weight so that each row keeps its bits;
-- ``output/``: what leaves a step: the next token, its text, and what the engine reports.
+- ``output/``: what leaves a step: the next token, its text, and what the engine reports;
+- ``native/``: building and loading the C kernels whose sources sit beside their callers.
 
 The rule is checked by ``tests/architecture/test_layers.py``.
 """

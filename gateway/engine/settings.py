@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
-from gateway.engine.linear.row_products import LinearKernel
+from gateway.engine.linear.row_products import LINEAR_KERNELS, LinearKernel
 from gateway.engine.parity.route_search import SearchSettings
 from gateway.engine.scheduling.scheduler import ScheduleLimits
 
@@ -70,12 +70,14 @@ class EngineSettings:
             tenant: one arriving would wait for its requests to end); one tenant only: set 1.0
             (``gateway.engine.scheduling.scheduler``).
         linear_kernel: what multiplies the batched forward's rows by the weights: "auto"
-            (oneDNN on a CPU where it keeps a row's bits whatever the row count, else BLAS),
-            "onednn" or "blas" (``gateway.engine.linear.row_products``). Part of the cache
-            namespace.
-        pack_weights: oneDNN's products read the projection weights packed in its own layout,
-            once at start-up, where the start-up check finds every row keeps its bits (faster
-            decode steps, no second copy of the weights; not part of the namespace:
+            (kvgate's panel kernel on a CPU in float32 where the engine owns the weights, else
+            oneDNN where it keeps a row's bits whatever the row count, else BLAS), "panels"
+            (the same), "onednn" (oneDNN, else BLAS) or "blas"
+            (``gateway.engine.linear.row_products``). Part of the cache namespace.
+        pack_weights: the projection weights are laid out once at start-up, in place, in the
+            layout their kernel reads: the panel kernel's panels (without them it is not
+            used), or oneDNN's blocked layout where the start-up check finds every row keeps
+            its bits (faster decode steps, no second copy of the weights:
             ``gateway.engine.linear.packed_weights``).
         tail_cache_bytes: memory for conversation tails (the K/V after a conversation's last
             full block, kept for its next turn; ``gateway.engine.kv.tail_cache``, only where
@@ -127,9 +129,10 @@ class EngineSettings:
         if self.route not in ROUTES:
             errors.append(f"engine.route must be \"auto\", \"batched\" or \"serial\", got "
                           f"{self.route!r}")
-        if self.linear_kernel not in ("auto", "onednn", "blas"):
-            errors.append(f"engine.linear_kernel must be \"auto\", \"onednn\" or \"blas\", "
-                          f"got {self.linear_kernel!r}")
+        if self.linear_kernel not in LINEAR_KERNELS:
+            errors.append("engine.linear_kernel must be "
+                          + ", ".join(f'"{name}"' for name in LINEAR_KERNELS[:-1])
+                          + f' or "{LINEAR_KERNELS[-1]}", got {self.linear_kernel!r}')
         if not is_int(self.tail_cache_bytes) or self.tail_cache_bytes < 0:
             errors.append(f"engine.tail_cache_bytes must be an integer >= 0, got "
                           f"{self.tail_cache_bytes!r}")

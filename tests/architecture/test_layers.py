@@ -3,7 +3,7 @@
     cli → bench → service → config → engine → cache → core      (gateway/)
     inside gateway/cache/: operations → the core (the modules directly in gateway/cache/)
     inside gateway/engine/: engine.py, settings.py → scheduling → parity → models → forward
-        → attention → kv → linear → output
+        → attention → kv → linear → output → native
     gateway.client → core and the generated stubs only (it imports nothing of the server)
     tiers → policies and gateway.core only;  policies → gateway.core only
 
@@ -23,7 +23,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("cli", "bench", "service", "config", "engine", "cache", "core")
 ENGINE_LAYERS = ("scheduling", "parity", "models", "forward", "attention", "kv", "linear",
-                 "output")
+                 "output", "native")
 """gateway/engine/'s sub-packages, top to bottom (gateway/engine/__init__.py says what each
 holds); the modules directly in gateway/engine/ (the ``Engine`` and its settings) sit above
 them all."""

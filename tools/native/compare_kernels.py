@@ -26,14 +26,14 @@ from pathlib import Path
 
 import torch
 
-from gateway.engine.attention.native.build import (
+from gateway.engine.attention.paged import SOURCE as PAGED_SOURCE
+from gateway.engine.attention.paged import PagedKernel
+from gateway.engine.native.build import (
     BASE_FLAGS,
-    SOURCE_DIR,
     compiler,
     cpu_flags,
     isa_flags,
 )
-from gateway.engine.attention.paged import PagedKernel
 
 TIMED = (("a 40-token suffix over 2,048 cached", [(2048, 40)]),
          ("a decode step of 8 x 1,500", [(1500 + i, 1) for i in range(8)]),
@@ -99,7 +99,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--cases", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=100)
     args = parser.parse_args(argv)
-    here = SOURCE_DIR / "paged_attention.c"
+    here = PAGED_SOURCE
     with tempfile.TemporaryDirectory() as tmp:
         other, mine = (build(args.other, Path(tmp) / "other.so", portable=False),
                        build(here, Path(tmp) / "this.so", portable=False))

@@ -21,17 +21,21 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from gateway.engine.attention.native.build import NativeBuildError, load
 from gateway.engine.attention.tiled import AttentionItem, shared_sinks
 from gateway.engine.kv.sequence import LayerPages
+from gateway.engine.native.build import NativeBuildError, load
 
 NUMERICS = "p8fma"
 """This attention's part of the block namespace (see ``gateway.engine.attention.tiled.NUMERICS``):
 eight-lane fused dot products, a fixed exp polynomial, keys summed in order. Any change to the
 numbers the C kernel produces must change this name."""
+
+SOURCE = Path(__file__).resolve().parent / "native" / "paged_attention.c"
+"""The kernel's C source (built by ``gateway.engine.native.build``)."""
 
 _int64 = ctypes.c_int64
 _int = ctypes.c_int
@@ -52,7 +56,7 @@ class PagedKernel:
     @classmethod
     def load(cls, *, portable: bool = False) -> PagedKernel:
         """Raises ``NativeBuildError`` where it cannot be built."""
-        return cls(load("paged_attention.c", portable=portable))
+        return cls(load(SOURCE, portable=portable))
 
     def __call__(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: torch.Tensor,
                  queries: torch.Tensor, row_item: torch.Tensor, row_position: torch.Tensor,

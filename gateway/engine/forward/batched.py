@@ -198,8 +198,7 @@ class BatchedForward:
             if rows.sequence.length + n > rows.sequence.capacity:
                 raise ValueError(f"{n} tokens do not fit a sequence of {rows.sequence.length}/"
                                  f"{rows.sequence.capacity}")
-        model = self._model.model
-        device = model.embed_tokens.weight.device
+        device = self.device
         # Rows: every prefill entry's tokens, then (when decode rows share the product) every
         # decode entry's, padding up to a row count that keeps their bits, then (otherwise) one
         # row per decode entry, each a product of its own.
@@ -416,7 +415,10 @@ class BatchedForward:
         needed = -(-max(1, num_positions) // ROPE_CHUNK) * ROPE_CHUNK
         if self._cos.shape[0] < needed:
             rotary = self._model.model.rotary_emb
-            weight = self._model.model.embed_tokens.weight
+            # What the rotary embedding reads of its input: the dtype and device (the
+            # embeddings' table may be packed with a tied head: no plain rows to take).
+            table = self._model.model.embed_tokens.weight
+            weight = torch.empty(1, 1, dtype=table.dtype, device=table.device)
             # The first chunk sets the tables' width: each kind's a head's, or fewer where
             # it rotates only part of each head (GLM-4, Phi-3 partial), side by side.
             cos_parts = [self._cos] if self._cos.shape[0] else []

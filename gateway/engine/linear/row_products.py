@@ -9,6 +9,10 @@ model's own dtype, whose padding is searched at start-up on the model's weight s
 bfloat16 inner product on an AVX2 CPU, say) is dropped with one log line saying why. The engine
 then probes each candidate on the real weights, best first (``gateway.engine.parity.route_search``).
 
+- **panels** (kvgate's own C kernel, ``gateway.engine.linear.panel_products``): each output
+  number summed in one fixed order whatever the row count, so no padding (one row is one row)
+  and the same bits on every CPU; weights laid out in its panels once at start-up. On the CPU
+  in float32, where the weights are the engine's own to lay out; tried first.
 - **oneDNN** (``torch.ops.mkldnn._linear_pointwise``, the inner product behind inductor's CPU
   linears): on this project's AMD CPUs a row kept its bits for every count from 2 (float32), and
   it ran about twice as fast as MKL's sgemm there. Every row of a step, prefill and decode
@@ -38,6 +42,8 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
+from gateway.engine.linear.panel_products import NUMERICS as PANEL_NUMERICS
+from gateway.engine.linear.panel_products import Panels, panel_kernel_problem, panel_product
 from gateway.engine.linear.row_padding import (
     CPU_ROW_PADDING,
     RowPadding,
@@ -50,8 +56,8 @@ from gateway.engine.linear.row_padding import (
 
 logger = logging.getLogger(__name__)
 
-LinearKernel = Literal["auto", "onednn", "blas"]
-LINEAR_KERNELS: tuple[LinearKernel, ...] = ("auto", "onednn", "blas")
+LinearKernel = Literal["auto", "panels", "onednn", "blas"]
+LINEAR_KERNELS: tuple[LinearKernel, ...] = ("auto", "panels", "onednn", "blas")
 
 Product = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 """``product(rows, weight, bias)``: ``rows @ weight.T (+ bias)``."""
@@ -70,16 +76,23 @@ def _blas(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return F.linear(rows, weight, bias)
 
 
-def _onednn(rows: torch.Tensor, weight: torch.Tensor,
+def _onednn(rows: torch.Tensor, weight: torch.Tensor | Panels,
             bias: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(weight, Panels):  # laid out for the panel kernel by another route's engine
+        weight = weight.plain()
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
     return out
 
 
-KERNELS: Mapping[str, Product] = {"onednn": _onednn, "gemm": _blas, "blas": _blas}
+KERNELS: Mapping[str, Product] = {"panels": panel_product, "onednn": _onednn, "gemm": _blas,
+                                  "blas": _blas}
 """The kernels by name, best first where the machine can run them."""
 
-SHARES_DECODE_ROWS = {"onednn": True, "gemm": True, "blas": False}
+PANEL_PADDINGS = (RowPadding(minimum=1, multiple=1),)
+"""The panel kernel's only padding: none (its rows keep their bits by construction; the
+start-up search checks it anyway)."""
+
+SHARES_DECODE_ROWS = {"panels": True, "onednn": True, "gemm": True, "blas": False}
 """Whether a kernel's decode rows join the shared product (module docstring)."""
 
 Wider = tuple[tuple[Shape, RowPadding], ...]
@@ -127,6 +140,8 @@ class RowProducts:
     def label(self) -> str:
         """Its part of the block namespace (empty for the CPU's BLAS, the earliest numerics)."""
         wider = "".join(f"+{out}x{in_}{padding.label}" for (out, in_), padding in self.wider)
+        if self.kernel == "panels":
+            return f"{PANEL_NUMERICS}-{self.padding.label}{wider}"
         if self.kernel == "onednn":
             return f"dnnl-{self.padding.label}{wider}"
         if self.kernel == "gemm":
@@ -177,6 +192,10 @@ when nothing was searched; the engine always searches)."""
 def kernel_problem(kernel: str, device: torch.device, dtype: torch.dtype,
                    kernels: Mapping[str, Product] = KERNELS) -> str | None:
     """Why ``kernel`` cannot multiply ``dtype`` rows on ``device`` here, or None."""
+    if kernel == "panels" and kernels.get(kernel) is panel_product:
+        problem = panel_kernel_problem(device, dtype)
+        if problem is not None:
+            return problem
     if kernel == "onednn" and device.type != "cpu":
         return f"oneDNN's inner product serves the CPU, not {device.type}"
     if kernel == "gemm" and device.type != "cuda":
@@ -207,12 +226,18 @@ def _search(kernel: str, product: Product, device: torch.device,
     """The padding ``kernel``'s shared products need on these weights, and the shapes that
     need more (None: none holds); ``searched`` keeps the BLAS-style search's answer by product
     (``gemm`` and ``blas`` are both ``F.linear``: searched once)."""
+    laid_out: dict[int, Panels] = {}
+
     def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if product is panel_product:  # each weight laid out once for the whole search
+            if id(weight) not in laid_out:
+                laid_out[id(weight)] = Panels.of(weight)
+            return panel_product(rows, laid_out[id(weight)], None)
         return product(rows, weight, None)
 
-    if kernel == "onednn":
+    if kernel in ("panels", "onednn"):
         # The logits head shares the padding: its rows join the product too.
-        for padding in ONEDNN_PADDINGS:
+        for padding in PANEL_PADDINGS if kernel == "panels" else ONEDNN_PADDINGS:
             if all(find_row_padding(group, max_rows=most, candidates=(padding,),
                                     product=unbiased, counts=sampled_counts,
                                     cancelled=cancelled) == padding
@@ -274,13 +299,15 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
         head: the output projection (``lm_head``) weight.
         max_rows: the most rows one step's shared product can have.
         max_logit_rows: the most logits rows one step wants (one per running request).
-        kernel: "auto" (every kernel, best first), "onednn" (BLAS only where oneDNN cannot, with
-            a warning) or "blas".
+        kernel: "auto" or "panels" (every kernel, best first), "onednn" (oneDNN, BLAS only
+            where oneDNN cannot, with a warning) or "blas".
         kernels: the kernels by name (a seam: tests pass products that vary with the row count
             or raise, as some machines' kernels do).
         cancelled: polled during the search; True ends it early (fewer or no candidates).
     """
-    names = ["blas"] if kernel == "blas" else list(kernels)
+    names = list(kernels)
+    if kernel in ("onednn", "blas") and kernel in names:  # that one, then what follows it
+        names = names[names.index(kernel):] if kernel == "onednn" else [kernel]
     dtype = weights[0].dtype
     candidates: list[RowProducts] = []
     searched: dict[Product, object] = {}

@@ -36,11 +36,16 @@ from gateway.engine.forward.batched import (
 )
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.linear.packed_weights import (
+    LAYOUTS,
+    PackedLinear,
     Projection,
+    embedding_problem,
     pack_projections,
+    pack_tied_head,
     packing_problem,
     plain_weights,
     unpack_projections,
+    unpack_tied_head,
     walk_projections,
 )
 from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding, sampled_counts
@@ -113,8 +118,9 @@ class RouteVerdict:
         wider: the weight shapes padded further, each with its padding (batched on CUDA).
         attention: the attention's name in ``ATTENTIONS`` (batched only).
         decode_kv_is_prefill_kv: the probe's finding.
-        packed: the projections' weights are packed for oneDNN (``packed_weights``; checked to
-            give the plain weights' bits, so it is no part of the namespace).
+        packed: the projections' weights are packed for the kernel (``packed_weights``): for
+            oneDNN checked to give the plain weights' bits, so no part of the namespace; the
+            panel kernel reads only its panels (a tied logits head with its table).
         seconds: what the search and probe took when they ran.
     """
 
@@ -221,15 +227,21 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
     """The forward ``verdict`` names, on ``loaded``'s weights (packed in place where it says,
     plain again where it does not)."""
     projections = list(packable_projections(loaded.model))
-    if verdict.name != "batched" or not verdict.packed:
-        unpack_projections(projections)
+    layout = LAYOUTS.get(verdict.kernel)
+    if verdict.name != "batched" or not verdict.packed or layout is None:
+        unpack_model(loaded)
     if verdict.name != "batched":
         return SerialForward(loaded)
-    if verdict.packed:
+    if verdict.packed and layout is not None:
+        if any(isinstance(where.module, PackedLinear) and where.module.layout is not layout
+               for where in projections):
+            unpack_model(loaded)  # packed for another kernel by an earlier candidate
         started = time.perf_counter()
-        count = pack_projections(projections)
+        count = pack_projections(projections, layout)
+        if layout.looks_up_rows and pack_tied_head(loaded.model, layout):
+            count += 1
         if count:
-            logger.info("packed %d projection weights for oneDNN in %.1f s", count,
+            logger.info("packed %d projection weights for %s in %.1f s", count, layout.name,
                         time.perf_counter() - started)
     products, attention = _parts(verdict, kernels)
     return BatchedForward(loaded.model, attention, products, loaded.features)
@@ -238,6 +250,7 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
 def unpack_model(loaded: LoadedModel) -> None:
     """Put ``loaded``'s projection weights back plain, as it was loaded."""
     unpack_projections(packable_projections(loaded.model))
+    unpack_tied_head(loaded.model)
 
 
 def packable_projections(model: Any) -> list[Projection]:
@@ -248,15 +261,18 @@ def packable_projections(model: Any) -> list[Projection]:
 
 def packing_verdict(loaded: LoadedModel, products: RowProducts, settings: SearchSettings,
                     kernels: Mapping[str, Product]) -> str | None:
-    """Why ``products`` cannot multiply packed weights with the plain weights' bits here, or
-    None (it can: every weight shape, every sampled row count, checked)."""
-    if products.kernel != "onednn" or products.wider or kernels is not KERNELS:
-        return "only oneDNN's own products read packed weights"
+    """Why ``products`` cannot multiply packed weights here (for oneDNN: with the plain weights'
+    bits), or None (it can: for oneDNN every weight shape, every sampled row count, checked)."""
+    if (products.kernel not in LAYOUTS or products.wider
+            or KERNELS.get(products.kernel) is not kernels.get(products.kernel)):
+        return f"{products.kernel}'s products read plain weights"
     if not settings.pack_weights:
         return "configured off (pack_weights = false)"
     if not loaded.owns_its_weights:
         return ("its weights are mapped from the checkpoint's file (loaded through "
                 "transformers): each packed copy would sit beside the mapped one")
+    if products.kernel == "panels":
+        return embedding_problem(loaded.model, LAYOUTS["panels"])
     by_shape: dict[tuple[int, ...], torch.Tensor] = {}
     for weight in plain_weights(packable_projections(loaded.model)):
         by_shape.setdefault(tuple(weight.shape), weight)
@@ -266,6 +282,12 @@ def packing_verdict(loaded: LoadedModel, products: RowProducts, settings: Search
     return packing_problem(list(by_shape.values()),
                            sampled_counts(products.padding, settings.max_rows),
                            lambda rows, weight: product(rows, weight, None))
+
+
+def _packed_note(kernel: str) -> str:
+    if kernel == "panels":
+        return "; weights laid out in its panels"
+    return "; weights packed (same bits as plain)"
 
 
 def route_of(verdict: RouteVerdict, kernels: Mapping[str, Product] = KERNELS) -> EngineRoute:
@@ -293,7 +315,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     if loaded.batched_problem is not None or loaded.features is None:
         return RouteVerdict(name="serial", reason="the batched forward cannot run this model: "
                                                   f"{loaded.batched_problem}")
-    unpack_projections(packable_projections(model))  # the search reads plain weights
+    unpack_model(loaded)  # the search reads plain weights
     started = time.perf_counter()
     device = loaded.device
     logger.info("searching the row padding of each linear kernel (%s, %s)", device,
@@ -316,6 +338,9 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     for products in candidates:
         packing_problem_here = packing_verdict(loaded, products, settings, kernels)
         packed = packing_problem_here is None
+        if products.kernel == "panels" and not packed:  # it reads only its panels
+            logger.info("linear kernel panels not tried: %s", packing_problem_here)
+            continue
         if products.kernel == "onednn" and not packed:
             logger.info("projection weights left plain: %s", packing_problem_here)
         for attention_name in attentions:
@@ -325,7 +350,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
             forward = build_forward(loaded, verdict, kernels)
             assert isinstance(forward, BatchedForward)
             what = (f"{loaded.features.family} layers; {products_note(products)}"
-                    f"{'; weights packed (same bits as plain)' if packed else ''}; "
+                    f"{_packed_note(products.kernel) if packed else ''}; "
                     f"{attention_name} attention")
             result = _probe(forward, loaded, what, cancelled)
             seconds = time.perf_counter() - started
@@ -345,7 +370,7 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                     wider=products.wider, packed=packed,
                     attention=attention_name, seconds=seconds,
                     reason=f"configured, probe FAILED: {result.failure}")
-    unpack_projections(packable_projections(loaded.model))
+    unpack_model(loaded)
     seconds = time.perf_counter() - started
     if first_failure is None:
         failure = ("no linear kernel keeps a projection row's bits whatever the row count "

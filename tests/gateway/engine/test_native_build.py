@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.engine.attention.native import build
-from gateway.engine.attention.native.build import NativeBuildError
+from gateway.engine.attention.paged import SOURCE as PAGED_SOURCE
+from gateway.engine.native import build
+from gateway.engine.native.build import NativeBuildError
 
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                               reason="no C compiler on this machine")
@@ -17,19 +18,19 @@ needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc")
 @needs_cc
 def test_a_kernel_is_built_once_and_then_loaded_from_the_cache(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVGATE_NATIVE_DIR", str(tmp_path))
-    build.load("paged_attention.c")
+    build.load(PAGED_SOURCE)
     built = list(tmp_path.glob("paged_attention-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    build.load("paged_attention.c")
+    build.load(PAGED_SOURCE)
     assert [p.stat().st_mtime_ns for p in tmp_path.glob("paged_attention-*.so")] == [stamp]
 
 
 @needs_cc
 def test_the_portable_build_is_a_library_of_its_own(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVGATE_NATIVE_DIR", str(tmp_path))
-    build.load("paged_attention.c")
-    build.load("paged_attention.c", portable=True)
+    build.load(PAGED_SOURCE)
+    build.load(PAGED_SOURCE, portable=True)
     expected = 2 if build.isa_flags(build.cpu_flags()) else 1
     assert len(list(tmp_path.glob("paged_attention-*.so"))) == expected
 
@@ -47,9 +48,8 @@ def test_a_source_that_does_not_compile_names_the_compilers_complaint(tmp_path,
     monkeypatch.setenv("KVGATE_NATIVE_DIR", str(tmp_path / "out"))
     broken = tmp_path / "broken.c"
     broken.write_text("int f(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(build, "SOURCE_DIR", tmp_path)
     with pytest.raises(NativeBuildError, match="undeclared_name"):
-        build.load("broken.c")
+        build.load(broken)
     assert not [p for p in (tmp_path / "out").iterdir() if p.suffix == ".so"]
 
 
@@ -60,4 +60,4 @@ def test_an_unwritable_cache_directory_names_the_setting_to_change(tmp_path,
     blocker.write_text("")
     monkeypatch.setenv("KVGATE_NATIVE_DIR", str(Path(blocker) / "native"))
     with pytest.raises(NativeBuildError, match="KVGATE_NATIVE_DIR"):
-        build.load("paged_attention.c")
+        build.load(PAGED_SOURCE)

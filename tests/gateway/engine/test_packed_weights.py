@@ -1,5 +1,6 @@
-"""Weights packed for oneDNN: the same bits as plain ones where the machine's check says so,
-never a second copy, and the model as it was loaded once the engine stops.
+"""Weights packed for their kernel: for oneDNN the same bits as plain ones where the machine's
+check says so; for the panel kernel, a tied logits head and its embeddings in one copy; never a
+second copy, and the model as it was loaded once the engine stops.
 
 Whether packing keeps a row's bits is the machine's business (its oneDNN, its CPU): tests that
 need it take it from ``packing_problem`` on this machine, never assume it.
@@ -18,6 +19,7 @@ from gateway.engine.engine import Engine, EngineConfig
 from gateway.engine.forward.batched import BatchedForward, SequenceRows
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.linear.packed_weights import (
+    PackedEmbedding,
     PackedLinear,
     pack_projections,
     packed_count,
@@ -25,6 +27,7 @@ from gateway.engine.linear.packed_weights import (
     plain_weights,
     unpack_projections,
 )
+from gateway.engine.linear.panel_products import Panels, panel_kernel_problem
 from gateway.engine.linear.row_padding import RowPadding
 from gateway.engine.linear.row_products import KERNELS, RowProducts, onednn_problem
 from gateway.engine.models.loading import LoadedModel, load_model
@@ -36,6 +39,8 @@ from tests.tiny_llama import save_tiny_llama
 ONEDNN = onednn_problem(torch.device("cpu"))
 needs_onednn = pytest.mark.skipif(ONEDNN is not None, reason=f"no oneDNN here: {ONEDNN}")
 PRODUCTS = RowProducts.of("onednn", RowPadding(minimum=2, multiple=8))
+PANELS = panel_kernel_problem(torch.device("cpu"), torch.float32)
+needs_panels = pytest.mark.skipif(PANELS is not None, reason=f"no panel kernel here: {PANELS}")
 
 
 def _weight(module: nn.Module) -> torch.Tensor:
@@ -134,7 +139,8 @@ def test_a_head_tied_to_the_embeddings_is_never_packed(fresh: LoadedModel) -> No
 def test_the_route_search_packs_exactly_where_the_machine_keeps_the_bits(
         fresh: LoadedModel) -> None:
     problem = _plain_problem(fresh)
-    verdict = route_search.search_route(fresh, EngineConfig().search_settings())
+    verdict = route_search.search_route(fresh,
+                                        EngineConfig(linear_kernel="onednn").search_settings())
     if verdict.kernel != "onednn":
         pytest.skip(f"the search chose {verdict.kernel or verdict.name}, not oneDNN, here")
     assert verdict.packed is (problem is None)
@@ -166,3 +172,71 @@ def test_a_stopped_engine_leaves_its_model_plain(fresh: LoadedModel) -> None:
     engine.start()
     engine.stop(grace_s=0)
     assert packed_count(route_search.packable_projections(fresh.model)) == 0
+
+
+@pytest.fixture
+def tied(tmp_path: Path) -> LoadedModel:
+    """A tiny Llama whose logits head is its embeddings' table (as SmolLM2's)."""
+    return load_model(str(save_tiny_llama(tmp_path / "tied", tied=True)))
+
+
+@needs_panels
+def test_the_search_lays_a_llamas_weights_out_in_panels(tied: LoadedModel) -> None:
+    verdict = route_search.search_route(tied, EngineConfig().search_settings())
+    assert (verdict.kernel, verdict.packed) == ("panels", True)
+    assert "pnl16-r1x1" in route_search.route_of(verdict).attention
+    route_search.build_forward(tied, verdict)
+    projections = route_search.packable_projections(tied.model)
+    assert packed_count(projections) == len(projections) > 0
+    assert all(isinstance(where.module.weight, Panels) for where in projections)
+
+
+@needs_panels
+def test_a_tied_head_and_its_embeddings_share_one_copy_in_panels(tied: LoadedModel) -> None:
+    table = _weight(tied.model.model.embed_tokens).clone()
+    route_search.build_forward(tied, route_search.search_route(
+        tied, EngineConfig().search_settings()))
+    embeddings, head = tied.model.model.embed_tokens, tied.model.lm_head
+    assert isinstance(embeddings, PackedEmbedding) and isinstance(head, PackedLinear)
+    assert head.weight is embeddings.weight
+    ids = torch.tensor([[0, 7, 511]])
+    assert torch.equal(embeddings(ids), table[ids])
+
+
+@needs_panels
+def test_a_model_in_panels_reads_back_plain_through_its_state_dict(tied: LoadedModel) -> None:
+    plain = {name: tensor.clone() for name, tensor in tied.model.state_dict().items()}
+    route_search.build_forward(tied, route_search.search_route(
+        tied, EngineConfig().search_settings()))
+    state = tied.model.state_dict()
+    assert state.keys() == plain.keys()
+    assert all(torch.equal(state[name], plain[name]) for name in plain)
+
+
+@needs_panels
+def test_a_stopped_engine_puts_the_tied_head_back_over_one_plain_table(
+        tied: LoadedModel) -> None:
+    embeddings, head = tied.model.model.embed_tokens, tied.model.lm_head
+    table = _weight(embeddings).clone()
+    engine = Engine(loaded=tied, cache=None, config=EngineConfig(block_tokens=16),
+                    deployment_secret=SECRET, kernels=KERNELS)
+    engine.start()
+    assert isinstance(tied.model.model.embed_tokens, PackedEmbedding)
+    engine.stop(grace_s=0)
+    assert tied.model.model.embed_tokens is embeddings and tied.model.lm_head is head
+    assert head.weight is embeddings.weight
+    assert torch.equal(_weight(embeddings), table)
+
+
+@needs_panels
+def test_linear_kernel_onednn_is_never_served_by_panels(tied: LoadedModel) -> None:
+    verdict = route_search.search_route(tied,
+                                        EngineConfig(linear_kernel="onednn").search_settings())
+    assert verdict.kernel != "panels"
+
+
+def test_a_model_loaded_through_transformers_is_not_given_panels(tmp_path: Path) -> None:
+    """Its weights are mapped from the file: panels would be a second copy beside them."""
+    loaded = load_model(str(save_qwen3(tmp_path / "qwen3")))
+    verdict = route_search.search_route(loaded, EngineConfig().search_settings())
+    assert verdict.kernel != "panels"

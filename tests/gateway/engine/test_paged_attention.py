@@ -15,12 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gateway.engine.attention.choice import attention_for
-from gateway.engine.attention.native.build import NativeBuildError
 from gateway.engine.attention.paged import PagedAttention, PagedKernel, paged_kernel_problem
 from gateway.engine.attention.tiled import AttentionItem
 from gateway.engine.forward.batched import BatchedForward
 from gateway.engine.kv.sequence import LayerPages
 from gateway.engine.models.loading import LoadedModel, load_model
+from gateway.engine.native.build import NativeBuildError
 from gateway.engine.parity.probe import probe_invariance
 from tests.gateway.engine.kernels import ROWWISE
 from tests.tiny_llama import VOCAB, save_tiny_llama

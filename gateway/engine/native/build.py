@@ -6,11 +6,13 @@ this CPU has. Their numbers do not depend on it: the sources spell out every flo
 operation and are compiled with ``-ffp-contract=off`` and no fast-math, so only their speed
 does (see ``paged_attention.c``).
 
-The library is built into ``KVGATE_NATIVE_DIR`` (default ``~/.cache/kvgate/native``) under a
-name that digests the source, the flags and the compiler, so a changed source is rebuilt and a
-built one is loaded in milliseconds. It is written to a temporary name and renamed: a start
-interrupted mid-build leaves no half-written library behind. Where no C compiler is found the
-build fails with a message naming it, and the caller serves with the kernels torch has.
+Each source sits beside the module that calls it (``gateway/engine/attention/native/``,
+``gateway/engine/linear/native/``) and is named by its path. The library is built into
+``KVGATE_NATIVE_DIR`` (default ``~/.cache/kvgate/native``) under a name that digests the source,
+the flags and the compiler, so a changed source is rebuilt and a built one is loaded in
+milliseconds. It is written to a temporary name and renamed: a start interrupted mid-build
+leaves no half-written library behind. Where no C compiler is found the build fails with a
+message naming it, and the caller serves with the kernels torch has.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ import tempfile
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
-
-SOURCE_DIR = Path(__file__).resolve().parent
 
 BASE_FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-fno-fast-math", "-ffp-contract=off",
               "-fopenmp", "-Wall", "-Wno-psabi")
@@ -52,9 +52,13 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def isa_flags(flags: frozenset[str]) -> tuple[str, ...]:
-    """Compiler flags for the vector units ``flags`` names (none: portable code, same bits)."""
-    return ("-mavx2", "-mfma") if {"avx2", "fma"} <= flags else ()
+def isa_flags(flags: frozenset[str], *, wide_vectors: bool = False) -> tuple[str, ...]:
+    """Compiler flags for the vector units ``flags`` names (none: portable code, same bits);
+    ``wide_vectors``: AVX-512's too, where ``flags`` has it."""
+    if not {"avx2", "fma"} <= flags:
+        return ()
+    wide = ("-mavx512f",) if wide_vectors and "avx512f" in flags else ()
+    return ("-mavx2", "-mfma", *wide)
 
 
 def compiler() -> str:
@@ -67,7 +71,7 @@ def compiler() -> str:
         if name and shutil.which(name):
             return name
     raise NativeBuildError("no C compiler found (set CC, or install gcc: the Debian package "
-                           "gcc) to build kvgate's paged attention kernel")
+                           "gcc) to build kvgate's C kernels")
 
 
 def cache_dir() -> Path:
@@ -77,18 +81,19 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate" / "native"
 
 
-def load(source_name: str, *, portable: bool = False) -> ctypes.CDLL:
-    """The library built from ``source_name`` (a C file beside this module), built if needed.
+def load(source: Path, *, portable: bool = False, wide_vectors: bool = False) -> ctypes.CDLL:
+    """The library built from the C file ``source``, built if needed.
 
     ``portable``: build without this CPU's vector-unit flags (what a CPU without AVX2 runs;
-    the tests compare its bits with the vectorised build's).
+    the tests compare its bits with the vectorised build's). ``wide_vectors``: AVX-512 too
+    where this CPU has it (a kernel whose source has a 16-lane path).
 
     Raises:
         NativeBuildError: the compiler is missing or failed, or the library does not load.
     """
-    source = SOURCE_DIR / source_name
     cc = compiler()
-    flags = BASE_FLAGS if portable else (*BASE_FLAGS, *isa_flags(cpu_flags()))
+    flags = BASE_FLAGS if portable else (*BASE_FLAGS,
+                                         *isa_flags(cpu_flags(), wide_vectors=wide_vectors))
     version = _compiler_version(cc)
     digest = hashlib.sha256("\0".join([source.read_text(encoding="utf-8"), *flags, version])
                             .encode()).hexdigest()[:16]

@@ -1,1 +1,0 @@
-"""kvgate's C kernels and their build on the machine (``build``)."""
