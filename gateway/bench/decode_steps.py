@@ -126,12 +126,12 @@ def run_decode_benchmark(*, model: str, rows: Sequence[int], context: int, repea
                             dtype=numerics.dtype)
     except ModelLoadError as exc:
         raise SystemExit(f"decode_steps: {exc}") from None
+    # Read while plain: the search leaves them laid out for its kernel, no module parameters.
+    read_ms = weight_read_ms(loaded, numerics, repeats)
+    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     most = max(rows)
     verdict = search_route(loaded, SearchSettings(max_logit_rows=most,
                                                   max_rows=max(most, 256)))
-    # Read while plain: once built, packed weights are no module parameters.
-    read_ms = weight_read_ms(loaded, numerics, repeats)
-    weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     forward = build_forward(loaded, verdict)
     if not isinstance(forward, BatchedForward):
         raise SystemExit(f"the batched forward is not invariant here: {verdict.reason}")

@@ -158,6 +158,9 @@ class SearchSettings:
 def products_note(products: RowProducts) -> str:
     """What the route's reason says of the forward's projections."""
     padding = products.padding
+    if padding == RowPadding(minimum=1, multiple=1) and not products.wider:
+        return (f"projections through {products.kernel}, every row of a step in one product, "
+                "unpadded (decode rows too)")
     rows = ("4, 8 or 12+ rows" if padding == CPU_ROW_PADDING else
             f"at least {padding.minimum} rows, in steps of {padding.multiple}"
             + (f", exact from {padding.exact_from}" if padding.exact_from else ""))
