@@ -154,6 +154,11 @@ class PagePool:
             (layout.num_layers, 2, layout.kv_heads, num_pages + 1, page_tokens, layout.head_dim),
             dtype=layout.dtype, device=self.device)
         self.storage[:, :, :, 0].zero_()
+        self.layer_views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = tuple(
+            (self.storage[layer, 0], self.storage[layer, 1])
+            for layer in range(layout.num_layers))
+        """Each layer's K and V storage ``[kv_heads, pages, page_tokens, head_dim]``, views made
+        once (a step asks for them per sequence and layer: hundreds of indexing calls a step)."""
         self._free: deque[int] = deque(range(num_pages, 0, -1))
         self._lock = threading.Lock()
         self.arrivals: PageArrivals | None = None

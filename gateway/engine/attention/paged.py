@@ -128,8 +128,11 @@ class PagedAttention:
         groups: dict[tuple[int, int, int], list[int]] = {}
         sources = [_pages_of(item) for item in items]
         for index, (key_pages, value_pages, _) in enumerate(sources):
-            groups.setdefault((key_pages.data_ptr(), value_pages.data_ptr(),
-                               int(key_pages.shape[2])), []).append(index)
+            group = (key_pages.data_ptr(), value_pages.data_ptr(), int(key_pages.shape[2]))
+            if group not in groups:  # a pool's layer checked once a call, not once an item
+                _check_layout(key_pages, value_pages)
+                groups[group] = []
+            groups[group].append(index)
         out: list[torch.Tensor | None] = [None] * len(items)
         for indices in groups.values():
             for index, attended in zip(indices, self._call(self._given or _kernel(),
@@ -218,11 +221,12 @@ class _StepRows:
 
 def _pages_of(item: AttentionItem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``item``'s K/V as (key pages, value pages, table): its pool's in place where it has
-    pages, else its contiguous tensors as one page."""
+    pages, else its contiguous tensors as one page (the layout is checked by the caller, once
+    for each pool's layer)."""
     kv = item.kv
     if isinstance(kv, LayerPages):
-        _check_layout(kv.key_pages, kv.value_pages)
-        return kv.key_pages, kv.value_pages, kv.table.to(torch.int64)
+        table = kv.table if kv.table.dtype == torch.int64 else kv.table.to(torch.int64)
+        return kv.key_pages, kv.value_pages, table
     keys, values = kv.keys().contiguous(), kv.values().contiguous()
     one = torch.zeros(1, dtype=torch.int64)
     return keys.unsqueeze(1), values.unsqueeze(1), one

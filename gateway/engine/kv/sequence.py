@@ -335,8 +335,8 @@ class KVSequence:
 
     def layer(self, layer: int) -> LayerPages:
         """One layer's K/V as attention reads them: the pool's pages and this table."""
-        storage = self.pool.storage
-        return LayerPages(storage[layer, 0], storage[layer, 1], self._table())
+        key_pages, value_pages = self.pool.layer_views[layer]
+        return LayerPages(key_pages, value_pages, self._table())
 
     def key_buffer(self, layer: int) -> torch.Tensor:
         """One layer's K for every page in the table, whole attention tiles long (a gathered
