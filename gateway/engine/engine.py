@@ -214,8 +214,10 @@ class Engine:
         except BaseException:
             # Interrupted (a signal during start-up): give the worker a moment to see
             # ``cancelled`` and leave its torch op -- a process that exits while another thread
-            # is inside one aborts ("terminate called without an active exception").
-            self._worker.join(timeout=1.0)
+            # is inside one aborts ("terminate called without an active exception"). Once the
+            # route is chosen it runs none (its loop waits for work): no need to wait for it to
+            # end, which it does only when stopped.
+            chosen.wait(timeout=1.0)
             raise
         if failures:
             raise failures[0]
