@@ -1,16 +1,19 @@
-"""A Llama checkpoint directory read without transformers: its ``config.json`` and its
-safetensors weights.
+"""A checkpoint of Llama's layer read without transformers: its ``config.json`` and its
+safetensors weights, for Llama and the dialects that only add to its layer (Qwen3's per-head
+q/k norms and windows: ``gateway.engine.models.checkpoint_dialects``).
 
 Why: importing transformers costs about 2 s of every start (it pulls in
 ``torch.distributed.tensor``, sympy and dynamo), while the batched forward needs only a
-handful of numbers from the config and the tensors themselves. So a Llama checkpoint is read
-here, field by field with the defaults of transformers 5.23's ``LlamaConfig`` and its RoPE
-standardisation (``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`` and
-``standardize_rope_params``), and its weights straight from the safetensors files.
+handful of numbers from the config and the tensors themselves; and weights read into memory of
+their own can be laid out for the products in place, where transformers' stay mapped from the
+file. So such a checkpoint is read here, field by field with the defaults of its transformers
+5.23 config class and their RoPE standardisation
+(``RotaryEmbeddingConfigMixin.convert_rope_params_to_dict`` and ``standardize_rope_params``),
+and its weights straight from the safetensors files.
 
 Anything this reading does not cover exactly -- another model type, an activation other than
 SiLU, a RoPE type other than ``default`` and ``llama3``, quantised or pickled weights, tensor
-names other than ``LlamaForCausalLM``'s -- raises ``UnsupportedCheckpoint`` saying what, and
+names other than the ``*ForCausalLM``'s -- raises ``UnsupportedCheckpoint`` saying what, and
 ``gateway.engine.models.loading`` loads that checkpoint through transformers instead. Covering less
 and falling back is the point: a reading that differs from transformers' in one field would
 compute other K/V under the same block namespace.
@@ -27,10 +30,9 @@ from typing import Any
 
 import torch
 
+from gateway.engine.models.checkpoint_dialects import DIALECTS, LAYER_KINDS, CheckpointDialect
 from gateway.engine.models.safetensors_file import read_tensors
 
-ARCHITECTURE = "LlamaForCausalLM"
-MODEL_TYPE = "llama"
 ROPE_TYPES = ("default", "llama3")
 """The RoPE types read here (``gateway.engine.models.llama_modules`` computes their frequencies)."""
 
@@ -49,12 +51,17 @@ class UnsupportedCheckpoint(ValueError):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LlamaConfig:
-    """What ``gateway.engine.forward.batched`` and the engine read of a Llama config, with the
-    values transformers 5.23 gives them (its attribute names, so both loads look alike).
+    """What ``gateway.engine.forward.batched`` and the engine read of the config of a
+    checkpoint of Llama's layer, with the values transformers 5.23 gives them (its attribute
+    names, so both loads look alike).
 
     Attributes:
         rope_parameters: standardised as transformers does: ``rope_type`` and ``rope_theta``
             always present, ``original_max_position_embeddings`` for ``llama3``.
+        sliding_window: the window of the "sliding_attention" layers; None where it has none.
+        layer_types: each layer's attention kind (Qwen3's); None where the config class has
+            no such field (Llama).
+        qk_norm: each layer normalises q and k per head (its dialect's ``qk_norm``).
     """
 
     architectures: tuple[str, ...]
@@ -76,6 +83,9 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_id: int | list[int] | None
     pad_token_id: int | None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    qk_norm: bool = False
 
     @property
     def rope_scaling(self) -> dict[str, Any]:
@@ -87,7 +97,7 @@ def read_llama_config(directory: Path) -> LlamaConfig:
     """The config of the checkpoint in ``directory``, read as transformers 5.23 reads it.
 
     Raises:
-        UnsupportedCheckpoint: it is not a Llama config this module reads exactly.
+        UnsupportedCheckpoint: it is not a config of a dialect this module reads exactly.
     """
     path = directory / "config.json"
     try:
@@ -96,36 +106,78 @@ def read_llama_config(directory: Path) -> LlamaConfig:
         raise UnsupportedCheckpoint(f"cannot read {path}: {exc}") from exc
     if not isinstance(raw, dict):
         raise UnsupportedCheckpoint(f"{path} is not a JSON object")
-    if raw.get("model_type") != MODEL_TYPE:
-        raise UnsupportedCheckpoint(f"model_type {raw.get('model_type')!r} is not {MODEL_TYPE!r}")
+    dialect = DIALECTS.get(raw.get("model_type"))  # type: ignore[arg-type]
+    if dialect is None:
+        raise UnsupportedCheckpoint(f"model_type {raw.get('model_type')!r} is not one of "
+                                    f"{sorted(DIALECTS)}")
     if raw.get("quantization_config") is not None:
         raise UnsupportedCheckpoint("the weights are quantised (quantization_config)")
     if raw.get("hidden_act", "silu") != "silu":
         raise UnsupportedCheckpoint(f"hidden_act {raw.get('hidden_act')!r} is not 'silu'")
-    hidden_size = int(raw.get("hidden_size", 4096))
-    num_heads = int(raw.get("num_attention_heads", 32))
-    max_positions = int(raw.get("max_position_embeddings", 2048))
+
+    def read(name: str) -> Any:
+        return raw.get(name, dialect.defaults.get(name))
+
+    hidden_size = int(read("hidden_size"))
+    num_heads = int(read("num_attention_heads"))
+    num_layers = int(read("num_hidden_layers"))
+    max_positions = int(read("max_position_embeddings"))
+    sliding_window, layer_types = _windows(raw, dialect, num_layers)
     return LlamaConfig(
-        architectures=tuple(raw.get("architectures") or (ARCHITECTURE,)),
-        model_type=MODEL_TYPE,
-        vocab_size=int(raw.get("vocab_size", 32000)),
+        architectures=tuple(raw.get("architectures") or (dialect.architecture,)),
+        model_type=dialect.model_type,
+        vocab_size=int(read("vocab_size")),
         hidden_size=hidden_size,
-        intermediate_size=int(raw.get("intermediate_size", 11008)),
-        num_hidden_layers=int(raw.get("num_hidden_layers", 32)),
+        intermediate_size=int(read("intermediate_size")),
+        num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
-        head_dim=int(raw.get("head_dim") or hidden_size // num_heads),
+        num_key_value_heads=int(read("num_key_value_heads") or num_heads),
+        head_dim=_head_dim(raw, dialect, hidden_size, num_heads),
         hidden_act="silu",
         max_position_embeddings=max_positions,
-        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rms_norm_eps=read("rms_norm_eps"),
         rope_parameters=_rope_parameters(raw, max_positions),
         attention_bias=bool(raw.get("attention_bias", False)),
-        mlp_bias=bool(raw.get("mlp_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)) if dialect.reads_mlp_bias else False,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        bos_token_id=raw.get("bos_token_id", 1),
-        eos_token_id=raw.get("eos_token_id", 2),
+        bos_token_id=read("bos_token_id"),
+        eos_token_id=read("eos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
+        sliding_window=sliding_window,
+        layer_types=layer_types,
+        qk_norm=dialect.qk_norm,
     )
+
+
+def _head_dim(raw: dict[str, Any], dialect: CheckpointDialect, hidden_size: int,
+              num_heads: int) -> int:
+    if dialect.head_dim_from_width:
+        return int(raw.get("head_dim") or hidden_size // num_heads)
+    head_dim = raw.get("head_dim", dialect.defaults.get("head_dim"))
+    if head_dim is None:
+        raise UnsupportedCheckpoint("head_dim is null")
+    return int(head_dim)
+
+
+def _windows(raw: dict[str, Any], dialect: CheckpointDialect,
+             num_layers: int) -> tuple[int | None, tuple[str, ...] | None]:
+    """``sliding_window`` and ``layer_types`` as ``Qwen3Config.__post_init__`` leaves them (the
+    window kept only with ``use_sliding_window``, the kinds filled in from
+    ``max_window_layers`` where the config lists none)."""
+    if not dialect.windows:
+        return None, None
+    window = raw.get("sliding_window", dialect.defaults.get("sliding_window"))
+    window = window if raw.get("use_sliding_window", False) else None
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        first_windowed = int(raw.get("max_window_layers", dialect.defaults["max_window_layers"]))
+        kinds = ["sliding_attention" if window is not None and i >= first_windowed
+                 else "full_attention" for i in range(num_layers)]
+    if (not isinstance(kinds, list) or len(kinds) != num_layers
+            or any(kind not in LAYER_KINDS for kind in kinds)):
+        raise UnsupportedCheckpoint(f"layer_types {kinds!r} is not one of {LAYER_KINDS} "
+                                    "per layer")
+    return (None if window is None else int(window)), tuple(kinds)
 
 
 def _rope_parameters(raw: dict[str, Any], max_positions: int) -> dict[str, Any]:
@@ -152,13 +204,15 @@ def _rope_parameters(raw: dict[str, Any], max_positions: int) -> dict[str, Any]:
 
 
 def expected_tensor_names(config: LlamaConfig) -> set[str]:
-    """The tensor names of ``LlamaForCausalLM``'s state (no ``lm_head`` when it is tied)."""
+    """The tensor names of the ``*ForCausalLM``'s state (no ``lm_head`` when it is tied)."""
     names = {"model.embed_tokens.weight", "model.norm.weight"}
     projections = [("self_attn", p, config.attention_bias) for p in ("q", "k", "v", "o")]
     projections += [("mlp", p, config.mlp_bias) for p in ("gate", "up", "down")]
     for i in range(config.num_hidden_layers):
         prefix = f"model.layers.{i}."
         names |= {prefix + "input_layernorm.weight", prefix + "post_attention_layernorm.weight"}
+        if config.qk_norm:
+            names |= {prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"}
         for block, name, has_bias in projections:
             names.add(f"{prefix}{block}.{name}_proj.weight")
             if has_bias:

@@ -1,10 +1,12 @@
-"""A Llama checkpoint's weights as a tree of torch modules, built without transformers.
+"""A checkpoint of Llama's layer (Llama, Qwen3) as a tree of torch modules, built without
+transformers.
 
 Why: the batched forward (``gateway.engine.forward.batched``) walks a model's modules itself and
 calls only their weights, the two norms, the activation and the rotary embedding; loading
 transformers' ``LlamaForCausalLM`` for that costs about 2 s of every start in imports alone.
 This tree has exactly the attribute names that forward (and the engine) read --
-``config``, ``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj``,
+``config``, ``model.embed_tokens``, ``model.layers[i].self_attn.{q,k,v,o}_proj`` (and Qwen3's
+``self_attn.{q,k}_norm``),
 ``input_layernorm``, ``post_attention_layernorm``, ``mlp.{gate,up,down}_proj``, ``mlp.act_fn``,
 ``model.norm``, ``model.rotary_emb``, ``lm_head``, ``get_input_embeddings()`` -- and the same
 state-dict names, so transformers' model can later be built over the very same tensors
@@ -143,14 +145,19 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """The four projections of a layer's attention (the forward attends by itself)."""
+    """The four projections of a layer's attention (the forward attends by itself), and
+    Qwen3's per-head norms of q and k (``Qwen3RMSNorm``, the same ops as ``LlamaRMSNorm``)."""
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, config: LlamaConfig, weights: Mapping[str, torch.Tensor],
+                 prefix: str) -> None:
         super().__init__()
         self.q_proj = _linear(weights, prefix + "q_proj")
         self.k_proj = _linear(weights, prefix + "k_proj")
         self.v_proj = _linear(weights, prefix + "v_proj")
         self.o_proj = _linear(weights, prefix + "o_proj")
+        if config.qk_norm:
+            self.q_norm = RMSNorm(weights[prefix + "q_norm.weight"], config.rms_norm_eps)
+            self.k_norm = RMSNorm(weights[prefix + "k_norm.weight"], config.rms_norm_eps)
 
 
 class MLP(nn.Module):
@@ -168,7 +175,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig, weights: Mapping[str, torch.Tensor],
                  prefix: str) -> None:
         super().__init__()
-        self.self_attn = Attention(weights, prefix + "self_attn.")
+        self.self_attn = Attention(config, weights, prefix + "self_attn.")
         self.mlp = MLP(weights, prefix + "mlp.")
         self.input_layernorm = RMSNorm(weights[prefix + "input_layernorm.weight"],
                                        config.rms_norm_eps)

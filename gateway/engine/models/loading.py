@@ -9,10 +9,11 @@ copy serves every dtype, and a copy can never hold the numbers of another dtype 
 name (a copy whose weights are not float32 is converted again). Any local transformers
 checkpoint directory works as well.
 
-A Llama checkpoint in safetensors -- the converted bundled model among them -- is read without
-importing transformers, which alone costs ~2 s of every start: its weights become
-``gateway.engine.models.llama_modules.LlamaModules`` (the modules the batched forward walks,
-computing bit for bit what transformers' ``LlamaForCausalLM`` computes) and its tokenizer a
+A checkpoint of Llama's layer in safetensors (Llama, Qwen3: ``checkpoint_dialects``) -- the
+converted bundled model among them -- is read without importing transformers, which alone costs
+~2 s of every start: its weights become ``gateway.engine.models.llama_modules.LlamaModules``
+(the modules the batched forward walks, computing bit for bit what transformers'
+``*ForCausalLM`` computes) and, for Llama, its tokenizer a
 ``gateway.core.file_tokenizer.FileTokenizer``. transformers is imported only where it is still
 needed (``gateway.engine.models.transformers_api``, the one module that imports it): converting a
 GGUF, a checkpoint those readers do not cover (it is then loaded by ``from_pretrained``), and the
@@ -177,7 +178,7 @@ class LoadedModel:
 
     @property
     def owns_its_weights(self) -> bool:
-        """Its weights live in memory of their own (read by kvgate's Llama reader), not mapped
+        """Its weights live in memory of their own (read by kvgate's own reader), not mapped
         from the checkpoint's file (transformers' loading): only then does a weight replaced
         by a packed copy give its memory back (``gateway.engine.linear.packed_weights``)."""
         return isinstance(self.model, LlamaModules)
@@ -251,8 +252,8 @@ def load_model(
 ) -> LoadedModel:
     """Load ``model`` (``bundled`` or a checkpoint path), converting and caching GGUF weights.
 
-    A Llama checkpoint in safetensors is read without transformers (module docstring); any
-    other goes through transformers' ``from_pretrained``.
+    A checkpoint of Llama's layer (Llama, Qwen3) in safetensors is read without transformers
+    (module docstring); any other goes through transformers' ``from_pretrained``.
 
     Args:
         model: ``bundled`` or a checkpoint directory (or a ``.gguf`` file).

@@ -36,7 +36,7 @@ from gateway.engine.parity.route_search import ATTENTIONS, RouteVerdict, SearchS
 
 logger = logging.getLogger(__name__)
 
-NUMERICS_VERSION = 7
+NUMERICS_VERSION = 8
 """Bumped whenever the forward, the probe or the search computes differently; part of every
 block's namespace too (a block of a build that computed otherwise is never served). 6: the
 weights are read into 64-byte-aligned memory of their own (their bits in a product can depend on

@@ -1,10 +1,12 @@
-"""A Llama read without transformers computes what transformers' model computes, bit for bit.
+"""A checkpoint of Llama's layer read without transformers computes what transformers' model
+computes, bit for bit.
 
 Blocks cached by a gateway that loaded the model through transformers must stay valid for one
 that read it with ``gateway.engine.models.llama_modules`` (and back): the same checkpoint is loaded
 both ways and run through ``BatchedForward`` -- chunked prefill beside another sequence, then
 decode rows -- and every logit and every K/V must be ``torch.equal``, in float32 and bfloat16,
-for the default RoPE and Llama 3's (with tied embeddings and projection biases).
+for the default RoPE and Llama 3's (with tied embeddings and projection biases), and for Qwen3
+(its per-head q/k norms; with tied embeddings and biases, and with sliding windows).
 """
 
 from __future__ import annotations
@@ -18,15 +20,23 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+)
 
 from gateway.engine.attention.tiled import TiledAttention
 from gateway.engine.forward.batched import BatchedForward, SequenceRows
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models import transformers_api
+from gateway.engine.models.families import describe
 from gateway.engine.models.llama_checkpoint import read_llama_config
 from gateway.engine.models.llama_modules import LlamaModules
 from gateway.engine.models.loading import BUNDLED, LoadedModel, converted_checkpoint, load_model
+from tests.gateway.engine.families.checkpoints import save_qwen3_windowed
 from tests.gateway.engine.kernels import ROWWISE
 from tests.tiny_llama import save_tiny_llama
 from tests.tokenizer_fixture import make_hf_tokenizer
@@ -52,10 +62,39 @@ def save_llama3(directory: Path) -> Path:
     return directory
 
 
+def save_qwen3_tied(directory: Path) -> Path:
+    """A tiny random Qwen3 with tied embeddings and projection biases, its norms random (a
+    q/k norm read wrongly must show)."""
+    tokenizer = make_hf_tokenizer()
+    config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
+                         attention_bias=True, rms_norm_eps=1e-5, rope_parameters={
+                             "rope_type": "default", "rope_theta": 1000000.0},
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    torch.manual_seed(11)
+    auto: Any = AutoModelForCausalLM  # its from_config is unannotated
+    model = auto.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                parameter.uniform_(-0.5, 0.5)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+KINDS = ["default rope", "llama3 rope", "qwen3", "qwen3 windowed"]
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("llamas")
-    return {"default rope": save_tiny_llama(root / "tiny"), "llama3 rope": save_llama3(root / "l3")}
+    return {"default rope": save_tiny_llama(root / "tiny"), "llama3 rope": save_llama3(root / "l3"),
+            "qwen3": save_qwen3_tied(root / "qwen3"),
+            "qwen3 windowed": save_qwen3_windowed(root / "qwen3w", seed=5)}
 
 
 def _both(directory: Path, dtype: torch.dtype) -> tuple[LoadedModel, Any]:
@@ -110,7 +149,7 @@ def _assert_same_kv(a: list[KVSequence], b: list[KVSequence], num_layers: int) -
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", ["default rope", "llama3 rope"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_batched_forward_gives_the_same_logits_and_kv_on_either_load(
         checkpoints: dict[str, Path], kind: str, dtype: torch.dtype) -> None:
     ours, theirs = _both(checkpoints[kind], dtype)
@@ -123,7 +162,7 @@ def test_the_batched_forward_gives_the_same_logits_and_kv_on_either_load(
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("kind", ["default rope", "llama3 rope"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_weights_and_rotary_tables_equal_from_pretrained_s(
         checkpoints: dict[str, Path], kind: str, dtype: torch.dtype) -> None:
     ours, theirs = _both(checkpoints[kind], dtype)
@@ -131,12 +170,13 @@ def test_weights_and_rotary_tables_equal_from_pretrained_s(
     assert ours.eos_token_ids[0] == theirs.config.eos_token_id
     assert (ours.layout.kv_heads, ours.layout.head_dim) == (theirs.config.num_key_value_heads,
                                                              theirs.config.head_dim)
+    assert ours.features == describe(theirs.config)
     state, expected = ours.model.state_dict(), theirs.state_dict()
     assert set(state) == set(expected)
     for name, tensor in expected.items():
         assert state[name].dtype == tensor.dtype and torch.equal(state[name], tensor), name
     assert (ours.model.lm_head.weight is ours.model.model.embed_tokens.weight) == (
-        kind == "llama3 rope")
+        theirs.config.tie_word_embeddings)
     x = ours.model.model.embed_tokens.weight[:1].unsqueeze(0)
     positions = torch.arange(0, 9000).unsqueeze(0)
     for a, b in zip(ours.model.model.rotary_emb(x, positions),
@@ -144,7 +184,7 @@ def test_weights_and_rotary_tables_equal_from_pretrained_s(
         assert a.dtype == b.dtype == dtype and torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kind", ["default rope", "llama3 rope"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_the_transformers_model_is_built_over_the_same_tensors_and_computes_the_same(
         checkpoints: dict[str, Path], kind: str) -> None:
     ours, theirs = _both(checkpoints[kind], torch.bfloat16)
@@ -173,18 +213,56 @@ RAW_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+RAW_QWEN3_CONFIGS: dict[str, dict[str, Any]] = {
+    "no optional fields": {},
+    "windows from max_window_layers": {"use_sliding_window": True, "sliding_window": 64,
+                                       "max_window_layers": 1},
+    "a window not used": {"use_sliding_window": False, "sliding_window": 64},
+    "windows listed": {"use_sliding_window": True, "sliding_window": 32,
+                       "layer_types": ["sliding_attention", "full_attention"]},
+    "null kv heads, an mlp_bias it ignores": {"num_key_value_heads": None, "mlp_bias": True},
+    "old rope_theta": {"rope_theta": 1000000.0},
+}
+READ_FIELDS = ("rope_parameters", "head_dim", "num_key_value_heads", "rms_norm_eps",
+               "tie_word_embeddings", "eos_token_id", "bos_token_id", "max_position_embeddings",
+               "attention_bias", "vocab_size", "intermediate_size", "sliding_window")
+SHAPE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 512,
+         "max_position_embeddings": 4096}
+
+
+def _read_both(directory: Path, raw: dict[str, Any]) -> tuple[Any, Any]:
+    (directory / "config.json").write_text(json.dumps(raw), encoding="utf-8")
+    return read_llama_config(directory), AutoConfig.from_pretrained(directory)
+
+
 @pytest.mark.parametrize("name", list(RAW_CONFIGS))
 def test_the_config_reads_as_transformers_reads_it(tmp_path: Path, name: str) -> None:
-    raw = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
-           "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 4096,
-           **RAW_CONFIGS[name]}
-    (tmp_path / "config.json").write_text(json.dumps(raw), encoding="utf-8")
-    ours, theirs = read_llama_config(tmp_path), AutoConfig.from_pretrained(tmp_path)
-    for field in ("rope_parameters", "head_dim", "num_key_value_heads", "rms_norm_eps",
-                  "tie_word_embeddings", "eos_token_id", "bos_token_id", "max_position_embeddings",
-                  "attention_bias", "mlp_bias", "vocab_size"):
+    ours, theirs = _read_both(tmp_path, {"model_type": "llama",
+                                         "architectures": ["LlamaForCausalLM"], **SHAPE,
+                                         **RAW_CONFIGS[name]})
+    for field in (*READ_FIELDS, "mlp_bias"):
+        assert getattr(ours, field) == getattr(theirs, field, None), field
+    assert ours.layer_types is None and not hasattr(theirs, "layer_types")
+
+
+@pytest.mark.parametrize("name", list(RAW_QWEN3_CONFIGS))
+def test_a_qwen3_config_reads_as_transformers_reads_it(tmp_path: Path, name: str) -> None:
+    ours, theirs = _read_both(tmp_path, {"model_type": "qwen3",
+                                         "architectures": ["Qwen3ForCausalLM"], **SHAPE,
+                                         **RAW_QWEN3_CONFIGS[name]})
+    for field in READ_FIELDS:
         assert getattr(ours, field) == getattr(theirs, field), field
+    assert ours.layer_types == tuple(theirs.layer_types)
+    assert describe(ours) == describe(theirs)
+
+
+def test_a_qwen3_config_takes_qwen3s_defaults_not_llamas(tmp_path: Path) -> None:
+    ours, theirs = _read_both(tmp_path, {"model_type": "qwen3", "hidden_size": 64,
+                                         "num_attention_heads": 4})
+    assert (ours.head_dim, ours.num_key_value_heads, ours.vocab_size, ours.eos_token_id) == (
+        theirs.head_dim, theirs.num_key_value_heads, theirs.vocab_size, theirs.eos_token_id)
+    assert ours.head_dim == 128 != 64 // 4
 
 
 def test_a_checkpoint_it_does_not_read_exactly_is_loaded_by_transformers(

@@ -32,7 +32,7 @@ from gateway.engine.linear.row_padding import RowPadding
 from gateway.engine.linear.row_products import KERNELS, RowProducts, onednn_problem
 from gateway.engine.models.loading import LoadedModel, load_model
 from gateway.engine.parity import route_search
-from tests.gateway.engine.families.checkpoints import save_qwen3
+from tests.gateway.engine.families.checkpoints import save_qwen2, save_qwen3
 from tests.gateway.engine.parity import SECRET
 from tests.tiny_llama import save_tiny_llama
 
@@ -150,7 +150,7 @@ def test_the_route_search_packs_exactly_where_the_machine_keeps_the_bits(
 def test_weights_mapped_from_the_file_are_left_plain(tmp_path: Path) -> None:
     """A family loaded through transformers maps its weights from the checkpoint: a packed
     copy would sit beside each, so nothing is packed."""
-    loaded = load_model(str(save_qwen3(tmp_path / "qwen3")))
+    loaded = load_model(str(save_qwen2(tmp_path / "qwen2")))
     assert not loaded.owns_its_weights
     problem = route_search.packing_verdict(loaded, PRODUCTS, EngineConfig().search_settings(),
                                            KERNELS)
@@ -237,6 +237,16 @@ def test_linear_kernel_onednn_is_never_served_by_panels(tied: LoadedModel) -> No
 
 def test_a_model_loaded_through_transformers_is_not_given_panels(tmp_path: Path) -> None:
     """Its weights are mapped from the file: panels would be a second copy beside them."""
-    loaded = load_model(str(save_qwen3(tmp_path / "qwen3")))
+    loaded = load_model(str(save_qwen2(tmp_path / "qwen2")))
     verdict = route_search.search_route(loaded, EngineConfig().search_settings())
     assert verdict.kernel != "panels"
+
+
+@needs_panels
+def test_a_qwen3_checkpoint_read_by_kvgate_is_given_panels(tmp_path: Path) -> None:
+    """Qwen3 is read by kvgate's own reader (``checkpoint_dialects``): its weights are its
+    own, so the search lays them out for the panel kernel as it does a Llama's."""
+    loaded = load_model(str(save_qwen3(tmp_path / "qwen3")))
+    assert loaded.owns_its_weights
+    verdict = route_search.search_route(loaded, EngineConfig().search_settings())
+    assert verdict.kernel == "panels" and verdict.packed
