@@ -48,6 +48,7 @@ from gateway.engine.forward.rotary import partially, rotate_halves, rotate_pairs
 from gateway.engine.kv.latent import LatentKV
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
+from gateway.engine.linear.joined_panels import JOINED_GATE_UP, JOINED_QKV, joined
 from gateway.engine.linear.row_products import RowProducts
 
 ROPE_CHUNK = 4096
@@ -364,6 +365,8 @@ class BatchedForward:
             qkv = project(attn.qkv_proj, normed, num_shared)
             q, k, v = (part.contiguous()
                        for part in torch.split(qkv, list(self._qkv_widths), dim=-1))
+        elif (qkv_joined := joined(attn, JOINED_QKV)) is not None:  # panels: one call
+            q, k, v = qkv_joined.split(project(qkv_joined, normed, num_shared))
         else:
             q = project(attn.q_proj, normed, num_shared)
             k = project(attn.k_proj, normed, num_shared)
@@ -399,6 +402,9 @@ class BatchedForward:
         if features.fused_gate_up:  # one product, its columns gate | up (Phi-3, GLM-4)
             gate, up = project(mlp.gate_up_proj, normed, num_shared).chunk(2, dim=-1)
             gated = up * mlp.activation_fn(gate)
+        elif (gate_up := joined(mlp, JOINED_GATE_UP)) is not None:  # panels: one call
+            gate, up = gate_up.split(project(gate_up, normed, num_shared))
+            gated = mlp.act_fn(gate) * up
         else:
             gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
                      * project(mlp.up_proj, normed, num_shared))

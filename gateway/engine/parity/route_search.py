@@ -35,8 +35,10 @@ from gateway.engine.forward.batched import (
     projection_weights,
 )
 from gateway.engine.forward.features import DecoderFeatures
+from gateway.engine.linear.joined_panels import join_panels, unjoin_panels
 from gateway.engine.linear.packed_weights import (
     LAYOUTS,
+    PANEL_LAYOUT,
     PackedLinear,
     Projection,
     embedding_problem,
@@ -246,12 +248,16 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
         if count:
             logger.info("packed %d projection weights for %s in %.1f s", count, layout.name,
                         time.perf_counter() - started)
+        if layout is PANEL_LAYOUT and (groups := join_panels(loaded.model)):
+            logger.info("joined %d groups of projections of the same rows (q|k|v, gate|up) "
+                        "into one product each", groups)
     products, attention = _parts(verdict, kernels)
     return BatchedForward(loaded.model, attention, products, loaded.features)
 
 
 def unpack_model(loaded: LoadedModel) -> None:
     """Put ``loaded``'s projection weights back plain, as it was loaded."""
+    unjoin_panels(loaded.model)
     unpack_projections(packable_projections(loaded.model))
     unpack_tied_head(loaded.model)
 
