@@ -70,10 +70,10 @@ def test_joined_projections_give_the_bits_of_their_members_one_by_one(
     assert len(apart_logits) == len(together_logits) == 12
     for a, b in zip(apart_logits, together_logits, strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(apart_kv, together_kv, strict=True):
+    for apart, together in zip(apart_kv, together_kv, strict=True):
         for layer in range(loaded.layout.num_layers):
-            assert torch.equal(a.keys(layer), b.keys(layer))
-            assert torch.equal(a.values(layer), b.values(layer))
+            assert torch.equal(apart.keys(layer), together.keys(layer))
+            assert torch.equal(apart.values(layer), together.values(layer))
 
 
 def test_the_members_weights_are_views_of_the_joined_panels(tmp_path: Path) -> None:
