@@ -35,7 +35,7 @@ Logits rows follow the same rule as decode rows.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -288,10 +288,8 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
                            kernel: LinearKernel = "auto",
                            kernels: Mapping[str, Product] = KERNELS,
                            cancelled: Callable[[], bool] = lambda: False) -> list[RowProducts]:
-    """The products the batched forward may use on ``device`` for these weights (their dtype),
-    best first; the engine probes each on the real weights and takes the first that passes
-    (none: the serial route runs). Each kernel the machine cannot run, or whose rows change
-    with the row count under every padding tried, is dropped with one log line naming why.
+    """Every product the batched forward may use on ``device`` for these weights (their
+    dtype), best first: ``each_candidate_row_products`` run to its end.
 
     Args:
         device: where the model runs.
@@ -305,16 +303,39 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
             or raise, as some machines' kernels do).
         cancelled: polled during the search; True ends it early (fewer or no candidates).
     """
+    return list(each_candidate_row_products(
+        device, lambda: (weights, head), max_rows=max_rows, max_logit_rows=max_logit_rows,
+        kernel=kernel, kernels=kernels, cancelled=cancelled))
+
+
+def each_candidate_row_products(
+        device: torch.device,
+        plain_weights: Callable[[], tuple[Sequence[torch.Tensor], torch.Tensor]], *,
+        max_rows: int, max_logit_rows: int, kernel: LinearKernel = "auto",
+        kernels: Mapping[str, Product] = KERNELS,
+        cancelled: Callable[[], bool] = lambda: False) -> Iterator[RowProducts]:
+    """The products the batched forward may use on ``device``, best first, each searched only
+    when the one before it has been given up: the engine probes each on the real weights and
+    takes the first that passes (none: the serial route runs). Each kernel the machine cannot
+    run, or whose rows change with the row count under every padding tried, is dropped with one
+    log line naming why.
+
+    Why one at a time: searching a kernel multiplies the logits head at many row counts, and
+    oneDNN's search left ~46 MB resident and ~70 MB more at the start-up peak on SmolLM2 that a
+    start whose first candidate passes never needed. ``plain_weights`` gives (one layer's
+    projection weights, the logits head's) as plain tensors, called before each kernel's search
+    (the caller may have laid them out for the candidate before); no reference to them is held
+    while a candidate is out.
+    """
     names = list(kernels)
     if kernel in ("onednn", "blas") and kernel in names:  # that one, then what follows it
         names = names[names.index(kernel):] if kernel == "onednn" else [kernel]
-    dtype = weights[0].dtype
-    candidates: list[RowProducts] = []
     searched: dict[Product, object] = {}
     for name in names:
         if cancelled():
-            break
-        problem = kernel_problem(name, device, dtype, kernels)
+            return
+        weights, head = plain_weights()
+        problem = kernel_problem(name, device, weights[0].dtype, kernels)
         found: tuple[RowPadding, Wider] | None = None
         if problem is None:
             try:
@@ -327,9 +348,9 @@ def candidate_row_products(device: torch.device, weights: Sequence[torch.Tensor]
                 if found is None and not cancelled():
                     problem = ("a row's bits change with the row count under every padding "
                                "tried")
+        del weights, head
         if found is not None:
-            candidates.append(RowProducts.of(name, found[0], kernels, wider=found[1]))
+            yield RowProducts.of(name, found[0], kernels, wider=found[1])
         elif problem is not None:
             level = logging.WARNING if kernel == name else logging.INFO
             logger.log(level, "linear kernel %s dropped: %s", name, problem)
-    return candidates

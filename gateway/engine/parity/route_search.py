@@ -57,7 +57,7 @@ from gateway.engine.linear.row_products import (
     Product,
     RowProducts,
     Wider,
-    candidate_row_products,
+    each_candidate_row_products,
 )
 from gateway.engine.models.loading import LoadedModel, SerialForward
 from gateway.engine.parity.probe import ProbeCancelled, ProbeResult, probe_invariance
@@ -327,24 +327,29 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
     unpack_model(loaded)  # the search reads plain weights
     started = time.perf_counter()
     device = loaded.device
-    logger.info("searching the row padding of each linear kernel (%s, %s)", device,
+    logger.info("searching the row padding of each linear kernel in turn (%s, %s)", device,
                 str(loaded.layout.dtype).removeprefix("torch."))
-    candidates = candidate_row_products(
-        device, projection_weights(model), model.lm_head.weight, max_rows=settings.max_rows,
+
+    def plain_weights_now() -> tuple[list[torch.Tensor], torch.Tensor]:
+        unpack_model(loaded)  # a candidate before may have laid them out for its kernel
+        return projection_weights(model), model.lm_head.weight
+
+    candidates = each_candidate_row_products(
+        device, plain_weights_now, max_rows=settings.max_rows,
         max_logit_rows=settings.max_logit_rows, kernel=settings.linear_kernel, kernels=kernels,
         cancelled=cancelled)
-    if cancelled():
-        raise SearchCancelled("the start-up search was stopped before its verdict")
-    logger.info("row padding searched in %.1f s: %d candidate(s)%s",
-                time.perf_counter() - started, len(candidates),
-                "".join(f"; {c.kernel} {c.padding.label or 'r4x4e12'}"
-                        + "".join(f" ({out}x{in_}: {more.label})" for (out, in_), more in c.wider)
-                        for c in candidates))
     attentions = attention_names(device, loaded.layout.dtype, loaded.layout.head_dim,
                                  windowed=loaded.features.masks_or_scales,
                                  latent=loaded.features.has_latent)
     first_failure: RouteVerdict | None = None
     for products in candidates:
+        if cancelled():
+            break
+        logger.info("row padding of %s searched (%.1f s into the search): %s", products.kernel,
+                    time.perf_counter() - started,
+                    (products.padding.label or "r4x4e12")
+                    + "".join(f" ({out}x{in_}: {more.label})"
+                              for (out, in_), more in products.wider))
         packing_problem_here = packing_verdict(loaded, products, settings, kernels)
         packed = packing_problem_here is None
         if products.kernel == "panels" and not packed:  # it reads only its panels
@@ -379,6 +384,8 @@ def search_route(loaded: LoadedModel, settings: SearchSettings, *,
                     wider=products.wider, packed=packed,
                     attention=attention_name, seconds=seconds,
                     reason=f"configured, probe FAILED: {result.failure}")
+    if cancelled():
+        raise SearchCancelled("the start-up search was stopped before its verdict")
     unpack_model(loaded)
     seconds = time.perf_counter() - started
     if first_failure is None:
