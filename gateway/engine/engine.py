@@ -55,7 +55,7 @@ from gateway.engine.forward.captured_steps import (
 from gateway.engine.kv.sequence import KVSequence, pool_bytes_for
 from gateway.engine.kv.tail_cache import TailCache, TailCounters
 from gateway.engine.linear.row_products import KERNELS, Product
-from gateway.engine.models.loading import LoadedModel
+from gateway.engine.models.loading import LoadedModel, refuse_unkept_states
 from gateway.engine.output.observer import EngineMetrics
 from gateway.engine.parity.recompute_speed import measure_recompute_speed
 from gateway.engine.parity.route_search import (
@@ -119,6 +119,7 @@ class Engine:
         if cache is not None and cache.block_tokens != config.block_tokens:
             raise ValueError(
                 f"cache blocks of {cache.block_tokens} tokens, engine of {config.block_tokens}")
+        refuse_unkept_states(loaded, config.block_tokens)
         self._loaded = loaded
         self._cache = cache
         self._config = config
@@ -181,6 +182,7 @@ class Engine:
                 forward = self._with_captured_steps(forward)
                 logger.info("engine route: %s (%s)", self._route.name, self._route.reason)
                 if (self._route.decode_kv_is_prefill_kv and self._config.tail_cache_bytes
+                        and not self._loaded.keeps_states  # a tail keeps no state
                         and self._config.store_generated_blocks):
                     self._tails = TailCache(self._config.tail_cache_bytes)
                 if self._cache is not None:  # a session's reset or expiry drops its tails

@@ -44,12 +44,14 @@ from gateway.engine.forward.features import (
 from gateway.engine.forward.gpt_oss_experts import clamped_swiglu_mlp, clamped_swiglu_weights
 from gateway.engine.forward.latent_attention import FoldedHeads, folded_weights, latent_attention
 from gateway.engine.forward.layer_modules import layer_problem
+from gateway.engine.forward.recurrent_step import RecurrentLayers
 from gateway.engine.forward.rotary import partially, rotate_halves, rotate_pairs
 from gateway.engine.kv.latent import LatentKV
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.step_writes import StepWrites, join_rows
 from gateway.engine.linear.joined_panels import JOINED_GATE_UP, JOINED_QKV, joined
 from gateway.engine.linear.row_products import RowProducts
+from tiers.payload import KVLayout
 
 ROPE_CHUNK = 4096
 """Rotary tables are computed in fixed chunks of positions (the same call for every request)."""
@@ -87,6 +89,10 @@ class SequenceRows:
 LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """``attend(layer, q, k, v)``: write one layer's K/V of the step's rows where they belong and
 return the rows' attention ``[rows, heads, head_dim]`` (zero for padding rows)."""
+
+LayerMix = Callable[[int, Any, torch.Tensor], torch.Tensor]
+"""``mix(layer, module, normed)``: a recurrent layer's output ``[rows, hidden]`` for the step's
+normed rows (zero for padding rows), each sequence from its own state."""
 
 
 class StepForward(Protocol):
@@ -161,6 +167,11 @@ class BatchedForward:
         self._head_dim = head_dim
         self._qkv_widths = (num_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
         dtype = model.model.embed_tokens.weight.dtype
+        try:
+            self._recurrent = RecurrentLayers.of(config, features.mixers, KVLayout(
+                num_layers=len(layers), kv_heads=kv_heads, head_dim=head_dim, dtype=dtype))
+        except ValueError as exc:
+            raise UnsupportedModel(f"{features.family}: {exc}") from exc
         # One rotation per kind the layers use, side by side: [positions, sum of the kinds'
         # rotary widths] (one kind for most models: the tables every step reads).
         self._rope_kinds = features.rope_kinds
@@ -256,8 +267,25 @@ class BatchedForward:
                                            sinks=self._sinks[index]))
             return join_rows(self._attention.attend(items), spans, q)
 
+        def mix(index: int, module: Any, normed: torch.Tensor) -> torch.Tensor:
+            for pool in pools:
+                pool.await_layer(index)
+            # The layer's K/V slots of the step's positions hold nothing but the states kept
+            # at block ends: zeros first, never what a page held before.
+            zeros = normed.new_zeros(normed.shape[0], self._kv_heads, self._head_dim)
+            if writes is not None:
+                writes.write(index, zeros, zeros)
+            else:
+                for rows, (start, end) in zip(batch, spans, strict=True):
+                    empty = zeros[start:end].transpose(0, 1)
+                    rows.sequence.write(index, empty, empty)
+            outputs = self._recurrent.mix(
+                index, module, normed, [(rows.sequence, rows.is_decode) for rows in batch],
+                spans, self._products)
+            return join_rows(outputs, spans, normed)
+
         with torch.inference_mode():
-            hidden = self.run_layers(ids, cos, sin, num_shared, attend)
+            hidden = self.run_layers(ids, cos, sin, num_shared, attend, mix)
             for pool in pools:
                 pool.await_all()  # what comes after the step reads every page as it is
             for rows, n in zip(batch, lengths, strict=True):
@@ -284,16 +312,18 @@ class BatchedForward:
         return out
 
     def run_layers(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   num_shared: int, attend: LayerAttention) -> torch.Tensor:
+                   num_shared: int, attend: LayerAttention,
+                   mix: LayerMix | None = None) -> torch.Tensor:
         """The hidden states ``[rows, hidden]`` after every layer, for the step's rows:
         token ``ids``, rotary ``cos``/``sin`` of their positions, the first ``num_shared`` rows
-        in the shared product, each layer's attention (and K/V writes) done by ``attend``.
+        in the shared product, each layer's attention (and K/V writes) done by ``attend``, each
+        recurrent layer's mixing by ``mix`` (needed where the features name one).
         The one walk of the weights every forward of this model takes (``forward`` here and
         the captured steps of ``gateway.engine.forward.captured_steps``)."""
         hidden: torch.Tensor = self._model.model.embed_tokens(ids)
         for index, layer in enumerate(self._model.model.layers):
             hidden = self._layer(index, layer, self._features.layers[index], hidden, cos, sin,
-                                 num_shared, attend)
+                                 num_shared, attend, mix)
         return hidden
 
     def logits(self, picked: torch.Tensor, num_logit_rows: int) -> torch.Tensor:
@@ -334,9 +364,15 @@ class BatchedForward:
 
     def _layer(self, index: int, layer: Any, features: LayerFeatures, hidden: torch.Tensor,
                cos: torch.Tensor, sin: torch.Tensor, num_shared: int,
-               attend: LayerAttention) -> torch.Tensor:
+               attend: LayerAttention, mix: LayerMix | None) -> torch.Tensor:
         norms = features.norms
         normed = _norm(layer, norms.before_attention, hidden)
+        if features.mixer is not None:
+            if mix is None:
+                raise UnsupportedModel(f"layer {index} is recurrent ({features.mixer}): this "
+                                       "walk of the layers mixes none")
+            out = mix(index, layer.mixer, normed)
+            return self._after_mixing(layer, features, hidden, out, num_shared)
         if len(self._rope_kinds) > 1:  # this layer's kind of rotation, its own width
             at, width = self._rope_spans[self._rope_kinds.index(features.rope)]
             cos, sin = cos[:, at:at + width], sin[:, at:at + width]
@@ -349,6 +385,13 @@ class BatchedForward:
         else:
             out = self._per_head_attention(index, layer.self_attn, features, normed, cos, sin,
                                   num_shared, attend)
+        return self._after_mixing(layer, features, hidden, out, num_shared)
+
+    def _after_mixing(self, layer: Any, features: LayerFeatures, hidden: torch.Tensor,
+                      out: torch.Tensor, num_shared: int) -> torch.Tensor:
+        """The layer's residual after its attention's (or recurrent layer's) output ``out``:
+        that output added, then the MLP's."""
+        norms = features.norms
         hidden = hidden + _norm(layer, norms.after_attention, out)
         normed = _norm(layer, norms.before_mlp, hidden)
         out = self._mlp(layer.mlp, features, normed, num_shared)
@@ -451,10 +494,13 @@ def projection_weights(model: Any) -> list[torch.Tensor]:
     expert's and the router's, a shape once (layers may differ: dense and expert MLPs)."""
     by_shape: dict[tuple[int, ...], torch.Tensor] = {}
     for layer in model.model.layers:
-        attention, mlp = layer.self_attn, layer.mlp
+        attention, mlp = getattr(layer, "self_attn", None), layer.mlp
         weights = [getattr(attention, name).weight for name in ATTENTION_PROJECTIONS
                    if getattr(attention, name, None) is not None]
-        if hasattr(attention, "kv_b_proj"):  # latent attention's folded heads
+        if attention is None:  # a recurrent layer: its kind's products
+            weights += [module.weight for module in layer.mixer.modules()
+                        if isinstance(module, torch.nn.Linear)]
+        elif hasattr(attention, "kv_b_proj"):  # latent attention's folded heads
             weights += folded_weights(attention, model.config)
         if hasattr(mlp, "router"):  # gpt-oss's experts, stored [in, out]
             weights += clamped_swiglu_weights(mlp)

@@ -111,6 +111,9 @@ def captured_steps_problem(forward: Any, device: torch.device) -> str | None:
     if not isinstance(forward.attention, TritonPagedAttention):
         return (f"the {type(forward.attention).__name__} reads K/V per sequence; only the "
                 "Triton paged attention reads every row's pages through one table")
+    if forward.features.mixers:
+        return ("recurrent layers run each sequence from its own state, which a captured step "
+                "does not hold")
     if forward.features.has_experts:
         return ("a mixture of experts chooses its products by the tokens' routing, which a "
                 "captured step cannot replay")

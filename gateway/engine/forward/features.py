@@ -239,6 +239,11 @@ class LayerFeatures:
             sinks): every attention the forward runs adds it (``AttentionItem.sinks``).
         latent: the attention is multi-head latent attention (``LatentAttention``, DeepSeek):
             its queries, keys and values come from its own projections, not q/k/v; None: not.
+        mixer: the layer mixes tokens with a recurrent layer in place of attention (its
+            ``mixer`` module, no ``self_attn``): the kind's name in
+            ``gateway.engine.forward.recurrent.mixers.RECURRENT_MIXERS`` (LFM2's
+            ``lfm2_conv``); None: attention. Its state at each block's end is kept in the
+            block (``gateway.engine.kv.kept_states``).
     """
 
     qk_norm: bool = False
@@ -255,9 +260,16 @@ class LayerFeatures:
     logit_softcap: float | None = None
     sinks: bool = False
     latent: LatentAttention | None = None
+    mixer: str | None = None
 
     def __post_init__(self) -> None:
         _check_softcap(self.logit_softcap)
+        if self.mixer is not None and (self.qk_norm or self.qk_projection_norm or self.fused_qkv
+                                       or self.sinks or self.latent is not None
+                                       or self.window is not None
+                                       or self.logit_softcap is not None):
+            raise ValueError("a recurrent layer has no attention: no q/k norms, fused q/k/v, "
+                             "sinks, latents, window or soft-cap")
         if self.latent is not None and (self.qk_norm or self.qk_projection_norm
                                         or self.fused_qkv or self.sinks):
             raise ValueError("latent attention has projections of its own: no q/k norms, "
@@ -332,6 +344,12 @@ class DecoderFeatures:
     def rope_kinds(self) -> tuple[str | None, ...]:
         """The rotations the layers use, in order of first use."""
         return tuple(dict.fromkeys(layer.rope for layer in self.layers))
+
+    @property
+    def mixers(self) -> dict[int, str]:
+        """The recurrent layers, by index: their kind (``LayerFeatures.mixer``)."""
+        return {index: layer.mixer for index, layer in enumerate(self.layers)
+                if layer.mixer is not None}
 
     @property
     def has_experts(self) -> bool:

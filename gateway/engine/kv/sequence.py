@@ -24,6 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from tiers.page_pool import Page, PagedBlock, PagePool, gather_pages
 from tiers.payload import KVBlock, KVLayout
 
@@ -121,6 +122,10 @@ class KVSequence:
         self._ids: torch.Tensor | None = None  # the table padded to whole tiles, for gathers
         # (start, count, pages) -> the pool slots of positions start..start+count (CUDA writes)
         self._slots: tuple[int, int, tuple[int, ...], torch.Tensor] | None = None
+        self.states: dict[int, RecurrentState] = {}
+        """Each recurrent layer's state at ``length`` (the slot a running sequence holds,
+        ``gateway.engine.forward.recurrent_step``); a layer missing here is read from the
+        last block, where it was kept."""
 
     @classmethod
     def alone(cls, layout: KVLayout, capacity: int, *, page_tokens: int = 64,
@@ -171,6 +176,7 @@ class KVSequence:
         self._pages, self._own, self._ids = [], [], None
         self._length = 0
         self.capacity = 0
+        self.states = {}
 
     @property
     def length(self) -> int:
@@ -322,6 +328,29 @@ class KVSequence:
         if not 0 <= num_tokens <= self._length:
             raise ValueError(f"cannot truncate {self._length} tokens to {num_tokens}")
         self._length = num_tokens
+        self.states = {}  # read again from the blocks kept up to there
+
+    def put_state(self, layer: int, start: int, keys: torch.Tensor,
+                  values: torch.Tensor) -> None:
+        """Write a recurrent layer's state, laid as K/V ``[kv_heads, rows, head_dim]``
+        (``gateway.engine.kv.kept_states``), at the held positions ``start..start + rows`` of
+        the page they are in, which this step writes (so its own)."""
+        if not self._own[start // self.pool.page_tokens]:
+            raise ValueError(f"the page of position {start} is shared: a state is kept only in "
+                             "a page the sequence writes")
+        self._put(layer, start, keys, values)
+
+    def layer_state(self, layer: int, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V ``[kv_heads, rows, head_dim]`` at positions ``start..start +
+        rows`` of one held page (a copy): where a block keeps a recurrent layer's state."""
+        bt = self.pool.page_tokens
+        if start % bt + rows > bt or start + rows > len(self._pages) * bt:
+            raise ValueError(f"positions {start}..{start + rows} are not in one held page")
+        page = self._pages[start // bt].id
+        storage = self.pool.storage
+        at = start % bt
+        return (storage[layer, 0, :, page, at:at + rows].clone(),
+                storage[layer, 1, :, page, at:at + rows].clone())
 
     def _table(self) -> torch.Tensor:
         """The page ids, padded with the zero page to whole ``CAPACITY_ALIGNMENT`` spans."""

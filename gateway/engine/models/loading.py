@@ -53,16 +53,18 @@ from gateway.core.file_tokenizer import FileTokenizer, UnsupportedTokenizer
 from gateway.core.tokenizer import HFTokenizerAdapter, Tokenizer
 from gateway.engine.forward.batched import SequenceRows
 from gateway.engine.forward.features import DecoderFeatures
+from gateway.engine.kv.kept_states import state_problem
 from gateway.engine.kv.latent import latent_layout
 from gateway.engine.kv.sequence import KVSequence
-from gateway.engine.models.families import describe
+from gateway.engine.models.families import describe, family_for
+from gateway.engine.models.families.base import RenamedFamily
 from gateway.engine.models.llama_checkpoint import (
     UnsupportedCheckpoint,
     read_llama_config,
     read_llama_weights,
 )
 from gateway.engine.models.llama_modules import LlamaModules
-from gateway.engine.models.refusals import unservable_reason
+from gateway.engine.models.refusals import RECURRENT_LAYER_KINDS, unservable_reason
 from tiers.payload import KVLayout
 
 logger = logging.getLogger(__name__)
@@ -177,6 +179,12 @@ class LoadedModel:
         return device
 
     @property
+    def keeps_states(self) -> bool:
+        """Whether the batched forward keeps recurrent layers' states in its blocks (only
+        whole blocks then: a conversation tail, a partial block, keeps none)."""
+        return self.features is not None and bool(self.features.mixers)
+
+    @property
     def owns_its_weights(self) -> bool:
         """Its weights live in memory of their own (read by kvgate's own reader), not mapped
         from the checkpoint's file (transformers' loading): only then does a weight replaced
@@ -195,6 +203,27 @@ class LoadedModel:
         """transformers' ``*ForCausalLM`` over the same weights (built, importing transformers,
         on the first call)."""
         return self.transformers.get()
+
+
+def refuse_unkept_states(loaded: LoadedModel, block_tokens: int) -> None:
+    """Refuse a model with recurrent layers whose states its blocks of ``block_tokens`` cannot
+    keep (``gateway.engine.kv.kept_states``), or that the batched forward cannot walk (the
+    serial route keeps no recurrent state).
+
+    Raises:
+        UnservableModel: in one line, what stops it.
+    """
+    kinds = getattr(loaded.model.config, "layer_types", None) or ()
+    if loaded.features is None:
+        if set(kinds) & RECURRENT_LAYER_KINDS:
+            raise UnservableModel(
+                f"cannot serve {loaded.name} exactly: its recurrent layers run on the batched "
+                f"route only, which cannot walk it ({loaded.batched_problem})")
+        return
+    problem = state_problem(loaded.model.config, loaded.features.mixers, loaded.layout,
+                            block_tokens)
+    if problem is not None:
+        raise UnservableModel(f"cannot serve {loaded.name} exactly: {problem}")
 
 
 def resolve_source(model: str) -> ModelSource:
@@ -349,6 +378,9 @@ def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | No
             dtype=dtype,
         )
     described = describe(config)
+    family = family_for(getattr(config, "architectures", None))
+    if isinstance(described, DecoderFeatures) and isinstance(family, RenamedFamily):
+        model = family.module_tree(model)  # the same modules under Llama's names
     eos = config.eos_token_id
     eos_ids = tuple(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
     if tokenizer_eos is not None and tokenizer_eos not in eos_ids:

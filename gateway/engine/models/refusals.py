@@ -2,7 +2,8 @@
 
 Why at the door: what the cache keeps for a prompt is each layer's K/V per token. A layer that
 keeps a recurrent state instead (the linear-attention and state-space layers of hybrids: Qwen3.5,
-Qwen3-Next, Granite 4.0-H, Falcon-H1, Jamba, LFM2's convolutions), multi-head latent attention
+Qwen3-Next, Granite 4.0-H, Falcon-H1, Jamba; LFM2's convolutions are the exception, their windows
+kept in the blocks: ``STATE_KEEPING_ARCHITECTURES``), multi-head latent attention
 in an architecture whose latents kvgate does not keep, or quantized weights would give a warm
 answer that is not the cold one, or a traceback in the middle of start-up. Each is found from
 the checkpoint's ``config.json`` alone (no transformers import, no weights read), and ``kvgate
@@ -32,6 +33,10 @@ RECURRENT_MODEL_TYPES = frozenset({
     "xlstm", "zamba", "zamba2", "olmo_hybrid", "plamo2",
 })
 """Model types made of recurrent layers, for configs that list no ``layer_types``."""
+
+STATE_KEEPING_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
+"""Architectures whose recurrent layers' states the cache keeps in their blocks
+(``gateway.engine.kv.kept_states``; their family's module walks them): not refused here."""
 
 LATENT_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
 """Architectures with multi-head latent attention whose latents the cache holds
@@ -83,6 +88,8 @@ def _layer_kinds_problem(config: Mapping[str, Any]) -> str | None:
     kinds = config.get("layer_types")
     if isinstance(kinds, list) and kinds:
         recurrent = [i for i, kind in enumerate(kinds) if kind in RECURRENT_LAYER_KINDS]
+        if recurrent and set(config.get("architectures") or ()) & STATE_KEEPING_ARCHITECTURES:
+            return None  # its family runs it; the blocks' room for the states is checked later
         if recurrent:
             named = sorted({str(kinds[i]) for i in recurrent})
             return (f"{len(recurrent)} of its {len(kinds)} layers keep a recurrent state "

@@ -98,11 +98,13 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
     # A pool of its own, for the sequences alive at once (five runs, three others, the prefix).
     pool = PagePool(layout, page_tokens=TILE, device=forward.device,
                     num_pages=16 * -(-(PROBE_PREFIX + total) // TILE))
-    prefix = KVSequence(pool, PROBE_PREFIX)
+    # Recurrent layers' states are kept at the ends of pages only: such a prefix ends on one.
+    num_prefix = PROBE_PREFIX - PROBE_PREFIX % TILE if forward.features.mixers else PROBE_PREFIX
+    prefix = KVSequence(pool, num_prefix)
     forward.forward([SequenceRows(wants_logits=False, sequence=prefix,
-                                  tokens=torch.randint(0, vocab_size, (PROBE_PREFIX,),
+                                  tokens=torch.randint(0, vocab_size, (num_prefix,),
                                                        generator=generator))])
-    prefix_kv = [prefix.block(0, PROBE_PREFIX)]
+    prefix_kv = [prefix.block(0, num_prefix)]
 
     def others(count: int) -> list[KVSequence]:
         """``count`` other sequences with histories of different lengths, decoding beside."""
@@ -120,7 +122,7 @@ def probe_invariance(forward: BatchedForward, layout: KVLayout, vocab_size: int,
             company_prefills: bool = False) -> _Run:
         """``decoding``: the last NUM_DECODE one-token chunks, and the others', are decode rows
         (the others' are prefill rows with ``company_prefills``)."""
-        seq = KVSequence.from_blocks(pool, prefix_kv, PROBE_PREFIX + total)
+        seq = KVSequence.from_blocks(pool, prefix_kv, num_prefix + total)
         company = others(beside)
         logits: list[torch.Tensor] = []
         at = 0

@@ -59,7 +59,7 @@ from gateway.engine.linear.row_products import (
     Wider,
     each_candidate_row_products,
 )
-from gateway.engine.models.loading import LoadedModel, SerialForward
+from gateway.engine.models.loading import LoadedModel, SerialForward, UnservableModel
 from gateway.engine.parity.probe import ProbeCancelled, ProbeResult, probe_invariance
 from tiers.payload import KVLayout
 
@@ -236,6 +236,9 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
     if verdict.name != "batched" or not verdict.packed or layout is None:
         unpack_model(loaded)
     if verdict.name != "batched":
+        if loaded.keeps_states:  # the serial route's transformers cache is not the blocks'
+            raise UnservableModel(f"cannot serve {loaded.name} exactly: its recurrent layers' "
+                                  f"states are kept on the batched route only ({verdict.reason})")
         return SerialForward(loaded)
     if verdict.packed and layout is not None:
         if any(isinstance(where.module, PackedLinear) and where.module.layout is not layout

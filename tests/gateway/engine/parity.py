@@ -179,7 +179,8 @@ def cold_blocks(loaded: LoadedModel, tokens: list[int], num_blocks: int, *,
     if route == "serial":
         computed = compute_block_kv(loaded, torch.tensor(tokens[:n], device=device), block_tokens)
         return [KVBlock(keys=keys, values=values) for keys, values in computed]
-    seq = KVSequence.alone(loaded.layout, max(1, n), device=device)
+    # Pages of a block each, as the engine's: a recurrent layer's state is kept at their ends.
+    seq = KVSequence.alone(loaded.layout, max(1, n), page_tokens=block_tokens, device=device)
     forward = engine_forward(loaded, torch.device(device))
     if n:
         forward.forward([SequenceRows(sequence=seq, tokens=torch.tensor(tokens[:n]),

@@ -16,6 +16,7 @@ from gateway.engine.models.families.gemma2 import GEMMA2
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.glm4 import GLM4
 from gateway.engine.models.families.gpt_oss import GPT_OSS
+from gateway.engine.models.families.lfm2 import LFM2
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
 from gateway.engine.models.families.olmo2 import OLMO2
@@ -39,6 +40,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     GPT_OSS,
     GEMMA2,
     DEEPSEEK_V3,
+    LFM2,
 )
 
 

@@ -12,7 +12,7 @@ Every registered family runs the one conformance suite (tests/gateway/engine/fam
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from gateway.engine.forward.features import DecoderFeatures
 
@@ -38,4 +38,14 @@ class ModelFamily(Protocol):
     def features(self, config: Any) -> DecoderFeatures:
         """What each layer of a model with ``config`` does (only called when ``problem`` is
         None)."""
+        ...
+
+
+@runtime_checkable
+class RenamedFamily(Protocol):
+    """A family whose transformers model names its modules otherwise than Llama's (LFM2's
+    ``conv``, ``feed_forward.w1``...): loading hands the forward ``module_tree(model)``."""
+
+    def module_tree(self, model: Any) -> Any:
+        """``model``'s own modules, none copied, under transformers' Llama attribute names."""
         ...

@@ -20,6 +20,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4Config,
     GptOssConfig,
+    Lfm2Config,
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
@@ -250,6 +251,16 @@ GPT_OSS_WINDOW = 16
 window's first key falls inside the tiles and pages the kernels read."""
 
 
+def save_lfm2(directory: Path, seed: int = 0) -> Path:
+    """Short-convolution layers around one attention layer (the first and last conv), a conv
+    bias, and conv windows of 3 inputs (``conv_L_cache``, LFM2's)."""
+    tokenizer = make_hf_tokenizer()
+    shape = {name: value for name, value in _shape(tokenizer).items() if name != "head_dim"}
+    config = Lfm2Config(**shape, layer_types=["conv", "full_attention", "conv"],
+                        conv_bias=True, conv_L_cache=3, block_auto_adjust_ff_dim=False)
+    return _save(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
@@ -264,6 +275,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "gpt_oss": save_gpt_oss,
     "gemma2": save_gemma2,
     "deepseek_v3": save_deepseek_v3,
+    "lfm2": save_lfm2,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
