@@ -90,9 +90,9 @@ LayerAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch
 """``attend(layer, q, k, v)``: write one layer's K/V of the step's rows where they belong and
 return the rows' attention ``[rows, heads, head_dim]`` (zero for padding rows)."""
 
-LayerMix = Callable[[int, Any, torch.Tensor], torch.Tensor]
-"""``mix(layer, module, normed)``: a recurrent layer's output ``[rows, hidden]`` for the step's
-normed rows (zero for padding rows), each sequence from its own state."""
+LayerMix = Callable[[int, Any, torch.Tensor, int], torch.Tensor]
+"""``mix(layer, module, normed, num_shared)``: a recurrent layer's output ``[rows, hidden]`` for
+the step's normed rows (zero for padding rows), each sequence from its own state."""
 
 
 class StepForward(Protocol):
@@ -267,7 +267,7 @@ class BatchedForward:
                                            sinks=self._sinks[index]))
             return join_rows(self._attention.attend(items), spans, q)
 
-        def mix(index: int, module: Any, normed: torch.Tensor) -> torch.Tensor:
+        def mix(index: int, module: Any, normed: torch.Tensor, num_shared: int) -> torch.Tensor:
             for pool in pools:
                 pool.await_layer(index)
             # The layer's K/V slots of the step's positions hold nothing but the states kept
@@ -279,10 +279,9 @@ class BatchedForward:
                 for rows, (start, end) in zip(batch, spans, strict=True):
                     empty = zeros[start:end].transpose(0, 1)
                     rows.sequence.write(index, empty, empty)
-            outputs = self._recurrent.mix(
-                index, module, normed, [(rows.sequence, rows.is_decode) for rows in batch],
-                spans, self._products)
-            return join_rows(outputs, spans, normed)
+            return self._recurrent.mix(
+                index, module, normed, [rows.sequence for rows in batch],
+                spans, self._products, num_shared)
 
         with torch.inference_mode():
             hidden = self.run_layers(ids, cos, sin, num_shared, attend, mix)
@@ -371,7 +370,7 @@ class BatchedForward:
             if mix is None:
                 raise UnsupportedModel(f"layer {index} is recurrent ({features.mixer}): this "
                                        "walk of the layers mixes none")
-            out = mix(index, layer.mixer, normed)
+            out = mix(index, layer.mixer, normed, num_shared)
             return self._after_mixing(layer, features, hidden, out, num_shared)
         if len(self._rope_kinds) > 1:  # this layer's kind of rotation, its own width
             at, width = self._rope_spans[self._rope_kinds.index(features.rope)]

@@ -10,10 +10,10 @@ block, cached, carries the state a warm start resumes from. Between steps a sequ
 state in its slot (``KVSequence.states``); a sequence that holds none there -- built from cached
 blocks, or truncated to a block's end -- reads it from its last block.
 
-The kind's products (``project``) multiply one sequence's rows padded as the step's shared
-product pads them, or a decode row alone where decode rows are products of their own
-(``RowProducts.shares_decode_rows``): the bits a row would have had in the step's shared
-product, whatever else runs.
+The layer's products in and out are row-wise, so they multiply every sequence's rows of the
+step at once, as the attention's projections do (a row keeps its bits whatever shares the
+product); only the part between them -- a convolution over each sequence's window -- runs per
+sequence, piece by piece.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gateway.engine.forward.recurrent.layer_state import Project, RecurrentState
+from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.mixers import RECURRENT_MIXERS, RecurrentMixer
 from gateway.engine.forward.recurrent.short_conv import ConvWindow
 from gateway.engine.kv.kept_states import StateRows, state_rows
@@ -57,37 +57,35 @@ class RecurrentLayers:
         unknown = sorted(set(mixers.values()) - set(RECURRENT_MIXERS))
         if unknown:
             raise ValueError(f"recurrent layers of kinds nothing computes: {unknown}")
+        one_at_a_time = sorted(name for name in set(mixers.values())
+                               if RECURRENT_MIXERS[name].mix is None)
+        if one_at_a_time:
+            raise ValueError(f"recurrent layers of kinds computed one sequence at a time only: "
+                             f"{one_at_a_time}")
         return cls(config, {i: RECURRENT_MIXERS[name] for i, name in mixers.items()},
                    {i: state_rows(config, name, layout) for i, name in mixers.items()})
 
     def mix(self, index: int, module: Any, normed: torch.Tensor,
-            sequences: Sequence[tuple[KVSequence, bool]], spans: Sequence[tuple[int, int]],
-            products: RowProducts) -> list[torch.Tensor]:
-        """Layer ``index``'s output rows for each sequence (``(sequence, is_decode)``, its
-        rows ``normed[start:end]`` for its span), in order; each sequence's state after them
-        goes to its slot, its state at each block end passed into that block."""
+            sequences: Sequence[KVSequence], spans: Sequence[tuple[int, int]],
+            products: RowProducts, num_shared: int) -> torch.Tensor:
+        """Layer ``index``'s output ``[rows, hidden]`` for the step's ``normed`` rows: each
+        sequence (its rows at its span) from its own state, which goes to its slot after them,
+        its state at each block end passed into that block. The kind's products in and out take
+        every row at once (the first ``num_shared`` in the shared product, as the attention's
+        projections do); what lies between runs per sequence (``RecurrentMixer.mix``)."""
         kind, rows = self.kinds[index], self.rows[index]
-        outputs = []
-        for (sequence, is_decode), (start, end) in zip(sequences, spans, strict=True):
+        assert kind.mix is not None  # ``of`` takes no other kind
+        into, out_of = (getattr(module, name) for name in kind.products)
+        projected = products.project(into, normed, num_shared)
+        mixed = projected.new_zeros(normed.shape[0], out_of.weight.shape[1])
+        for sequence, (start, end) in zip(sequences, spans, strict=True):
             state = self._state_before(index, sequence, kind, rows, normed)
-            project = _own_rows_product(products, decode_alone=is_decode
-                                        and not products.shares_decode_rows)
-            block = sequence.pool.page_tokens
-            at, position, pieces = start, sequence.length, []
-            while at < end:
-                upto = min(end, at + block - position % block)
-                step = kind.step(module, self.config, normed[at:upto], state, project=project,
-                                 chunk=block)
-                pieces.append(step.outputs)
-                state = step.state
-                position += upto - at
-                at = upto
-                if position % block == 0:
-                    keys, values = rows.keys_values(state)
-                    sequence.put_state(index, position - block, keys, values)
+            for at, upto, position in _pieces(sequence, start, end):
+                mixed[at:upto], state = kind.mix(module, projected[at:upto], state)
+                _keep_at_block_end(index, sequence, rows, position, state)
             sequence.states[index] = state
-            outputs.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
-        return outputs
+        out: torch.Tensor = products.project(out_of, mixed, num_shared)
+        return out
 
     def _state_before(self, index: int, sequence: KVSequence, kind: RecurrentMixer,
                       rows: StateRows, like: torch.Tensor) -> RecurrentState:
@@ -106,17 +104,23 @@ class RecurrentLayers:
         return rows.state(keys, values)
 
 
-def _own_rows_product(products: RowProducts, *, decode_alone: bool) -> Project:
-    """``project`` over one sequence's rows with the bits they have in a step's product."""
+def _pieces(sequence: KVSequence, start: int, end: int) -> list[tuple[int, int, int]]:
+    """The sequence's rows ``start..end`` of a step cut at its block ends: each piece's rows
+    and the sequence's length after it."""
+    block = sequence.pool.page_tokens
+    position, at, pieces = sequence.length, start, []
+    while at < end:
+        upto = min(end, at + block - position % block)
+        position += upto - at
+        pieces.append((at, upto, position))
+        at = upto
+    return pieces
 
-    def project(linear: Any, rows: torch.Tensor) -> torch.Tensor:
-        if decode_alone:
-            return products.project(linear, rows, 0)
-        count = rows.shape[0]
-        padded_count = products.padding.rows_for(count)
-        if padded_count != count:
-            rows = torch.cat([rows, rows.new_zeros(padded_count - count, rows.shape[1])])
-        out: torch.Tensor = products.project(linear, rows, padded_count)[:count]
-        return out
 
-    return project
+def _keep_at_block_end(index: int, sequence: KVSequence, rows: StateRows, position: int,
+                       state: RecurrentState) -> None:
+    """Keep ``state``, layer ``index``'s at ``position``, in the block it ends, if it ends one."""
+    block = sequence.pool.page_tokens
+    if position % block == 0:
+        keys, values = rows.keys_values(state)
+        sequence.put_state(index, position - block, keys, values)

@@ -26,8 +26,17 @@ def lfm2_start(config: Any, device: torch.device | str = "cpu") -> RecurrentStat
 def lfm2_conv(module: Any, rows: torch.Tensor, state: RecurrentState, *,
               project: Project) -> LayerStep:
     """The layer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
-    b, c, x = project(module.in_proj, rows).chunk(3, dim=-1)
+    gated, after = lfm2_mix(module, project(module.in_proj, rows), state)
+    return LayerStep(outputs=project(module.out_proj, gated), state=after)
+
+
+def lfm2_mix(module: Any, projected: torch.Tensor,
+             state: RecurrentState) -> tuple[torch.Tensor, RecurrentState]:
+    """The part between the layer's two products, for one sequence: its rows of ``in_proj``
+    (``[n, 3 * hidden]``: B | C | x) after ``state`` to what ``out_proj`` multiplies
+    (``[n, hidden]``), and the state after them. Every product is row-wise, so a step may
+    multiply every sequence's rows at once and mix each sequence's alone."""
+    b, c, x = projected.chunk(3, dim=-1)
     convolved, window = causal_conv(state.conv, b * x, module.conv.weight.squeeze(1),
                                     module.conv.bias)
-    return LayerStep(outputs=project(module.out_proj, c * convolved),
-                     state=RecurrentState(window))
+    return c * convolved, RecurrentState(window)

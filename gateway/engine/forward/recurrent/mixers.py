@@ -16,7 +16,7 @@ import torch
 
 from gateway.engine.forward.recurrent.gated_deltanet import DeltaNetShape, gated_deltanet
 from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
-from gateway.engine.forward.recurrent.lfm2_conv import lfm2_conv, lfm2_start
+from gateway.engine.forward.recurrent.lfm2_conv import lfm2_conv, lfm2_mix, lfm2_start
 from gateway.engine.forward.recurrent.mamba2 import Mamba2Shape, mamba2
 
 
@@ -30,12 +30,20 @@ class RecurrentMixer:
         step: the layer's output for a sequence's new rows after its state:
             ``step(module, config, rows, state, project=..., chunk=...)``.
         scans: whether it has a chunked scan (whose chunk must divide the block size).
+        mix: where the layer is a row-wise product in (``products[0]``), a per-sequence part,
+            and a row-wise product out (``products[1]``): the part, ``mix(module, projected,
+            state) -> (rows for the product out, state after)``, so a step multiplies every
+            sequence's rows at once; None: only ``step``, one sequence at a time.
+        products: the module's products in and out, where ``mix`` is given.
     """
 
     name: str
     start: Callable[[Any, torch.device | str], RecurrentState]
     step: Callable[..., LayerStep]
     scans: bool
+    mix: Callable[[Any, torch.Tensor, RecurrentState],
+                  tuple[torch.Tensor, RecurrentState]] | None = None
+    products: tuple[str, str] = ("in_proj", "out_proj")
 
 
 def _deltanet_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
@@ -60,7 +68,7 @@ RECURRENT_MIXERS: dict[str, RecurrentMixer] = {
             device), _deltanet_step, scans=True),
         RecurrentMixer("mamba2", lambda config, device: Mamba2Shape.of(config).start(device),
                        _mamba2_step, scans=True),
-        RecurrentMixer("lfm2_conv", lfm2_start, _lfm2_step, scans=False),
+        RecurrentMixer("lfm2_conv", lfm2_start, _lfm2_step, scans=False, mix=lfm2_mix),
     )
 }
 """Every recurrent layer kind, by name."""

@@ -159,3 +159,11 @@ def test_the_serial_route_is_refused_for_a_model_with_kept_states(lfm2: LoadedMo
     with pytest.raises(UnservableModel, match=r"states are kept on the batched route only "
                                               r"\(configured \(route = serial\)\)"):
         build_forward(lfm2, RouteVerdict(name="serial", reason="configured (route = serial)"))
+
+
+def test_a_kind_computed_one_sequence_at_a_time_is_not_batched(lfm2: LoadedModel) -> None:
+    from gateway.engine.forward.recurrent_step import RecurrentLayers
+
+    with pytest.raises(ValueError, match=r"computed one sequence at a time only: "
+                                         r"\['gated_deltanet'\]"):
+        RecurrentLayers.of(lfm2.model.config, {0: "gated_deltanet"}, lfm2.layout)

@@ -1,0 +1,111 @@
+"""A hybrid's recurrent states travel in its blocks through every tier (issue 46): LFM2's conv
+windows, kept in the blocks' K/V slots, are served warm from the disk tier and from Redis
+(written by another engine) with the cold answer's bits, and a block whose bytes were forged or
+cut short is refused as any block is (the request answers cold)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gateway.cache.operations.factory import OpenedCache, open_cache
+from gateway.core.canonical import PromptInput
+from gateway.engine.models.loading import LoadedModel, load_model
+from tests.gateway.engine.families.checkpoints import save_lfm2
+from tests.gateway.engine.parity import (
+    BLOCK,
+    SECRET,
+    assert_served_equals_cold,
+    cache_config,
+    evict_once_released,
+    make_engine,
+    run,
+)
+from tests.gateway.engine.test_forged_blocks import forged
+from tests.redis_harness import RedisServer
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    return load_model(str(save_lfm2(tmp_path_factory.mktemp("lfm2") / "model")))
+
+
+@pytest.fixture()
+def tiers(lfm2: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
+    opened = open_cache(cache_config(tmp_path), layout=lfm2.layout, deployment_secret=SECRET,
+                        device=torch.device("cpu"))
+    yield opened
+    opened.close()
+
+
+def _prompt(num_tokens: int, salt: int = 0) -> PromptInput:
+    return PromptInput(token_ids=[(11 * i + 3 + salt) % 400 for i in range(num_tokens)])
+
+
+def test_a_warm_answer_from_the_disk_tier_equals_the_cold_one(
+        lfm2: LoadedModel, tiers: OpenedCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(lfm2, tiers)
+    try:
+        prompt = _prompt(3 * BLOCK + 7)
+        cold = run(engine, prompt, no_cache=True)[:2]
+        assert run(engine, prompt)[:2] == cold
+        evict_once_released(tiers, "device", "host")
+        assert_served_equals_cold(lfm2, engine, tiers, monkeypatch, prompt, cold, "disk")
+    finally:
+        engine.stop(grace_s=5)
+
+
+@pytest.mark.redis
+def test_a_warm_answer_from_redis_written_by_another_engine_equals_the_cold_one(
+        lfm2: LoadedModel, redis_server: RedisServer, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    prompt = _prompt(2 * BLOCK + 5, salt=1)
+    writer_tiers = open_cache(cache_config(tmp_path / "writer", disk_bytes=0, disk_path=None,
+                                           redis_url=redis_server.url),
+                              layout=lfm2.layout, deployment_secret=SECRET)
+    writer = make_engine(lfm2, writer_tiers)
+    try:
+        cold = run(writer, prompt, no_cache=True)[:2]
+        assert run(writer, prompt)[:2] == cold
+    finally:
+        writer.stop(grace_s=5)
+        writer_tiers.close()  # its queued Redis writes land first
+    reader_tiers = open_cache(cache_config(tmp_path / "reader", disk_bytes=0, disk_path=None,
+                                           redis_url=redis_server.url),
+                              layout=lfm2.layout, deployment_secret=SECRET)
+    reader = make_engine(lfm2, reader_tiers)
+    try:
+        assert_served_equals_cold(lfm2, reader, reader_tiers, monkeypatch, prompt, cold,
+                                  "redis")
+    finally:
+        reader.stop(grace_s=5)
+        reader_tiers.close()
+
+
+@pytest.mark.parametrize("tamper", ["forged", "cut short"])
+def test_a_block_with_forged_or_cut_short_bytes_is_refused_and_answered_cold(
+        lfm2: LoadedModel, tmp_path: Path, tamper: str) -> None:
+    prompt = _prompt(2 * BLOCK + 9, salt=2)
+    first = open_cache(cache_config(tmp_path), layout=lfm2.layout, deployment_secret=SECRET)
+    engine = make_engine(lfm2, first)
+    cold, _, _ = run(engine, prompt, no_cache=True)
+    run(engine, prompt)
+    engine.stop()
+    first.close()
+    files = sorted((tmp_path / "disk").rglob("*.kvb"))
+    assert files  # positive control: the blocks, their states in them, reached the disk
+    for path in files:
+        data = path.read_bytes()
+        path.write_bytes(forged(data) if tamper == "forged" else data[:len(data) - 64])
+    second = open_cache(cache_config(tmp_path), layout=lfm2.layout, deployment_secret=SECRET)
+    engine = make_engine(lfm2, second)
+    try:
+        warm, _, usage = run(engine, prompt)
+        assert warm == cold
+        assert usage.cached_tokens_by_tier.get("disk", 0) == 0
+    finally:
+        engine.stop()
+        second.close()
