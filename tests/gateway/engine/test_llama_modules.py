@@ -22,7 +22,6 @@ import pytest
 import torch
 from transformers import (
     AutoConfig,
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen3Config,
@@ -36,7 +35,7 @@ from gateway.engine.models.families import describe
 from gateway.engine.models.llama_checkpoint import read_llama_config
 from gateway.engine.models.llama_modules import LlamaModules
 from gateway.engine.models.loading import BUNDLED, LoadedModel, converted_checkpoint, load_model
-from tests.gateway.engine.families.checkpoints import save_qwen3_windowed
+from tests.gateway.engine.families.checkpoints import save_qwen3_windowed, save_random
 from tests.gateway.engine.kernels import ROWWISE
 from tests.tiny_llama import save_tiny_llama
 from tests.tokenizer_fixture import make_hf_tokenizer
@@ -72,18 +71,7 @@ def save_qwen3_tied(directory: Path) -> Path:
                          attention_bias=True, rms_norm_eps=1e-5, rope_parameters={
                              "rope_type": "default", "rope_theta": 1000000.0},
                          eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    torch.manual_seed(11)
-    auto: Any = AutoModelForCausalLM  # its from_config is unannotated
-    model = auto.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.uniform_(0.5, 1.5)
-            elif name.endswith(".bias"):
-                parameter.uniform_(-0.5, 0.5)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
+    return save_random(config, directory, tokenizer, seed=11)
 
 
 KINDS = ["default rope", "llama3 rope", "qwen3", "qwen3 windowed"]

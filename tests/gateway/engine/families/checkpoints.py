@@ -58,7 +58,8 @@ def _shape(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-def _save(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
+def save_random(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
+    """``config``'s model with random weights, norms and biases, saved with ``tokenizer``."""
     torch.manual_seed(seed)
     auto: Any = AutoModelForCausalLM  # its from_config is unannotated
     model = auto.from_config(config, dtype=torch.float32)
@@ -83,12 +84,12 @@ def _save(config: Any, directory: Path, tokenizer: Any, seed: int) -> Path:
 
 def save_llama(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
-    return _save(LlamaConfig(**_shape(tokenizer)), directory, tokenizer, seed)
+    return save_random(LlamaConfig(**_shape(tokenizer)), directory, tokenizer, seed)
 
 
 def save_qwen3(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
-    return _save(Qwen3Config(**_shape(tokenizer)), directory, tokenizer, seed)
+    return save_random(Qwen3Config(**_shape(tokenizer)), directory, tokenizer, seed)
 
 
 def save_qwen3_windowed(directory: Path, seed: int = 0) -> Path:
@@ -97,13 +98,13 @@ def save_qwen3_windowed(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
     config = Qwen3Config(**_shape(tokenizer), use_sliding_window=True, sliding_window=WINDOW,
                          max_window_layers=1)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_mistral(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
-    return _save(MistralConfig(**_shape(tokenizer), sliding_window=WINDOW), directory,
-                 tokenizer, seed)
+    return save_random(MistralConfig(**_shape(tokenizer), sliding_window=WINDOW), directory,
+                       tokenizer, seed)
 
 
 def save_qwen3_moe(directory: Path, seed: int = 0) -> Path:
@@ -111,7 +112,7 @@ def save_qwen3_moe(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
     config = Qwen3MoeConfig(**_shape(tokenizer), num_experts=8, num_experts_per_tok=2,
                             moe_intermediate_size=48, norm_topk_prob=True, mlp_only_layers=[0])
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_gemma3(directory: Path, seed: int = 0) -> Path:
@@ -123,7 +124,7 @@ def save_gemma3(directory: Path, seed: int = 0) -> Path:
                               layer_types=["sliding_attention", "full_attention",
                                            "sliding_attention"])
     config.architectures = ["Gemma3ForCausalLM"]
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_gemma3_softcapped(directory: Path, seed: int = 0) -> Path:
@@ -137,7 +138,7 @@ def save_gemma3_softcapped(directory: Path, seed: int = 0) -> Path:
                               attn_logit_softcapping=ATTENTION_SOFTCAP,
                               final_logit_softcapping=FINAL_SOFTCAP)
     config.architectures = ["Gemma3ForCausalLM"]
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_gemma2(directory: Path, seed: int = 0) -> Path:
@@ -150,13 +151,13 @@ def save_gemma2(directory: Path, seed: int = 0) -> Path:
                           attn_logit_softcapping=ATTENTION_SOFTCAP,
                           final_logit_softcapping=FINAL_SOFTCAP)
     config.architectures = ["Gemma2ForCausalLM"]
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_qwen2(directory: Path, seed: int = 0) -> Path:
     """Biased q, k and v projections (Qwen2's own, always on)."""
     tokenizer = make_hf_tokenizer()
-    return _save(Qwen2Config(**_shape(tokenizer)), directory, tokenizer, seed)
+    return save_random(Qwen2Config(**_shape(tokenizer)), directory, tokenizer, seed)
 
 
 def save_qwen2_windowed(directory: Path, seed: int = 0) -> Path:
@@ -164,14 +165,14 @@ def save_qwen2_windowed(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
     config = Qwen2Config(**_shape(tokenizer), use_sliding_window=True, sliding_window=WINDOW,
                          max_window_layers=1)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_smollm3(directory: Path, seed: int = 0) -> Path:
     """The middle layer NoPE (``no_rope_layers`` 0), the others rotating."""
     tokenizer = make_hf_tokenizer()
-    return _save(SmolLM3Config(**_shape(tokenizer), no_rope_layers=[1, 0, 1], pad_token_id=None),
-                 directory, tokenizer, seed)
+    return save_random(SmolLM3Config(**_shape(tokenizer), no_rope_layers=[1, 0, 1],
+                                     pad_token_id=None), directory, tokenizer, seed)
 
 
 def save_smollm3_windowed(directory: Path, seed: int = 0) -> Path:
@@ -180,26 +181,28 @@ def save_smollm3_windowed(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
     config = SmolLM3Config(**_shape(tokenizer), no_rope_layers=[1, 0, 1], pad_token_id=None,
                            use_sliding_window=True, sliding_window=WINDOW)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_olmo2(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
-    return _save(Olmo2Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer, seed)
+    return save_random(Olmo2Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer,
+                       seed)
 
 
 def save_phi3(directory: Path, seed: int = 0) -> Path:
     """Fused qkv_proj and gate_up_proj; a sliding window on every layer, as Phi-3 mini 4k's."""
     tokenizer = make_hf_tokenizer()
     config = Phi3Config(**_shape(tokenizer), pad_token_id=None, sliding_window=WINDOW)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_glm4(directory: Path, seed: int = 0) -> Path:
     """Sandwich norms, biased q/k/v, fused gate_up_proj, half of each head rotated in pairs
     (transformers' default ``partial_rotary_factor`` 0.5)."""
     tokenizer = make_hf_tokenizer()
-    return _save(Glm4Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer, seed)
+    return save_random(Glm4Config(**_shape(tokenizer), pad_token_id=None), directory, tokenizer,
+                       seed)
 
 
 def save_phi3_partial(directory: Path, seed: int = 0) -> Path:
@@ -207,7 +210,7 @@ def save_phi3_partial(directory: Path, seed: int = 0) -> Path:
     tokenizer = make_hf_tokenizer()
     partial: dict[str, Any] = {"partial_rotary_factor": 0.5}  # a kwarg its config reads
     config = Phi3Config(**_shape(tokenizer), pad_token_id=None, **partial)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_gpt_oss(directory: Path, seed: int = 0) -> Path:
@@ -223,7 +226,7 @@ def save_gpt_oss(directory: Path, seed: int = 0) -> Path:
     config = GptOssConfig(**shape, pad_token_id=None, num_local_experts=4,
                           num_experts_per_tok=2, sliding_window=GPT_OSS_WINDOW,
                           rope_parameters=rope)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 def save_deepseek_v3(directory: Path, seed: int = 0) -> Path:
@@ -243,7 +246,7 @@ def save_deepseek_v3(directory: Path, seed: int = 0) -> Path:
                               routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24,
                               qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
                               rope_interleave=True, rope_parameters=rope)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 GPT_OSS_WINDOW = 16
@@ -258,7 +261,7 @@ def save_lfm2(directory: Path, seed: int = 0) -> Path:
     shape = {name: value for name, value in _shape(tokenizer).items() if name != "head_dim"}
     config = Lfm2Config(**shape, layer_types=["conv", "full_attention", "conv"],
                         conv_bias=True, conv_L_cache=3, block_auto_adjust_ff_dim=False)
-    return _save(config, directory, tokenizer, seed)
+    return save_random(config, directory, tokenizer, seed)
 
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {
