@@ -3,7 +3,8 @@
 
     python tools/bench/random_checkpoint.py FAMILY OUT_DIR [--data-dir DIR]
 
-FAMILY: llama, qwen3 or gemma3 (five layers of every six windowed to 512 positions). SmolLM2's
+FAMILY: llama, qwen3, gemma3 (five layers of every six windowed to 512 positions) or lfm2 (every
+third layer attention, the others LFM2's short convolutions: about LFM2's share). SmolLM2's
 shape: 576 wide, 30 layers, 9 heads, 3 KV heads of 64, an MLP of 1,536; float32.
 
 Why the end tokens' output rows are zero: random weights can emit an end token at any step, and
@@ -31,7 +32,11 @@ FAMILIES = {
     "llama": {},
     "qwen3": {},
     "gemma3_text": {"sliding_window": 512, "sliding_window_pattern": 6},
+    "lfm2": {"layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(30)],
+             "block_auto_adjust_ff_dim": False},
 }
+NO_HEAD_DIM = {"lfm2"}
+"""Families whose config has no ``head_dim`` (it is ``hidden_size // num_attention_heads``)."""
 
 
 def build(family: str, out: Path, data_dir: Path) -> Path:
@@ -42,7 +47,9 @@ def build(family: str, out: Path, data_dir: Path) -> Path:
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer),
                                   bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, **SHAPE,
+                                  pad_token_id=tokenizer.pad_token_id,
+                                  **{name: value for name, value in SHAPE.items()
+                                     if name != "head_dim" or model_type not in NO_HEAD_DIM},
                                   **FAMILIES[model_type])
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -59,7 +66,7 @@ def build(family: str, out: Path, data_dir: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("family", choices=["llama", "qwen3", "gemma3"])
+    parser.add_argument("family", choices=["llama", "qwen3", "gemma3", "lfm2"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--data-dir", type=Path, default=Path("data"),
                         help="where the bundled model's converted copy is (or goes)")

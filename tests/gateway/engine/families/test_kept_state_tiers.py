@@ -109,3 +109,28 @@ def test_a_block_with_forged_or_cut_short_bytes_is_refused_and_answered_cold(
     finally:
         engine.stop()
         second.close()
+
+
+def test_a_generation_preempted_while_decoding_resumes_from_its_kept_states(
+        lfm2: LoadedModel, tmp_path: Path) -> None:
+    """Preempted, its full blocks (their states in them) go to the cache and its pages back to
+    the pool; resumed, it continues from its last block's states to the same tokens."""
+    from tests.gateway.engine.test_batching import start
+    from tests.gateway.engine.test_preemption import (
+        BULK_PROMPT,
+        generation,
+        preempted_while_decoding,
+        unpreempted,
+    )
+
+    engine, opened = start(lfm2, tmp_path, BLOCK, max_running_per_tenant=1,
+                           max_kv_share_per_tenant=1.0)
+    try:
+        bulk = generation(BULK_PROMPT, priority=5)
+        expected = unpreempted(engine, bulk)
+        tokens, usage = preempted_while_decoding(engine, bulk)
+        assert tokens == expected
+        assert usage.completion_tokens == len(expected)
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()
