@@ -182,7 +182,6 @@ class Engine:
                 forward = self._with_captured_steps(forward)
                 logger.info("engine route: %s (%s)", self._route.name, self._route.reason)
                 if (self._route.decode_kv_is_prefill_kv and self._config.tail_cache_bytes
-                        and not self._loaded.keeps_states  # a tail keeps no state
                         and self._config.store_generated_blocks):
                     self._tails = TailCache(self._config.tail_cache_bytes)
                 if self._cache is not None:  # a session's reset or expiry drops its tails

@@ -20,14 +20,15 @@ block's K/V (docs/families.md, "Hybrid models") and need a home of their own.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.short_conv import ConvWindow
-from tiers.payload import KVLayout
+from tiers.payload import KVBlock, KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,3 +108,25 @@ def state_problem(config: Any, mixers: dict[int, str], layout: KVLayout,
                     f"positions of a block, and blocks hold {block_tokens}: raise "
                     "cache.block_tokens")
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class StatefulTail(KVBlock):
+    """A conversation tail (``gateway.engine.kv.tail_cache``) of a model with recurrent layers:
+    its K/V, and each recurrent layer's state at its end, which no block end keeps (a tail ends
+    inside a block). It lives in the engine's memory only, never in a tier; a sequence built
+    with it last (``KVSequence.from_blocks``) starts from these states."""
+
+    states: Mapping[int, RecurrentState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        KVBlock.__post_init__(self)
+        windows = (state.conv.inputs for state in self.states.values())  # no scan is kept
+        extra = sum(window.numel() * window.element_size() for window in windows)
+        object.__setattr__(self, "_nbytes", self._nbytes + extra)
+
+    @classmethod
+    def of(cls, kv: KVBlock, states: Mapping[int, RecurrentState]) -> StatefulTail:
+        """``kv`` (a fresh copy) with ``states``, the recurrent layers' at its end."""
+        return cls(keys=kv.keys, values=kv.values, quantization=kv.quantization,
+                   packed=kv.packed, states=dict(states))

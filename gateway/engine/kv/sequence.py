@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
+from gateway.engine.kv.kept_states import StatefulTail
 from tiers.page_pool import Page, PagedBlock, PagePool, gather_pages
 from tiers.payload import KVBlock, KVLayout
 
@@ -149,7 +150,8 @@ class KVSequence:
     def from_blocks(cls, pool: PagePool, blocks: Sequence[KVBlock],
                     capacity: int) -> KVSequence:
         """A sequence starting with ``blocks`` (the cached prefix): the pool's own pages are
-        shared, anything else is copied into pages of the sequence's own."""
+        shared, anything else is copied into pages of the sequence's own. A conversation tail
+        with recurrent states last (``StatefulTail``) gives the sequence its states."""
         seq = cls(pool, capacity)
         for block in blocks:
             seq._reserve(block.num_tokens)
@@ -161,6 +163,8 @@ class KVSequence:
                 seq._length += block.num_tokens
             else:
                 seq._append_copy(block)
+        if blocks and isinstance(blocks[-1], StatefulTail):  # the states at its end
+            seq.states = dict(blocks[-1].states)
         return seq
 
     @classmethod

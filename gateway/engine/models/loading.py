@@ -180,8 +180,8 @@ class LoadedModel:
 
     @property
     def keeps_states(self) -> bool:
-        """Whether the batched forward keeps recurrent layers' states in its blocks (only
-        whole blocks then: a conversation tail, a partial block, keeps none)."""
+        """Whether the batched forward keeps recurrent layers' states in its blocks (and its
+        conversation tails: ``gateway.engine.kv.kept_states``)."""
         return self.features is not None and bool(self.features.mixers)
 
     @property

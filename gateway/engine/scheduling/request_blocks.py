@@ -23,6 +23,7 @@ from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import SHARED_SCOPE_TIER, GenerateRequest
 from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.forward.batched import SequenceRows, StepForward
+from gateway.engine.kv.kept_states import StatefulTail
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.tail_cache import TAIL_TIER, TailCache
 from gateway.engine.parity.shadow import ShadowVerifier
@@ -244,8 +245,11 @@ class RequestBlocks:
             if lease.match.num_blocks != num_full:
                 return  # the blocks it continues are not all stored
             parent = lease.records[-1]
-        tails.keep(namespace, parent, everything[num_full * bt:length],
-                   active.seq.span(num_full * bt, length), session_id=_session_of(active.job))
+        kv = active.seq.span(num_full * bt, length)
+        if active.seq.states:  # recurrent layers: their states at the tail's end go with it
+            kv = StatefulTail.of(kv, active.seq.states)
+        tails.keep(namespace, parent, everything[num_full * bt:length], kv,
+                   session_id=_session_of(active.job))
 
     def _recompute(self, seq: KVSequence, tokens: np.ndarray, start: int, end: int) -> None:
         """Recompute tokens[start:end] block-aligned (the serial route's decode K/V differ)."""

@@ -134,3 +134,25 @@ def test_a_generation_preempted_while_decoding_resumes_from_its_kept_states(
     finally:
         engine.stop(grace_s=5)
         opened.close()
+
+
+def test_a_conversations_next_turn_starts_after_its_tail_from_the_states_at_its_end(
+        lfm2: LoadedModel, tmp_path: Path) -> None:
+    import random
+
+    from tests.gateway.engine.test_batching import SYSTEM, collect, request, start
+    from tests.gateway.engine.test_conversation_tails import converse
+
+    engine, opened = start(lfm2, tmp_path, BLOCK)
+    try:
+        assert engine.route.decode_kv_is_prefill_kv, engine.route.reason
+        turn, held = converse(engine, SYSTEM[:45], random.Random(1))
+        assert held % BLOCK != 0  # the answer ended inside a block
+        ids, usage = collect(engine, request(turn))
+        assert usage.cached_tokens == held
+        cold, _ = collect(engine, request(turn, no_cache=True))
+        assert ids == cold
+        assert engine.tail_counters.num_hits == 1
+    finally:
+        engine.stop(grace_s=5)
+        opened.close()

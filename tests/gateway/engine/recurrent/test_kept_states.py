@@ -167,3 +167,23 @@ def test_a_kind_computed_one_sequence_at_a_time_is_not_batched(lfm2: LoadedModel
     with pytest.raises(ValueError, match=r"computed one sequence at a time only: "
                                          r"\['gated_deltanet'\]"):
         RecurrentLayers.of(lfm2.model.config, {0: "gated_deltanet"}, lfm2.layout)
+
+
+def test_a_sequence_built_from_blocks_and_a_stateful_tail_goes_on_with_the_cold_bits(
+        lfm2: LoadedModel, forward: BatchedForward) -> None:
+    """A tail ends inside a block, where no block keeps a state: its states travel with it."""
+    from gateway.engine.kv.kept_states import StatefulTail
+
+    tokens = _tokens(2 * BLOCK + 11, seed=5)
+    cold = _sequence(lfm2)
+    cold_logits = _run(forward, cold, tokens)
+    source = _sequence(lfm2)
+    _run(forward, source, tokens[:BLOCK + 6])
+    tail = StatefulTail.of(source.span(BLOCK, BLOCK + 6), source.states)
+    assert tail.nbytes == source.span(BLOCK, BLOCK + 6).nbytes + sum(
+        state.conv.inputs.numel() * 4 for state in source.states.values())
+    warm = KVSequence.from_blocks(source.pool, [source.block(0, BLOCK), tail], 128)
+    assert set(warm.states) == set(CONV_LAYERS)
+    assert torch.equal(_run(forward, warm, tokens[BLOCK + 6:]), cold_logits)
+    for layer in range(lfm2.layout.num_layers):
+        assert torch.equal(warm.keys(layer), cold.keys(layer))
