@@ -243,7 +243,7 @@ class LayerFeatures:
             ``mixer`` module, no ``self_attn``): the kind's name in
             ``gateway.engine.forward.recurrent.mixers.RECURRENT_MIXERS`` (LFM2's
             ``lfm2_conv``); None: attention. Its state at each block's end is kept in the
-            block (``gateway.engine.kv.kept_states``).
+            block (``gateway.engine.forward.kept_states``).
     """
 
     qk_norm: bool = False

@@ -5,7 +5,7 @@ Why per sequence: a recurrent layer's output for a token depends on its own sequ
 which no other sequence shares; the layer kinds (``gateway.engine.forward.recurrent``) compute
 one sequence's new rows from it, with the same bits however the rows are cut. So a step cuts
 each sequence's rows at its block ends, runs each piece from the state the last one left, and
-writes the state at each block's end into that block (``gateway.engine.kv.kept_states``): the
+writes the state at each block's end into that block (``gateway.engine.forward.kept_states``): the
 block, cached, carries the state a warm start resumes from. Between steps a sequence holds its
 state in its slot (``KVSequence.states``); a sequence that holds none there -- built from cached
 blocks, or truncated to a block's end -- reads it from its last block.
@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 
+from gateway.engine.forward.kept_states import StateRows, state_rows
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.mixers import RECURRENT_MIXERS, RecurrentMixer
 from gateway.engine.forward.recurrent.short_conv import ConvWindow
-from gateway.engine.kv.kept_states import StateRows, state_rows
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.linear.row_products import RowProducts
 from tiers.payload import KVLayout
@@ -92,6 +92,8 @@ class RecurrentLayers:
         """The state ``sequence`` holds at its length: its slot's, else its last block's."""
         held = sequence.states.get(index)
         if held is not None:
+            if not isinstance(held, RecurrentState):
+                raise TypeError(f"layer {index}'s state is a {type(held).__name__}")
             return held
         length, block = sequence.length, sequence.pool.page_tokens
         if length == 0:

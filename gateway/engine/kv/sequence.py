@@ -24,8 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from gateway.engine.forward.recurrent.layer_state import RecurrentState
-from gateway.engine.kv.kept_states import StatefulTail
+from gateway.engine.kv.tail_cache import StatefulTail
 from tiers.page_pool import Page, PagedBlock, PagePool, gather_pages
 from tiers.payload import KVBlock, KVLayout
 
@@ -123,10 +122,10 @@ class KVSequence:
         self._ids: torch.Tensor | None = None  # the table padded to whole tiles, for gathers
         # (start, count, pages) -> the pool slots of positions start..start+count (CUDA writes)
         self._slots: tuple[int, int, tuple[int, ...], torch.Tensor] | None = None
-        self.states: dict[int, RecurrentState] = {}
-        """Each recurrent layer's state at ``length`` (the slot a running sequence holds,
-        ``gateway.engine.forward.recurrent_step``); a layer missing here is read from the
-        last block, where it was kept."""
+        self.states: dict[int, object] = {}
+        """Each recurrent layer's state at ``length`` (the slot a running sequence holds; opaque
+        here, ``gateway.engine.forward.recurrent_step`` reads and writes it); a layer missing
+        here is read from the last block, where it was kept."""
 
     @classmethod
     def alone(cls, layout: KVLayout, capacity: int, *, page_tokens: int = 64,
@@ -337,7 +336,7 @@ class KVSequence:
     def put_state(self, layer: int, start: int, keys: torch.Tensor,
                   values: torch.Tensor) -> None:
         """Write a recurrent layer's state, laid as K/V ``[kv_heads, rows, head_dim]``
-        (``gateway.engine.kv.kept_states``), at the held positions ``start..start + rows`` of
+        (``gateway.engine.forward.kept_states``), at the held positions ``start..start + rows`` of
         the page they are in, which this step writes (so its own)."""
         if not self._own[start // self.pool.page_tokens]:
             raise ValueError(f"the page of position {start} is shared: a state is kept only in "

@@ -53,7 +53,7 @@ from gateway.core.file_tokenizer import FileTokenizer, UnsupportedTokenizer
 from gateway.core.tokenizer import HFTokenizerAdapter, Tokenizer
 from gateway.engine.forward.batched import SequenceRows
 from gateway.engine.forward.features import DecoderFeatures
-from gateway.engine.kv.kept_states import state_problem
+from gateway.engine.forward.kept_states import state_problem
 from gateway.engine.kv.latent import latent_layout
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models.families import describe, family_for
@@ -181,7 +181,7 @@ class LoadedModel:
     @property
     def keeps_states(self) -> bool:
         """Whether the batched forward keeps recurrent layers' states in its blocks (and its
-        conversation tails: ``gateway.engine.kv.kept_states``)."""
+        conversation tails: ``gateway.engine.forward.kept_states``)."""
         return self.features is not None and bool(self.features.mixers)
 
     @property
@@ -207,7 +207,7 @@ class LoadedModel:
 
 def refuse_unkept_states(loaded: LoadedModel, block_tokens: int) -> None:
     """Refuse a model with recurrent layers whose states its blocks of ``block_tokens`` cannot
-    keep (``gateway.engine.kv.kept_states``), or that the batched forward cannot walk (the
+    keep (``gateway.engine.forward.kept_states``), or that the batched forward cannot walk (the
     serial route keeps no recurrent state).
 
     Raises:

@@ -36,7 +36,7 @@ RECURRENT_MODEL_TYPES = frozenset({
 
 STATE_KEEPING_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
 """Architectures whose recurrent layers' states the cache keeps in their blocks
-(``gateway.engine.kv.kept_states``; their family's module walks them): not refused here."""
+(``gateway.engine.forward.kept_states``; their family's module walks them): not refused here."""
 
 LATENT_ARCHITECTURES = frozenset({"DeepseekV3ForCausalLM"})
 """Architectures with multi-head latent attention whose latents the cache holds

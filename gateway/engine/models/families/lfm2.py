@@ -5,7 +5,7 @@ a gated MLP (``feed_forward``: ``w1`` the gate, ``w3`` up, ``w2`` down) between 
 (``operator_norm``, ``ffn_norm``), a final ``embedding_norm``. Read through transformers'
 ``from_pretrained``; the forward walks the same modules under Llama's names (``module_tree``).
 
-The convolution windows are kept in the blocks (``gateway.engine.kv.kept_states``): a warm
+The convolution windows are kept in the blocks (``gateway.engine.forward.kept_states``): a warm
 start resumes each conv layer from its cached prefix's last block.
 """
 

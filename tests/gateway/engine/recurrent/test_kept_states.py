@@ -1,4 +1,4 @@
-"""Recurrent layers' states kept in their blocks (``gateway.engine.kv.kept_states``) and run in
+"""Recurrent layers' states kept in their blocks (``gateway.engine.forward.kept_states``) and run in
 the batched forward (``gateway.engine.forward.recurrent_step``), on a tiny LFM2: a block holds
 its conv layers' windows at its end and nothing else there, a sequence resumes from a block's
 kept state with the bits it had, and what cannot be kept is refused in one line."""
@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from gateway.engine.attention.tiled import TiledAttention
 from gateway.engine.forward.batched import BatchedForward, SequenceRows
+from gateway.engine.forward.kept_states import StateRows, state_problem, state_rows
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.short_conv import ConvWindow
-from gateway.engine.kv.kept_states import StateRows, state_problem, state_rows
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models.loading import (
     LoadedModel,
@@ -85,7 +85,9 @@ def test_a_blocks_conv_layer_holds_the_window_at_its_end_and_zeros_elsewhere(
     for layer in CONV_LAYERS:
         rows = state_rows(lfm2.model.config, "lfm2_conv", lfm2.layout)
         kept = rows.state(block.keys[layer], block.values[layer]).conv.inputs
-        assert torch.equal(kept, first.states[layer].conv.inputs)
+        held = first.states[layer]
+        assert isinstance(held, RecurrentState)
+        assert torch.equal(kept, held.conv.inputs)
         assert not block.keys[layer][:, rows.rows:].any()
         assert not block.values[layer][:, rows.rows:].any()
 
@@ -172,16 +174,17 @@ def test_a_kind_computed_one_sequence_at_a_time_is_not_batched(lfm2: LoadedModel
 def test_a_sequence_built_from_blocks_and_a_stateful_tail_goes_on_with_the_cold_bits(
         lfm2: LoadedModel, forward: BatchedForward) -> None:
     """A tail ends inside a block, where no block keeps a state: its states travel with it."""
-    from gateway.engine.kv.kept_states import StatefulTail
+    from gateway.engine.forward.kept_states import window_bytes
+    from gateway.engine.kv.tail_cache import StatefulTail
 
     tokens = _tokens(2 * BLOCK + 11, seed=5)
     cold = _sequence(lfm2)
     cold_logits = _run(forward, cold, tokens)
     source = _sequence(lfm2)
     _run(forward, source, tokens[:BLOCK + 6])
-    tail = StatefulTail.of(source.span(BLOCK, BLOCK + 6), source.states)
-    assert tail.nbytes == source.span(BLOCK, BLOCK + 6).nbytes + sum(
-        state.conv.inputs.numel() * 4 for state in source.states.values())
+    tail = StatefulTail.of(source.span(BLOCK, BLOCK + 6), source.states,
+                           window_bytes(source.states))
+    assert tail.nbytes == source.span(BLOCK, BLOCK + 6).nbytes + 2 * 2 * 64 * 4  # 2 windows
     warm = KVSequence.from_blocks(source.pool, [source.block(0, BLOCK), tail], 128)
     assert set(warm.states) == set(CONV_LAYERS)
     assert torch.equal(_run(forward, warm, tokens[BLOCK + 6:]), cold_logits)

@@ -21,14 +21,14 @@ block's K/V (docs/families.md, "Hybrid models") and need a home of their own.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.short_conv import ConvWindow
-from tiers.payload import KVBlock, KVLayout
+from tiers.payload import KVLayout
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,23 +110,12 @@ def state_problem(config: Any, mixers: dict[int, str], layout: KVLayout,
     return None
 
 
-@dataclass(frozen=True, slots=True)
-class StatefulTail(KVBlock):
-    """A conversation tail (``gateway.engine.kv.tail_cache``) of a model with recurrent layers:
-    its K/V, and each recurrent layer's state at its end, which no block end keeps (a tail ends
-    inside a block). It lives in the engine's memory only, never in a tier; a sequence built
-    with it last (``KVSequence.from_blocks``) starts from these states."""
 
-    states: Mapping[int, RecurrentState] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        KVBlock.__post_init__(self)
-        windows = (state.conv.inputs for state in self.states.values())  # no scan is kept
-        extra = sum(window.numel() * window.element_size() for window in windows)
-        object.__setattr__(self, "_nbytes", self._nbytes + extra)
-
-    @classmethod
-    def of(cls, kv: KVBlock, states: Mapping[int, RecurrentState]) -> StatefulTail:
-        """``kv`` (a fresh copy) with ``states``, the recurrent layers' at its end."""
-        return cls(keys=kv.keys, values=kv.values, quantization=kv.quantization,
-                   packed=kv.packed, states=dict(states))
+def window_bytes(states: Mapping[int, object]) -> int:
+    """Bytes the convolution windows of ``states`` (recurrent layers' states by index) hold."""
+    total = 0
+    for state in states.values():
+        if not isinstance(state, RecurrentState):
+            raise TypeError(f"a recurrent layer's state, not {type(state).__name__}")
+        total += state.conv.inputs.numel() * state.conv.inputs.element_size()
+    return total
