@@ -261,3 +261,34 @@ def assert_served_equals_cold(loaded: LoadedModel, engine: Engine, opened: Opene
     assert (ids, text) == cold
     assert usage.cached_tokens_by_tier == {tier: num_blocks * BLOCK}
     assert_blocks_equal(spy.only.blocks, cold_blocks(loaded, tokens, num_blocks))
+
+
+def assert_served_from_redis_by_another_engine_equals_cold(
+        loaded: LoadedModel, redis_url: str, root: Path, monkeypatch: pytest.MonkeyPatch,
+        prompt: PromptInput) -> None:
+    """One engine answers ``prompt`` cold and warm (writing its blocks to the Redis at
+    ``redis_url``), stops; a second engine, its own tiers over the same Redis, answers it warm
+    from Redis alone: the cold answer, tokens and K/V of every block served."""
+    from gateway.cache.operations.factory import open_cache
+
+    def tiers(name: str) -> OpenedCache:
+        return open_cache(cache_config(root / name, disk_bytes=0, disk_path=None,
+                                       redis_url=redis_url),
+                          layout=loaded.layout, deployment_secret=SECRET)
+
+    writer_tiers = tiers("writer")
+    writer = make_engine(loaded, writer_tiers)
+    try:
+        cold = run(writer, prompt, no_cache=True)[:2]
+        assert run(writer, prompt)[:2] == cold
+    finally:
+        writer.stop(grace_s=5)
+        writer_tiers.close()  # its queued Redis writes land first
+    reader_tiers = tiers("reader")
+    reader = make_engine(loaded, reader_tiers)
+    try:
+        assert_served_equals_cold(loaded, reader, reader_tiers, monkeypatch, prompt, cold,
+                                  "redis")
+    finally:
+        reader.stop(grace_s=5)
+        reader_tiers.close()

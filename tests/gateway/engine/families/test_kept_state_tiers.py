@@ -19,6 +19,7 @@ from tests.gateway.engine.parity import (
     BLOCK,
     SECRET,
     assert_served_equals_cold,
+    assert_served_from_redis_by_another_engine_equals_cold,
     cache_config,
     evict_once_released,
     make_engine,
@@ -63,26 +64,8 @@ def test_a_warm_answer_from_redis_written_by_another_engine_equals_the_cold_one(
         lfm2: LoadedModel, redis_server: RedisServer, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = _prompt(2 * BLOCK + 5, salt=1)
-    writer_tiers = open_cache(cache_config(tmp_path / "writer", disk_bytes=0, disk_path=None,
-                                           redis_url=redis_server.url),
-                              layout=lfm2.layout, deployment_secret=SECRET)
-    writer = make_engine(lfm2, writer_tiers)
-    try:
-        cold = run(writer, prompt, no_cache=True)[:2]
-        assert run(writer, prompt)[:2] == cold
-    finally:
-        writer.stop(grace_s=5)
-        writer_tiers.close()  # its queued Redis writes land first
-    reader_tiers = open_cache(cache_config(tmp_path / "reader", disk_bytes=0, disk_path=None,
-                                           redis_url=redis_server.url),
-                              layout=lfm2.layout, deployment_secret=SECRET)
-    reader = make_engine(lfm2, reader_tiers)
-    try:
-        assert_served_equals_cold(lfm2, reader, reader_tiers, monkeypatch, prompt, cold,
-                                  "redis")
-    finally:
-        reader.stop(grace_s=5)
-        reader_tiers.close()
+    assert_served_from_redis_by_another_engine_equals_cold(lfm2, redis_server.url, tmp_path,
+                                                           monkeypatch, prompt)
 
 
 @pytest.mark.parametrize("tamper", ["forged", "cut short"])
