@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from gateway.engine.kv.tail_cache import StatefulTail
+from gateway.engine.kv.stateful_tail import StatefulTail
 from tiers.page_pool import Page, PagedBlock, PagePool, gather_pages
 from tiers.payload import KVBlock, KVLayout
 

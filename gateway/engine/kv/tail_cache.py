@@ -22,8 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -37,32 +36,6 @@ _TailId = tuple[Namespace, BlockKey, bytes]
 
 TAIL_TIER = "device"
 """What ``cached_tokens_by_tier`` calls a tail's tokens: they are held where the model runs."""
-
-
-@dataclass(frozen=True, slots=True)
-class StatefulTail(KVBlock):
-    """A tail of a model with recurrent layers: its K/V, and each recurrent layer's state at
-    its end (opaque here: ``gateway.engine.forward.recurrent``'s records), which no block keeps
-    -- a tail ends inside a block. It lives in the engine's memory only, never in a tier; a
-    sequence built with it last (``KVSequence.from_blocks``) starts from these states.
-
-    Attributes:
-        states: each recurrent layer's state at the tail's end, by layer index.
-        states_nbytes: the bytes they hold (counted in the tail's ``nbytes``).
-    """
-
-    states: Mapping[int, object] = field(default_factory=dict)
-    states_nbytes: int = 0
-
-    def __post_init__(self) -> None:
-        KVBlock.__post_init__(self)
-        object.__setattr__(self, "_nbytes", self._nbytes + self.states_nbytes)
-
-    @classmethod
-    def of(cls, kv: KVBlock, states: Mapping[int, object], states_nbytes: int) -> StatefulTail:
-        """``kv`` (a fresh copy) with ``states`` of ``states_nbytes`` bytes."""
-        return cls(keys=kv.keys, values=kv.values, quantization=kv.quantization,
-                   packed=kv.packed, states=dict(states), states_nbytes=states_nbytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,7 +25,8 @@ from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.forward.batched import SequenceRows, StepForward
 from gateway.engine.forward.kept_states import window_bytes
 from gateway.engine.kv.sequence import KVSequence
-from gateway.engine.kv.tail_cache import TAIL_TIER, StatefulTail, TailCache
+from gateway.engine.kv.stateful_tail import StatefulTail
+from gateway.engine.kv.tail_cache import TAIL_TIER, TailCache
 from gateway.engine.parity.shadow import ShadowVerifier
 from gateway.engine.scheduling.jobs import Job
 from gateway.engine.scheduling.loop_records import ActiveRequest, LeasedPrefix, LoopSettings

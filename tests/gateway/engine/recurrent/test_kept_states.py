@@ -175,7 +175,7 @@ def test_a_sequence_built_from_blocks_and_a_stateful_tail_goes_on_with_the_cold_
         lfm2: LoadedModel, forward: BatchedForward) -> None:
     """A tail ends inside a block, where no block keeps a state: its states travel with it."""
     from gateway.engine.forward.kept_states import window_bytes
-    from gateway.engine.kv.tail_cache import StatefulTail
+    from gateway.engine.kv.stateful_tail import StatefulTail
 
     tokens = _tokens(2 * BLOCK + 11, seed=5)
     cold = _sequence(lfm2)
