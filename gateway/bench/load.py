@@ -12,6 +12,10 @@ neither cached blocks nor peak memory carry over), and stops by pid:
 * ``kvgate baseline``: the default route, served by another commit's checkout
   (``--baseline PATH``, e.g. a ``git worktree`` of the commit before a change), side by side;
 * ``kvgate serial``: ``[engine] route = "serial"``, one request at a time;
+* ``kvgate one at a time``: the default route with ``[engine] max_running = 1``: the batched
+  forward serving one request at a time, the cache on -- the serial route's stand-in for a
+  hybrid model, which has no serial route (its recurrent states are kept on the batched route
+  only);
 * ``kvgate no_cache``: the default route, every request ``no_cache`` (nothing read or stored);
 * ``kvgate no_shadow``: as ``kvgate`` with shadow verification off (``shadow_fraction = 0``):
   beside ``kvgate`` (0.01, the default) it measures what the verification costs;
@@ -83,6 +87,7 @@ from gateway.engine.models.loading import converted_checkpoint, resolve_source
 
 KVGATE = "kvgate"
 KVGATE_SERIAL = "kvgate serial"
+KVGATE_ONE_AT_A_TIME = "kvgate one at a time"
 KVGATE_BASELINE = "kvgate baseline"
 KVGATE_NO_CACHE = "kvgate no_cache"
 KVGATE_NO_SHADOW = "kvgate no_shadow"
@@ -114,6 +119,8 @@ class Configuration:
     over_http: bool = False
     """Users stream from kvgate's OpenAI-compatible HTTP front (server-sent events, the
     client every peer gets) instead of its gRPC API."""
+    one_at_a_time: bool = False
+    """``[engine] max_running = 1``: one request runs, the others queue."""
 
 
 CONFIGURATIONS = (
@@ -124,6 +131,7 @@ CONFIGURATIONS = (
     Configuration(name="eager", label=KVGATE_EAGER, captured_steps=False),
     Configuration(name="http", label=KVGATE_HTTP, over_http=True),
     Configuration(name="serial", label=KVGATE_SERIAL, route="serial"),
+    Configuration(name="one_at_a_time", label=KVGATE_ONE_AT_A_TIME, one_at_a_time=True),
     Configuration(name="no_cache", label=KVGATE_NO_CACHE, no_cache=True),
     Configuration(name="peer", label=PEER, is_peer=True),
     Configuration(name="vllm", label=VLLM_PEER, is_vllm=True),
@@ -264,8 +272,10 @@ def _measure_kvgate(options: LoadOptions, config: Configuration, result: LoadRes
                     system: str, models_dir: Path, err: TextIO) -> str:
     """Measure one kvgate row; returns the engine route its server named, with why."""
     n = result.num_users
-    engine = EngineOptions(route=config.route, max_running=max(16, n),
-                           max_running_per_tenant=max(8, n), max_queued_per_tenant=max(32, n),
+    alone = config.one_at_a_time
+    engine = EngineOptions(route=config.route, max_running=1 if alone else max(16, n),
+                           max_running_per_tenant=1 if alone else max(8, n),
+                           max_queued_per_tenant=max(32, n),
                            shadow_fraction=config.shadow_fraction,
                            captured_steps=config.captured_steps)
     with spawn_gateway(model=options.model, models_dir=models_dir,

@@ -3,9 +3,11 @@
 
     python tools/bench/random_checkpoint.py FAMILY OUT_DIR [--data-dir DIR]
 
-FAMILY: llama, qwen3, gemma3 (five layers of every six windowed to 512 positions) or lfm2 (every
-third layer attention, the others LFM2's short convolutions: about LFM2's share). SmolLM2's
-shape: 576 wide, 30 layers, 9 heads, 3 KV heads of 64, an MLP of 1,536; float32.
+FAMILY: llama, qwen3, gemma3 (five layers of every six windowed to 512 positions), lfm2 (every
+third layer attention, the others LFM2's short convolutions: about LFM2's share) or qwen3_5
+(every fourth layer gated attention, the others Gated DeltaNet with 9 key and 9 value heads of
+64: Qwen3.5's share, its key width the hidden size as in Qwen3.5's). SmolLM2's shape: 576 wide,
+30 layers, 9 heads, 3 KV heads of 64, an MLP of 1,536; float32.
 
 Why the end tokens' output rows are zero: random weights can emit an end token at any step, and
 a server that stops there answers fewer tokens than asked, which no two servers then compare.
@@ -34,6 +36,11 @@ FAMILIES = {
     "gemma3_text": {"sliding_window": 512, "sliding_window_pattern": 6},
     "lfm2": {"layer_types": ["full_attention" if i % 3 == 2 else "conv" for i in range(30)],
              "block_auto_adjust_ff_dim": False},
+    "qwen3_5_text": {"layer_types": ["full_attention" if i % 4 == 3 else "linear_attention"
+                                     for i in range(30)],
+                     "linear_num_key_heads": 9, "linear_num_value_heads": 9,
+                     "linear_key_head_dim": 64, "linear_value_head_dim": 64,
+                     "linear_conv_kernel_dim": 4},
 }
 NO_HEAD_DIM = {"lfm2"}
 """Families whose config has no ``head_dim`` (it is ``hidden_size // num_attention_heads``)."""
@@ -43,7 +50,7 @@ def build(family: str, out: Path, data_dir: Path) -> Path:
     bundled = converted_checkpoint(BUNDLED, data_dir / "models")
     assert bundled is not None
     tokenizer = AutoTokenizer.from_pretrained(bundled)
-    model_type = "gemma3_text" if family == "gemma3" else family
+    model_type = {"gemma3": "gemma3_text", "qwen3_5": "qwen3_5_text"}.get(family, family)
     config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer),
                                   bos_token_id=tokenizer.bos_token_id,
                                   eos_token_id=tokenizer.eos_token_id,
@@ -66,7 +73,7 @@ def build(family: str, out: Path, data_dir: Path) -> Path:
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("family", choices=["llama", "qwen3", "gemma3", "lfm2"])
+    parser.add_argument("family", choices=["llama", "qwen3", "gemma3", "lfm2", "qwen3_5"])
     parser.add_argument("out", type=Path)
     parser.add_argument("--data-dir", type=Path, default=Path("data"),
                         help="where the bundled model's converted copy is (or goes)")
