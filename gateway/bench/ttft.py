@@ -400,7 +400,7 @@ def run_ttft_benchmark(options: TtftOptions, *, out: TextIO, err: TextIO) -> lis
     err.write(f"[ttft] loading {options.model} in this process (HF recipe, tokenizer) "
               f"{numerics.describe()} ...\n")
     loaded = load_model(options.model, cache_dir=options.data_dir / "models",
-                        device=numerics.device, dtype=numerics.dtype)
+                        device=numerics.device, dtype=numerics.dtype, block_tokens=bt)
     for n in options.lengths:
         if n % bt:
             err.write(f"[ttft] warning: {n} is not a multiple of the block size {bt}: its last "

@@ -349,7 +349,7 @@ def _load_model(config: ServeConfig) -> tuple[LoadedModel, torch.device, torch.d
     with stage(f"loading the model {config.model} ({device}, "
                f"{str(dtype).removeprefix('torch.')})"):
         loaded = load_model(config.model, cache_dir=config.data_dir / "models",
-                            device=device, dtype=dtype)
+                            device=device, dtype=dtype, block_tokens=config.cache.block_tokens)
     return loaded, device, dtype
 
 

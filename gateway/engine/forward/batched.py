@@ -44,6 +44,7 @@ from gateway.engine.forward.features import (
 from gateway.engine.forward.gpt_oss_experts import clamped_swiglu_mlp, clamped_swiglu_weights
 from gateway.engine.forward.latent_attention import FoldedHeads, folded_weights, latent_attention
 from gateway.engine.forward.layer_modules import layer_problem
+from gateway.engine.forward.recurrent.lanes import by_row
 from gateway.engine.forward.recurrent_step import RecurrentLayers
 from gateway.engine.forward.rotary import partially, rotate_halves, rotate_pairs
 from gateway.engine.kv.latent import LatentKV
@@ -268,17 +269,23 @@ class BatchedForward:
             return join_rows(self._attention.attend(items), spans, q)
 
         def mix(index: int, module: Any, normed: torch.Tensor, num_shared: int) -> torch.Tensor:
+            # The layers its state lies in (its own, and extra ones after the model's).
+            first = batch[0].sequence.pool
+            home = self._recurrent.written_layers(index, first.page_tokens,
+                                                  first.layout.num_layers)
             for pool in pools:
-                pool.await_layer(index)
-            # The layer's K/V slots of the step's positions hold nothing but the states kept
+                for layer in home:
+                    pool.await_layer(layer)
+            # Those layers' K/V slots of the step's positions hold nothing but the states kept
             # at block ends: zeros first, never what a page held before.
             zeros = normed.new_zeros(normed.shape[0], self._kv_heads, self._head_dim)
-            if writes is not None:
-                writes.write(index, zeros, zeros)
-            else:
-                for rows, (start, end) in zip(batch, spans, strict=True):
-                    empty = zeros[start:end].transpose(0, 1)
-                    rows.sequence.write(index, empty, empty)
+            for layer in home:
+                if writes is not None:
+                    writes.write(layer, zeros, zeros)
+                else:
+                    for rows, (start, end) in zip(batch, spans, strict=True):
+                        empty = zeros[start:end].transpose(0, 1)
+                        rows.sequence.write(layer, empty, empty)
             return self._recurrent.mix(
                 index, module, normed, [rows.sequence for rows in batch],
                 spans, self._products, num_shared)
@@ -416,7 +423,11 @@ class BatchedForward:
         if features.qk_projection_norm:  # every head at once, before the split (OLMo 2)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
-        q = q.view(num_rows, self._num_heads, self._head_dim)
+        gate = None
+        if features.output_gate:  # each head's query, then its gate (Qwen3.5)
+            q, gate = q.view(num_rows, self._num_heads, 2 * self._head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(num_rows, -1)
+        q = q.reshape(num_rows, self._num_heads, self._head_dim)
         k = k.view(num_rows, self._kv_heads, self._head_dim)
         v = v.view(num_rows, self._kv_heads, self._head_dim)
         if features.qk_norm:  # per head, over head_dim, before the rotation (as Qwen3 does)
@@ -426,8 +437,10 @@ class BatchedForward:
             rotate = rotate_pairs if features.rotary_interleaved else rotate_halves
             q = partially(rotate, q, cos, sin)
             k = partially(rotate, k, cos, sin)
-        attended = attend(index, q, k, v)
-        out: torch.Tensor = project(attn.o_proj, attended.reshape(num_rows, -1), num_shared)
+        attended = attend(index, q, k, v).reshape(num_rows, -1)
+        if gate is not None:
+            attended = attended * by_row(torch.sigmoid, gate)
+        out: torch.Tensor = project(attn.o_proj, attended, num_shared)
         return out
 
     def _mlp(self, mlp: Any, features: LayerFeatures, normed: torch.Tensor,

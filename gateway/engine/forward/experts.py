@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from gateway.engine.forward.features import ExpertRouting
+from gateway.engine.forward.recurrent.lanes import by_row
 from gateway.engine.linear.row_products import RowProducts
 
 
@@ -41,7 +42,8 @@ def expert_mlp(mlp: Any, routing: ExpertRouting, rows: torch.Tensor, num_shared:
     """The MoE block's output for the step's ``rows`` ``[rows, hidden]``, the first
     ``num_shared`` in shared products (``RowProducts.project``'s convention): Qwen3-MoE's
     router (a softmax over every expert, then the top k, renormalised where ``normalize``) and
-    gated experts (gate | up in halves, ``act_fn(gate) * up``)."""
+    gated experts (gate | up in halves, ``act_fn(gate) * up``), and Qwen3-Next's gated shared
+    expert added last where ``routing.shared_expert``."""
     logits = products.project(mlp.gate, rows, num_shared)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top_weights, top_experts = torch.topk(probs, routing.top_k, dim=-1)
@@ -57,8 +59,17 @@ def expert_mlp(mlp: Any, routing: ExpertRouting, rows: torch.Tensor, num_shared:
                                              hidden, count)
         return out
 
-    return sum_over_experts(rows, top_weights.to(logits.dtype), top_experts, num_shared,
-                            products, run)
+    routed = sum_over_experts(rows, top_weights.to(logits.dtype), top_experts, num_shared,
+                              products, run)
+    if not routing.shared_expert:
+        return routed
+    shared = mlp.shared_expert  # every token's, gated per token (Qwen3-Next)
+    gated = (shared.act_fn(products.project(shared.gate_proj, rows, num_shared))
+             * products.project(shared.up_proj, rows, num_shared))
+    dense = products.project(shared.down_proj, gated, num_shared)
+    weight = by_row(torch.sigmoid, products.project(mlp.shared_expert_gate, rows, num_shared))
+    out: torch.Tensor = routed + weight * dense
+    return out
 
 
 def sum_over_experts(rows: torch.Tensor, top_weights: torch.Tensor, top_experts: torch.Tensor,
@@ -98,6 +109,12 @@ def _padded(rows: torch.Tensor, shared: torch.Tensor, alone: torch.Tensor,
 
 
 def expert_weights(mlp: Any) -> list[torch.Tensor]:
-    """One expert's weights of an MoE block and its router's: the shapes its products take."""
+    """One expert's weights of an MoE block and its router's (and its shared expert's and that
+    one's gate, where it has them): the shapes its products take."""
     experts = mlp.experts
-    return [mlp.gate.weight, experts.gate_up_proj[0], experts.down_proj[0]]
+    weights = [mlp.gate.weight, experts.gate_up_proj[0], experts.down_proj[0]]
+    shared = getattr(mlp, "shared_expert", None)
+    if shared is not None:
+        weights += [shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
+                    mlp.shared_expert_gate.weight]
+    return weights

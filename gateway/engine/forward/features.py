@@ -63,10 +63,14 @@ class ExpertRouting:
     Attributes:
         top_k: experts per token.
         normalize: the top-k weights are divided by their sum (``norm_topk_prob``).
+        shared_expert: a dense gated MLP of every token (``mlp.shared_expert``) is added to
+            the experts' sum, weighted by ``sigmoid(mlp.shared_expert_gate(x))`` (one number
+            per token): Qwen3-Next's; False: the routed experts alone (Qwen3-MoE's).
     """
 
     top_k: int
     normalize: bool
+    shared_expert: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -244,6 +248,10 @@ class LayerFeatures:
             ``gateway.engine.forward.recurrent.mixers.RECURRENT_MIXERS`` (LFM2's
             ``lfm2_conv``); None: attention. Its state at each block's end is kept in the
             block (``gateway.engine.forward.kept_states``).
+        output_gate: the attention's output is gated per number before ``o_proj``: ``q_proj``
+            gives each head its query and then as many gate numbers (``[heads, 2 * head_dim]``),
+            and the attended rows are multiplied by ``sigmoid(gate)`` (Qwen3.5's and
+            Qwen3-Next's gated attention); False: the attended rows as they are.
     """
 
     qk_norm: bool = False
@@ -261,19 +269,23 @@ class LayerFeatures:
     sinks: bool = False
     latent: LatentAttention | None = None
     mixer: str | None = None
+    output_gate: bool = False
 
     def __post_init__(self) -> None:
         _check_softcap(self.logit_softcap)
         if self.mixer is not None and (self.qk_norm or self.qk_projection_norm or self.fused_qkv
                                        or self.sinks or self.latent is not None
+                                       or self.output_gate
                                        or self.window is not None
                                        or self.logit_softcap is not None):
             raise ValueError("a recurrent layer has no attention: no q/k norms, fused q/k/v, "
-                             "sinks, latents, window or soft-cap")
+                             "sinks, latents, output gate, window or soft-cap")
         if self.latent is not None and (self.qk_norm or self.qk_projection_norm
-                                        or self.fused_qkv or self.sinks):
+                                        or self.fused_qkv or self.sinks or self.output_gate):
             raise ValueError("latent attention has projections of its own: no q/k norms, "
-                             "fused q/k/v or sinks")
+                             "fused q/k/v, sinks or output gate")
+        if self.output_gate and self.fused_qkv:
+            raise ValueError("an output gate comes from q_proj, which a fused q/k/v has not")
         if self.qk_norm and self.qk_projection_norm:
             raise ValueError("q and k are normalised per head or over the projection, not both")
         if self.rotary_interleaved and not self.rotary:

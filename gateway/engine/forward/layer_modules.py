@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.engine.forward.features import GroupLimitedRouting, LayerFeatures
+from gateway.engine.forward.features import ExpertRouting, GroupLimitedRouting, LayerFeatures
 
 Walked = tuple[tuple[str, str], ...]
 """(where, name) pairs: "layer" for the decoder layer's own modules, "attention" for
@@ -44,6 +44,8 @@ def walked_modules(features: LayerFeatures) -> Walked:
 def _mlp_modules(features: LayerFeatures) -> tuple[str, ...]:
     if isinstance(features.experts, GroupLimitedRouting):  # and a dense MLP of every token
         return (features.experts.router, "experts", "shared_experts")
+    if isinstance(features.experts, ExpertRouting) and features.experts.shared_expert:
+        return (features.experts.router, "experts", "shared_expert", "shared_expert_gate")
     if features.experts is not None:  # a router and the experts' stacked weights (MoE)
         return (features.experts.router, "experts")
     if features.fused_gate_up:

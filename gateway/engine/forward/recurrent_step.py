@@ -12,19 +12,21 @@ blocks, or truncated to a block's end -- reads it from its last block.
 
 The layer's products in and out are row-wise, so they multiply every sequence's rows of the
 step at once, as the attention's projections do (a row keeps its bits whatever shares the
-product); only the part between them -- a convolution over each sequence's window -- runs per
-sequence, piece by piece.
+product); only the part between them -- a convolution over each sequence's window, and a scan
+from its state (the scan's chunk dividing the block, ``scan_chunk``) -- runs per sequence,
+piece by piece.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gateway.engine.forward.kept_states import StateRows, state_rows
+from gateway.engine.forward.kept_states import StateHome, state_homes
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.mixers import RECURRENT_MIXERS, RecurrentMixer
 from gateway.engine.forward.recurrent.short_conv import ConvWindow
@@ -32,27 +34,38 @@ from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.linear.row_products import RowProducts
 from tiers.payload import KVLayout
 
+SCAN_CHUNK = 64
+"""The most tokens a scan computes at once: a model's chunk is the largest divisor of its block
+size up to this (``scan_chunk``), so that every block's end is a chunk's end."""
 
-@dataclass(frozen=True, slots=True)
+
+def scan_chunk(block_tokens: int) -> int:
+    """The scan's chunk for blocks of ``block_tokens`` tokens."""
+    return math.gcd(SCAN_CHUNK, block_tokens)
+
+
+@dataclass(slots=True)
 class RecurrentLayers:
-    """A model's recurrent layers: each one's kind and how its state lies in a block.
+    """A model's recurrent layers: each one's kind, and where its state lies in a block.
 
     Attributes:
         config: the model's config (transformers' attribute names), which the kinds read.
         kinds: the kind of each recurrent layer, by index.
-        rows: how each one's state is laid in its blocks.
+        layout: the model's own K/V layout (its decoder layers; a cache's extra layers for
+            states are numbered after them, ``gateway.engine.forward.kept_states``).
     """
 
     config: Any
     kinds: dict[int, RecurrentMixer]
-    rows: dict[int, StateRows]
+    layout: KVLayout
+    _homes: dict[int, dict[int, StateHome]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: Any, mixers: dict[int, str], layout: KVLayout) -> RecurrentLayers:
         """The layers ``mixers`` (kind names by index) of a model with ``config``.
 
         Raises:
-            ValueError: a kind no module computes, or whose state is not kept in blocks.
+            ValueError: a kind no module computes, or one computed one sequence at a time.
         """
         unknown = sorted(set(mixers.values()) - set(RECURRENT_MIXERS))
         if unknown:
@@ -62,8 +75,30 @@ class RecurrentLayers:
         if one_at_a_time:
             raise ValueError(f"recurrent layers of kinds computed one sequence at a time only: "
                              f"{one_at_a_time}")
-        return cls(config, {i: RECURRENT_MIXERS[name] for i, name in mixers.items()},
-                   {i: state_rows(config, name, layout) for i, name in mixers.items()})
+        return cls(config, {i: RECURRENT_MIXERS[name] for i, name in mixers.items()}, layout)
+
+    def homes(self, block_tokens: int) -> dict[int, StateHome]:
+        """Where each layer's state lies in blocks of ``block_tokens`` tokens."""
+        homes = self._homes.get(block_tokens)
+        if homes is None:
+            names = {index: kind.name for index, kind in self.kinds.items()}
+            homes = self._homes[block_tokens] = state_homes(self.config, names, self.layout,
+                                                            block_tokens)
+        return homes
+
+    def written_layers(self, index: int, block_tokens: int, num_layers: int) -> tuple[int, ...]:
+        """The layers whose slots of a step's positions layer ``index``'s mixing writes (zeros,
+        then its states at block ends), in a pool of ``num_layers`` layers and blocks of
+        ``block_tokens``: its home's, and for the first recurrent layer any extra layer no
+        home uses at this block size (a pool planned for other blocks: the probe's), so that
+        no slot holds what a page held before."""
+        homes = self.homes(block_tokens)
+        layers = homes[index].layers
+        if index == min(homes):
+            used = {layer for home in homes.values() for layer in home.layers}
+            layers += tuple(layer for layer in range(self.layout.num_layers, num_layers)
+                            if layer not in used)
+        return layers
 
     def mix(self, index: int, module: Any, normed: torch.Tensor,
             sequences: Sequence[KVSequence], spans: Sequence[tuple[int, int]],
@@ -73,22 +108,40 @@ class RecurrentLayers:
         its state at each block end passed into that block. The kind's products in and out take
         every row at once (the first ``num_shared`` in the shared product, as the attention's
         projections do); what lies between runs per sequence (``RecurrentMixer.mix``)."""
-        kind, rows = self.kinds[index], self.rows[index]
+        kind = self.kinds[index]
         assert kind.mix is not None  # ``of`` takes no other kind
-        into, out_of = (getattr(module, name) for name in kind.products)
-        projected = products.project(into, normed, num_shared)
-        mixed = projected.new_zeros(normed.shape[0], out_of.weight.shape[1])
+        projected = {name: products.project(getattr(module, name), normed, num_shared)
+                     for name in kind.inputs if getattr(module, name, None) is not None}
+        out_of = getattr(module, kind.output)
+        mixed = normed.new_zeros(normed.shape[0], out_of.weight.shape[1])
         for sequence, (start, end) in zip(sequences, spans, strict=True):
-            state = self._state_before(index, sequence, kind, rows, normed)
+            block = sequence.pool.page_tokens
+            home = self._home(index, sequence)
+            state = self._state_before(index, sequence, kind, home, normed)
             for at, upto, position in _pieces(sequence, start, end):
-                mixed[at:upto], state = kind.mix(module, projected[at:upto], state)
-                _keep_at_block_end(index, sequence, rows, position, state)
+                mixed[at:upto], state = kind.mix(
+                    module, self.config, {name: rows[at:upto] for name, rows in projected.items()},
+                    state, scan_chunk(block))
+                if position % block == 0:  # a block's end: keep the state in that block
+                    for piece in home.pieces(state):
+                        sequence.put_state(piece.layer, position - block, piece.keys,
+                                           piece.values)
             sequence.states[index] = state
         out: torch.Tensor = products.project(out_of, mixed, num_shared)
         return out
 
+    def _home(self, index: int, sequence: KVSequence) -> StateHome:
+        home = self.homes(sequence.pool.page_tokens)[index]
+        if max(home.layers) >= sequence.layout.num_layers:
+            raise RuntimeError(
+                f"layer {index}'s state needs layer {max(home.layers)} of a block of "
+                f"{sequence.pool.page_tokens} tokens, and the pool's layout has "
+                f"{sequence.layout.num_layers}: build the pool with the cache's layout "
+                "(gateway.engine.forward.kept_states.cache_layout)")
+        return home
+
     def _state_before(self, index: int, sequence: KVSequence, kind: RecurrentMixer,
-                      rows: StateRows, like: torch.Tensor) -> RecurrentState:
+                      home: StateHome, like: torch.Tensor) -> RecurrentState:
         """The state ``sequence`` holds at its length: its slot's, else its last block's."""
         held = sequence.states.get(index)
         if held is not None:
@@ -102,8 +155,8 @@ class RecurrentLayers:
         if length % block:
             raise RuntimeError(f"layer {index}'s state at position {length} is neither held "
                                f"nor kept (states are kept at block ends, every {block})")
-        keys, values = sequence.layer_state(index, length - block, rows.rows)
-        return rows.state(keys, values)
+        return home.state(lambda layer, rows: sequence.layer_state(layer, length - block, rows),
+                          length)
 
 
 def _pieces(sequence: KVSequence, start: int, end: int) -> list[tuple[int, int, int]]:
@@ -117,12 +170,3 @@ def _pieces(sequence: KVSequence, start: int, end: int) -> list[tuple[int, int, 
         pieces.append((at, upto, position))
         at = upto
     return pieces
-
-
-def _keep_at_block_end(index: int, sequence: KVSequence, rows: StateRows, position: int,
-                       state: RecurrentState) -> None:
-    """Keep ``state``, layer ``index``'s at ``position``, in the block it ends, if it ends one."""
-    block = sequence.pool.page_tokens
-    if position % block == 0:
-        keys, values = rows.keys_values(state)
-        sequence.put_state(index, position - block, keys, values)

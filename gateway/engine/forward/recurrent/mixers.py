@@ -8,16 +8,27 @@ transformers' numbers, and the same bits in steps of any size.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from gateway.engine.forward.recurrent.gated_deltanet import DeltaNetShape, gated_deltanet
+from gateway.engine.forward.recurrent.gated_deltanet import INPUTS as DELTANET_INPUTS
+from gateway.engine.forward.recurrent.gated_deltanet import (
+    DeltaNetShape,
+    deltanet_mix,
+    gated_deltanet,
+)
 from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
 from gateway.engine.forward.recurrent.lfm2_conv import lfm2_conv, lfm2_mix, lfm2_start
 from gateway.engine.forward.recurrent.mamba2 import Mamba2Shape, mamba2
+
+Mix = Callable[[Any, Any, Mapping[str, torch.Tensor], RecurrentState, int],
+              tuple[torch.Tensor, RecurrentState]]
+"""``mix(module, config, projected, state, chunk)``: the part of a layer between its products,
+for one sequence: its rows of the products in (by name) after ``state`` to the rows the product
+out multiplies, and its state after them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,26 +41,33 @@ class RecurrentMixer:
         step: the layer's output for a sequence's new rows after its state:
             ``step(module, config, rows, state, project=..., chunk=...)``.
         scans: whether it has a chunked scan (whose chunk must divide the block size).
-        mix: where the layer is a row-wise product in (``products[0]``), a per-sequence part,
-            and a row-wise product out (``products[1]``): the part, ``mix(module, projected,
-            state) -> (rows for the product out, state after)``, so a step multiplies every
+        mix: where the layer is row-wise products in (``inputs``), a per-sequence part, and a
+            row-wise product out (``output``): the part (``Mix``), so a step multiplies every
             sequence's rows at once; None: only ``step``, one sequence at a time.
-        products: the module's products in and out, where ``mix`` is given.
+        inputs: the module's products in, where ``mix`` is given (those the module has).
+        output: its product out.
     """
 
     name: str
     start: Callable[[Any, torch.device | str], RecurrentState]
     step: Callable[..., LayerStep]
     scans: bool
-    mix: Callable[[Any, torch.Tensor, RecurrentState],
-                  tuple[torch.Tensor, RecurrentState]] | None = None
-    products: tuple[str, str] = ("in_proj", "out_proj")
+    mix: Mix | None = None
+    inputs: tuple[str, ...] = ("in_proj",)
+    output: str = "out_proj"
 
 
 def _deltanet_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
                    project: Project, chunk: int) -> LayerStep:
     return gated_deltanet(module, DeltaNetShape.of(config), rows, state, project=project,
                           chunk=chunk)
+
+
+def _deltanet_mix(module: Any, config: Any, projected: Mapping[str, torch.Tensor],
+                  state: RecurrentState, chunk: int) -> tuple[torch.Tensor, RecurrentState]:
+    gated, after, _ = deltanet_mix(module, DeltaNetShape.of(config), projected, state,
+                                   chunk=chunk)
+    return gated, after
 
 
 def _mamba2_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
@@ -62,13 +80,18 @@ def _lfm2_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentSta
     return lfm2_conv(module, rows, state, project=project)
 
 
+def _lfm2_mix(module: Any, config: Any, projected: Mapping[str, torch.Tensor],
+              state: RecurrentState, chunk: int) -> tuple[torch.Tensor, RecurrentState]:
+    return lfm2_mix(module, projected["in_proj"], state)
+
+
 RECURRENT_MIXERS: dict[str, RecurrentMixer] = {
     mixer.name: mixer for mixer in (
         RecurrentMixer("gated_deltanet", lambda config, device: DeltaNetShape.of(config).start(
-            device), _deltanet_step, scans=True),
+            device), _deltanet_step, scans=True, mix=_deltanet_mix, inputs=DELTANET_INPUTS),
         RecurrentMixer("mamba2", lambda config, device: Mamba2Shape.of(config).start(device),
                        _mamba2_step, scans=True),
-        RecurrentMixer("lfm2_conv", lfm2_start, _lfm2_step, scans=False, mix=lfm2_mix),
+        RecurrentMixer("lfm2_conv", lfm2_start, _lfm2_step, scans=False, mix=_lfm2_mix),
     )
 }
 """Every recurrent layer kind, by name."""

@@ -23,7 +23,9 @@ from gateway.engine.models.families.olmo2 import OLMO2
 from gateway.engine.models.families.phi3 import PHI3
 from gateway.engine.models.families.qwen2 import QWEN2
 from gateway.engine.models.families.qwen3 import QWEN3
+from gateway.engine.models.families.qwen3_5 import QWEN3_5
 from gateway.engine.models.families.qwen3_moe import QWEN3_MOE
+from gateway.engine.models.families.qwen3_next import QWEN3_NEXT
 from gateway.engine.models.families.smollm3 import SMOLLM3
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -41,6 +43,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     GEMMA2,
     DEEPSEEK_V3,
     LFM2,
+    QWEN3_5,
+    QWEN3_NEXT,
 )
 
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import first_problem, rotary_problem
+from gateway.engine.models.families.named_tree import LlamaNamedTree
 
 CONV = "conv"
 ATTENTION = "full_attention"
@@ -52,23 +53,6 @@ class Lfm2Family:
         tree.model.norm = inner.embedding_norm
         tree.model.rotary_emb = inner.rotary_emb
         return tree
-
-
-class LlamaNamedTree(nn.Module):
-    """A module tree with transformers' Llama attribute names over another model's modules
-    (``config``, ``model.embed_tokens``, ``model.layers``, ``model.norm``,
-    ``model.rotary_emb``, ``lm_head``)."""
-
-    def __init__(self, config: Any, embed_tokens: nn.Module, lm_head: nn.Module) -> None:
-        super().__init__()
-        self.config = config
-        self.model = nn.Module()
-        self.model.embed_tokens = embed_tokens
-        self.lm_head = lm_head
-        self._embed_tokens = (embed_tokens,)  # a tuple: not registered a second time
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self._embed_tokens[0]
 
 
 def _layer(layer: Any) -> nn.Module:

@@ -26,8 +26,10 @@ from transformers import (
     Olmo2Config,
     Phi3Config,
     Qwen2Config,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
     SmolLM3Config,
 )
 
@@ -264,6 +266,35 @@ def save_lfm2(directory: Path, seed: int = 0) -> Path:
     return save_random(config, directory, tokenizer, seed)
 
 
+def save_qwen3_5(directory: Path, seed: int = 0) -> Path:
+    """Gated DeltaNet layers around one gated full-attention layer (the first and last linear),
+    value heads twice the key heads, and scan states larger than a 16-token block's slots of
+    their layer (so that they take extra layers of the cache's layout)."""
+    tokenizer = make_hf_tokenizer()
+    config = Qwen3_5TextConfig(
+        **_shape(tokenizer), layer_types=["linear_attention", "full_attention",
+                                          "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, architectures=["Qwen3_5ForCausalLM"])
+    return save_random(config, directory, tokenizer, seed)
+
+
+def save_qwen3_next(directory: Path, seed: int = 0) -> Path:
+    """Qwen3.5's layer pattern (Gated DeltaNet, gated attention, Gated DeltaNet; its
+    projections grouped per key head) over four experts, two per token, with a gated shared
+    expert; the attention layer's MLP dense (``mlp_only_layers``)."""
+    tokenizer = make_hf_tokenizer()
+    config = Qwen3NextConfig(
+        **_shape(tokenizer), layer_types=["linear_attention", "full_attention",
+                                          "linear_attention"],
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+        architectures=["Qwen3NextForCausalLM"])
+    return save_random(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
@@ -279,6 +310,8 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "gemma2": save_gemma2,
     "deepseek_v3": save_deepseek_v3,
     "lfm2": save_lfm2,
+    "qwen3_5": save_qwen3_5,
+    "qwen3_next": save_qwen3_next,
 }
 """Family name -> a builder of its tiny checkpoint."""
 

@@ -284,3 +284,17 @@ def test_rotation_kinds_side_by_side_are_each_sliced_at_their_own_width(
         for index, layer in enumerate(loaded.features.layers)))
     assert len(two_kinds.rope_kinds) == 2
     assert _difference(loaded, features=two_kinds) <= 1e-4
+
+
+def test_qwen3_nexts_shared_expert_is_added_to_the_routed_experts(tmp_path: Path) -> None:
+    loaded = _load("qwen3_next", tmp_path)
+    assert loaded.features is not None
+
+    def without_shared(layer: LayerFeatures) -> LayerFeatures:
+        if not isinstance(layer.experts, ExpertRouting):
+            return layer
+        return dataclasses.replace(layer, experts=dataclasses.replace(layer.experts,
+                                                                      shared_expert=False))
+
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=_changed(loaded.features, without_shared)) > FAR

@@ -1,7 +1,9 @@
 """A hybrid's recurrent states travel in its blocks through every tier (issue 46): LFM2's conv
-windows, kept in the blocks' K/V slots, are served warm from the disk tier and from Redis
-(written by another engine) with the cold answer's bits, and a block whose bytes were forged or
-cut short is refused as any block is (the request answers cold)."""
+windows, kept in the blocks' K/V slots, and Qwen3.5's Gated DeltaNet states (its scans'
+matrices and conv windows, in its own slots and extra layers of the cache's layout), are served
+warm from the disk tier and from Redis (written by another engine) with the cold answer's bits,
+and a block whose bytes were forged or cut short is refused as any block is (the request
+answers cold)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.engine.models.loading import LoadedModel, load_model
-from tests.gateway.engine.families.checkpoints import save_lfm2
+from tests.gateway.engine.families.checkpoints import save_lfm2, save_qwen3_5, save_qwen3_next
 from tests.gateway.engine.parity import (
     BLOCK,
     SECRET,
@@ -28,15 +30,20 @@ from tests.gateway.engine.parity import (
 from tests.gateway.engine.test_forged_blocks import forged
 from tests.redis_harness import RedisServer
 
+HYBRIDS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next}
 
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    return load_model(str(save_lfm2(tmp_path_factory.mktemp("lfm2") / "model")))
+
+@pytest.fixture(scope="module", params=sorted(HYBRIDS))
+def hybrid(request: pytest.FixtureRequest,
+         tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """Each hybrid family's tiny checkpoint, loaded for the tests' blocks."""
+    path = HYBRIDS[request.param](tmp_path_factory.mktemp(request.param) / "model")
+    return load_model(str(path), block_tokens=BLOCK)
 
 
 @pytest.fixture()
-def tiers(lfm2: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
-    opened = open_cache(cache_config(tmp_path), layout=lfm2.layout, deployment_secret=SECRET,
+def tiers(hybrid: LoadedModel, tmp_path: Path) -> Iterator[OpenedCache]:
+    opened = open_cache(cache_config(tmp_path), layout=hybrid.layout, deployment_secret=SECRET,
                         device=torch.device("cpu"))
     yield opened
     opened.close()
@@ -47,33 +54,33 @@ def _prompt(num_tokens: int, salt: int = 0) -> PromptInput:
 
 
 def test_a_warm_answer_from_the_disk_tier_equals_the_cold_one(
-        lfm2: LoadedModel, tiers: OpenedCache, monkeypatch: pytest.MonkeyPatch) -> None:
-    engine = make_engine(lfm2, tiers)
+        hybrid: LoadedModel, tiers: OpenedCache, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine = make_engine(hybrid, tiers)
     try:
         prompt = _prompt(3 * BLOCK + 7)
         cold = run(engine, prompt, no_cache=True)[:2]
         assert run(engine, prompt)[:2] == cold
         evict_once_released(tiers, "device", "host")
-        assert_served_equals_cold(lfm2, engine, tiers, monkeypatch, prompt, cold, "disk")
+        assert_served_equals_cold(hybrid, engine, tiers, monkeypatch, prompt, cold, "disk")
     finally:
         engine.stop(grace_s=5)
 
 
 @pytest.mark.redis
 def test_a_warm_answer_from_redis_written_by_another_engine_equals_the_cold_one(
-        lfm2: LoadedModel, redis_server: RedisServer, tmp_path: Path,
+        hybrid: LoadedModel, redis_server: RedisServer, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     prompt = _prompt(2 * BLOCK + 5, salt=1)
-    assert_served_from_redis_by_another_engine_equals_cold(lfm2, redis_server.url, tmp_path,
+    assert_served_from_redis_by_another_engine_equals_cold(hybrid, redis_server.url, tmp_path,
                                                            monkeypatch, prompt)
 
 
 @pytest.mark.parametrize("tamper", ["forged", "cut short"])
 def test_a_block_with_forged_or_cut_short_bytes_is_refused_and_answered_cold(
-        lfm2: LoadedModel, tmp_path: Path, tamper: str) -> None:
+        hybrid: LoadedModel, tmp_path: Path, tamper: str) -> None:
     prompt = _prompt(2 * BLOCK + 9, salt=2)
-    first = open_cache(cache_config(tmp_path), layout=lfm2.layout, deployment_secret=SECRET)
-    engine = make_engine(lfm2, first)
+    first = open_cache(cache_config(tmp_path), layout=hybrid.layout, deployment_secret=SECRET)
+    engine = make_engine(hybrid, first)
     cold, _, _ = run(engine, prompt, no_cache=True)
     run(engine, prompt)
     engine.stop()
@@ -83,8 +90,8 @@ def test_a_block_with_forged_or_cut_short_bytes_is_refused_and_answered_cold(
     for path in files:
         data = path.read_bytes()
         path.write_bytes(forged(data) if tamper == "forged" else data[:len(data) - 64])
-    second = open_cache(cache_config(tmp_path), layout=lfm2.layout, deployment_secret=SECRET)
-    engine = make_engine(lfm2, second)
+    second = open_cache(cache_config(tmp_path), layout=hybrid.layout, deployment_secret=SECRET)
+    engine = make_engine(hybrid, second)
     try:
         warm, _, usage = run(engine, prompt)
         assert warm == cold
@@ -95,7 +102,7 @@ def test_a_block_with_forged_or_cut_short_bytes_is_refused_and_answered_cold(
 
 
 def test_a_generation_preempted_while_decoding_resumes_from_its_kept_states(
-        lfm2: LoadedModel, tmp_path: Path) -> None:
+        hybrid: LoadedModel, tmp_path: Path) -> None:
     """Preempted, its full blocks (their states in them) go to the cache and its pages back to
     the pool; resumed, it continues from its last block's states to the same tokens."""
     from tests.gateway.engine.test_batching import start
@@ -106,7 +113,7 @@ def test_a_generation_preempted_while_decoding_resumes_from_its_kept_states(
         unpreempted,
     )
 
-    engine, opened = start(lfm2, tmp_path, BLOCK, max_running_per_tenant=1,
+    engine, opened = start(hybrid, tmp_path, BLOCK, max_running_per_tenant=1,
                            max_kv_share_per_tenant=1.0)
     try:
         bulk = generation(BULK_PROMPT, priority=5)
@@ -120,13 +127,13 @@ def test_a_generation_preempted_while_decoding_resumes_from_its_kept_states(
 
 
 def test_a_conversations_next_turn_starts_after_its_tail_from_the_states_at_its_end(
-        lfm2: LoadedModel, tmp_path: Path) -> None:
+        hybrid: LoadedModel, tmp_path: Path) -> None:
     import random
 
     from tests.gateway.engine.test_batching import SYSTEM, collect, request, start
     from tests.gateway.engine.test_conversation_tails import converse
 
-    engine, opened = start(lfm2, tmp_path, BLOCK)
+    engine, opened = start(hybrid, tmp_path, BLOCK)
     try:
         assert engine.route.decode_kv_is_prefill_kv, engine.route.reason
         turn, held = converse(engine, SYSTEM[:45], random.Random(1))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3NextConfig
+from transformers import AutoModelForCausalLM, GraniteMoeHybridConfig
 
 from gateway.cli.common import EXIT_USAGE
 from gateway.engine.models.loading import UnservableModel, load_model
@@ -62,14 +62,16 @@ def test_all_attention_layers_are_not_refused(config: dict[str, object]) -> None
     assert config_problem(config) is None
 
 
-def _save_qwen3_next(directory: Path) -> Path:
+def _save_granite_hybrid(directory: Path) -> Path:
+    """A Granite 4.0-H (Mamba-2 layers, one attention layer, experts): a hybrid whose family is
+    not built."""
     tokenizer = make_hf_tokenizer()
-    config = Qwen3NextConfig(
+    config = GraniteMoeHybridConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32)
+        num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["mamba", "mamba", "mamba", "attention"], mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=1, mamba_expand=1, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=64)
     torch.manual_seed(0)
     auto: object = AutoModelForCausalLM
     auto.from_config(config).save_pretrained(directory)  # type: ignore[attr-defined]
@@ -84,7 +86,7 @@ def _with_config(directory: Path, **fields: object) -> Path:
 
 
 def test_loading_a_hybrid_raises_before_reading_weights(tmp_path: Path) -> None:
-    directory = _save_qwen3_next(tmp_path / "hybrid")
+    directory = _save_granite_hybrid(tmp_path / "hybrid")
     for weights in directory.glob("*.safetensors"):
         weights.write_bytes(b"not read")
     with pytest.raises(UnservableModel, match="keep a recurrent state"):
@@ -94,7 +96,7 @@ def test_loading_a_hybrid_raises_before_reading_weights(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", ["hybrid", "quantized", "unknown-layer"])
 def test_serve_refuses_in_one_line_with_exit_2(tmp_path: Path, kind: str) -> None:
     if kind == "hybrid":
-        directory = _save_qwen3_next(tmp_path / kind)
+        directory = _save_granite_hybrid(tmp_path / kind)
         expected = "keep a recurrent state (linear_attention; layers 0-2)"
     elif kind == "quantized":
         directory = _with_config(save_tiny_llama(tmp_path / kind),
