@@ -110,7 +110,8 @@ class RecurrentLayers:
         projections do); what lies between runs per sequence (``RecurrentMixer.mix``)."""
         kind = self.kinds[index]
         assert kind.mix is not None  # ``of`` takes no other kind
-        projected = {name: products.project(getattr(module, name), normed, num_shared)
+        into = normed if kind.before is None else kind.before(module, normed)
+        projected = {name: products.project(getattr(module, name), into, num_shared)
                      for name in kind.inputs if getattr(module, name, None) is not None}
         out_of = getattr(module, kind.output)
         mixed = normed.new_zeros(normed.shape[0], out_of.weight.shape[1])

@@ -67,8 +67,24 @@ class Mamba2Shape:
 def mamba2(module: Any, shape: Mamba2Shape, rows: torch.Tensor, state: RecurrentState, *,
            project: Project, chunk: int) -> LayerStep:
     """The mixer's output for a sequence's new ``rows`` ``[n, hidden]`` after ``state``."""
-    n = rows.shape[0]
-    projected = project(module.in_proj, _scaled(rows, getattr(module, "ssm_in_multiplier", None)))
+    projected = project(module.in_proj, scaled_input(module, rows))
+    gated, after, kept = mamba2_mix(module, shape, projected, state, chunk=chunk)
+    return LayerStep(outputs=project(module.out_proj, gated), state=after, kept=kept)
+
+
+def scaled_input(module: Any, rows: torch.Tensor) -> torch.Tensor:
+    """The rows ``in_proj`` multiplies: Falcon-H1's scaled by ``ssm_in_multiplier`` first."""
+    return _scaled(rows, getattr(module, "ssm_in_multiplier", None))
+
+
+def mamba2_mix(module: Any, shape: Mamba2Shape, projected: torch.Tensor, state: RecurrentState,
+               *, chunk: int
+               ) -> tuple[torch.Tensor, RecurrentState, tuple[tuple[int, torch.Tensor], ...]]:
+    """The part between the mixer's products, for one sequence: its rows of ``in_proj`` after
+    ``state`` to what ``out_proj`` multiplies (``[n, inner]``), the state after them, and the
+    scan's state at each chunk end passed. Every product is row-wise, so a step may multiply
+    every sequence's rows at once and mix each sequence's alone."""
+    n = projected.shape[0]
     mup = getattr(module, "mup_vector", None)  # Falcon-H1's per-column multipliers
     if mup is not None:
         projected = projected * mup.reshape(-1)
@@ -95,8 +111,7 @@ def mamba2(module: Any, shape: Mamba2Shape, rows: torch.Tensor, state: Recurrent
     step = scan_step(state.scan, inputs, chunk, delta=False)
     y = step.outputs + module.D.float()[:, None] * x                 # [n, heads, head_dim]
     gated = _gated_group_norm(module.norm, y.reshape(n, shape.inner), gate, shape.groups)
-    out = project(module.out_proj, gated.to(rows.dtype))
-    return LayerStep(outputs=out, state=RecurrentState(window, step.stream), kept=step.states)
+    return gated.to(projected.dtype), RecurrentState(window, step.stream), step.states
 
 
 def _scaled(rows: torch.Tensor, multiplier: float | None) -> torch.Tensor:

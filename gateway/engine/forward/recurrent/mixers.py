@@ -22,7 +22,12 @@ from gateway.engine.forward.recurrent.gated_deltanet import (
 )
 from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
 from gateway.engine.forward.recurrent.lfm2_conv import lfm2_conv, lfm2_mix, lfm2_start
-from gateway.engine.forward.recurrent.mamba2 import Mamba2Shape, mamba2
+from gateway.engine.forward.recurrent.mamba2 import (
+    Mamba2Shape,
+    mamba2,
+    mamba2_mix,
+    scaled_input,
+)
 
 Mix = Callable[[Any, Any, Mapping[str, torch.Tensor], RecurrentState, int],
               tuple[torch.Tensor, RecurrentState]]
@@ -46,6 +51,8 @@ class RecurrentMixer:
             sequence's rows at once; None: only ``step``, one sequence at a time.
         inputs: the module's products in, where ``mix`` is given (those the module has).
         output: its product out.
+        before: what the rows are made before the products in (Falcon-H1's input multiplier);
+            None: the layer's normed rows as they are.
     """
 
     name: str
@@ -55,6 +62,7 @@ class RecurrentMixer:
     mix: Mix | None = None
     inputs: tuple[str, ...] = ("in_proj",)
     output: str = "out_proj"
+    before: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
 
 
 def _deltanet_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
@@ -75,6 +83,13 @@ def _mamba2_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentS
     return mamba2(module, Mamba2Shape.of(config), rows, state, project=project, chunk=chunk)
 
 
+def _mamba2_mix(module: Any, config: Any, projected: Mapping[str, torch.Tensor],
+                state: RecurrentState, chunk: int) -> tuple[torch.Tensor, RecurrentState]:
+    gated, after, _ = mamba2_mix(module, Mamba2Shape.of(config), projected["in_proj"], state,
+                                 chunk=chunk)
+    return gated, after
+
+
 def _lfm2_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
                project: Project, chunk: int) -> LayerStep:
     return lfm2_conv(module, rows, state, project=project)
@@ -90,7 +105,7 @@ RECURRENT_MIXERS: dict[str, RecurrentMixer] = {
         RecurrentMixer("gated_deltanet", lambda config, device: DeltaNetShape.of(config).start(
             device), _deltanet_step, scans=True, mix=_deltanet_mix, inputs=DELTANET_INPUTS),
         RecurrentMixer("mamba2", lambda config, device: Mamba2Shape.of(config).start(device),
-                       _mamba2_step, scans=True),
+                       _mamba2_step, scans=True, mix=_mamba2_mix, before=scaled_input),
         RecurrentMixer("lfm2_conv", lfm2_start, _lfm2_step, scans=False, mix=_lfm2_mix),
     )
 }

@@ -196,12 +196,18 @@ def test_the_serial_route_is_refused_for_a_model_with_kept_states(lfm2: LoadedMo
         build_forward(lfm2, RouteVerdict(name="serial", reason="configured (route = serial)"))
 
 
-def test_a_kind_computed_one_sequence_at_a_time_is_not_batched(lfm2: LoadedModel) -> None:
+def test_a_kind_computed_one_sequence_at_a_time_is_not_batched(
+        lfm2: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    from gateway.engine.forward.recurrent import mixers
     from gateway.engine.forward.recurrent_step import RecurrentLayers
 
-    with pytest.raises(ValueError, match=r"computed one sequence at a time only: "
-                                         r"\['mamba2'\]"):
-        RecurrentLayers.of(lfm2.model.config, {0: "mamba2"}, lfm2.layout)
+    assert all(kind.mix is not None for kind in mixers.RECURRENT_MIXERS.values())
+    alone = dataclasses.replace(mixers.RECURRENT_MIXERS["mamba2"], name="alone", mix=None)
+    monkeypatch.setitem(mixers.RECURRENT_MIXERS, "alone", alone)
+    with pytest.raises(ValueError, match=r"computed one sequence at a time only: \['alone'\]"):
+        RecurrentLayers.of(lfm2.model.config, {0: "alone"}, lfm2.layout)
 
 
 def test_a_sequence_built_from_blocks_and_a_stateful_tail_goes_on_with_the_cold_bits(

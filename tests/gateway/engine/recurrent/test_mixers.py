@@ -152,3 +152,25 @@ def test_steps_of_any_size_give_the_bits_of_one_step(layer: Layer, n: int, seed:
     assert (stepped_state.scan is None) == (whole_state.scan is None) == (not layer.mixer.scans)
     if stepped_state.scan is not None and whole_state.scan is not None:
         assert torch.equal(stepped_state.scan.state, whole_state.scan.state)
+
+
+def test_the_batched_steps_products_around_mix_give_the_bits_of_step(layer: Layer) -> None:
+    """What the batched step does with a kind (``recurrent_step.RecurrentLayers.mix``): the rows
+    made ``before`` the products, every product in, the per-sequence ``mix``, the product out --
+    the same bits as the kind's one-sequence ``step``."""
+    kind = layer.mixer
+    assert kind.mix is not None
+    rows = hidden(21, seed=3)
+    with torch.inference_mode():
+        start = kind.start(layer.config, "cpu")
+        step = kind.step(layer.module, layer.config, rows, start, project=per_row, chunk=CHUNK)
+        into = rows if kind.before is None else kind.before(layer.module, rows)
+        projected = {name: per_row(getattr(layer.module, name), into) for name in kind.inputs
+                     if getattr(layer.module, name, None) is not None}
+        mixed, after = kind.mix(layer.module, layer.config, projected, start, CHUNK)
+        out = per_row(getattr(layer.module, kind.output), mixed)
+    assert torch.equal(out, step.outputs)
+    assert torch.equal(after.conv.inputs, step.state.conv.inputs)
+    if after.scan is not None:
+        assert step.state.scan is not None
+        assert torch.equal(after.scan.state, step.state.scan.state)
