@@ -327,6 +327,8 @@ class BatchedForward:
         The one walk of the weights every forward of this model takes (``forward`` here and
         the captured steps of ``gateway.engine.forward.captured_steps``)."""
         hidden: torch.Tensor = self._model.model.embed_tokens(ids)
+        if self._features.embedding_multiplier is not None:  # Granite's
+            hidden = hidden * self._features.embedding_multiplier
         for index, layer in enumerate(self._model.model.layers):
             hidden = self._layer(index, layer, self._features.layers[index], hidden, cos, sin,
                                  num_shared, attend, mix)
@@ -338,8 +340,10 @@ class BatchedForward:
         (``final_logit_softcap``, in float32). The final norm sees the padded rows, as every
         layer's norms do."""
         normed = self._model.model.norm(picked)
-        logits = self._products.project(self._model.lm_head, normed, num_logit_rows).float()
-        return soft_cap_(logits, self._features.final_logit_softcap)
+        logits = self._products.project(self._model.lm_head, normed, num_logit_rows)
+        if self._features.logits_divisor is not None:  # Granite's logits_scaling
+            logits = logits / self._features.logits_divisor
+        return soft_cap_(logits.float(), self._features.final_logit_softcap)
 
     @property
     def products(self) -> RowProducts:
@@ -398,10 +402,12 @@ class BatchedForward:
         """The layer's residual after its attention's (or recurrent layer's) output ``out``:
         that output added, then the MLP's."""
         norms = features.norms
-        hidden = hidden + _norm(layer, norms.after_attention, out)
+        scale = features.residual_multiplier
+        out = _norm(layer, norms.after_attention, out)
+        hidden = hidden + (out if scale is None else out * scale)
         normed = _norm(layer, norms.before_mlp, hidden)
-        out = self._mlp(layer.mlp, features, normed, num_shared)
-        residual: torch.Tensor = hidden + _norm(layer, norms.after_mlp, out)
+        out = _norm(layer, norms.after_mlp, self._mlp(layer.mlp, features, normed, num_shared))
+        residual: torch.Tensor = hidden + (out if scale is None else out * scale)
         return residual
 
     def _per_head_attention(self, index: int, attn: Any, features: LayerFeatures,
@@ -474,6 +480,11 @@ class BatchedForward:
     def _grow_rope(self, num_positions: int) -> None:
         """Extend the rotary tables, in whole ``ROPE_CHUNK``s, to cover ``num_positions``."""
         needed = -(-max(1, num_positions) // ROPE_CHUNK) * ROPE_CHUNK
+        if self._cos.shape[0] < needed and self._model.model.rotary_emb is None:
+            # No layer rotates (Granite 4.0-H's NoPE): tables of no width, never read.
+            self._cos = torch.empty(needed, 0, dtype=self._cos.dtype)
+            self._sin = torch.empty(needed, 0, dtype=self._sin.dtype)
+            self._rope_spans = _spans([0] * len(self._rope_kinds))
         if self._cos.shape[0] < needed:
             rotary = self._model.model.rotary_emb
             # What the rotary embedding reads of its input: the dtype and device (the

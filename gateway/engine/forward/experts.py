@@ -43,12 +43,17 @@ def expert_mlp(mlp: Any, routing: ExpertRouting, rows: torch.Tensor, num_shared:
     ``num_shared`` in shared products (``RowProducts.project``'s convention): Qwen3-MoE's
     router (a softmax over every expert, then the top k, renormalised where ``normalize``) and
     gated experts (gate | up in halves, ``act_fn(gate) * up``), and Qwen3-Next's gated shared
-    expert added last where ``routing.shared_expert``."""
+    expert added last where ``routing.shared_expert``; Granite 4.0-H's router (the top k
+    scores softmaxed among themselves) and dense shared MLP where ``routing`` says so."""
     logits = products.project(mlp.gate, rows, num_shared)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    top_weights, top_experts = torch.topk(probs, routing.top_k, dim=-1)
-    if routing.normalize:
-        top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+    if routing.softmax_of_top_k:  # Granite 4.0-H's: the top k scores, then their softmax
+        top_logits, top_experts = torch.topk(logits.float(), routing.top_k, dim=-1)
+        top_weights = torch.softmax(top_logits, dim=-1)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_weights, top_experts = torch.topk(probs, routing.top_k, dim=-1)
+        if routing.normalize:
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
     experts = mlp.experts
 
     def run(expert: int, inputs: torch.Tensor, count: int) -> torch.Tensor:
@@ -61,6 +66,12 @@ def expert_mlp(mlp: Any, routing: ExpertRouting, rows: torch.Tensor, num_shared:
 
     routed = sum_over_experts(rows, top_weights.to(logits.dtype), top_experts, num_shared,
                               products, run)
+    if routing.shared_mlp:  # every token's, unweighted (Granite 4.0-H)
+        dense_mlp = mlp.shared_mlp
+        gate, up = products.project(dense_mlp.input_linear, rows, num_shared).chunk(2, dim=-1)
+        added: torch.Tensor = routed + products.project(
+            dense_mlp.output_linear, dense_mlp.activation(gate) * up, num_shared)
+        return added
     if not routing.shared_expert:
         return routed
     shared = mlp.shared_expert  # every token's, gated per token (Qwen3-Next)
@@ -117,4 +128,7 @@ def expert_weights(mlp: Any) -> list[torch.Tensor]:
     if shared is not None:
         weights += [shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
                     mlp.shared_expert_gate.weight]
+    dense = getattr(mlp, "shared_mlp", None)
+    if dense is not None:
+        weights += [dense.input_linear.weight, dense.output_linear.weight]
     return weights

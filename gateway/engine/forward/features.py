@@ -66,11 +66,19 @@ class ExpertRouting:
         shared_expert: a dense gated MLP of every token (``mlp.shared_expert``) is added to
             the experts' sum, weighted by ``sigmoid(mlp.shared_expert_gate(x))`` (one number
             per token): Qwen3-Next's; False: the routed experts alone (Qwen3-MoE's).
+        softmax_of_top_k: the router's top k scores are chosen first (in float32) and softmaxed
+            among themselves (Granite 4.0-H's), not softmaxed over every expert first;
+            ``normalize`` then has nothing to do.
+        shared_mlp: a dense MLP of every token (``mlp.shared_mlp``: ``input_linear`` gate | up
+            in halves, ``activation``, ``output_linear``) is added to the experts' sum, unweighted
+            (Granite 4.0-H's).
     """
 
     top_k: int
     normalize: bool
     shared_expert: bool = False
+    softmax_of_top_k: bool = False
+    shared_mlp: bool = False
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -248,6 +256,8 @@ class LayerFeatures:
             ``gateway.engine.forward.recurrent.mixers.RECURRENT_MIXERS`` (LFM2's
             ``lfm2_conv``); None: attention. Its state at each block's end is kept in the
             block (``gateway.engine.forward.kept_states``).
+        residual_multiplier: each sublayer's output is multiplied by it before the residual
+            add (Granite's ``residual_multiplier``); None: added as it is.
         output_gate: the attention's output is gated per number before ``o_proj``: ``q_proj``
             gives each head its query and then as many gate numbers (``[heads, 2 * head_dim]``),
             and the attended rows are multiplied by ``sigmoid(gate)`` (Qwen3.5's and
@@ -270,6 +280,7 @@ class LayerFeatures:
     latent: LatentAttention | None = None
     mixer: str | None = None
     output_gate: bool = False
+    residual_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         _check_softcap(self.logit_softcap)
@@ -308,12 +319,18 @@ class DecoderFeatures:
             forward repeats them, which turns the halves alike.
         final_logit_softcap: the output logits are squashed to ``cap * tanh(logit / cap)``
             (Gemma 2's ``final_logit_softcapping``); None: as the output projection gives them.
+        embedding_multiplier: the token embeddings are multiplied by it before the first layer
+            (Granite's ``embedding_multiplier``); None: as the table holds them.
+        logits_divisor: the output logits are divided by it (Granite's ``logits_scaling``),
+            before any soft-cap; None: as the output projection gives them.
     """
 
     family: str
     layers: tuple[LayerFeatures, ...]
     rotary_frequencies_once: bool = False
     final_logit_softcap: float | None = None
+    embedding_multiplier: float | None = None
+    logits_divisor: float | None = None
 
     def __post_init__(self) -> None:
         _check_softcap(self.final_logit_softcap)

@@ -46,6 +46,8 @@ def _mlp_modules(features: LayerFeatures) -> tuple[str, ...]:
         return (features.experts.router, "experts", "shared_experts")
     if isinstance(features.experts, ExpertRouting) and features.experts.shared_expert:
         return (features.experts.router, "experts", "shared_expert", "shared_expert_gate")
+    if isinstance(features.experts, ExpertRouting) and features.experts.shared_mlp:
+        return (features.experts.router, "experts", "shared_mlp")
     if features.experts is not None:  # a router and the experts' stacked weights (MoE)
         return (features.experts.router, "experts")
     if features.fused_gate_up:

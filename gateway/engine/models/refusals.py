@@ -2,8 +2,9 @@
 
 Why at the door: what the cache keeps for a prompt is each layer's K/V per token. A layer that
 keeps a recurrent state instead (the linear-attention and state-space layers of hybrids:
-Granite 4.0-H, Falcon-H1, Jamba; LFM2's convolutions and Qwen3.5's and Qwen3-Next's Gated
-DeltaNet are the exceptions, their states kept in the blocks: ``STATE_KEEPING_ARCHITECTURES``),
+Falcon-H1, Jamba, Bamba; LFM2's convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet and
+Granite 4.0-H's Mamba-2 are the exceptions, their states kept in the blocks:
+``STATE_KEEPING_ARCHITECTURES``),
 multi-head latent attention
 in an architecture whose latents kvgate does not keep, or quantized weights would give a warm
 answer that is not the cold one, or a traceback in the middle of start-up. Each is found from
@@ -36,7 +37,7 @@ RECURRENT_MODEL_TYPES = frozenset({
 """Model types made of recurrent layers, for configs that list no ``layer_types``."""
 
 STATE_KEEPING_ARCHITECTURES = frozenset({"Lfm2ForCausalLM", "Qwen3_5ForCausalLM",
-                                         "Qwen3NextForCausalLM"})
+                                         "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM"})
 """Architectures whose recurrent layers' states the cache keeps in their blocks
 (``gateway.engine.forward.kept_states``; their family's module walks them): not refused here."""
 

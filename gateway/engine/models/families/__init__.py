@@ -16,6 +16,7 @@ from gateway.engine.models.families.gemma2 import GEMMA2
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.glm4 import GLM4
 from gateway.engine.models.families.gpt_oss import GPT_OSS
+from gateway.engine.models.families.granite_hybrid import GRANITE_HYBRID
 from gateway.engine.models.families.lfm2 import LFM2
 from gateway.engine.models.families.llama import LLAMA
 from gateway.engine.models.families.mistral import MISTRAL
@@ -45,6 +46,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     LFM2,
     QWEN3_5,
     QWEN3_NEXT,
+    GRANITE_HYBRID,
 )
 
 

@@ -20,6 +20,7 @@ from transformers import (
     Gemma3TextConfig,
     Glm4Config,
     GptOssConfig,
+    GraniteMoeHybridConfig,
     Lfm2Config,
     LlamaConfig,
     MistralConfig,
@@ -295,6 +296,37 @@ def save_qwen3_next(directory: Path, seed: int = 0) -> Path:
     return save_random(config, directory, tokenizer, seed)
 
 
+def save_granite_hybrid(directory: Path, seed: int = 0) -> Path:
+    """Granite 4.0-H's pattern (Mamba-2, attention, Mamba-2) over four experts, two per token,
+    and a dense shared MLP; NoPE attention (no ``position_embedding_type``); Granite's
+    multipliers, milder than Granite 4.0's (embeddings x12, residuals x0.22, logits / 8), so
+    that every sublayer still moves a tiny random model's logits: embeddings x2, residuals
+    x0.5, logits / 2, attention scaled by 1/16."""
+    tokenizer = make_hf_tokenizer()
+    shape = {name: value for name, value in _shape(tokenizer).items() if name != "head_dim"}
+    config = GraniteMoeHybridConfig(
+        **shape, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=2, mamba_expand=1, mamba_d_conv=4,
+        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=96,
+        embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=2.0,
+        attention_multiplier=0.0625, architectures=["GraniteMoeHybridForCausalLM"])
+    return save_random(config, directory, tokenizer, seed)
+
+
+def save_granite_hybrid_dense_rope(directory: Path, seed: int = 0) -> Path:
+    """A Granite 4.0-H without experts (its shared MLP alone in every layer) whose attention is
+    rotated (``position_embedding_type = "rope"``)."""
+    tokenizer = make_hf_tokenizer()
+    shape = {name: value for name, value in _shape(tokenizer).items() if name != "head_dim"}
+    config = GraniteMoeHybridConfig(
+        **shape, layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=16,
+        mamba_d_state=16, mamba_n_groups=1, mamba_expand=1, num_local_experts=0,
+        shared_intermediate_size=96, position_embedding_type="rope", embedding_multiplier=2.0,
+        residual_multiplier=0.5, logits_scaling=2.0, attention_multiplier=0.0625,
+        architectures=["GraniteMoeHybridForCausalLM"])
+    return save_random(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
@@ -312,6 +344,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "lfm2": save_lfm2,
     "qwen3_5": save_qwen3_5,
     "qwen3_next": save_qwen3_next,
+    "granite_hybrid": save_granite_hybrid,
 }
 """Family name -> a builder of its tiny checkpoint."""
 
@@ -321,6 +354,7 @@ VARIANTS: dict[str, Callable[[Path], Path]] = {
     "smollm3-windowed": save_smollm3_windowed,
     "phi3-partial": save_phi3_partial,
     "gemma3-softcapped": save_gemma3_softcapped,
+    "granite_hybrid-dense-rope": save_granite_hybrid_dense_rope,
 }
 """More checkpoints the suite runs, where a family has a feature its main checkpoint lacks
 (name: family-feature)."""

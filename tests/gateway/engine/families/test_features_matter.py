@@ -298,3 +298,42 @@ def test_qwen3_nexts_shared_expert_is_added_to_the_routed_experts(tmp_path: Path
 
     assert _difference(loaded) <= 1e-4
     assert _difference(loaded, features=_changed(loaded.features, without_shared)) > FAR
+
+
+def _without_in_experts(features: DecoderFeatures, what: str) -> DecoderFeatures:
+    def without(layer: LayerFeatures) -> LayerFeatures:
+        assert isinstance(layer.experts, ExpertRouting)
+        return dataclasses.replace(layer, experts=dataclasses.replace(layer.experts,
+                                                                      **{what: False}))
+    return _changed(features, without)
+
+
+@pytest.mark.parametrize("what", ["embedding_multiplier", "logits_divisor", "residual_multiplier",
+                                  "shared_mlp"])
+def test_granite_hybrids_multipliers_and_shared_mlp_are_applied(tmp_path: Path,
+                                                                what: str) -> None:
+    loaded = _load("granite_hybrid", tmp_path)
+    features = loaded.features
+    assert features is not None
+    if what == "embedding_multiplier":
+        changed = dataclasses.replace(features, embedding_multiplier=None)
+    elif what == "logits_divisor":
+        changed = dataclasses.replace(features, logits_divisor=None)
+    elif what == "residual_multiplier":
+        changed = _changed(features, lambda layer: dataclasses.replace(layer,
+                                                                       residual_multiplier=None))
+    else:
+        changed = _without_in_experts(features, what)
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=changed) > FAR
+
+
+def test_granite_hybrids_router_softmaxes_its_top_k_scores_among_themselves(
+        tmp_path: Path) -> None:
+    """Softmaxed over every expert instead (and not renormalised), a token's two experts weigh
+    less than one together."""
+    loaded = _load("granite_hybrid", tmp_path)
+    assert loaded.features is not None
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=_without_in_experts(loaded.features,
+                                                            "softmax_of_top_k")) > FAR
