@@ -29,6 +29,7 @@ import torch
 from gateway.engine.forward.kept_states import StateHome, state_homes
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.mixers import RECURRENT_MIXERS, RecurrentMixer
+from gateway.engine.forward.recurrent.one_thread import one_thread
 from gateway.engine.forward.recurrent.short_conv import ConvWindow
 from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.linear.row_products import RowProducts
@@ -115,10 +116,22 @@ class RecurrentLayers:
                      for name in kind.inputs if getattr(module, name, None) is not None}
         out_of = getattr(module, kind.output)
         mixed = normed.new_zeros(normed.shape[0], out_of.weight.shape[1])
+        with one_thread():  # small operations: waking sleeping threads costs more than they do
+            self._mix_each(index, module, kind, projected, mixed, sequences, spans, normed)
+        out: torch.Tensor = products.project(out_of, mixed, num_shared)
+        return out
+
+    def _mix_each(self, index: int, module: Any, kind: RecurrentMixer,
+                  projected: dict[str, torch.Tensor], mixed: torch.Tensor,
+                  sequences: Sequence[KVSequence], spans: Sequence[tuple[int, int]],
+                  like: torch.Tensor) -> None:
+        """Each sequence's rows of ``projected`` mixed into ``mixed`` (``RecurrentMixer.mix``),
+        from its state, its state kept at each block end and held in its slot after."""
+        assert kind.mix is not None
         for sequence, (start, end) in zip(sequences, spans, strict=True):
             block = sequence.pool.page_tokens
             home = self._home(index, sequence)
-            state = self._state_before(index, sequence, kind, home, normed)
+            state = self._state_before(index, sequence, kind, home, like)
             for at, upto, position in _pieces(sequence, start, end):
                 mixed[at:upto], state = kind.mix(
                     module, self.config, {name: rows[at:upto] for name, rows in projected.items()},
@@ -128,8 +141,6 @@ class RecurrentLayers:
                         sequence.put_state(piece.layer, position - block, piece.keys,
                                            piece.values)
             sequence.states[index] = state
-        out: torch.Tensor = products.project(out_of, mixed, num_shared)
-        return out
 
     def _home(self, index: int, sequence: KVSequence) -> StateHome:
         home = self.homes(sequence.pool.page_tokens)[index]
