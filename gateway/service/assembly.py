@@ -350,7 +350,28 @@ def _load_model(config: ServeConfig) -> tuple[LoadedModel, torch.device, torch.d
                f"{str(dtype).removeprefix('torch.')})"):
         loaded = load_model(config.model, cache_dir=config.data_dir / "models",
                             device=device, dtype=dtype, block_tokens=config.cache.block_tokens)
+    refuse_lossy_states(config, loaded)
     return loaded, device, dtype
+
+
+def refuse_lossy_states(config: ServeConfig, loaded: LoadedModel) -> None:
+    """Refuse lossy tiers for a model whose recurrent states its blocks keep: a lossy format
+    would quantize the states' bytes with the K/V, and a warm start would resume from numbers
+    no layer computed -- not an approximation of the answer, another one.
+
+    Raises:
+        UnservableModel: in one line, naming the setting to change.
+    """
+    from gateway.cache.lossy_tiers import lossy_tiers
+    from gateway.engine.models.loading import UnservableModel
+
+    lossy = lossy_tiers(config.cache.quantize)
+    if loaded.keeps_states and lossy:
+        named = ", ".join(f"{tier} = {fmt}" for tier, fmt in sorted(lossy.items()))
+        raise UnservableModel(
+            f"cannot serve {loaded.name} exactly with lossy tiers ({named}): its recurrent "
+            "layers' states are kept in its blocks, and a lossy format would change them; set "
+            "those tiers to \"none\" in [cache] quantize")
 
 
 def _open_cache(config: ServeConfig, opened: _Opened, loaded: LoadedModel, *,

@@ -153,3 +153,20 @@ def test_a_conversations_next_turn_starts_after_its_tail_from_the_states_at_its_
     finally:
         engine.stop(grace_s=5)
         opened.close()
+
+
+def test_lossy_tiers_are_refused_for_a_hybrid_naming_the_setting(hybrid: LoadedModel,
+                                                                 tmp_path: Path) -> None:
+    """A lossy format would quantize the states' bytes with the K/V: kvgate serve refuses it
+    in one line (exit 2) rather than resume a warm start from numbers no layer computed."""
+    from gateway.config.loader import load_serve_config
+    from gateway.engine.models.loading import UnservableModel
+    from gateway.service.assembly import refuse_lossy_states
+
+    path = tmp_path / "kvgate.toml"
+    path.write_text('[cache]\nquantize = { disk = "int8", redis = "none" }\n', encoding="utf-8")
+    with pytest.raises(UnservableModel, match=r"exactly with lossy tiers \(disk = int8\): .* set "
+                                              r"those tiers to \"none\" in \[cache\] quantize"):
+        refuse_lossy_states(load_serve_config(path, env={}), hybrid)
+    path.write_text('[cache]\nquantize = { disk = "none" }\n', encoding="utf-8")
+    refuse_lossy_states(load_serve_config(path, env={}), hybrid)  # exact tiers: served
