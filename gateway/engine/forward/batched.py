@@ -170,7 +170,8 @@ class BatchedForward:
         dtype = model.model.embed_tokens.weight.dtype
         try:
             self._recurrent = RecurrentLayers.of(config, features.mixers, KVLayout(
-                num_layers=len(layers), kv_heads=kv_heads, head_dim=head_dim, dtype=dtype))
+                num_layers=len(layers), kv_heads=kv_heads, head_dim=head_dim, dtype=dtype),
+                beside_attention=features.mixers_beside_attention)
         except ValueError as exc:
             raise UnsupportedModel(f"{features.family}: {exc}") from exc
         # One rotation per kind the layers use, side by side: [positions, sum of the kinds'
@@ -343,6 +344,8 @@ class BatchedForward:
         logits = self._products.project(self._model.lm_head, normed, num_logit_rows)
         if self._features.logits_divisor is not None:  # Granite's logits_scaling
             logits = logits / self._features.logits_divisor
+        if self._features.logits_multiplier is not None:  # Falcon-H1's lm_head_multiplier
+            logits = logits * self._features.logits_multiplier
         return soft_cap_(logits.float(), self._features.final_logit_softcap)
 
     @property
@@ -382,7 +385,21 @@ class BatchedForward:
                 raise UnsupportedModel(f"layer {index} is recurrent ({features.mixer}): this "
                                        "walk of the layers mixes none")
             out = mix(index, layer.mixer, normed, num_shared)
+            beside = features.parallel
+            if beside is not None:  # and an attention over the same input (Falcon-H1)
+                attended = self._attention_sublayer(index, layer, features,
+                                                    normed * beside.attention_in, cos, sin,
+                                                    num_shared, attend)
+                out = out * beside.mixer_out + attended * beside.attention_out
             return self._after_mixing(layer, features, hidden, out, num_shared)
+        out = self._attention_sublayer(index, layer, features, normed, cos, sin, num_shared,
+                                       attend)
+        return self._after_mixing(layer, features, hidden, out, num_shared)
+
+    def _attention_sublayer(self, index: int, layer: Any, features: LayerFeatures,
+                            normed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            num_shared: int, attend: LayerAttention) -> torch.Tensor:
+        """The layer's attention sublayer's output for its ``normed`` rows."""
         if len(self._rope_kinds) > 1:  # this layer's kind of rotation, its own width
             at, width = self._rope_spans[self._rope_kinds.index(features.rope)]
             cos, sin = cos[:, at:at + width], sin[:, at:at + width]
@@ -394,8 +411,8 @@ class BatchedForward:
                 attend=lambda q, k, v: attend(index, q, k, v))
         else:
             out = self._per_head_attention(index, layer.self_attn, features, normed, cos, sin,
-                                  num_shared, attend)
-        return self._after_mixing(layer, features, hidden, out, num_shared)
+                                           num_shared, attend)
+        return out
 
     def _after_mixing(self, layer: Any, features: LayerFeatures, hidden: torch.Tensor,
                       out: torch.Tensor, num_shared: int) -> torch.Tensor:
@@ -429,6 +446,8 @@ class BatchedForward:
         if features.qk_projection_norm:  # every head at once, before the split (OLMo 2)
             q = attn.q_norm(q)
             k = attn.k_norm(k)
+        if features.key_multiplier is not None:  # Falcon-H1's, before any rotation
+            k = k * features.key_multiplier
         gate = None
         if features.output_gate:  # each head's query, then its gate (Qwen3.5)
             q, gate = q.view(num_rows, self._num_heads, 2 * self._head_dim).chunk(2, dim=-1)
@@ -460,17 +479,21 @@ class BatchedForward:
         if features.experts is not None:
             return expert_mlp(mlp, features.experts, normed, num_shared, self._products)
         project = self._products.project
+        scales = features.mlp_multipliers  # Falcon-H1's (gate, down)
         if features.fused_gate_up:  # one product, its columns gate | up (Phi-3, GLM-4)
             gate, up = project(mlp.gate_up_proj, normed, num_shared).chunk(2, dim=-1)
+            gate = gate if scales is None else gate * scales[0]
             gated = up * mlp.activation_fn(gate)
         elif (gate_up := joined(mlp, JOINED_GATE_UP)) is not None:  # panels: one call
             gate, up = gate_up.split(project(gate_up, normed, num_shared))
+            gate = gate if scales is None else gate * scales[0]
             gated = mlp.act_fn(gate) * up
         else:
-            gated = (mlp.act_fn(project(mlp.gate_proj, normed, num_shared))
-                     * project(mlp.up_proj, normed, num_shared))
+            gate = project(mlp.gate_proj, normed, num_shared)
+            gate = gate if scales is None else gate * scales[0]
+            gated = mlp.act_fn(gate) * project(mlp.up_proj, normed, num_shared)
         out: torch.Tensor = project(mlp.down_proj, gated, num_shared)
-        return out
+        return out if scales is None else out * scales[1]
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[rows, head_dim]`` for ``positions``, from tables built in fixed chunks."""
@@ -520,10 +543,11 @@ def projection_weights(model: Any) -> list[torch.Tensor]:
         attention, mlp = getattr(layer, "self_attn", None), layer.mlp
         weights = [getattr(attention, name).weight for name in ATTENTION_PROJECTIONS
                    if getattr(attention, name, None) is not None]
-        if attention is None:  # a recurrent layer: its kind's products
-            weights += [module.weight for module in layer.mixer.modules()
+        mixer = getattr(layer, "mixer", None)
+        if mixer is not None:  # a recurrent layer (beside an attention or not): its products
+            weights += [module.weight for module in mixer.modules()
                         if isinstance(module, torch.nn.Linear)]
-        elif hasattr(attention, "kv_b_proj"):  # latent attention's folded heads
+        if attention is not None and hasattr(attention, "kv_b_proj"):  # latent attention's
             weights += folded_weights(attention, model.config)
         if hasattr(mlp, "router"):  # gpt-oss's experts, stored [in, out]
             weights += clamped_swiglu_weights(mlp)

@@ -204,6 +204,17 @@ class LatentAttention:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ParallelMix:
+    """A layer whose recurrent layer and attention both read its normed input (Falcon-H1's):
+    the attention's input is scaled by ``attention_in``, and the layer's output is
+    ``mixer(x) * mixer_out + attention(x * attention_in) * attention_out``, in that order."""
+
+    attention_in: float = 1.0
+    attention_out: float = 1.0
+    mixer_out: float = 1.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LayerFeatures:
     """What one decoder layer does beyond Llama's (every field off: a Llama layer).
 
@@ -258,6 +269,14 @@ class LayerFeatures:
             block (``gateway.engine.forward.kept_states``).
         residual_multiplier: each sublayer's output is multiplied by it before the residual
             add (Granite's ``residual_multiplier``); None: added as it is.
+        parallel: the layer's recurrent layer (``mixer``) runs beside its attention, not in
+            its place (``ParallelMix``: Falcon-H1's); its state then lies in extra layers only,
+            the layer's own slots holding the attention's K/V. None: one or the other.
+        key_multiplier: the keys are multiplied by it after ``k_proj``, before any rotation
+            (Falcon-H1's); None: as the projection gives them.
+        mlp_multipliers: the MLP's gate product is multiplied by the first before its
+            activation and its output by the second (Falcon-H1's ``mlp_multipliers``); None:
+            neither.
         output_gate: the attention's output is gated per number before ``o_proj``: ``q_proj``
             gives each head its query and then as many gate numbers (``[heads, 2 * head_dim]``),
             and the attended rows are multiplied by ``sigmoid(gate)`` (Qwen3.5's and
@@ -281,16 +300,21 @@ class LayerFeatures:
     mixer: str | None = None
     output_gate: bool = False
     residual_multiplier: float | None = None
+    parallel: ParallelMix | None = None
+    key_multiplier: float | None = None
+    mlp_multipliers: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         _check_softcap(self.logit_softcap)
-        if self.mixer is not None and (self.qk_norm or self.qk_projection_norm or self.fused_qkv
-                                       or self.sinks or self.latent is not None
-                                       or self.output_gate
-                                       or self.window is not None
-                                       or self.logit_softcap is not None):
+        if self.parallel is not None and self.mixer is None:
+            raise ValueError("a layer that mixes beside its attention names its mixer")
+        if self.mixer is not None and self.parallel is None and (
+                self.qk_norm or self.qk_projection_norm or self.fused_qkv
+                or self.sinks or self.latent is not None or self.output_gate
+                or self.key_multiplier is not None or self.window is not None
+                or self.logit_softcap is not None):
             raise ValueError("a recurrent layer has no attention: no q/k norms, fused q/k/v, "
-                             "sinks, latents, output gate, window or soft-cap")
+                             "sinks, latents, output gate, key multiplier, window or soft-cap")
         if self.latent is not None and (self.qk_norm or self.qk_projection_norm
                                         or self.fused_qkv or self.sinks or self.output_gate):
             raise ValueError("latent attention has projections of its own: no q/k norms, "
@@ -320,9 +344,11 @@ class DecoderFeatures:
         final_logit_softcap: the output logits are squashed to ``cap * tanh(logit / cap)``
             (Gemma 2's ``final_logit_softcapping``); None: as the output projection gives them.
         embedding_multiplier: the token embeddings are multiplied by it before the first layer
-            (Granite's ``embedding_multiplier``); None: as the table holds them.
+            (Granite's and Falcon-H1's ``embedding_multiplier``); None: as the table holds them.
         logits_divisor: the output logits are divided by it (Granite's ``logits_scaling``),
             before any soft-cap; None: as the output projection gives them.
+        logits_multiplier: the output logits are multiplied by it (Falcon-H1's
+            ``lm_head_multiplier``), before any soft-cap; None: as the projection gives them.
     """
 
     family: str
@@ -331,6 +357,7 @@ class DecoderFeatures:
     final_logit_softcap: float | None = None
     embedding_multiplier: float | None = None
     logits_divisor: float | None = None
+    logits_multiplier: float | None = None
 
     def __post_init__(self) -> None:
         _check_softcap(self.final_logit_softcap)
@@ -379,6 +406,13 @@ class DecoderFeatures:
         """The recurrent layers, by index: their kind (``LayerFeatures.mixer``)."""
         return {index: layer.mixer for index, layer in enumerate(self.layers)
                 if layer.mixer is not None}
+
+    @property
+    def mixers_beside_attention(self) -> frozenset[int]:
+        """The recurrent layers that run beside an attention (``LayerFeatures.parallel``): their
+        own slots hold the attention's K/V."""
+        return frozenset(index for index, layer in enumerate(self.layers)
+                         if layer.parallel is not None)
 
     @property
     def has_experts(self) -> bool:

@@ -184,7 +184,8 @@ def _numbers(window: tuple[int, int], scan: tuple[int, int, int] | None,
 
 
 def state_homes(config: Any, mixers: Mapping[int, str], layout: KVLayout,
-                block_tokens: int) -> dict[int, StateHome]:
+                block_tokens: int,
+                beside_attention: frozenset[int] = frozenset()) -> dict[int, StateHome]:
     """Where each recurrent layer's state lies in blocks of ``block_tokens`` tokens.
 
     Args:
@@ -193,6 +194,8 @@ def state_homes(config: Any, mixers: Mapping[int, str], layout: KVLayout,
         layout: the model's own K/V layout (``num_layers`` its decoder layers): extra layers
             are numbered after them, in the order of the layers they serve.
         block_tokens: positions a block has in each layer.
+        beside_attention: recurrent layers that run beside an attention (Falcon-H1's): their
+            own slots hold its K/V, so their states lie in extra layers only.
 
     Raises:
         ValueError: a kind no module computes.
@@ -213,30 +216,35 @@ def state_homes(config: Any, mixers: Mapping[int, str], layout: KVLayout,
         if start.scan is not None:
             heads, key_dim, value_dim = start.scan.state.shape
             scan = (int(heads), int(key_dim), int(value_dim))
-        extra = max(-(-_numbers(window, scan, layout.dtype) // per_layer) - 1, 0)
-        layers = (index, *range(next_extra, next_extra + extra))
+        slots = -(-_numbers(window, scan, layout.dtype) // per_layer)
+        own = () if index in beside_attention else (index,)
+        extra = max(slots - len(own), 0)
+        layers = (*own, *range(next_extra, next_extra + extra))
         next_extra += extra
         homes[index] = StateHome(window, scan, layers, layout, block_tokens)
     return homes
 
 
 def cache_layout(config: Any, mixers: Mapping[int, str], layout: KVLayout,
-                 block_tokens: int) -> KVLayout:
+                 block_tokens: int,
+                 beside_attention: frozenset[int] = frozenset()) -> KVLayout:
     """The cache's layout for a model whose own is ``layout``: its layers, and the extra
     layers its recurrent layers' states need in blocks of ``block_tokens`` (``state_homes``)."""
-    homes = state_homes(config, mixers, layout, block_tokens)
-    extra = sum(len(home.layers) - 1 for home in homes.values())
+    homes = state_homes(config, mixers, layout, block_tokens, beside_attention)
+    extra = sum(1 for home in homes.values() for layer in home.layers
+                if layer >= layout.num_layers)
     return replace(layout, num_layers=layout.num_layers + extra) if extra else layout
 
 
 def state_problem(config: Any, mixers: Mapping[int, str], layout: KVLayout,
-                  block_tokens: int) -> str | None:
+                  block_tokens: int,
+                  beside_attention: frozenset[int] = frozenset()) -> str | None:
     """Why the recurrent layers' states (``mixers``, by layer) cannot be kept in blocks of
     ``block_tokens`` tokens of ``layout`` (the cache's, extra layers included), in one line;
     None when they can."""
     own = replace(layout, num_layers=int(config.num_hidden_layers))
     try:
-        homes = state_homes(config, mixers, own, block_tokens)
+        homes = state_homes(config, mixers, own, block_tokens, beside_attention)
     except ValueError as exc:
         return str(exc)
     needed = max((max(home.layers) + 1 for home in homes.values()), default=0)

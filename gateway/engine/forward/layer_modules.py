@@ -27,16 +27,17 @@ def walked_modules(features: LayerFeatures) -> Walked:
     ``features``."""
     norms = features.norms.names
     mlp = _mlp_modules(features)
-    if features.mixer is not None:
+    if features.mixer is not None and features.parallel is None:
         return (tuple(("layer", name) for name in (*norms, "mixer"))
                 + tuple(("mlp", name) for name in mlp))
+    mixer = (("layer", "mixer"),) if features.mixer is not None else ()
     qk_norms = ("q_norm", "k_norm") if features.qk_norm or features.qk_projection_norm else ()
     attention = (("qkv_proj",) if features.fused_qkv else ("q_proj", "k_proj", "v_proj"))
     if features.latent is not None:  # its queries' own projections, the latent's, kv_b_proj
         queries = (("q_a_proj", "q_a_layernorm", "q_b_proj")
                    if features.latent.query_rank is not None else ("q_proj",))
         attention = (*queries, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj")
-    return (tuple(("layer", name) for name in norms)
+    return (tuple(("layer", name) for name in norms) + mixer
             + tuple(("attention", name) for name in (*qk_norms, *attention, "o_proj"))
             + tuple(("mlp", name) for name in mlp))
 
@@ -69,9 +70,9 @@ def layer_problem(layer: Any, features: LayerFeatures, qk_widths: tuple[int, int
         norms of the other width), or None.
     """
     attention = getattr(layer, "self_attn", None)
-    if features.mixer is not None and attention is not None:
+    if features.mixer is not None and features.parallel is None and attention is not None:
         return f"has self_attn, where its features say a recurrent layer ({features.mixer})"
-    if features.mixer is None and attention is None:
+    if (features.mixer is None or features.parallel is not None) and attention is None:
         return "has no self_attn to apply"
     modules = {"layer": layer, "mlp": layer.mlp}
     if attention is not None:

@@ -54,15 +54,19 @@ class RecurrentLayers:
         kinds: the kind of each recurrent layer, by index.
         layout: the model's own K/V layout (its decoder layers; a cache's extra layers for
             states are numbered after them, ``gateway.engine.forward.kept_states``).
+        beside_attention: the recurrent layers that run beside an attention (their states in
+            extra layers only).
     """
 
     config: Any
     kinds: dict[int, RecurrentMixer]
     layout: KVLayout
+    beside_attention: frozenset[int] = frozenset()
     _homes: dict[int, dict[int, StateHome]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, config: Any, mixers: dict[int, str], layout: KVLayout) -> RecurrentLayers:
+    def of(cls, config: Any, mixers: dict[int, str], layout: KVLayout,
+           beside_attention: frozenset[int] = frozenset()) -> RecurrentLayers:
         """The layers ``mixers`` (kind names by index) of a model with ``config``.
 
         Raises:
@@ -76,7 +80,8 @@ class RecurrentLayers:
         if one_at_a_time:
             raise ValueError(f"recurrent layers of kinds computed one sequence at a time only: "
                              f"{one_at_a_time}")
-        return cls(config, {i: RECURRENT_MIXERS[name] for i, name in mixers.items()}, layout)
+        return cls(config, {i: RECURRENT_MIXERS[name] for i, name in mixers.items()}, layout,
+                   beside_attention)
 
     def homes(self, block_tokens: int) -> dict[int, StateHome]:
         """Where each layer's state lies in blocks of ``block_tokens`` tokens."""
@@ -84,7 +89,7 @@ class RecurrentLayers:
         if homes is None:
             names = {index: kind.name for index, kind in self.kinds.items()}
             homes = self._homes[block_tokens] = state_homes(self.config, names, self.layout,
-                                                            block_tokens)
+                                                            block_tokens, self.beside_attention)
         return homes
 
     def written_layers(self, index: int, block_tokens: int, num_layers: int) -> tuple[int, ...]:

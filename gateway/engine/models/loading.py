@@ -225,7 +225,7 @@ def refuse_unkept_states(loaded: LoadedModel, block_tokens: int) -> None:
                 f"route only, which cannot walk it ({loaded.batched_problem})")
         return
     problem = state_problem(loaded.model.config, loaded.features.mixers, loaded.layout,
-                            block_tokens)
+                            block_tokens, loaded.features.mixers_beside_attention)
     if problem is not None:
         raise UnservableModel(f"cannot serve {loaded.name} exactly: {problem}")
 
@@ -388,7 +388,8 @@ def _loaded(name: str, model: Any, tokenizer: Tokenizer, tokenizer_eos: int | No
         )
     described = describe(config)
     if isinstance(described, DecoderFeatures) and described.mixers:  # states in the blocks
-        layout = cache_layout(config, described.mixers, layout, block_tokens)
+        layout = cache_layout(config, described.mixers, layout, block_tokens,
+                              described.mixers_beside_attention)
     family = family_for(getattr(config, "architectures", None))
     if isinstance(described, DecoderFeatures) and isinstance(family, RenamedFamily):
         model = family.module_tree(model)  # the same modules under Llama's names

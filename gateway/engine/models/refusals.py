@@ -1,9 +1,9 @@
 """Checkpoints kvgate cannot serve exactly, refused in one line before their weights are read.
 
 Why at the door: what the cache keeps for a prompt is each layer's K/V per token. A layer that
-keeps a recurrent state instead (the linear-attention and state-space layers of hybrids:
-Falcon-H1, Jamba, Bamba; LFM2's convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet and
-Granite 4.0-H's Mamba-2 are the exceptions, their states kept in the blocks:
+keeps a recurrent state instead (the linear-attention and state-space layers of hybrids: Jamba,
+Bamba, Nemotron-H; LFM2's convolutions, Qwen3.5's and Qwen3-Next's Gated DeltaNet and Granite
+4.0-H's and Falcon-H1's Mamba-2 are the exceptions, their states kept in the blocks:
 ``STATE_KEEPING_ARCHITECTURES``),
 multi-head latent attention
 in an architecture whose latents kvgate does not keep, or quantized weights would give a warm
@@ -37,7 +37,8 @@ RECURRENT_MODEL_TYPES = frozenset({
 """Model types made of recurrent layers, for configs that list no ``layer_types``."""
 
 STATE_KEEPING_ARCHITECTURES = frozenset({"Lfm2ForCausalLM", "Qwen3_5ForCausalLM",
-                                         "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM"})
+                                         "Qwen3NextForCausalLM", "GraniteMoeHybridForCausalLM",
+                                         "FalconH1ForCausalLM"})
 """Architectures whose recurrent layers' states the cache keeps in their blocks
 (``gateway.engine.forward.kept_states``; their family's module walks them): not refused here."""
 
@@ -103,7 +104,8 @@ def _layer_kinds_problem(config: Mapping[str, Any]) -> str | None:
             return f"it has layers of kinds nothing in kvgate reads ({', '.join(unknown)})"
         return None
     model_type = str(config.get("model_type", ""))
-    if model_type in RECURRENT_MODEL_TYPES:
+    keeps = bool(set(config.get("architectures") or ()) & STATE_KEEPING_ARCHITECTURES)
+    if model_type in RECURRENT_MODEL_TYPES and not keeps:
         return (f"its layers ({model_type}) keep a recurrent state that the cache cannot hold "
                 "exactly yet: only attention layers' K/V are cached")
     return None

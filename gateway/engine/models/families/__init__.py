@@ -12,6 +12,7 @@ from typing import Any
 from gateway.engine.forward.features import DecoderFeatures
 from gateway.engine.models.families.base import ModelFamily
 from gateway.engine.models.families.deepseek_v3 import DEEPSEEK_V3
+from gateway.engine.models.families.falcon_h1 import FALCON_H1
 from gateway.engine.models.families.gemma2 import GEMMA2
 from gateway.engine.models.families.gemma3 import GEMMA3
 from gateway.engine.models.families.glm4 import GLM4
@@ -47,6 +48,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     QWEN3_5,
     QWEN3_NEXT,
     GRANITE_HYBRID,
+    FALCON_H1,
 )
 
 

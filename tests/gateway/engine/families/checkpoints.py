@@ -16,6 +16,7 @@ import torch
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
+    FalconH1Config,
     Gemma2Config,
     Gemma3TextConfig,
     Glm4Config,
@@ -327,6 +328,22 @@ def save_granite_hybrid_dense_rope(directory: Path, seed: int = 0) -> Path:
     return save_random(config, directory, tokenizer, seed)
 
 
+def save_falcon_h1(directory: Path, seed: int = 3) -> Path:
+    """Falcon-H1's layer: a Mamba-2 mixer beside the attention in each of three layers, every
+    muP multiplier away from one (so that each one shows), the mixer's norm before its gate;
+    seed 3, whose greedy answers run past the tests' lengths without an end token."""
+    tokenizer = make_hf_tokenizer()
+    shape = {name: value for name, value in _shape(tokenizer).items() if name != "head_dim"}
+    config = FalconH1Config(
+        **shape, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2,
+        mamba_expand=1, mamba_d_ssm=64, mamba_d_conv=4, key_multiplier=4.0,
+        attention_in_multiplier=0.8, attention_out_multiplier=1.5, ssm_out_multiplier=0.4,
+        ssm_in_multiplier=1.3, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.5],
+        mlp_multipliers=[1.4, 0.7], embedding_multiplier=2.0, lm_head_multiplier=0.5,
+        architectures=["FalconH1ForCausalLM"])
+    return save_random(config, directory, tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], Path]] = {
     "llama": save_llama,
     "qwen3": save_qwen3,
@@ -345,6 +362,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "qwen3_5": save_qwen3_5,
     "qwen3_next": save_qwen3_next,
     "granite_hybrid": save_granite_hybrid,
+    "falcon_h1": save_falcon_h1,
 }
 """Family name -> a builder of its tiny checkpoint."""
 

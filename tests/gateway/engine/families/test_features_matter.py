@@ -337,3 +337,27 @@ def test_granite_hybrids_router_softmaxes_its_top_k_scores_among_themselves(
     assert _difference(loaded) <= 1e-4
     assert _difference(loaded, features=_without_in_experts(loaded.features,
                                                             "softmax_of_top_k")) > FAR
+
+
+@pytest.mark.parametrize("what", ["attention_in", "attention_out", "mixer_out", "key_multiplier",
+                                  "mlp_multipliers", "logits_multiplier"])
+def test_falcon_h1s_multipliers_are_applied(tmp_path: Path, what: str) -> None:
+    """Each of Falcon-H1's multipliers, set to one (or left out), moves the logits far."""
+    loaded = _load("falcon_h1", tmp_path)
+    features = loaded.features
+    assert features is not None
+    if what == "logits_multiplier":
+        changed = dataclasses.replace(features, logits_multiplier=None)
+    elif what == "key_multiplier":
+        changed = _changed(features, lambda layer: dataclasses.replace(layer, key_multiplier=None))
+    elif what == "mlp_multipliers":
+        changed = _changed(features, lambda layer: dataclasses.replace(layer,
+                                                                       mlp_multipliers=None))
+    else:
+        def unscaled(layer: LayerFeatures) -> LayerFeatures:
+            assert layer.parallel is not None
+            return dataclasses.replace(layer, parallel=dataclasses.replace(layer.parallel,
+                                                                           **{what: 1.0}))
+        changed = _changed(features, unscaled)
+    assert _difference(loaded) <= 1e-4
+    assert _difference(loaded, features=changed) > FAR

@@ -1,7 +1,8 @@
 """A hybrid's recurrent states travel in its blocks through every tier (issue 46): LFM2's conv
 windows, kept in the blocks' K/V slots, and the scans' states of Qwen3.5's and Qwen3-Next's
-Gated DeltaNet and Granite 4.0-H's Mamba-2 (matrices and conv windows, in their own slots and
-extra layers of the cache's layout), are served
+Gated DeltaNet and Granite 4.0-H's and Falcon-H1's Mamba-2 (matrices and conv windows, in their
+own slots and extra layers of the cache's layout; Falcon-H1's in extra layers only, its
+attention's K/V in its own), are served
 warm from the disk tier and from Redis (written by another engine) with the cold answer's bits,
 and a block whose bytes were forged or cut short is refused as any block is (the request
 answers cold)."""
@@ -18,6 +19,7 @@ from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.core.canonical import PromptInput
 from gateway.engine.models.loading import LoadedModel, load_model
 from tests.gateway.engine.families.checkpoints import (
+    save_falcon_h1,
     save_granite_hybrid,
     save_lfm2,
     save_qwen3_5,
@@ -37,7 +39,7 @@ from tests.gateway.engine.test_forged_blocks import forged
 from tests.redis_harness import RedisServer
 
 HYBRIDS = {"lfm2": save_lfm2, "qwen3_5": save_qwen3_5, "qwen3_next": save_qwen3_next,
-           "granite_hybrid": save_granite_hybrid}
+           "granite_hybrid": save_granite_hybrid, "falcon_h1": save_falcon_h1}
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRIDS))

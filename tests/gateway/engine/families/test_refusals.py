@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, FalconH1Config
+from transformers import AutoModelForCausalLM, BambaConfig
 
 from gateway.cli.common import EXIT_USAGE
 from gateway.engine.models.loading import UnservableModel, load_model
@@ -62,14 +62,14 @@ def test_all_attention_layers_are_not_refused(config: dict[str, object]) -> None
     assert config_problem(config) is None
 
 
-def _save_falcon_h1(directory: Path) -> Path:
-    """A Falcon-H1 (a Mamba-2 mixer beside the attention in every layer): a hybrid whose family
-    is not built, its config listing no ``layer_types``."""
+def _save_bamba(directory: Path) -> Path:
+    """A Bamba (Mamba-2 layers around one attention layer): a hybrid whose family is not built,
+    its config listing no ``layer_types``."""
     tokenizer = make_hf_tokenizer()
-    config = FalconH1Config(
+    config = BambaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
-        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=2, mamba_d_ssm=64)
+        num_attention_heads=4, num_key_value_heads=2, attn_layer_indices=[1], mamba_n_heads=4,
+        mamba_d_head=16, mamba_d_state=16, mamba_n_groups=1, mamba_expand=1)
     torch.manual_seed(0)
     auto: object = AutoModelForCausalLM
     auto.from_config(config).save_pretrained(directory)  # type: ignore[attr-defined]
@@ -84,7 +84,7 @@ def _with_config(directory: Path, **fields: object) -> Path:
 
 
 def test_loading_a_hybrid_raises_before_reading_weights(tmp_path: Path) -> None:
-    directory = _save_falcon_h1(tmp_path / "hybrid")
+    directory = _save_bamba(tmp_path / "hybrid")
     for weights in directory.glob("*.safetensors"):
         weights.write_bytes(b"not read")
     with pytest.raises(UnservableModel, match="keep a recurrent state"):
@@ -94,8 +94,8 @@ def test_loading_a_hybrid_raises_before_reading_weights(tmp_path: Path) -> None:
 @pytest.mark.parametrize("kind", ["hybrid", "quantized", "unknown-layer"])
 def test_serve_refuses_in_one_line_with_exit_2(tmp_path: Path, kind: str) -> None:
     if kind == "hybrid":
-        directory = _save_falcon_h1(tmp_path / kind)
-        expected = "its layers (falcon_h1) keep a recurrent state"
+        directory = _save_bamba(tmp_path / kind)
+        expected = "its layers (bamba) keep a recurrent state"
     elif kind == "quantized":
         directory = _with_config(save_tiny_llama(tmp_path / kind),
                                  quantization_config={"quant_method": "gptq", "bits": 4})
