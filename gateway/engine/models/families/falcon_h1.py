@@ -20,7 +20,7 @@ from torch import nn
 
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures, ParallelMix
 from gateway.engine.models.families.common import first_problem, rotary_problem
-from gateway.engine.models.families.named_tree import LlamaNamedTree
+from gateway.engine.models.families.named_tree import renamed_model
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,12 +56,7 @@ class FalconH1Family:
         layer's ``mamba`` as ``mixer`` beside its ``self_attn``, ``pre_ff_layernorm`` as
         ``post_attention_layernorm``, ``feed_forward`` as ``mlp``; ``final_layernorm`` as the
         final ``norm``."""
-        inner = model.model
-        tree = LlamaNamedTree(model.config, inner.embed_tokens, model.lm_head)
-        tree.model.layers = nn.ModuleList(_layer(layer) for layer in inner.layers)
-        tree.model.norm = inner.final_layernorm
-        tree.model.rotary_emb = inner.rotary_emb
-        return tree
+        return renamed_model(model, _layer, model.model.final_layernorm)
 
 
 def _layer(layer: Any) -> nn.Module:

@@ -19,7 +19,7 @@ from torch import nn
 
 from gateway.engine.forward.features import DecoderFeatures, ExpertRouting, LayerFeatures
 from gateway.engine.models.families.common import first_problem, rotary_problem
-from gateway.engine.models.families.named_tree import LlamaNamedTree
+from gateway.engine.models.families.named_tree import renamed_model
 
 MAMBA = "linear_attention"
 ATTENTION = "full_attention"
@@ -68,12 +68,7 @@ class GraniteHybridFamily:
         ``mlp.experts`` and ``mlp.shared_mlp``, or, without experts, the shared MLP's
         ``input_linear``/``output_linear``/``activation`` as ``mlp.gate_up_proj``/
         ``down_proj``/``activation_fn``."""
-        inner = model.model
-        tree = LlamaNamedTree(model.config, inner.embed_tokens, model.lm_head)
-        tree.model.layers = nn.ModuleList(_layer(layer) for layer in inner.layers)
-        tree.model.norm = inner.norm
-        tree.model.rotary_emb = inner.rotary_emb
-        return tree
+        return renamed_model(model, _layer, model.model.norm)
 
 
 def _layer(layer: Any) -> nn.Module:

@@ -18,7 +18,7 @@ from torch import nn
 
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import first_problem, rotary_problem
-from gateway.engine.models.families.named_tree import LlamaNamedTree
+from gateway.engine.models.families.named_tree import renamed_model
 
 CONV = "conv"
 ATTENTION = "full_attention"
@@ -47,12 +47,7 @@ class Lfm2Family:
         ``post_attention_layernorm``, ``conv`` as ``mixer``, the attention's ``out_proj`` as
         ``o_proj`` and its ``q/k_layernorm`` as ``q/k_norm``, the MLP's ``w1/w3/w2`` as
         ``gate/up/down_proj``; ``embedding_norm`` as the final ``norm``."""
-        inner = model.model
-        tree = LlamaNamedTree(model.config, inner.embed_tokens, model.lm_head)
-        tree.model.layers = nn.ModuleList(_layer(layer) for layer in inner.layers)
-        tree.model.norm = inner.embedding_norm
-        tree.model.rotary_emb = inner.rotary_emb
-        return tree
+        return renamed_model(model, _layer, model.model.embedding_norm)
 
 
 def _layer(layer: Any) -> nn.Module:

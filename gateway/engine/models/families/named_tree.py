@@ -5,6 +5,7 @@ none of the weights copied (``gateway.engine.models.families.base.RenamedFamily`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -25,3 +26,15 @@ class LlamaNamedTree(nn.Module):
 
     def get_input_embeddings(self) -> nn.Module:
         return self._embed_tokens[0]
+
+
+def renamed_model(model: Any, layer: Callable[[Any], nn.Module], norm: nn.Module) -> nn.Module:
+    """``model`` (a transformers ``*ForCausalLM``) under Llama's names: each decoder layer as
+    ``layer`` names it, ``norm`` as the final norm, its embeddings, rotary embedding and head as
+    they are."""
+    inner = model.model
+    tree = LlamaNamedTree(model.config, inner.embed_tokens, model.lm_head)
+    tree.model.layers = nn.ModuleList(layer(each) for each in inner.layers)
+    tree.model.norm = norm
+    tree.model.rotary_emb = inner.rotary_emb
+    return tree

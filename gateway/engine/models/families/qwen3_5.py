@@ -20,7 +20,7 @@ from torch import nn
 
 from gateway.engine.forward.features import DecoderFeatures, LayerFeatures
 from gateway.engine.models.families.common import first_problem, rotary_frequencies_problem
-from gateway.engine.models.families.named_tree import LlamaNamedTree
+from gateway.engine.models.families.named_tree import renamed_model
 
 LINEAR = "linear_attention"
 ATTENTION = "full_attention"
@@ -48,12 +48,7 @@ def deltanet_module_tree(model: Any) -> nn.Module:
     """``model``'s modules (none copied) under the names the batched forward walks: each
     linear layer's ``linear_attn`` as ``mixer``; every other name is Llama's already (Qwen3.5's
     and Qwen3-Next's)."""
-    inner = model.model
-    tree = LlamaNamedTree(model.config, inner.embed_tokens, model.lm_head)
-    tree.model.layers = nn.ModuleList(_layer(layer) for layer in inner.layers)
-    tree.model.norm = inner.norm
-    tree.model.rotary_emb = inner.rotary_emb
-    return tree
+    return renamed_model(model, _layer, model.model.norm)
 
 
 def _layer(layer: Any) -> nn.Module:
