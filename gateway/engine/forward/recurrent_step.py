@@ -14,7 +14,9 @@ The layer's products in and out are row-wise, so they multiply every sequence's 
 step at once, as the attention's projections do (a row keeps its bits whatever shares the
 product); only the part between them -- a convolution over each sequence's window, and a scan
 from its state (the scan's chunk dividing the block, ``scan_chunk``) -- runs per sequence,
-piece by piece.
+piece by piece; except for the sequences that bring one token (a decode step), whose windows
+and chunks stack into one convolution and one scan (``RecurrentMixer.mix_rows``), where the
+machine keeps each one's bits that way (``stacking_is_exact``, checked once per kind).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from gateway.engine.forward.kept_states import StateHome, state_homes
+from gateway.engine.forward.recurrent.chunked_scan import stacking_is_exact
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.mixers import RECURRENT_MIXERS, RecurrentMixer
 from gateway.engine.forward.recurrent.one_thread import one_thread
@@ -35,9 +38,15 @@ from gateway.engine.kv.sequence import KVSequence
 from gateway.engine.linear.row_products import RowProducts
 from tiers.payload import KVLayout
 
-SCAN_CHUNK = 64
+SCAN_CHUNK = 16
 """The most tokens a scan computes at once: a model's chunk is the largest divisor of its block
-size up to this (``scan_chunk``), so that every block's end is a chunk's end."""
+size up to this (``scan_chunk``), so that every block's end is a chunk's end.
+
+Why 16: a decoding token computes its chunk again, padded to the chunk (its bits must be a
+prefill's), so a decode step's scan costs grow with the chunk while a prefill's shrink. Measured
+on a 2-core Intel Xeon (Qwen3.5-shaped, ``python -m gateway.bench.decode_steps``; subnormals
+flushed): chunks of 16, 32 and 64 took 108, 136 and 161 ms for one decoding row and 251, 348 and
+444 ms for eight, and a 2,048-token prefill 5.5, 5.4 and 5.4 s."""
 
 
 def scan_chunk(block_tokens: int) -> int:
@@ -63,6 +72,7 @@ class RecurrentLayers:
     layout: KVLayout
     beside_attention: frozenset[int] = frozenset()
     _homes: dict[int, dict[int, StateHome]] = field(default_factory=dict)
+    _stacks: dict[tuple[str, int], bool] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: Any, mixers: dict[int, str], layout: KVLayout,
@@ -131,21 +141,73 @@ class RecurrentLayers:
                   sequences: Sequence[KVSequence], spans: Sequence[tuple[int, int]],
                   like: torch.Tensor) -> None:
         """Each sequence's rows of ``projected`` mixed into ``mixed`` (``RecurrentMixer.mix``),
-        from its state, its state kept at each block end and held in its slot after."""
+        from its state, its state kept at each block end and held in its slot after; the
+        sequences with one row (decoding) all at once where the kind can
+        (``RecurrentMixer.mix_rows``, ``stacks``)."""
         assert kind.mix is not None
-        for sequence, (start, end) in zip(sequences, spans, strict=True):
+        decoding: dict[int, list[int]] = {}
+        for at, (sequence, (start, end)) in enumerate(zip(sequences, spans, strict=True)):
             block = sequence.pool.page_tokens
+            if end - start == 1 and self.stacks(kind, scan_chunk(block)):
+                decoding.setdefault(block, []).append(at)
+                continue
             home = self._home(index, sequence)
             state = self._state_before(index, sequence, kind, home, like)
-            for at, upto, position in _pieces(sequence, start, end):
-                mixed[at:upto], state = kind.mix(
-                    module, self.config, {name: rows[at:upto] for name, rows in projected.items()},
+            for upto_at, upto, position in _pieces(sequence, start, end):
+                mixed[upto_at:upto], state = kind.mix(
+                    module, self.config,
+                    {name: rows[upto_at:upto] for name, rows in projected.items()},
                     state, scan_chunk(block))
-                if position % block == 0:  # a block's end: keep the state in that block
-                    for piece in home.pieces(state):
-                        sequence.put_state(piece.layer, position - block, piece.keys,
-                                           piece.values)
+                self._keep(home, sequence, state, position)
             sequence.states[index] = state
+        for block, group in decoding.items():
+            self._mix_rows(index, module, kind, projected, mixed,
+                           [sequences[at] for at in group],
+                           [spans[at][0] for at in group], like, block)
+
+    def _mix_rows(self, index: int, module: Any, kind: RecurrentMixer,
+                  projected: dict[str, torch.Tensor], mixed: torch.Tensor,
+                  sequences: list[KVSequence], rows: list[int], like: torch.Tensor,
+                  block: int) -> None:
+        """One row each of ``sequences`` (at ``rows``) mixed at once (``mix_rows``)."""
+        assert kind.mix_rows is not None
+        homes = [self._home(index, sequence) for sequence in sequences]
+        states = [self._state_before(index, sequence, kind, home, like)
+                  for sequence, home in zip(sequences, homes, strict=True)]
+        at = torch.tensor(rows, device=mixed.device)
+        out, after = kind.mix_rows(module, self.config,
+                                   {name: taken[at] for name, taken in projected.items()},
+                                   states, scan_chunk(block))
+        mixed[at] = out
+        for sequence, home, state in zip(sequences, homes, after, strict=True):
+            self._keep(home, sequence, state, sequence.length + 1)
+            sequence.states[index] = state
+
+    def stacks(self, kind: RecurrentMixer, chunk: int) -> bool:
+        """Whether ``kind``'s decoding rows mix all at once here: it can, and its stacked scans
+        of chunks of ``chunk`` keep each sequence's bits on this machine (checked once)."""
+        if kind.mix_rows is None:
+            return False
+        known = self._stacks.get((kind.name, chunk))
+        if known is None:
+            scan = kind.start(self.config, "cpu").scan
+            if scan is None:
+                known = True
+            else:
+                heads, key_dim, value_dim = scan.state.shape
+                known = stacking_is_exact(heads, key_dim, value_dim, chunk,
+                                          delta=kind.delta_rule)
+            self._stacks[(kind.name, chunk)] = known
+        return known
+
+    @staticmethod
+    def _keep(home: StateHome, sequence: KVSequence, state: RecurrentState,
+              position: int) -> None:
+        """At a block's end (``position`` its length after), ``state`` into that block."""
+        block = sequence.pool.page_tokens
+        if position % block == 0:
+            for piece in home.pieces(state):
+                sequence.put_state(piece.layer, position - block, piece.keys, piece.values)
 
     def _home(self, index: int, sequence: KVSequence) -> StateHome:
         home = self.homes(sequence.pool.page_tokens)[index]

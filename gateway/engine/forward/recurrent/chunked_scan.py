@@ -30,9 +30,12 @@ keeps beside its attention layers' K/V.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from gateway.engine.forward.recurrent.one_thread import one_thread, subnormals_flushed
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,6 +140,11 @@ def scan_step(stream: ScanStream, new: ScanInputs, chunk: int, *, delta: bool) -
         raise ValueError(f"a chunk holds at least one token, not {chunk}")
     if stream.position % chunk:
         raise ValueError(f"a stream at {stream.position} does not start a chunk of {chunk}")
+    with one_thread(), subnormals_flushed():
+        return _scan(stream, new, chunk, delta=delta)
+
+
+def _scan(stream: ScanStream, new: ScanInputs, chunk: int, *, delta: bool) -> ScanStep:
     pending = stream.waiting.then(new)
     num_old = stream.waiting.num_tokens
     state, position = stream.state, stream.position
@@ -159,22 +167,106 @@ def scan_step(stream: ScanStream, new: ScanInputs, chunk: int, *, delta: bool) -
                      states=tuple(states))
 
 
+def scan_rows(streams: Sequence[ScanStream], new: ScanInputs, chunk: int, *,
+              delta: bool) -> tuple[torch.Tensor, list[ScanStream]]:
+    """Advance each of ``streams`` by one token, row ``i`` of ``new`` for stream ``i``: their
+    outputs ``[len(streams), heads, value_dim]`` and the streams after them.
+
+    Why: a decode step brings every running sequence one token, whose chunk each computes
+    again (padded to ``chunk`` rows); the chunks of every stream, stacked along the heads,
+    are one set of operations instead of one per stream. A stream's rows keep the bits
+    ``scan_step`` gives them where ``stacking_is_exact`` holds for the layer's shapes -- each
+    head's products are their own in a stacked product, element-wise steps are exact or read
+    one number -- which the caller checks on the machine before it stacks.
+    """
+    if new.num_tokens != len(streams):
+        raise ValueError(f"{new.num_tokens} rows for {len(streams)} streams: one each")
+    for stream in streams:
+        if stream.position % chunk:
+            raise ValueError(f"a stream at {stream.position} does not start a chunk of {chunk}")
+    pending = [stream.waiting.then(new.rows(i, i + 1)) for i, stream in enumerate(streams)]
+    heads = int(new.queries.shape[1])
+    with one_thread(), subnormals_flushed():
+        parts = [torch.cat([_heads_first(part, chunk) for part in parts])
+                 for parts in zip(*(rows._parts() for rows in pending), strict=True)]
+        state = torch.cat([stream.state for stream in streams])
+        outputs, after = _chunk_rule(state, *parts, delta=delta)
+    assert after is not None  # asked for
+    rows: list[torch.Tensor] = []
+    after_each: list[ScanStream] = []
+    for i, (stream, rows_in) in enumerate(zip(streams, pending, strict=True)):
+        m = rows_in.num_tokens
+        mine = slice(i * heads, (i + 1) * heads)
+        rows.append(outputs[mine, m - 1])
+        if m == chunk:  # the token ends its chunk: the state moves past it
+            after_each.append(ScanStream(after[mine].clone(), stream.position + chunk,
+                                         rows_in.rows(m, m)))
+        else:
+            after_each.append(ScanStream(stream.state, stream.position, rows_in))
+    return torch.stack(rows), after_each
+
+
+def stacking_is_exact(heads: int, key_dim: int, value_dim: int, chunk: int, *,
+                      delta: bool) -> bool:
+    """Whether ``scan_rows`` gives streams of these shapes the bits ``scan_step`` gives each
+    alone, here: tried on made-up numbers for one to five streams (whether a stacked product
+    keeps each matrix's summation order is the kernels' choice, on this CPU)."""
+    g = torch.Generator().manual_seed(0)
+
+    def made_up(count: int) -> ScanInputs:
+        def unit(*shape: int) -> torch.Tensor:
+            x = torch.randn(*shape, generator=g)
+            rows: torch.Tensor = x / x.norm(dim=-1, keepdim=True)
+            return rows
+        return ScanInputs(queries=unit(count, heads, key_dim), keys=unit(count, heads, key_dim),
+                          values=torch.randn(count, heads, value_dim, generator=g),
+                          decays=-torch.rand(count, heads, generator=g),
+                          betas=torch.rand(count, heads, generator=g))
+
+    streams = []
+    for waiting in range(5):  # partly filled chunks, from differing states
+        stream = ScanStream.at(torch.randn(heads, key_dim, value_dim, generator=g) / 8, 0)
+        if waiting % chunk:
+            stream = scan_step(stream, made_up(waiting % chunk), chunk, delta=delta).stream
+        streams.append(stream)
+    new = made_up(len(streams))
+    for count in range(1, len(streams) + 1):
+        outputs, after = scan_rows(streams[:count], new.rows(0, count), chunk, delta=delta)
+        for i, stream in enumerate(streams[:count]):
+            alone = scan_step(stream, new.rows(i, i + 1), chunk, delta=delta)
+            if not (torch.equal(outputs[i], alone.outputs[0])
+                    and torch.equal(after[i].state, alone.stream.state)):
+                return False
+    return True
+
+
 def _chunk(state: torch.Tensor, inputs: ScanInputs, chunk: int, *, delta: bool,
            whole: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The outputs ``[m, heads, value_dim]`` of a chunk's first ``m`` tokens from ``state``
     (padded to ``chunk`` rows, so that every chunk's products have one shape), and the state
     after the chunk when it is ``whole``."""
     m = inputs.num_tokens
-    pad = chunk - m
+    q, k, v, g, beta = (_heads_first(part, chunk) for part in inputs._parts())
+    outputs, after = _chunk_rule(state, q, k, v, g, beta, delta=delta, whole=whole)
+    return outputs[:, :m].transpose(0, 1), after
 
-    def heads_first(x: torch.Tensor) -> torch.Tensor:  # [m, H, ...] -> [H, chunk, ...]
-        x = x.transpose(0, 1)
-        if pad:
-            x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
-        return x.contiguous()
 
-    q, k, v = (heads_first(x) for x in (inputs.queries, inputs.keys, inputs.values))
-    g, beta = heads_first(inputs.decays), heads_first(inputs.betas)
+def _heads_first(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``[m, heads, ...]`` to ``[heads, chunk, ...]``, zeros after the ``m`` rows."""
+    x = x.transpose(0, 1)
+    pad = chunk - x.shape[1]
+    if pad:
+        x = torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1)
+    out: torch.Tensor = x.contiguous()
+    return out
+
+
+def _chunk_rule(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                g: torch.Tensor, beta: torch.Tensor, *, delta: bool, whole: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk of the rule for each head, its inputs ``[heads, chunk, ...]``: the outputs
+    ``[heads, chunk, value_dim]`` and, where asked (``whole``), the state after the chunk."""
+    chunk = q.shape[1]
     cum = g.cumsum(dim=-1)                                           # [H, C]
     future = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     decay = (cum.unsqueeze(-1) - cum.unsqueeze(-2)).masked_fill(future, float("-inf")).exp()
@@ -191,10 +283,9 @@ def _chunk(state: torch.Tensor, inputs: ScanInputs, chunk: int, *, delta: bool,
         corrections = v  # written as they are
     outputs = ((q * cum.exp().unsqueeze(-1)) @ state
                + ((q @ k.transpose(-1, -2)) * decay) @ corrections)
-    out = outputs[:, :m].transpose(0, 1)
     if not whole:
-        return out, None
+        return outputs, None
     last = cum[:, -1:]
     after = (state * last.exp().unsqueeze(-1)
              + (k * (last - cum).exp().unsqueeze(-1)).transpose(-1, -2) @ corrections)
-    return out, after
+    return outputs, after

@@ -19,17 +19,22 @@ steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gateway.engine.forward.recurrent.chunked_scan import ScanInputs, ScanStream, scan_step
+from gateway.engine.forward.recurrent.chunked_scan import (
+    ScanInputs,
+    ScanStream,
+    scan_rows,
+    scan_step,
+)
 from gateway.engine.forward.recurrent.lanes import by_row
 from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
-from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv
+from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv, causal_conv_rows
 
 L2_EPS = 1e-6
 """The L2 norm's epsilon (the FLA kernels' and transformers')."""
@@ -88,10 +93,40 @@ def deltanet_mix(module: Any, shape: DeltaNetShape, projected: Mapping[str, torc
     chunk end passed. Every product is row-wise, so a step may multiply every sequence's rows
     at once and mix each sequence's alone."""
     mixed, z, b, a = _projections(shape, projected)
-    n = mixed.shape[0]
-    ratio = shape.value_heads // shape.key_heads
     convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
                                     module.conv1d.bias)
+    assert state.scan is not None, "a Gated DeltaNet layer's state has a scan"
+    step = scan_step(state.scan, _scan_inputs(module, shape, convolved, b, a), chunk,
+                     delta=True)
+    return (_gated_output(module, shape, step.outputs, z, mixed.dtype),
+            RecurrentState(window, step.stream), step.states)
+
+
+def deltanet_mix_rows(module: Any, shape: DeltaNetShape, projected: Mapping[str, torch.Tensor],
+                      states: Sequence[RecurrentState], *, chunk: int
+                      ) -> tuple[torch.Tensor, list[RecurrentState]]:
+    """``deltanet_mix`` of one new row per sequence (row ``i`` after ``states[i]``: a decode
+    step), every sequence's convolution and scan at once (``causal_conv_rows``, ``scan_rows``):
+    the rows ``out_proj`` multiplies and each sequence's state after its row."""
+    mixed, z, b, a = _projections(shape, projected)
+    convolved, windows = causal_conv_rows([state.conv for state in states], mixed,
+                                          module.conv1d.weight.squeeze(1), module.conv1d.bias)
+    streams = []
+    for state in states:
+        assert state.scan is not None, "a Gated DeltaNet layer's state has a scan"
+        streams.append(state.scan)
+    outputs, after = scan_rows(streams, _scan_inputs(module, shape, convolved, b, a), chunk,
+                               delta=True)
+    return (_gated_output(module, shape, outputs, z, mixed.dtype),
+            [RecurrentState(window, stream) for window, stream in zip(windows, after,
+                                                                       strict=True)])
+
+
+def _scan_inputs(module: Any, shape: DeltaNetShape, convolved: torch.Tensor, b: torch.Tensor,
+                 a: torch.Tensor) -> ScanInputs:
+    """What the delta rule reads of each token, from its convolved ``q | k | v`` and gates."""
+    n = convolved.shape[0]
+    ratio = shape.value_heads // shape.key_heads
     convolved = by_row(F.silu, convolved)
     key_width = shape.key_heads * shape.key_dim
     q, k, v = torch.split(convolved, [key_width, key_width, shape.value_heads * shape.value_dim],
@@ -100,17 +135,21 @@ def deltanet_mix(module: Any, shape: DeltaNetShape, projected: Mapping[str, torc
     k = _l2(k.reshape(n, shape.key_heads, shape.key_dim).float())
     if ratio > 1:  # each key head serves its group of value heads
         q, k = q.repeat_interleave(ratio, dim=1), k.repeat_interleave(ratio, dim=1)
-    inputs = ScanInputs(
+    return ScanInputs(
         queries=q * shape.key_dim ** -0.5, keys=k,
         values=v.reshape(n, shape.value_heads, shape.value_dim).float(),
         decays=-module.A_log.float().exp() * by_row(F.softplus, a.float() + module.dt_bias),
         betas=by_row(torch.sigmoid, b.float()))
-    assert state.scan is not None, "a Gated DeltaNet layer's state has a scan"
-    step = scan_step(state.scan, inputs, chunk, delta=True)
-    attended = step.outputs.to(mixed.dtype).reshape(n * shape.value_heads, shape.value_dim)
-    gated = _gated_norm(module.norm, attended, z.reshape(n * shape.value_heads, shape.value_dim))
-    return (gated.reshape(n, shape.value_heads * shape.value_dim),
-            RecurrentState(window, step.stream), step.states)
+
+
+def _gated_output(module: Any, shape: DeltaNetShape, attended: torch.Tensor, z: torch.Tensor,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The scan's outputs ``[n, value_heads, value_dim]`` normed per head and gated by ``z``:
+    the rows ``out_proj`` multiplies."""
+    n = attended.shape[0]
+    rows = attended.to(dtype).reshape(n * shape.value_heads, shape.value_dim)
+    gated = _gated_norm(module.norm, rows, z.reshape(n * shape.value_heads, shape.value_dim))
+    return gated.reshape(n, shape.value_heads * shape.value_dim)
 
 
 def _projections(shape: DeltaNetShape,

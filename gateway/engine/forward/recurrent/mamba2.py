@@ -18,16 +18,22 @@ The state-space step is the decayed linear rule of ``chunked_scan`` with ``q = C
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from gateway.engine.forward.recurrent.chunked_scan import ScanInputs, ScanStream, scan_step
+from gateway.engine.forward.recurrent.chunked_scan import (
+    ScanInputs,
+    ScanStream,
+    scan_rows,
+    scan_step,
+)
 from gateway.engine.forward.recurrent.lanes import by_row
 from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
-from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv
+from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv, causal_conv_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +90,53 @@ def mamba2_mix(module: Any, shape: Mamba2Shape, projected: torch.Tensor, state: 
     ``state`` to what ``out_proj`` multiplies (``[n, inner]``), the state after them, and the
     scan's state at each chunk end passed. Every product is row-wise, so a step may multiply
     every sequence's rows at once and mix each sequence's alone."""
-    n = projected.shape[0]
+    gate, mixed, dt = _split(module, shape, projected)
+    convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
+                                    module.conv1d.bias)
+    inputs, x = _scan_inputs(module, shape, convolved, dt)
+    assert state.scan is not None, "a Mamba-2 layer's state has a scan"
+    step = scan_step(state.scan, inputs, chunk, delta=False)
+    return (_gated_output(module, shape, step.outputs, x, gate, projected.dtype),
+            RecurrentState(window, step.stream), step.states)
+
+
+def mamba2_mix_rows(module: Any, shape: Mamba2Shape, projected: torch.Tensor,
+                    states: Sequence[RecurrentState], *, chunk: int
+                    ) -> tuple[torch.Tensor, list[RecurrentState]]:
+    """``mamba2_mix`` of one new row per sequence (row ``i`` after ``states[i]``: a decode
+    step), every sequence's convolution and scan at once (``causal_conv_rows``, ``scan_rows``):
+    the rows ``out_proj`` multiplies and each sequence's state after its row."""
+    gate, mixed, dt = _split(module, shape, projected)
+    convolved, windows = causal_conv_rows([state.conv for state in states], mixed,
+                                          module.conv1d.weight.squeeze(1), module.conv1d.bias)
+    inputs, x = _scan_inputs(module, shape, convolved, dt)
+    streams = []
+    for state in states:
+        assert state.scan is not None, "a Mamba-2 layer's state has a scan"
+        streams.append(state.scan)
+    outputs, after = scan_rows(streams, inputs, chunk, delta=False)
+    return (_gated_output(module, shape, outputs, x, gate, projected.dtype),
+            [RecurrentState(window, stream) for window, stream in zip(windows, after,
+                                                                       strict=True)])
+
+
+def _split(module: Any, shape: Mamba2Shape,
+           projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``in_proj``'s rows as the gate, the convolution's input and ``dt`` (Falcon-H1's
+    per-column multipliers applied first)."""
     mup = getattr(module, "mup_vector", None)  # Falcon-H1's per-column multipliers
     if mup is not None:
         projected = projected * mup.reshape(-1)
     gate, mixed, dt = torch.split(projected, [shape.inner, shape.conv_channels, shape.heads],
                                   dim=-1)
-    convolved, window = causal_conv(state.conv, mixed, module.conv1d.weight.squeeze(1),
-                                    module.conv1d.bias)
+    return gate, mixed, dt
+
+
+def _scan_inputs(module: Any, shape: Mamba2Shape, convolved: torch.Tensor,
+                 dt: torch.Tensor) -> tuple[ScanInputs, torch.Tensor]:
+    """What the decayed linear rule reads of each token, and its ``x`` ``[n, heads,
+    head_dim]`` (the skip through ``D`` reads it too)."""
+    n = convolved.shape[0]
     convolved = by_row(module.act, convolved)
     x, b, c = torch.split(convolved, [shape.inner, shape.groups * shape.state_dim,
                                       shape.groups * shape.state_dim], dim=-1)
@@ -105,13 +150,18 @@ def mamba2_mix(module: Any, shape: Mamba2Shape, projected: torch.Tensor, state: 
         return groups.reshape(n, shape.groups, shape.state_dim).float().repeat_interleave(
             per_group, dim=1)
 
-    inputs = ScanInputs(queries=per_head(c), keys=per_head(b), values=x * dt.unsqueeze(-1),
-                        decays=dt * a, betas=torch.ones_like(dt))
-    assert state.scan is not None, "a Mamba-2 layer's state has a scan"
-    step = scan_step(state.scan, inputs, chunk, delta=False)
-    y = step.outputs + module.D.float()[:, None] * x                 # [n, heads, head_dim]
-    gated = _gated_group_norm(module.norm, y.reshape(n, shape.inner), gate, shape.groups)
-    return gated.to(projected.dtype), RecurrentState(window, step.stream), step.states
+    return ScanInputs(queries=per_head(c), keys=per_head(b), values=x * dt.unsqueeze(-1),
+                      decays=dt * a, betas=torch.ones_like(dt)), x
+
+
+def _gated_output(module: Any, shape: Mamba2Shape, outputs: torch.Tensor, x: torch.Tensor,
+                  gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scan's outputs ``[n, heads, head_dim]`` plus the skip, gated and normed: the rows
+    ``out_proj`` multiplies."""
+    y = outputs + module.D.float()[:, None] * x
+    gated = _gated_group_norm(module.norm, y.reshape(x.shape[0], shape.inner), gate,
+                              shape.groups)
+    return gated.to(dtype)
 
 
 def _scaled(rows: torch.Tensor, multiplier: float | None) -> torch.Tensor:

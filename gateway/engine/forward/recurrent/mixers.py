@@ -8,7 +8,7 @@ transformers' numbers, and the same bits in steps of any size.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +18,7 @@ from gateway.engine.forward.recurrent.gated_deltanet import INPUTS as DELTANET_I
 from gateway.engine.forward.recurrent.gated_deltanet import (
     DeltaNetShape,
     deltanet_mix,
+    deltanet_mix_rows,
     gated_deltanet,
 )
 from gateway.engine.forward.recurrent.layer_state import LayerStep, Project, RecurrentState
@@ -26,6 +27,7 @@ from gateway.engine.forward.recurrent.mamba2 import (
     Mamba2Shape,
     mamba2,
     mamba2_mix,
+    mamba2_mix_rows,
     scaled_input,
 )
 
@@ -34,6 +36,13 @@ Mix = Callable[[Any, Any, Mapping[str, torch.Tensor], RecurrentState, int],
 """``mix(module, config, projected, state, chunk)``: the part of a layer between its products,
 for one sequence: its rows of the products in (by name) after ``state`` to the rows the product
 out multiplies, and its state after them."""
+
+
+MixRows = Callable[[Any, Any, Mapping[str, torch.Tensor], Sequence[RecurrentState], int],
+                   tuple[torch.Tensor, list[RecurrentState]]]
+"""``mix_rows(module, config, projected, states, chunk)``: ``Mix`` for one new row per sequence
+(a decode step), row ``i`` after ``states[i]``, every sequence at once: the rows the product out
+multiplies and each sequence's state after its row, with the bits ``Mix`` gives each alone."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +62,10 @@ class RecurrentMixer:
         output: its product out.
         before: what the rows are made before the products in (Falcon-H1's input multiplier);
             None: the layer's normed rows as they are.
+        mix_rows: ``mix`` for a decode step's sequences at once (``MixRows``); None: each
+            sequence's row through ``mix``.
+        delta_rule: its scan's rule is the delta rule (else the decayed linear rule), for
+            checking that stacked scans keep their bits (``stacking_is_exact``).
     """
 
     name: str
@@ -63,6 +76,8 @@ class RecurrentMixer:
     inputs: tuple[str, ...] = ("in_proj",)
     output: str = "out_proj"
     before: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+    mix_rows: MixRows | None = None
+    delta_rule: bool = False
 
 
 def _deltanet_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
@@ -78,6 +93,12 @@ def _deltanet_mix(module: Any, config: Any, projected: Mapping[str, torch.Tensor
     return gated, after
 
 
+def _deltanet_mix_rows(module: Any, config: Any, projected: Mapping[str, torch.Tensor],
+                       states: Sequence[RecurrentState], chunk: int
+                       ) -> tuple[torch.Tensor, list[RecurrentState]]:
+    return deltanet_mix_rows(module, DeltaNetShape.of(config), projected, states, chunk=chunk)
+
+
 def _mamba2_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
                  project: Project, chunk: int) -> LayerStep:
     return mamba2(module, Mamba2Shape.of(config), rows, state, project=project, chunk=chunk)
@@ -88,6 +109,13 @@ def _mamba2_mix(module: Any, config: Any, projected: Mapping[str, torch.Tensor],
     gated, after, _ = mamba2_mix(module, Mamba2Shape.of(config), projected["in_proj"], state,
                                  chunk=chunk)
     return gated, after
+
+
+def _mamba2_mix_rows(module: Any, config: Any, projected: Mapping[str, torch.Tensor],
+                     states: Sequence[RecurrentState], chunk: int
+                     ) -> tuple[torch.Tensor, list[RecurrentState]]:
+    return mamba2_mix_rows(module, Mamba2Shape.of(config), projected["in_proj"], states,
+                           chunk=chunk)
 
 
 def _lfm2_step(module: Any, config: Any, rows: torch.Tensor, state: RecurrentState, *,
@@ -103,9 +131,11 @@ def _lfm2_mix(module: Any, config: Any, projected: Mapping[str, torch.Tensor],
 RECURRENT_MIXERS: dict[str, RecurrentMixer] = {
     mixer.name: mixer for mixer in (
         RecurrentMixer("gated_deltanet", lambda config, device: DeltaNetShape.of(config).start(
-            device), _deltanet_step, scans=True, mix=_deltanet_mix, inputs=DELTANET_INPUTS),
+            device), _deltanet_step, scans=True, mix=_deltanet_mix, inputs=DELTANET_INPUTS,
+            mix_rows=_deltanet_mix_rows, delta_rule=True),
         RecurrentMixer("mamba2", lambda config, device: Mamba2Shape.of(config).start(device),
-                       _mamba2_step, scans=True, mix=_mamba2_mix, before=scaled_input),
+                       _mamba2_step, scans=True, mix=_mamba2_mix, before=scaled_input,
+                       mix_rows=_mamba2_mix_rows),
         RecurrentMixer("lfm2_conv", lfm2_start, _lfm2_step, scans=False, mix=_lfm2_mix),
     )
 }

@@ -10,6 +10,7 @@ and what a sequence keeps between steps is its last ``L - 1`` inputs (``ConvWind
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,3 +57,21 @@ def causal_conv(window: ConvWindow, rows: torch.Tensor, weight: torch.Tensor,
     for tap in range(kernel):
         out = out + padded[tap:tap + n] * weight[:, tap].to(rows.dtype)
     return out, ConvWindow(padded[padded.shape[0] - (kernel - 1):].clone())
+
+
+def causal_conv_rows(windows: Sequence[ConvWindow], rows: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor, list[ConvWindow]]:
+    """``causal_conv`` of one new row per sequence, row ``i`` of ``rows`` after ``windows[i]``,
+    all at once: each output the same sum in the same order, so the bits ``causal_conv`` gives
+    the row alone."""
+    kernel = weight.shape[-1]
+    if rows.shape[0] != len(windows):
+        raise ValueError(f"{rows.shape[0]} rows for {len(windows)} windows: one each")
+    padded = torch.cat([torch.stack([window.inputs for window in windows]),
+                        rows.unsqueeze(1)], dim=1)                   # [n, kernel, channels]
+    n = rows.shape[0]
+    out = (torch.zeros_like(rows) if bias is None
+           else bias.to(rows.dtype).expand(n, -1).clone())
+    for tap in range(kernel):
+        out = out + padded[:, tap] * weight[:, tap].to(rows.dtype)
+    return out, [ConvWindow(after[1:].clone()) for after in padded]

@@ -6,6 +6,7 @@ the delta rule, a plain loop for the linear one)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +15,13 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from gateway.engine.forward.recurrent.chunked_scan import ScanInputs, ScanStream, scan_step
+from gateway.engine.forward.recurrent.chunked_scan import (
+    ScanInputs,
+    ScanStream,
+    scan_rows,
+    scan_step,
+    stacking_is_exact,
+)
 
 HEADS, KEY_DIM, VALUE_DIM = 2, 8, 6
 
@@ -153,3 +160,54 @@ def test_the_decayed_linear_rule_is_a_decay_then_a_write_then_a_read_per_token()
         state_28 = (state_28 * tokens.decays[t].double().exp()[:, None, None]
                     + k.unsqueeze(-1) * v.unsqueeze(-2))
     assert torch.allclose(at_28.double(), state_28, atol=1e-5, rtol=1e-4)
+
+
+def streams_of(waiting: list[int], chunk: int, seed: int, delta: bool) -> list[ScanStream]:
+    """Streams that have seen ``waiting[i]`` tokens each (from a made-up earlier state)."""
+    made = []
+    for i, count in enumerate(waiting):
+        g = torch.Generator().manual_seed(seed + i)
+        stream = ScanStream.at(torch.randn(HEADS, KEY_DIM, VALUE_DIM, generator=g) / 4, 0)
+        if count:
+            stream = scan_step(stream, inputs(count, seed + 100 + i), chunk, delta=delta).stream
+        made.append(stream)
+    return made
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([1, 2, 4, 8]), st.lists(st.integers(0, 20), min_size=1, max_size=6),
+       st.integers(0, 2**16), st.booleans())
+def test_a_token_for_each_of_several_streams_at_once_gives_each_the_bits_of_its_own_step(
+        chunk: int, waiting: list[int], seed: int, delta: bool) -> None:
+    if not stacking_is_exact(HEADS, KEY_DIM, VALUE_DIM, chunk, delta=delta):
+        pytest.skip("stacked scans do not keep their bits on this machine (so none stacks)")
+    streams = streams_of(waiting, chunk, seed, delta)
+    new = inputs(len(streams), seed + 1)
+    outputs, after = scan_rows(streams, new, chunk, delta=delta)
+    for i, stream in enumerate(streams):
+        alone = scan_step(stream, new.rows(i, i + 1), chunk, delta=delta)
+        assert torch.equal(outputs[i], alone.outputs[0])
+        assert torch.equal(after[i].state, alone.stream.state)
+        assert after[i].position == alone.stream.position
+        assert torch.equal(after[i].waiting.values, alone.stream.waiting.values)
+
+
+def test_rows_for_as_many_streams_as_given_only() -> None:
+    with pytest.raises(ValueError, match="3 rows for 2 streams: one each"):
+        scan_rows([start(), start()], inputs(3, 0), 4, delta=True)
+
+
+def test_a_scan_flushes_subnormal_numbers_to_zero_on_its_thread_only() -> None:
+    """Values below float32's normal range (as a chunk's strong decays make them) are read as
+    zero in the scan, so no product or state holds one (an x86 core takes a slow assist for
+    each); the arithmetic after the scan keeps them as they are."""
+    if not torch.set_flush_denormal(False):
+        pytest.skip("this CPU has no flush-to-zero mode (the scan computes subnormals as they are)")
+    tokens = inputs(8, seed=5)
+    tiny = torch.finfo(torch.float32).tiny
+    faint = ScanInputs(tokens.queries, tokens.keys, tokens.values * tiny / 4, tokens.decays,
+                       tokens.betas)
+    step = scan_step(start(), faint, chunk=8, delta=False)
+    assert torch.equal(step.outputs, torch.zeros_like(step.outputs))
+    assert torch.equal(step.stream.state, torch.zeros_like(step.stream.state))
+    assert (faint.values[0] * 0.5).abs().max() > 0  # outside the scan: as they are

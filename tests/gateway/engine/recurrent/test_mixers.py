@@ -28,6 +28,7 @@ from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from gateway.engine.forward.recurrent.chunked_scan import stacking_is_exact
 from gateway.engine.forward.recurrent.layer_state import RecurrentState
 from gateway.engine.forward.recurrent.mixers import RECURRENT_MIXERS, RecurrentMixer
 
@@ -174,3 +175,49 @@ def test_the_batched_steps_products_around_mix_give_the_bits_of_step(layer: Laye
     if after.scan is not None:
         assert step.state.scan is not None
         assert torch.equal(after.scan.state, step.state.scan.state)
+
+
+def test_decoding_rows_mixed_at_once_give_each_sequence_the_bits_of_mix_alone(
+        layer: Layer) -> None:
+    """A decode step's sequences through ``mix_rows`` at once -- from states of differing
+    lengths, some rows ending a chunk -- each get the rows and state ``mix`` gives it alone."""
+    kind = layer.mixer
+    mix, mix_rows = kind.mix, kind.mix_rows
+    if mix_rows is None:
+        pytest.skip(f"{kind.name} mixes each decoding sequence alone")
+    assert mix is not None
+    scan = kind.start(layer.config, "cpu").scan
+    assert scan is not None
+    heads, key_dim, value_dim = scan.state.shape
+    if not stacking_is_exact(heads, key_dim, value_dim, CHUNK, delta=kind.delta_rule):
+        pytest.skip("stacked scans do not keep their bits on this machine (so none stacks)")
+    lengths = [0, 1, 3, 6, 7, 2]  # rows ending a chunk of 4: after 3 and 7 tokens
+    with torch.inference_mode():
+        states = []
+        for seed, length in enumerate(lengths):
+            state = kind.start(layer.config, "cpu")
+            if length:
+                _, state = mix(layer.module, layer.config,
+                               projected_of(layer, hidden(length, seed)), state, CHUNK)
+            states.append(state)
+        rows = projected_of(layer, hidden(len(lengths), seed=99))
+        together, after = mix_rows(layer.module, layer.config, rows, states, CHUNK)
+        for i, state in enumerate(states):
+            alone, alone_after = mix(layer.module, layer.config,
+                                     {name: taken[i:i + 1] for name, taken in rows.items()},
+                                     state, CHUNK)
+            assert torch.equal(together[i:i + 1], alone)
+            assert torch.equal(after[i].conv.inputs, alone_after.conv.inputs)
+            ours, theirs = after[i].scan, alone_after.scan
+            assert ours is not None and theirs is not None
+            assert ours.position == theirs.position
+            assert torch.equal(ours.state, theirs.state)
+            assert torch.equal(ours.waiting.keys, theirs.waiting.keys)
+
+
+def projected_of(layer: Layer, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The kind's products in of ``rows``, by name, each row its own."""
+    kind = layer.mixer
+    into = rows if kind.before is None else kind.before(layer.module, rows)
+    return {name: per_row(getattr(layer.module, name), into) for name in kind.inputs
+            if getattr(layer.module, name, None) is not None}

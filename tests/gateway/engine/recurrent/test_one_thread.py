@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from gateway.engine.forward.recurrent.one_thread import one_thread
+from gateway.engine.forward.recurrent.one_thread import one_thread, subnormals_flushed
 
 
 @pytest.fixture()
@@ -31,3 +31,11 @@ def test_the_thread_count_is_given_back_when_the_inside_raises() -> None:
     with pytest.raises(RuntimeError, match="inside"), one_thread():
         raise RuntimeError("inside")
     assert torch.get_num_threads() == 2
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_subnormals_are_flushed_only_where_one_thread_computes() -> None:
+    with pytest.raises(RuntimeError, match="one thread only"), subnormals_flushed():
+        pass
+    with one_thread(), subnormals_flushed():
+        assert torch.get_num_threads() == 1

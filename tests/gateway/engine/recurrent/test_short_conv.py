@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv
+from gateway.engine.forward.recurrent.short_conv import ConvWindow, causal_conv, causal_conv_rows
 
 CHANNELS = 12
 
@@ -56,3 +56,23 @@ def test_a_window_of_the_wrong_length_is_refused() -> None:
         assert str(exc) == "a kernel of 4 taps needs a window of 3 inputs, got 2"
     else:
         raise AssertionError("a short window was used")
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=6), st.integers(1, 5),
+       st.integers(0, 2**16))
+def test_one_row_for_each_of_several_windows_at_once_gives_each_the_bits_of_its_own(
+        seen: list[int], kernel: int, seed: int) -> None:
+    _, weight, bias = case(1, kernel, seed)
+    windows = []
+    for i, count in enumerate(seen):
+        window = ConvWindow.empty(kernel, CHANNELS)
+        if count:
+            _, window = causal_conv(window, case(count, kernel, seed + i + 1)[0], weight, bias)
+        windows.append(window)
+    rows = case(len(seen), kernel, seed + 99)[0]
+    together, after = causal_conv_rows(windows, rows, weight, bias)
+    for i, window in enumerate(windows):
+        alone, alone_window = causal_conv(window, rows[i:i + 1], weight, bias)
+        assert torch.equal(together[i:i + 1], alone)
+        assert torch.equal(after[i].inputs, alone_window.inputs)
