@@ -184,26 +184,34 @@ def scan_rows(streams: Sequence[ScanStream], new: ScanInputs, chunk: int, *,
     for stream in streams:
         if stream.position % chunk:
             raise ValueError(f"a stream at {stream.position} does not start a chunk of {chunk}")
-    pending = [stream.waiting.then(new.rows(i, i + 1)) for i, stream in enumerate(streams)]
-    heads = int(new.queries.shape[1])
+    count, heads = len(streams), int(new.queries.shape[1])
+    waiting = [stream.waiting.num_tokens for stream in streams]
+    every = torch.arange(count)
     with one_thread(), subnormals_flushed():
-        parts = [torch.cat([_heads_first(part, chunk) for part in parts])
-                 for parts in zip(*(rows._parts() for rows in pending), strict=True)]
+        rows_first = []  # each part [count, chunk, heads, ...]: waiting rows, the new one, zeros
+        for index, fresh in enumerate(new._parts()):
+            padded = fresh.new_zeros(count, chunk, *fresh.shape[1:])
+            for i, stream in enumerate(streams):
+                if waiting[i]:
+                    padded[i, :waiting[i]] = stream.waiting._parts()[index]
+            padded[every, torch.tensor(waiting)] = fresh
+            rows_first.append(padded)
+        parts = [part.transpose(1, 2).reshape(count * heads, chunk, *part.shape[3:])
+                 for part in rows_first]
         state = torch.cat([stream.state for stream in streams])
         outputs, after = _chunk_rule(state, *parts, delta=delta)
     assert after is not None  # asked for
-    rows: list[torch.Tensor] = []
+    mine = outputs.view(count, heads, chunk, -1)[every, :, torch.tensor(waiting)]
     after_each: list[ScanStream] = []
-    for i, (stream, rows_in) in enumerate(zip(streams, pending, strict=True)):
-        m = rows_in.num_tokens
-        mine = slice(i * heads, (i + 1) * heads)
-        rows.append(outputs[mine, m - 1])
+    for i, stream in enumerate(streams):
+        m = waiting[i] + 1
         if m == chunk:  # the token ends its chunk: the state moves past it
-            after_each.append(ScanStream(after[mine].clone(), stream.position + chunk,
-                                         rows_in.rows(m, m)))
+            after_each.append(ScanStream(after[i * heads:(i + 1) * heads].clone(),
+                                         stream.position + chunk, stream.waiting.rows(0, 0)))
         else:
-            after_each.append(ScanStream(stream.state, stream.position, rows_in))
-    return torch.stack(rows), after_each
+            after_each.append(ScanStream(stream.state, stream.position,
+                                         ScanInputs(*(part[i, :m] for part in rows_first))))
+    return mine, after_each
 
 
 def stacking_is_exact(heads: int, key_dim: int, value_dim: int, chunk: int, *,

@@ -74,4 +74,4 @@ def causal_conv_rows(windows: Sequence[ConvWindow], rows: torch.Tensor, weight: 
            else bias.to(rows.dtype).expand(n, -1).clone())
     for tap in range(kernel):
         out = out + padded[:, tap] * weight[:, tap].to(rows.dtype)
-    return out, [ConvWindow(after[1:].clone()) for after in padded]
+    return out, [ConvWindow(after[1:]) for after in padded]  # views of one small tensor
