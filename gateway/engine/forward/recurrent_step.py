@@ -72,7 +72,7 @@ class RecurrentLayers:
     layout: KVLayout
     beside_attention: frozenset[int] = frozenset()
     _homes: dict[int, dict[int, StateHome]] = field(default_factory=dict)
-    _stacks: dict[tuple[str, int], bool] = field(default_factory=dict)
+    _stacks: dict[tuple[str, int, str], bool] = field(default_factory=dict)
 
     @classmethod
     def of(cls, config: Any, mixers: dict[int, str], layout: KVLayout,
@@ -148,7 +148,7 @@ class RecurrentLayers:
         decoding: dict[int, list[int]] = {}
         for at, (sequence, (start, end)) in enumerate(zip(sequences, spans, strict=True)):
             block = sequence.pool.page_tokens
-            if end - start == 1 and self.stacks(kind, scan_chunk(block)):
+            if end - start == 1 and self.stacks(kind, scan_chunk(block), like.device):
                 decoding.setdefault(block, []).append(at)
                 continue
             home = self._home(index, sequence)
@@ -183,21 +183,21 @@ class RecurrentLayers:
             self._keep(home, sequence, state, sequence.length + 1)
             sequence.states[index] = state
 
-    def stacks(self, kind: RecurrentMixer, chunk: int) -> bool:
+    def stacks(self, kind: RecurrentMixer, chunk: int, device: torch.device) -> bool:
         """Whether ``kind``'s decoding rows mix all at once here: it can, and its stacked scans
-        of chunks of ``chunk`` keep each sequence's bits on this machine (checked once)."""
+        of chunks of ``chunk`` keep each sequence's bits on ``device`` (checked once)."""
         if kind.mix_rows is None:
             return False
-        known = self._stacks.get((kind.name, chunk))
+        known = self._stacks.get((kind.name, chunk, str(device)))
         if known is None:
-            scan = kind.start(self.config, "cpu").scan
+            scan = kind.start(self.config, device).scan
             if scan is None:
                 known = True
             else:
                 heads, key_dim, value_dim = scan.state.shape
                 known = stacking_is_exact(heads, key_dim, value_dim, chunk,
-                                          delta=kind.delta_rule)
-            self._stacks[(kind.name, chunk)] = known
+                                          delta=kind.delta_rule, device=device)
+            self._stacks[(kind.name, chunk, str(device))] = known
         return known
 
     @staticmethod

@@ -214,36 +214,47 @@ def scan_rows(streams: Sequence[ScanStream], new: ScanInputs, chunk: int, *,
     return mine, after_each
 
 
-def stacking_is_exact(heads: int, key_dim: int, value_dim: int, chunk: int, *,
-                      delta: bool) -> bool:
+STACKS_TRIED = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128)
+"""How many streams ``stacking_is_exact`` stacks: a kernel may change its way at some batch
+size, so sizes up to a large decode step's."""
+
+
+def stacking_is_exact(heads: int, key_dim: int, value_dim: int, chunk: int, *, delta: bool,
+                      device: torch.device | str = "cpu") -> bool:
     """Whether ``scan_rows`` gives streams of these shapes the bits ``scan_step`` gives each
-    alone, here: tried on made-up numbers for one to five streams (whether a stacked product
-    keeps each matrix's summation order is the kernels' choice, on this CPU)."""
+    alone, here: tried on made-up numbers, ``STACKS_TRIED`` streams at once, on ``device``
+    (whether a stacked product keeps each matrix's summation order is its kernels' choice, on
+    this CPU or GPU)."""
     g = torch.Generator().manual_seed(0)
 
     def made_up(count: int) -> ScanInputs:
         def unit(*shape: int) -> torch.Tensor:
             x = torch.randn(*shape, generator=g)
-            rows: torch.Tensor = x / x.norm(dim=-1, keepdim=True)
+            rows: torch.Tensor = (x / x.norm(dim=-1, keepdim=True)).to(device)
             return rows
         return ScanInputs(queries=unit(count, heads, key_dim), keys=unit(count, heads, key_dim),
-                          values=torch.randn(count, heads, value_dim, generator=g),
-                          decays=-torch.rand(count, heads, generator=g),
-                          betas=torch.rand(count, heads, generator=g))
+                          values=torch.randn(count, heads, value_dim, generator=g).to(device),
+                          decays=-torch.rand(count, heads, generator=g).to(device),
+                          betas=torch.rand(count, heads, generator=g).to(device))
 
-    streams = []
-    for waiting in range(5):  # partly filled chunks, from differing states
-        stream = ScanStream.at(torch.randn(heads, key_dim, value_dim, generator=g) / 8, 0)
+    kinds = []  # partly filled chunks, from differing states
+    for waiting in range(5):
+        state = torch.randn(heads, key_dim, value_dim, generator=g) / 8
+        stream = ScanStream.at(state.to(device), 0)
         if waiting % chunk:
             stream = scan_step(stream, made_up(waiting % chunk), chunk, delta=delta).stream
-        streams.append(stream)
-    new = made_up(len(streams))
-    for count in range(1, len(streams) + 1):
-        outputs, after = scan_rows(streams[:count], new.rows(0, count), chunk, delta=delta)
-        for i, stream in enumerate(streams[:count]):
-            alone = scan_step(stream, new.rows(i, i + 1), chunk, delta=delta)
-            if not (torch.equal(outputs[i], alone.outputs[0])
-                    and torch.equal(after[i].state, alone.stream.state)):
+        kinds.append(stream)
+    new = made_up(len(kinds))
+    alone = [scan_step(stream, new.rows(i, i + 1), chunk, delta=delta)
+             for i, stream in enumerate(kinds)]
+    for count in STACKS_TRIED:
+        which = [i % len(kinds) for i in range(count)]
+        rows = ScanInputs(*(part[torch.tensor(which, device=part.device)]
+                            for part in new._parts()))
+        outputs, after = scan_rows([kinds[i] for i in which], rows, chunk, delta=delta)
+        for at, i in enumerate(which):
+            if not (torch.equal(outputs[at], alone[i].outputs[0])
+                    and torch.equal(after[at].state, alone[i].stream.state)):
                 return False
     return True
 
