@@ -44,9 +44,9 @@ NS = derive_namespace(NamespaceSpec(
 CODEC = BlockCodec(mac_key=derive_mac_key(SECRET), layout=LAYOUT, block_tokens=BLOCK)
 PROMPT = as_token_ids([1, 2, 3, 4, 5])  # two full blocks
 REPROBE_S = 0.3
-RECOMPUTE_S_PER_TOKEN = 0.005
-"""10 ms to recompute one 2-token block: far slower than a loopback read of 128 bytes, far
-faster than a read delayed by 100 ms."""
+RECOMPUTE_S_PER_TOKEN = 0.03
+"""60 ms to recompute one 2-token block: slower than a loopback read of 128 bytes (through the
+fault proxy on a busy 2-core machine: up to ~25 ms), far faster than a read delayed by 250 ms."""
 
 
 class FakeClock:
@@ -197,13 +197,13 @@ def on_disk_only(cache: PrefixCache) -> None:
 
 
 def on_a_slow_disk(disk_tiers: TierHierarchy, faulty: FaultyFileOps) -> PrefixCache:
-    """A cache whose PROMPT is on disk only, each read of it 0.1 s late."""
+    """A cache whose PROMPT is on disk only, each read of it 0.25 s late."""
     disk_cache = PrefixCache(tiers=[slot("device"), slot("disk", write_through=True)],
                              block_tokens=BLOCK, hierarchy=disk_tiers)
     stored(disk_cache, PROMPT)
     assert disk_tiers.flush(timeout_s=10.0)
     on_disk_only(disk_cache)
-    faulty.delay("read", 0.1, path_contains=".kvb")
+    faulty.delay("read", 0.25, path_contains=".kvb")
     return disk_cache
 
 
@@ -255,13 +255,13 @@ def redis_cache(url: str, *, remote_write: bool) -> tuple[PrefixCache, TierHiera
 def a_reader_of_a_slow_redis(
         fault_proxy: FaultProxy) -> Iterator[tuple[PrefixCache, TierHierarchy]]:
     """A cache (and its tiers) with Redis only below its device tier, where another replica
-    stored PROMPT; Redis answers 150 ms late until ``fault_proxy.pass_through()``."""
+    stored PROMPT; Redis answers 250 ms late until ``fault_proxy.pass_through()``."""
     writer, writer_tiers = redis_cache(fault_proxy.url, remote_write=True)
     reader, reader_tiers = redis_cache(fault_proxy.url, remote_write=False)
     try:
         stored(writer, PROMPT)
         assert writer_tiers.flush(timeout_s=10.0)
-        fault_proxy.delay(150)
+        fault_proxy.delay(250)
         yield reader, reader_tiers
     finally:
         fault_proxy.pass_through()
