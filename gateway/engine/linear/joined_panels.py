@@ -91,6 +91,7 @@ def _joinable(members: Sequence[Any]) -> bool:
     first = members[0].weight
     return (all(m.weight.shape[1] == first.shape[1] and m.weight.dtype == first.dtype
                 and m.weight.device == first.device and m.weight.out_features % PANEL == 0
+                and m.weight.coding == first.coding
                 for m in members)
             and len({m.bias is None for m in members}) == 1)
 
@@ -98,18 +99,20 @@ def _joinable(members: Sequence[Any]) -> bool:
 def _join(members: Sequence[PackedLinear]) -> JoinedProjection:
     """The members' panels copied into one tensor, each member's weight made a view of it (its
     own panels freed)."""
-    panels = [m.weight for m in members]
-    assert all(isinstance(p, Panels) for p in panels)
-    data = torch.cat([p.data for p in panels if isinstance(p, Panels)])
+    panels = [m.weight for m in members if isinstance(m.weight, Panels)]
+    assert len(panels) == len(members)
+    data = torch.cat([p.data for p in panels])
     start = 0
     for member in members:
         weight = member.weight
         assert isinstance(weight, Panels)
         size = int(weight.data.shape[0])
-        member.weight = Panels(data=data[start:start + size], out_features=weight.out_features)
+        member.weight = Panels(data=data[start:start + size], out_features=weight.out_features,
+                               coding=weight.coding)
         start += size
     biases = [m.bias for m in members]
     bias = None if biases[0] is None else torch.cat([b for b in biases if b is not None])
     widths = tuple(m.out_features for m in members)
-    return JoinedProjection(weight=Panels(data=data, out_features=sum(widths)), bias=bias,
-                            widths=widths)
+    return JoinedProjection(weight=Panels(data=data, out_features=sum(widths),
+                                          coding=panels[0].coding),
+                            bias=bias, widths=widths)

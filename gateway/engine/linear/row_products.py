@@ -231,7 +231,7 @@ def _search(kernel: str, product: Product, device: torch.device,
     def unbiased(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if product is panel_product:  # each weight laid out once for the whole search
             if id(weight) not in laid_out:
-                laid_out[id(weight)] = Panels.of(weight)
+                laid_out[id(weight)] = Panels.of(weight, coded=False)
             return panel_product(rows, laid_out[id(weight)], None)
         return product(rows, weight, None)
 

@@ -209,3 +209,207 @@ void kvgate_panel_product_f32(const float *x, int64_t M, int64_t K, int64_t x_st
         }
     }
 }
+
+/* ---- Panels kept in blocks of codes: the same products over fewer bytes. ----
+
+A weight whose numbers are all of the form  w = code * scale + offset  (a float32 product and
+sum, the product exact), with one scale and one offset per column and block of BLOCK inputs --
+what a GGUF's Q4_1 and Q8_0 tensors dequantise to -- is kept as its codes: 4 bits (unsigned)
+or 8 bits (signed) a number instead of 32. Each block of BLOCK inputs of a panel is
+expanded into float32 in a small buffer (the same arithmetic that made the weight: a product,
+then a sum, compiled without contraction) and multiplied by the same loop as whole panels: one
+fused multiply-add per input, in order. The numbers multiplied are therefore the weight's own
+bits, and so is every output number (the caller has checked, weight by weight, that expanding
+the codes gives back every bit). Only the bytes read per step change: a decode step reads the
+weights, and 4-bit codes are a fifth of them.
+
+A block of a panel: scale[16], offset[16] (float32), then the codes: 4-bit ones in BLOCK / 2
+groups of 16 bytes, byte c of group j holding input 2j's code of column c in its low nibble and
+input 2j+1's in its high one; 8-bit ones in BLOCK groups of 16 signed bytes. */
+
+#define BLOCK 32
+
+static inline int64_t block_bytes(int bits) { return 2 * PANEL * 4 + BLOCK * PANEL * bits / 8; }
+
+/* One block of one panel expanded: w[k][c] = code * scale[c] + offset[c]. */
+static inline void expand_block(const uint8_t *block, int bits, float w[BLOCK][PANEL]) {
+    float scale[PANEL], offset[PANEL];
+    memcpy(scale, block, sizeof scale);
+    memcpy(offset, block + sizeof scale, sizeof offset);
+    const uint8_t *codes = block + sizeof scale + sizeof offset;
+    if (bits == 4) {
+        for (int j = 0; j < BLOCK / 2; j++)
+            for (int c = 0; c < PANEL; c++) {
+                const uint8_t pair = codes[j * PANEL + c];
+                w[2 * j][c] = (float)(pair & 15) * scale[c] + offset[c];
+                w[2 * j + 1][c] = (float)(pair >> 4) * scale[c] + offset[c];
+            }
+    } else {
+        const int8_t *signed_codes = (const int8_t *)codes;
+        for (int k = 0; k < BLOCK; k++)
+            for (int c = 0; c < PANEL; c++)
+                w[k][c] = (float)signed_codes[k * PANEL + c] * scale[c] + offset[c];
+    }
+}
+
+#ifdef __AVX512F__
+/* Sixteen codes of one input expanded in registers (expand_block's arithmetic per lane). */
+static inline __m512 expand16(__m512i codes, __m512 scale, __m512 offset) {
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(codes), scale), offset);
+}
+
+/* coded_tile with 16-lane vectors, each input's codes expanded in registers as it is used. */
+static inline __attribute__((always_inline)) void coded_tile16(
+        const int R, const int C, const float *x, int64_t x_stride, const uint8_t *panels,
+        int bits, int64_t K, const float *bias, float *y, int64_t y_stride,
+        int64_t cols_left) {
+    const int64_t blocks = K / BLOCK, size = block_bytes(bits), stride = blocks * size;
+    const __m512i low_nibble = _mm512_set1_epi32(15);
+    v16 acc[MAX_ROWS][MAX_PANELS];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = splat16(0.0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512 scale[MAX_PANELS], offset[MAX_PANELS];
+        const uint8_t *codes[MAX_PANELS];
+        for (int c = 0; c < C; c++) {
+            const uint8_t *block = panels + c * stride + b * size;
+            scale[c] = _mm512_loadu_ps(block);
+            offset[c] = _mm512_loadu_ps(block + PANEL * 4);
+            codes[c] = block + PANEL * 8;
+        }
+        const float *xb = x + b * BLOCK;
+        if (bits == 4) {
+            for (int j = 0; j < BLOCK / 2; j++) {
+                v16 even[MAX_PANELS], odd[MAX_PANELS];
+                for (int c = 0; c < C; c++) {
+                    const __m512i pairs = _mm512_cvtepu8_epi32(
+                        _mm_loadu_si128((const __m128i *)(codes[c] + j * PANEL)));
+                    even[c] = (v16)expand16(_mm512_and_si512(pairs, low_nibble), scale[c],
+                                            offset[c]);
+                    odd[c] = (v16)expand16(_mm512_srli_epi32(pairs, 4), scale[c], offset[c]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const v16 x0 = splat16(xb[r * x_stride + 2 * j]);
+                    const v16 x1 = splat16(xb[r * x_stride + 2 * j + 1]);
+                    for (int c = 0; c < C; c++) {
+                        acc[r][c] = fma16(x0, even[c], acc[r][c]);
+                        acc[r][c] = fma16(x1, odd[c], acc[r][c]);
+                    }
+                }
+            }
+        } else {
+            for (int k = 0; k < BLOCK; k++) {
+                v16 w[MAX_PANELS];
+                for (int c = 0; c < C; c++)
+                    w[c] = (v16)expand16(_mm512_cvtepi8_epi32(_mm_loadu_si128(
+                                             (const __m128i *)(codes[c] + k * PANEL))),
+                                         scale[c], offset[c]);
+                for (int r = 0; r < R; r++) {
+                    const v16 xr = splat16(xb[r * x_stride + k]);
+                    for (int c = 0; c < C; c++) acc[r][c] = fma16(xr, w[c], acc[r][c]);
+                }
+            }
+        }
+    }
+    float out[MAX_ROWS][MAX_PANELS][PANEL];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) memcpy(out[r][c], &acc[r][c], sizeof acc[r][c]);
+    store_tile(out, R, C, bias, y, y_stride, cols_left);
+}
+#endif
+
+/* R rows x C panels over coded panels: block by block, each expanded into a buffer, then
+   tile8's loop over its BLOCK inputs, the accumulators kept across blocks; with AVX-512,
+   coded_tile16 (the same numbers). */
+static inline __attribute__((always_inline)) void coded_tile(
+        const int R, const int C, const float *x, int64_t x_stride, const uint8_t *panels,
+        int bits, int64_t K, const float *bias, float *y, int64_t y_stride,
+        int64_t cols_left) {
+#ifdef __AVX512F__
+    coded_tile16(R, C, x, x_stride, panels, bits, K, bias, y, y_stride, cols_left);
+    return;
+#endif
+    const int64_t blocks = K / BLOCK, stride = blocks * block_bytes(bits);
+    float w[MAX_PANELS][BLOCK][PANEL] __attribute__((aligned(64)));
+    float out[MAX_ROWS][MAX_PANELS][PANEL];
+    v8 acc[MAX_ROWS][MAX_PANELS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = splat8(0.0f);
+    for (int64_t b = 0; b < blocks; b++) {
+        for (int c = 0; c < C; c++)
+            expand_block(panels + c * stride + b * block_bytes(bits), bits, w[c]);
+        for (int k = 0; k < BLOCK; k++) {
+            v8 wk[MAX_PANELS][2];
+            for (int c = 0; c < C; c++) {
+                wk[c][0] = load8(w[c][k]);
+                wk[c][1] = load8(w[c][k] + 8);
+            }
+            for (int r = 0; r < R; r++) {
+                const v8 xr = splat8(x[r * x_stride + b * BLOCK + k]);
+                for (int c = 0; c < C; c++) {
+                    acc[r][c][0] = fma8(xr, wk[c][0], acc[r][c][0]);
+                    acc[r][c][1] = fma8(xr, wk[c][1], acc[r][c][1]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            memcpy(out[r][c], &acc[r][c][0], sizeof acc[r][c][0]);
+            memcpy(out[r][c] + 8, &acc[r][c][1], sizeof acc[r][c][1]);
+        }
+    store_tile(out, R, C, bias, y, y_stride, cols_left);
+}
+
+#define CODED_TILE(R, C) \
+    coded_tile(R, C, xp, x_stride, pp, bits, K, bp, yp, y_stride, N - q * PANEL)
+#define CODED_ROWS(R)                  \
+    case R:                            \
+        if (C == 4)                    \
+            CODED_TILE(R, 4);          \
+        else if (C == 2)               \
+            CODED_TILE(R, 2);          \
+        else                           \
+            CODED_TILE(R, 1);          \
+        break
+
+/* kvgate_panel_product_f32 over coded panels (above): K a multiple of BLOCK, bits 4 or 8;
+   the same threads' split and the same numbers as over whole panels of the same weight. */
+void kvgate_coded_panel_product_f32(const float *x, int64_t M, int64_t K, int64_t x_stride,
+                                    const uint8_t *panels, int bits, int64_t N,
+                                    const float *bias, float *y, int64_t y_stride) {
+    const int64_t P = (N + PANEL - 1) / PANEL, T = (M + MAX_ROWS - 1) / MAX_ROWS;
+    const int64_t panel_bytes = K / BLOCK * block_bytes(bits);
+    const int group = panels_for((int)(M < MAX_ROWS ? M : MAX_ROWS));
+    const int64_t G = (P + group - 1) / group;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < G * T; i++) {
+        const int64_t g = i / T, m0 = (i % T) * MAX_ROWS;
+        const int R = (int)(M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS);
+        const int64_t end = (g + 1) * group < P ? (g + 1) * group : P;
+        int C = panels_for(R) < group ? panels_for(R) : group;
+        for (int64_t q = g * group; q < end; q += C) {
+            if (end - q < C) C = 1;
+            const float *xp = x + m0 * x_stride;
+            const uint8_t *pp = panels + q * panel_bytes;
+            const float *bp = bias == NULL ? NULL : bias + q * PANEL;
+            float *yp = y + m0 * y_stride + q * PANEL;
+            switch (R) {
+#if MAX_ROWS > 6
+                CODED_ROWS(12);
+                CODED_ROWS(11);
+                CODED_ROWS(10);
+                CODED_ROWS(9);
+                CODED_ROWS(8);
+                CODED_ROWS(7);
+#endif
+                CODED_ROWS(6);
+                CODED_ROWS(5);
+                CODED_ROWS(4);
+                CODED_ROWS(3);
+                CODED_ROWS(2);
+                CODED_ROWS(1);
+            }
+        }
+    }
+}
