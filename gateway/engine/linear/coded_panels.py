@@ -146,9 +146,29 @@ class CodedBlocks:
                 return cls(data=_lay_out(*found, coding), coding=coding)
         return None
 
-    def panels(self, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The numbers of panels ``ids`` (all: None), ``[len, k, 16]`` float32, expanded."""
-        data = self.data if ids is None else self.data[ids]
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The plain weight's rows ``ids`` (1-D), ``[len, k]`` float32, expanded: only their
+        own columns' codes (an embedding lookup of a long prompt, without expanding whole
+        panels)."""
+        data = self.data[ids // PANEL]
+        count, blocks, _ = data.shape
+        picked = torch.arange(count)
+        column = ids % PANEL
+        scale = data[..., :PANEL * 4].contiguous().view(torch.float32)[picked, :, column]
+        offset = data[..., PANEL * 4:PANEL * 8].contiguous().view(torch.float32)[
+            picked, :, column]
+        raw = data[..., PANEL * 8:]
+        if self.coding.bits == 4:
+            pairs = raw.reshape(count, blocks, BLOCK // 2, PANEL)[picked, :, :, column]
+            codes = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(count, blocks, BLOCK)
+        else:
+            codes = raw.reshape(count, blocks, BLOCK, PANEL).view(torch.int8)[
+                picked, :, :, column]
+        return expand(codes, scale, offset).reshape(count, blocks * BLOCK)
+
+    def panels(self) -> torch.Tensor:
+        """Every panel's numbers, ``[n / 16, k, 16]`` float32, expanded."""
+        data = self.data
         count, blocks, _ = data.shape
         scale = data[..., :PANEL * 4].contiguous().view(torch.float32)
         offset = data[..., PANEL * 4:PANEL * 8].contiguous().view(torch.float32)

@@ -169,16 +169,14 @@ class Panels:
         """The plain weight's rows ``ids`` ``[len(ids), k]`` (an embedding table's lookup)."""
         if self.coding is None:
             return self.data[ids // PANEL, :, ids % PANEL]
-        flat = ids.reshape(-1)
-        panels = self._whole(flat // PANEL)
-        rows = panels[torch.arange(flat.numel()), :, flat % PANEL]
+        rows = CodedBlocks(data=self.data, coding=self.coding).rows(ids.reshape(-1))
         return rows.reshape(*ids.shape, rows.shape[-1])
 
-    def _whole(self, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Panels ``ids`` (all: None) as float32 ``[len, k, 16]``."""
+    def _whole(self) -> torch.Tensor:
+        """Every panel as float32 ``[n / 16, k, 16]``."""
         if self.coding is None:
-            return self.data if ids is None else self.data[ids]
-        return CodedBlocks(data=self.data, coding=self.coding).panels(ids)
+            return self.data
+        return CodedBlocks(data=self.data, coding=self.coding).panels()
 
 
 def panel_product(rows: torch.Tensor, weight: torch.Tensor | Panels,
