@@ -40,6 +40,11 @@ Fair shares of what is scarce (issue 22): the KV budget and the running slots.
   is prefilled in one step instead of several shared with the flood (kvgate bench fairness,
   this 2-core machine: the quiet tenant's TTFT p50 flooded / alone went from 1.72-2.04x to
   1.12-1.18x).
+- **A prompt ends in a step of its own.** Once a step holds a prompt's last tokens and
+  ``prompt_ends_alone_from`` prompt tokens in all, it takes no other prompt's tokens: four chat
+  turns arriving together get their first tokens after one, two, three and four steps of one
+  turn each, instead of all four after one step four turns long (on a CPU a step of a turn's
+  tens of tokens is compute-bound, so the steps apart cost about what the one step did).
 
 Priority lanes (issue 28; docs/design.md, "Priority lanes"): a request's ``priority`` (vLLM's
 meaning, lower first) orders it among its own tenant's requests only — which of them is admitted
@@ -98,6 +103,11 @@ class ScheduleLimits:
         can_preempt: running requests may be preempted for a better-priority request of their
             tenant (only where a preempted request resumes to the same answer: decoding writes
             the K/V a prefill writes, ``gateway.engine.scheduling.loop``).
+        prompt_ends_alone_from: a step in which a request's prompt ends, holding this many
+            prompt tokens or more, takes no other request's prompt tokens: prompts that arrive
+            together get their first tokens one step after another instead of all after one
+            long step (a step of that many rows is already compute-bound on a CPU, so little
+            is lost by taking them apart). 0: prompts share steps up to the budget.
     """
 
     step_tokens: int = 256
@@ -112,6 +122,7 @@ class ScheduleLimits:
     block_tokens: int = 64
     can_preempt: bool = True
     max_lone_step_s: float | None = 1.0
+    prompt_ends_alone_from: int = 32
 
     def __post_init__(self) -> None:
         for name in ("step_tokens", "prefill_step_tokens", "max_running",
@@ -122,6 +133,9 @@ class ScheduleLimits:
         if not 0 < self.max_kv_share_per_tenant <= 1:
             raise ValueError("max_kv_share_per_tenant must be in (0, 1], got "
                              f"{self.max_kv_share_per_tenant}")
+        if self.prompt_ends_alone_from < 0:
+            raise ValueError("prompt_ends_alone_from must be >= 0, got "
+                             f"{self.prompt_ends_alone_from}")
         if self.max_lone_step_s is not None and not self.max_lone_step_s > 0:
             raise ValueError(f"max_lone_step_s must be > 0, got {self.max_lone_step_s}")
 
@@ -423,6 +437,7 @@ class Scheduler:
             # its first token then waits for one step, not several shared with the flood.
             step = max(step, len(chunks) + by_need[0].prefill_left)
         budget = step - len(chunks)
+        prompt_tokens = 0
         for entry in by_need:
             if budget <= 0:
                 break
@@ -435,6 +450,10 @@ class Scheduler:
             chunks.append(ScheduledChunk(request_id=entry.request_id, num_tokens=size,
                                          is_decode=False))
             budget -= size
+            prompt_tokens += size
+            if (size == entry.prefill_left and limits.prompt_ends_alone_from
+                    and prompt_tokens >= limits.prompt_ends_alone_from):
+                break  # its first token comes after this step: the next prompt's own step
         if limits.is_serial and len({c.request_id for c in chunks}) > 1:
             chunks = chunks[:1]
         for chunk in chunks:

@@ -33,13 +33,53 @@ def test_decode_rows_come_first_then_prefill_chunks_up_to_the_step_budget() -> N
 
 def test_while_no_request_decodes_a_lone_tenant_prefills_up_to_the_prefill_step_budget(
         ) -> None:
-    s = scheduler(step_tokens=100, prefill_step_tokens=400)
+    s = scheduler(step_tokens=100, prefill_step_tokens=400, prompt_ends_alone_from=0)
     s.submit(1, tenant="a", prompt_tokens=700, kv_bytes=KV)
     s.submit(2, tenant="a", prompt_tokens=30, kv_bytes=KV)
     s.admit()
     assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=400, is_decode=False),)
     assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=300, is_decode=False),
                                ScheduledChunk(request_id=2, num_tokens=30, is_decode=False))
+
+
+def test_prompts_arriving_together_end_in_steps_of_their_own() -> None:
+    s = scheduler(step_tokens=256, prefill_step_tokens=1_024, prompt_ends_alone_from=32)
+    for request in (1, 2, 3):
+        s.submit(request, tenant="a", prompt_tokens=75, kv_bytes=KV)
+    s.admit()
+    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=75, is_decode=False),)
+    s.start_decoding(1)
+    assert s.plan().chunks == (ScheduledChunk(request_id=1, num_tokens=1, is_decode=True),
+                               ScheduledChunk(request_id=2, num_tokens=75, is_decode=False))
+
+
+def test_prompts_shorter_than_the_bound_still_share_a_step() -> None:
+    s = scheduler(step_tokens=256, prefill_step_tokens=1_024, prompt_ends_alone_from=32)
+    for request, tokens in ((1, 10), (2, 12), (3, 75)):
+        s.submit(request, tenant="a", prompt_tokens=tokens, kv_bytes=KV)
+    s.admit()
+    assert [c.num_tokens for c in s.plan().chunks] == [10, 12, 75]
+
+
+def test_decode_rows_do_not_count_towards_the_bound() -> None:
+    s = scheduler(step_tokens=256, prefill_step_tokens=1_024, prompt_ends_alone_from=32,
+                  max_running=64, max_running_per_tenant=64, max_queued_per_tenant=64)
+    for request in range(40):
+        s.submit(request, tenant="a", prompt_tokens=1, kv_bytes=KV)
+    s.admit()
+    s.plan()
+    for request in range(40):
+        s.start_decoding(request)
+    s.submit(100, tenant="a", prompt_tokens=20, kv_bytes=KV)
+    s.submit(101, tenant="a", prompt_tokens=20, kv_bytes=KV)
+    s.admit()
+    prompts = [(c.request_id, c.num_tokens) for c in s.plan().chunks if not c.is_decode]
+    assert prompts == [(100, 20), (101, 20)]
+
+
+def test_a_negative_prompt_end_bound_is_refused() -> None:
+    with pytest.raises(ValueError, match="prompt_ends_alone_from"):
+        ScheduleLimits(prompt_ends_alone_from=-1)
 
 
 def test_with_two_tenants_in_the_engine_prefill_steps_keep_to_the_step_budget() -> None:
