@@ -7,7 +7,9 @@ FAMILY: llama, qwen3, gemma3 (five layers of every six windowed to 512 positions
 third layer attention, the others LFM2's short convolutions: about LFM2's share) or qwen3_5
 (every fourth layer gated attention, the others Gated DeltaNet with 9 key and 9 value heads of
 64: Qwen3.5's share, its key width the hidden size as in Qwen3.5's). SmolLM2's shape: 576 wide,
-30 layers, 9 heads, 3 KV heads of 64, an MLP of 1,536; float32.
+30 layers, 9 heads, 3 KV heads of 64, an MLP of 1,536; saved in float32 with every weight a
+bfloat16 number (``--float32-weights``: random float32 numbers), as a published checkpoint's,
+trained and shipped in bfloat16, are when served in float32.
 
 Why the end tokens' output rows are zero: random weights can emit an end token at any step, and
 a server that stops there answers fewer tokens than asked, which no two servers then compare.
@@ -46,7 +48,7 @@ NO_HEAD_DIM = {"lfm2"}
 """Families whose config has no ``head_dim`` (it is ``hidden_size // num_attention_heads``)."""
 
 
-def build(family: str, out: Path, data_dir: Path) -> Path:
+def build(family: str, out: Path, data_dir: Path, *, bfloat16_numbers: bool = True) -> Path:
     bundled = converted_checkpoint(BUNDLED, data_dir / "models")
     assert bundled is not None
     tokenizer = AutoTokenizer.from_pretrained(bundled)
@@ -65,6 +67,9 @@ def build(family: str, out: Path, data_dir: Path) -> Path:
     with torch.no_grad():
         for token in ends:
             model.lm_head.weight[token] = 0.0
+        if bfloat16_numbers:
+            for parameter in model.parameters():
+                parameter.copy_(parameter.to(torch.bfloat16).to(torch.float32))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -77,8 +82,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--data-dir", type=Path, default=Path("data"),
                         help="where the bundled model's converted copy is (or goes)")
+    parser.add_argument("--float32-weights", action="store_true",
+                        help="random float32 numbers instead of bfloat16 ones")
     args = parser.parse_args(argv)
-    print(build(args.family, args.out, args.data_dir))
+    print(build(args.family, args.out, args.data_dir,
+                bfloat16_numbers=not args.float32_weights))
     return 0
 
 

@@ -1,18 +1,21 @@
 """Panels kept as codes: a weight whose float32 numbers are all ``code * scale + offset``, one
-scale and offset per column and block of 32 inputs, stored as its 4- or 8-bit codes.
+scale and offset per column and block of 32 inputs, stored as its 4- or 8-bit codes; or whose
+numbers are all bfloat16s, stored as those.
 
 Why: a decode step reads every weight once, so its time is the weights' bytes. A GGUF's Q4_1 and
 Q8_0 tensors -- the bundled SmolLM2's projections and embeddings -- dequantise to exactly such
 numbers, and once converted to float32 they cost 32 bits a number to read where 4 or 8 (and a
-scale and offset per 32) say the same bits. The panel kernel expands each block in registers
-with the arithmetic that made the weight (a product, exact, then a sum) and multiplies the
-expanded numbers as it multiplies whole panels (``native/panel_products.c``), so every output
-has the same bits as over whole panels: the kernel's namespace part is unchanged.
+scale and offset per 32) say the same bits. Likewise a bfloat16 checkpoint (most published
+ones) served in float32: each number is a bfloat16, kept in its 16 bits and widened exactly.
+The panel kernel expands each block in registers with the arithmetic that made the weight (a
+product, exact, then a sum; or the widening) and multiplies the expanded numbers as it
+multiplies whole panels (``native/panel_products.c``), so every output has the same bits as
+over whole panels: the kernel's namespace part is unchanged.
 
 Why exact by check, not by trust: the codes are found from the float32 weight itself (no GGUF
 is read here), and a weight is kept coded only where expanding every code -- by torch, with the
 kernel's arithmetic -- gives back every bit of the weight (zeros' signs included). Any other
-weight (a float32 or bfloat16 checkpoint's) stays in whole panels.
+weight (a float32 checkpoint's, or one trained further in float32) stays in whole panels.
 """
 
 from __future__ import annotations
@@ -34,10 +37,15 @@ ROWS_AT_ONCE = 4096
 @dataclass(frozen=True, slots=True)
 class Coding:
     """How a weight's numbers are coded: ``bits`` per code, unsigned codes over an offset (the
-    block's least number; Q4_1) or signed ones about zero (Q8_0)."""
+    block's least number; Q4_1) or signed ones about zero (Q8_0); or, ``bits`` 16, each number
+    a bfloat16 (a bfloat16 checkpoint's weights served in float32), widened exactly."""
 
     bits: int
     signed: bool
+
+    @property
+    def is_bfloat16(self) -> bool:
+        return self.bits == 16
 
     @property
     def codes(self) -> tuple[int, int]:
@@ -47,13 +55,16 @@ class Coding:
 
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block of one panel: 16 scales, 16 offsets, then the codes."""
-        return 2 * PANEL * 4 + BLOCK * PANEL * self.bits // 8
+        """Bytes of one block of one panel: 16 scales, 16 offsets, then the codes (bfloat16s:
+        the numbers alone)."""
+        numbers = BLOCK * PANEL * self.bits // 8
+        return numbers if self.is_bfloat16 else 2 * PANEL * 4 + numbers
 
 
 FOUR_BITS = Coding(bits=4, signed=False)
 EIGHT_BITS = Coding(bits=8, signed=True)
-CODINGS = (FOUR_BITS, EIGHT_BITS)
+BFLOAT16 = Coding(bits=16, signed=True)
+CODINGS = (FOUR_BITS, EIGHT_BITS, BFLOAT16)
 """Tried in order: the fewest bytes first."""
 
 
@@ -115,6 +126,8 @@ def find_codes(weight: torch.Tensor, coding: Coding,
             or weight.device.type != "cpu"):
         return None
     rows, inputs = weight.shape
+    if coding.is_bfloat16:
+        return _as_bfloat16(weight.detach())
     if _code_rows(weight[:1].detach().reshape(1, -1, BLOCK), coding) is None:
         return None  # most weights are not coded: said by their first row, cheaply
     found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -126,6 +139,19 @@ def find_codes(weight: torch.Tensor, coding: Coding,
         found.append(coded)
     codes, scales, offsets = (torch.cat(parts) for parts in zip(*found, strict=True))
     return codes.reshape(rows, inputs), scales, offsets
+
+
+def _as_bfloat16(weight: torch.Tensor,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``weight``'s bfloat16s as codes (their 16 bits; no scales or offsets), or None where
+    some number is not a bfloat16."""
+    for start in range(0, weight.shape[0], ROWS_AT_ONCE):
+        part = weight[start:start + ROWS_AT_ONCE]
+        if not torch.equal(part.to(torch.bfloat16).to(torch.float32).view(torch.int32),
+                           part.view(torch.int32)):
+            return None
+    none = torch.empty(0)
+    return weight.to(torch.bfloat16).view(torch.int16), none, none
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,6 +180,9 @@ class CodedBlocks:
         count, blocks, _ = data.shape
         picked = torch.arange(count)
         column = ids % PANEL
+        if self.coding.is_bfloat16:
+            halves = data.view(torch.bfloat16).reshape(count, blocks, BLOCK, PANEL)
+            return halves[picked, :, :, column].to(torch.float32).reshape(count, -1)
         scale = data[..., :PANEL * 4].contiguous().view(torch.float32)[picked, :, column]
         offset = data[..., PANEL * 4:PANEL * 8].contiguous().view(torch.float32)[
             picked, :, column]
@@ -170,6 +199,9 @@ class CodedBlocks:
         """Every panel's numbers, ``[n / 16, k, 16]`` float32, expanded."""
         data = self.data
         count, blocks, _ = data.shape
+        if self.coding.is_bfloat16:
+            halves = data.view(torch.bfloat16).reshape(count, blocks * BLOCK, PANEL)
+            return halves.to(torch.float32)
         scale = data[..., :PANEL * 4].contiguous().view(torch.float32)
         offset = data[..., PANEL * 4:PANEL * 8].contiguous().view(torch.float32)
         raw = data[..., PANEL * 8:]
@@ -189,6 +221,11 @@ def _lay_out(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     rows, inputs = codes.shape
     panels, blocks = -(-rows // PANEL), inputs // BLOCK
     padding = panels * PANEL - rows
+    if coding.is_bfloat16:
+        if padding:
+            codes = torch.cat([codes, codes.new_zeros(padding, inputs)])
+        by_input = codes.reshape(panels, PANEL, blocks, BLOCK).permute(0, 2, 3, 1)
+        return by_input.contiguous().view(torch.uint8).reshape(panels, blocks, -1)
     if padding:
         codes = torch.cat([codes, codes.new_zeros(padding, inputs)])
         scale = torch.cat([scale, scale.new_zeros(padding, blocks)])

@@ -14,7 +14,13 @@ from gateway.engine.attention.tiled import TiledAttention
 from gateway.engine.engine import EngineConfig
 from gateway.engine.forward.batched import BatchedForward, SequenceRows
 from gateway.engine.kv.sequence import KVSequence
-from gateway.engine.linear.coded_panels import BLOCK, EIGHT_BITS, FOUR_BITS, CodedBlocks
+from gateway.engine.linear.coded_panels import (
+    BFLOAT16,
+    BLOCK,
+    EIGHT_BITS,
+    FOUR_BITS,
+    CodedBlocks,
+)
 from gateway.engine.linear.joined_panels import join_panels
 from gateway.engine.linear.packed_weights import (
     PANEL_LAYOUT,
@@ -61,6 +67,14 @@ def q8_0(weight: torch.Tensor) -> torch.Tensor:
     return (codes.float() * d).reshape(weight.shape)
 
 
+def bfloat16s(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` as a bfloat16 checkpoint holds it, read back in float32."""
+    return weight.to(torch.bfloat16).to(torch.float32)
+
+
+QUANTISERS = {"q4_1": q4_1, "q8_0": q8_0, "bfloat16": bfloat16s}
+
+
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().view(torch.int32)
 
@@ -69,7 +83,8 @@ def _weight(outputs: int, blocks: int, seed: int) -> torch.Tensor:
     return torch.randn(outputs, blocks * BLOCK, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize(("quantise", "coding"), [(q4_1, FOUR_BITS), (q8_0, EIGHT_BITS)])
+@pytest.mark.parametrize(("quantise", "coding"),
+                         [(q4_1, FOUR_BITS), (q8_0, EIGHT_BITS), (bfloat16s, BFLOAT16)])
 def test_a_ggufs_blocks_are_kept_as_codes_that_read_back_every_bit(quantise, coding) -> None:
     weight = quantise(_weight(40, 3, seed=1))
     panels = Panels.of(weight)
@@ -85,13 +100,19 @@ def test_four_bit_codes_take_under_a_fifth_of_the_weights_bytes() -> None:
     assert Panels.of(weight).nbytes * 5 < weight.nbytes
 
 
+def test_bfloat16s_take_half_the_weights_bytes() -> None:
+    weight = bfloat16s(_weight(64, 8, seed=2))
+    assert Panels.of(weight).nbytes * 2 == weight.nbytes
+
+
 @settings(max_examples=30, deadline=None)
 @given(rows=st.integers(1, 40), blocks=st.integers(1, 4), outputs=st.integers(1, 70),
-       seed=st.integers(0, 2**16), eight_bits=st.booleans(), with_bias=st.booleans())
+       seed=st.integers(0, 2**16), quantiser=st.sampled_from(sorted(QUANTISERS)),
+       with_bias=st.booleans())
 def test_codes_give_the_products_of_whole_panels_bit_for_bit(
-        rows: int, blocks: int, outputs: int, seed: int, eight_bits: bool,
+        rows: int, blocks: int, outputs: int, seed: int, quantiser: str,
         with_bias: bool) -> None:
-    weight = (q8_0 if eight_bits else q4_1)(_weight(outputs, blocks, seed))
+    weight = QUANTISERS[quantiser](_weight(outputs, blocks, seed))
     generator = torch.Generator().manual_seed(seed + 1)
     x = torch.randn(rows, blocks * BLOCK, generator=generator)
     bias = torch.randn(outputs, generator=generator) if with_bias else None
@@ -103,10 +124,10 @@ def test_codes_give_the_products_of_whole_panels_bit_for_bit(
 
 @settings(max_examples=10, deadline=None)
 @given(rows=st.integers(1, 30), blocks=st.integers(1, 3), outputs=st.integers(1, 50),
-       seed=st.integers(0, 2**16), eight_bits=st.booleans())
+       seed=st.integers(0, 2**16), quantiser=st.sampled_from(sorted(QUANTISERS)))
 def test_the_portable_build_gives_the_vectorised_builds_bits_over_codes(
-        rows: int, blocks: int, outputs: int, seed: int, eight_bits: bool) -> None:
-    weight = (q8_0 if eight_bits else q4_1)(_weight(outputs, blocks, seed))
+        rows: int, blocks: int, outputs: int, seed: int, quantiser: str) -> None:
+    weight = QUANTISERS[quantiser](_weight(outputs, blocks, seed))
     x = torch.randn(rows, blocks * BLOCK, generator=torch.Generator().manual_seed(seed))
     coded = Panels.of(weight)
     assert torch.equal(_bits(PanelKernel.load(portable=True)(x, coded)),

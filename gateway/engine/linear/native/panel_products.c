@@ -223,16 +223,38 @@ bits, and so is every output number (the caller has checked, weight by weight, t
 the codes gives back every bit). Only the bytes read per step change: a decode step reads the
 weights, and 4-bit codes are a fifth of them.
 
+A weight whose numbers are all bfloat16s (a bfloat16 checkpoint's, served in float32) is kept
+as those bfloat16s, 16 bits a number, widened exactly: "bits" 16, a block its BLOCK x 16
+bfloat16s, input-major, without scale or offset.
+
 A block of a panel: scale[16], offset[16] (float32), then the codes: 4-bit ones in BLOCK / 2
 groups of 16 bytes, byte c of group j holding input 2j's code of column c in its low nibble and
 input 2j+1's in its high one; 8-bit ones in BLOCK groups of 16 signed bytes. */
 
 #define BLOCK 32
 
-static inline int64_t block_bytes(int bits) { return 2 * PANEL * 4 + BLOCK * PANEL * bits / 8; }
+static inline int64_t block_bytes(int bits) {
+    return bits == 16 ? BLOCK * PANEL * 2 : 2 * PANEL * 4 + BLOCK * PANEL * bits / 8;
+}
 
-/* One block of one panel expanded: w[k][c] = code * scale[c] + offset[c]. */
+/* A bfloat16's float32: its 16 bits above 16 zero bits (exact). */
+static inline float widen_bfloat16(uint16_t bits) {
+    const uint32_t wide = (uint32_t)bits << 16;
+    float number;
+    memcpy(&number, &wide, sizeof number);
+    return number;
+}
+
+/* One block of one panel expanded: w[k][c] = code * scale[c] + offset[c], or the bfloat16
+   widened. */
 static inline void expand_block(const uint8_t *block, int bits, float w[BLOCK][PANEL]) {
+    if (bits == 16) {
+        uint16_t halves[BLOCK * PANEL];
+        memcpy(halves, block, sizeof halves);
+        for (int k = 0; k < BLOCK; k++)
+            for (int c = 0; c < PANEL; c++) w[k][c] = widen_bfloat16(halves[k * PANEL + c]);
+        return;
+    }
     float scale[PANEL], offset[PANEL];
     memcpy(scale, block, sizeof scale);
     memcpy(offset, block + sizeof scale, sizeof offset);
@@ -278,7 +300,20 @@ static inline __attribute__((always_inline)) void coded_tile16(
             codes[c] = block + PANEL * 8;
         }
         const float *xb = x + b * BLOCK;
-        if (bits == 4) {
+        if (bits == 16) {
+            for (int k = 0; k < BLOCK; k++) {
+                v16 w[MAX_PANELS];
+                for (int c = 0; c < C; c++)
+                    w[c] = (v16)_mm512_castsi512_ps(_mm512_slli_epi32(
+                        _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                            (const __m256i *)(panels + c * stride + b * size) + k)),
+                        16));
+                for (int r = 0; r < R; r++) {
+                    const v16 xr = splat16(xb[r * x_stride + k]);
+                    for (int c = 0; c < C; c++) acc[r][c] = fma16(xr, w[c], acc[r][c]);
+                }
+            }
+        } else if (bits == 4) {
             for (int j = 0; j < BLOCK / 2; j++) {
                 v16 even[MAX_PANELS], odd[MAX_PANELS];
                 for (int c = 0; c < C; c++) {
@@ -373,7 +408,7 @@ static inline __attribute__((always_inline)) void coded_tile(
             CODED_TILE(R, 1);          \
         break
 
-/* kvgate_panel_product_f32 over coded panels (above): K a multiple of BLOCK, bits 4 or 8;
+/* kvgate_panel_product_f32 over coded panels (above): K a multiple of BLOCK, bits 4, 8 or 16;
    the same threads' split and the same numbers as over whole panels of the same weight. */
 void kvgate_coded_panel_product_f32(const float *x, int64_t M, int64_t K, int64_t x_stride,
                                     const uint8_t *panels, int bits, int64_t N,
