@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -177,6 +179,21 @@ class Panels:
         if self.coding is None:
             return self.data
         return CodedBlocks(data=self.data, coding=self.coding).panels()
+
+
+CODING_NAMES = {None: "whole float32", 4: "4-bit codes", 8: "8-bit codes", 16: "bfloat16s"}
+
+
+def coding_summary(weights: Iterable[Panels]) -> str:
+    """How ``weights`` are kept, for the start-up log: how many in each coding and the bytes a
+    step reads against whole float32 panels (one weight shared by two modules counted once)."""
+    distinct = list({id(w): w for w in weights}.values())
+    counts = Counter(CODING_NAMES[None if w.coding is None else w.coding.bits]
+                     for w in distinct)
+    held = sum(w.nbytes for w in distinct)
+    whole = sum(w.shape[0] * w.shape[1] * 4 for w in distinct)
+    kinds = ", ".join(f"{count} as {name}" for name, count in counts.most_common())
+    return f"{kinds}: {held / 2**20:,.0f} MiB read a step against {whole / 2**20:,.0f} MiB whole"
 
 
 def panel_product(rows: torch.Tensor, weight: torch.Tensor | Panels,

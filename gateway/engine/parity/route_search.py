@@ -50,6 +50,7 @@ from gateway.engine.linear.packed_weights import (
     unpack_tied_head,
     walk_projections,
 )
+from gateway.engine.linear.panel_products import Panels, coding_summary
 from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding, sampled_counts
 from gateway.engine.linear.row_products import (
     KERNELS,
@@ -251,6 +252,12 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
         if count:
             logger.info("packed %d projection weights for %s in %.1f s", count, layout.name,
                         time.perf_counter() - started)
+        if count and layout is PANEL_LAYOUT:
+            modules: list[Any] = [where.module for where in packable_projections(loaded.model)]
+            modules.append(getattr(loaded.model, "lm_head", None))  # a tied head too
+            logger.info("panels: %s", coding_summary(
+                w for w in (getattr(m, "weight", None) for m in modules)
+                if isinstance(w, Panels)))
         if layout is PANEL_LAYOUT and (groups := join_panels(loaded.model)):
             logger.info("joined %d groups of projections of the same rows (q|k|v, gate|up) "
                         "into one product each", groups)

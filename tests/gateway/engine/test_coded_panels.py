@@ -3,6 +3,7 @@ bit of the weight, and then every product has the bits it has over whole panels.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -206,11 +207,13 @@ def test_a_quantised_models_forward_over_codes_is_its_forward_over_whole_panels(
 
 
 def test_the_search_keeps_a_quantised_models_weights_and_tied_head_as_codes(
-        tmp_path: Path) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     loaded = _quantised(save_tiny_llama(tmp_path / "model", tied=True))
     table = loaded.model.model.embed_tokens.weight.detach().clone()
-    route_search.build_forward(loaded, route_search.search_route(
-        loaded, EngineConfig().search_settings()))
+    with caplog.at_level(logging.INFO, logger=route_search.__name__):
+        route_search.build_forward(loaded, route_search.search_route(
+            loaded, EngineConfig().search_settings()))
+    assert "14 as 4-bit codes, 1 as 8-bit codes: " in caplog.text
     head = loaded.model.lm_head.weight
     assert isinstance(head, Panels) and head.coding == EIGHT_BITS
     ids = torch.tensor([[1, 2, 300]])
