@@ -63,9 +63,10 @@ class PanelKernel:
         self._coded = coded
 
     @classmethod
-    def load(cls, *, portable: bool = False) -> PanelKernel:
-        """Raises ``NativeBuildError`` where it cannot be built."""
-        return cls(load(SOURCE, portable=portable, wide_vectors=True))
+    def load(cls, *, portable: bool = False, wide_vectors: bool = True) -> PanelKernel:
+        """``wide_vectors``: AVX-512's paths where this CPU has them (False: its AVX2 paths,
+        what an AVX2-only CPU runs). Raises ``NativeBuildError`` where it cannot be built."""
+        return cls(load(SOURCE, portable=portable, wide_vectors=wide_vectors))
 
     def __call__(self, rows: torch.Tensor, panels: Panels,
                  bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -135,6 +135,19 @@ def test_the_portable_build_gives_the_vectorised_builds_bits_over_codes(
                        _bits(panel_product(x, coded, None)))
 
 
+@settings(max_examples=10, deadline=None)
+@given(rows=st.integers(1, 30), blocks=st.integers(1, 3), outputs=st.integers(1, 50),
+       seed=st.integers(0, 2**16), quantiser=st.sampled_from(sorted(QUANTISERS)))
+def test_the_eight_lane_build_gives_the_portable_builds_bits_over_codes(
+        rows: int, blocks: int, outputs: int, seed: int, quantiser: str) -> None:
+    """Without AVX-512 (an AVX2 machine's build) the codes are expanded by another path."""
+    weight = QUANTISERS[quantiser](_weight(outputs, blocks, seed))
+    x = torch.randn(rows, blocks * BLOCK, generator=torch.Generator().manual_seed(seed))
+    coded = Panels.of(weight)
+    assert torch.equal(_bits(PanelKernel.load(wide_vectors=False)(x, coded)),
+                       _bits(PanelKernel.load(portable=True)(x, coded)))
+
+
 def test_a_weight_of_float32_numbers_stays_in_whole_panels() -> None:
     assert Panels.of(_weight(20, 2, seed=3)).coding is None
 
