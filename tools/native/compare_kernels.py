@@ -6,8 +6,8 @@
 Why: the kernel's numbers are part of the block namespace (``paged_attention.NUMERICS``). A
 change made for speed must keep every bit, or cached blocks computed by the old kernel would be
 served beside the new one's; this checks it on random shapes (head sizes 8 to 128, pages of 16
-and 64, several sequences, rows anywhere) with both sources built with this machine's flags and
-with the portable ones, then times both, alternated in one process, on the shapes of the
+and 64, several sequences, rows anywhere) with both sources built with this machine's flags (AVX-512's
+included where it has them; this source without them too) and with the portable ones, then times both, alternated in one process, on the shapes of the
 bundled model's steps (minimum over 5 alternations of the median of ``--repeats`` calls).
 Exits 1 if any output differs.
 """
@@ -41,8 +41,9 @@ TIMED = (("a 40-token suffix over 2,048 cached", [(2048, 40)]),
 """(what, [(first position, rows)] per sequence), SmolLM2's heads: 3 KV heads x 3, 64 wide."""
 
 
-def build(source: Path, out: Path, *, portable: bool) -> PagedKernel:
-    flags = BASE_FLAGS if portable else (*BASE_FLAGS, *isa_flags(cpu_flags()))
+def build(source: Path, out: Path, *, portable: bool, wide_vectors: bool = True) -> PagedKernel:
+    flags = (BASE_FLAGS if portable
+             else (*BASE_FLAGS, *isa_flags(cpu_flags(), wide_vectors=wide_vectors)))
     subprocess.run([compiler(), *flags, str(source), "-o", str(out), "-lm"], check=True)
     return PagedKernel(ctypes.CDLL(str(out)))
 
@@ -105,6 +106,7 @@ def main(argv: list[str]) -> int:
                        build(here, Path(tmp) / "this.so", portable=False))
         portables = [build(source, Path(tmp) / f"{name}-portable.so", portable=True)
                      for name, source in (("other", args.other), ("this", here))]
+        narrow = build(here, Path(tmp) / "this-narrow.so", portable=False, wide_vectors=False)
         rng = random.Random(1)
         differing = 0
         for seed in range(args.cases):
@@ -114,12 +116,13 @@ def main(argv: list[str]) -> int:
                     for _ in range(rng.randrange(1, 5))]
             arguments = case(kv_heads, rep, dim, page, seqs, seed)
             expected = run(other, arguments)
-            for kernel in (mine, *portables):
+            for kernel in (mine, narrow, *portables):
                 if not torch.equal(run(kernel, arguments), expected):
                     differing += 1
                     print(f"DIFFERENT: kv_heads {kv_heads}, rep {rep}, head_dim {dim}, "
                           f"page {page}, sequences {seqs}")
-        print(f"{args.cases} random cases, this source and both portable builds against "
+        print(f"{args.cases} random cases, this source (AVX-512 where the CPU has it, and not), "
+              f"and both portable builds against "
               f"{args.other}: {'same bits' if not differing else f'{differing} differ'}")
         for what, seqs in TIMED:
             arguments = case(3, 3, 64, 64, seqs, 7)

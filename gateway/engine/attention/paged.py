@@ -54,9 +54,10 @@ class PagedKernel:
         self._function = function
 
     @classmethod
-    def load(cls, *, portable: bool = False) -> PagedKernel:
-        """Raises ``NativeBuildError`` where it cannot be built."""
-        return cls(load(SOURCE, portable=portable))
+    def load(cls, *, portable: bool = False, wide_vectors: bool = True) -> PagedKernel:
+        """``wide_vectors``: AVX-512's paths where this CPU has them (False: its AVX2 paths,
+        the same bits). Raises ``NativeBuildError`` where it cannot be built."""
+        return cls(load(SOURCE, portable=portable, wide_vectors=wide_vectors))
 
     def __call__(self, key_pages: torch.Tensor, value_pages: torch.Tensor, tables: torch.Tensor,
                  queries: torch.Tensor, row_item: torch.Tensor, row_position: torch.Tensor,

@@ -279,3 +279,57 @@ def test_the_probe_finds_the_forward_invariant_and_decoding_writing_the_prefills
 
 def test_the_cpu_gets_the_paged_attention_in_float32() -> None:
     assert isinstance(attention_for(torch.device("cpu")), PagedAttention)
+
+
+@pytest.fixture(scope="module")
+def other_builds() -> dict[str, PagedKernel]:
+    """The kernel built without this CPU's AVX-512 paths and without any vector flags (what a
+    CPU without AVX-512, or without AVX2, runs): the same source, other instructions."""
+    try:
+        return {"AVX2": PagedKernel.load(wide_vectors=False),
+                "portable": PagedKernel.load(portable=True)}
+    except NativeBuildError as exc:
+        pytest.skip(str(exc))
+
+
+@settings(max_examples=40, deadline=None)
+@given(kv_heads=st.integers(1, 3), rep=st.integers(1, 6),
+       head_dim=st.sampled_from([8, 16, 24, 32, 48, 64, 72, 128]),
+       page=st.sampled_from([8, 16, 64]), lengths=st.lists(st.integers(1, 200), min_size=1,
+                                                          max_size=5),
+       shared_pages=st.integers(0, 3), window=st.sampled_from([0, 5, 40]),
+       softcap=st.sampled_from([0.0, 30.0]), with_sinks=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_every_build_computes_the_same_bits(other_builds, kv_heads, rep, head_dim, page,
+                                            lengths, shared_pages, window, softcap,
+                                            with_sinks, seed) -> None:
+    """Whatever the CPU's vector units run (sixteen lanes, eight, or none): the same bits, for
+    every head size, grouping of heads, window, soft-cap and sink; decode rows of sequences
+    that begin with the same pages (read together) among them."""
+    generator = torch.Generator().manual_seed(seed)
+    tables, items, positions = [], [], []
+    next_page = shared_pages
+    for index, length in enumerate(lengths):
+        count = -(-length // page)
+        own = list(range(next_page, next_page + max(count - shared_pages, 0)))
+        tables.append(list(range(min(shared_pages, count))) + own)
+        next_page += len(own)
+        decode = index % 2 == 1  # a lone last row, as a decode step's
+        rows = range(length - 1, length) if decode else range(max(0, length - 9), length)
+        items += [index] * len(rows)
+        positions += rows
+    shape = (kv_heads, next_page + 1, page, head_dim)
+    keys, values = torch.randn(shape, generator=generator), torch.randn(shape,
+                                                                        generator=generator)
+    table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int64)
+    for i, ids in enumerate(tables):
+        table[i, :len(ids)] = torch.tensor(ids)
+    queries = torch.randn(len(items), kv_heads * rep, head_dim, generator=generator) * 3
+    sinks = torch.randn(kv_heads * rep, generator=generator) if with_sinks else None
+    arguments = (keys, values, table, queries, torch.tensor(items), torch.tensor(positions))
+    expected = torch.empty_like(queries)
+    PagedKernel.load()(*arguments, expected, window, None, softcap or None, sinks)
+    for name, kernel in other_builds.items():
+        got = torch.empty_like(queries)
+        kernel(*arguments, got, window, None, softcap or None, sinks)
+        assert torch.equal(got, expected), name

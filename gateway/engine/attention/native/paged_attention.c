@@ -70,29 +70,77 @@ static inline float tree8(v8 a) {
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
 }
 
+#if defined(__AVX512F__)
+/* AVX-512's paths (built where the CPU has it): sixteen lanes where eight did the same work
+   side by side -- two keys' or two heads' lanes in one register, or sixteen of a value's
+   dimensions -- every lane computing exactly what its eight-lane twin computes, in the same
+   order. Only the speed differs; tests compare these builds with the portable one bit for
+   bit. */
+#define WIDE 1
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+static inline v16 load16(const float *p) {
+    v16 r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+
+static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
+
+static inline v16 splat16(float x) { return (v16)_mm512_set1_ps(x); }
+
+static inline v16 fma16(v16 a, v16 b, v16 c) {
+    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+
+/* Eight floats at p in both halves. */
+static inline v16 twice8(const float *p) {
+    return (v16)_mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd((const double *)p)));
+}
+
+/* Two eight-lane vectors as the halves of one. */
+static inline v16 halves(v8 low, v8 high) {
+    return (v16)_mm512_insertf64x4(_mm512_castpd256_pd512((__m256d)low), (__m256d)high, 1);
+}
+
+static inline v8 low8(v16 a) { return (v8)_mm512_castps512_ps256((__m512)a); }
+
+static inline v8 high8(v16 a) { return (v8)_mm512_extractf64x4_pd((__m512d)a, 1); }
+#else
+#define WIDE 0
+#endif
+
 /* exp(x) for x in [EXP_FLOOR, 0]: x = n ln2 + r with |r| <= ln2/2 (ln2 split in two parts so
    n ln2 is exact), then e^r = 1 + r + r^2 P(r) (Cephes' expf polynomial, ~1 ulp), times 2^n
-   built in the exponent bits (n >= -116: always a normal float). */
-static inline v8 exp_lanes(v8 x) {
-    const v8 log2e = splat8(1.44269504088896341f);
-    v8 t = x * log2e - splat8(0.5f);
-    i8 n = __builtin_convertvector(t, i8); /* truncation toward zero: round to nearest, x <= 0 */
-    v8 nf = __builtin_convertvector(n, v8);
-    v8 r = fma8(nf, splat8(-0.693359375f), x);
-    r = fma8(nf, splat8(2.12194440e-4f), r);
-    v8 p = splat8(1.9875691500e-4f);
-    p = fma8(p, r, splat8(1.3981999507e-3f));
-    p = fma8(p, r, splat8(8.3334519073e-3f));
-    p = fma8(p, r, splat8(4.1665795894e-2f));
-    p = fma8(p, r, splat8(1.6666665459e-1f));
-    p = fma8(p, r, splat8(5.0000001201e-1f));
-    v8 rr = r * r;
-    p = fma8(p, rr, r) + splat8(1.0f);
-    i8 bits = (n + 127) << 23;
-    v8 scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+   built in the exponent bits (n >= -116: always a normal float). One body for eight lanes and
+   for sixteen, so a lane's operations are the same whichever computes it. */
+#define EXP_LANES(name, V, I, splat, fma)                                                   \
+    static inline V name(V x) {                                                             \
+        const V log2e = splat(1.44269504088896341f);                                        \
+        V t = x * log2e - splat(0.5f);                                                      \
+        I n = __builtin_convertvector(t, I); /* truncation toward zero: nearest, x <= 0 */  \
+        V nf = __builtin_convertvector(n, V);                                               \
+        V r = fma(nf, splat(-0.693359375f), x);                                             \
+        r = fma(nf, splat(2.12194440e-4f), r);                                              \
+        V p = splat(1.9875691500e-4f);                                                      \
+        p = fma(p, r, splat(1.3981999507e-3f));                                             \
+        p = fma(p, r, splat(8.3334519073e-3f));                                             \
+        p = fma(p, r, splat(4.1665795894e-2f));                                             \
+        p = fma(p, r, splat(1.6666665459e-1f));                                             \
+        p = fma(p, r, splat(5.0000001201e-1f));                                             \
+        V rr = r * r;                                                                       \
+        p = fma(p, rr, r) + splat(1.0f);                                                    \
+        I bits = (n + 127) << 23;                                                           \
+        V scale;                                                                            \
+        memcpy(&scale, &bits, sizeof scale);                                                \
+        return p * scale;                                                                   \
+    }
+
+EXP_LANES(exp_lanes, v8, i8, splat8, fma8)
+#if WIDE
+EXP_LANES(exp_lanes16, v16, i16, splat16, fma16)
+#endif
 
 #define MAX_ROWS 4
 /* Rows attended together: consecutive rows of one sequence (a prefill chunk's), or the lone rows
@@ -169,6 +217,28 @@ static inline float soft_cap(float score, float cap) {
     return (float)((double)cap * tanh((double)score / (double)cap));
 }
 
+/* The largest of s[lo..n-1] (n > lo). Exact, so the order the scores are compared in cannot
+   change it: eight lanes side by side where the CPU has them (a NaN score makes its row NaN
+   either way). */
+static inline float max_of(const float *s, int64_t lo, int64_t n) {
+    float max = s[lo];
+    int64_t j = lo + 1;
+#if defined(__AVX__)
+    if (n - j >= 32) {
+        __m256 m[4];
+        for (int i = 0; i < 4; i++) m[i] = _mm256_loadu_ps(s + j + 8 * i);
+        for (j += 32; j + 32 <= n; j += 32)
+            for (int i = 0; i < 4; i++) m[i] = _mm256_max_ps(_mm256_loadu_ps(s + j + 8 * i), m[i]);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]),
+                                              _mm256_max_ps(m[2], m[3])));
+        for (int l = 0; l < 8; l++) max = lanes[l] > max ? lanes[l] : max;
+    }
+#endif
+    for (; j < n; j++) max = s[j] > max ? s[j] : max;
+    return max;
+}
+
 /* Scores into weights in place: each of keys lo..n-1 soft-capped first where softcap > 0, then
    w = exp(max(s - max, EXP_FLOOR)) for keys lo..n-1, 0 from n to `padded` and before lo (a
    sliding window; 0 without one); returns the weights' sum (eight lanes by key index, then the
@@ -179,13 +249,26 @@ static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softca
                    const float *sink) {
     if (softcap > 0.0f)
         for (int64_t j = lo; j < n; j++) s[j] = soft_cap(s[j], softcap);
-    float max = s[lo];
-    for (int64_t j = lo + 1; j < n; j++) max = s[j] > max ? s[j] : max;
+    float max = max_of(s, lo, n);
     if (sink != NULL) max = *sink > max ? *sink : max;
     for (int64_t j = n; j < padded; j++) s[j] = -INFINITY;
     v8 lanes = splat8(0.0f);
     const v8 mv = splat8(max), floor = splat8(EXP_FLOOR);
     for (int64_t j = lo / 8 * 8; j < padded; j += 8) {
+#if WIDE
+        if (j >= lo && j + 16 <= n) { /* sixteen keys all seen: two groups of eight at once */
+            const v16 mv16 = splat16(max), floor16 = splat16(EXP_FLOOR);
+            v16 x = load16(s + j) - mv16;
+            v16 hidden = (v16)(x < floor16);
+            x = (v16)(((i16)x & ~(i16)hidden) | ((i16)floor16 & (i16)hidden));
+            v16 w = exp_lanes16(x);
+            store16(s + j, w);
+            lanes = lanes + low8(w);
+            lanes = lanes + high8(w);
+            j += 8;
+            continue;
+        }
+#endif
         v8 x = load8(s + j) - mv;
         v8 hidden = (v8)(x < floor);
         x = (v8)(((i8)x & ~(i8)hidden) | ((i8)floor & (i8)hidden));
@@ -201,6 +284,51 @@ static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softca
     const float x = *sink - max < EXP_FLOOR ? EXP_FLOOR : *sink - max;
     return tree8(lanes) + exp_lanes(splat8(x))[0];
 }
+
+#if WIDE
+/* The scores of two query heads against eight keys: the two heads' lanes side by side in one
+   register (each key's eight floats in both halves), each half the chains scores8 computes for
+   its head. qq: the two heads' query chunks, paired (head_dim / 8 of them). */
+static inline __attribute__((always_inline)) void
+scores8x2(const v16 *qq, const float *key, int head_dim, float *out0, float *out1) {
+    v16 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = splat16(0.0f);
+    for (int c = 0; c < head_dim / 8; c++)
+        for (int i = 0; i < 8; i++) acc[i] = fma16(qq[c], twice8(key + i * head_dim + 8 * c), acc[i]);
+    v8 low[8], high[8];
+    for (int i = 0; i < 8; i++) {
+        low[i] = low8(acc[i]);
+        high[i] = high8(acc[i]);
+    }
+    tree8x8(low, out0);
+    tree8x8(high, out1);
+}
+
+#define WIDE_PARTS 16 /* sixteen-lane accumulators the weighted values keep in registers */
+
+/* Weighted values of keys first..count-1 of one page for `heads` query heads of one KV head
+   (heads * head_dim / 16 <= WIDE_PARTS): each accumulator lane is one dimension of one head,
+   summing its keys in order by the fused multiply-adds the eight-lane loop does. w[h]: head h's
+   weights of the page's keys; a[h]: its accumulator (head_dim floats). */
+static inline __attribute__((always_inline)) void
+values16(const float *vp, int64_t first, int64_t count, int head_dim, int heads,
+         const float *const *w, float *const *a) {
+    const int parts = head_dim / 16;
+    v16 part[WIDE_PARTS];
+    for (int h = 0; h < heads; h++)
+        for (int c = 0; c < parts; c++) part[h * parts + c] = load16(a[h] + 16 * c);
+    for (int64_t t = first; t < count; t++) {
+        const float *value = vp + t * head_dim;
+        for (int h = 0; h < heads; h++) {
+            const v16 wt = splat16(w[h][t]);
+            for (int c = 0; c < parts; c++)
+                part[h * parts + c] = fma16(wt, load16(value + 16 * c), part[h * parts + c]);
+        }
+    }
+    for (int h = 0; h < heads; h++)
+        for (int c = 0; c < parts; c++) store16(a[h] + 16 * c, part[h * parts + c]);
+}
+#endif
 
 /* `rows` consecutive query rows of one sequence (rows <= MAX_ROWS), for the `rep` query heads
    of one KV head.
@@ -224,7 +352,27 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
             if (start >= n[r] || start + page_tokens <= lo[r]) continue;
             const float *kp = k_head + table[r][start / page_tokens] * page_stride;
             const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
-            for (int h = 0; h < rep; h++) {
+            int h = 0;
+#if WIDE
+            for (; h + 2 <= rep && head_dim <= 128; h += 2) { /* two heads a register */
+                const float *q0 = q + ((int64_t)r * rep + h) * head_dim, *q1 = q0 + head_dim;
+                float *s0 = scores + ((int64_t)r * rep + h) * padded + start, *s1 = s0 + padded;
+                v16 qq[16];
+                for (int c = 0; c < chunks; c++) qq[c] = halves(load8(q0 + 8 * c), load8(q1 + 8 * c));
+                int64_t t = 0;
+                for (; t + 8 <= count; t += 8)
+                    scores8x2(qq, kp + t * head_dim, head_dim, s0 + t, s1 + t);
+                for (; t + 4 <= count; t += 4) {
+                    scores4(q0, kp + t * head_dim, head_dim, s0 + t);
+                    scores4(q1, kp + t * head_dim, head_dim, s1 + t);
+                }
+                for (; t < count; t++) {
+                    s0[t] = score1(q0, kp + t * head_dim, head_dim);
+                    s1[t] = score1(q1, kp + t * head_dim, head_dim);
+                }
+            }
+#endif
+            for (; h < rep; h++) {
                 const float *qh = q + ((int64_t)r * rep + h) * head_dim;
                 float *s = scores + ((int64_t)r * rep + h) * padded + start;
                 int64_t t = 0;
@@ -247,6 +395,32 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
             const float *vp = v_head + table[r][start / page_tokens] * page_stride;
             const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
             const int64_t first = lo[r] > start ? lo[r] - start : 0; /* the window's first key */
+#if WIDE
+            if (head_dim % 16 == 0 && head_dim <= 16 * WIDE_PARTS) {
+                /* Several heads at once: each value row is loaded once for all of them. */
+                const int group = WIDE_PARTS / (head_dim / 16);
+                for (int h0 = 0; h0 < rep; h0 += group) {
+                    const float *w[WIDE_PARTS];
+                    float *a[WIDE_PARTS];
+                    const int heads = rep - h0 < group ? rep - h0 : group;
+                    for (int h = 0; h < heads; h++) {
+                        w[h] = scores + ((int64_t)r * rep + h0 + h) * padded + start;
+                        a[h] = acc + ((int64_t)r * rep + h0 + h) * head_dim;
+                    }
+                    /* The head count as a constant, so the accumulators stay in registers. */
+                    switch (heads) {
+                    case 1: values16(vp, first, count, head_dim, 1, w, a); break;
+                    case 2: values16(vp, first, count, head_dim, 2, w, a); break;
+                    case 3: values16(vp, first, count, head_dim, 3, w, a); break;
+                    case 4: values16(vp, first, count, head_dim, 4, w, a); break;
+                    default:
+                        for (int h = 0; h < heads; h++)
+                            values16(vp, first, count, head_dim, 1, w + h, a + h);
+                    }
+                }
+                continue;
+            }
+#endif
             for (int h = 0; h < rep; h++) {
                 const float *w = scores + ((int64_t)r * rep + h) * padded + start;
                 float *a = acc + ((int64_t)r * rep + h) * head_dim;
