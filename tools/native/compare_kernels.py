@@ -6,9 +6,10 @@
 Why: the kernel's numbers are part of the block namespace (``paged_attention.NUMERICS``). A
 change made for speed must keep every bit, or cached blocks computed by the old kernel would be
 served beside the new one's; this checks it on random shapes (head sizes 8 to 128, pages of 16
-and 64, several sequences, rows anywhere) with both sources built with this machine's flags (AVX-512's
-included where it has them; this source without them too) and with the portable ones, then times both, alternated in one process, on the shapes of the
-bundled model's steps (minimum over 5 alternations of the median of ``--repeats`` calls).
+and 64, several sequences, rows anywhere) with both sources built with this machine's flags
+(AVX-512's included where it has them; this source without them too) and with the portable
+ones, then times both, alternated in one process, on the shapes of the bundled model's steps
+(minimum over 5 alternations of the median of ``--repeats`` calls).
 Exits 1 if any output differs.
 """
 
