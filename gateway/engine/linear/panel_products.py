@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from gateway.engine.linear import row_norms
 from gateway.engine.linear.coded_panels import BLOCK, CodedBlocks, Coding
 from gateway.engine.native.build import NativeBuildError, load
 
@@ -112,6 +113,7 @@ def panel_kernel_problem(device: torch.device, dtype: torch.dtype) -> str | None
         return f"the panel kernel computes in float32, not {str(dtype).removeprefix('torch.')}"
     try:
         kernel()
+        row_norms.kernel()  # the route's norms: products and norms are there together or not
     except NativeBuildError as exc:
         return str(exc)
     return None

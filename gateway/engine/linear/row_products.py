@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from gateway.engine.linear.panel_products import NUMERICS as PANEL_NUMERICS
 from gateway.engine.linear.panel_products import Panels, panel_kernel_problem, panel_product
+from gateway.engine.linear.row_norms import NUMERICS as NORM_NUMERICS
 from gateway.engine.linear.row_padding import (
     CPU_ROW_PADDING,
     RowPadding,
@@ -140,8 +141,8 @@ class RowProducts:
     def label(self) -> str:
         """Its part of the block namespace (empty for the CPU's BLAS, the earliest numerics)."""
         wider = "".join(f"+{out}x{in_}{padding.label}" for (out, in_), padding in self.wider)
-        if self.kernel == "panels":
-            return f"{PANEL_NUMERICS}-{self.padding.label}{wider}"
+        if self.kernel == "panels":  # its products, and its norms (``row_norms``)
+            return f"{PANEL_NUMERICS}+{NORM_NUMERICS}-{self.padding.label}{wider}"
         if self.kernel == "onednn":
             return f"dnnl-{self.padding.label}{wider}"
         if self.kernel == "gemm":

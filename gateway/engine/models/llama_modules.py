@@ -64,6 +64,10 @@ class RMSNorm(nn.Module):
     """transformers' ``LlamaRMSNorm``: the variance in float32, the weight applied after the
     cast back to the input's dtype."""
 
+    rms_in_float32 = True
+    """In float32 it is ``weight * (x * rsqrt(mean(x^2) + eps))``: what the panels route's row
+    kernel computes in its place (``gateway.engine.linear.row_norms``)."""
+
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = _frozen(weight)

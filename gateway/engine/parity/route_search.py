@@ -51,6 +51,7 @@ from gateway.engine.linear.packed_weights import (
     walk_projections,
 )
 from gateway.engine.linear.panel_products import Panels, coding_summary
+from gateway.engine.linear.row_norms import swap_in_row_norms, swap_out_row_norms
 from gateway.engine.linear.row_padding import CPU_ROW_PADDING, RowPadding, sampled_counts
 from gateway.engine.linear.row_products import (
     KERNELS,
@@ -261,6 +262,8 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
         if layout is PANEL_LAYOUT and (groups := join_panels(loaded.model)):
             logger.info("joined %d groups of projections of the same rows (q|k|v, gate|up) "
                         "into one product each", groups)
+        if layout is PANEL_LAYOUT and (norms := swap_in_row_norms(loaded.model)):
+            logger.info("%d RMSNorms computed by the row kernel", norms)
     products, attention = _parts(verdict, kernels)
     return BatchedForward(loaded.model, attention, products, loaded.features)
 
@@ -268,6 +271,7 @@ def build_forward(loaded: LoadedModel, verdict: RouteVerdict,
 def unpack_model(loaded: LoadedModel) -> None:
     """Put ``loaded``'s projection weights back plain, as it was loaded."""
     unjoin_panels(loaded.model)
+    swap_out_row_norms(loaded.model)
     unpack_projections(packable_projections(loaded.model))
     unpack_tied_head(loaded.model)
 

@@ -184,7 +184,7 @@ def tied(tmp_path: Path) -> LoadedModel:
 def test_the_search_lays_a_llamas_weights_out_in_panels(tied: LoadedModel) -> None:
     verdict = route_search.search_route(tied, EngineConfig().search_settings())
     assert (verdict.kernel, verdict.packed) == ("panels", True)
-    assert "pnl16-r1x1" in route_search.route_of(verdict).attention
+    assert "pnl16+rms8-r1x1" in route_search.route_of(verdict).attention
     route_search.build_forward(tied, verdict)
     projections = route_search.packable_projections(tied.model)
     assert packed_count(projections) == len(projections) > 0
