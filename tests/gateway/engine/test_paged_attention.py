@@ -307,7 +307,9 @@ def test_every_build_computes_the_same_bits(other_builds, kv_heads, rep, head_di
     every head size, grouping of heads, window, soft-cap and sink; decode rows of sequences
     that begin with the same pages (read together) among them."""
     generator = torch.Generator().manual_seed(seed)
-    tables, items, positions = [], [], []
+    tables: list[list[int]] = []
+    items: list[int] = []
+    positions: list[int] = []
     next_page = shared_pages
     for index, length in enumerate(lengths):
         count = -(-length // page)
