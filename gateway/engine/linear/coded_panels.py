@@ -20,6 +20,7 @@ weight (a float32 checkpoint's, or one trained further in float32) stays in whol
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -178,21 +179,11 @@ class CodedBlocks:
         panels)."""
         data = self.data[ids // PANEL]
         count, blocks, _ = data.shape
-        picked = torch.arange(count)
-        column = ids % PANEL
+        picked, column = torch.arange(count), ids % PANEL
         if self.coding.is_bfloat16:
             halves = data.view(torch.bfloat16).reshape(count, blocks, BLOCK, PANEL)
             return halves[picked, :, :, column].to(torch.float32).reshape(count, -1)
-        scale = data[..., :PANEL * 4].contiguous().view(torch.float32)[picked, :, column]
-        offset = data[..., PANEL * 4:PANEL * 8].contiguous().view(torch.float32)[
-            picked, :, column]
-        raw = data[..., PANEL * 8:]
-        if self.coding.bits == 4:
-            pairs = raw.reshape(count, blocks, BLOCK // 2, PANEL)[picked, :, :, column]
-            codes = torch.stack([pairs & 15, pairs >> 4], dim=-1).reshape(count, blocks, BLOCK)
-        else:
-            codes = raw.reshape(count, blocks, BLOCK, PANEL).view(torch.int8)[
-                picked, :, :, column]
+        scale, offset, codes = self._fields(data, lambda x: x[picked, ..., column])
         return expand(codes, scale, offset).reshape(count, blocks * BLOCK)
 
     def panels(self) -> torch.Tensor:
@@ -202,18 +193,26 @@ class CodedBlocks:
         if self.coding.is_bfloat16:
             halves = data.view(torch.bfloat16).reshape(count, blocks * BLOCK, PANEL)
             return halves.to(torch.float32)
-        scale = data[..., :PANEL * 4].contiguous().view(torch.float32)
-        offset = data[..., PANEL * 4:PANEL * 8].contiguous().view(torch.float32)
-        raw = data[..., PANEL * 8:]
-        if self.coding.bits == 4:
-            pairs = raw.reshape(count, blocks, BLOCK // 2, PANEL)
-            codes = torch.stack([pairs & 15, pairs >> 4], dim=3).reshape(count, blocks, BLOCK,
-                                                                         PANEL)
-        else:
-            codes = raw.reshape(count, blocks, BLOCK, PANEL).view(torch.int8)
+        scale, offset, codes = self._fields(data, lambda x: x)
         # [count, blocks, 16, 32] so that a column's block expands as one row of ``expand``
         numbers = expand(codes.transpose(2, 3), scale, offset)
         return numbers.transpose(2, 3).reshape(count, blocks * BLOCK, PANEL)
+
+    def _fields(self, data: torch.Tensor,
+                columns: Callable[[torch.Tensor], torch.Tensor],
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The scales and offsets ``[count, blocks, ...]`` and codes ``[count, blocks, 32,
+        ...]`` of the coded blocks ``data`` (``[count, blocks, bytes]``, 4 or 8 bits), each
+        field's last dimension (the panel's 16 columns) passed through ``columns`` first."""
+        count, blocks, _ = data.shape
+        scale = columns(data[..., :PANEL * 4].contiguous().view(torch.float32))
+        offset = columns(data[..., PANEL * 4:PANEL * 8].contiguous().view(torch.float32))
+        raw = data[..., PANEL * 8:]
+        if self.coding.bits == 4:  # two inputs a byte: the first in the low nibble
+            pairs = columns(raw.reshape(count, blocks, BLOCK // 2, PANEL))
+            codes = torch.stack([pairs & 15, pairs >> 4], dim=3)
+            return scale, offset, codes.reshape(count, blocks, BLOCK, *pairs.shape[3:])
+        return scale, offset, columns(raw.reshape(count, blocks, BLOCK, PANEL).view(torch.int8))
 
 
 def _lay_out(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
@@ -221,17 +220,15 @@ def _lay_out(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
     rows, inputs = codes.shape
     panels, blocks = -(-rows // PANEL), inputs // BLOCK
     padding = panels * PANEL - rows
-    if coding.is_bfloat16:
-        if padding:
-            codes = torch.cat([codes, codes.new_zeros(padding, inputs)])
-        by_input = codes.reshape(panels, PANEL, blocks, BLOCK).permute(0, 2, 3, 1)
-        return by_input.contiguous().view(torch.uint8).reshape(panels, blocks, -1)
     if padding:
         codes = torch.cat([codes, codes.new_zeros(padding, inputs)])
-        scale = torch.cat([scale, scale.new_zeros(padding, blocks)])
-        offset = torch.cat([offset, offset.new_zeros(padding, blocks)])
     # [panels, blocks, BLOCK, 16]: block b of panel p, input by input, its 16 columns' codes
     by_input = codes.reshape(panels, PANEL, blocks, BLOCK).permute(0, 2, 3, 1)
+    if coding.is_bfloat16:
+        return by_input.contiguous().view(torch.uint8).reshape(panels, blocks, -1)
+    if padding:
+        scale = torch.cat([scale, scale.new_zeros(padding, blocks)])
+        offset = torch.cat([offset, offset.new_zeros(padding, blocks)])
     if coding.bits == 4:
         low, high = by_input[:, :, 0::2, :], by_input[:, :, 1::2, :]
         raw = (low | (high << 4)).to(torch.uint8)

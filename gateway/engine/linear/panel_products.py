@@ -15,8 +15,9 @@ to 1,024 rows (180-200 GFLOPS): the weights are read at the memory's pace.
 A weight is multiplied in its panel layout (``Panels``, made once at start-up in place of the
 plain weight: ``gateway.engine.linear.packed_weights``); a plain weight handed to ``product``
 (the start-up search, tests) is laid out for the call. A weight whose numbers are a GGUF's
-4- or 8-bit blocks dequantised is kept as those codes (``gateway.engine.linear.coded_panels``):
-the same numbers multiplied, fewer bytes read.
+4- or 8-bit blocks dequantised, or all bfloat16s (a bfloat16 checkpoint served in float32), is
+kept as those codes or 16 bits (``gateway.engine.linear.coded_panels``): the same numbers
+multiplied, fewer bytes read.
 """
 
 from __future__ import annotations
