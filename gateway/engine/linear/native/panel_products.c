@@ -88,6 +88,31 @@ static inline void store_tile(float out[MAX_ROWS][MAX_PANELS][PANEL], int R, int
         }
 }
 
+/* A tile's 8-lane accumulators (two a panel's row) stored by store_tile. */
+static inline __attribute__((always_inline)) void store_acc8(
+        v8 acc[MAX_ROWS][MAX_PANELS][2], int R, int C, const float *bias, float *y,
+        int64_t y_stride, int64_t cols_left) {
+    float out[MAX_ROWS][MAX_PANELS][PANEL];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            memcpy(out[r][c], &acc[r][c][0], sizeof acc[r][c][0]);
+            memcpy(out[r][c] + 8, &acc[r][c][1], sizeof acc[r][c][1]);
+        }
+    store_tile(out, R, C, bias, y, y_stride, cols_left);
+}
+
+#ifdef __AVX512F__
+/* A tile's 16-lane accumulators (one a panel's row) stored by store_tile. */
+static inline __attribute__((always_inline)) void store_acc16(
+        v16 acc[MAX_ROWS][MAX_PANELS], int R, int C, const float *bias, float *y,
+        int64_t y_stride, int64_t cols_left) {
+    float out[MAX_ROWS][MAX_PANELS][PANEL];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) memcpy(out[r][c], &acc[r][c], sizeof acc[r][c]);
+    store_tile(out, R, C, bias, y, y_stride, cols_left);
+}
+#endif
+
 /* R rows x C panels with 8-lane vectors (R, C constants where it is inlined). */
 static inline __attribute__((always_inline)) void tile8(
         const int R, const int C, const float *x, int64_t x_stride, const float *panels,
@@ -109,13 +134,7 @@ static inline __attribute__((always_inline)) void tile8(
             }
         }
     }
-    float out[MAX_ROWS][MAX_PANELS][PANEL];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            memcpy(out[r][c], &acc[r][c][0], sizeof acc[r][c][0]);
-            memcpy(out[r][c] + 8, &acc[r][c][1], sizeof acc[r][c][1]);
-        }
-    store_tile(out, R, C, bias, y, y_stride, cols_left);
+    store_acc8(acc, R, C, bias, y, y_stride, cols_left);
 }
 
 #ifdef __AVX512F__
@@ -134,10 +153,7 @@ static inline __attribute__((always_inline)) void tile16(
             for (int c = 0; c < C; c++) acc[r][c] = fma16(xr, w[c], acc[r][c]);
         }
     }
-    float out[MAX_ROWS][MAX_PANELS][PANEL];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) memcpy(out[r][c], &acc[r][c], sizeof acc[r][c]);
-    store_tile(out, R, C, bias, y, y_stride, cols_left);
+    store_acc16(acc, R, C, bias, y, y_stride, cols_left);
 }
 #endif
 
@@ -346,10 +362,7 @@ static inline __attribute__((always_inline)) void coded_tile16(
             }
         }
     }
-    float out[MAX_ROWS][MAX_PANELS][PANEL];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) memcpy(out[r][c], &acc[r][c], sizeof acc[r][c]);
-    store_tile(out, R, C, bias, y, y_stride, cols_left);
+    store_acc16(acc, R, C, bias, y, y_stride, cols_left);
 }
 #endif
 
@@ -432,13 +445,7 @@ static inline __attribute__((always_inline)) void coded_tile8(
             }
         }
     }
-    float out[MAX_ROWS][MAX_PANELS][PANEL];
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            memcpy(out[r][c], &acc[r][c][0], sizeof acc[r][c][0]);
-            memcpy(out[r][c] + 8, &acc[r][c][1], sizeof acc[r][c][1]);
-        }
-    store_tile(out, R, C, bias, y, y_stride, cols_left);
+    store_acc8(acc, R, C, bias, y, y_stride, cols_left);
 }
 #endif
 
@@ -458,7 +465,6 @@ static inline __attribute__((always_inline)) void coded_tile(
 #endif
     const int64_t blocks = K / BLOCK, stride = blocks * block_bytes(bits);
     float w[MAX_PANELS][BLOCK][PANEL] __attribute__((aligned(64)));
-    float out[MAX_ROWS][MAX_PANELS][PANEL];
     v8 acc[MAX_ROWS][MAX_PANELS][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = splat8(0.0f);
@@ -480,12 +486,7 @@ static inline __attribute__((always_inline)) void coded_tile(
             }
         }
     }
-    for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            memcpy(out[r][c], &acc[r][c][0], sizeof acc[r][c][0]);
-            memcpy(out[r][c] + 8, &acc[r][c][1], sizeof acc[r][c][1]);
-        }
-    store_tile(out, R, C, bias, y, y_stride, cols_left);
+    store_acc8(acc, R, C, bias, y, y_stride, cols_left);
 }
 
 #define CODED_TILE(R, C) \
