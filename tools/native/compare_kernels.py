@@ -31,6 +31,7 @@ from gateway.engine.attention.paged import SOURCE as PAGED_SOURCE
 from gateway.engine.attention.paged import PagedKernel
 from gateway.engine.native.build import (
     BASE_FLAGS,
+    INCLUDE_FLAGS,
     compiler,
     cpu_flags,
     isa_flags,
@@ -45,7 +46,8 @@ TIMED = (("a 40-token suffix over 2,048 cached", [(2048, 40)]),
 def build(source: Path, out: Path, *, portable: bool, wide_vectors: bool = True) -> PagedKernel:
     flags = (BASE_FLAGS if portable
              else (*BASE_FLAGS, *isa_flags(cpu_flags(), wide_vectors=wide_vectors)))
-    subprocess.run([compiler(), *flags, str(source), "-o", str(out), "-lm"], check=True)
+    subprocess.run([compiler(), *flags, *INCLUDE_FLAGS, str(source), "-o", str(out), "-lm"],
+                   check=True)
     return PagedKernel(ctypes.CDLL(str(out)))
 
 

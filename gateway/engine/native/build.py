@@ -7,12 +7,13 @@ operation and are compiled with ``-ffp-contract=off`` and no fast-math, so only 
 does (see ``paged_attention.c``).
 
 Each source sits beside the module that calls it (``gateway/engine/attention/native/``,
-``gateway/engine/linear/native/``) and is named by its path. The library is built into
-``KVGATE_NATIVE_DIR`` (default ``~/.cache/kvgate/native``) under a name that digests the source,
-the flags and the compiler, so a changed source is rebuilt and a built one is loaded in
-milliseconds. It is written to a temporary name and renamed: a start interrupted mid-build
-leaves no half-written library behind. Where no C compiler is found the build fails with a
-message naming it, and the caller serves with the kernels torch has.
+``gateway/engine/linear/native/``) and is named by its path; the vector helpers they share
+are one header (``include/kvgate_lanes.h``). The library is built into ``KVGATE_NATIVE_DIR``
+(default ``~/.cache/kvgate/native``) under a name that digests the source, the shared headers,
+the flags and the compiler, so a changed source or header is rebuilt and a built one is
+loaded in milliseconds. It is written to a temporary name and renamed: a start interrupted
+mid-build leaves no half-written library behind. Where no C compiler is found the build fails
+with a message naming it, and the caller serves with the kernels torch has.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ BASE_FLAGS = ("-O3", "-std=gnu11", "-shared", "-fPIC", "-fno-fast-math", "-ffp-c
 """Every build's flags. NOTE: ``-fopenmp`` links ``libgomp.so.1``, the soname torch's own
 OpenMP runtime has, so the loader reuses torch's: one thread pool, sized by
 ``torch.set_num_threads``."""
+
+
+INCLUDE_DIR = Path(__file__).resolve().parent / "include"
+"""The headers every kernel may include (``kvgate_lanes.h``: the vector helpers they share);
+on every build's include path, and their text part of every library's digest."""
+
+INCLUDE_FLAGS = ("-I", str(INCLUDE_DIR))
+"""The compiler flags that put ``INCLUDE_DIR`` on the include path (kept out of the digest:
+where the checkout lies does not change what is built, the headers' text does)."""
 
 
 class NativeBuildError(RuntimeError):
@@ -95,8 +105,9 @@ def load(source: Path, *, portable: bool = False, wide_vectors: bool = False) ->
     flags = BASE_FLAGS if portable else (*BASE_FLAGS,
                                          *isa_flags(cpu_flags(), wide_vectors=wide_vectors))
     version = _compiler_version(cc)
-    digest = hashlib.sha256("\0".join([source.read_text(encoding="utf-8"), *flags, version])
-                            .encode()).hexdigest()[:16]
+    headers = [path.read_text(encoding="utf-8") for path in sorted(INCLUDE_DIR.glob("*.h"))]
+    digest = hashlib.sha256("\0".join([source.read_text(encoding="utf-8"), *headers, *flags,
+                                       version]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{source.stem}-{digest}.so"
     if not target.exists():
         _build(cc, flags, source, target)
@@ -126,7 +137,7 @@ def _build(cc: str, flags: tuple[str, ...], source: Path, target: Path) -> None:
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=f".{target.stem}-", suffix=".so")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, str(source), "-o", partial, "-lm"],
+        done = subprocess.run([cc, *flags, *INCLUDE_FLAGS, str(source), "-o", partial, "-lm"],
                               capture_output=True, text=True, timeout=300, check=False)
         if done.returncode != 0:
             raise NativeBuildError(f"{cc} could not build {source.name} (exit "

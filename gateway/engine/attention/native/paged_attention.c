@@ -35,40 +35,9 @@ Compiled with -ffp-contract=off and without -ffast-math: the compiler may not fu
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AVX__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef int32_t i8 __attribute__((vector_size(32)));
+#include "kvgate_lanes.h"
 
 #define EXP_FLOOR (-80.0f)
-
-static inline v8 load8(const float *p) {
-    v8 r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-
-static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-/* a * b + c, rounded once. */
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-#if defined(__AVX__) && defined(__FMA__)
-    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    v8 r;
-    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
-    return r;
-#endif
-}
-
-/* The lanes added in a fixed tree. */
-static inline float tree8(v8 a) {
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
 
 #if defined(__AVX512F__)
 /* AVX-512's paths (built where the CPU has it): sixteen lanes where eight did the same work
@@ -77,22 +46,6 @@ static inline float tree8(v8 a) {
    order. Only the speed differs; tests compare these builds with the portable one bit for
    bit. */
 #define WIDE 1
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t i16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) {
-    v16 r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline void store16(float *p, v16 v) { memcpy(p, &v, sizeof v); }
-
-static inline v16 splat16(float x) { return (v16)_mm512_set1_ps(x); }
-
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
 
 /* Eight floats at p in both halves. */
 static inline v16 twice8(const float *p) {

@@ -10,18 +10,7 @@ and the sum rounded once, as torch's elementwise product and sum round them (neg
 exact). Compiled with -ffp-contract=off and without -ffast-math, so the compiler may not fuse
 a product into the sum: the same numbers on every machine, vector units or not.
 */
-#include <stdint.h>
-#include <string.h>
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+#include "kvgate_lanes.h"
 
 /* x: rows x heads x dim floats (row r, head h at x + r * row_stride + h * head_stride, its dim
    floats contiguous); cos/sin: one table row per x row (at r * table_stride), dim floats;

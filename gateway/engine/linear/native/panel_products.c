@@ -23,52 +23,14 @@ step of few rows streams the weights from memory once, which is all a decode ste
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__AVX__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include "kvgate_lanes.h"
 
 #define PANEL 16
 #define MAX_PANELS 4
 
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-/* a * b + c, rounded once. */
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-#if defined(__AVX__) && defined(__FMA__)
-    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    v8 r;
-    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
-    return r;
-#endif
-}
-
 #ifdef __AVX512F__
 /* Tiles of up to 12 rows: 12 accumulators of 16 lanes, one panel's row of W, one x. */
 #define MAX_ROWS 12
-typedef float v16 __attribute__((vector_size(64)));
-
-static inline v16 load16(const float *p) {
-    v16 r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline v16 splat16(float x) {
-    return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-}
-
-static inline v16 fma16(v16 a, v16 b, v16 c) {
-    return (v16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
 #else
 /* Tiles of up to 6 rows: 12 accumulators of 8 lanes, two for each row of a panel. */
 #define MAX_ROWS 6

@@ -16,41 +16,7 @@ Fused multiply-add is exactly rounded by definition, so the numbers are the same
 machine (AVX2 or not: only the speed differs). Compiled with -ffp-contract=off and without
 -ffast-math: the compiler may not fuse or reorder.
 */
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-
-#if defined(__AVX__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
-
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 r;
-    memcpy(&r, p, sizeof r);
-    return r;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
-
-static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
-
-/* a * b + c, rounded once. */
-static inline v8 fma8(v8 a, v8 b, v8 c) {
-#if defined(__AVX__) && defined(__FMA__)
-    return (v8)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
-#else
-    v8 r;
-    for (int l = 0; l < 8; l++) r[l] = fmaf(a[l], b[l], c[l]);
-    return r;
-#endif
-}
-
-/* The lanes added in a fixed tree. */
-static inline float tree8(v8 a) {
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
+#include "kvgate_lanes.h"
 
 /* Each of `rows` rows of `width` floats (row r at x + r * x_stride) normalised into out
    (row r at out + r * out_stride) with the norm's `weight` and `eps`. */
