@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of
 from gateway.cli.numerics_args import resolve_bench_numerics
-from gateway.cli.openmp_wait import prefer_sleeping_threads
+from gateway.cli.openmp_wait import spin_briefly_then_sleep
 
 
 def run_bench(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
@@ -53,7 +53,7 @@ def run_bench(args: argparse.Namespace, *, env: Mapping[str, str]) -> int:
             flood=args.flood, flood_tokens=args.flood_tokens), out=sys.stdout)
         return 0
     if args.bench == "profile":  # the engine runs here: its threads wait as a server's do
-        prefer_sleeping_threads(os.environ)
+        spin_briefly_then_sleep(os.environ)
         from gateway.bench.step_profile import ProfileOptions, run_profile_benchmark
 
         run_profile_benchmark(ProfileOptions(

@@ -21,7 +21,7 @@ from gateway.cli.bench_args import (
 )
 from gateway.cli.common import EXIT_FAILED, EXIT_USAGE, api_key_of, read_messages
 from gateway.cli.numerics_args import add_numerics_arguments
-from gateway.cli.openmp_wait import prefer_sleeping_threads
+from gateway.cli.openmp_wait import spin_briefly_then_sleep
 
 
 def _version() -> str:
@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    prefer_sleeping_threads(os.environ)  # before anything imports torch
+    spin_briefly_then_sleep(os.environ)  # before anything imports torch
     from gateway.config.loader import load_serve_config
     from gateway.config.settings import ConfigError
     from gateway.core.errors import GatewayError

@@ -56,6 +56,7 @@ from gateway.engine.kv.sequence import KVSequence, pool_bytes_for
 from gateway.engine.kv.tail_cache import TailCache, TailCounters
 from gateway.engine.linear.row_products import KERNELS, Product
 from gateway.engine.models.loading import LoadedModel, refuse_unkept_states
+from gateway.engine.native.openmp_team import release_this_threads_team
 from gateway.engine.output.observer import EngineMetrics
 from gateway.engine.parity.recompute_speed import measure_recompute_speed
 from gateway.engine.parity.route_search import (
@@ -222,6 +223,7 @@ class Engine:
             raise
         if failures:
             raise failures[0]
+        release_this_threads_team()  # the caller's start-up team would throttle the engine's
 
     def _with_captured_steps(self, forward: StepForward) -> StepForward:
         """``forward``, its steps of up to ``max_running`` + ``CAPTURED_PREFILL_ROWS`` rows

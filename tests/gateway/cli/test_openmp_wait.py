@@ -1,24 +1,31 @@
-"""``kvgate serve`` lets the engine's OpenMP threads sleep between regions unless the operator
-said otherwise, and says so before torch (and its OpenMP runtime) is loaded."""
+"""``kvgate serve`` lets the engine's OpenMP threads spin briefly, then sleep, between regions
+unless the operator said otherwise, and says so before torch (and its OpenMP runtime) is
+loaded."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-from gateway.cli.openmp_wait import prefer_sleeping_threads
+from gateway.cli.openmp_wait import spin_briefly_then_sleep
 
 
-def test_threads_sleep_between_regions_by_default() -> None:
+def test_threads_spin_briefly_then_sleep_by_default() -> None:
     env: dict[str, str] = {}
-    prefer_sleeping_threads(env)
-    assert env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    spin_briefly_then_sleep(env)
+    assert env == {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "30000"}
 
 
-def test_an_operators_own_policy_is_kept() -> None:
+def test_an_operators_own_policy_is_kept_without_a_spin_count_overriding_it() -> None:
     env = {"OMP_WAIT_POLICY": "ACTIVE"}
-    prefer_sleeping_threads(env)
+    spin_briefly_then_sleep(env)
     assert env == {"OMP_WAIT_POLICY": "ACTIVE"}
+
+
+def test_an_operators_own_spin_count_is_kept() -> None:
+    env = {"GOMP_SPINCOUNT": "0"}
+    spin_briefly_then_sleep(env)
+    assert env == {"GOMP_SPINCOUNT": "0"}
 
 
 def test_the_command_line_loads_no_torch_before_it_sets_the_policy() -> None:
