@@ -62,4 +62,5 @@ def release_this_threads_team() -> bool:
         return False
     pause.argtypes = [ctypes.c_int]
     pause.restype = ctypes.c_int
-    return pause(OMP_PAUSE_SOFT) == 0
+    status: int = pause(OMP_PAUSE_SOFT)
+    return status == 0
