@@ -55,8 +55,11 @@ def release_this_threads_team() -> bool:
     if runtime is None:
         return False
     try:
-        library = ctypes.CDLL(str(runtime))
-        pause = library.omp_pause_resource_all
+        # As the dynamic linker resolves it for the whole process first (where a library
+        # preloaded to watch the runtime wraps it, the wrapper), else the runtime's own.
+        pause = getattr(ctypes.CDLL(None), "omp_pause_resource_all", None)
+        if pause is None:
+            pause = ctypes.CDLL(str(runtime)).omp_pause_resource_all
     except (OSError, AttributeError) as exc:
         logger.debug("cannot release OpenMP's threads through %s: %s", runtime, exc)
         return False

@@ -68,8 +68,9 @@ def _clean_env() -> dict[str, str]:
 class GatewayProcess:
     """One ``kvgate serve`` process at a time on ``data_dir`` (restartable)."""
 
-    def __init__(self, root: Path, model_dir: Path) -> None:
+    def __init__(self, root: Path, model_dir: Path, env: dict[str, str] | None = None) -> None:
         self.root = root
+        self.env = env or {}  # beside the environment, less its KVGATE_ variables
         self.data_dir = root / "data"
         self.model_dir = model_dir
         self.config = root / "kvgate.toml"
@@ -93,7 +94,7 @@ class GatewayProcess:
             self.proc = subprocess.Popen(
                 [KVGATE, "serve", "--config", str(self.config), "--port", "0",
                  "--data-dir", str(self.data_dir), "--model", str(self.model_dir)],
-                stdout=out, stderr=err, env=_clean_env(),
+                stdout=out, stderr=err, env={**_clean_env(), **self.env},
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
