@@ -21,18 +21,20 @@ VOCAB = 512
 
 
 def save_tiny_llama(directory: Path, *, seed: int = 0, chat_template: str = CHAT_TEMPLATE,
-                    tied: bool = False) -> Path:
+                    tied: bool = False, layers: int = 2, kv_heads: int = 2,
+                    hidden: int = 64) -> Path:
     """Write a tiny random Llama checkpoint (weights from ``seed``, the tokenizer's template
-    ``chat_template``; ``tied``: its logits head is its embeddings' table, as SmolLM2's) and
-    return its directory."""
+    ``chat_template``; ``tied``: its logits head is its embeddings' table, as SmolLM2's;
+    ``layers``, ``kv_heads`` and ``hidden`` where a test needs a bigger one) and return its
+    directory."""
     tokenizer = make_hf_tokenizer(chat_template=chat_template)
     config = LlamaConfig(
         vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
         num_attention_heads=4,
-        num_key_value_heads=2,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=2048,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),

@@ -2,13 +2,13 @@
 
 Why it matters: GNU OpenMP counts the workers of every thread's team, and once they outnumber
 the CPUs its workers stop spinning between parallel regions, so every region of a step waits
-for a worker to wake (docs/benchmarks.md, "One OpenMP team, spinning briefly"). A thread that
-starts a parallel region while serving -- a front, a tier's writer, the first thread -- would
-bring that back silently. A small library preloaded into the real ``kvgate serve``
-(``openmp_teams.c``) logs when each thread's team begins and ends; the test serves requests over
-gRPC and HTTP and reads the log. (The tiny model's start-up is too small to start a team on the
-first thread; that the engine releases such a team is ``tests/gateway/engine/
-test_openmp_team.py``'s.)"""
+for a worker to wake (docs/benchmarks.md, "One OpenMP team, spinning briefly (issue 45)"). A
+thread that holds a team while serving -- the first thread's from start-up, a front or a tier's
+writer starting a parallel region -- would bring that back silently. A small library preloaded
+into the real ``kvgate serve`` (``openmp_teams.c``) logs when each thread's team begins and
+ends; the test serves requests over gRPC and HTTP and reads the log. The model is a tiny Llama
+just big enough that start-up work on the first thread runs in parallel (zeroing the page pool's
+null page, as SmolLM2's does), so the first thread held a team before serving."""
 
 from __future__ import annotations
 
@@ -66,7 +66,10 @@ def watcher(tmp_path: Path) -> Path:
 @pytest.fixture
 def watched(tmp_path: Path, watcher: Path) -> Iterator[tuple[GatewayProcess, Path]]:
     log = tmp_path / "teams.log"
-    process = GatewayProcess(tmp_path, save_tiny_llama(tmp_path / "model"),
+    # 8 layers x 4 KV heads x head_dim 64 x K and V x 16 tokens: a null page of 65,536 floats,
+    # past the size from which torch splits a fill over its threads (32,768).
+    model = save_tiny_llama(tmp_path / "model", layers=8, kv_heads=4, hidden=256)
+    process = GatewayProcess(tmp_path, model,
                              env={"LD_PRELOAD": str(watcher), "OPENMP_TEAMS_LOG": str(log)})
     try:
         yield process, log
@@ -93,6 +96,8 @@ def test_only_the_engines_thread_holds_an_openmp_team_while_serving(
     assert code == 0, process.stderr
 
     teams = _teams(log)
+    assert len({team.thread for team in teams}) > 1, (
+        f"the first thread started no team: the test shows nothing ({teams})")
     held = [team for team in teams if team.held_during(serving_from, serving_until)]
     assert len({team.thread for team in held}) == 1, (
         f"teams held while serving: {held}; every team: {teams}")
