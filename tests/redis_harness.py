@@ -54,9 +54,19 @@ def redis_server_missing() -> str | None:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago (bind to 0, read, release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports on 127.0.0.1 that were free a moment ago: all bound at once
+    before any is released, so that no two are the same port (one at a time, the system may
+    hand a released port out again: a cluster's node then met its neighbour's bus port)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                 for _ in range(count)]
+        for sock in socks:
+            sock.bind((HOST, 0))
+        return [int(sock.getsockname()[1]) for sock in socks]
 
 
 # ---------------------------------------------------------------------------------- RESP
@@ -286,9 +296,11 @@ class RedisCluster:
 
     def __init__(self, workdir: Path, *, num_masters: int = 3, node_timeout_ms: int = 2000):
         self.workdir = Path(workdir)
+        ports = free_ports(2 * num_masters)  # each node's, then each node's cluster bus
         self.nodes = [
             RedisServer(
                 self.workdir / f"node-{i}",
+                port=ports[i],
                 extra_args=[
                     "--cluster-enabled",
                     "yes",
@@ -297,7 +309,7 @@ class RedisCluster:
                     "--cluster-node-timeout",
                     str(node_timeout_ms),
                     "--cluster-port",
-                    str(free_port()),
+                    str(ports[num_masters + i]),
                 ],
             )
             for i in range(num_masters)
