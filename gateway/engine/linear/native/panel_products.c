@@ -28,6 +28,19 @@ step of few rows streams the weights from memory once, which is all a decode ste
 #define PANEL 16
 #define MAX_PANELS 4
 
+/* Reading ahead. A step of few rows streams every weight from memory once, and a tile's loop
+   does too little work per byte for the CPU's own prefetcher to keep the stream going: measured
+   on an Intel Xeon (2 cores), the bfloat16 weights of a 30-layer model read at 10 GB/s by a tile
+   of 8 rows against 19 at one row. Asking for the next lines while the current ones are
+   multiplied brought 8 rows to 16 GB/s. Speed only: what is read and computed is unchanged
+   (a prefetch past the end of the weights reads nothing and cannot fault). */
+#define WHOLE_AHEAD 32 /* inputs ahead in a whole panel (2 KB: one line an input) */
+
+static inline __attribute__((always_inline)) void fetch_ahead(const void *start, int64_t bytes) {
+    for (int64_t line = 0; line < bytes; line += 64)
+        __builtin_prefetch((const char *)start + line, 0, 3);
+}
+
 #ifdef __AVX512F__
 /* Tiles of up to 12 rows: 12 accumulators of 16 lanes, one panel's row of W, one x. */
 #define MAX_ROWS 12
@@ -84,6 +97,7 @@ static inline __attribute__((always_inline)) void tile8(
         for (int c = 0; c < C; c++) acc[r][c][0] = acc[r][c][1] = splat8(0.0f);
     for (int64_t k = 0; k < K; k++) {
         v8 w[MAX_PANELS][2];
+        for (int c = 0; c < C; c++) __builtin_prefetch(panels + (c * K + k + WHOLE_AHEAD) * PANEL, 0, 3);
         for (int c = 0; c < C; c++) {
             w[c][0] = load8(panels + (c * K + k) * PANEL);
             w[c][1] = load8(panels + (c * K + k) * PANEL + 8);
@@ -109,6 +123,7 @@ static inline __attribute__((always_inline)) void tile16(
         for (int c = 0; c < C; c++) acc[r][c] = splat16(0.0f);
     for (int64_t k = 0; k < K; k++) {
         v16 w[MAX_PANELS];
+        for (int c = 0; c < C; c++) __builtin_prefetch(panels + (c * K + k + WHOLE_AHEAD) * PANEL, 0, 3);
         for (int c = 0; c < C; c++) w[c] = load16(panels + (c * K + k) * PANEL);
         for (int r = 0; r < R; r++) {
             const v16 xr = splat16(x[r * x_stride + k]);
@@ -277,6 +292,8 @@ static inline __attribute__((always_inline)) void coded_tile16(
             offset[c] = _mm512_loadu_ps(block + PANEL * 4);
             codes[c] = block + PANEL * 8;
         }
+        if (b + 1 < blocks) /* the next block of each panel */
+            for (int c = 0; c < C; c++) fetch_ahead(panels + c * stride + (b + 1) * size, size);
         const float *xb = x + b * BLOCK;
         if (bits == 16) {
             for (int k = 0; k < BLOCK; k++) {
@@ -359,6 +376,7 @@ static inline __attribute__((always_inline)) void coded_tile8(
                 offset[c][h] = _mm256_loadu_ps((const float *)block + PANEL + 8 * h);
             }
             codes[c] = block + (bits == 16 ? 0 : PANEL * 8);
+            if (b + 1 < blocks) fetch_ahead(block + size, size); /* the next block */
         }
         const float *xb = x + b * BLOCK;
         if (bits == 4) {
