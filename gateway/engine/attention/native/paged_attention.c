@@ -239,6 +239,35 @@ static float weigh(float *s, int64_t lo, int64_t n, int64_t padded, float softca
 }
 
 #if WIDE
+/* tree8x8 of both halves of eight sixteen-lane vectors: out0[i] = tree8(low8(a[i])) and
+   out1[i] = tree8(high8(a[i])) bit for bit -- the same additions of the same pairs, (l, l+4),
+   then (l, l+2) of those, then the last two -- done on whole 512-bit registers: ~25
+   instructions where splitting the halves into two eight-lane trees took ~45, most of them
+   shuffles on the port the multiply-adds need. */
+static inline __attribute__((always_inline)) void tree8x8_halves(const v16 *a, float *out0,
+                                                                 float *out1) {
+    /* s[j]'s four 128-bit lanes: a[2j]'s low half, a[2j]'s high half, a[2j+1]'s low half,
+       a[2j+1]'s high half, each as lanes l + (l + 4), l = 0..3. */
+    __m512 s[4];
+    for (int j = 0; j < 4; j++) {
+        const __m512 x = (__m512)a[2 * j], y = (__m512)a[2 * j + 1];
+        s[j] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 1, 3, 1)));
+    }
+    /* t[j]'s 128-bit lane m: s[2j]'s lane m, then s[2j+1]'s, each as its (0, 2) and (1, 3). */
+    __m512 t[2];
+    for (int j = 0; j < 2; j++)
+        t[j] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s[2 * j], s[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    /* sums' 128-bit lane m, element j: the tree of s[j]'s lane m. */
+    const __m512 sums = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_ps(t[0], t[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 ordered = _mm512_permutexvar_ps(
+        _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15), sums);
+    _mm256_storeu_ps(out0, _mm512_castps512_ps256(ordered));
+    _mm256_storeu_ps(out1, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ordered), 1)));
+}
+
 /* The scores of two query heads against eight keys: the two heads' lanes side by side in one
    register (each key's eight floats in both halves), each half the chains scores8 computes for
    its head. qq: the two heads' query chunks, paired (head_dim / 8 of them). */
@@ -248,13 +277,7 @@ scores8x2(const v16 *qq, const float *key, int head_dim, float *out0, float *out
     for (int i = 0; i < 8; i++) acc[i] = splat16(0.0f);
     for (int c = 0; c < head_dim / 8; c++)
         for (int i = 0; i < 8; i++) acc[i] = fma16(qq[c], twice8(key + i * head_dim + 8 * c), acc[i]);
-    v8 low[8], high[8];
-    for (int i = 0; i < 8; i++) {
-        low[i] = low8(acc[i]);
-        high[i] = high8(acc[i]);
-    }
-    tree8x8(low, out0);
-    tree8x8(high, out1);
+    tree8x8_halves(acc, out0, out1);
 }
 
 #define WIDE_PARTS 16 /* sixteen-lane accumulators the weighted values keep in registers */
@@ -283,6 +306,36 @@ values16(const float *vp, int64_t first, int64_t count, int head_dim, int heads,
 }
 #endif
 
+/* One query row's scores (qh: head_dim floats) against keys from..count-1 of one page, into
+   s[from..count-1]: each key's the chain score1 computes. */
+static inline __attribute__((always_inline)) void
+score_one(const float *qh, const float *kp, int64_t from, int64_t count, int head_dim, float *s) {
+    int64_t t = from;
+    for (; t + 8 <= count; t += 8) scores8(qh, kp + t * head_dim, head_dim, s + t);
+    for (; t + 4 <= count; t += 4) scores4(qh, kp + t * head_dim, head_dim, s + t);
+    for (; t < count; t++) s[t] = score1(qh, kp + t * head_dim, head_dim);
+}
+
+#if WIDE
+/* Two query rows' scores (two heads of one row, or one head of two rows reading the same page)
+   against keys 0..count-1 of one page, side by side in one register: each key's the chain
+   score1 computes for each (head_dim <= 128). */
+static inline __attribute__((always_inline)) void
+score_two(const float *q0, const float *q1, const float *kp, int64_t count, int head_dim,
+          float *s0, float *s1) {
+    v16 qq[16];
+    for (int c = 0; c < head_dim / 8; c++) qq[c] = halves(load8(q0 + 8 * c), load8(q1 + 8 * c));
+    int64_t t = 0;
+    for (; t + 8 <= count; t += 8) scores8x2(qq, kp + t * head_dim, head_dim, s0 + t, s1 + t);
+    score_one(q0, kp, t, count, head_dim, s0);
+    score_one(q1, kp, t, count, head_dim, s1);
+}
+#endif
+
+/* Row r's query for head h, and its scores, in attend_rows' scratch. */
+#define QUERY(r, h) (q + ((int64_t)(r) * rep + (h)) * head_dim)
+#define SCORES(r, h) (scores + ((int64_t)(r) * rep + (h)) * padded)
+
 /* `rows` consecutive query rows of one sequence (rows <= MAX_ROWS), for the `rep` query heads
    of one KV head.
 
@@ -301,39 +354,52 @@ attend_rows(const float *q, int rows, int rep, int head_dim, const float *k_head
     const int chunks = head_dim / 8;
     /* Scores, page by page: a page's keys are read from memory once for every row holding it. */
     for (int64_t start = 0; start < longest; start += page_tokens) {
+#if WIDE
+        /* With an odd number of heads, each row's last one waits for another row's that reads
+           the same page (a prefill's rows all do) to share a register with. */
+        int waiting = -1;
+        const float *waiting_kp = NULL;
+        int64_t waiting_count = 0;
+#endif
         for (int r = 0; r < rows; r++) {
             if (start >= n[r] || start + page_tokens <= lo[r]) continue;
             const float *kp = k_head + table[r][start / page_tokens] * page_stride;
             const int64_t count = n[r] - start < page_tokens ? n[r] - start : page_tokens;
             int h = 0;
 #if WIDE
-            for (; h + 2 <= rep && head_dim <= 128; h += 2) { /* two heads a register */
-                const float *q0 = q + ((int64_t)r * rep + h) * head_dim, *q1 = q0 + head_dim;
-                float *s0 = scores + ((int64_t)r * rep + h) * padded + start, *s1 = s0 + padded;
-                v16 qq[16];
-                for (int c = 0; c < chunks; c++) qq[c] = halves(load8(q0 + 8 * c), load8(q1 + 8 * c));
-                int64_t t = 0;
-                for (; t + 8 <= count; t += 8)
-                    scores8x2(qq, kp + t * head_dim, head_dim, s0 + t, s1 + t);
-                for (; t + 4 <= count; t += 4) {
-                    scores4(q0, kp + t * head_dim, head_dim, s0 + t);
-                    scores4(q1, kp + t * head_dim, head_dim, s1 + t);
-                }
-                for (; t < count; t++) {
-                    s0[t] = score1(q0, kp + t * head_dim, head_dim);
-                    s1[t] = score1(q1, kp + t * head_dim, head_dim);
+            if (head_dim <= 128) {
+                for (; h + 2 <= rep; h += 2) /* two heads a register */
+                    score_two(QUERY(r, h), QUERY(r, h + 1), kp, count, head_dim,
+                              SCORES(r, h) + start, SCORES(r, h + 1) + start);
+                if (h < rep) {
+                    if (waiting >= 0 && waiting_kp == kp) {
+                        const int64_t both = count < waiting_count ? count : waiting_count;
+                        score_two(QUERY(waiting, h), QUERY(r, h), kp, both, head_dim,
+                                  SCORES(waiting, h) + start, SCORES(r, h) + start);
+                        score_one(QUERY(waiting, h), kp, both, waiting_count, head_dim,
+                                  SCORES(waiting, h) + start);
+                        score_one(QUERY(r, h), kp, both, count, head_dim, SCORES(r, h) + start);
+                        waiting = -1;
+                    } else {
+                        if (waiting >= 0)
+                            score_one(QUERY(waiting, h), waiting_kp, 0, waiting_count, head_dim,
+                                      SCORES(waiting, h) + start);
+                        waiting = r;
+                        waiting_kp = kp;
+                        waiting_count = count;
+                    }
+                    h = rep;
                 }
             }
 #endif
-            for (; h < rep; h++) {
-                const float *qh = q + ((int64_t)r * rep + h) * head_dim;
-                float *s = scores + ((int64_t)r * rep + h) * padded + start;
-                int64_t t = 0;
-                for (; t + 8 <= count; t += 8) scores8(qh, kp + t * head_dim, head_dim, s + t);
-                for (; t + 4 <= count; t += 4) scores4(qh, kp + t * head_dim, head_dim, s + t);
-                for (; t < count; t++) s[t] = score1(qh, kp + t * head_dim, head_dim);
-            }
+            for (; h < rep; h++)
+                score_one(QUERY(r, h), kp, 0, count, head_dim, SCORES(r, h) + start);
         }
+#if WIDE
+        if (waiting >= 0)
+            score_one(QUERY(waiting, rep - 1), waiting_kp, 0, waiting_count, head_dim,
+                      SCORES(waiting, rep - 1) + start);
+#endif
     }
     for (int r = 0; r < rows; r++)
         for (int h = 0; h < rep; h++)
