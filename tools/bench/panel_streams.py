@@ -73,8 +73,8 @@ def main() -> int:
         generator = torch.Generator().manual_seed(count)
         rows = {k: torch.randn(count, k, generator=generator) for k in {s[1] for s in SHAPES}}
         for weight in panels[:len(SHAPES)]:  # the same bits from both, or no figures
-            this = kernels["this"](rows[weight.shape[1]], weight)
-            if not torch.equal(this, kernels["baseline"](rows[weight.shape[1]], weight)):
+            product = kernels["this"](rows[weight.shape[1]], weight)
+            if not torch.equal(product, kernels["baseline"](rows[weight.shape[1]], weight)):
                 raise SystemExit(f"the kernels' products differ at {count} rows")
         times: dict[str, list[float]] = {name: [] for name in kernels}
         for kernel in kernels.values():  # warm: built, loaded, pages touched
