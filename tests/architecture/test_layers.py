@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-LAYERS = ("cli", "bench", "service", "config", "engine", "cache", "core")
+LAYERS = ("cli", "bench", "service", "vllm_connector", "config", "engine", "cache", "core")
 ENGINE_LAYERS = ("scheduling", "parity", "models", "forward", "attention", "kv", "linear",
                  "output", "native")
 """gateway/engine/'s sub-packages, top to bottom (gateway/engine/__init__.py says what each
