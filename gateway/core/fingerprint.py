@@ -127,13 +127,15 @@ class Namespace:
         return self.quantization is None
 
 
-def _frame(*fields: bytes) -> bytes:
+def frame(*fields: bytes) -> bytes:
+    """``fields`` each behind its length (8 bytes, little-endian): what a keyed hash is taken
+    over, so that no field can run into the next."""
     return b"".join(len(f).to_bytes(8, "little") + f for f in fields)
 
 
 def derive_namespace(spec: NamespaceSpec) -> Namespace:
     """Compute the namespace digest of ``spec`` (keyed by the deployment secret)."""
-    framed = _frame(
+    framed = frame(
         _DOMAIN,
         spec.model_fingerprint.encode("utf-8"),
         spec.kv_dtype.encode("utf-8"),
@@ -167,7 +169,7 @@ def lossy_namespace(exact: Namespace, quantization: Quantization) -> Namespace:
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; known: {list(QUANTIZATIONS)}")
     digest = hashlib.blake2b(
-        _frame(_LOSSY_DOMAIN, quantization.encode("ascii")),
+        frame(_LOSSY_DOMAIN, quantization.encode("ascii")),
         key=exact.digest, digest_size=NAMESPACE_DIGEST_BYTES,
     ).digest()
     return Namespace(digest=digest, scope=exact.scope, quantization=quantization)

@@ -48,10 +48,14 @@ class VllmPageLayout:
     head_size: int
 
     @property
+    def kv_dtype(self) -> str:
+        """The KV dtype's name, as namespaces write it (``float32``)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def device_kind(self) -> str:
         """The namespace's device kind: every field that changes what a page's bytes mean."""
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (f"vllm-cpu/{self.vllm_version}/{self.backend}/{self.isa}/{dtype}"
+        return (f"vllm-cpu/{self.vllm_version}/{self.backend}/{self.isa}/{self.kv_dtype}"
                 f"/bs{self.block_size}")
 
     @property
@@ -76,7 +80,6 @@ class VllmPageLayout:
     def namespace(self, *, deployment_secret: bytes, model_fingerprint: str,
                   scope: Scope) -> Namespace:
         """The namespace these pages are stored under for ``scope``."""
-        dtype = str(self.dtype).removeprefix("torch.")
         return derive_namespace(NamespaceSpec(
             deployment_secret=deployment_secret, model_fingerprint=model_fingerprint,
-            kv_dtype=dtype, device_kind=self.device_kind, scope=scope))
+            kv_dtype=self.kv_dtype, device_kind=self.device_kind, scope=scope))

@@ -17,7 +17,7 @@ import hmac
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gateway.core.fingerprint import Scope
+from gateway.core.fingerprint import Scope, frame
 
 SCOPE_PARAM = "kvgate.scope"
 """The ``kv_transfer_params`` entry naming the scope: ``shared`` or ``tenant:<id>``."""
@@ -123,6 +123,5 @@ def verify(params: Mapping[str, object] | None, key: bytes, *, now_ms: int) -> S
 
 
 def _tag(key: bytes, text: str, expires_at_ms: int) -> bytes:
-    framed = b"".join(len(field).to_bytes(8, "little") + field
-                      for field in (_DOMAIN, text.encode("utf-8"), str(expires_at_ms).encode()))
+    framed = frame(_DOMAIN, text.encode("utf-8"), str(expires_at_ms).encode("ascii"))
     return hashlib.blake2b(framed, key=key, digest_size=TAG_BYTES).digest()

@@ -32,8 +32,10 @@ step of few rows streams the weights from memory once, which is all a decode ste
    does too little work per byte for the CPU's own prefetcher to keep the stream going: measured
    on an Intel Xeon (2 cores), the bfloat16 weights of a 30-layer model read at 10 GB/s by a tile
    of 8 rows against 19 at one row. Asking for the next lines while the current ones are
-   multiplied brought 8 rows to 16 GB/s. Speed only: what is read and computed is unchanged
-   (a prefetch past the end of the weights reads nothing and cannot fault). */
+   multiplied brought 8 rows to 15-16 GB/s. Speed only: what is read and computed is unchanged
+   (a prefetch past the end of the weights reads nothing and cannot fault). fetch_ahead is
+   always inlined: called, it made the compiler spill every accumulator around the call (the
+   vector registers are the caller's to save), and the read-ahead gained nothing. */
 #define WHOLE_AHEAD 32 /* inputs ahead in a whole panel (2 KB: one line an input) */
 
 static inline __attribute__((always_inline)) void fetch_ahead(const void *start, int64_t bytes) {
