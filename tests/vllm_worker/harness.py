@@ -1,0 +1,107 @@
+"""Running vLLM with kvgate's connector from the tests: a worker's kvgate.toml, and one life of
+a vLLM engine in vLLM's own venv (``life.py``), stopped by its process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.vllm_worker.life import RESULT_PREFIX
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM_PYTHON_ENV = "KVGATE_VLLM_PYTHON"
+"""The python of vLLM's venv (``make test-vllm`` sets it); unset, the vLLM tests skip."""
+SECRET_HEX = bytes(range(40, 72)).hex()
+LIFE_TIMEOUT_S = 300.0
+
+
+def write_worker_config(directory: Path, *, block_tokens: int, extra_cache: str = "",
+                        extra_tiers: str = "") -> Path:
+    """A vLLM worker's kvgate.toml in ``directory``: a device tier and a disk tier of its own
+    (``directory/kv``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "kvgate.toml"
+    path.write_text(f"""
+[server]
+data_dir = "{directory / 'data'}"
+
+[cache]
+block_tokens = {block_tokens}
+measure_at_start = false
+{extra_cache}
+
+[[cache.tier]]
+kind = "device"
+bytes = "8MiB"
+
+[[cache.tier]]
+kind = "disk"
+bytes = "64MiB"
+path = "{directory / 'kv'}"
+fsync = false
+{extra_tiers}
+""")
+    return path
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One request's result in a life."""
+
+    tokens: list[int]
+    connector: dict[str, int] | None
+    cached: int
+    seconds: float
+
+    @property
+    def loaded_tokens(self) -> int:
+        return (self.connector or {}).get("kvgate.loaded_tokens", 0)
+
+    @property
+    def failed_blocks(self) -> int:
+        return (self.connector or {}).get("kvgate.failed_blocks", 0)
+
+
+def vllm_python() -> str | None:
+    return os.environ.get(VLLM_PYTHON_ENV) or None
+
+
+def live(job: dict[str, Any], *, env: dict[str, str] | None = None,
+         timeout_s: float = LIFE_TIMEOUT_S) -> list[Answer]:
+    """Run one life of vLLM on ``job`` (``life.py``'s input) and return its answers.
+
+    Raises:
+        AssertionError: the life failed (its output's tail in the message) or timed out.
+    """
+    python = vllm_python()
+    assert python is not None, f"{VLLM_PYTHON_ENV} is not set"
+    environment = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
+                   "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                   "KVGATE_DEPLOYMENT_SECRET": SECRET_HEX, **(env or {})}
+    process = subprocess.Popen(
+        [python, "-m", "tests.vllm_worker.life"], cwd=REPO, env=environment,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    try:
+        output, _ = process.communicate(json.dumps(job), timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise AssertionError(f"vLLM's life did not end in {timeout_s:.0f} s") from None
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    answers = [Answer(**json.loads(line[len(RESULT_PREFIX):]))
+               for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
+    if process.returncode != 0 or len(answers) != len(job["requests"]):
+        sys.stderr.write(output[-20000:])
+        raise AssertionError(f"vLLM's life failed (exit {process.returncode}): "
+                             f"{output[-3000:]}")
+    return answers

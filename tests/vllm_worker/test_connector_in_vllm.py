@@ -1,0 +1,94 @@
+"""kvgate's connector inside a real vLLM (its CPU build, ``make test-vllm``): a tiny random Llama
+served by an eager ``vllm.LLM`` in float32, greedy, each life a process of its own
+(gateway/vllm_connector/, docs/vllm-worker.md)."""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.core.fingerprint import Scope
+from gateway.vllm_connector.scope_tag import TAG_PARAM, scope_key, sign
+from tests.tiny_llama import save_tiny_llama
+from tests.vllm_worker.harness import SECRET_HEX, Answer, live, vllm_python, write_worker_config
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(vllm_python() is None,
+                       reason="make test-vllm runs these (vLLM's CPU build, in its own venv)"),
+]
+
+BLOCK = 32
+PROMPT = list(range(5, 205))  # 200 tokens: six whole blocks before the last token
+LOADABLE = 6 * BLOCK
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # vLLM's CPU attention takes heads of 32 and up: hidden 128 over 4 heads
+    return str(save_tiny_llama(tmp_path_factory.mktemp("tiny"), hidden=128))
+
+
+def job(model: str, requests: list[dict[str, Any]], config: Path | None = None,
+        **options: Any) -> dict[str, Any]:
+    return {"model": model, "block_size": BLOCK, "requests": requests,
+            "kvgate_config": str(config) if config is not None else None, **options}
+
+
+@pytest.fixture(scope="module")
+def cold(model: str) -> list[int]:
+    """The prompt's answer from vLLM without the connector."""
+    (answer,) = live(job(model, [{"tokens": PROMPT}]))
+    return answer.tokens
+
+
+def signed(scope: Scope) -> dict[str, str]:
+    key = scope_key(bytes.fromhex(SECRET_HEX))
+    return sign(scope, key, expires_at_ms=int(time.time() * 1000) + 600_000)
+
+
+def test_a_restarted_vllm_loads_the_prompt_from_kvgates_disk_and_answers_the_same(
+        model: str, cold: list[int], tmp_path: Path) -> None:
+    config = write_worker_config(tmp_path, block_tokens=BLOCK)
+    first, again = live(job(model, [{"tokens": PROMPT}] * 2, config, default_scope="shared"))
+    (restarted,) = live(job(model, [{"tokens": PROMPT}], config, default_scope="shared"))
+    assert (first.loaded_tokens, again.loaded_tokens, restarted.loaded_tokens) == (
+        0, LOADABLE, LOADABLE)
+    assert restarted.cached == LOADABLE  # vLLM counts them as cached prompt tokens
+    assert first.tokens == again.tokens == restarted.tokens == cold
+
+
+def test_a_flipped_bit_on_disk_is_recomputed_and_counted(
+        model: str, cold: list[int], tmp_path: Path) -> None:
+    config = write_worker_config(tmp_path, block_tokens=BLOCK)
+    live(job(model, [{"tokens": PROMPT}], config, default_scope="shared"))
+    files = sorted((tmp_path / "kv").rglob("*.kvb"))
+    assert len(files) == 6
+    victim = random.Random(0).choice(files)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+    (answer,) = live(job(model, [{"tokens": PROMPT}], config, default_scope="shared"))
+    assert answer.failed_blocks >= 1
+    assert answer.loaded_tokens < LOADABLE
+    assert answer.tokens == cold
+
+
+def test_tenants_get_no_hits_on_each_others_blocks_and_a_forged_tag_gets_the_default(
+        model: str, cold: list[int], tmp_path: Path) -> None:
+    config = write_worker_config(tmp_path, block_tokens=BLOCK)
+    tenant_a, tenant_b = signed(Scope.of_tenant("a")), signed(Scope.of_tenant("b"))
+    forged = {**tenant_a, TAG_PARAM: "00" * 32}
+    answers: list[Answer] = live(job(model, [
+        {"tokens": PROMPT, "params": tenant_a},
+        {"tokens": PROMPT, "params": tenant_b},
+        {"tokens": PROMPT, "params": tenant_a},
+        {"tokens": PROMPT, "params": forged},
+        {"tokens": PROMPT},
+    ], config, default_scope="none"))
+    assert [a.loaded_tokens for a in answers] == [0, 0, LOADABLE, 0, 0]
+    assert all(a.tokens == cold for a in answers)
