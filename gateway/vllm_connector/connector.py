@@ -39,6 +39,7 @@ from gateway.vllm_connector.orders import StepOrders, WorkerReport
 from gateway.vllm_connector.page_layout import VllmPageLayout
 from gateway.vllm_connector.pages import layer_problems
 from gateway.vllm_connector.planning import LoadPlanner, ScheduledNew, ScheduledRunning
+from gateway.vllm_connector.remote_keys import RedisKeyProbe
 from gateway.vllm_connector.scope_tag import verify
 from gateway.vllm_connector.worker_cache import WorkerCache
 
@@ -85,9 +86,12 @@ class KvgateConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._refusals: dict[str, int] = {}
         if role == KVConnectorRole.SCHEDULER:
+            redis = self._deployment.redis_tier()
+            self._known = KnownKeys(disk_roots=self._deployment.disk_roots(),
+                                    remote=RedisKeyProbe(redis) if redis is not None else None)
             self._planner = LoadPlanner(
                 block_tokens=self._block_tokens, namespace_of=self._deployment.namespace_of,
-                known=KnownKeys(disk_roots=self._deployment.disk_roots()))
+                known=self._known)
 
     # ---- worker side ------------------------------------------------------------------
 
@@ -138,6 +142,8 @@ class KvgateConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+        if self._planner is not None:
+            self._known.close()
 
     def _orders(self) -> StepOrders:
         if not self.has_connector_metadata():

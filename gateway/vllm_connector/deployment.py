@@ -23,6 +23,7 @@ from gateway.core.fingerprint import Namespace, Scope
 from gateway.engine.models.loading import ModelLoadError, ModelSource, fingerprint_source
 from gateway.vllm_connector.page_layout import VllmPageLayout
 from gateway.vllm_connector.scope_tag import parse_default_scope, scope_key
+from tiers.kinds.remote import RedisTierConfig
 
 CONFIG_KEY = "kvgate_config"
 """``kv_connector_extra_config`` entry: the path of this worker's ``kvgate.toml``."""
@@ -145,6 +146,13 @@ class ConnectorDeployment:
         paths = (getattr(tier, "path", None) for tier in self.config.cache.tiers
                  if tier.kind == "disk")
         return [Path(path) for path in paths if path is not None]
+
+    def redis_tier(self) -> RedisTierConfig | None:
+        """The worker's Redis tier, if it has one."""
+        for tier in self.config.cache.tiers:
+            if isinstance(tier, RedisTierConfig) and tier.url is not None:
+                return tier
+        return None
 
     def open_cache(self, *, running_pages: int) -> OpenedCache:
         """The worker's cache, its pool with room for ``running_pages`` pages beyond the

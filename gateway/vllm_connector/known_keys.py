@@ -7,7 +7,8 @@ worker reported storing (a step late), and the disk tier's files, whose names ar
 (``tiers.disk_layout``) -- so after a restart the first request already finds what the last run
 left on disk. A file is not verified here: a stale or forged one is found out by the worker,
 whose load then falls short; the short blocks are reported, vLLM recomputes them, and their
-keys leave the view (``forget``).
+keys leave the view (``forget``). Past what it knows locally it asks Redis, where replicas
+share blocks (``remote_keys``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from gateway.vllm_connector.remote_keys import RedisKeyProbe
 from policies.base import BlockKey
 from tiers.disk_layout import ShardLayout
 from tiers.fileops import RealFileOps
@@ -30,28 +32,37 @@ class KnownKeys:
 
     Args:
         disk_roots: the worker's disk tiers' directories (read, never written).
+        remote: asks the worker's Redis tier, if it has one.
         max_remembered: keys remembered from reports at most.
     """
 
-    def __init__(self, *, disk_roots: Sequence[Path] = (),
+    def __init__(self, *, disk_roots: Sequence[Path] = (), remote: RedisKeyProbe | None = None,
                  max_remembered: int = MAX_REMEMBERED) -> None:
         if max_remembered < 1:
             raise ValueError(f"max_remembered must be >= 1, got {max_remembered}")
         self._remembered: dict[BlockKey, None] = {}  # insertion-ordered: oldest first
         self._refused: dict[BlockKey, None] = {}  # found wanting: their files are not believed
         self._max = max_remembered
+        self._remote = remote
         ops = RealFileOps()
         self._disks = [ShardLayout(str(root), ops, fsync=False) for root in disk_roots]
 
     def __len__(self) -> int:
         return len(self._remembered)
 
-    def count_leading(self, keys: Sequence[BlockKey]) -> int:
-        """How many of ``keys``, from the first, the worker's cache is believed to hold."""
-        for index, key in enumerate(keys):
-            if key not in self._remembered and (key in self._refused or not self._on_disk(key)):
-                return index
-        return len(keys)
+    def count_leading(self, keys: Sequence[BlockKey], *, namespace_digest: bytes | None = None
+                      ) -> int:
+        """How many of ``keys``, from the first, the worker's cache is believed to hold
+        (Redis is asked past the local ones where ``namespace_digest`` is given)."""
+        index = next((i for i, key in enumerate(keys) if not self._believed(key)), len(keys))
+        if (index == len(keys) or self._remote is None or namespace_digest is None
+                or keys[index] in self._refused):
+            return index
+        return index + self._remote.count_leading(namespace_digest, keys[index:])
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
 
     def remember(self, keys: Iterable[BlockKey]) -> None:
         """The worker holds ``keys`` now."""
@@ -68,6 +79,9 @@ class KnownKeys:
             self._remembered.pop(key, None)
             self._refused[key] = None
         _bound(self._refused, self._max)
+
+    def _believed(self, key: BlockKey) -> bool:
+        return key in self._remembered or (key not in self._refused and self._on_disk(key))
 
     def _on_disk(self, key: BlockKey) -> bool:
         return any(os.path.exists(disk.path_for(key)) for disk in self._disks)

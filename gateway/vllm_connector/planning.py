@@ -117,7 +117,8 @@ class LoadPlanner:
             self._requests[request_id] = request
         cap = max(0, (len(request.tokens) - 1) // self._block_tokens)
         own = num_computed_tokens // self._block_tokens
-        held = self._known.count_leading(request.keys[:cap])
+        held = self._known.count_leading(
+            request.keys[:cap], namespace_digest=self._fingerprinter(scope).namespace.digest)
         request.num_own_blocks = own
         request.num_hit_blocks = max(0, held - own)
         request.is_load_pending = False

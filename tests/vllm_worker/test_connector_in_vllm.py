@@ -13,6 +13,7 @@ import pytest
 
 from gateway.core.fingerprint import Scope
 from gateway.vllm_connector.scope_tag import TAG_PARAM, scope_key, sign
+from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
 from tests.vllm_worker.harness import SECRET_HEX, Answer, live, vllm_python, write_worker_config
 
@@ -92,3 +93,15 @@ def test_tenants_get_no_hits_on_each_others_blocks_and_a_forged_tag_gets_the_def
     ], config, default_scope="none"))
     assert [a.loaded_tokens for a in answers] == [0, 0, LOADABLE, 0, 0]
     assert all(a.tokens == cold for a in answers)
+
+
+def test_a_second_vllm_server_loads_what_the_first_stored_in_redis(
+        model: str, cold: list[int], tmp_path: Path, redis_server: RedisServer) -> None:
+    redis_tier = f'\n[[cache.tier]]\nkind = "redis"\nurl = "{redis_server.url}"\n'
+    first = write_worker_config(tmp_path / "first", block_tokens=BLOCK, extra_tiers=redis_tier)
+    second = write_worker_config(tmp_path / "second", block_tokens=BLOCK,
+                                 extra_tiers=redis_tier)
+    (stored,) = live(job(model, [{"tokens": PROMPT}], first, default_scope="shared"))
+    (loaded,) = live(job(model, [{"tokens": PROMPT}], second, default_scope="shared"))
+    assert (stored.loaded_tokens, loaded.loaded_tokens) == (0, LOADABLE)
+    assert stored.tokens == loaded.tokens == cold

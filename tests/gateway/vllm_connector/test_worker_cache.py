@@ -23,45 +23,23 @@ from gateway.vllm_connector.orders import LoadOrder, SaveOrder, WorkerReport
 from gateway.vllm_connector.page_layout import VllmPageLayout
 from gateway.vllm_connector.worker_cache import WorkerCache
 from policies.base import BlockKey
+from tests.vllm_worker.harness import SECRET_HEX, write_worker_config
 from tiers.disk_layout import ShardLayout
 from tiers.fileops import RealFileOps
 
 LAYERS, KV_HEADS, BLOCK, HEAD = 2, 2, 32, 16
 VLLM_BLOCKS = 12
-SECRET_HEX = bytes(range(7, 39)).hex()
 LAYOUT = VllmPageLayout(vllm_version="0.32.0", backend="CPU_ATTN", isa="vec",
                         dtype=torch.float32, block_size=BLOCK, num_layers=LAYERS,
                         kv_heads=KV_HEADS, head_size=HEAD)
 TOKENS = tuple(range(3, 3 + 4 * BLOCK + 7))  # four whole blocks and a partial one
 
 
-def write_config(directory: Path, *, block_tokens: int = BLOCK, extra: str = "") -> Path:
-    path = directory / "kvgate.toml"
-    path.write_text(f"""
-[server]
-data_dir = "{directory / 'data'}"
-
-[cache]
-block_tokens = {block_tokens}
-measure_at_start = false
-
-[[cache.tier]]
-kind = "device"
-bytes = "8MiB"
-
-[[cache.tier]]
-kind = "disk"
-bytes = "64MiB"
-path = "{directory / 'kv'}"
-fsync = false
-{extra}
-""")
-    return path
-
-
-def deployment(directory: Path, **config: object) -> ConnectorDeployment:
-    settings = ConnectorSettings(config_path=write_config(directory, **config),  # type: ignore[arg-type]
-                                 default_scope=None, model_fingerprint="tiny")
+def deployment(directory: Path, *, block_tokens: int = BLOCK, extra_tiers: str = ""
+               ) -> ConnectorDeployment:
+    config = write_worker_config(directory, block_tokens=block_tokens, extra_tiers=extra_tiers)
+    settings = ConnectorSettings(config_path=config, default_scope=None,
+                                 model_fingerprint="tiny")
     return ConnectorDeployment.open(settings, LAYOUT, model="unused",
                                     env={"KVGATE_DEPLOYMENT_SECRET": SECRET_HEX})
 
@@ -191,7 +169,7 @@ def test_a_block_size_other_than_vllms_is_refused(tmp_path: Path) -> None:
 
 def test_a_lossy_tier_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConnectorRefused, match="lossy"):
-        deployment(tmp_path, extra='quantize = "int8"')
+        deployment(tmp_path, extra_tiers='quantize = "int8"')
 
 
 def test_a_missing_kvgate_config_is_named(tmp_path: Path) -> None:
@@ -202,7 +180,8 @@ def test_a_missing_kvgate_config_is_named(tmp_path: Path) -> None:
 
 
 def test_a_model_without_a_fingerprint_is_refused(tmp_path: Path) -> None:
-    settings = ConnectorSettings(config_path=write_config(tmp_path), default_scope=None)
+    settings = ConnectorSettings(config_path=write_worker_config(tmp_path, block_tokens=BLOCK),
+                                 default_scope=None)
     with pytest.raises(ConnectorRefused, match="model_fingerprint"):
         ConnectorDeployment.open(settings, LAYOUT, model="org/some-hub-model",
                                  env={"KVGATE_DEPLOYMENT_SECRET": SECRET_HEX})
