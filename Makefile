@@ -201,8 +201,7 @@ CONNECTOR_DEPS ?= redis==8.1.0 hiredis==3.5.0 lz4==4.4.5
 
 test-vllm: $(STAMP) redis-server $(VLLM_VENV)/.connector-deps-installed
 	KVGATE_REQUIRE_REDIS=1 KVGATE_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python \
-	  $(VENV)/bin/pytest -q tests/vllm_worker
-	  $(PYTEST_ARGS)
+	  $(VENV)/bin/pytest -q tests/vllm_worker $(PYTEST_ARGS)
 
 $(VLLM_VENV)/.connector-deps-installed: $(VLLM_VENV)/.vllm-installed
 	$(VLLM_VENV)/bin/pip install --quiet $(CONNECTOR_DEPS)
