@@ -81,7 +81,9 @@ class _Request:
     """Blocks vLLM's own prefix cache had (``num_computed_tokens`` at ``match``)."""
     is_load_pending: bool = False
     is_saved: bool = False
-    num_loaded_tokens: int = 0
+    num_ordered_blocks: int = 0
+    """Blocks the worker was told to load (the worker's report on them can come after the
+    request finished: vLLM reads a step's connector output after it frees the finished)."""
     num_failed_blocks: int = 0
 
 
@@ -168,16 +170,18 @@ class LoadPlanner:
         for request_id, outcome in report.loads.items():
             request = self._requests.get(request_id)
             if request is not None:
-                request.num_loaded_tokens += outcome.num_loaded * self._block_tokens
                 request.num_failed_blocks += len(outcome.failed_block_ids)
 
     def finished(self, request_id: str) -> dict[str, int] | None:
         """Forget the request; what the connector did for it (tokens loaded, blocks that
-        failed to load), for its output's ``kv_transfer_params``."""
+        failed to load and were recomputed), for its output's ``kv_transfer_params``."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return None
-        return {"kvgate.loaded_tokens": request.num_loaded_tokens,
+        # A load that fails makes vLLM recompute, so a finished request has had every report
+        # of a failed load; the loads of its last step are the ones that succeeded.
+        num_loaded = max(0, request.num_ordered_blocks - request.num_failed_blocks)
+        return {"kvgate.loaded_tokens": num_loaded * self._block_tokens,
                 "kvgate.failed_blocks": request.num_failed_blocks}
 
     def _order(self, request_id: str, request: _Request, num_computed: int,
@@ -188,6 +192,7 @@ class LoadPlanner:
             request.is_load_pending = False
             first, end = request.num_own_blocks, request.num_own_blocks + request.num_hit_blocks
             if end <= len(request.block_ids):
+                request.num_ordered_blocks += end - first
                 loads.append(LoadOrder(request_id=request_id, scope=scope,
                                        tokens=request.tokens[:end * bt], first_block=first,
                                        block_ids=tuple(request.block_ids[first:end])))

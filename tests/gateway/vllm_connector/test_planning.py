@@ -175,10 +175,23 @@ def test_a_finished_request_says_what_was_loaded_and_what_failed() -> None:
     tokens = prompt(200)
     plans = planner(held(TENANT_A, tokens))
     plans.match("r", tokens, TENANT_A, num_computed_tokens=0)
+    plans.allocated("r", 6 * BLOCK)
+    plans.step([new("r", 7, computed=6 * BLOCK, scheduled=8)], [])
     plans.absorb(WorkerReport(loads={"r": LoadOutcome(num_loaded=4, failed_block_ids=(14, 15))}))
     assert plans.finished("r") == {"kvgate.loaded_tokens": 4 * BLOCK,
                                    "kvgate.failed_blocks": 2}
     assert plans.finished("r") is None  # forgotten
+
+
+def test_a_request_finished_before_its_report_counts_what_was_ordered() -> None:
+    tokens = prompt(200)
+    plans = planner(held(TENANT_A, tokens))
+    plans.match("r", tokens, TENANT_A, num_computed_tokens=0)
+    plans.allocated("r", 6 * BLOCK)
+    plans.step([new("r", 7, computed=6 * BLOCK, scheduled=8)], [])
+    # one token asked for: vLLM frees the request before it reads the step's report
+    assert plans.finished("r") == {"kvgate.loaded_tokens": 6 * BLOCK,
+                                   "kvgate.failed_blocks": 0}
 
 
 def test_orders_survive_the_trip_between_processes() -> None:
