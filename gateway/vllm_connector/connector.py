@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,11 +30,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from gateway.cache.operations.invalidation import EvictionFeed
 from gateway.vllm_connector.deployment import (
     ConnectorDeployment,
     ConnectorRefused,
     ConnectorSettings,
 )
+from gateway.vllm_connector.key_changes import KeyChanges
 from gateway.vllm_connector.known_keys import KnownKeys
 from gateway.vllm_connector.orders import StepOrders, WorkerReport
 from gateway.vllm_connector.page_layout import VllmPageLayout
@@ -41,6 +44,7 @@ from gateway.vllm_connector.pages import layer_problems
 from gateway.vllm_connector.planning import LoadPlanner, ScheduledNew, ScheduledRunning
 from gateway.vllm_connector.remote_keys import RedisKeyProbe
 from gateway.vllm_connector.scope_tag import verify
+from gateway.vllm_connector.worker_admin import follow_evictions
 from gateway.vllm_connector.worker_cache import WorkerCache
 
 if TYPE_CHECKING:
@@ -82,6 +86,7 @@ class KvgateConnector(KVConnectorBase_V1):
         self._max_model_len = vllm_config.model_config.max_model_len
         self._planner: LoadPlanner | None = None
         self._worker: WorkerCache | None = None
+        self._feed: EvictionFeed | None = None
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
         self._refusals: dict[str, int] = {}
@@ -102,9 +107,13 @@ class KvgateConnector(KVConnectorBase_V1):
             raise ConnectorRefused("kvgate cannot hold this vLLM's KV tensors: "
                                    + "; ".join(problems))
         running_pages = 2 * (self._max_model_len // self._block_tokens + 1)
-        opened = self._deployment.open_cache(running_pages=running_pages)
+        changes = KeyChanges()
+        opened = self._deployment.open_cache(running_pages=running_pages, tier_events=changes)
         self._worker = WorkerCache(opened, layers=layers,
-                                   namespace_of=self._deployment.namespace_of)
+                                   namespace_of=self._deployment.namespace_of, changes=changes)
+        model_dir = Path(str(self._vllm_config.model_config.model))
+        self._feed = follow_evictions(opened, self._deployment,
+                                      model_dir if model_dir.is_dir() else None)
         logger.info("kvgate: the worker's cache is open (tiers %s, %d blocks recovered)",
                     list(opened.cache.tier_names), opened.num_recovered_blocks)
 
@@ -133,12 +142,17 @@ class KvgateConnector(KVConnectorBase_V1):
         return errors
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._worker is not None:
+            self._worker.report_changes(self._report)
         if self._report.is_empty():
             return None
         report, self._report = self._report, WorkerReport()
         return KvgateWorkerMetadata(report)
 
     def shutdown(self) -> None:
+        if self._feed is not None:
+            self._feed.stop()
+            self._feed = None
         if self._worker is not None:
             self._worker.close()
             self._worker = None

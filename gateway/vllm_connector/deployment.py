@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.cache.base import TierEvents
 from gateway.cache.operations.factory import OpenedCache, open_cache
 from gateway.config.loader import load_serve_config
 from gateway.config.secrets import deployment_secret
@@ -141,6 +142,10 @@ class ConnectorDeployment:
             self._namespaces[scope] = namespace
         return namespace
 
+    def known_namespaces(self) -> list[Namespace]:
+        """Every namespace derived so far."""
+        return list(self._namespaces.values())
+
     def disk_roots(self) -> list[Path]:
         """The directories of the worker's disk tiers."""
         paths = (getattr(tier, "path", None) for tier in self.config.cache.tiers
@@ -154,14 +159,16 @@ class ConnectorDeployment:
                 return tier
         return None
 
-    def open_cache(self, *, running_pages: int) -> OpenedCache:
+    def open_cache(self, *, running_pages: int, tier_events: TierEvents | None = None
+                   ) -> OpenedCache:
         """The worker's cache, its pool with room for ``running_pages`` pages beyond the
-        device tier's budget (the pages a save copies before ``insert`` takes them)."""
+        device tier's budget (the pages a save copies before ``insert`` takes them);
+        ``tier_events`` hears of every copy a tier gains or loses."""
         layout = self.layout.kv_layout
         page_bytes = 2 * layout.num_layers * layout.kv_heads * self.layout.block_size \
             * layout.head_dim * layout.dtype.itemsize
         return open_cache(self.config.cache, layout=layout, deployment_secret=self.secret,
-                          running_bytes=running_pages * page_bytes)
+                          running_bytes=running_pages * page_bytes, tier_events=tier_events)
 
 
 def _fingerprint(model: str) -> str:

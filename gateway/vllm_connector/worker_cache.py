@@ -20,6 +20,7 @@ import torch
 from gateway.cache.operations.factory import OpenedCache
 from gateway.core.fingerprint import Namespace, Scope
 from gateway.core.tokens import as_token_ids
+from gateway.vllm_connector.key_changes import KeyChanges
 from gateway.vllm_connector.orders import LoadOrder, LoadOutcome, SaveOrder, WorkerReport
 from gateway.vllm_connector.pages import load_page, save_page
 from gateway.vllm_connector.scope_tag import parse_scope
@@ -36,10 +37,13 @@ class WorkerCache:
         layers: vLLM's KV tensor of every layer, in layer order (``pages.layer_problems``
             found nothing wrong with them).
         namespace_of: a scope's namespace (``VllmPageLayout.namespace``).
+        changes: the cache's tier events (``open_cache(tier_events=...)``), where blocks
+            arrive and leave without an order (evictions, expiry, the recovered disk).
     """
 
     def __init__(self, opened: OpenedCache, *, layers: Sequence[torch.Tensor],
-                 namespace_of: Callable[[Scope], Namespace]) -> None:
+                 namespace_of: Callable[[Scope], Namespace],
+                 changes: KeyChanges | None = None) -> None:
         if opened.pool is None:
             raise ValueError("the worker's cache needs its page pool (open_cache gives one)")
         self._opened = opened
@@ -48,6 +52,16 @@ class WorkerCache:
         self._layers = tuple(layers)
         self._namespace_of = namespace_of
         self._tier = opened.cache.tier_names[0]
+        self._changes = changes
+
+    def report_changes(self, report: WorkerReport) -> None:
+        """Add what the tiers gained and lost since the last report to ``report``."""
+        if self._changes is None:
+            return
+        stored, gone = self._changes.drain(self._cache.tiers_of)
+        report.stored.update(stored)
+        report.stored.difference_update(gone)
+        report.lost.update(gone)
 
     def load(self, order: LoadOrder, report: WorkerReport) -> LoadOutcome:
         """Fill the order's vLLM blocks from the cache, as far as it verifies; say how far in

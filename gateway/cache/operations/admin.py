@@ -375,12 +375,16 @@ class CacheAdmin:
                 "replicas could not be told: Redis is unreachable; retry the eviction")
         return result
 
-    def apply_event(self, event: EvictionEvent) -> None:
+    def apply_event(self, event: EvictionEvent, *, remote: bool = False) -> None:
         """Apply an eviction another replica published to this replica's local tiers.
 
         The event came from the shared stream, which anyone who can write Redis can write:
         what does not apply here (a tier this replica lacks, a key that is not hex) is
         logged and skipped.
+
+        ``remote``: also remove what it selects from the shared Redis tier, for a replica whose
+        namespaces the publisher cannot know (a vLLM worker's: their device kind is vLLM's
+        page layout, docs/vllm-worker.md); removing is idempotent.
         """
         if event.session is not None:  # a session reset: never a whole tenant's eviction
             self.sessions.apply_event(event)
@@ -388,7 +392,10 @@ class CacheAdmin:
         try:
             if event.tier is not None and event.tier not in (*self._cache.tier_names, REMOTE):
                 raise InvalidRequest("it names a tier this replica does not have")
-            freed = self._evict_local(event, self._selections(event))
+            selections = self._selections(event)
+            if remote and event.tier in (None, REMOTE):
+                self._evict_remote(event, selections)
+            freed = self._evict_local(event, selections)
         except InvalidRequest as exc:  # e.g. a tier this replica does not have
             logger.warning("an eviction from another replica does not apply here: %s", exc)
             return

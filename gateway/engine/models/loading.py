@@ -321,7 +321,7 @@ def load_model(
             return _loaded(model, hf_model, HFTokenizerAdapter(hf_tokenizer),
                            hf_tokenizer.eos_token_id, fingerprint, dtype,
                            TransformersModel.of(hf_model), block_tokens)
-        tokenizer, eos_token_id = _read_tokenizer(load_dir)
+        tokenizer, eos_token_id = read_tokenizer(load_dir)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {model!r} from {load_dir}: {exc}") from exc
     return _loaded(model, modules, tokenizer, eos_token_id, fingerprint, dtype,
@@ -344,7 +344,7 @@ def _read_llama_modules(directory: Path, dtype: torch.dtype,
                         described if isinstance(described, DecoderFeatures) else None)
 
 
-def _read_tokenizer(directory: Path) -> tuple[Tokenizer, int | None]:
+def read_tokenizer(directory: Path) -> tuple[Tokenizer, int | None]:
     """The checkpoint's tokenizer and its EOS id: from its files where
     ``gateway.core.file_tokenizer`` reads them exactly, else through transformers."""
     try:
