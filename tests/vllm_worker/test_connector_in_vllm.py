@@ -10,9 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from gateway.cache.operations.admin import CacheAdmin
+from gateway.cache.operations.invalidation import EventBounds, EvictionFeed
 from gateway.core.fingerprint import Scope
+from gateway.vllm_connector.deployment import ConnectorDeployment, ConnectorSettings
+from gateway.vllm_connector.page_layout import VllmPageLayout
 from gateway.vllm_connector.scope_tag import TAG_PARAM, scope_key, sign
+from gateway.vllm_connector.worker_admin import WorkerPromptKeys
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
 from tests.vllm_worker.harness import SECRET_HEX, Answer, live, vllm_python, write_worker_config
@@ -105,3 +111,51 @@ def test_a_second_vllm_server_loads_what_the_first_stored_in_redis(
     (loaded,) = live(job(model, [{"tokens": PROMPT}], second, default_scope="shared"))
     assert (stored.loaded_tokens, loaded.loaded_tokens) == (0, LOADABLE)
     assert stored.tokens == loaded.tokens == cold
+
+
+def test_an_operators_eviction_published_while_vllm_was_down_makes_it_miss(
+        model: str, cold: list[int], tmp_path: Path, redis_server: RedisServer) -> None:
+    redis_tier = f'\n[[cache.tier]]\nkind = "redis"\nurl = "{redis_server.url}"\n'
+    config = write_worker_config(tmp_path / "worker", block_tokens=BLOCK, extra_tiers=redis_tier)
+    tenant_a = signed(Scope.of_tenant("a"))
+    (stored,) = live(job(model, [{"tokens": PROMPT, "params": tenant_a}], config))
+    evict_tenant_through_another_replica("a", tmp_path / "gateway", redis_tier)
+    # its disk and Redis still hold the blocks; the stream says they are evicted
+    (restarted,) = live(job(model, [{"tokens": PROMPT, "params": tenant_a}], config))
+    assert (stored.loaded_tokens, restarted.loaded_tokens) == (0, 0)
+    assert restarted.failed_blocks == 0  # not promised: a clean miss
+    assert stored.tokens == restarted.tokens == cold
+
+
+def test_a_tenant_over_its_quota_gets_only_what_fits(
+        model: str, cold: list[int], tmp_path: Path) -> None:
+    # a block here is 2 layers x K and V x 2 heads x 32 tokens x 32 x 4 bytes = 32 KiB
+    config = write_worker_config(
+        tmp_path, block_tokens=BLOCK,
+        extra_cache='tenant_quota = { device = "64KiB", disk = "64KiB" }')
+    tenant_a = signed(Scope.of_tenant("a"))
+    answers = live(job(model, [{"tokens": PROMPT, "params": tenant_a}] * 2, config))
+    assert [a.loaded_tokens for a in answers] == [0, 2 * BLOCK]
+    assert all(a.tokens == cold for a in answers)
+
+
+def evict_tenant_through_another_replica(tenant: str, directory: Path, redis_tier: str) -> None:
+    """``kvgate admin evict --tenant`` as another replica runs it: evicted there and in Redis,
+    and published on the stream every replica follows. The replica's namespaces are not the
+    vLLM worker's (its own engine's page layout)."""
+    publisher = ConnectorDeployment.open(
+        ConnectorSettings(config_path=write_worker_config(directory, block_tokens=BLOCK,
+                                                          extra_tiers=redis_tier),
+                          default_scope=None, model_fingerprint="kvgate's own engine"),
+        VllmPageLayout(vllm_version="-", backend="kvgate", isa="-", dtype=torch.float32,
+                       block_size=BLOCK, num_layers=2, kv_heads=2, head_size=32),
+        model="unused", env={"KVGATE_DEPLOYMENT_SECRET": SECRET_HEX})
+    opened = publisher.open_cache(running_pages=4)
+    try:
+        assert opened.events is not None
+        feed = EvictionFeed(opened.events, lambda event: None, origin="gateway",
+                            bounds=EventBounds(max_prefix_chars=1000, max_tenant_chars=128))
+        CacheAdmin(opened.cache, keys=WorkerPromptKeys(publisher, None),
+                   feed=feed).evict(tenant=tenant)
+    finally:
+        opened.close()
