@@ -79,6 +79,28 @@ def live(job: dict[str, Any], *, env: dict[str, str] | None = None,
     Raises:
         AssertionError: the life failed (its output's tail in the message) or timed out.
     """
+    returncode, output = _run(job, env=env, timeout_s=timeout_s)
+    answers = [Answer(**json.loads(line[len(RESULT_PREFIX):]))
+               for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
+    if returncode != 0 or len(answers) != len(job["requests"]):
+        sys.stderr.write(output[-20000:])
+        raise AssertionError(f"vLLM's life failed (exit {returncode}): {output[-3000:]}")
+    return answers
+
+
+def failed_life(job: dict[str, Any], *, timeout_s: float = LIFE_TIMEOUT_S) -> str:
+    """Run a life of vLLM that must fail to start; return its output.
+
+    Raises:
+        AssertionError: it started and answered.
+    """
+    returncode, output = _run(job, env=None, timeout_s=timeout_s)
+    assert returncode != 0 and RESULT_PREFIX not in output, "vLLM started and answered"
+    return output
+
+
+def _run(job: dict[str, Any], *, env: dict[str, str] | None, timeout_s: float
+         ) -> tuple[int, str]:
     python = vllm_python()
     assert python is not None, f"{VLLM_PYTHON_ENV} is not set"
     environment = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1",
@@ -98,10 +120,4 @@ def live(job: dict[str, Any], *, env: dict[str, str] | None = None,
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-    answers = [Answer(**json.loads(line[len(RESULT_PREFIX):]))
-               for line in output.splitlines() if line.startswith(RESULT_PREFIX)]
-    if process.returncode != 0 or len(answers) != len(job["requests"]):
-        sys.stderr.write(output[-20000:])
-        raise AssertionError(f"vLLM's life failed (exit {process.returncode}): "
-                             f"{output[-3000:]}")
-    return answers
+    return process.returncode, output

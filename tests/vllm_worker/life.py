@@ -23,7 +23,8 @@ def engine(job: dict[str, Any]) -> Any:
 
     options: dict[str, Any] = {
         "model": job["model"], "dtype": job.get("dtype", "float32"), "enforce_eager": True,
-        "block_size": job["block_size"], "enable_prefix_caching": False,
+        "block_size": job["block_size"],
+        "enable_prefix_caching": job.get("prefix_caching", False),
         "max_model_len": job.get("max_model_len", 1024),
         "kv_cache_memory_bytes": job.get("kv_cache_bytes", 64 << 20), "seed": 0,
     }

@@ -21,7 +21,14 @@ from gateway.vllm_connector.scope_tag import TAG_PARAM, scope_key, sign
 from gateway.vllm_connector.worker_admin import WorkerPromptKeys
 from tests.redis_harness import RedisServer
 from tests.tiny_llama import save_tiny_llama
-from tests.vllm_worker.harness import SECRET_HEX, Answer, live, vllm_python, write_worker_config
+from tests.vllm_worker.harness import (
+    SECRET_HEX,
+    Answer,
+    failed_life,
+    live,
+    vllm_python,
+    write_worker_config,
+)
 
 pytestmark = [
     pytest.mark.slow,
@@ -51,6 +58,10 @@ def cold(model: str) -> list[int]:
     """The prompt's answer from vLLM without the connector."""
     (answer,) = live(job(model, [{"tokens": PROMPT}]))
     return answer.tokens
+
+
+def as_bytes(value: bytes | str) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
 
 
 def signed(scope: Scope) -> dict[str, str]:
@@ -101,16 +112,34 @@ def test_tenants_get_no_hits_on_each_others_blocks_and_a_forged_tag_gets_the_def
     assert all(a.tokens == cold for a in answers)
 
 
-def test_a_second_vllm_server_loads_what_the_first_stored_in_redis(
+def test_a_second_vllm_server_loads_what_the_first_stored_in_redis_and_refuses_a_flipped_bit(
         model: str, cold: list[int], tmp_path: Path, redis_server: RedisServer) -> None:
     redis_tier = f'\n[[cache.tier]]\nkind = "redis"\nurl = "{redis_server.url}"\n'
-    first = write_worker_config(tmp_path / "first", block_tokens=BLOCK, extra_tiers=redis_tier)
-    second = write_worker_config(tmp_path / "second", block_tokens=BLOCK,
-                                 extra_tiers=redis_tier)
-    (stored,) = live(job(model, [{"tokens": PROMPT}], first, default_scope="shared"))
-    (loaded,) = live(job(model, [{"tokens": PROMPT}], second, default_scope="shared"))
+
+    def server(name: str) -> Path:
+        return write_worker_config(tmp_path / name, block_tokens=BLOCK, extra_tiers=redis_tier)
+
+    (stored,) = live(job(model, [{"tokens": PROMPT}], server("first"), default_scope="shared"))
+    (loaded,) = live(job(model, [{"tokens": PROMPT}], server("second"), default_scope="shared"))
+    client = redis_server.client()
+    values = sorted(as_bytes(key) for key in client.keys("kvgate:*"))
+    values = [key for key in values if not key.endswith(b":events")]
+    assert len(values) == 6
+    victim = values[2]
+    middle = client.strlen(victim) // 2
+    byte = as_bytes(client.getrange(victim, middle, middle))
+    client.setrange(victim, middle, bytes([byte[0] ^ 0x10]))
+    (refused,) = live(job(model, [{"tokens": PROMPT}], server("third"), default_scope="shared"))
     assert (stored.loaded_tokens, loaded.loaded_tokens) == (0, LOADABLE)
-    assert stored.tokens == loaded.tokens == cold
+    assert refused.failed_blocks >= 1 and refused.loaded_tokens < LOADABLE
+    assert stored.tokens == loaded.tokens == refused.tokens == cold
+
+
+def test_vllms_own_prefix_cache_is_refused_behind_the_connector(
+        model: str, tmp_path: Path) -> None:
+    config = write_worker_config(tmp_path, block_tokens=BLOCK)
+    output = failed_life(job(model, [{"tokens": PROMPT}], config, prefix_caching=True))
+    assert "start vLLM with --no-enable-prefix-caching" in output
 
 
 def test_an_operators_eviction_published_while_vllm_was_down_makes_it_miss(
