@@ -1,8 +1,8 @@
 """The scheduler's view of which blocks the worker's kvgate cache can load.
 
 Why a view, not the cache: vLLM asks "how many of this prompt's tokens can you load" in its
-scheduler process, and the cache lives in the worker process (docs/vllm-worker.md, "The
-design"). So the scheduler answers from what it can see without the worker: the keys the
+scheduler process, and the cache lives in the worker process (docs/vllm-worker.md, "How it
+works"). So the scheduler answers from what it can see without the worker: the keys the
 worker reported storing (a step late), and the disk tier's files, whose names are their keys
 (``tiers.disk_layout``) -- so after a restart the first request already finds what the last run
 left on disk. A file is not verified here: a stale or forged one is found out by the worker,

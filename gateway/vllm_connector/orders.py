@@ -2,7 +2,7 @@
 
 Why plain records of their own: vLLM's scheduler and its model runner are separate processes on
 its CPU build, and a connector's two halves speak only through the picklable metadata vLLM
-carries between them each step (docs/vllm-worker.md, "What vLLM gives a connector"). The
+carries between them each step (docs/vllm-worker.md, "How it works"). The
 scheduler decides everything that needs the request -- its scope, which blocks to load, when
 its prompt's blocks are whole -- and the worker only moves bytes; these records are the whole
 conversation, testable (and pickled in tests) without vLLM.

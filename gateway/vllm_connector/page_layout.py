@@ -4,7 +4,7 @@ Why the layout is part of the name: vLLM's CPU backend keeps a layer's KV as one
 ``[blocks, kv_heads, block_size, 2 * head_size]`` whose bytes are packed for the instruction set
 its kernels chose (``vec``: K dimension-major, V token-major; ``amx``: both tile-packed), so a
 stored page means something only to the same vLLM version, backend, instruction set, dtype and
-block size (docs/vllm-worker.md, "The CPU backend's pages"). All of them go into the
+block size (docs/vllm-worker.md, "How it works"). All of them go into the
 namespace's device kind, beside the model's fingerprint and the scope, so two builds never read
 each other's pages. A page cannot be cut into token ranges either: kvgate's block is vLLM's
 page, and its size is checked, not converted.

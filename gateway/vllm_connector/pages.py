@@ -9,7 +9,7 @@ calls a block's K is the packed K half, meaningful only under the page layout's 
 
 Why a copy into the pool on saving: the disk and Redis writers keep the tensors they are handed
 until their thread encodes them, and vLLM reuses its blocks at once -- a block stored must be
-kvgate's own memory (docs/vllm-worker.md, "The design").
+kvgate's own memory (docs/vllm-worker.md, "How it works").
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ kvgate's authentication, never from a request field (``Scope``). So the gateway 
 with an expiry and a tag, a keyed BLAKE2b of both under a key derived from the deployment
 secret for this purpose alone; the connector takes the scope only where the tag verifies and has
 not expired, and otherwise gives the request the deployment's default scope
-(docs/vllm-worker.md, "The design"). The tag binds the scope's kind and tenant and the expiry,
+(docs/vllm-worker.md, "How it works"). The tag binds the scope's kind and tenant and the expiry,
 each length-framed, so no field can be moved into another.
 """
 

@@ -3,7 +3,7 @@ pages.
 
 Why the worker owns the cache: the bytes are in its process (vLLM's KV tensors), and every
 tier -- host memory, disk, Redis -- is reached from there with the block codec, the MAC and the
-quotas kvgate uses everywhere (docs/vllm-worker.md, "The design"). A load is
+quotas kvgate uses everywhere (docs/vllm-worker.md, "How it works"). A load is
 ``PrefixCache.acquire`` and ``load``: a block that is missing or fails verification cuts the
 chain there, and vLLM's blocks from there on are reported for vLLM to recompute. A save copies
 each vLLM page into a page of kvgate's own pool before ``insert``: the disk and Redis writers
