@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+REFUSALS_LOGGED_EVERY = 1000
+"""A refused scope tag is logged the first time for its reason, then every this many."""
+
 
 class KvgateStepMetadata(KVConnectorMetadata):
     """One step's orders, from the scheduler half to the worker half."""
@@ -90,6 +93,9 @@ class KvgateConnector(KVConnectorBase_V1):
         self._report = WorkerReport()
         self._load_errors: set[int] = set()
         self._refusals: dict[str, int] = {}
+        """Scope tags refused, by reason (``scope_tag.ScopeCheck.refusal``)."""
+        self._refused: dict[str, str] = {}
+        """The refusal of each unfinished request whose tag was refused."""
         if role == KVConnectorRole.SCHEDULER:
             redis = self._deployment.redis_tier()
             self._known = KnownKeys(disk_roots=self._deployment.disk_roots(),
@@ -175,10 +181,14 @@ class KvgateConnector(KVConnectorBase_V1):
         scope = check.scope
         if scope is None:
             scope = self._deployment.default_scope
-            if check.refusal != "missing" and check.refusal is not None:
-                self._refusals[check.refusal] = self._refusals.get(check.refusal, 0) + 1
-                logger.warning("kvgate: request %s's scope tag was refused (%s); it gets the "
-                               "default scope", request.request_id, check.refusal)
+            refusal = check.refusal
+            if refusal not in (None, "missing") and request.request_id not in self._refused:
+                self._refused[request.request_id] = refusal
+                count = self._refusals[refusal] = self._refusals.get(refusal, 0) + 1
+                if count == 1 or count % REFUSALS_LOGGED_EVERY == 0:
+                    logger.warning("kvgate: %d request(s) so far had their scope tag refused "
+                                   "(%s) and got the default scope; the latest: %s", count,
+                                   refusal, request.request_id)
         num_tokens = planner.match(request.request_id, request.prompt_token_ids or [], scope,
                                    num_computed_tokens=num_computed_tokens)
         return num_tokens, False
@@ -214,7 +224,11 @@ class KvgateConnector(KVConnectorBase_V1):
                          ) -> tuple[bool, dict[str, Any] | None]:
         # What the connector did for the request -- never the request's own parameters, whose
         # scope tag must not travel back to the client.
-        return False, self._scheduler().finished(request.request_id)
+        done = self._scheduler().finished(request.request_id)
+        refusal = self._refused.pop(request.request_id, None)
+        if refusal is None:
+            return False, done
+        return False, {**(done or {}), "kvgate.scope_refused": refusal}
 
     def _scheduler(self) -> LoadPlanner:
         if self._planner is None:

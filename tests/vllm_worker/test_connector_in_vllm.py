@@ -19,11 +19,13 @@ from gateway.vllm_connector.deployment import ConnectorDeployment, ConnectorSett
 from gateway.vllm_connector.page_layout import VllmPageLayout
 from gateway.vllm_connector.scope_tag import TAG_PARAM, scope_key, sign
 from gateway.vllm_connector.worker_admin import WorkerPromptKeys
-from tests.redis_harness import RedisServer
+from tests.redis_harness import RedisServer, free_port
 from tests.tiny_llama import save_tiny_llama
 from tests.vllm_worker.harness import (
     SECRET_HEX,
     Answer,
+    api_server,
+    complete,
     failed_life,
     live,
     vllm_python,
@@ -109,6 +111,8 @@ def test_tenants_get_no_hits_on_each_others_blocks_and_a_forged_tag_gets_the_def
         {"tokens": PROMPT},
     ], config, default_scope="none"))
     assert [a.loaded_tokens for a in answers] == [0, 0, LOADABLE, 0, 0]
+    assert [(a.connector or {}).get("kvgate.scope_refused") for a in answers] == [
+        None, None, None, "tag", None]  # counted; an unsigned request is not a forgery
     assert all(a.tokens == cold for a in answers)
 
 
@@ -188,3 +192,18 @@ def evict_tenant_through_another_replica(tenant: str, directory: Path, redis_tie
                    feed=feed).evict(tenant=tenant)
     finally:
         opened.close()
+
+
+def test_vllms_openai_server_carries_the_gateways_scope_to_the_connector(
+        model: str, tmp_path: Path) -> None:
+    config = write_worker_config(tmp_path, block_tokens=BLOCK)
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 8, "temperature": 0.0,
+            "kv_transfer_params": signed(Scope.of_tenant("a"))}
+    with api_server(model, config, port=free_port(), block_size=BLOCK) as base:
+        first, second = complete(base, body), complete(base, body)
+        unsigned = complete(base, {**body, "kv_transfer_params": None})
+    loaded = [(answer["kv_transfer_params"] or {}).get("kvgate.loaded_tokens", 0)
+              for answer in (first, second, unsigned)]
+    assert loaded == [0, LOADABLE, 0]  # the unsigned request gets the default scope: none
+    assert first["choices"][0]["text"] == second["choices"][0]["text"]
+    assert TAG_PARAM not in first["kv_transfer_params"]  # the tag never goes back
