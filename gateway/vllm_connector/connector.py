@@ -94,6 +94,8 @@ class KvgateConnector(KVConnectorBase_V1):
         self._load_errors: set[int] = set()
         self._refusals: dict[str, int] = {}
         """Scope tags refused, by reason (``scope_tag.ScopeCheck.refusal``)."""
+        self._live: dict[str, Any] = {}
+        """vLLM's request objects of the requests the connector caches, until they finish."""
         self._refused: dict[str, str] = {}
         """The refusal of each unfinished request whose tag was refused."""
         if role == KVConnectorRole.SCHEDULER:
@@ -191,6 +193,8 @@ class KvgateConnector(KVConnectorBase_V1):
                                    refusal, request.request_id)
         num_tokens = planner.match(request.request_id, request.prompt_token_ids or [], scope,
                                    num_computed_tokens=num_computed_tokens)
+        if scope is not None:
+            self._live[request.request_id] = request  # its answer's tokens, as they come
         return num_tokens, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int
@@ -213,7 +217,12 @@ class KvgateConnector(KVConnectorBase_V1):
                 resumed=request_id in cached.resumed_req_ids,
                 num_computed_tokens=cached.num_computed_tokens[index],
                 num_scheduled_tokens=scheduled.get(request_id, 0)))
-        return KvgateStepMetadata(self._scheduler().step(new, running))
+        return KvgateStepMetadata(self._scheduler().step(new, running,
+                                                         tokens_of=self._tokens_of))
+
+    def _tokens_of(self, request_id: str) -> list[int]:
+        request = self._live.get(request_id)
+        return [] if request is None else list(request.all_token_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
@@ -225,6 +234,7 @@ class KvgateConnector(KVConnectorBase_V1):
         # What the connector did for the request -- never the request's own parameters, whose
         # scope tag must not travel back to the client.
         done = self._scheduler().finished(request.request_id)
+        self._live.pop(request.request_id, None)
         refusal = self._refused.pop(request.request_id, None)
         if refusal is None:
             return False, done

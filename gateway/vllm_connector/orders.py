@@ -37,12 +37,12 @@ class LoadOrder:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SaveOrder:
-    """Store the prompt's whole blocks, computed by this step, from vLLM's ``block_ids``.
+    """Store the request's whole blocks computed so far, from vLLM's ``block_ids``.
 
     Attributes:
         request_id: vLLM's request id.
         scope: the scope's text.
-        tokens: the prompt's whole blocks (from its first token).
+        tokens: the request's whole blocks, prompt then answer (from its first token).
         block_ids: vLLM's block of each of them, in order.
     """
 

@@ -12,9 +12,11 @@ The rules:
   logits), so a hit is capped at the whole blocks before it: ``(len(prompt) - 1) // block``.
 - **Loads are whole blocks** of the prompt in the request's scope's namespace, as far as the
   worker's cache is believed to hold them (``known_keys``), past vLLM's own hit.
-- **A prompt is saved once**, by the step that computes its last token (a chunked prefill is
-  saved when its last chunk has run), and only its whole blocks: the worker skips those the
-  cache holds already (the loaded ones among them).
+- **A block is saved once, by the step that computes it**: a prompt's whole blocks as its
+  prefill (or each chunk of it) runs, then each block the answer fills, so a conversation's
+  next turn finds the previous answer too. Only blocks whose every token id the scheduler
+  knows (``tokens_of``) are named; the worker skips those the cache holds already (the loaded
+  ones among them).
 - A request whose scope is None (the default scope ``none``, no valid tag) is neither loaded
   nor saved.
 """
@@ -80,7 +82,8 @@ class _Request:
     num_own_blocks: int = 0
     """Blocks vLLM's own prefix cache had (``num_computed_tokens`` at ``match``)."""
     is_load_pending: bool = False
-    is_saved: bool = False
+    num_saved_blocks: int = 0
+    """Blocks already ordered saved (from the first)."""
     num_ordered_blocks: int = 0
     """Blocks the worker was told to load (the worker's report on them can come after the
     request finished: vLLM reads a step's connector output after it frees the finished)."""
@@ -139,9 +142,10 @@ class LoadPlanner:
                                      num_external_tokens // self._block_tokens)
         request.is_load_pending = request.num_hit_blocks > 0
 
-    def step(self, new: Sequence[ScheduledNew], running: Sequence[ScheduledRunning]
-             ) -> StepOrders:
-        """The worker's orders for one step."""
+    def step(self, new: Sequence[ScheduledNew], running: Sequence[ScheduledRunning], *,
+             tokens_of: Callable[[str], Sequence[int]] | None = None) -> StepOrders:
+        """The worker's orders for one step; ``tokens_of`` gives a request's token ids so far
+        (prompt and answer: vLLM's ``Request.all_token_ids``; None: the prompt's alone)."""
         loads: list[LoadOrder] = []
         saves: list[SaveOrder] = []
         for item in new:
@@ -150,7 +154,7 @@ class LoadPlanner:
                 continue
             request.block_ids = list(item.block_ids)
             self._order(item.request_id, request, item.num_computed_tokens,
-                        item.num_scheduled_tokens, loads, saves)
+                        item.num_scheduled_tokens, loads, saves, tokens_of)
         for running_item in running:
             request = self._requests.get(running_item.request_id)
             if request is None:
@@ -160,7 +164,7 @@ class LoadPlanner:
             else:
                 request.block_ids.extend(running_item.new_block_ids)
             self._order(running_item.request_id, request, running_item.num_computed_tokens,
-                        running_item.num_scheduled_tokens, loads, saves)
+                        running_item.num_scheduled_tokens, loads, saves, tokens_of)
         return StepOrders(loads=tuple(loads), saves=tuple(saves))
 
     def absorb(self, report: WorkerReport) -> None:
@@ -185,7 +189,8 @@ class LoadPlanner:
                 "kvgate.failed_blocks": request.num_failed_blocks}
 
     def _order(self, request_id: str, request: _Request, num_computed: int,
-               num_scheduled: int, loads: list[LoadOrder], saves: list[SaveOrder]) -> None:
+               num_scheduled: int, loads: list[LoadOrder], saves: list[SaveOrder],
+               tokens_of: Callable[[str], Sequence[int]] | None) -> None:
         bt = self._block_tokens
         scope = scope_text(request.scope)
         if request.is_load_pending:
@@ -196,14 +201,18 @@ class LoadPlanner:
                 loads.append(LoadOrder(request_id=request_id, scope=scope,
                                        tokens=request.tokens[:end * bt], first_block=first,
                                        block_ids=tuple(request.block_ids[first:end])))
-        num_whole = len(request.tokens) // bt
-        if (not request.is_saved and num_whole > 0
-                and num_computed + num_scheduled >= len(request.tokens)
-                and len(request.block_ids) >= num_whole):
-            request.is_saved = True
-            saves.append(SaveOrder(request_id=request_id, scope=scope,
-                                   tokens=request.tokens[:num_whole * bt],
-                                   block_ids=tuple(request.block_ids[:num_whole])))
+        # Blocks whose every token's K/V exists once this step has run.
+        num_whole = min((num_computed + num_scheduled) // bt, len(request.block_ids))
+        if num_whole <= request.num_saved_blocks:
+            return
+        tokens = request.tokens if tokens_of is None else tokens_of(request_id)
+        num_whole = min(num_whole, len(tokens) // bt)
+        if num_whole <= request.num_saved_blocks:
+            return
+        request.num_saved_blocks = num_whole
+        saves.append(SaveOrder(request_id=request_id, scope=scope,
+                               tokens=tuple(tokens[:num_whole * bt]),
+                               block_ids=tuple(request.block_ids[:num_whole])))
 
     def _fingerprinter(self, scope: Scope) -> BlockFingerprinter:
         fingerprinter = self._fingerprinters.get(scope)

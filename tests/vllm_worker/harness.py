@@ -60,6 +60,7 @@ class Answer:
     """One request's result in a life."""
 
     tokens: list[int]
+    prompt: list[int]
     connector: dict[str, Any] | None
     cached: int
     seconds: float

@@ -44,16 +44,23 @@ def main() -> None:
 
     job = json.load(sys.stdin)
     llm = engine(job)
+    previous: list[int] = []
     for request in job["requests"]:
         params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8),
+                                ignore_eos=job.get("ignore_eos", False),
                                 extra_args=({"kv_transfer_params": request["params"]}
                                             if request.get("params") else None))
+        # "after_previous": the next turn of a conversation -- the previous prompt, its
+        # answer, then these tokens
+        tokens = (previous + request["after_previous"] if "after_previous" in request
+                  else request["tokens"])
         started = time.perf_counter()
-        (output,) = llm.generate([{"prompt_token_ids": request["tokens"]}], params,
-                                 use_tqdm=False)
+        (output,) = llm.generate([{"prompt_token_ids": tokens}], params, use_tqdm=False)
+        previous = tokens + list(output.outputs[0].token_ids)
         seconds = time.perf_counter() - started
         print(RESULT_PREFIX + json.dumps({
             "tokens": list(output.outputs[0].token_ids),
+            "prompt": tokens,
             "connector": output.kv_transfer_params,
             "cached": output.num_cached_tokens,
             "seconds": seconds,

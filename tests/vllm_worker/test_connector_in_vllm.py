@@ -207,3 +207,15 @@ def test_vllms_openai_server_carries_the_gateways_scope_to_the_connector(
     assert loaded == [0, LOADABLE, 0]  # the unsigned request gets the default scope: none
     assert first["choices"][0]["text"] == second["choices"][0]["text"]
     assert TAG_PARAM not in first["kv_transfer_params"]  # the tag never goes back
+
+
+def test_a_conversations_next_turn_loads_the_previous_answer_too(
+        model: str, tmp_path: Path) -> None:
+    config = write_worker_config(tmp_path, block_tokens=BLOCK)
+    first, second = live(job(model, [{"tokens": PROMPT}, {"after_previous": [7] * 10}], config,
+                             default_scope="shared", max_tokens=60, ignore_eos=True))
+    # 200 prompt tokens and 59 answered ones have K/V (the last answered token never ran):
+    # eight whole blocks, against six of the prompt alone
+    assert second.loaded_tokens == 8 * BLOCK
+    (alone,) = live(job(model, [{"tokens": second.prompt}], max_tokens=60, ignore_eos=True))
+    assert second.tokens == alone.tokens  # the answer vLLM gives that prompt without kvgate

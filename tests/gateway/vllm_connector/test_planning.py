@@ -116,12 +116,12 @@ def test_a_load_vllm_did_not_take_is_not_ordered() -> None:
     assert plans.step([new("r", 7, scheduled=200)], []).loads == ()
 
 
-def test_a_prompt_is_saved_by_the_step_that_computes_its_last_token() -> None:
+def test_blocks_are_saved_by_the_steps_that_compute_them() -> None:
     tokens = prompt(200)
     plans = planner()
     plans.match("r", tokens, TENANT_A, num_computed_tokens=0)
-    first = plans.step([new("r", 4, scheduled=128)], [])  # a chunked prefill: not done yet
-    assert first.saves == ()
+    (first,) = plans.step([new("r", 4, scheduled=128)], []).saves  # a chunked prefill
+    assert first.block_ids == (10, 11, 12, 13) and first.tokens == tuple(tokens[:128])
     last = plans.step([], [ScheduledRunning(request_id="r", new_block_ids=(14, 15, 16),
                                             resumed=False, num_computed_tokens=128,
                                             num_scheduled_tokens=72)])
@@ -130,14 +130,37 @@ def test_a_prompt_is_saved_by_the_step_that_computes_its_last_token() -> None:
     assert save.tokens == tuple(tokens[:6 * BLOCK])
 
 
-def test_a_prompt_is_saved_once() -> None:
+def test_a_block_is_saved_once() -> None:
     tokens = prompt(64)
     plans = planner()
     plans.match("r", tokens, TENANT_A, num_computed_tokens=0)
     assert len(plans.step([new("r", 3, scheduled=64)], []).saves) == 1
     decode = ScheduledRunning(request_id="r", new_block_ids=(), resumed=False,
                               num_computed_tokens=64, num_scheduled_tokens=1)
-    assert plans.step([], [decode]).saves == ()
+    assert plans.step([], [decode], tokens_of=lambda _: [*tokens, 7]).saves == ()
+
+
+def test_an_answers_blocks_are_saved_as_they_fill() -> None:
+    tokens = prompt(64)
+    answer = list(range(300, 332))
+    plans = planner()
+    plans.match("r", tokens, TENANT_A, num_computed_tokens=0)
+    plans.step([new("r", 3, scheduled=64)], [])
+    decode = ScheduledRunning(request_id="r", new_block_ids=(), resumed=False,
+                              num_computed_tokens=95, num_scheduled_tokens=1)
+    (save,) = plans.step([], [decode], tokens_of=lambda _: [*tokens, *answer]).saves
+    assert save.tokens == (*tokens, *answer) and save.block_ids == (10, 11, 12)
+
+
+def test_blocks_whose_token_ids_are_not_known_yet_are_not_saved() -> None:
+    tokens = prompt(64)
+    plans = planner()
+    plans.match("r", tokens, TENANT_A, num_computed_tokens=0)
+    plans.step([new("r", 3, scheduled=64)], [])
+    decode = ScheduledRunning(request_id="r", new_block_ids=(), resumed=False,
+                              num_computed_tokens=95, num_scheduled_tokens=1)
+    known = [*tokens, *range(300, 330)]  # two of the block's tokens not yet known
+    assert plans.step([], [decode], tokens_of=lambda _: known).saves == ()
 
 
 def test_a_resumed_request_takes_its_new_blocks() -> None:
