@@ -165,8 +165,7 @@ class ConnectorDeployment:
         device tier's budget (the pages a save copies before ``insert`` takes them);
         ``tier_events`` hears of every copy a tier gains or loses."""
         layout = self.layout.kv_layout
-        page_bytes = 2 * layout.num_layers * layout.kv_heads * self.layout.block_size \
-            * layout.head_dim * layout.dtype.itemsize
+        page_bytes = layout.block_nbytes(self.layout.block_size)
         return open_cache(self.config.cache, layout=layout, deployment_secret=self.secret,
                           running_bytes=running_pages * page_bytes, tier_events=tier_events)
 
