@@ -127,10 +127,12 @@ def test_the_background_sweeper_removes_expired_blocks_with_no_request_meeting_t
                                     disk_fsync=False, sweep_interval_s=0.1),
                         layout=LAYOUT, deployment_secret=SECRET)
     try:
-        store(opened.cache, ttl_s=0.3)
+        # A TTL long enough for the disk write to land first on a slow, loaded machine (at
+        # 0.3 s the sweeper once deleted the files before they were looked for).
+        store(opened.cache, ttl_s=2.0)
         assert opened.hierarchy.flush(timeout_s=10.0)
         assert list((tmp_path / "kv").rglob("*.kvb"))  # written through to disk
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 10.0
         # The index lets go first; the sweeper deletes the files after the cache's lock.
         while opened.cache.stats().num_blocks or list((tmp_path / "kv").rglob("*.kvb")):
             assert time.monotonic() < deadline, ("the sweeper never removed the expired "
